@@ -1,0 +1,216 @@
+"""Every metric key, tag key and param name mlflow_llmeff logs, as constants.
+
+This module is the single source of truth for the metric standard in ``../shared/METRICS.md``;
+``docs/metrics.md`` is generated from it by ``python -m mlflow_llmeff.names`` (a test keeps the
+two in sync). Keys obey MLflow's rule (letters, digits, ``_ . - /`` and spaces) and carry units.
+
+Each constant is declared with :func:`_metric` or :func:`_tag` so that the docs generator can list
+its unit and meaning; the constant itself is the plain string key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["KeyDoc", "METRICS", "TAGS", "target_key", "render_docs"]
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """Documentation of one key: the key, its unit (or ``-``) and what it means."""
+
+    key: str
+    unit: str
+    meaning: str
+    group: str
+
+
+METRICS: list[KeyDoc] = []
+TAGS: list[KeyDoc] = []
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_\-./ ]+$")
+
+
+def _metric(key: str, unit: str, meaning: str, group: str) -> str:
+    if not _KEY_RE.match(key):  # pragma: no cover - guards edits to this file
+        raise ValueError(f"metric key {key!r} has characters MLflow rejects")
+    METRICS.append(KeyDoc(key, unit, meaning, group))
+    return key
+
+
+def _tag(key: str, meaning: str, group: str = "conditions") -> str:
+    key = "llmeff." + key
+    TAGS.append(KeyDoc(key, "-", meaning, group))
+    return key
+
+
+# --------------------------------------------------------------------------- interval metrics
+I = "interval (every log_every_n_steps, MLflow step = optimizer step)"
+TRAIN_LOSS = _metric("train/loss", "nats/token", "mean training loss over the interval's optimizer steps", I)
+TRAIN_LR = _metric("train/learning_rate", "-", "learning rate at the logged step", I)
+TRAIN_TOKENS = _metric("train/tokens", "tokens", "cumulative non-padding input tokens (attention_mask.sum()), all micro-batches, all data-parallel ranks", I)
+TRAIN_PADDED_TOKENS = _metric("train/padded_tokens", "tokens", "cumulative input positions including padding", I)
+TRAIN_LOSS_TOKENS = _metric("train/loss_tokens", "tokens", "cumulative loss-bearing (label != -100, after the causal shift) tokens", I)
+TRAIN_STEP_TIME_S = _metric("train/step_time_s", "s", "mean optimizer-step wall time over the interval's post-warm-up steps", I)
+TPUT_TOKENS = _metric("throughput/tokens_per_sec", "tokens/s", "global non-padding tokens per second over the interval (warm-up excluded)", I)
+TPUT_SAMPLES = _metric("throughput/samples_per_sec", "samples/s", "global sequences per second over the interval (warm-up excluded)", I)
+TPUT_DEVICE_TOKENS = _metric("throughput/device/tokens_per_sec", "tokens/s", "global tokens/s divided by the number of devices", I)
+TPUT_DEVICE_TFLOPS = _metric("throughput/device/model_tflops_per_sec", "TFLOP/s", "achieved model TFLOP/s per device (model FLOPs, megatron convention)", I)
+TPUT_DEVICE_MFU = _metric("throughput/device/mfu", "fraction", "model FLOPs utilization against the dense datasheet peak", I)
+TPUT_DEVICE_HFU = _metric("throughput/device/hfu", "fraction", "hardware FLOPs utilization (recomputation included) against the dense peak", I)
+MEM_MAX_ALLOC = _metric("memory/device/max_allocated_gib", "GiB", "peak allocated memory, max over devices (CPU: peak RSS, see llmeff.memory.source)", I)
+MEM_MAX_RESERVED = _metric("memory/device/max_reserved_gib", "GiB", "peak reserved memory, max over devices (CPU: peak RSS, see llmeff.memory.source)", I)
+ENERGY_TOTAL_KWH = _metric("energy/total_kwh", "kWh", "cumulative measured energy, all measured devices (and CPU/RAM where measured)", I)
+ENERGY_DEVICE_AVG_POWER_W = _metric("energy/device/avg_power_w", "W", "average power per device over the interval", I)
+ENERGY_J_PER_TOKEN = _metric("energy/j_per_token", "J/token", "measured energy per non-padding token over the interval", I)
+CARBON_TOTAL_KG = _metric("carbon/total_kg_co2e", "kg CO2e", "cumulative emissions (codecarbon)", I)
+COST_TOTAL_USD = _metric("cost/total_usd", "USD", "device_hour_usd * devices * wall hours (+ kWh * usd_per_kwh)", I)
+EVAL_VAL_LOSS = _metric("eval/val_loss", "nats/token", "mean loss on the held-out split", I)
+EVAL_VAL_PPL = _metric("eval/val_perplexity", "-", "exp(eval/val_loss)", I)
+EVAL_MMLU_ACC = _metric("eval/mmlu/acc", "fraction", "MMLU accuracy (lm-eval-harness definition)", I)
+EVAL_HELLASWAG_ACC = _metric("eval/hellaswag/acc", "fraction", "HellaSwag accuracy by summed log-likelihood", I)
+EVAL_HELLASWAG_ACC_NORM = _metric("eval/hellaswag/acc_norm", "fraction", "HellaSwag accuracy by log-likelihood per byte of the ending", I)
+
+# --------------------------------------------------------------------------- run summary
+S = "summary (logged once at the end, steady state = after warm-up)"
+SUM_TOKENS_PER_SEC = _metric("summary/tokens_per_sec", "tokens/s", "steady-state global non-padding tokens/s", S)
+SUM_DEVICE_TOKENS_PER_SEC = _metric("summary/device_tokens_per_sec", "tokens/s", "steady-state tokens/s per device", S)
+SUM_DEVICE_TFLOPS = _metric("summary/device_tflops_per_sec", "TFLOP/s", "steady-state achieved model TFLOP/s per device", S)
+SUM_MFU = _metric("summary/mfu", "fraction", "steady-state MFU (megatron FLOPs / dense peak)", S)
+SUM_MFU_PALM = _metric("summary/mfu_palm", "fraction", "steady-state MFU with PaLM-convention FLOPs (no causal discount)", S)
+SUM_HFU = _metric("summary/hfu", "fraction", "steady-state HFU (measured hardware FLOPs / dense peak)", S)
+SUM_MFU_MEASURED_PEAK = _metric("summary/mfu_measured_peak", "fraction", "MFU against the measured achievable matmul peak (MAMF)", S)
+SUM_STEP_TIME_S = _metric("summary/step_time_s", "s", "steady-state mean optimizer-step wall time", S)
+SUM_BYTES_PER_PARAM = _metric("summary/bytes_per_param", "bytes", "peak allocated memory per device / parameters per device", S)
+SUM_MODEL_STATE_BYTES_PER_PARAM = _metric("summary/model_state_bytes_per_param", "bytes", "(weights + gradients + optimizer state) bytes per device / parameters per device", S)
+SUM_J_PER_TOKEN = _metric("summary/j_per_token", "J/token", "measured energy / non-padding tokens", S)
+SUM_TFLOPS_PER_W = _metric("summary/tflops_per_w", "TFLOP/s/W", "achieved model TFLOP/s per device / average measured power per device", S)
+SUM_KWH_PER_BTOK = _metric("summary/kwh_per_billion_tokens", "kWh", "measured energy per 1e9 non-padding tokens", S)
+SUM_KG_CO2E_PER_BTOK = _metric("summary/kg_co2e_per_billion_tokens", "kg CO2e", "emissions per 1e9 non-padding tokens", S)
+SUM_USD_PER_BTOK = _metric("summary/usd_per_billion_tokens", "USD", "cost per 1e9 non-padding tokens", S)
+SUM_GOODPUT = _metric("summary/goodput", "fraction", "productive training time / wall time", S)
+BADPUT_CATEGORIES = ("init", "compile", "data_wait", "eval", "checkpoint_save", "checkpoint_load", "lost_progress", "other")
+SUM_BADPUT = {c: _metric(f"summary/badput_{c}_s", "s", f"wall time spent on {c.replace('_', ' ')}", S) for c in BADPUT_CATEGORIES}
+SUM_WALL_S = _metric("summary/wall_s", "s", "wall time of the training run (all attempts, init to end)", S)
+SUM_TOKENS = _metric("summary/tokens", "tokens", "total non-padding tokens trained on", S)
+SUM_STEPS = _metric("summary/steps", "steps", "optimizer steps completed", S)
+
+# --------------------------------------------------------------------------- time to quality
+TTQ_SUFFIXES = {
+    "wall_s": "wall seconds from training start, eval included (MLPerf timing)",
+    "train_s": "training seconds, eval and checkpoint time excluded",
+    "tokens": "non-padding tokens trained on",
+    "device_hours": "devices x wall hours",
+    "kwh": "measured energy",
+    "usd": "cost",
+    "kg_co2e": "emissions",
+}
+
+
+def target_key(metric: str, op: str, value: str) -> str:
+    """Return the key stem of a time-to-quality target, e.g. ``hellaswag_acc_norm_ge_0.30``.
+
+    Args:
+        metric: eval key without the ``eval/`` prefix, e.g. ``hellaswag/acc_norm``.
+        op: ``">="`` or ``"<="``.
+        value: the threshold exactly as the user wrote it (kept verbatim so ``0.30`` stays ``0.30``).
+
+    Raises:
+        ValueError: for an operator other than ``>=`` / ``<=``.
+    """
+    ops = {">=": "ge", "<=": "le"}
+    if op not in ops:
+        raise ValueError(f"target operator {op!r} is not accepted; use '>=' or '<='")
+    return f"{metric.replace('/', '_')}_{ops[op]}_{value}"
+
+
+# --------------------------------------------------------------------------- tags
+ACCEL_NAME = _tag("accelerator.name", "device name as the driver reports it, e.g. 'NVIDIA H200'; the CPU model on CPU")
+ACCEL_SHORT = _tag("accelerator.short", "short name, e.g. 'H200', 'cpu'")
+ACCEL_COUNT = _tag("accelerator.count", "devices taking part (world size); on CPU a device is a process")
+ACCEL_MEMORY_GIB = _tag("accelerator.memory_gib", "memory per device in GiB (unknown on CPU: 'unknown')")
+ACCEL_GENERATION = _tag("accelerator.generation", "Ampere, Hopper, Blackwell, CDNA3, cpu, ...")
+NODES = _tag("nodes", "machines taking part")
+DRIVER_VERSION = _tag("driver.version", "accelerator driver version ('none' on CPU)")
+CUDA_VERSION = _tag("cuda.version", "CUDA runtime torch was built with ('none' on CPU)")
+PAR_STRATEGY = _tag("parallelism.strategy", "single, ddp, fsdp, deepspeed_zero1/2/3, megatron")
+PAR_DP = _tag("parallelism.dp", "data-parallel degree")
+PAR_TP = _tag("parallelism.tp", "tensor-parallel degree")
+PAR_PP = _tag("parallelism.pp", "pipeline-parallel degree")
+PAR_CP = _tag("parallelism.cp", "context-parallel degree")
+PRECISION = _tag("precision", "fp32, bf16, fp16, fp8")
+MODEL_NAME = _tag("model.name", "preset name, hub id or local path")
+MODEL_PARAMS = _tag("model.params", "total parameters")
+MODEL_NON_EMB_PARAMS = _tag("model.non_embedding_params", "parameters minus the input embedding (and learned positions)")
+MODEL_LAYERS = _tag("model.layers", "decoder layers")
+MODEL_HIDDEN = _tag("model.hidden", "hidden size")
+SEQ_LEN = _tag("seq_len", "tokens per sequence")
+MICRO_BATCH_SIZE = _tag("micro_batch_size", "sequences per micro-batch per device")
+GRAD_ACCUM = _tag("grad_accum", "micro-batches per optimizer step")
+GLOBAL_BATCH_TOKENS = _tag("global_batch_tokens", "seq_len x micro_batch_size x grad_accum x data-parallel degree")
+ACT_CKPT = _tag("activation_checkpointing", "true / false")
+COMPILE = _tag("compile", "torch.compile used: true / false")
+FLOPS_FORMULA = _tag("flops.formula", "FLOPs-per-token convention and its source")
+PEAK_TFLOPS = _tag("peak.tflops", "dense peak TFLOP/s per device for the compute dtype")
+PEAK_SOURCE = _tag("peak.source", "datasheet of the peak, 'user' or 'unknown' with the reason")
+PEAK_MEASURED_TFLOPS = _tag("peak.measured_tflops", "measured achievable matmul TFLOP/s (MAMF) on this device")
+MFU_WARNING = _tag("mfu.warning", "set when MFU came out above 1 (an error in the inputs)")
+ENERGY_SOURCE = _tag("energy.source", "nvml_counter, nvml_power, rapl, codecarbon_estimate, none")
+ENERGY_WHY = _tag("energy.why", "why energy is absent or only estimated")
+CARBON_INTENSITY = _tag("carbon.intensity_g_per_kwh", "grid carbon intensity codecarbon used")
+CARBON_SOURCE = _tag("carbon.source", "where the carbon figure comes from, or why it is absent")
+COST_DEVICE_HOUR_USD = _tag("cost.device_hour_usd", "price per device-hour assumed")
+COST_SOURCE = _tag("cost.source", "where the price comes from (user, or the dated default table)")
+WARMUP_STEPS = _tag("warmup_steps", "optimizer steps excluded from steady-state figures")
+WARMUP_NOTE = _tag("warmup.excluded", "what the warm-up exclusion covers (compile, allocator, first steps)")
+MEMORY_SOURCE = _tag("memory.source", "torch.cuda allocator statistics, or process RSS on CPU")
+DATASET = _tag("dataset", "dataset path, hub id or 'synthetic'")
+DATASET_KIND = _tag("dataset.kind", "text_file, text_dir, jsonl, hub, synthetic (random tokens, not text)")
+TOKENIZER = _tag("tokenizer", "tokenizer used")
+V_TORCH = _tag("version.torch", "torch version")
+V_TRANSFORMERS = _tag("version.transformers", "transformers version")
+V_ACCELERATE = _tag("version.accelerate", "accelerate version")
+V_MLFLOW = _tag("version.mlflow", "mlflow version")
+V_LLMEFF = _tag("version.mlflow_llmeff", "mlflow_llmeff version")
+V_PYTHON = _tag("version.python", "Python version")
+GIT_COMMIT = _tag("git.commit", "git commit of the training code, where known")
+RESUMED_FROM = _tag("resume.from_step", "optimizer step the last attempt resumed from")
+RESUME_ATTEMPTS = _tag("resume.attempts", "number of attempts (1 = never resumed)")
+RESUME_CHANGED = _tag("resume.changed_params", "params passed with new values on resume (not re-logged)")
+TTQ_TAG_PREFIX = "llmeff.ttq."
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND_VALUE = "custom_model_development"
+
+
+def render_docs() -> str:
+    """Return ``docs/metrics.md`` as Markdown generated from the constants above."""
+    out = [
+        "# Metric and tag keys",
+        "",
+        "Generated from `mlflow_llmeff/names.py` by `python -m mlflow_llmeff.names > docs/metrics.md`;",
+        "do not edit by hand. Formulas and their sources are in `docs/formulas.md`; the standard is",
+        "`../shared/METRICS.md`.",
+        "",
+    ]
+    groups: dict[str, list[KeyDoc]] = {}
+    for d in METRICS:
+        groups.setdefault(d.group, []).append(d)
+    for group, docs in groups.items():
+        out += [f"## Metrics: {group}", "", "| key | unit | meaning |", "| --- | --- | --- |"]
+        out += [f"| `{d.key}` | {d.unit} | {d.meaning} |" for d in docs]
+        out.append("")
+    out += ["## Time-to-quality metrics", "",
+            "For each target `metric>=value` / `metric<=value` the stem is `<metric with / as _>_<ge|le>_<value>`,",
+            "e.g. `hellaswag_acc_norm_ge_0.30`; a target never reached is the tag `llmeff.ttq.<stem>=not_reached`.", "",
+            "| key | meaning |", "| --- | --- |"]
+    out += [f"| `ttq/<stem>_{s}` | {m} |" for s, m in TTQ_SUFFIXES.items()]
+    out += ["", "## Tags (strings)", "", "| key | meaning |", "| --- | --- |"]
+    out += [f"| `{d.key}` | {d.meaning} |" for d in TAGS]
+    out += ["", f"Experiments the plugin creates get `{EXPERIMENT_KIND_TAG}={EXPERIMENT_KIND_VALUE}`.", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(render_docs(), end="")
