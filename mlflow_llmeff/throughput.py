@@ -1,0 +1,190 @@
+"""Windowed tokens/s and step timing: a pure calculator (no I/O, no torch, clock injected).
+
+Counting rules (``../shared/METRICS.md``): a step is one optimizer step; tokens are non-padding
+input tokens summed over micro-batches and data-parallel ranks; the first ``warmup_steps`` steps of
+every attempt (a fresh process, also after a resume) are excluded from steady-state figures;
+throughput over an interval is tokens in the interval divided by its wall time. The caller reduces
+counts over ranks and synchronizes the device before each :meth:`ThroughputMeter.add`, so every
+window edge is a synchronized instant.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Counts:
+    """Global (all data-parallel ranks) counts over a run of optimizer steps.
+
+    Attributes:
+        steps: optimizer steps.
+        tokens: non-padding input tokens (``attention_mask.sum()``).
+        padded_tokens: input positions including padding (``input_ids.numel()``).
+        loss_tokens: tokens that carry a loss (``labels[:, 1:] != -100``).
+        samples: sequences.
+        sum_len_sq: sum over sequences of (non-padding length)^2, for the effective sequence length
+            ``sum(l^2) / sum(l)`` that the FLOPs formula uses.
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    loss_tokens: int = 0
+    samples: int = 0
+    sum_len_sq: int = 0
+
+    def __iadd__(self, other: "Counts") -> "Counts":
+        for k in asdict(self):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        return self
+
+    @property
+    def effective_seq_len(self) -> float:
+        """``sum(l_i^2) / sum(l_i)``; 0.0 when no tokens were seen."""
+        return self.sum_len_sq / self.tokens if self.tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Throughput over a stretch of steady-state steps.
+
+    Attributes:
+        counts: the global counts of the stretch.
+        elapsed_s: its wall time in seconds.
+        num_devices: devices taking part.
+    """
+
+    counts: Counts
+    elapsed_s: float
+    num_devices: int
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.counts.tokens / self.elapsed_s
+
+    @property
+    def samples_per_sec(self) -> float:
+        return self.counts.samples / self.elapsed_s
+
+    @property
+    def device_tokens_per_sec(self) -> float:
+        return self.tokens_per_sec / self.num_devices
+
+    @property
+    def step_time_s(self) -> float:
+        return self.elapsed_s / self.counts.steps
+
+    def device_tflops_per_sec(self, flops_per_token: Callable[[float], float]) -> float:
+        """Achieved model TFLOP/s per device, given FLOPs/token as a function of effective seq len."""
+        return self.tokens_per_sec * flops_per_token(self.counts.effective_seq_len) / self.num_devices / 1e12
+
+
+@dataclass
+class ThroughputMeter:
+    """Cumulative counters and steady-state windows over optimizer steps.
+
+    Usage: call :meth:`begin` when the first step starts, then :meth:`add` with the global counts of
+    the steps since the previous call (at least at the end of warm-up and at every logged step),
+    and :meth:`interval` to take the steady-state rates since the last interval.
+
+    Args:
+        num_devices: devices taking part (>= 1).
+        warmup_steps: steps of each attempt excluded from steady-state figures (>= 0).
+        start_step: optimizer steps already done before this attempt (resume), 0 for a new run.
+        clock: monotonic seconds; injected so tests use a fake clock.
+    """
+
+    num_devices: int
+    warmup_steps: int
+    start_step: int = 0
+    clock: Callable[[], float] = time.perf_counter
+    total: Counts = field(default_factory=Counts)
+    steady: Counts = field(default_factory=Counts)
+    steady_s: float = 0.0
+    warmup_s: float = 0.0
+    _window: Counts = field(default_factory=Counts)
+    _window_s: float = 0.0
+    _t_last: float | None = None
+    _step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise ValueError(f"num_devices={self.num_devices} must be >= 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        self._step = self.start_step
+
+    @property
+    def step(self) -> int:
+        """Last optimizer step accounted for."""
+        return self._step
+
+    @property
+    def warmup_end_step(self) -> int:
+        """The step after which this attempt is in steady state."""
+        return self.start_step + self.warmup_steps
+
+    def begin(self) -> None:
+        """Start the clock (device synchronized by the caller)."""
+        self._t_last = self.clock()
+
+    def add(self, counts: Counts) -> None:
+        """Account the steps ``(self.step, self.step + counts.steps]`` that ended just now.
+
+        Raises:
+            RuntimeError: before :meth:`begin`.
+            ValueError: when the stretch straddles the end of warm-up (the caller must cut there).
+        """
+        if self._t_last is None:
+            raise RuntimeError("ThroughputMeter.add() called before begin()")
+        now = self.clock()
+        dt, self._t_last = now - self._t_last, now
+        first, last = self._step + 1, self._step + counts.steps
+        if first <= self.warmup_end_step < last:
+            raise ValueError(f"steps {first}..{last} straddle the end of warm-up at step {self.warmup_end_step}")
+        self._step = last
+        self.total += counts
+        if last <= self.warmup_end_step:
+            self.warmup_s += dt
+        else:
+            self.steady += counts
+            self.steady_s += dt
+            self._window += counts
+            self._window_s += dt
+
+    def interval(self) -> Rates | None:
+        """Steady-state rates since the previous call, or None when no steady step happened."""
+        if self._window.steps == 0 or self._window_s <= 0:
+            return None
+        r = Rates(self._window, self._window_s, self.num_devices)
+        self._window, self._window_s = Counts(), 0.0
+        return r
+
+    def summary(self) -> Rates | None:
+        """Steady-state rates over the whole attempt(s), or None when all steps were warm-up."""
+        if self.steady.steps == 0 or self.steady_s <= 0:
+            return None
+        return Rates(Counts(**asdict(self.steady)), self.steady_s, self.num_devices)
+
+    # -- resume ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Counters to store in a checkpoint (times from the clock are not carried over)."""
+        return {"total": asdict(self.total), "steady": asdict(self.steady), "steady_s": self.steady_s,
+                "warmup_s": self.warmup_s, "step": self._step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the counters of a checkpoint; the new attempt warms up again from its step."""
+        self.total = Counts(**state["total"])
+        self.steady = Counts(**state["steady"])
+        self.steady_s = float(state["steady_s"])
+        self.warmup_s = float(state["warmup_s"])
+        self._step = self.start_step = int(state["step"])
+
+
+def finite(x: float | None) -> bool:
+    """True for a real, finite number."""
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)

@@ -1,0 +1,158 @@
+"""Settings of the training entrypoint: one dataclass, validated before any heavy work.
+
+The same fields are the MLproject parameters, the ``llmeff train`` options and the MLflow params
+(a test keeps ``MLproject`` in step with :class:`TrainConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PARALLELISMS = ("auto", "single", "ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+RESUME_MODES = ("auto", "never")
+ATTN_IMPLS = ("sdpa", "eager")
+ENERGY_MODES = ("auto", "nvml", "rapl", "none")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run, with its unit. Defaults run the tiny CPU demo in seconds."""
+
+    model: str = field(default="llama-tiny", metadata={"help": "preset name, local HF model directory, or hub id"})
+    dataset: str = field(default="python-docs", metadata={"help": "'python-docs' (built in, real text), 'synthetic', a .txt/.jsonl file or directory, or a HF dataset id"})
+    text_field: str = field(default="text", metadata={"help": "text column of .jsonl files and hub datasets"})
+    packing: bool = field(default=True, metadata={"help": "join documents into full seq_len blocks (no padding); false pads each document"})
+    val_fraction: float = field(default=0.05, metadata={"help": "fraction of blocks held out for validation loss, in [0, 0.5]"})
+    max_steps: int = field(default=50, metadata={"help": "optimizer steps to train (total, across resumes)"})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
+    micro_batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch per device"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "peak AdamW learning rate"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
+    lr_warmup_steps: int = field(default=-1, metadata={"help": "linear LR warm-up steps before cosine decay; -1 = 5% of max_steps"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; 0 disables"})
+    precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPUs that support it, else fp32), fp32, bf16, fp16"})
+    num_processes: int = field(default=1, metadata={"help": "processes (devices) on this machine; > 1 launches through accelerate launch"})
+    parallelism: str = field(default="auto", metadata={"help": "auto (single or ddp), single, ddp, fsdp, deepspeed_zero1/2/3"})
+    activation_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in the backward pass"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (compile time falls in warm-up)"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager"})
+    warmup_steps: int = field(default=3, metadata={"help": "optimizer steps per attempt excluded from steady-state figures"})
+    log_every_n_steps: int = field(default=5, metadata={"help": "interval between logged steps"})
+    eval_every: int = field(default=0, metadata={"help": "validation loss every N steps (0: only at the end)"})
+    checkpoint_dir: str = field(default="", metadata={"help": "directory for accelerate.save_state checkpoints ('' disables)"})
+    checkpoint_every: int = field(default=0, metadata={"help": "save a checkpoint every N steps (0: only at the end when checkpoint_dir is set)"})
+    checkpoint_keep: int = field(default=2, metadata={"help": "newest checkpoints kept"})
+    resume: str = field(default="auto", metadata={"help": "auto (continue from the latest checkpoint and its MLflow run) or never"})
+    seed: int = field(default=0, metadata={"help": "seed for init, data order and the validation split"})
+    peak_tflops: float = field(default=0.0, metadata={"help": "dense peak TFLOP/s per device overriding the datasheet table (0: table)"})
+    run_name: str = field(default="", metadata={"help": "MLflow run name ('' = <model>-<accel><count>x-<strategy>-<precision>)"})
+    experiment_name: str = field(default="", metadata={"help": "MLflow experiment for llmeff train ('' = MLflow's active/default)"})
+
+    # ----------------------------------------------------------------------------------- helpers
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def to_params(self) -> dict[str, str]:
+        """MLflow params: every field as a string (booleans lowercase, as MLproject passes them)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = str(v).lower() if isinstance(v, bool) else str(v)
+        return out
+
+    def resolved_lr_warmup_steps(self) -> int:
+        return self.lr_warmup_steps if self.lr_warmup_steps >= 0 else max(1, round(0.05 * self.max_steps))
+
+
+def _one_of(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not accepted; use one of: {', '.join(accepted)}")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name}={value} must be a positive integer (>= 1)")
+
+
+def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_supported: bool | None = None) -> None:
+    """Check every setting cheaply (configs only, no weights, no data read) before heavy work.
+
+    Args:
+        cfg: the settings.
+        cuda_available / bf16_supported: injected for tests; probed through torch when None.
+
+    Raises:
+        ValueError: one line naming the bad value and the accepted ones.
+    """
+    from .data import dataset_kind
+    from .models import load_config, max_positions
+
+    for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum", "num_processes", "log_every_n_steps"):
+        _positive(name, getattr(cfg, name))
+    for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
+    _positive("checkpoint_keep", cfg.checkpoint_keep)
+    if cfg.seq_len < 2:
+        raise ValueError(f"seq_len={cfg.seq_len} must be >= 2 (a causal LM predicts token t+1 from t)")
+    if not 0.0 <= cfg.val_fraction <= 0.5:
+        raise ValueError(f"val_fraction={cfg.val_fraction} must be in [0, 0.5]")
+    if cfg.learning_rate <= 0:
+        raise ValueError(f"learning_rate={cfg.learning_rate} must be > 0")
+    if cfg.peak_tflops < 0:
+        raise ValueError(f"peak_tflops={cfg.peak_tflops} must be >= 0 (0 = datasheet table)")
+    _one_of("precision", cfg.precision, PRECISIONS)
+    _one_of("parallelism", cfg.parallelism, PARALLELISMS)
+    _one_of("resume", cfg.resume, RESUME_MODES)
+    _one_of("attn_implementation", cfg.attn_implementation, ATTN_IMPLS)
+
+    if cuda_available is None or bf16_supported is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+        if bf16_supported is None:
+            bf16_supported = (torch.cuda.is_bf16_supported() if cuda_available else True)
+    if cfg.precision == "fp16" and not cuda_available:
+        raise ValueError("precision='fp16' needs a CUDA device (fp16 mixed precision is GPU-only); accepted on CPU: fp32, bf16")
+    if cfg.precision == "bf16" and not bf16_supported:
+        raise ValueError("precision='bf16' is not supported by this device; accepted here: fp32, fp16")
+    if cfg.parallelism == "fsdp" and not cuda_available:
+        raise ValueError("parallelism='fsdp' needs CUDA devices (FSDP does not run on CPU); accepted on CPU: auto, single, ddp")
+    if cfg.parallelism.startswith("deepspeed"):
+        if not cuda_available:
+            raise ValueError(f"parallelism={cfg.parallelism!r} needs CUDA devices; accepted on CPU: auto, single, ddp")
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ValueError(f"parallelism={cfg.parallelism!r} needs the deepspeed package (pip install deepspeed)") from None
+    if cfg.parallelism == "single" and cfg.num_processes > 1:
+        raise ValueError(f"parallelism='single' with num_processes={cfg.num_processes}; use ddp, fsdp or deepspeed_zero*")
+    if cfg.num_processes > 1 and cfg.parallelism in ("ddp", "auto") and not cuda_available:
+        pass  # CPU DDP over gloo works through the multi-process launcher
+    if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
+        raise ValueError(f"checkpoint_dir={cfg.checkpoint_dir!r} exists and is not a directory")
+
+    config = load_config(cfg.model)
+    limit = max_positions(config)
+    if limit is not None and cfg.seq_len > limit:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds the {limit} positions of model {cfg.model!r}; use seq_len <= {limit}")
+    dataset_kind(cfg.dataset)
+
+
+def resolve_precision(cfg: TrainConfig, *, cuda_available: bool, bf16_supported: bool) -> str:
+    """The concrete precision: ``auto`` is bf16 on CUDA devices that support it, else fp32."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    return "bf16" if cuda_available and bf16_supported else "fp32"
+
+
+def resolve_strategy(cfg: TrainConfig, world_size: int) -> str:
+    """The concrete parallelism strategy tag: ``auto`` is single for one process, else ddp."""
+    if cfg.parallelism == "auto":
+        return "single" if world_size == 1 else "ddp"
+    return cfg.parallelism
