@@ -12,3 +12,148 @@ def main() -> None:
 
 
 # Commands are registered below, one block per concern (train, flops/peak/plan, eval, ...).
+
+
+# ---- train commands
+def _train_options(f):
+    """Add one click option per TrainConfig field (same names as the MLproject parameters)."""
+    import dataclasses
+
+    from .train.config import TrainConfig
+
+    for fld in reversed(dataclasses.fields(TrainConfig)):
+        opt = "--" + fld.name.replace("_", "-")
+        tname = fld.type if isinstance(fld.type, str) else fld.type.__name__
+        typ = {"int": int, "float": float, "str": str, "bool": click.BOOL}[tname]
+        f = click.option(opt, fld.name, type=typ, default=fld.default, show_default=True,
+                         help=fld.metadata.get("help"))(f)
+    return f
+
+
+@main.command("train")
+@_train_options
+def train_cmd(**kwargs) -> None:
+    """Train a decoder-only LLM with Accelerate and log standard efficiency metrics to MLflow."""
+    from .train.config import TrainConfig
+    from .train.launch import launch
+
+    try:
+        code = launch(TrainConfig(**kwargs))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    raise SystemExit(code)
+
+
+# ---- flops / peak commands (FLOPs per token, measured matmul peak)
+@main.command("flops")
+@click.option("--model", required=True, help="Preset name (llama-7b, gpt2-124m, ...) or a local HF model directory.")
+@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sequence.")
+@click.option("--micro-batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sequences per micro-batch per device.")
+@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Micro-batches per optimizer step.")
+@click.option("--num-processes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel devices.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, num_processes: int,
+              as_json: bool) -> None:
+    """Parameters and training FLOPs per token / per step (megatron and palm conventions)."""
+    import json
+
+    from mlflow_llmeff.flops import FORMULA_TAGS, flops_summary
+    from mlflow_llmeff.train.models import load_config
+
+    try:
+        s = flops_summary(load_config(model), seq_len, micro_batch_size, grad_accum, num_processes)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    s = {"model": model, **s}
+    if as_json:
+        click.echo(json.dumps(s, indent=1))
+        return
+    click.echo(f"model {model}: {s['params_total']:,} params total, {s['params_non_embedding']:,} "
+               f"non-embedding, {s['params_active']:,} active")
+    click.echo(f"seq_len {seq_len}, {s['tokens_per_step']:,} tokens/step "
+               f"({micro_batch_size} x {grad_accum} x {num_processes} sequences)")
+    for conv in ("megatron", "palm"):
+        click.echo(f"{conv:>8}: {s[f'flops_per_token_{conv}'] / 1e9:.4f} GFLOP/token, "
+                   f"{s[f'flops_per_step_{conv}'] / 1e12:.4f} TFLOP/step "
+                   f"({s[f'flops_per_step_per_device_{conv}'] / 1e12:.4f} per device)")
+    click.echo(f"formula: {FORMULA_TAGS['megatron']}")
+
+
+@main.command("peak")
+@click.option("--dtype", type=click.Choice(["fp32", "tf32", "bf16", "fp16", "fp8"]), default=None,
+              help="Compute dtype [default: bf16 on CUDA, fp32 on CPU].")
+@click.option("--device", default=None, help="cpu, cuda or cuda:<index> [default: cuda when available].")
+@click.option("--refresh", is_flag=True, help="Measure again even when a cached value exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool) -> None:
+    """Measure (or read the cache of) the achievable matmul TFLOP/s, next to the datasheet peak."""
+    import json
+
+    from mlflow_llmeff.hardware import default_cache_dir, detect_accelerator, measure_matmul_peak, resolve_peak
+
+    info = detect_accelerator(device_type=None if device is None else device.split(":")[0])
+    device = device or info.device_type
+    dtype = dtype or ("bf16" if info.device_type == "cuda" else "fp32")
+    try:
+        measured = measure_matmul_peak(dtype, device, refresh=refresh)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    peak, source = resolve_peak(info, dtype)
+    out = {"device": info.name, "short": info.short, "dtype": dtype, "measured_tflops": measured,
+           "datasheet_tflops": peak, "datasheet_source": source,
+           "measured_fraction_of_datasheet": None if peak is None else measured / peak,
+           "cache": str(default_cache_dir() / "mamf.json")}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo(f"{info.name} ({info.short}), {dtype}: measured {measured:.3f} TFLOP/s")
+    if peak is None:
+        click.echo(f"datasheet peak: {source}")
+    else:
+        click.echo(f"datasheet peak: {peak:g} TFLOP/s dense ({measured / peak:.1%} reached); {source}")
+    click.echo(f"cache: {out['cache']}")
+
+
+# ---- energy / carbon / cost commands
+@main.command("energy-probe")
+@click.option("--measure-energy", type=click.Choice(["auto", "nvml", "rapl", "none"]), default="auto",
+              show_default=True, help="Energy meter to build (as the measure_energy parameter).")
+@click.option("--country-iso-code", default="USA", show_default=True,
+              help="ISO alpha-3 country for codecarbon's grid intensity.")
+@click.option("--cloud-provider", default=None, help="Cloud provider code as in codecarbon's impact.csv (gcp, aws, azure).")
+@click.option("--cloud-region", default=None, help="Cloud region, e.g. us-central1.")
+def energy_probe_cmd(measure_energy: str, country_iso_code: str, cloud_provider: str | None,
+                     cloud_region: str | None) -> None:
+    """Say how this process would measure energy and which grid intensity carbon would use."""
+    from mlflow_llmeff.carbon import grid_intensity_g_per_kwh
+    from mlflow_llmeff.energy import make_meter
+
+    try:
+        meter = make_meter(measure_energy, sampling_thread=False)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    try:
+        click.echo(f"energy.source: {meter.source} ({meter.num_devices} device(s))")
+        if meter.why:
+            click.echo(f"energy.why: {meter.why}")
+    finally:
+        meter.close()
+    try:
+        g, src = grid_intensity_g_per_kwh(country_iso_code=country_iso_code, cloud_provider=cloud_provider,
+                                          cloud_region=cloud_region)
+        click.echo(f"carbon.intensity_g_per_kwh: {g:g} ({src})")
+    except ImportError as e:
+        click.echo(f"carbon: none (codecarbon not installed: {e})")
+
+
+@main.command("prices")
+def prices_cmd() -> None:
+    """Print the dated default device-hour price table (pass device_hour_usd to override)."""
+    from mlflow_llmeff.cost import DEFAULT_DEVICE_HOUR_USD
+
+    for short, row in DEFAULT_DEVICE_HOUR_USD.items():
+        click.echo(f"{short:<16} ${row.usd:>5.2f}/device-hour  {row.offer}; {row.source} "
+                   f"(listed {row.listed_on}, read {row.read_on})")

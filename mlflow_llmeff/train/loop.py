@@ -1,0 +1,514 @@
+"""The training loop: Accelerate, AdamW + cosine, checkpoints and resume, standard metrics.
+
+Reads top to bottom as one story: set up (devices, data, model, optimizer), attach the MLflow run
+(main process only), train with windowed measurement, summarize. Every rank runs this function;
+only the main process logs. Counts that need all ranks are reduced at window edges (end of
+warm-up, logged steps, checkpoints, the last step), where the device is also synchronized.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+
+from .. import names
+from ..goodput import TimeAccount, goodput
+from ..throughput import Counts, ThroughputMeter
+from ..tracking.logger import NullLogger, RunLogger, default_run_name, ensure_experiment_kind
+from . import checkpoint as ckpt
+from .config import TrainConfig, resolve_precision, resolve_strategy, validate
+from .data import epoch_order, prepare_data
+from .models import build_model, load_config, load_tokenizer, tokenizer_name
+
+log = logging.getLogger(__name__)
+
+# Test hook: the process SIGKILLs itself right after this optimizer step (simulates a crash).
+KILL_AT_STEP_ENV = "LLMEFF_FAULT_KILL_AT_STEP"
+WARMUP_NOTE = ("first warmup_steps optimizer steps of every attempt (torch.compile, allocator and "
+               "kernel warm-up, the FlopCounterMode step) excluded from throughput/*, summary/*")
+
+
+def _micro_batches(n: int, micro_batch_size: int, world: int, rank: int, seed: int, start: int):
+    """Yield index lists of this rank's micro-batches from global micro-step ``start`` on.
+
+    Every epoch is a fresh seeded permutation; micro-step ``k`` of rank ``r`` takes the
+    ``(k * world + r)``-th slice of ``micro_batch_size`` samples, so data order depends only on
+    ``(seed, k)`` and resuming at a step boundary continues it exactly.
+    """
+    per_epoch = n // (micro_batch_size * world)
+    if per_epoch < 1:
+        raise ValueError(f"{n} training blocks are fewer than one global micro-batch "
+                         f"(micro_batch_size={micro_batch_size} x {world} processes); use more text or smaller batches")
+    k, cached = start, (None, None)
+    while True:
+        epoch, off = divmod(k, per_epoch)
+        if cached[0] != epoch:
+            cached = (epoch, epoch_order(n, epoch, seed))
+        base = (off * world + rank) * micro_batch_size
+        yield cached[1][base: base + micro_batch_size]
+        k += 1
+
+
+def _versions() -> dict[str, str]:
+    import platform
+
+    from .. import __version__
+
+    out = {names.V_LLMEFF: __version__, names.V_PYTHON: platform.python_version()}
+    for tag, mod in ((names.V_TORCH, "torch"), (names.V_TRANSFORMERS, "transformers"),
+                     (names.V_ACCELERATE, "accelerate"), (names.V_MLFLOW, "mlflow")):
+        try:
+            out[tag] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[tag] = "unknown"
+    return out
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "unknown: not a git checkout"
+    except Exception:  # noqa: BLE001
+        return "unknown: git not available"
+
+
+def _param_counts(model) -> tuple[int, int]:
+    """(total, non-embedding) parameters of the built model; tied weights counted once."""
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2 learned positions
+    if wpe is not None:
+        emb += wpe.weight.numel()
+    return total, total - emb
+
+
+def _model_state_bytes(model, optimizer) -> tuple[int, int]:
+    """(bytes of weights + gradients + optimizer state, parameters) held by this device."""
+    import torch
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    nbytes, nparams = 0, 0
+    for p in model.parameters():
+        lp = local(p)
+        nparams += lp.numel()
+        nbytes += lp.numel() * lp.element_size()
+        if p.requires_grad:  # gradients live through every step (freed only between steps)
+            g = local(p.grad) if p.grad is not None else lp
+            nbytes += g.numel() * g.element_size()
+    opt = getattr(optimizer, "optimizer", optimizer)
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                lv = local(v)
+                nbytes += lv.numel() * lv.element_size()
+    return nbytes, nparams
+
+
+def _peak_memory_gib(device) -> tuple[float, float, str]:
+    """(max allocated, max reserved) GiB of this process's device, and the source."""
+    import torch
+
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30,
+                "torch.cuda.max_memory_allocated / max_memory_reserved")
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    return rss, rss, "cpu: peak process RSS (getrusage ru_maxrss) for both allocated and reserved; no allocator statistics on CPU"
+
+
+def _build_accelerator(cfg: TrainConfig, precision: str, cuda: bool):
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
+
+    kwargs = {}
+    if cfg.parallelism == "fsdp":
+        from accelerate import FullyShardedDataParallelPlugin
+
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            auto_wrap_policy="transformer_based_wrap", activation_checkpointing=cfg.activation_checkpointing,
+            state_dict_type="SHARDED_STATE_DICT")
+    elif cfg.parallelism.startswith("deepspeed_zero"):
+        from accelerate.utils import DeepSpeedPlugin
+
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=int(cfg.parallelism[-1]),
+                                                     gradient_accumulation_steps=cfg.grad_accum,
+                                                     gradient_clipping=cfg.max_grad_norm or None)
+    if cfg.compile:
+        kwargs["dynamo_backend"] = "inductor"
+    return Accelerator(
+        mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision],
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
+        cpu=not cuda, **kwargs)
+
+
+def run_training(cfg: TrainConfig) -> dict | None:
+    """Train per ``cfg`` on this process's devices and log to MLflow from the main process.
+
+    Returns:
+        On the main process, ``{"run_id": ..., "summary": {key: value}}``; None on other ranks.
+
+    Raises:
+        ValueError: for bad settings (before any heavy work).
+    """
+    import torch
+    from accelerate.utils import broadcast_object_list, set_seed
+
+    account = TimeAccount()
+    account.start()
+    t_init = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    validate(cfg)
+    bf16_ok = torch.cuda.is_bf16_supported() if cuda else True
+    precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16_ok)
+
+    accelerator = _build_accelerator(cfg, precision, cuda)
+    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    device = accelerator.device
+    strategy = resolve_strategy(cfg, world)
+    set_seed(cfg.seed)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # ---- data and model -------------------------------------------------------------------
+    model_config = load_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    data = prepare_data(cfg.dataset, tokenizer, cfg.seq_len, packing=cfg.packing, val_fraction=cfg.val_fraction,
+                        seed=cfg.seed, text_field=cfg.text_field,
+                        synthetic_blocks=max(64, 2 * cfg.micro_batch_size * world * cfg.grad_accum),
+                        vocab_size=min(len(tokenizer), model_config.vocab_size))
+    model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
+    params_total, params_non_emb = _param_counts(model)
+    if cfg.activation_checkpointing and cfg.parallelism != "fsdp":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=cfg.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    from transformers import get_cosine_schedule_with_warmup
+
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.resolved_lr_warmup_steps(), cfg.max_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # The scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it
+    # num_processes times per call), and registered so save_state/load_state carry it.
+    accelerator.register_for_checkpointing(scheduler)
+
+    # ---- resume ------------------------------------------------------------------------------
+    state = None
+    if cfg.checkpoint_dir and cfg.resume == "auto":
+        found = ckpt.latest(cfg.checkpoint_dir)
+        if found:
+            path, state = found
+            if state["world_size"] != world:
+                raise ValueError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
+                                 f"{world}; resume with num_processes={state['world_size']} or resume=never")
+            with account.measure("checkpoint_load"):
+                accelerator.load_state(path)
+    start_step = int(state["step"]) if state else 0
+    meter = ThroughputMeter(num_devices=world, warmup_steps=cfg.warmup_steps, start_step=start_step)
+    if state:
+        meter.load_state_dict(state["meter"])
+        account.load_state_dict(state["account"])
+    attempts = (int(state["attempts"]) + 1) if state else 1
+
+    # ---- FLOPs and peak ------------------------------------------------------------------------
+    from .. import flops as fl
+    from .. import hardware as hw
+
+    accel = hw.detect_accelerator(count=world, device_type=device.type)
+    peak, peak_source = hw.resolve_peak(accel, precision, cfg.peak_tflops or None)
+
+    def model_flops_per_token(s: float, convention: str = "megatron") -> float:
+        return fl.flops_per_token(model_config, s, convention)
+
+    # ---- MLflow run (main process only) ----------------------------------------------------
+    logger: NullLogger = NullLogger()
+    run_id = None
+    if main:
+        import mlflow
+
+        env_run = os.environ.get("MLFLOW_RUN_ID")
+        run_id = state.get("run_id") if state else None
+        client = mlflow.MlflowClient()
+        if run_id is None and env_run:
+            run_id = env_run
+        if run_id is None:
+            exp_id = None
+            if cfg.experiment_name:
+                exp = client.get_experiment_by_name(cfg.experiment_name)
+                exp_id = exp.experiment_id if exp else client.create_experiment(cfg.experiment_name)
+            else:
+                from mlflow.tracking.fluent import _get_experiment_id
+
+                exp_id = _get_experiment_id()
+            run_id = client.create_run(exp_id).info.run_id
+        else:
+            client.update_run(run_id, status="RUNNING")
+            if env_run and env_run != run_id:
+                client.set_tag(env_run, "llmeff.resume.continued_in_run", run_id)
+        ensure_experiment_kind(client, client.get_run(run_id).info.experiment_id)
+        logger = RunLogger(run_id, client, resume=state is not None)
+        changed = logger.log_params(cfg.to_params())
+        tags = {**accel.tags(), **_versions()}
+        tags.update({
+            names.NODES: str(int(os.environ.get("NUM_MACHINES", 0)) or max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))),
+            names.PAR_STRATEGY: strategy, names.PAR_DP: str(world), names.PAR_TP: "1", names.PAR_PP: "1", names.PAR_CP: "1",
+            names.PRECISION: precision, names.MODEL_NAME: cfg.model, names.MODEL_PARAMS: str(params_total),
+            names.MODEL_NON_EMB_PARAMS: str(params_non_emb),
+            names.MODEL_LAYERS: str(getattr(model_config, "num_hidden_layers", getattr(model_config, "n_layer", "unknown"))),
+            names.MODEL_HIDDEN: str(getattr(model_config, "hidden_size", getattr(model_config, "n_embd", "unknown"))),
+            names.SEQ_LEN: str(cfg.seq_len), names.MICRO_BATCH_SIZE: str(cfg.micro_batch_size),
+            names.GRAD_ACCUM: str(cfg.grad_accum),
+            names.GLOBAL_BATCH_TOKENS: str(cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * world),
+            names.ACT_CKPT: str(cfg.activation_checkpointing).lower(), names.COMPILE: str(cfg.compile).lower(),
+            names.FLOPS_FORMULA: "megatron: L*h^2*(12+12g/n+18f/h+6s/h)+6hV per token, causal attention counted once "
+                                 "(Megatron-LM num_floating_point_operations); palm beside it",
+            names.PEAK_TFLOPS: f"{peak:g}" if peak else "unknown", names.PEAK_SOURCE: peak_source,
+            names.WARMUP_STEPS: str(cfg.warmup_steps), names.WARMUP_NOTE: WARMUP_NOTE,
+            names.DATASET: cfg.dataset, names.DATASET_KIND: data.kind, names.TOKENIZER: tokenizer_name(cfg.model),
+            names.GIT_COMMIT: _git_commit(), names.RESUME_ATTEMPTS: str(attempts),
+        })
+        if state:
+            tags[names.RESUMED_FROM] = str(start_step)
+        if changed:
+            tags[names.RESUME_CHANGED] = ", ".join(f"{k}: {a} -> {b} (not re-logged)" for k, (a, b) in changed.items())
+        if not state:
+            tags["mlflow.runName"] = cfg.run_name or default_run_name(cfg.model, accel.short, world, strategy, precision)
+        logger.set_tags(tags)
+    # Steps up to the last one logged before a crash are replays: not logged again, and their
+    # time counts as lost progress.
+    replay_until = [max(start_step, logger.last_logged_step(names.TRAIN_LOSS)) if main and state else start_step]
+    if world > 1:
+        broadcast_object_list(replay_until)
+    replay_until = replay_until[0]
+    account.add("init", time.perf_counter() - t_init - account.seconds["checkpoint_load"])
+
+    # ---- train ------------------------------------------------------------------------------------
+    from tqdm.auto import tqdm
+
+    batches = _micro_batches(len(data.train), cfg.micro_batch_size, world, rank, cfg.seed, start_step * cfg.grad_accum)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if main else True, unit="step", dynamic_ncols=True)
+    counts = torch.zeros(6, dtype=torch.int64, device=device)  # tokens, padded, loss_tokens, samples, sum_len_sq, steps
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # sum of step losses, steps
+    hw_flops_per_step = None
+    hfu_note = "warmup_steps=0: no warm-up step to count hardware FLOPs on"
+    last_boundary = start_step
+    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
+    model.train()
+    sync()
+    meter.begin()
+    t_replay0 = time.perf_counter()
+    for step in range(start_step + 1, cfg.max_steps + 1):
+        lr = scheduler.get_last_lr()[0]
+        count_flops = (step == start_step + 1 and cfg.warmup_steps > 0)
+        counter = None
+        if count_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = FlopCounterMode(display=False)
+        with counter if counter is not None else nullcontext():
+            for _ in range(cfg.grad_accum):
+                t0 = time.perf_counter()
+                idx = next(batches)
+                batch = {k: v[idx].to(device, non_blocking=True) for k, v in data.train[:].items()}
+                account.add("data_wait", time.perf_counter() - t0)
+                with accelerator.accumulate(model):
+                    out = model(**batch)
+                    accelerator.backward(out.loss)
+                    if accelerator.sync_gradients and cfg.max_grad_norm > 0 and not cfg.parallelism.startswith("deepspeed"):
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                mask = batch["attention_mask"]
+                lens = mask.sum(dim=1)
+                counts[0] += lens.sum()
+                counts[1] += mask.numel()
+                counts[2] += (batch["labels"][:, 1:] != -100).sum()
+                counts[3] += mask.shape[0]
+                counts[4] += (lens * lens).sum()
+                loss_sum[0] += out.loss.detach().double() / cfg.grad_accum
+        counts[5] += 1
+        loss_sum[1] += 1
+        scheduler.step()
+        if counter is not None:
+            hw_flops_per_step = float(counter.get_total_flops())
+            if cfg.attn_implementation == "sdpa" and device.type == "cpu":
+                # FlopCounterMode does not count CPU scaled-dot-product attention: add its FLOPs
+                # analytically (PaLM convention, full s x s score and value matmuls, fwd + bwd,
+                # x4/3 when checkpointing recomputes the forward).
+                s_eff = float(counts[4]) / max(1, float(counts[0]))
+                attn = fl.attention_flops_per_token(model_config, s_eff, "palm") * float(counts[0])
+                hw_flops_per_step += attn * (4 / 3 if cfg.activation_checkpointing else 1)
+                hfu_note = "FlopCounterMode on the first step; CPU SDPA attention added analytically (palm, no causal discount)"
+            else:
+                hfu_note = "FlopCounterMode on the first step of the attempt (eager attention counted)"
+
+        log_now = step % cfg.log_every_n_steps == 0 or step == cfg.max_steps
+        ckpt_now = bool(cfg.checkpoint_dir) and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps)
+        eval_now = data.val is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps)
+        if log_now or ckpt_now or eval_now or step == meter.warmup_end_step or step == replay_until:
+            sync()
+            g = accelerator.reduce(counts, reduction="sum") if world > 1 else counts
+            g = g.tolist()
+            meter.add(Counts(steps=step - last_boundary, tokens=g[0], padded_tokens=g[1], loss_tokens=g[2],
+                             samples=g[3], sum_len_sq=g[4]))
+            counts.zero_()
+            last_boundary = step
+            if step == replay_until and state is not None and replay_until > start_step:
+                account.add("lost_progress", time.perf_counter() - t_replay0)
+        if log_now:
+            ls = accelerator.reduce(loss_sum, reduction="sum") if world > 1 else loss_sum
+            loss = float(ls[0] / ls[1])
+            loss_sum.zero_()
+            alloc, reserved, mem_source = _peak_memory_gib(device)
+            mem = torch.tensor([alloc, reserved], dtype=torch.float64, device=device)
+            if world > 1:
+                mem = accelerator.gather(mem.unsqueeze(0)).max(dim=0).values
+            metrics = {names.TRAIN_LOSS: loss, names.TRAIN_LR: lr, names.TRAIN_TOKENS: meter.total.tokens,
+                       names.TRAIN_PADDED_TOKENS: meter.total.padded_tokens,
+                       names.TRAIN_LOSS_TOKENS: meter.total.loss_tokens,
+                       names.MEM_MAX_ALLOC: float(mem[0]), names.MEM_MAX_RESERVED: float(mem[1])}
+            rates = meter.interval()
+            if rates is not None:
+                tflops = rates.device_tflops_per_sec(model_flops_per_token)
+                metrics.update({names.TRAIN_STEP_TIME_S: rates.step_time_s, names.TPUT_TOKENS: rates.tokens_per_sec,
+                                names.TPUT_SAMPLES: rates.samples_per_sec,
+                                names.TPUT_DEVICE_TOKENS: rates.device_tokens_per_sec,
+                                names.TPUT_DEVICE_TFLOPS: tflops, names.TPUT_DEVICE_MFU: fl.utilization(tflops, peak)})
+                if hw_flops_per_step is not None:
+                    metrics[names.TPUT_DEVICE_HFU] = fl.utilization(hw_flops_per_step / rates.step_time_s / 1e12, peak)
+            if step > replay_until:
+                logger.log_metrics(metrics, step)
+            if main:
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates.tokens_per_sec:,.0f}" if rates else "warm-up")
+        if eval_now:
+            with account.measure("eval"):
+                vl = _validation_loss(accelerator, model, data.val, cfg.micro_batch_size, world, rank)
+            if step > replay_until:
+                logger.log_metrics({names.EVAL_VAL_LOSS: vl, names.EVAL_VAL_PPL: math.exp(min(vl, 700))}, step)
+        if ckpt_now:
+            with account.measure("checkpoint_save"):
+                _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world)
+        bar.update(1)
+        if kill_at and step == kill_at and main:
+            if isinstance(logger, RunLogger):
+                logger.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    bar.close()
+
+    # ---- summary --------------------------------------------------------------------------------
+    summary = _summary(cfg, meter, account, model, optimizer, device, world, peak, model_flops_per_token,
+                       hw_flops_per_step, accelerator)
+    if main:
+        logger.set_tags({names.MEMORY_SOURCE: _peak_memory_gib(device)[2], "llmeff.hfu.method": hfu_note})
+        logger.log_metrics(summary, cfg.max_steps)
+        warn = fl.mfu_warning(summary.get(names.SUM_MFU))
+        if warn:
+            log.warning(warn)
+            logger.set_tags({names.MFU_WARNING: warn})
+        logger.close("FINISHED")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {"run_id": run_id, "summary": summary} if main else None
+
+
+def _validation_loss(accelerator, model, val, micro_batch_size: int, world: int, rank: int) -> float:
+    """Token-weighted mean loss over the held-out blocks (each rank scores its strided share)."""
+    import torch
+
+    model.eval()
+    tot = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    with torch.no_grad(), accelerator.autocast():
+        idx_all = list(range(rank, len(val), world))
+        for i in range(0, len(idx_all), micro_batch_size):
+            idx = idx_all[i: i + micro_batch_size]
+            b = {k: v[idx].to(accelerator.device) for k, v in val[:].items()}
+            out = model(**b)
+            n = (b["labels"][:, 1:] != -100).sum()
+            tot[0] += out.loss.double() * n
+            tot[1] += n
+    model.train()
+    if world > 1:
+        tot = accelerator.reduce(tot, reduction="sum")
+    return float(tot[0] / tot[1])
+
+
+def _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world) -> None:
+    path = ckpt.step_dir(cfg.checkpoint_dir, step)
+    accelerator.save_state(path)
+    if accelerator.is_main_process:
+        ckpt.write_state(path, {"step": step, "run_id": run_id, "meter": meter.state_dict(),
+                                "account": account.state_dict(), "attempts": attempts, "world_size": world,
+                                "params": cfg.to_params()})
+        ckpt.prune(cfg.checkpoint_dir, cfg.checkpoint_keep)
+    accelerator.wait_for_everyone()
+
+
+def _summary(cfg, meter, account, model, optimizer, device, world, peak, model_flops_per_token, hw_flops_per_step,
+             accelerator) -> dict[str, float]:
+    """Steady-state figures of the whole run (all attempts), identical on every rank."""
+    import torch
+
+    from .. import flops as fl
+
+    out: dict[str, float] = {names.SUM_TOKENS: float(meter.total.tokens), names.SUM_STEPS: float(meter.step)}
+    rates = meter.summary()
+    if rates is not None:
+        tflops = rates.device_tflops_per_sec(model_flops_per_token)
+        tflops_palm = rates.device_tflops_per_sec(lambda s: model_flops_per_token(s, "palm"))
+        out.update({names.SUM_TOKENS_PER_SEC: rates.tokens_per_sec, names.SUM_DEVICE_TOKENS_PER_SEC: rates.device_tokens_per_sec,
+                    names.SUM_DEVICE_TFLOPS: tflops, names.SUM_STEP_TIME_S: rates.step_time_s,
+                    names.SUM_MFU: fl.utilization(tflops, peak), names.SUM_MFU_PALM: fl.utilization(tflops_palm, peak)})
+        if hw_flops_per_step is not None:
+            out[names.SUM_HFU] = fl.utilization(hw_flops_per_step / rates.step_time_s / 1e12, peak)
+    alloc, _, _ = _peak_memory_gib(device)
+    state_bytes, local_params = _model_state_bytes(model, optimizer)
+    t = torch.tensor([[alloc, state_bytes / max(1, local_params)]], dtype=torch.float64, device=device)
+    if world > 1:
+        t = accelerator.gather(t)
+    alloc_max, state_bpp = float(t[:, 0].max()), float(t[:, 1].max())
+    out[names.SUM_BYTES_PER_PARAM] = alloc_max * 2**30 / max(1, local_params)
+    out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = state_bpp
+    steady_step = rates.step_time_s if rates is not None else None
+    bd = account.breakdown(step_s=meter.warmup_s + meter.steady_s, warmup_s=meter.warmup_s,
+                           warmup_steps=min(cfg.warmup_steps, meter.step), steady_step_s=steady_step)
+    out[names.SUM_WALL_S] = bd["wall"]
+    out[names.SUM_GOODPUT] = goodput(bd)
+    for c in names.BADPUT_CATEGORIES:
+        out[names.SUM_BADPUT[c]] = bd[c]
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Per-process entry used by ``accelerate launch``: ``python -m mlflow_llmeff.train.loop --config-json J``."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="mlflow_llmeff.train.loop")
+    p.add_argument("--config-json", required=True)
+    args = p.parse_args(argv)
+    cfg = TrainConfig(**json.loads(args.config_json))
+    try:
+        run_training(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

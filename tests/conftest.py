@@ -1,0 +1,38 @@
+"""Shared fixtures: a private MLflow store per test, quiet single-threaded torch, the shared data."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DATA_DIR = pathlib.Path(os.environ.get("LLMEFF_DATA_DIR", REPO.parent / "shared" / "data"))
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("CODECARBON_LOG_LEVEL", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture
+def tracking_uri(tmp_path, monkeypatch):
+    """A fresh sqlite MLflow store for one test; also exported for subprocesses."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture
+def shared_data():
+    """Path of ../shared/data (LLMEFF_DATA_DIR overrides); skips when absent."""
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"shared data not found at {DATA_DIR}")
+    return DATA_DIR

@@ -1,0 +1,65 @@
+"""Bad input: one line naming the value and the accepted ones, before any heavy work."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mlflow_llmeff.train.config import TrainConfig, resolve_precision, resolve_strategy, validate
+
+
+def check(**kw):
+    validate(TrainConfig(**kw), cuda_available=kw.pop("_cuda", False), bf16_supported=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(model="llama-99b"), r"unknown model 'llama-99b'; accepted: a preset \(llama-tiny, "),
+    (dict(dataset="/no/such/file.txt"), r"dataset '/no/such/file.txt' does not exist; accepted: 'python-docs'"),
+    (dict(seq_len=1024), r"seq_len=1024 exceeds the 512 positions of model 'llama-tiny'; use seq_len <= 512"),
+    (dict(max_steps=0), r"max_steps=0 must be a positive integer"),
+    (dict(micro_batch_size=-2), r"micro_batch_size=-2 must be a positive integer"),
+    (dict(grad_accum=0), r"grad_accum=0 must be a positive integer"),
+    (dict(precision="fp64"), r"precision='fp64' is not accepted; use one of: auto, fp32, bf16, fp16"),
+    (dict(parallelism="zero"), r"parallelism='zero' is not accepted; use one of: auto, single, ddp, fsdp"),
+    (dict(precision="fp16"), r"precision='fp16' needs a CUDA device .*accepted on CPU: fp32, bf16"),
+    (dict(parallelism="fsdp"), r"parallelism='fsdp' needs CUDA devices \(FSDP does not run on CPU\)"),
+    (dict(resume="yes"), r"resume='yes' is not accepted; use one of: auto, never"),
+])
+def test_bad_settings_raise_one_line(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        check(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_bf16_unsupported_device_is_rejected():
+    with pytest.raises(ValueError, match=r"precision='bf16' is not supported by this device; accepted here: fp32, fp16"):
+        validate(TrainConfig(precision="bf16"), cuda_available=True, bf16_supported=False)
+
+
+def test_defaults_validate_and_resolve():
+    validate(TrainConfig(), cuda_available=False, bf16_supported=True)
+    assert resolve_precision(TrainConfig(), cuda_available=False, bf16_supported=True) == "fp32"
+    assert resolve_precision(TrainConfig(), cuda_available=True, bf16_supported=True) == "bf16"
+    assert resolve_strategy(TrainConfig(), 1) == "single"
+    assert resolve_strategy(TrainConfig(), 8) == "ddp"
+
+
+def test_cli_prints_one_line_error_without_traceback():
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "train", "--model", "llama-99b"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    err = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert err == [err[0]] and "unknown model 'llama-99b'" in err[0]
+
+
+def test_mlproject_parameters_match_train_config():
+    import pathlib
+
+    import yaml
+
+    spec = yaml.safe_load((pathlib.Path(__file__).parents[1] / "MLproject").read_text())
+    main = spec["entry_points"]["main"]
+    assert list(main["parameters"]) == TrainConfig.field_names()
+    for name in TrainConfig.field_names():
+        assert "{" + name + "}" in main["command"]

@@ -1,0 +1,101 @@
+import pytest
+
+from mlflow_llmeff.throughput import Counts, ThroughputMeter
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def step_counts(micro=4, batch=8, seq=512, pad_frac=0.0, steps=1):
+    padded = micro * batch * seq * steps
+    tokens = round(padded * (1 - pad_frac))
+    return Counts(steps=steps, tokens=tokens, padded_tokens=padded, loss_tokens=tokens - micro * batch * steps,
+                  samples=micro * batch * steps, sum_len_sq=0)
+
+
+def test_grad_accum_tokens_per_second_hand_computed():
+    # 4 micro-batches x 8 sequences x 512 tokens per step at 2.0 s/step = 16,384 / 2 = 8,192 tokens/s.
+    clock = FakeClock()
+    m = ThroughputMeter(num_devices=1, warmup_steps=0, clock=clock)
+    m.begin()
+    for _ in range(5):
+        clock.t += 2.0
+        m.add(step_counts())
+    r = m.interval()
+    assert r.tokens_per_sec == 8192.0
+    assert r.step_time_s == 2.0
+    assert r.samples_per_sec == 16.0
+    assert m.total.tokens == 5 * 16384
+
+
+def test_padding_lowers_non_padding_throughput():
+    clock = FakeClock()
+    m = ThroughputMeter(num_devices=1, warmup_steps=0, clock=clock)
+    m.begin()
+    clock.t += 2.0
+    m.add(step_counts(pad_frac=0.3))
+    r = m.interval()
+    assert r.tokens_per_sec == 11469 / 2.0  # vs 8,192 tokens/s without padding
+    assert m.total.padded_tokens == 16384
+    assert m.total.tokens == 11469  # round(16384 * 0.7)
+
+
+def test_warmup_steps_excluded_from_steady_state():
+    clock = FakeClock()
+    m = ThroughputMeter(num_devices=2, warmup_steps=3, clock=clock)
+    m.begin()
+    clock.t += 30.0  # three slow warm-up steps (compile)
+    m.add(step_counts(steps=3))
+    assert m.interval() is None and m.summary() is None
+    clock.t += 4.0
+    m.add(step_counts(steps=2))
+    s = m.summary()
+    assert s.counts.steps == 2
+    assert s.tokens_per_sec == 2 * 16384 / 4.0
+    assert s.device_tokens_per_sec == 2 * 16384 / 4.0 / 2
+    assert m.total.tokens == 5 * 16384  # cumulative counter keeps warm-up tokens
+    assert m.warmup_s == 30.0
+
+
+def test_stretch_straddling_warmup_end_is_rejected():
+    m = ThroughputMeter(num_devices=1, warmup_steps=3, clock=FakeClock())
+    m.begin()
+    with pytest.raises(ValueError, match="straddle the end of warm-up at step 3"):
+        m.add(step_counts(steps=5))
+
+
+def test_device_tflops_uses_effective_sequence_length():
+    clock = FakeClock()
+    m = ThroughputMeter(num_devices=4, warmup_steps=0, clock=clock)
+    m.begin()
+    clock.t += 1.0
+    # two sequences of 100 and 300 tokens: s_eff = (100^2 + 300^2) / 400 = 250
+    m.add(Counts(steps=1, tokens=400, padded_tokens=600, loss_tokens=398, samples=2, sum_len_sq=100_000))
+    r = m.interval()
+    assert r.counts.effective_seq_len == 250.0
+    # FLOPs/token = 1e9 + 1e6 * s -> 1.25e9 at s=250; 400 tokens/s / 4 devices -> 1.25e11 FLOP/s = 0.125 TFLOP/s
+    assert r.device_tflops_per_sec(lambda s: 1e9 + 1e6 * s) == pytest.approx(0.125)
+
+
+def test_state_dict_round_trip_continues_counters():
+    clock = FakeClock()
+    m = ThroughputMeter(num_devices=1, warmup_steps=1, clock=clock)
+    m.begin()
+    for _ in range(4):
+        clock.t += 1.0
+        m.add(step_counts())
+    m2 = ThroughputMeter(num_devices=1, warmup_steps=1, clock=clock)
+    m2.load_state_dict(m.state_dict())
+    assert m2.step == 4 and m2.warmup_end_step == 5
+    assert m2.total.tokens == 4 * 16384
+    assert m2.summary().counts.steps == 3
+
+
+def test_invalid_devices_rejected():
+    with pytest.raises(ValueError, match="num_devices=0"):
+        ThroughputMeter(num_devices=0, warmup_steps=0)
