@@ -128,6 +128,8 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
 def energy_probe_cmd(measure_energy: str, country_iso_code: str, cloud_provider: str | None,
                      cloud_region: str | None) -> None:
     """Say how this process would measure energy and which grid intensity carbon would use."""
+    import torch  # noqa: F401  (imported first so the meter sees this process's CUDA devices)
+
     from mlflow_llmeff.carbon import grid_intensity_g_per_kwh
     from mlflow_llmeff.energy import make_meter
 
@@ -157,3 +159,49 @@ def prices_cmd() -> None:
     for short, row in DEFAULT_DEVICE_HOUR_USD.items():
         click.echo(f"{short:<16} ${row.usd:>5.2f}/device-hour  {row.offer}; {row.source} "
                    f"(listed {row.listed_on}, read {row.read_on})")
+
+
+# ---- eval commands (MMLU, HellaSwag; mlflow_llmeff/evals)
+@main.command("eval")
+@click.option("--model", "model_dir", required=True, help="Hugging Face causal LM directory or hub id.")
+@click.option("--tokenizer", "tokenizer_name", default=None,
+              help="Tokenizer directory or id (default: --model); 'byt5' = ByT5Tokenizer(extra_ids=0), no files.")
+@click.option("--tasks", default="mmlu,hellaswag", show_default=True,
+              help="Comma-separated: mmlu, hellaswag, mmlu_<subject>.")
+@click.option("--num-fewshot", default=0, show_default=True, type=int, help="MMLU few-shot examples (0-5).")
+@click.option("--limit", default=None, type=int, help="Score only the first N documents of each task.")
+@click.option("--data-dir", default=None,
+              help="Data directory (mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl) or 'hub'; "
+                   "default $LLMEFF_DATA_DIR or ../shared/data.")
+@click.option("--batch-size", default=8, show_default=True, type=int, help="Sequences per forward pass.")
+@click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
+@click.option("--output-json", default=None, type=click.Path(dir_okay=False),
+              help="Write metrics and per-example records here.")
+def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot: int, limit: int | None,
+             data_dir: str | None, batch_size: int, device: str | None, output_json: str | None) -> None:
+    """Score MMLU / HellaSwag with lm-evaluation-harness 0.4.x definitions; log to the active MLflow run."""
+    import json
+
+    import torch
+    import transformers
+
+    from mlflow_llmeff.evals import evaluate, log_to_mlflow
+
+    if tokenizer_name == "byt5":
+        tok = transformers.ByT5Tokenizer(extra_ids=0)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_name or model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        result = evaluate(model, tok, tasks, data_dir=data_dir, num_fewshot=num_fewshot, limit=limit,
+                          batch_size=batch_size, device=device)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    click.echo(result.table())
+    click.echo(f"{len(result.examples)} documents in {result.seconds:.1f} s ({result.examples_per_sec:.1f} docs/s)")
+    if output_json:
+        with open(output_json, "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    if log_to_mlflow(result):
+        click.echo("logged to the active MLflow run")

@@ -1,0 +1,204 @@
+"""Tests for mlflow_llmeff.hardware: peak table look-ups, detection, resolution, measured peak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mlflow_llmeff import names
+from mlflow_llmeff.hardware import (DTYPES, PEAK_TABLE, AcceleratorInfo, detect_accelerator, lookup_peak,
+                                    match_row, measure_matmul_peak, resolve_peak)
+
+
+# --------------------------------------------------------------------------- look-ups
+@pytest.mark.parametrize("name, dtype, tflops", [
+    ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA H20", "bf16", None),               # not in the table, and never the H200 row
+    ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA L40S", "bf16", 362.05),
+    ("NVIDIA L40", "bf16", None),               # not the L4 row either
+    ("NVIDIA H100 PCIe", "bf16", 756.0),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4),   # the SXM part's driver name
+    ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200 NVL", "bf16", 835.5),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+    ("NVIDIA A100-SXM4-80GB", "fp8", None),     # Ampere has no FP8 tensor cores
+    ("NVIDIA GH200 480GB", "bf16", 989.4),
+    ("NVIDIA B200", "bf16", 2250.0),
+    ("NVIDIA A10G", "bf16", 70.0),
+    ("NVIDIA A10", "bf16", 125.0),
+    ("AMD Instinct MI300X", "bf16", 1307.4),
+    ("AMD Instinct MI250X/MI250", "bf16", 383.0),
+    ("Tesla V100-SXM2-32GB", "fp16", 125.0),
+    ("Tesla V100-SXM2-32GB", "bf16", None),     # Volta has no BF16
+    ("NVIDIA GeForce RTX 4090", "bf16", None),  # unknown: no invented peak
+    ("NVIDIA H100", "bf16", None),              # ambiguous form factor: not guessed
+])
+def test_lookup_peak_gives_the_dense_value_or_none(name, dtype, tflops):
+    entry = lookup_peak(name, dtype)
+    assert (entry.tflops if entry else None) == tflops
+
+
+@pytest.mark.parametrize("name, short", [
+    ("Tesla V100-SXM2-16GB", "V100-SXM2"), ("Tesla V100-PCIE-32GB", "V100-PCIe"), ("NVIDIA A10G", "A10G"),
+    ("NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("NVIDIA A100-PCIE-40GB", "A100-PCIe-40GB"), ("NVIDIA A100 80GB PCIe", "A100-PCIe-80GB"),
+    ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+    ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100 NVL", "H100-NVL"), ("NVIDIA H200", "H200"),
+    ("NVIDIA GH200 480GB", "GH200"), ("NVIDIA B100", "B100"), ("NVIDIA B200", "B200"), ("NVIDIA GB200", "GB200"),
+    ("AMD Instinct MI250X", "MI250X"), ("AMD Instinct MI300X", "MI300X"), ("AMD Instinct MI325X", "MI325X"),
+])
+def test_required_devices_are_in_the_table(name, short):
+    assert match_row(name).short == short
+
+
+# Datasheet figures WITH 2:4 sparsity (the big number on NVIDIA/AMD pages); the table must hold half.
+SPARSE_BF16 = {"H100-SXM": 1979, "H100-PCIe": 1513, "H100-NVL": 1671, "H200": 1979, "GH200": 1979,
+               "L4": 242, "L40S": 733, "A100-80GB": 624, "B200": 4500, "B100": 3500, "GB200": 5000,
+               "MI300X": 2614.9, "MI325X": 2614.9}
+
+
+@pytest.mark.parametrize("short, sparse", sorted(SPARSE_BF16.items()))
+def test_table_holds_the_dense_half_of_the_sparse_datasheet_figure(short, sparse):
+    row = next(r for r in PEAK_TABLE if r.short == short)
+    # 1.5%: the datasheets' own rounding (L40S prints 362.05 dense beside 733 sparse).
+    assert row.tflops["bf16"] == pytest.approx(sparse / 2, rel=0.015)
+    assert row.tflops["bf16"] < 0.6 * sparse
+
+
+@pytest.mark.parametrize("row", PEAK_TABLE, ids=lambda r: r.short)
+def test_every_row_is_dense_consistent_and_sourced(row):
+    # Dense tensor-core ratios since Ampere: FP16 == BF16, TF32 == BF16/2, FP8 == 2*BF16 (within
+    # datasheet rounding, up to 1.2% for L40S's TF32 183 beside BF16 362.05), so a row mixing a
+    # sparse figure (2x) with dense ones would fail here.
+    t = row.tflops
+    assert set(t) <= set(DTYPES) and all(v > 0 for v in t.values())
+    if "bf16" in t:
+        assert t["fp16"] == t["bf16"]
+        if "tf32" in t:
+            assert t["tf32"] == pytest.approx(t["bf16"] / 2, rel=0.015)
+        if "fp8" in t:
+            assert t["fp8"] == pytest.approx(2 * t["bf16"], rel=0.015)
+    assert t.get("fp32", 0) < min(t.get(k, float("inf")) for k in ("bf16", "fp16"))
+    assert any(w in row.source.lower() for w in ("datasheet", "data sheet", "specifications")), row.source
+
+
+# --------------------------------------------------------------------------- resolve
+H200 = AcceleratorInfo(name="NVIDIA H200", short="H200", count=8, memory_gib=139.8, generation="Hopper",
+                       driver_version="570.124.06", cuda_version="12.8", device_type="cuda")
+
+
+def test_resolve_peak_uses_the_datasheet():
+    peak, source = resolve_peak(H200, "bf16")
+    assert peak == 989.4 and "H200" in source and "datasheet" in source
+
+
+def test_resolve_peak_user_value_wins():
+    assert resolve_peak(H200, "bf16", user_peak_tflops=800.0) == (800.0, "user")
+
+
+def test_resolve_peak_unknown_device_says_why():
+    info = AcceleratorInfo("NVIDIA H20", "H20", 1, 96.0, "Hopper", None, "12.8", "cuda")
+    peak, source = resolve_peak(info, "bf16")
+    assert peak is None and source.startswith("unknown:") and "'NVIDIA H20' is not in the peak table" in source
+
+
+def test_resolve_peak_dtype_the_device_lacks_says_why():
+    info = AcceleratorInfo("Tesla V100-SXM2-32GB", "V100-SXM2", 1, 32.0, "Volta", None, None, "cuda")
+    peak, source = resolve_peak(info, "bf16")
+    assert peak is None and source == "unknown: V100-SXM2 has no bf16 matrix peak in its datasheet; it lists fp32, fp16"
+
+
+def test_resolve_peak_on_cpu_points_to_the_measured_peak():
+    peak, source = resolve_peak(detect_accelerator(device_type="cpu"), "fp32")
+    assert peak is None and source.startswith("unknown:") and "llmeff peak" in source
+
+
+@pytest.mark.parametrize("kwargs, match", [({"dtype": "int8"}, "dtype 'int8'.*bf16"),
+                                           ({"dtype": "bf16", "user_peak_tflops": 0.0}, "peak_tflops 0.0")])
+def test_resolve_peak_rejects_bad_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_peak(H200, **kwargs)
+
+
+# --------------------------------------------------------------------------- detection
+def test_detect_accelerator_on_cpu_describes_the_cpu():
+    info = detect_accelerator(count=4, device_type="cpu")
+    assert (info.short, info.count, info.memory_gib, info.generation, info.device_type) == ("cpu", 4, None, "cpu", "cpu")
+    assert isinstance(info.name, str) and info.name.strip()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_detect_accelerator_asked_for_cuda_without_gpu_falls_back_to_cpu():
+    assert detect_accelerator(device_type="cuda").device_type == "cpu"
+
+
+def test_tags_are_strings_under_the_standard_keys():
+    assert H200.tags() == {
+        names.ACCEL_NAME: "NVIDIA H200", names.ACCEL_SHORT: "H200", names.ACCEL_COUNT: "8",
+        names.ACCEL_MEMORY_GIB: "139.8", names.ACCEL_GENERATION: "Hopper",
+        names.DRIVER_VERSION: "570.124.06", names.CUDA_VERSION: "12.8"}
+    cpu = detect_accelerator(device_type="cpu").tags()
+    assert cpu[names.ACCEL_MEMORY_GIB] == "unknown"
+    assert cpu[names.DRIVER_VERSION] == cpu[names.CUDA_VERSION] == "none"
+
+
+# --------------------------------------------------------------------------- measured peak
+def test_measured_peak_is_cached_and_reused(tmp_path):
+    first = measure_matmul_peak("fp32", "cpu", cache_dir=tmp_path, sizes=(64,), min_time_s=0.01)
+    assert first > 0
+    cache = json.loads((tmp_path / "mamf.json").read_text())
+    (key,) = cache
+    assert key.startswith("cpu|") and "|fp32|" in key and cache[key]["sizes"] == [64]
+    cache[key]["tflops"] = 123.0                              # a value no CPU reaches: must come from the cache
+    (tmp_path / "mamf.json").write_text(json.dumps(cache))
+    assert measure_matmul_peak("fp32", "cpu", cache_dir=tmp_path, sizes=(64,)) == 123.0
+    assert measure_matmul_peak("fp32", "cpu", cache_dir=tmp_path, sizes=(64,), min_time_s=0.01,
+                               refresh=True) != 123.0
+
+
+def test_measured_peak_cache_dir_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMEFF_CACHE_DIR", str(tmp_path))
+    measure_matmul_peak("bf16", "cpu", sizes=(64,), min_time_s=0.01)
+    assert "|bf16|" in next(iter(json.loads((tmp_path / "mamf.json").read_text())))
+
+
+@pytest.mark.parametrize("dtype, device, match", [("tf32", "cpu", "dtype 'tf32' cannot be measured on cpu"),
+                                                  ("int4", "cpu", "dtype 'int4'"),
+                                                  ("fp32", "tpu", "device 'tpu'")])
+def test_measured_peak_rejects_what_it_cannot_measure(dtype, device, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        measure_matmul_peak(dtype, device, cache_dir=tmp_path)
+
+
+def test_cli_peak_json_reads_the_cache(tmp_path, monkeypatch):
+    from mlflow_llmeff.cli import main
+
+    monkeypatch.setenv("LLMEFF_CACHE_DIR", str(tmp_path))
+    measure_matmul_peak("fp32", "cpu", sizes=(64,), min_time_s=0.01)
+    file = tmp_path / "mamf.json"
+    cache = {k: {**v, "tflops": 0.25} for k, v in json.loads(file.read_text()).items()}
+    file.write_text(json.dumps(cache))
+    result = CliRunner().invoke(main, ["peak", "--device", "cpu", "--dtype", "fp32", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["measured_tflops"] == 0.25 and out["datasheet_tflops"] is None
+    assert out["datasheet_source"].startswith("unknown:")
+
+
+# --------------------------------------------------------------------------- on a GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_detection_and_measured_bf16_peak_below_datasheet(tmp_path):
+    info = detect_accelerator()
+    assert info.device_type == "cuda" and info.memory_gib > 0 and info.cuda_version
+    measured = measure_matmul_peak("bf16", "cuda", cache_dir=tmp_path)
+    peak, source = resolve_peak(info, "bf16")
+    print(f"{info.name}: measured bf16 {measured:.1f} TFLOP/s, datasheet {peak} ({source[:40]})")
+    if peak is not None:
+        assert 0.3 * peak < measured < 1.0 * peak
