@@ -1,0 +1,316 @@
+"""kg-CO2e from the energy we measured, with codecarbon's grid intensity, offline and quiet.
+
+Two figures, kept apart:
+
+* **Carbon of the measured energy**: ``kg_co2e = kWh x I / 1000``, where ``kWh`` is the energy
+  our meters measured (``energy/total_kwh``: NVML or RAPL, see :mod:`mlflow_llmeff.energy`) and
+  ``I`` (g CO2e/kWh) is the grid intensity codecarbon would use for the configured country or
+  cloud region (asked of codecarbon's own emissions engine for 1 kWh, so the two agree exactly).
+  Logged as ``carbon/total_kg_co2e``.
+* **codecarbon's own CPU/RAM energy estimate**: the ``OfflineEmissionsTracker`` runs beside
+  training (one per node, local rank 0) and estimates CPU energy (RAPL where it can read it,
+  otherwise a TDP x load model) and RAM energy (a watts-per-GB constant). That is an estimate;
+  it is logged under ``energy/estimate/*`` and ``carbon/estimate_kg_co2e`` and never mixed into
+  ``energy/total_kwh`` or ``carbon/total_kg_co2e``. Its GPU figure is ignored (NVML measures the
+  GPUs without double counting).
+
+The tracker never touches the network (offline tracker, no output method, no API endpoint, no
+Electricity Maps token), writes no file (no CSV output), bypasses codecarbon's ``/tmp`` lock
+(``allow_multiple_runs=True``: a lock left by a crashed run cannot stop it, and codecarbon does
+not take over SIGINT/SIGTERM), and logs at ``error`` level unless ``CODECARBON_LOG_LEVEL`` says
+otherwise. Nothing here raises: when codecarbon is missing or fails, the carbon figures are
+absent and ``llmeff.carbon.source`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from mlflow_llmeff import names
+
+__all__ = ["CodecarbonEstimate", "CarbonTracker", "grid_intensity_g_per_kwh"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CodecarbonEstimate:
+    """codecarbon's own estimate of this node's CPU and RAM energy over the run (not measured).
+
+    Attributes:
+        cpu_kwh: CPU energy, kWh (method in ``cpu_method``).
+        ram_kwh: RAM energy, kWh (codecarbon's watts-per-GB constant).
+        cpu_method: codecarbon's CPU mode, e.g. ``cpu_load`` (TDP x load), ``constant``, ``intel_rapl``.
+        tracking_mode: ``machine`` (whole node, other users' load included) or ``process``.
+        duration_s: the window codecarbon covered, s.
+    """
+
+    cpu_kwh: float
+    ram_kwh: float
+    cpu_method: str
+    tracking_mode: str
+    duration_s: float
+
+    @property
+    def kwh(self) -> float:
+        """CPU + RAM estimate, kWh."""
+        return self.cpu_kwh + self.ram_kwh
+
+    def describe(self) -> str:
+        return f"codecarbon estimate, tracking_mode={self.tracking_mode}: CPU by {self.cpu_method}, RAM by its W/GB constant"
+
+
+def _quiet_codecarbon(env: Mapping[str, str]) -> str:
+    level = env.get("CODECARBON_LOG_LEVEL", "error")
+    try:
+        logging.getLogger("codecarbon").setLevel(level.upper())
+    except (ValueError, TypeError):
+        level = "error"
+        logging.getLogger("codecarbon").setLevel(logging.ERROR)
+    return level
+
+
+def grid_intensity_g_per_kwh(
+    *, country_iso_code: str | None = "USA", cloud_provider: str | None = None, cloud_region: str | None = None
+) -> tuple[float, str]:
+    """The grid carbon intensity codecarbon's offline engine applies, and where it comes from.
+
+    Computed as codecarbon's emissions for exactly 1 kWh (kg) x 1000, so that our
+    ``kWh x intensity`` equals what codecarbon itself would report for the same energy.
+    Private infrastructure: the country's carbon intensity from codecarbon's
+    ``global_energy_mix.json`` (Our World in Data / Ember figures, with the data year). Cloud:
+    the provider's per-region figure from codecarbon's ``cloud/impact.csv``, falling back to the
+    country (codecarbon's own rule).
+
+    Args:
+        country_iso_code: ISO 3166-1 alpha-3 code, e.g. ``USA``, ``FRA``.
+        cloud_provider: e.g. ``gcp``, ``aws``, ``azure`` (as in codecarbon's ``impact.csv``).
+        cloud_region: e.g. ``us-central1``.
+
+    Returns:
+        ``(g CO2e per kWh, description of the source)``.
+
+    Raises:
+        ImportError: codecarbon is not installed.
+    """
+    import codecarbon
+    from codecarbon.core.emissions import Emissions
+    from codecarbon.core.units import Energy
+    from codecarbon.external.geography import CloudMetadata, GeoMetadata
+    from codecarbon.input import DataSource
+
+    data = DataSource()
+    engine = Emissions(data)
+    one_kwh = Energy.from_energy(kWh=1.0)
+    iso = country_iso_code.upper() if country_iso_code else None
+    geo = GeoMetadata(country_iso_code=iso)
+    mix = data.get_global_energy_mix_data()
+    if iso in mix:
+        country = f"country={iso} (global_energy_mix.json, {mix[iso].get('year', 'year unknown')})"
+    else:
+        country = f"world average (country {iso!r} not in codecarbon's global_energy_mix.json)"
+    head = f"codecarbon {codecarbon.__version__} offline"
+    if cloud_provider or cloud_region:
+        df = data.get_cloud_emissions_data()
+        rows = df.loc[(df["provider"] == cloud_provider) & (df["region"] == cloud_region)]
+        kg = engine.get_cloud_emissions(one_kwh, CloudMetadata(provider=cloud_provider, region=cloud_region), geo)
+        if len(rows):
+            where = f"cloud={cloud_provider}/{cloud_region} (cloud/impact.csv, {rows['source'].iloc[0]})"
+        else:
+            where = f"cloud={cloud_provider}/{cloud_region} not in cloud/impact.csv, so {country}"
+    else:
+        kg = engine.get_private_infra_emissions(one_kwh, geo)
+        where = country
+    return kg * 1000.0, f"{head}, {where}"
+
+
+class CarbonTracker:
+    """codecarbon in offline mode, for kg-CO2e of our measured energy and a CPU/RAM estimate.
+
+    Start it on the main process of each node (local rank 0): on any other local rank it does
+    not start codecarbon's tracker (one per node) but still knows the grid intensity.
+
+    Args:
+        country_iso_code: ISO alpha-3 country of the machines (param ``country_iso_code``).
+        cloud_provider: cloud provider code as in codecarbon's ``impact.csv`` (param ``cloud_provider``).
+        cloud_region: cloud region (param ``cloud_region``).
+        enabled: False turns everything off (``measure_energy=none``).
+        tracking_mode: codecarbon's ``machine`` (whole node) or ``process``.
+        measure_power_secs: codecarbon's sampling period, s.
+        env: environment (default ``os.environ``): ``LOCAL_RANK``, ``CODECARBON_LOG_LEVEL``.
+
+    Attributes:
+        intensity_g_per_kwh: grid intensity used, g CO2e/kWh, or None when unavailable.
+        source: ``llmeff.carbon.source``: codecarbon version, mode and data, or ``none: <why>``.
+        why: why the tracker's own estimate (or everything) is unavailable, else None.
+        estimate: codecarbon's CPU/RAM estimate after :meth:`stop`, else None.
+    """
+
+    def __init__(
+        self,
+        *,
+        country_iso_code: str | None = "USA",
+        cloud_provider: str | None = None,
+        cloud_region: str | None = None,
+        enabled: bool = True,
+        tracking_mode: str = "machine",
+        measure_power_secs: float = 15.0,
+        env: Mapping[str, str] | None = None,
+    ):
+        self.country_iso_code = country_iso_code
+        self.cloud_provider = cloud_provider
+        self.cloud_region = cloud_region
+        self.enabled = enabled
+        self.tracking_mode = tracking_mode
+        self.measure_power_secs = measure_power_secs
+        self._env = os.environ if env is None else env
+        self.intensity_g_per_kwh: float | None = None
+        self.source = "none: not started"
+        self.why: str | None = None
+        self.estimate: CodecarbonEstimate | None = None
+        self._tracker: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Find the grid intensity and start codecarbon's tracker. Never raises."""
+        if not self.enabled:
+            self._disable("carbon tracking disabled (measure_energy=none)")
+            return
+        try:
+            level = _quiet_codecarbon(self._env)
+            self.intensity_g_per_kwh, self.source = grid_intensity_g_per_kwh(
+                country_iso_code=self.country_iso_code, cloud_provider=self.cloud_provider, cloud_region=self.cloud_region
+            )
+        except ImportError as e:
+            self._disable(f"codecarbon is not installed ({e})")
+            return
+        except Exception as e:
+            self._disable(f"codecarbon could not give a grid intensity ({type(e).__name__}: {e})")
+            return
+        local_rank = self._env.get("LOCAL_RANK", "0") or "0"
+        if local_rank != "0":
+            self.why = f"codecarbon tracker runs on local rank 0 only (one per node); this is local rank {local_rank}"
+            return
+        try:
+            from codecarbon import OfflineEmissionsTracker
+
+            kwargs: dict[str, Any] = dict(
+                country_iso_code=self.country_iso_code.upper() if self.country_iso_code else None,
+                output_methods=[],  # no CSV (or any other output): nothing written anywhere
+                emissions_endpoint=None,  # no HTTP output, whatever a config file says
+                electricitymaps_api_token=None,  # no Electricity Maps API call
+                allow_multiple_runs=True,  # no /tmp/.codecarbon.lock, no SIGINT/SIGTERM handlers
+                force_carbon_intensity_g_co2e_kwh=None,  # same intensity as grid_intensity_g_per_kwh
+                pue=1.0,
+                log_level=level,
+                tracking_mode=self.tracking_mode,
+                measure_power_secs=self.measure_power_secs,
+                project_name="mlflow_llmeff",
+            )
+            if self.cloud_provider or self.cloud_region:
+                kwargs.update(cloud_provider=self.cloud_provider, cloud_region=self.cloud_region)
+            tracker = OfflineEmissionsTracker(**kwargs)
+            tracker.start()  # codecarbon swallows its own exceptions: check that it really started
+            if getattr(tracker, "_start_time", None) is None:
+                raise RuntimeError("codecarbon's tracker did not start (its log says why)")
+            self._tracker = tracker
+        except Exception as e:
+            self.why = f"codecarbon tracker failed to start ({type(e).__name__}: {e}); no CPU/RAM estimate"
+            self._tracker = None
+
+    def stop(self) -> None:
+        """Stop codecarbon's tracker and keep its CPU/RAM estimate. Idempotent; never raises."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return
+        try:
+            tracker.stop()
+            data = getattr(tracker, "final_emissions_data", None)
+            if data is None:
+                raise RuntimeError("codecarbon returned no data")
+            cpu_method = "unknown"
+            for hw in getattr(tracker, "_hardware", []):
+                if type(hw).__name__ == "CPU":
+                    cpu_method = str(getattr(hw, "_mode", "unknown"))
+            self.estimate = CodecarbonEstimate(
+                cpu_kwh=float(data.cpu_energy),
+                ram_kwh=float(data.ram_energy),
+                cpu_method=cpu_method,
+                tracking_mode=str(data.tracking_mode),
+                duration_s=float(data.duration),
+            )
+        except Exception as e:
+            self.why = f"codecarbon tracker failed to stop ({type(e).__name__}: {e}); no CPU/RAM estimate"
+
+    def __enter__(self) -> "CarbonTracker":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _disable(self, why: str) -> None:
+        self.why = why
+        self.intensity_g_per_kwh = None
+        self.source = f"none: {why}"
+
+    # ------------------------------------------------------------------ figures
+    def kg_co2e(self, kwh: float) -> float | None:
+        """Emissions of ``kwh`` of energy at the grid intensity in use, kg CO2e (None if unknown).
+
+        ``kg = kWh x (g/kWh) / 1000``. Pass the energy we measured (``energy/total_kwh``).
+        """
+        if self.intensity_g_per_kwh is None:
+            return None
+        return kwh * self.intensity_g_per_kwh / 1000.0
+
+    def metrics(self, *, measured_kwh: float | None, tokens: int | None = None) -> dict[str, float]:
+        """Carbon metrics for the end of a run (after :meth:`stop`).
+
+        Args:
+            measured_kwh: ``energy/total_kwh`` when energy was measured, else None.
+            tokens: non-padding tokens trained on, for the per-billion-token summary.
+
+        Returns:
+            ``carbon/total_kg_co2e`` (and ``summary/kg_co2e_per_billion_tokens``) from the
+            measured energy only; codecarbon's estimate under ``energy/estimate/*`` and
+            ``carbon/estimate_kg_co2e``, apart. Empty when the intensity is unknown.
+        """
+        out: dict[str, float] = {}
+        if self.intensity_g_per_kwh is None:
+            return out
+        if measured_kwh is not None:
+            kg = self.kg_co2e(measured_kwh)
+            out[names.CARBON_TOTAL_KG] = kg
+            if tokens:
+                out[names.SUM_KG_CO2E_PER_BTOK] = kg * 1e9 / tokens
+        if self.estimate is not None:
+            out[names.ENERGY_ESTIMATE_CPU_KWH] = self.estimate.cpu_kwh
+            out[names.ENERGY_ESTIMATE_RAM_KWH] = self.estimate.ram_kwh
+            out[names.CARBON_ESTIMATE_KG] = self.kg_co2e(self.estimate.kwh)
+        return out
+
+    def tags(self, *, energy_source: str | None = None) -> dict[str, str]:
+        """``llmeff.carbon.*`` tags.
+
+        Args:
+            energy_source: the ``llmeff.energy.source`` of the energy passed to :meth:`kg_co2e`,
+                so the tag says which energy the kg figure covers.
+        """
+        t = {names.CARBON_SOURCE: self.source}
+        if self.intensity_g_per_kwh is not None:
+            t[names.CARBON_INTENSITY] = f"{self.intensity_g_per_kwh:g}"
+            if energy_source and energy_source != "none":
+                t[names.CARBON_ENERGY_BASIS] = (
+                    f"carbon/total_kg_co2e = energy/total_kwh (measured, {energy_source}) x carbon.intensity_g_per_kwh / 1000"
+                )
+            else:
+                t[names.CARBON_ENERGY_BASIS] = "no measured energy: carbon/total_kg_co2e not logged"
+        if self.estimate is not None:
+            t[names.CARBON_ESTIMATE_METHOD] = self.estimate.describe()
+        elif self.why:
+            t[names.CARBON_ESTIMATE_METHOD] = f"none: {self.why}"
+        return t

@@ -1,0 +1,170 @@
+"""Carbon: codecarbon for real, offline, on CPU: no network, no file, no stop from a stale lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+import pytest
+
+from mlflow_llmeff import names
+from mlflow_llmeff.carbon import CarbonTracker, grid_intensity_g_per_kwh
+
+# codecarbon 3.3's global_energy_mix.json: USA carbon_intensity 369.473 g/kWh (2023 data),
+# FRA 56.039; cloud/impact.csv: gcp us-central1 430 g/kWh (Google region data).
+USA_G_PER_KWH = 369.473
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Fail the test on any attempt to open a connection or resolve a name."""
+    attempts: list[object] = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    return attempts
+
+
+@pytest.fixture
+def tmp_cwd(tmp_path, monkeypatch):
+    d = tmp_path / "cwd"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d
+
+
+@pytest.fixture
+def planted_lock(tmp_path, monkeypatch):
+    """A lock file left by a crashed codecarbon run, where codecarbon 3.3 looks for it.
+
+    codecarbon 3.3 keeps its lock at ``os.path.join(tempfile.gettempdir(), ".codecarbon.lock")``
+    (module constant ``codecarbon.lock.LOCKFILE``, i.e. /tmp/.codecarbon.lock). The test points
+    that constant at its own tmp dir so it does not disturb other codecarbon users on the machine.
+    """
+    import codecarbon.lock
+
+    lock = tmp_path / ".codecarbon.lock"
+    lock.write_text("")
+    monkeypatch.setattr(codecarbon.lock, "LOCKFILE", str(lock))
+    return lock
+
+
+def test_codecarbon_runs_for_real_offline_with_no_network_and_no_file(tmp_cwd, no_network, planted_lock):
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    ct = CarbonTracker(country_iso_code="USA", env={})
+    ct.start()
+    assert ct.why is None, ct.why
+    assert ct._tracker is not None  # started despite the stale lock
+    sum(i * i for i in range(200_000))  # a little CPU work
+    ct.stop()
+    assert no_network == []
+    assert os.listdir(tmp_cwd) == []  # no emissions.csv, no lock, nothing
+    assert planted_lock.exists()  # not ours to remove
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    assert ct.intensity_g_per_kwh == pytest.approx(USA_G_PER_KWH, rel=1e-12)
+    assert ct.source.startswith("codecarbon 3.") and "offline, country=USA" in ct.source
+    est = ct.estimate
+    assert est is not None and est.cpu_kwh >= 0 and est.ram_kwh > 0 and est.duration_s > 0
+    m = ct.metrics(measured_kwh=None)
+    assert names.CARBON_TOTAL_KG not in m  # an estimate is never reported as the measurement
+    assert m[names.ENERGY_ESTIMATE_RAM_KWH] == est.ram_kwh
+    assert m[names.CARBON_ESTIMATE_KG] == pytest.approx(est.kwh * USA_G_PER_KWH / 1000, rel=1e-12)
+    tags = ct.tags(energy_source="none")
+    assert tags[names.CARBON_ESTIMATE_METHOD].startswith("codecarbon estimate, tracking_mode=machine: CPU by ")
+    assert tags[names.CARBON_INTENSITY] == "369.473"
+
+
+def test_planted_lock_is_where_codecarbon_looks(tmp_cwd, planted_lock, monkeypatch):
+    """Sanity check of the fixture: codecarbon with its lock enabled refuses to run."""
+    from codecarbon import OfflineEmissionsTracker
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # codecarbon's Lock() would install handlers
+    t = OfflineEmissionsTracker(country_iso_code="USA", output_methods=[], allow_multiple_runs=False, log_level="critical")
+    assert t._another_instance_already_running
+
+
+def test_kg_co2e_is_our_measured_kwh_times_codecarbons_intensity():
+    ct = CarbonTracker(country_iso_code="USA", env={"LOCAL_RANK": "1"})  # rank 1: intensity only
+    ct.start()
+    assert ct._tracker is None and "local rank 0 only" in ct.why
+    assert ct.kg_co2e(1.0) == pytest.approx(0.369473, rel=1e-12)
+    assert ct.kg_co2e(2.5) == pytest.approx(2.5 * 0.369473, rel=1e-12)
+    m = ct.metrics(measured_kwh=2.5, tokens=500_000_000)
+    assert m[names.CARBON_TOTAL_KG] == pytest.approx(0.9236825, rel=1e-12)
+    assert m[names.SUM_KG_CO2E_PER_BTOK] == pytest.approx(1.847365, rel=1e-12)
+    assert "measured, nvml_counter" in ct.tags(energy_source="nvml_counter")[names.CARBON_ENERGY_BASIS]
+
+
+def test_intensity_agrees_with_codecarbons_own_emissions_for_the_same_energy():
+    from codecarbon.core.emissions import Emissions
+    from codecarbon.core.units import Energy
+    from codecarbon.external.geography import GeoMetadata
+    from codecarbon.input import DataSource
+
+    g, src = grid_intensity_g_per_kwh(country_iso_code="FRA")
+    kg = Emissions(DataSource()).get_private_infra_emissions(Energy.from_energy(kWh=3.0), GeoMetadata(country_iso_code="FRA"))
+    assert 3.0 * g / 1000 == pytest.approx(kg, rel=1e-12)
+    assert "country=FRA" in src
+
+
+@pytest.mark.parametrize(
+    "provider, region, expected_g, in_source",
+    [
+        ("gcp", "us-central1", 430.0, "cloud=gcp/us-central1 (cloud/impact.csv"),
+        ("gcp", "mars-north1", USA_G_PER_KWH, "not in cloud/impact.csv, so country=USA"),
+    ],
+)
+def test_cloud_region_intensity(provider, region, expected_g, in_source):
+    g, src = grid_intensity_g_per_kwh(country_iso_code="USA", cloud_provider=provider, cloud_region=region)
+    assert g == pytest.approx(expected_g, rel=1e-12)
+    assert in_source in src
+
+
+def test_unknown_country_uses_world_average_and_says_so():
+    g, src = grid_intensity_g_per_kwh(country_iso_code="XXX")
+    assert g > 0 and "world average (country 'XXX' not in" in src
+
+
+def test_missing_codecarbon_disables_carbon_with_a_reason(monkeypatch):
+    for mod in [m for m in sys.modules if m == "codecarbon" or m.startswith("codecarbon.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "codecarbon", None)  # import codecarbon -> ImportError
+    ct = CarbonTracker(env={})
+    ct.start()
+    ct.stop()
+    assert ct.intensity_g_per_kwh is None and ct.kg_co2e(1.0) is None
+    assert ct.source.startswith("none: codecarbon is not installed")
+    assert ct.metrics(measured_kwh=1.0) == {}
+    assert ct.tags() == {names.CARBON_SOURCE: ct.source, names.CARBON_ESTIMATE_METHOD: f"none: {ct.why}"}
+
+
+def test_tracker_that_fails_to_start_leaves_intensity_and_says_why(tmp_cwd, monkeypatch):
+    from codecarbon.emissions_tracker import BaseEmissionsTracker
+
+    def boom(self):
+        raise RuntimeError("no hardware")
+
+    # codecarbon's start() swallows this; CarbonTracker must notice it never started
+    monkeypatch.setattr(BaseEmissionsTracker, "_ensure_hardware_ready", boom)
+    ct = CarbonTracker(env={})
+    ct.start()
+    ct.stop()
+    assert ct._tracker is None and ct.estimate is None
+    assert "tracker failed to start" in ct.why
+    assert ct.kg_co2e(1.0) == pytest.approx(0.369473, rel=1e-12)
+    assert os.listdir(tmp_cwd) == []
+
+
+def test_disabled_tracker_reports_none():
+    ct = CarbonTracker(enabled=False)
+    ct.start()
+    assert ct.source == "none: carbon tracking disabled (measure_energy=none)"
+    assert ct.kg_co2e(1.0) is None
