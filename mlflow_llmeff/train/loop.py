@@ -209,7 +209,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
     accelerator.register_for_checkpointing(scheduler)
 
     # ---- resume ------------------------------------------------------------------------------
-    state = None
+    state, load_s = None, 0.0
     if cfg.checkpoint_dir and cfg.resume == "auto":
         found = ckpt.latest(cfg.checkpoint_dir)
         if found:
@@ -217,13 +217,15 @@ def run_training(cfg: TrainConfig) -> dict | None:
             if state["world_size"] != world:
                 raise ValueError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
                                  f"{world}; resume with num_processes={state['world_size']} or resume=never")
-            with account.measure("checkpoint_load"):
-                accelerator.load_state(path)
+            account.load_state_dict(state["account"])
+            t_load = time.perf_counter()
+            accelerator.load_state(path)
+            load_s = time.perf_counter() - t_load
+            account.add("checkpoint_load", load_s)
     start_step = int(state["step"]) if state else 0
     meter = ThroughputMeter(num_devices=world, warmup_steps=cfg.warmup_steps, start_step=start_step)
     if state:
         meter.load_state_dict(state["meter"])
-        account.load_state_dict(state["account"])
     attempts = (int(state["attempts"]) + 1) if state else 1
 
     # ---- FLOPs and peak ------------------------------------------------------------------------
@@ -296,7 +298,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
     if world > 1:
         broadcast_object_list(replay_until)
     replay_until = replay_until[0]
-    account.add("init", time.perf_counter() - t_init - account.seconds["checkpoint_load"])
+    account.add("init", time.perf_counter() - t_init - load_s)
 
     # ---- train ------------------------------------------------------------------------------------
     from tqdm.auto import tqdm

@@ -1,0 +1,133 @@
+"""End-to-end training runs on CPU with a real MLflow store (tiny model, real text)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from mlflow_llmeff import names
+from mlflow_llmeff.train.config import TrainConfig
+from mlflow_llmeff.train.loop import KILL_AT_STEP_ENV, run_training
+
+from conftest import REPO
+
+INTERVAL_KEYS = [names.TRAIN_LOSS, names.TRAIN_LR, names.TRAIN_TOKENS, names.TRAIN_PADDED_TOKENS,
+                 names.TRAIN_LOSS_TOKENS, names.TRAIN_STEP_TIME_S, names.TPUT_TOKENS, names.TPUT_SAMPLES,
+                 names.TPUT_DEVICE_TOKENS, names.TPUT_DEVICE_TFLOPS, names.MEM_MAX_ALLOC, names.MEM_MAX_RESERVED,
+                 names.EVAL_VAL_LOSS, names.EVAL_VAL_PPL]
+SUMMARY_KEYS = [names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TOKENS_PER_SEC, names.SUM_DEVICE_TFLOPS,
+                names.SUM_STEP_TIME_S, names.SUM_BYTES_PER_PARAM, names.SUM_MODEL_STATE_BYTES_PER_PARAM,
+                names.SUM_GOODPUT, names.SUM_WALL_S, names.SUM_TOKENS, names.SUM_STEPS, *names.SUM_BADPUT.values()]
+CONDITION_TAGS = [names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.ACCEL_GENERATION, names.NODES,
+                  names.PAR_STRATEGY, names.PAR_DP, names.PRECISION, names.MODEL_NAME, names.MODEL_PARAMS,
+                  names.MODEL_NON_EMB_PARAMS, names.MODEL_LAYERS, names.MODEL_HIDDEN, names.SEQ_LEN,
+                  names.MICRO_BATCH_SIZE, names.GRAD_ACCUM, names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT,
+                  names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE, names.V_MLFLOW,
+                  names.V_LLMEFF, names.FLOPS_FORMULA, names.PEAK_SOURCE, names.DATASET_KIND, names.MEMORY_SOURCE]
+
+
+def only_run():
+    runs = mlflow.MlflowClient().search_runs([e.experiment_id for e in mlflow.search_experiments()])
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return runs[0]
+
+
+def history(run, key):
+    return sorted((m.step, m.value) for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key))
+
+
+def env_for(tracking_uri):
+    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri, OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_RUN_ID", None)
+    return env
+
+
+@pytest.mark.slow
+def test_readme_command_gives_one_finished_run_with_every_key(tracking_uri, tmp_path):
+    # The README's first command, as a user runs it (defaults: llama-tiny on built-in real text).
+    r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "--env-manager", "local",
+                        "-P", "model=llama-tiny"], cwd=tmp_path, env=env_for(tracking_uri),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    for key in INTERVAL_KEYS + SUMMARY_KEYS:
+        assert key in run.data.metrics, key
+        assert math.isfinite(run.data.metrics[key]), key
+    for tag in CONDITION_TAGS:
+        assert run.data.tags.get(tag), tag
+    assert run.data.tags[names.ACCEL_SHORT] == "cpu"
+    assert run.data.tags[names.PAR_STRATEGY] == "single"
+    assert run.info.run_name == "llama-tiny-cpu-1x-single-fp32"
+    # 50 steps x 8 sequences x 128 packed tokens, no padding
+    assert run.data.metrics[names.TRAIN_TOKENS] == 50 * 8 * 128 == run.data.metrics[names.SUM_TOKENS]
+    assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(5, 51, 5))
+    exp = mlflow.MlflowClient().get_experiment(run.info.experiment_id)
+    assert exp.tags[names.EXPERIMENT_KIND_TAG] == names.EXPERIMENT_KIND_VALUE
+
+
+@pytest.mark.slow
+def test_loss_falls_on_shared_shakespeare(tracking_uri, shared_data):
+    corpus = str(shared_data / "corpus" / "tinyshakespeare.txt")
+    run_training(TrainConfig(dataset=corpus, max_steps=40, log_every_n_steps=5, learning_rate=3e-3))
+    loss = history(only_run(), names.TRAIN_LOSS)
+    assert loss[-1][1] < loss[0][1] - 1.0, loss  # bytes: ~5.5 nats at init, well under 4.5 after 40 steps
+
+
+def test_padding_and_grad_accum_token_counts_hand_computed(tracking_uri, tmp_path):
+    # 40 documents "abcd": 4 bytes + EOS = 5 real tokens, padded to seq_len 8.
+    p = tmp_path / "docs.txt"
+    p.write_text("\n\n".join(["abcd"] * 40))
+    out = run_training(TrainConfig(dataset=str(p), packing=False, seq_len=8, micro_batch_size=2, grad_accum=2,
+                                   max_steps=6, log_every_n_steps=3, warmup_steps=1, val_fraction=0.1))
+    run = only_run()
+    # per step: 2 micro-batches x 2 sequences = 4 sequences -> 20 real, 32 padded, 4 x 4 = 16 loss tokens
+    assert history(run, names.TRAIN_TOKENS) == [(3, 60.0), (6, 120.0)]
+    assert history(run, names.TRAIN_PADDED_TOKENS) == [(3, 96.0), (6, 192.0)]
+    assert history(run, names.TRAIN_LOSS_TOKENS) == [(3, 48.0), (6, 96.0)]
+    s = out["summary"]
+    # steady state = steps 2..6 (warm-up step 1 excluded): 100 tokens over their measured time
+    assert s[names.SUM_TOKENS_PER_SEC] == pytest.approx(100 / (5 * s[names.SUM_STEP_TIME_S]))
+    assert s[names.SUM_TOKENS] == 120
+    # fp32 AdamW: 4 (weights) + 4 (gradients) + 8 (two moments) bytes per parameter
+    assert s[names.SUM_MODEL_STATE_BYTES_PER_PARAM] == 16.0
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "train", "--num-processes", "2", "--max-steps", "9",
+                        "--log-every-n-steps", "3", "--seq-len", "64", "--micro-batch-size", "4"],
+                       cwd=tmp_path, env=env_for(tracking_uri), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = only_run()
+    assert run.data.tags[names.ACCEL_COUNT] == "2" and run.data.tags[names.PAR_STRATEGY] == "ddp"
+    # 2 ranks x 4 sequences x 64 tokens = 512 tokens per step, each logged step exactly once
+    assert history(run, names.TRAIN_TOKENS) == [(3, 1536.0), (6, 3072.0), (9, 4608.0)]
+    for key in (names.TRAIN_LOSS, names.TPUT_TOKENS):
+        steps = [s for s, _ in history(run, key)]
+        assert len(steps) == len(set(steps))
+    assert run.info.run_name == "llama-tiny-cpu-2x-ddp-fp32"
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_into_the_same_run(tracking_uri, tmp_path):
+    args = [sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", "40", "--log-every-n-steps", "1",
+            "--seq-len", "32", "--micro-batch-size", "4", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--checkpoint-every", "5"]
+    env = env_for(tracking_uri)
+    first = subprocess.run(args, cwd=tmp_path, env={**env, KILL_AT_STEP_ENV: "22"}, capture_output=True, timeout=600)
+    assert first.returncode == -9  # SIGKILL after step 22; last checkpoint at step 20
+    second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[names.RESUMED_FROM] == "20" and run.data.tags[names.RESUME_ATTEMPTS] == "2"
+    tokens = history(run, names.TRAIN_TOKENS)
+    assert [s for s, _ in tokens] == list(range(1, 41))           # each step once
+    assert [v for _, v in tokens] == [128.0 * s for s in range(1, 41)]  # counters continuous
+    assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(1, 41))
