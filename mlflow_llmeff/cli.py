@@ -205,3 +205,20 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
             json.dump(result.to_dict(), f, indent=1)
     if log_to_mlflow(result):
         click.echo("logged to the active MLflow run")
+
+
+# ---- plan command (dry run: parameters, FLOPs, memory per device, predictions)
+@main.command("plan")
+@_train_options
+@click.option("--accelerator", "accelerator_short", default=None,
+              help="plan for this accelerator short name (e.g. H100-SXM); default: this machine's")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
+    """Plan a run without training: parameters, FLOPs/step, memory per device, predicted time and cost."""
+    from .train.config import TrainConfig
+    from .train.launch import dry_run
+
+    try:
+        raise SystemExit(dry_run(TrainConfig(**kwargs), accelerator_short=accelerator_short, as_json=as_json))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None

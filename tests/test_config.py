@@ -24,6 +24,8 @@ def check(**kw):
     (dict(precision="fp16"), r"precision='fp16' needs a CUDA device .*accepted on CPU: fp32, bf16"),
     (dict(parallelism="fsdp"), r"parallelism='fsdp' needs CUDA devices \(FSDP does not run on CPU\)"),
     (dict(resume="yes"), r"resume='yes' is not accepted; use one of: auto, never"),
+    (dict(measure_energy="ipmi"), r"measure_energy='ipmi' is not accepted; use one of: auto, nvml, rapl, none"),
+    (dict(device_hour_usd=-1.0), r"device_hour_usd=-1.0 must be >= 0 USD"),
 ])
 def test_bad_settings_raise_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -51,6 +53,14 @@ def test_cli_prints_one_line_error_without_traceback():
     assert "Traceback" not in r.stderr
     err = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert err == [err[0]] and "unknown model 'llama-99b'" in err[0]
+
+
+def test_mlproject_file_is_generated_from_train_config():
+    import pathlib
+
+    from mlflow_llmeff.train.config import render_mlproject
+
+    assert (pathlib.Path(__file__).parents[1] / "MLproject").read_text() == render_mlproject()
 
 
 def test_mlproject_parameters_match_train_config():

@@ -131,3 +131,24 @@ def test_killed_run_resumes_into_the_same_run(tracking_uri, tmp_path):
     assert [s for s, _ in tokens] == list(range(1, 41))           # each step once
     assert [v for _, v in tokens] == [128.0 * s for s in range(1, 41)]  # counters continuous
     assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(1, 41))
+
+
+def test_cpu_run_logs_cost_identity_and_never_reports_an_estimate_as_measured(tracking_uri):
+    out = run_training(TrainConfig(max_steps=6, log_every_n_steps=3, seq_len=32, micro_batch_size=2,
+                                   device_hour_usd=2.5))
+    run = only_run()
+    m, tags = run.data.metrics, run.data.tags
+    # cost = price x devices x wall hours, per 1e9 tokens, with the run's own wall_s and tokens
+    assert m[names.SUM_USD_PER_BTOK] == pytest.approx(2.5 * 1 * m[names.SUM_WALL_S] / 3600 / m[names.SUM_TOKENS] * 1e9)
+    assert tags[names.COST_SOURCE] == "user (device_hour_usd)" and tags[names.COST_DEVICE_HOUR_USD] == "2.5"
+    assert history(run, names.COST_TOTAL_USD)[-1][0] == 6
+    if tags[names.ENERGY_SOURCE] in ("rapl",):  # a machine with readable RAPL measures the CPU package
+        assert m[names.ENERGY_TOTAL_KWH] > 0
+    else:  # no counter here: the estimate is kept apart and tagged, nothing is reported as measured
+        assert tags[names.ENERGY_SOURCE] in ("codecarbon_estimate", "none")
+        assert names.ENERGY_TOTAL_KWH not in m and names.CARBON_TOTAL_KG not in m
+        assert names.SUM_J_PER_TOKEN not in m
+        if tags[names.ENERGY_SOURCE] == "codecarbon_estimate":
+            assert m[names.CARBON_ESTIMATE_KG] > 0 and "estimate" in tags[names.ENERGY_WHY]
+    assert float(tags[names.CARBON_INTENSITY]) > 0
+    assert out["summary"][names.SUM_TOKENS] == 6 * 2 * 32

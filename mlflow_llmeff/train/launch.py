@@ -37,6 +37,8 @@ def launch(cfg: TrainConfig) -> int:
     """
     import torch
 
+    if cfg.dry_run:
+        return dry_run(cfg)
     validate(cfg)
     if cfg.num_processes == 1:
         from .loop import run_training
@@ -45,3 +47,45 @@ def launch(cfg: TrainConfig) -> int:
         return 0
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
     return subprocess.run(cmd, env=env).returncode
+
+
+def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: bool = False) -> int:
+    """Print the plan (no training, no weights): parameters, FLOPs, memory, predictions.
+
+    Works on a CPU machine for any preset (the model is built on the meta device). Planning for
+    an accelerator other than this machine's (``accelerator_short``, e.g. ``H100-SXM``) resolves
+    ``precision=auto`` as bf16 there. Under ``mlflow run`` the plan is logged to the run as
+    ``plan/*`` metrics and the tag ``llmeff.dry_run=true``.
+    """
+    import json as _json
+
+    import mlflow
+
+    from .. import hardware as hw
+    from ..cost import device_hour_price
+    from ..plan import format_plan, make_plan
+    from .config import resolve_precision, resolve_strategy
+
+    if accelerator_short is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        accelerator_short = hw.detect_accelerator(count=cfg.num_processes).short
+        bf16 = torch.cuda.is_bf16_supported() if cuda else True
+    else:
+        cuda, bf16 = accelerator_short.lower() != "cpu", True
+    validate(cfg, cuda_available=cuda, bf16_supported=bf16)
+    precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
+    strategy = resolve_strategy(cfg, cfg.num_processes)
+    price, _ = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
+    plan = make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy,
+                     client=mlflow.MlflowClient(), device_hour_usd=price)
+    print(_json.dumps(plan, indent=1) if as_json else format_plan(plan))
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if run_id:
+        client = mlflow.MlflowClient()
+        client.set_tag(run_id, "llmeff.dry_run", "true")
+        for k, v in plan.items():
+            if isinstance(v, (int, float)):
+                client.log_metric(run_id, f"plan/{k}", float(v))
+    return 0

@@ -17,6 +17,7 @@ import time
 from contextlib import nullcontext
 
 from .. import names
+from ..energy import EnergyReading, make_meter, sum_over_ranks
 from ..goodput import TimeAccount, goodput
 from ..throughput import Counts, ThroughputMeter
 from ..tracking.logger import NullLogger, RunLogger, default_run_name, ensure_experiment_kind
@@ -238,6 +239,31 @@ def run_training(cfg: TrainConfig) -> dict | None:
     def model_flops_per_token(s: float, convention: str = "megatron") -> float:
         return fl.flops_per_token(model_config, s, convention)
 
+    measured_peak, measured_peak_note = None, ""
+    try:  # cached per device and dtype after the first measurement (llmeff peak)
+        measured_peak = hw.measure_matmul_peak("fp32" if precision == "fp32" else precision, str(device))
+        measured_peak_note = f"{measured_peak:.4g}"
+    except Exception as e:  # noqa: BLE001 - an unmeasurable peak leaves mfu_measured_peak out, with the reason
+        measured_peak_note = f"unknown: {type(e).__name__}: {e}"
+
+    # ---- energy, carbon, cost -----------------------------------------------------------------
+    from ..carbon import CarbonTracker
+    from ..cost import cost_tags, device_hour_price
+
+    energy = _EnergyBook(make_meter(cfg.measure_energy, device_indices=[device.index or 0] if device.type == "cuda" else None),
+                         world, prior_j=float(state.get("energy_j", 0.0)) if state else 0.0)
+    carbon = CarbonTracker(country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
+                           cloud_region=cfg.cloud_region or None, enabled=cfg.measure_energy != "none")
+    price, price_source = device_hour_price(accel.short, cfg.device_hour_usd or None)
+    usd_per_kwh = cfg.usd_per_kwh or None
+
+    def cost_usd(wall_s: float, kwh: float | None) -> float | None:
+        if price is None:
+            return None
+        from ..cost import total_cost_usd
+
+        return total_cost_usd(device_hour_usd=price, devices=world, wall_s=wall_s, kwh=kwh or 0.0, usd_per_kwh=usd_per_kwh)
+
     # ---- MLflow run (main process only) ----------------------------------------------------
     logger: NullLogger = NullLogger()
     run_id = None
@@ -284,7 +310,10 @@ def run_training(cfg: TrainConfig) -> dict | None:
             names.WARMUP_STEPS: str(cfg.warmup_steps), names.WARMUP_NOTE: WARMUP_NOTE,
             names.DATASET: cfg.dataset, names.DATASET_KIND: data.kind, names.TOKENIZER: tokenizer_name(cfg.model),
             names.GIT_COMMIT: _git_commit(), names.RESUME_ATTEMPTS: str(attempts),
+            names.PEAK_MEASURED_TFLOPS: measured_peak_note,
+            names.ENERGY_SOURCE: energy.source, names.ENERGY_WHY: energy.why or "measured",
         })
+        tags.update(cost_tags(price, price_source, usd_per_kwh))
         if state:
             tags[names.RESUMED_FROM] = str(start_step)
         if changed:
@@ -312,6 +341,8 @@ def run_training(cfg: TrainConfig) -> dict | None:
     last_boundary = start_step
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
     model.train()
+    carbon.start()
+    energy.start(meter.total.tokens)
     sync()
     meter.begin()
     t_replay0 = time.perf_counter()
@@ -394,6 +425,13 @@ def run_training(cfg: TrainConfig) -> dict | None:
                                 names.TPUT_DEVICE_TFLOPS: tflops, names.TPUT_DEVICE_MFU: fl.utilization(tflops, peak)})
                 if hw_flops_per_step is not None:
                     metrics[names.TPUT_DEVICE_HFU] = fl.utilization(hw_flops_per_step / rates.step_time_s / 1e12, peak)
+            e = energy.interval(accelerator, meter.total.tokens)
+            if e is not None:
+                metrics.update(e)
+                kg = carbon.kg_co2e(e[names.ENERGY_TOTAL_KWH])
+                if kg is not None:
+                    metrics[names.CARBON_TOTAL_KG] = kg
+            metrics[names.COST_TOTAL_USD] = cost_usd(account.wall_s(), energy.total_kwh)
             if step > replay_until:
                 logger.log_metrics(metrics, step)
             if main:
@@ -405,7 +443,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
                 logger.log_metrics({names.EVAL_VAL_LOSS: vl, names.EVAL_VAL_PPL: math.exp(min(vl, 700))}, step)
         if ckpt_now:
             with account.measure("checkpoint_save"):
-                _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world)
+                _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world, energy.total_j)
         bar.update(1)
         if kill_at and step == kill_at and main:
             if isinstance(logger, RunLogger):
@@ -416,8 +454,34 @@ def run_training(cfg: TrainConfig) -> dict | None:
     # ---- summary --------------------------------------------------------------------------------
     summary = _summary(cfg, meter, account, model, optimizer, device, world, peak, model_flops_per_token,
                        hw_flops_per_step, accelerator)
+    energy.interval(accelerator, meter.total.tokens)  # final reading (a collective: every rank)
+    energy.close()
+    carbon.stop()
+    if measured_peak and names.SUM_DEVICE_TFLOPS in summary:
+        summary[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(summary[names.SUM_DEVICE_TFLOPS], measured_peak)
+    tokens = meter.total.tokens
+    if energy.measures and tokens:
+        kwh = energy.total_kwh
+        summary[names.ENERGY_TOTAL_KWH] = kwh
+        summary[names.SUM_J_PER_TOKEN] = energy.total_j / tokens
+        summary[names.SUM_KWH_PER_BTOK] = kwh * 1e9 / tokens
+        if names.SUM_DEVICE_TFLOPS in summary and energy.avg_device_power_w:
+            summary[names.SUM_TFLOPS_PER_W] = summary[names.SUM_DEVICE_TFLOPS] / energy.avg_device_power_w
+    summary.update(carbon.metrics(measured_kwh=energy.total_kwh if energy.measures else None, tokens=tokens))
+    total_usd = cost_usd(summary[names.SUM_WALL_S], energy.total_kwh)
+    if total_usd is not None and tokens:
+        summary[names.COST_TOTAL_USD] = total_usd
+        summary[names.SUM_USD_PER_BTOK] = total_usd * 1e9 / tokens
     if main:
-        logger.set_tags({names.MEMORY_SOURCE: _peak_memory_gib(device)[2], "llmeff.hfu.method": hfu_note})
+        end_tags = {names.MEMORY_SOURCE: _peak_memory_gib(device)[2], "llmeff.hfu.method": hfu_note,
+                    **carbon.tags(energy_source=energy.source if energy.measures else None)}
+        if energy.measures:
+            end_tags[names.ENERGY_SOURCE] = energy.source
+        elif carbon.estimate is not None:
+            end_tags[names.ENERGY_SOURCE] = "codecarbon_estimate"
+            end_tags[names.ENERGY_WHY] = (f"no measured energy ({energy.why}); only codecarbon's CPU/RAM estimate is "
+                                          f"logged, under energy/estimate/* and carbon/estimate_kg_co2e")
+        logger.set_tags(end_tags)
         logger.log_metrics(summary, cfg.max_steps)
         warn = fl.mfu_warning(summary.get(names.SUM_MFU))
         if warn:
@@ -427,6 +491,68 @@ def run_training(cfg: TrainConfig) -> dict | None:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"run_id": run_id, "summary": summary} if main else None
+
+
+class _EnergyBook:
+    """Energy of every rank's own devices, gathered at logged steps and summed on the main process.
+
+    Each rank reads only its own meter (``make_meter`` resolves the devices it owns); readings are
+    gathered with ``gather_object`` (a collective: every rank calls :meth:`interval`) and summed
+    by device id, so nothing is counted twice. ``prior_j`` carries the energy of earlier attempts.
+    """
+
+    def __init__(self, meter, world: int, prior_j: float = 0.0) -> None:
+        self.meter, self.world, self.prior_j = meter, world, prior_j
+        self.source, self.why = meter.source, meter.why
+        self.total_j, self._last_j, self._last_t, self._last_tokens = prior_j, 0.0, 0.0, None
+        self.measures = False
+        self.devices = 0
+        self._elapsed = 0.0
+
+    def start(self, tokens: int) -> None:
+        self._last_tokens = tokens
+        self.meter.start()
+
+    def close(self) -> None:
+        self.meter.close()
+
+    @property
+    def total_kwh(self) -> float:
+        return self.total_j / 3.6e6
+
+    @property
+    def avg_device_power_w(self) -> float | None:
+        if not self.devices or self._elapsed <= 0:
+            return None
+        return (self.total_j - self.prior_j) / self._elapsed / self.devices
+
+    def interval(self, accelerator, tokens: int) -> dict[str, float] | None:
+        """Gather readings; returns the interval's energy metrics on the main process, else None."""
+        mine = {"reading": self.meter.read().as_dict(), "devices": self.meter.num_devices if self.meter.measures else 0,
+                "source": self.meter.source}
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            allr = gather_object([mine])
+        else:
+            allr = [mine]
+        self.devices = sum(r["devices"] for r in allr)
+        if self.devices == 0:
+            return None
+        self.measures = True
+        self.source = next(r["source"] for r in allr if r["devices"])
+        total = sum_over_ranks(EnergyReading.from_dict(r["reading"]) for r in allr if r["devices"])
+        self._elapsed = total.elapsed_s
+        self.total_j = self.prior_j + total.joules
+        dj, dt = total.joules - self._last_j, total.elapsed_s - self._last_t
+        dtok = tokens - self._last_tokens if self._last_tokens is not None else None
+        self._last_j, self._last_t, self._last_tokens = total.joules, total.elapsed_s, tokens
+        out = {names.ENERGY_TOTAL_KWH: self.total_kwh}
+        if dt > 0:
+            out[names.ENERGY_DEVICE_AVG_POWER_W] = dj / dt / self.devices
+        if dtok:
+            out[names.ENERGY_J_PER_TOKEN] = dj / dtok
+        return out
 
 
 def _validation_loss(accelerator, model, val, micro_batch_size: int, world: int, rank: int) -> float:
@@ -450,13 +576,13 @@ def _validation_loss(accelerator, model, val, micro_batch_size: int, world: int,
     return float(tot[0] / tot[1])
 
 
-def _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world) -> None:
+def _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world, energy_j) -> None:
     path = ckpt.step_dir(cfg.checkpoint_dir, step)
     accelerator.save_state(path)
     if accelerator.is_main_process:
         ckpt.write_state(path, {"step": step, "run_id": run_id, "meter": meter.state_dict(),
                                 "account": account.state_dict(), "attempts": attempts, "world_size": world,
-                                "params": cfg.to_params()})
+                                "energy_j": energy_j, "params": cfg.to_params()})
         ckpt.prune(cfg.checkpoint_dir, cfg.checkpoint_keep)
     accelerator.wait_for_everyone()
 

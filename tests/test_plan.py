@@ -1,0 +1,64 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlflow_llmeff.flops import ModelShape
+from mlflow_llmeff.plan import activation_bytes, model_state_bytes
+
+from conftest import REPO
+
+
+@pytest.mark.parametrize("strategy, expected", [
+    ("ddp", (400, 400, 800)),              # 4 + 4 + 8 bytes per parameter, replicated
+    ("fsdp", (100, 100, 200)),             # everything / dp
+    ("deepspeed_zero1", (200, 200, 300)),  # 16-bit weights and grads, 12 B of fp32 state / dp
+    ("deepspeed_zero2", (200, 50, 300)),
+    ("deepspeed_zero3", (50, 50, 300)),
+])
+def test_model_state_bytes_by_strategy(strategy, expected):
+    assert model_state_bytes(100, strategy, dp=4) == expected
+
+
+def test_activation_bytes_hand_computed():
+    # h=8, n=2, g=1, d=4 -> hq=8, hk=4; gated MLP f=16; L=2; V=10; s=4, b=2 (8 tokens)
+    shape = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10)
+    # per token per layer: attention 2*8 + 2*8 + 4*4 + 2*8 = 64; MLP 2*8 + 6*16 = 112; norms 32 -> 208 B
+    full, ckpt = activation_bytes(shape, 4, 2, precision="bf16")
+    assert full == 208 * 8 * 2 + 4 * 10 * 8            # + fp32 logits
+    assert ckpt == 2 * 8 * 8 * 2 + 208 * 8 + 4 * 10 * 8  # layer inputs + one layer recomputed + logits
+    full32, _ = activation_bytes(shape, 4, 2, precision="fp32")
+    assert full32 == 2 * 208 * 8 * 2 + 4 * 10 * 8
+    eager, _ = activation_bytes(shape, 4, 2, eager_attention=True)
+    assert eager == full + 2 * 2 * 4 * 8 * 2          # softmax output 2*n*s per token per layer
+
+
+def test_unknown_strategy_rejected():
+    with pytest.raises(ValueError, match="strategy='tp' is not accepted"):
+        model_state_bytes(1, "tp", 1)
+
+
+@pytest.mark.slow
+def test_dry_run_of_llama_7b_works_on_cpu(tracking_uri, tmp_path):
+    import mlflow
+
+    r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "--env-manager", "local",
+                        "-P", "model=llama-7b", "-P", "dry_run=true"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "6,738,415,616" in r.stdout  # Llama-2-7B parameters, built on the meta device
+    run = mlflow.MlflowClient().search_runs(["0"])[0]
+    assert run.data.tags["llmeff.dry_run"] == "true"
+    assert run.data.metrics["plan/params_total"] == 6_738_415_616
+
+
+def test_plan_json_for_another_accelerator(tracking_uri):
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "plan", "--model", "llama-7b", "--seq-len", "4096",
+                        "--micro-batch-size", "1", "--num-processes", "8", "--parallelism", "fsdp",
+                        "--accelerator", "H100-SXM", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    assert plan["precision"] == "bf16" and plan["strategy"] == "fsdp"
+    assert plan["flops_per_token_megatron"] == pytest.approx(42.8637e9, rel=1e-5)  # METRICS.md reference
+    assert plan["memory_weights_gib"] == pytest.approx(6_738_415_616 * 4 / 8 / 2**30)
