@@ -19,7 +19,8 @@ from contextlib import nullcontext
 from .. import names
 from ..energy import EnergyReading, make_meter, sum_over_ranks
 from ..goodput import TimeAccount, goodput
-from ..throughput import Counts, ThroughputMeter
+from ..counting import BatchCounter
+from ..throughput import ThroughputMeter
 from ..tracking.logger import NullLogger, RunLogger, default_run_name, ensure_experiment_kind
 from . import checkpoint as ckpt
 from .config import TrainConfig, resolve_precision, resolve_strategy, validate
@@ -334,7 +335,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
 
     batches = _micro_batches(len(data.train), cfg.micro_batch_size, world, rank, cfg.seed, start_step * cfg.grad_accum)
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if main else True, unit="step", dynamic_ncols=True)
-    counts = torch.zeros(6, dtype=torch.int64, device=device)  # tokens, padded, loss_tokens, samples, sum_len_sq, steps
+    counter = BatchCounter(device)
     loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # sum of step losses, steps
     hw_flops_per_step = None
     hfu_note = "warmup_steps=0: no warm-up step to count hardware FLOPs on"
@@ -349,12 +350,12 @@ def run_training(cfg: TrainConfig) -> dict | None:
     for step in range(start_step + 1, cfg.max_steps + 1):
         lr = scheduler.get_last_lr()[0]
         count_flops = (step == start_step + 1 and cfg.warmup_steps > 0)
-        counter = None
+        flop_counter = None
         if count_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
-            counter = FlopCounterMode(display=False)
-        with counter if counter is not None else nullcontext():
+            flop_counter = FlopCounterMode(display=False)
+        with flop_counter if flop_counter is not None else nullcontext():
             for _ in range(cfg.grad_accum):
                 t0 = time.perf_counter()
                 idx = next(batches)
@@ -367,25 +368,19 @@ def run_training(cfg: TrainConfig) -> dict | None:
                         accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                mask = batch["attention_mask"]
-                lens = mask.sum(dim=1)
-                counts[0] += lens.sum()
-                counts[1] += mask.numel()
-                counts[2] += (batch["labels"][:, 1:] != -100).sum()
-                counts[3] += mask.shape[0]
-                counts[4] += (lens * lens).sum()
+                counter.add(batch["input_ids"], batch["attention_mask"], batch["labels"])
                 loss_sum[0] += out.loss.detach().double() / cfg.grad_accum
-        counts[5] += 1
         loss_sum[1] += 1
         scheduler.step()
-        if counter is not None:
-            hw_flops_per_step = float(counter.get_total_flops())
+        if flop_counter is not None:
+            hw_flops_per_step = float(flop_counter.get_total_flops())
             if cfg.attn_implementation == "sdpa" and device.type == "cpu":
                 # FlopCounterMode does not count CPU scaled-dot-product attention: add its FLOPs
                 # analytically (PaLM convention, full s x s score and value matmuls, fwd + bwd,
                 # x4/3 when checkpointing recomputes the forward).
-                s_eff = float(counts[4]) / max(1, float(counts[0]))
-                attn = fl.attention_flops_per_token(model_config, s_eff, "palm") * float(counts[0])
+                local_tokens, local_len_sq = counter.peek_tokens()
+                s_eff = local_len_sq / max(1, local_tokens)
+                attn = fl.attention_flops_per_token(model_config, s_eff, "palm") * local_tokens
                 hw_flops_per_step += attn * (4 / 3 if cfg.activation_checkpointing else 1)
                 hfu_note = "FlopCounterMode on the first step; CPU SDPA attention added analytically (palm, no causal discount)"
             else:
@@ -396,11 +391,8 @@ def run_training(cfg: TrainConfig) -> dict | None:
         eval_now = data.val is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps)
         if log_now or ckpt_now or eval_now or step == meter.warmup_end_step or step == replay_until:
             sync()
-            g = accelerator.reduce(counts, reduction="sum") if world > 1 else counts
-            g = g.tolist()
-            meter.add(Counts(steps=step - last_boundary, tokens=g[0], padded_tokens=g[1], loss_tokens=g[2],
-                             samples=g[3], sum_len_sq=g[4]))
-            counts.zero_()
+            meter.add(counter.take(step - last_boundary,
+                                   (lambda t: accelerator.reduce(t, reduction="sum")) if world > 1 else None))
             last_boundary = step
             if step == replay_until and state is not None and replay_until > start_step:
                 account.add("lost_progress", time.perf_counter() - t_replay0)
