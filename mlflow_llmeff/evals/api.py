@@ -1,0 +1,225 @@
+"""``evaluate()``: MMLU and HellaSwag accuracies of a causal LM, plus logging them to MLflow."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from mlflow_llmeff import names
+from mlflow_llmeff.evals import data, hellaswag, mmlu
+
+__all__ = ["EvalResult", "TASK_NAMES", "evaluate", "expand_tasks", "log_to_mlflow", "mlflow_metrics"]
+
+TASK_NAMES = ("mmlu", "hellaswag") + tuple(f"mmlu_{s}" for s in data.MMLU_SUBJECTS)
+# the keys METRICS.md fixes; other metrics are logged as "eval/<metric>"
+_STANDARD_KEYS = {"mmlu/acc": names.EVAL_MMLU_ACC, "hellaswag/acc": names.EVAL_HELLASWAG_ACC,
+                  "hellaswag/acc_norm": names.EVAL_HELLASWAG_ACC_NORM}
+
+
+@dataclass
+class EvalResult:
+    """Outcome of :func:`evaluate`.
+
+    Attributes:
+        metrics: ``{"mmlu/acc", "mmlu_<subject>/acc", "hellaswag/acc", "hellaswag/acc_norm"}`` as
+            fractions in [0, 1] (only those of the tasks asked for).
+        examples: one record per scored document: ``task``, ``doc_index`` (in the file, 0-based),
+            ``logliks`` (per choice, nats), ``gold``, ``pred``, ``correct``; HellaSwag also
+            ``pred_norm``, ``correct_norm``.
+        counts: documents scored per task (``mmlu_<subject>``, ``hellaswag``).
+        config: the settings used (tasks, num_fewshot, limit, batch_size, ...).
+        seconds: wall time of tokenization and scoring, data loading excluded (s).
+    """
+
+    metrics: dict[str, float]
+    examples: list[dict[str, Any]]
+    counts: dict[str, int]
+    config: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def examples_per_sec(self) -> float:
+        """Scored documents per second of :attr:`seconds`."""
+        return len(self.examples) / self.seconds if self.seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict: metrics, counts, config, seconds, examples."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """Plain-text table of the metrics (aggregates first, then subjects)."""
+        keys = sorted(self.metrics, key=lambda k: (k.startswith("mmlu_"), k))
+        width = max([len(k) for k in keys] + [6])
+        lines = [f"{'metric':<{width}}  value   n", f"{'-' * width}  ------  -----"]
+        for k in keys:
+            task = k.split("/")[0]
+            n = (sum(v for t, v in self.counts.items() if t.startswith("mmlu_")) if task == "mmlu"
+                 else self.counts.get(task, 0))
+            lines.append(f"{k:<{width}}  {self.metrics[k]:.4f}  {n}")
+        return "\n".join(lines)
+
+
+def expand_tasks(tasks: str | Sequence[str]) -> tuple[list[str], bool]:
+    """Task names -> (scored tasks: ``mmlu_<subject>``/``hellaswag``, whether the ``mmlu`` group was asked).
+
+    Raises:
+        ValueError: for an unknown task name, listing the accepted ones.
+    """
+    if isinstance(tasks, str):
+        tasks = [t for t in tasks.split(",")]
+    out: list[str] = []
+    group = False
+    for raw in tasks:
+        t = raw.strip()
+        if t == "mmlu":
+            group = True
+            out += [f"mmlu_{s}" for s in data.MMLU_SUBJECTS]
+        elif t in TASK_NAMES:
+            out.append(t)
+        else:
+            raise ValueError(f"task {raw!r} is not accepted; use mmlu, hellaswag or mmlu_<subject> with subject one of "
+                             f"{', '.join(data.MMLU_SUBJECTS)}")
+    if not out:
+        raise ValueError("tasks [] is empty; use mmlu, hellaswag or mmlu_<subject>")
+    return list(dict.fromkeys(out)), group
+
+
+def _first(docs: list, limit: int | float | None) -> list:
+    """The first ``limit`` documents, as the harness's ``--limit`` (a float < 1 is a fraction, rounded up)."""
+    if limit is None:
+        return docs
+    if limit <= 0:
+        raise ValueError(f"limit {limit} is not accepted; use a positive integer (or a fraction in (0, 1))")
+    n = math.ceil(len(docs) * limit) if limit < 1.0 else int(limit)
+    return docs[:n]
+
+
+def _argmax(values: Sequence[float]) -> int:
+    return max(range(len(values)), key=lambda i: (values[i], -i))  # first of ties, as numpy.argmax
+
+
+def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir: str | None = None,
+             num_fewshot: int = 0, limit: int | float | None = None, batch_size: int = 8, device: Any = None,
+             seed: int = 1234, share_prefix: bool = True, add_bos: bool | None = None) -> EvalResult:
+    """Score MMLU and/or HellaSwag with lm-evaluation-harness 0.4.x definitions.
+
+    Args:
+        model: a Hugging Face causal LM; put in eval mode for the call, its mode restored after.
+        tokenizer: any Hugging Face tokenizer (e.g. ``ByT5Tokenizer(extra_ids=0)``).
+        tasks: names or one comma-separated string: ``mmlu`` (57 subjects and the group),
+            ``mmlu_<subject>``, ``hellaswag``.
+        data_dir: local data directory (see :mod:`.data`), ``"hub"``, or None for
+            ``$LLMEFF_DATA_DIR`` / ``../shared/data``.
+        num_fewshot: MMLU solved examples per prompt, the first k of the subject's dev split
+            (0-5). HellaSwag supports 0 only (its few-shot examples come from a training split
+            that the data directory does not hold).
+        limit: score only the first ``limit`` documents of each task, as the harness does.
+        batch_size: sequences per forward pass; results do not depend on it.
+        device: where to run; default the model's device.
+        seed: kept for parity with the harness; the ``first_n`` few-shot sampler draws nothing.
+        share_prefix: reuse shared prefixes (see :mod:`.scoring`); False runs the harness's plan.
+        add_bos: see :class:`.scoring.LoglikelihoodScorer`.
+
+    Raises:
+        ValueError: unknown task, bad ``num_fewshot``/``limit``, missing or malformed data files.
+    """
+    from mlflow_llmeff.evals.scoring import LoglikelihoodScorer  # torch is imported here, not at module load
+
+    scored, group = expand_tasks(tasks)
+    if not 0 <= num_fewshot <= 5 or (num_fewshot and "hellaswag" in scored):
+        raise ValueError(f"num_fewshot {num_fewshot} is not accepted; use 0-5 for MMLU (5 dev examples per subject) "
+                         f"and 0 for HellaSwag")
+    # load everything first so a missing file fails before any compute
+    plans: list[tuple[str, list[tuple[int, Any]], list[dict]]] = []  # (task, [(doc index, doc)], fewshot)
+    for task in scored:
+        if task == "hellaswag":
+            docs = _first(data.load_hellaswag(data_dir), limit)
+            plans.append((task, [(i, hellaswag.process_doc(d)) for i, d in enumerate(docs)], []))
+        else:
+            subject = task[len("mmlu_"):]
+            docs = _first(data.load_mmlu(data_dir, subject, "test"), limit)
+            shots = data.load_mmlu(data_dir, subject, "dev")[:num_fewshot] if num_fewshot else []
+            plans.append((task, list(enumerate(docs)), shots))
+
+    was_training = getattr(model, "training", False)
+    model.eval()
+    if device is not None:
+        model.to(device)
+    t0 = time.perf_counter()
+    try:
+        scorer = LoglikelihoodScorer(model, tokenizer, batch_size=batch_size, device=device,
+                                     share_prefix=share_prefix, add_bos=add_bos)
+        all_reqs: list[list[tuple[str, str]]] = []
+        families: list[str] = []
+        for task, docs, shots in plans:
+            for _, d in docs:
+                all_reqs.append(hellaswag.requests(d) if task == "hellaswag" else mmlu.requests(d, shots))
+                families.append(task if task != "hellaswag" else None)  # MMLU: one family per subject
+        lls = scorer.score(all_reqs, families)
+    finally:
+        if was_training:
+            model.train()
+    seconds = time.perf_counter() - t0
+
+    metrics: dict[str, float] = {}
+    examples: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}
+    per_subject: dict[str, tuple[float, int]] = {}
+    k = 0
+    for task, docs, _ in plans:
+        correct = correct_norm = 0
+        for idx, d in docs:
+            ll = lls[k]
+            k += 1
+            if task == "hellaswag":
+                pred, pred_norm = hellaswag.predictions(ll, d["choices"])
+                rec = {"task": task, "doc_index": idx, "logliks": ll, "gold": d["gold"], "pred": pred,
+                       "correct": pred == d["gold"], "pred_norm": pred_norm, "correct_norm": pred_norm == d["gold"]}
+                correct_norm += rec["correct_norm"]
+            else:
+                pred = _argmax(ll)
+                rec = {"task": task, "doc_index": idx, "logliks": ll, "gold": d["answer"], "pred": pred,
+                       "correct": pred == d["answer"]}
+            correct += rec["correct"]
+            examples.append(rec)
+        n = len(docs)
+        counts[task] = n
+        if n == 0:
+            continue
+        metrics[f"{task}/acc"] = correct / n
+        if task == "hellaswag":
+            metrics["hellaswag/acc_norm"] = correct_norm / n
+        else:
+            per_subject[task] = (correct / n, n)
+    if group and per_subject:
+        metrics["mmlu/acc"] = mmlu.aggregate_acc(per_subject)
+    config = {"tasks": list(tasks) if not isinstance(tasks, str) else tasks.split(","), "num_fewshot": num_fewshot,
+              "limit": limit, "batch_size": batch_size, "seed": seed, "share_prefix": share_prefix,
+              "data_dir": data.resolve_data_dir(data_dir), "max_length": scorer.max_length,
+              "forward_passes": scorer.forward_passes, "forward_tokens": scorer.forward_tokens}
+    return EvalResult(metrics, examples, counts, config, seconds)
+
+
+def mlflow_metrics(result: EvalResult) -> dict[str, float]:
+    """MLflow keys of a result: ``eval/mmlu/acc`` etc. (names.py), ``eval/mmlu_<subject>/acc``."""
+    return {_STANDARD_KEYS.get(k, f"eval/{k}"): v for k, v in result.metrics.items()}
+
+
+def log_to_mlflow(result: EvalResult, step: int | None = None) -> bool:
+    """Log the metrics to the active MLflow run (or ``$MLFLOW_RUN_ID``); False when there is none."""
+    import os
+
+    import mlflow
+
+    run = mlflow.active_run()
+    if run is not None:
+        mlflow.log_metrics(mlflow_metrics(result), step=step)
+        return True
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if run_id:
+        with mlflow.start_run(run_id=run_id):
+            mlflow.log_metrics(mlflow_metrics(result), step=step)
+        return True
+    return False

@@ -1,0 +1,144 @@
+"""Loading MMLU and HellaSwag documents from a local directory (original release formats) or the hub.
+
+A data directory holds::
+
+    mmlu/dev/<subject>_dev.csv      5 few-shot examples per subject
+    mmlu/test/<subject>_test.csv    the scored questions
+    hellaswag/hellaswag_val.jsonl   the scored HellaSwag validation set
+
+MMLU CSVs have no header and six columns ``question,A,B,C,D,answer`` (answer a letter A-D), as in
+Hendrycks et al.'s release; HellaSwag lines are the original jsonl records (``ctx_a``, ``ctx_b``,
+``activity_label``, ``endings`` (4), ``label``). Documents come back in the field layout of the hub
+copies that lm-evaluation-harness reads (``cais/mmlu``: question, subject, choices, answer as an
+index; ``Rowan/hellaswag``: the jsonl fields), in file order.
+
+``data_dir="hub"`` reads ``cais/mmlu`` and ``Rowan/hellaswag`` through ``datasets`` instead (needs
+network access or a warm hub cache).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DATA_DIR_ENV", "HUB", "LAYOUT", "MMLU_SUBJECTS", "load_hellaswag", "load_mmlu",
+           "resolve_data_dir"]
+
+DATA_DIR_ENV = "LLMEFF_DATA_DIR"
+HUB = "hub"
+LAYOUT = "expected layout: <data_dir>/mmlu/dev/<subject>_dev.csv, <data_dir>/mmlu/test/<subject>_test.csv, " \
+         "<data_dir>/hellaswag/hellaswag_val.jsonl"
+
+# The 57 MMLU subjects (file stems of the release, config names of cais/mmlu), alphabetical.
+MMLU_SUBJECTS: tuple[str, ...] = (
+    "abstract_algebra", "anatomy", "astronomy", "business_ethics", "clinical_knowledge", "college_biology",
+    "college_chemistry", "college_computer_science", "college_mathematics", "college_medicine",
+    "college_physics", "computer_security", "conceptual_physics", "econometrics", "electrical_engineering",
+    "elementary_mathematics", "formal_logic", "global_facts", "high_school_biology", "high_school_chemistry",
+    "high_school_computer_science", "high_school_european_history", "high_school_geography",
+    "high_school_government_and_politics", "high_school_macroeconomics", "high_school_mathematics",
+    "high_school_microeconomics", "high_school_physics", "high_school_psychology", "high_school_statistics",
+    "high_school_us_history", "high_school_world_history", "human_aging", "human_sexuality",
+    "international_law", "jurisprudence", "logical_fallacies", "machine_learning", "management", "marketing",
+    "medical_genetics", "miscellaneous", "moral_disputes", "moral_scenarios", "nutrition", "philosophy",
+    "prehistory", "professional_accounting", "professional_law", "professional_medicine",
+    "professional_psychology", "public_relations", "security_studies", "sociology", "us_foreign_policy",
+    "virology", "world_religions",
+)
+_LETTERS = "ABCD"
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> str:
+    """Return the data directory: ``data_dir``, else env ``LLMEFF_DATA_DIR``, else ``../shared/data``
+    relative to the repository root (the directory above the ``mlflow_llmeff`` package)."""
+    if data_dir is not None:
+        return str(data_dir)
+    env = os.environ.get(DATA_DIR_ENV)
+    if env:
+        return env
+    return str(Path(__file__).resolve().parents[2].parent / "shared" / "data")
+
+
+def _fail(path: Path | str, why: str) -> ValueError:
+    return ValueError(f"{path}: {why}; {LAYOUT}")
+
+
+def load_mmlu(data_dir: str | os.PathLike | None, subject: str, split: str) -> list[dict[str, Any]]:
+    """Documents of one MMLU subject and split.
+
+    Args:
+        data_dir: a directory in the layout above, ``"hub"``, or None for :func:`resolve_data_dir`.
+        subject: one of :data:`MMLU_SUBJECTS`.
+        split: ``"dev"`` (few-shot examples) or ``"test"`` (scored), or ``"val"``.
+
+    Returns:
+        ``[{"question": str, "subject": str, "choices": [4 str], "answer": int 0-3}, ...]``.
+
+    Raises:
+        ValueError: unknown subject or split; missing or malformed file (names it and the layout).
+    """
+    if subject not in MMLU_SUBJECTS:
+        raise ValueError(f"MMLU subject {subject!r} is not known; accepted: {', '.join(MMLU_SUBJECTS)}")
+    if split not in ("dev", "val", "test"):
+        raise ValueError(f"MMLU split {split!r} is not accepted; use 'dev', 'val' or 'test'")
+    root = resolve_data_dir(data_dir)
+    if root == HUB:
+        import datasets  # lazy: heavy import
+
+        hub_split = {"dev": "dev", "val": "validation", "test": "test"}[split]
+        ds = datasets.load_dataset("cais/mmlu", subject, split=hub_split)
+        return [{"question": r["question"], "subject": subject, "choices": list(r["choices"]),
+                 "answer": int(r["answer"])} for r in ds]
+    path = Path(root) / "mmlu" / split / f"{subject}_{split}.csv"
+    if not path.is_file():
+        raise _fail(path, "file not found")
+    docs = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for line_no, row in enumerate(csv.reader(f), start=1):
+            if len(row) != 6 or row[5].strip() not in _LETTERS or not row[5].strip():
+                raise _fail(path, f"row {line_no} is malformed (want 6 columns question,A,B,C,D,answer "
+                                  f"with answer one of A-D, no header)")
+            docs.append({"question": row[0], "subject": subject, "choices": row[1:5],
+                         "answer": _LETTERS.index(row[5].strip())})
+    if not docs:
+        raise _fail(path, "file is empty")
+    return docs
+
+
+def load_hellaswag(data_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
+    """HellaSwag validation documents (the raw jsonl records, ``label`` as int).
+
+    Raises:
+        ValueError: missing or malformed file (names it and the layout).
+    """
+    root = resolve_data_dir(data_dir)
+    if root == HUB:
+        import datasets
+
+        ds = datasets.load_dataset("Rowan/hellaswag", split="validation")
+        return [dict(r, label=int(r["label"])) for r in ds]
+    path = Path(root) / "hellaswag" / "hellaswag_val.jsonl"
+    if not path.is_file():
+        raise _fail(path, "file not found")
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                ok = (all(isinstance(rec.get(k), str) for k in ("activity_label", "ctx_a", "ctx_b"))
+                      and isinstance(rec.get("endings"), list) and len(rec["endings"]) == 4
+                      and int(rec["label"]) in range(4))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                ok = False
+            if not ok:
+                raise _fail(path, f"line {line_no} is malformed (want a json object with activity_label, "
+                                  f"ctx_a, ctx_b, 4 endings and label 0-3)")
+            docs.append(dict(rec, label=int(rec["label"])))
+    if not docs:
+        raise _fail(path, "file is empty")
+    return docs

@@ -1,0 +1,145 @@
+"""Log-likelihood scorer: harness tokenization, hand-computed scores, batch/padding invariance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from mlflow_llmeff.evals.scoring import LoglikelihoodScorer, encode_pair, resolve_max_length
+
+V = 259  # ByT5Tokenizer(extra_ids=0): 3 specials + 256 bytes; byte b is id b + 3
+
+
+def byte_ids(s: str) -> list[int]:
+    return [b + 3 for b in s.encode("utf-8")]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return transformers.ByT5Tokenizer(extra_ids=0)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def rigged_gpt2():
+    """GPT-2 whose next-token distribution ignores the input: P('B') = 1/2, every other token 1/516.
+
+    All weights are zero except the final layer-norm bias (e_0) and column 0 of the tied embedding, so
+    the logits are wte[:, 0]: ln(258) for 'B' and 0 elsewhere -> softmax 258/516 and 1/516.
+    """
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=8, n_layer=1, n_head=2, n_positions=64,
+                                  bos_token_id=1, eos_token_id=1)
+    m = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+        m.transformer.ln_f.bias[0] = 1.0
+        m.transformer.wte.weight[byte_ids("B")[0], 0] = math.log(258)
+    return m
+
+
+def naive(model, tok, context: str, continuation: str, max_length: int = 10**9) -> float:
+    """Reference: the harness's recipe, one full forward per choice, no batching."""
+    n = len(context) - len(context.rstrip())
+    ctx, cont = context[: len(context) - n], context[len(context) - n :] + continuation
+    c = byte_ids(ctx)
+    whole = byte_ids(ctx + cont)
+    k = whole[len(c) :]
+    inp = whole[-(max_length + 1) :][:-1]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([inp])).logits[0].float(), -1)
+    return sum(float(lp[len(inp) - len(k) + j, t]) for j, t in enumerate(k))
+
+
+DOCS = [[("The following are questions.\n\nQ: two plus two?\nA. 3\nB. 4\nAnswer: B\n\nQ: " + "x" * i + "?\nAnswer:",
+          " " + letter) for letter in "ABCD"] for i in range(6)]
+DOCS += [[("Making tea: A woman fills a kettle. She", " " + e)
+          for e in ["puts it on.", "eats the kettle whole.", "puts it on the stove.", "x"]]]
+FAMILIES = ["subject"] * 6 + [None]
+
+
+def test_encode_pair_moves_trailing_space_into_continuation(tok):
+    enc = LoglikelihoodScorer(torch.nn.Linear(1, 1), tok).encode
+    assert encode_pair(enc, "Answer: ", "A") == (byte_ids("Answer:"), byte_ids(" A"))
+
+
+def test_encoder_adds_no_eos_for_byt5(tok):
+    assert LoglikelihoodScorer(torch.nn.Linear(1, 1), tok).encode("ab") == [100, 101]
+
+
+def test_encode_pair_never_leaves_continuation_empty():
+    def merging(s: str) -> list[int]:  # a tokenizer that makes one token of any string
+        return [len(s)]
+
+    assert encode_pair(merging, "ab", "c") == ([], [3])
+
+
+def test_empty_continuation_is_rejected():
+    with pytest.raises(ValueError, match="continuation '' is empty"):
+        encode_pair(lambda s: [1], "a", "")
+
+
+def test_hand_computed_logliks_on_rigged_model(rigged_gpt2, tok):
+    scorer = LoglikelihoodScorer(rigged_gpt2, tok, batch_size=4)
+    (lls,) = scorer.score([[("Q?\nAnswer:", " A"), ("Q?\nAnswer:", " B"), ("Q?\nAnswer:", " BB")]])
+    # " A" = bytes ' ', 'A': 2 x ln(1/516); " B": ln(1/516) + ln(1/2); " BB": ln(1/516) + 2 ln(1/2)
+    assert lls == pytest.approx([-2 * math.log(516), -math.log(516) - math.log(2), -math.log(516) - 2 * math.log(2)],
+                                abs=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(share_prefix=False), dict(batch_size=1), dict(batch_size=8),
+                                dict(batch_size=3, padding_side="left"), dict(batch_size=8, family_min_tokens=4)])
+def test_scores_equal_one_forward_per_choice(llama, tok, kw):
+    ref = [[naive(llama, tok, c, k) for c, k in doc] for doc in DOCS]
+    got = LoglikelihoodScorer(llama, tok, **kw).score(DOCS, FAMILIES)
+    # sums of ~20 log-probs of ~-5.5 nats: fp32 rounding of different kernels stays below 5e-5
+    assert max(abs(a - b) for r, g in zip(ref, got) for a, b in zip(r, g)) < 5e-5
+
+
+def test_batch_size_1_and_8_give_same_logliks(llama, tok):
+    one = LoglikelihoodScorer(llama, tok, batch_size=1).score(DOCS, FAMILIES)
+    eight = LoglikelihoodScorer(llama, tok, batch_size=8).score(DOCS, FAMILIES)
+    assert max(abs(a - b) for r, g in zip(one, eight) for a, b in zip(r, g)) < 1e-5
+
+
+def test_tokenizer_padding_side_does_not_matter(llama):
+    out = []
+    for side in ("left", "right"):
+        t = transformers.ByT5Tokenizer(extra_ids=0)
+        t.padding_side = side
+        out.append(LoglikelihoodScorer(llama, t, batch_size=8).score(DOCS, FAMILIES))
+    assert out[0] == out[1]
+
+
+def test_long_inputs_are_left_truncated_like_the_harness(llama, tok):
+    doc = [("a long context that will not fit " * 2, " yes"), ("a long context that will not fit " * 2, " no")]
+    got = LoglikelihoodScorer(llama, tok, max_length=16).score([doc])[0]
+    ref = [naive(llama, tok, c, k, max_length=16) for c, k in doc]
+    assert got == pytest.approx(ref, abs=1e-5)
+
+
+def test_sharing_runs_fewer_positions(llama, tok):
+    shared = LoglikelihoodScorer(llama, tok, batch_size=8, family_min_tokens=4)
+    plain = LoglikelihoodScorer(llama, tok, batch_size=8, share_prefix=False)
+    shared.score(DOCS, FAMILIES)
+    plain.score(DOCS, FAMILIES)
+    assert shared.forward_tokens < plain.forward_tokens / 3
+
+
+def test_max_length_from_config(llama, tok):
+    assert resolve_max_length(llama, tok) == 512
+
+
+def test_bad_padding_side_is_rejected(llama, tok):
+    with pytest.raises(ValueError, match="padding_side 'middle' is not accepted; use 'left' or 'right'"):
+        LoglikelihoodScorer(llama, tok, padding_side="middle")
