@@ -152,3 +152,25 @@ def test_cpu_run_logs_cost_identity_and_never_reports_an_estimate_as_measured(tr
             assert m[names.CARBON_ESTIMATE_KG] > 0 and "estimate" in tags[names.ENERGY_WHY]
     assert float(tags[names.CARBON_INTENSITY]) > 0
     assert out["summary"][names.SUM_TOKENS] == 6 * 2 * 32
+
+
+@pytest.mark.slow
+def test_time_to_quality_logged_at_first_step_reaching_target(tracking_uri, shared_data):
+    corpus = str(shared_data / "corpus" / "tinyshakespeare.txt")
+    run_training(TrainConfig(dataset=corpus, max_steps=30, learning_rate=3e-3, eval_every=10, eval_tasks="hellaswag",
+                             eval_limit=8, eval_data_dir=str(shared_data),
+                             targets="val_loss<=3.5,hellaswag/acc_norm>=0.99"))
+    run = only_run()
+    val = history(run, names.EVAL_VAL_LOSS)
+    first = next(s for s, v in val if v <= 3.5)  # bytes: ~3.9 at step 10, ~3.3 at step 20
+    stem = "val_loss_le_3.5"
+    wall = history(run, f"ttq/{stem}_wall_s")
+    assert [s for s, _ in wall] == [first]
+    m = run.data.metrics
+    assert m[f"ttq/{stem}_tokens"] == first * 8 * 128
+    assert 0 < m[f"ttq/{stem}_train_s"] < m[f"ttq/{stem}_wall_s"]  # eval time is in wall, not in train
+    assert m[f"ttq/{stem}_device_hours"] == pytest.approx(m[f"ttq/{stem}_wall_s"] / 3600)
+    assert run.data.tags[f"llmeff.ttq.{stem}"] == f"reached_at_step_{first}"
+    assert run.data.tags["llmeff.ttq.hellaswag_acc_norm_ge_0.99"] == "not_reached"
+    assert not any(k.startswith("ttq/hellaswag") for k in m)
+    assert [s for s, _ in history(run, names.EVAL_HELLASWAG_ACC_NORM)] == [10, 20, 30]

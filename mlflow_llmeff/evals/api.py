@@ -86,14 +86,23 @@ def expand_tasks(tasks: str | Sequence[str]) -> tuple[list[str], bool]:
     return list(dict.fromkeys(out)), group
 
 
-def _first(docs: list, limit: int | float | None) -> list:
-    """The first ``limit`` documents, as the harness's ``--limit`` (a float < 1 is a fraction, rounded up)."""
+def _first(docs: list, limit: int | float | None, subset_seed: int | None = None) -> list:
+    """The first ``limit`` documents, as the harness's ``--limit`` (a float < 1 is a fraction, rounded up).
+
+    With ``subset_seed``, a seeded random subset of that size instead, in file order (a fixed
+    sample for evaluations during training); each document keeps its index in the file.
+    """
     if limit is None:
-        return docs
+        return list(enumerate(docs))
     if limit <= 0:
         raise ValueError(f"limit {limit} is not accepted; use a positive integer (or a fraction in (0, 1))")
     n = math.ceil(len(docs) * limit) if limit < 1.0 else int(limit)
-    return docs[:n]
+    if subset_seed is None or n >= len(docs):
+        return list(enumerate(docs))[:n]
+    import random
+
+    keep = sorted(random.Random(subset_seed).sample(range(len(docs)), n))
+    return [(i, docs[i]) for i in keep]
 
 
 def _argmax(values: Sequence[float]) -> int:
@@ -102,7 +111,8 @@ def _argmax(values: Sequence[float]) -> int:
 
 def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir: str | None = None,
              num_fewshot: int = 0, limit: int | float | None = None, batch_size: int = 8, device: Any = None,
-             seed: int = 1234, share_prefix: bool = True, add_bos: bool | None = None) -> EvalResult:
+             seed: int = 1234, share_prefix: bool = True, add_bos: bool | None = None,
+             subset_seed: int | None = None) -> EvalResult:
     """Score MMLU and/or HellaSwag with lm-evaluation-harness 0.4.x definitions.
 
     Args:
@@ -121,6 +131,8 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
         seed: kept for parity with the harness; the ``first_n`` few-shot sampler draws nothing.
         share_prefix: reuse shared prefixes (see :mod:`.scoring`); False runs the harness's plan.
         add_bos: see :class:`.scoring.LoglikelihoodScorer`.
+        subset_seed: with ``limit``, score a seeded random subset of ``limit`` documents per task
+            instead of the first ones (training-time evals use one fixed subset per run).
 
     Raises:
         ValueError: unknown task, bad ``num_fewshot``/``limit``, missing or malformed data files.
@@ -135,13 +147,13 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
     plans: list[tuple[str, list[tuple[int, Any]], list[dict]]] = []  # (task, [(doc index, doc)], fewshot)
     for task in scored:
         if task == "hellaswag":
-            docs = _first(data.load_hellaswag(data_dir), limit)
-            plans.append((task, [(i, hellaswag.process_doc(d)) for i, d in enumerate(docs)], []))
+            docs = _first(data.load_hellaswag(data_dir), limit, subset_seed)
+            plans.append((task, [(i, hellaswag.process_doc(d)) for i, d in docs], []))
         else:
             subject = task[len("mmlu_"):]
-            docs = _first(data.load_mmlu(data_dir, subject, "test"), limit)
+            docs = _first(data.load_mmlu(data_dir, subject, "test"), limit, subset_seed)
             shots = data.load_mmlu(data_dir, subject, "dev")[:num_fewshot] if num_fewshot else []
-            plans.append((task, list(enumerate(docs)), shots))
+            plans.append((task, docs, shots))
 
     was_training = getattr(model, "training", False)
     model.eval()

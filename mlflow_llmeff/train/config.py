@@ -43,6 +43,12 @@ class TrainConfig:
     warmup_steps: int = field(default=3, metadata={"help": "optimizer steps per attempt excluded from steady-state figures"})
     log_every_n_steps: int = field(default=5, metadata={"help": "interval between logged steps"})
     eval_every: int = field(default=0, metadata={"help": "validation loss every N steps (0: only at the end)"})
+    eval_tasks: str = field(default="", metadata={"help": "benchmarks scored at each eval: comma-separated mmlu, hellaswag, mmlu_<subject> ('' = none)"})
+    eval_limit: int = field(default=100, metadata={"help": "documents per benchmark task at each eval: a fixed subset drawn once with seed (0 = all)"})
+    eval_num_fewshot: int = field(default=0, metadata={"help": "MMLU few-shot examples (0-5)"})
+    eval_data_dir: str = field(default="", metadata={"help": "directory with mmlu/ and hellaswag/ ('' = $LLMEFF_DATA_DIR or ../shared/data)"})
+    targets: str = field(default="", metadata={"help": "time-to-quality targets, e.g. 'val_loss<=1.9,hellaswag/acc_norm>=0.30'"})
+    stop_at_targets: bool = field(default=False, metadata={"help": "stop training once every target is reached"})
     checkpoint_dir: str = field(default="", metadata={"help": "directory for accelerate.save_state checkpoints ('' disables)"})
     checkpoint_every: int = field(default=0, metadata={"help": "save a checkpoint every N steps (0: only at the end when checkpoint_dir is set)"})
     checkpoint_keep: int = field(default=2, metadata={"help": "newest checkpoints kept"})
@@ -150,6 +156,25 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
         raise ValueError(f"checkpoint_dir={cfg.checkpoint_dir!r} exists and is not a directory")
 
+    if cfg.eval_limit < 0:
+        raise ValueError(f"eval_limit={cfg.eval_limit} must be >= 0 (0 = all documents)")
+    if cfg.eval_tasks:
+        from ..evals.api import expand_tasks
+
+        expand_tasks(cfg.eval_tasks)
+        if not 0 <= cfg.eval_num_fewshot <= 5:
+            raise ValueError(f"eval_num_fewshot={cfg.eval_num_fewshot} is not accepted; use 0-5")
+    from ..evals.targets import parse_targets
+
+    for t in parse_targets(cfg.targets):
+        task = t.metric.split("/")[0]
+        if task in ("val_loss", "val_perplexity"):
+            if cfg.val_fraction <= 0:
+                raise ValueError(f"target {t} needs a validation split; set val_fraction > 0")
+        elif task not in [x.strip() for x in cfg.eval_tasks.split(",")] and not (
+                task.startswith("mmlu_") and "mmlu" in cfg.eval_tasks.split(",")):
+            raise ValueError(f"target {t} needs eval_tasks to include {task!r} (eval_tasks={cfg.eval_tasks!r})")
+
     config = load_config(cfg.model)
     limit = max_positions(config)
     if limit is not None and cfg.seq_len > limit:
@@ -187,7 +212,25 @@ def render_mlproject() -> str:
         lines += [f"      # {f.metadata['help']}", f"      {f.name}: {{type: {mtype}, default: {dv}}}"]
         args.append(f"--{f.name.replace('_', '-')} {{{f.name}}}")
     lines += ["    command: >-", "      python -m mlflow_llmeff train"] + ["      " + a for a in args]
+    lines += ["", "  # Score a saved model on MMLU / HellaSwag (lm-evaluation-harness 0.4 definitions).", "  eval:",
+              "    parameters:"]
+    for name, mtype, default, doc in EVAL_ENTRY_PARAMS:
+        lines += [f"      # {doc}", f"      {name}: {{type: {mtype}, default: {default}}}"]
+    lines += ["    command: >-", "      python -m mlflow_llmeff eval"]
+    lines += [f"      --{n.replace('_', '-')} {{{n}}}" for n, *_ in EVAL_ENTRY_PARAMS]
     return "\n".join(lines) + "\n"
+
+
+EVAL_ENTRY_PARAMS = (
+    ("model", "string", '"./model"', "Hugging Face causal LM directory (save_pretrained) or hub id"),
+    ("tokenizer", "string", '"byt5"', "tokenizer directory or id; 'byt5' = the presets' byte-level tokenizer"),
+    ("tasks", "string", '"mmlu,hellaswag"', "comma-separated: mmlu, hellaswag, mmlu_<subject>"),
+    ("num_fewshot", "float", 0, "MMLU few-shot examples (0-5)"),
+    ("limit", "float", 100, "first N documents of each task"),
+    ("data_dir", "string", '"../shared/data"', "directory with mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl"),
+    ("batch_size", "float", 8, "sequences per forward pass"),
+    ("output_json", "string", '"eval_results.json"', "metrics and per-example records"),
+)
 
 
 if __name__ == "__main__":  # pragma: no cover

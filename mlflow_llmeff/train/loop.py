@@ -225,6 +225,16 @@ def run_training(cfg: TrainConfig) -> dict | None:
             load_s = time.perf_counter() - t_load
             account.add("checkpoint_load", load_s)
     start_step = int(state["step"]) if state else 0
+    if state and (start_step >= cfg.max_steps or state.get("stopped_at_targets")):
+        if accelerator.is_main_process:
+            print(f"llmeff: checkpoint {ckpt.step_dir(cfg.checkpoint_dir, start_step)} is already the end of this run "
+                  f"(step {start_step}, max_steps={cfg.max_steps}); nothing to do")
+        accelerator.end_training()
+        return {"run_id": state.get("run_id"), "summary": {}} if accelerator.is_main_process else None
+    from ..evals.targets import parse_targets
+
+    targets = parse_targets(cfg.targets)
+    reached: dict[str, int] = dict(state.get("ttq_reached", {})) if state else {}
     meter = ThroughputMeter(num_devices=world, warmup_steps=cfg.warmup_steps, start_step=start_step)
     if state:
         meter.load_state_dict(state["meter"])
@@ -388,7 +398,8 @@ def run_training(cfg: TrainConfig) -> dict | None:
 
         log_now = step % cfg.log_every_n_steps == 0 or step == cfg.max_steps
         ckpt_now = bool(cfg.checkpoint_dir) and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps)
-        eval_now = data.val is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps)
+        eval_now = (data.val is not None or bool(cfg.eval_tasks)) and (
+            (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps)
         if log_now or ckpt_now or eval_now or step == meter.warmup_end_step or step == replay_until:
             sync()
             meter.add(counter.take(step - last_boundary,
@@ -428,19 +439,40 @@ def run_training(cfg: TrainConfig) -> dict | None:
                 logger.log_metrics(metrics, step)
             if main:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rates.tokens_per_sec:,.0f}" if rates else "warm-up")
+        stop_now = False
         if eval_now:
             with account.measure("eval"):
-                vl = _validation_loss(accelerator, model, data.val, cfg.micro_batch_size, world, rank)
+                values, eval_metrics = _evaluate(cfg, accelerator, model, tokenizer, data.val, world, rank)
             if step > replay_until:
-                logger.log_metrics({names.EVAL_VAL_LOSS: vl, names.EVAL_VAL_PPL: math.exp(min(vl, 700))}, step)
+                logger.log_metrics(eval_metrics, step)
+            for t in targets:
+                if t.key not in reached and t.reached(values.get(t.metric)):
+                    reached[t.key] = step
+                    wall = account.wall_s() - account.seconds["init"]
+                    kwh = energy.total_kwh if energy.measures else None
+                    ttq = {"wall_s": wall, "train_s": meter.warmup_s + meter.steady_s, "tokens": meter.total.tokens,
+                           "device_hours": world * wall / 3600, "kwh": kwh, "usd": cost_usd(wall, kwh),
+                           "kg_co2e": carbon.kg_co2e(kwh) if kwh is not None else None}
+                    logger.log_metrics({t.metric_keys()[k]: v for k, v in ttq.items()}, step)
+                    logger.set_tags({t.not_reached_tag: f"reached_at_step_{step}"})
+            stop_now = cfg.stop_at_targets and bool(targets) and all(t.key in reached for t in targets)
+            if stop_now and not log_now:  # the counters at the last step, which was not a logged step
+                logger.log_metrics({names.TRAIN_TOKENS: meter.total.tokens, names.TRAIN_PADDED_TOKENS: meter.total.padded_tokens,
+                                    names.TRAIN_LOSS_TOKENS: meter.total.loss_tokens}, step)
+            ckpt_now = ckpt_now or (stop_now and bool(cfg.checkpoint_dir))
         if ckpt_now:
             with account.measure("checkpoint_save"):
-                _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world, energy.total_j)
+                _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world, energy.total_j,
+                                 {"ttq_reached": reached, "stopped_at_targets": stop_now})
         bar.update(1)
         if kill_at and step == kill_at and main:
             if isinstance(logger, RunLogger):
                 logger.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if stop_now:
+            if main:
+                print(f"llmeff: every target reached at step {step}; stopping (stop_at_targets=true)")
+            break
     bar.close()
 
     # ---- summary --------------------------------------------------------------------------------
@@ -473,8 +505,11 @@ def run_training(cfg: TrainConfig) -> dict | None:
             end_tags[names.ENERGY_SOURCE] = "codecarbon_estimate"
             end_tags[names.ENERGY_WHY] = (f"no measured energy ({energy.why}); only codecarbon's CPU/RAM estimate is "
                                           f"logged, under energy/estimate/* and carbon/estimate_kg_co2e")
+        for t in targets:
+            if t.key not in reached:
+                end_tags[t.not_reached_tag] = "not_reached"
         logger.set_tags(end_tags)
-        logger.log_metrics(summary, cfg.max_steps)
+        logger.log_metrics(summary, meter.step)
         warn = fl.mfu_warning(summary.get(names.SUM_MFU))
         if warn:
             log.warning(warn)
@@ -568,13 +603,37 @@ def _validation_loss(accelerator, model, val, micro_batch_size: int, world: int,
     return float(tot[0] / tot[1])
 
 
-def _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world, energy_j) -> None:
+def _evaluate(cfg, accelerator, model, tokenizer, val, world: int, rank: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Validation loss and the benchmark tasks; returns (values by target metric, MLflow metrics).
+
+    Benchmarks run on every rank (FSDP needs all ranks in each forward; with DDP the ranks
+    compute the same numbers) on the fixed seeded subset of ``eval_limit`` documents per task.
+    """
+    values: dict[str, float] = {}
+    metrics: dict[str, float] = {}
+    if val is not None:
+        vl = _validation_loss(accelerator, model, val, cfg.micro_batch_size, world, rank)
+        values.update({"val_loss": vl, "val_perplexity": math.exp(min(vl, 700))})
+        metrics.update({names.EVAL_VAL_LOSS: vl, names.EVAL_VAL_PPL: values["val_perplexity"]})
+    if cfg.eval_tasks:
+        from ..evals.api import evaluate, mlflow_metrics
+
+        eval_model = model if cfg.parallelism == "fsdp" else accelerator.unwrap_model(model)
+        res = evaluate(eval_model, tokenizer, cfg.eval_tasks, data_dir=cfg.eval_data_dir or None,
+                       num_fewshot=cfg.eval_num_fewshot, limit=cfg.eval_limit or None,
+                       batch_size=cfg.micro_batch_size, device=accelerator.device, subset_seed=cfg.seed)
+        values.update(res.metrics)
+        metrics.update(mlflow_metrics(res))
+    return values, metrics
+
+
+def _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world, energy_j, extra) -> None:
     path = ckpt.step_dir(cfg.checkpoint_dir, step)
     accelerator.save_state(path)
     if accelerator.is_main_process:
         ckpt.write_state(path, {"step": step, "run_id": run_id, "meter": meter.state_dict(),
                                 "account": account.state_dict(), "attempts": attempts, "world_size": world,
-                                "energy_j": energy_j, "params": cfg.to_params()})
+                                "energy_j": energy_j, "params": cfg.to_params(), **extra})
         ckpt.prune(cfg.checkpoint_dir, cfg.checkpoint_keep)
     accelerator.wait_for_everyone()
 
