@@ -1,8 +1,12 @@
 """Rank-0 MLflow logger: batched, asynchronous, resume-aware, and never fatal to training.
 
-Only the main process constructs an active logger (others get :class:`NullLogger`). Metrics go
-through ``MlflowClient.log_batch(..., synchronous=False)``, MLflow's own async queue, so a slow
-tracking server never blocks a training step; :meth:`RunLogger.close` flushes it. On resume the
+Only the main process constructs an active logger (others get :class:`NullLogger`). Metrics are
+buffered in memory and sent at most every ``send_interval_s`` seconds as one
+``MlflowClient.log_batch(..., synchronous=False)`` call, MLflow's own async queue, so neither a
+slow tracking server nor the store's per-call cost (several ms of Python under the GIL for a
+sqlite store) lands on a training step; :meth:`RunLogger.flush` sends and waits (the training
+loop calls it before every checkpoint, so a checkpoint never outruns its metrics) and
+:meth:`RunLogger.close` flushes. On resume the
 logger learns the last step each key was logged at and drops points at or before it, so a replayed
 step is never logged twice. A logging failure warns once and training goes on (accelerate's
 tracker does the same).
@@ -48,7 +52,8 @@ class RunLogger(NullLogger):
             are dropped.
     """
 
-    def __init__(self, run_id: str, client=None, *, resume: bool = False) -> None:
+    def __init__(self, run_id: str, client=None, *, resume: bool = False, send_interval_s: float = 5.0,
+                 clock=time.monotonic) -> None:
         from mlflow import MlflowClient
 
         self.run_id = run_id
@@ -56,6 +61,10 @@ class RunLogger(NullLogger):
         self._warned = False
         self._last_step: dict[str, int] = {}
         self._pending = []
+        self._buffer = []
+        self._clock = clock
+        self._send_interval_s = send_interval_s
+        self._last_send = clock()
         if resume:
             run = self.client.get_run(run_id)
             for key in run.data.metrics:
@@ -82,13 +91,19 @@ class RunLogger(NullLogger):
         ts = int(time.time() * 1000)
         batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()
                  if v is not None and math.isfinite(float(v)) and step > self._last_step.get(k, -1)]
-        if not batch:
-            return
-        try:
-            # MLflow caps a batch at 1000 metrics; ours are far fewer.
-            self._pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
-        except Exception as e:  # noqa: BLE001
-            self._warn(e)
+        self._buffer += batch
+        if self._clock() - self._last_send >= self._send_interval_s:
+            self._send()
+
+    def _send(self) -> None:
+        """Queue the buffered metrics with MLflow's async logger (batches of at most 1000)."""
+        self._last_send = self._clock()
+        buf, self._buffer = self._buffer, []
+        for i in range(0, len(buf), 1000):
+            try:
+                self._pending.append(self.client.log_batch(self.run_id, metrics=buf[i:i + 1000], synchronous=False))
+            except Exception as e:  # noqa: BLE001
+                self._warn(e)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Set string tags (values converted with ``str``)."""
@@ -120,7 +135,8 @@ class RunLogger(NullLogger):
             return {}
 
     def flush(self) -> None:
-        """Wait until every queued metric batch reached the tracking server."""
+        """Send the buffer and wait until every queued metric batch reached the tracking server."""
+        self._send()
         for op in self._pending:
             try:
                 if op is not None:

@@ -462,6 +462,8 @@ def run_training(cfg: TrainConfig) -> dict | None:
             ckpt_now = ckpt_now or (stop_now and bool(cfg.checkpoint_dir))
         if ckpt_now:
             with account.measure("checkpoint_save"):
+                if isinstance(logger, RunLogger):
+                    logger.flush()  # metrics up to this step reach the server before the checkpoint exists
                 _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, world, energy.total_j,
                                  {"ttq_reached": reached, "stopped_at_targets": stop_now})
         bar.update(1)
