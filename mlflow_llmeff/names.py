@@ -158,6 +158,7 @@ FLOPS_FORMULA = _tag("flops.formula", "FLOPs-per-token convention and its source
 PEAK_TFLOPS = _tag("peak.tflops", "dense peak TFLOP/s per device for the compute dtype")
 PEAK_SOURCE = _tag("peak.source", "datasheet of the peak, 'user' or 'unknown' with the reason")
 PEAK_MEASURED_TFLOPS = _tag("peak.measured_tflops", "measured achievable matmul TFLOP/s (MAMF) on this device")
+HFU_METHOD = _tag("hfu.method", "how hardware FLOPs per step were counted (FlopCounterMode step, analytic attention), or why not")
 MFU_WARNING = _tag("mfu.warning", "set when MFU came out above 1 (an error in the inputs)")
 ENERGY_SOURCE = _tag("energy.source", "nvml_counter, nvml_power, rapl, codecarbon_estimate, none")
 ENERGY_WHY = _tag("energy.why", "why energy is absent or only estimated")
@@ -183,7 +184,11 @@ V_PYTHON = _tag("version.python", "Python version")
 GIT_COMMIT = _tag("git.commit", "git commit of the training code, where known")
 RESUMED_FROM = _tag("resume.from_step", "optimizer step the last attempt resumed from")
 RESUME_ATTEMPTS = _tag("resume.attempts", "number of attempts (1 = never resumed)")
+RESUME_CONTINUED_IN = _tag("resume.continued_in_run", "on a launcher's run that a resume redirected: the run the training continued in")
+DRY_RUN = _tag("dry_run", "'true' on a run that only planned (plan/* metrics), no training")
 RESUME_CHANGED = _tag("resume.changed_params", "params passed with new values on resume (not re-logged)")
+AUTOLOG_INTEGRATION = _tag("autolog.integration", "what produced the metrics: trainer, accelerate, pytorch (mlflow_llmeff.autolog) or monitor (EfficiencyMonitor)")
+AUTOLOG_NOTE = _tag("autolog.note", "set when autolog/EfficiencyMonitor left something out of the totals, and why")
 TTQ_TAG_PREFIX = "llmeff.ttq."
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

@@ -62,6 +62,7 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     import mlflow
 
     from .. import hardware as hw
+    from .. import names
     from ..cost import device_hour_price
     from ..plan import format_plan, make_plan
     from .config import resolve_precision, resolve_strategy
@@ -84,7 +85,7 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if run_id:
         client = mlflow.MlflowClient()
-        client.set_tag(run_id, "llmeff.dry_run", "true")
+        client.set_tag(run_id, names.DRY_RUN, "true")
         for k, v in plan.items():
             if isinstance(v, (int, float)):
                 client.log_metric(run_id, f"plan/{k}", float(v))

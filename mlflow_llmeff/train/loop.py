@@ -299,7 +299,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
         else:
             client.update_run(run_id, status="RUNNING")
             if env_run and env_run != run_id:
-                client.set_tag(env_run, "llmeff.resume.continued_in_run", run_id)
+                client.set_tag(env_run, names.RESUME_CONTINUED_IN, run_id)
         ensure_experiment_kind(client, client.get_run(run_id).info.experiment_id)
         logger = RunLogger(run_id, client, resume=state is not None)
         changed = logger.log_params(cfg.to_params())
@@ -499,7 +499,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
         summary[names.COST_TOTAL_USD] = total_usd
         summary[names.SUM_USD_PER_BTOK] = total_usd * 1e9 / tokens
     if main:
-        end_tags = {names.MEMORY_SOURCE: _peak_memory_gib(device)[2], "llmeff.hfu.method": hfu_note,
+        end_tags = {names.MEMORY_SOURCE: _peak_memory_gib(device)[2], names.HFU_METHOD: hfu_note,
                     **carbon.tags(energy_source=energy.source if energy.measures else None)}
         if energy.measures:
             end_tags[names.ENERGY_SOURCE] = energy.source
