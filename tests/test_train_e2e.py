@@ -112,6 +112,7 @@ def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_pat
         steps = [s for s, _ in history(run, key)]
         assert len(steps) == len(set(steps))
     assert run.info.run_name == "llama-tiny-cpu-2x-ddp-fp32"
+    assert "step/s" not in r.stderr and "s/step" not in r.stderr  # no progress bar when not a terminal
 
 
 @pytest.mark.slow
@@ -174,3 +175,17 @@ def test_time_to_quality_logged_at_first_step_reaching_target(tracking_uri, shar
     assert run.data.tags["llmeff.ttq.hellaswag_acc_norm_ge_0.99"] == "not_reached"
     assert not any(k.startswith("ttq/hellaswag") for k in m)
     assert [s for s, _ in history(run, names.EVAL_HELLASWAG_ACC_NORM)] == [10, 20, 30]
+
+
+def test_mfu_above_one_is_reported_not_clipped(tracking_uri):
+    # A 1 GFLOP/s "peak" on this CPU is an input error: MFU comes out far above 1.
+    out = run_training(TrainConfig(max_steps=8, log_every_n_steps=4, seq_len=32, micro_batch_size=2,
+                                   peak_tflops=1e-3))
+    run = only_run()
+    mfu = history(run, names.TPUT_DEVICE_MFU)
+    assert mfu and all(v > 1.0 for _, v in mfu)
+    assert out["summary"][names.SUM_MFU] > 1.0
+    assert "> 1 is impossible" in run.data.tags[names.MFU_WARNING]
+    assert run.data.tags[names.PEAK_SOURCE].startswith("user")
+    # HFU counts the same step's executed FLOPs: at least the model FLOPs
+    assert out["summary"][names.SUM_HFU] >= out["summary"][names.SUM_MFU] * 0.99

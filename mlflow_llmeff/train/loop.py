@@ -350,6 +350,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
     hw_flops_per_step = None
     hfu_note = "warmup_steps=0: no warm-up step to count hardware FLOPs on"
     last_boundary = start_step
+    mfu_warned = False
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
     model.train()
     carbon.start()
@@ -428,6 +429,11 @@ def run_training(cfg: TrainConfig) -> dict | None:
                                 names.TPUT_DEVICE_TFLOPS: tflops, names.TPUT_DEVICE_MFU: fl.utilization(tflops, peak)})
                 if hw_flops_per_step is not None:
                     metrics[names.TPUT_DEVICE_HFU] = fl.utilization(hw_flops_per_step / rates.step_time_s / 1e12, peak)
+                warn = fl.mfu_warning(metrics[names.TPUT_DEVICE_MFU])
+                if warn and not mfu_warned:  # reported, never clipped
+                    mfu_warned = True
+                    log.warning(warn)
+                    logger.set_tags({names.MFU_WARNING: f"step {step}: {warn}"})
             e = energy.interval(accelerator, meter.total.tokens)
             if e is not None:
                 metrics.update(e)
@@ -513,9 +519,9 @@ def run_training(cfg: TrainConfig) -> dict | None:
         logger.set_tags(end_tags)
         logger.log_metrics(summary, meter.step)
         warn = fl.mfu_warning(summary.get(names.SUM_MFU))
-        if warn:
+        if warn and not mfu_warned:
             log.warning(warn)
-            logger.set_tags({names.MFU_WARNING: warn})
+            logger.set_tags({names.MFU_WARNING: f"summary: {warn}"})
         logger.close("FINISHED")
     accelerator.wait_for_everyone()
     accelerator.end_training()
