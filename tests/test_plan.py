@@ -62,3 +62,30 @@ def test_plan_json_for_another_accelerator(tracking_uri):
     assert plan["precision"] == "bf16" and plan["strategy"] == "fsdp"
     assert plan["flops_per_token_megatron"] == pytest.approx(42.8637e9, rel=1e-5)  # METRICS.md reference
     assert plan["memory_weights_gib"] == pytest.approx(6_738_415_616 * 4 / 8 / 2**30)
+
+
+def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.plan import make_plan
+    from mlflow_llmeff.train.config import TrainConfig
+
+    client = mlflow.MlflowClient()
+    for tflops in (300.0, 400.0, 500.0):  # three earlier llama-7b runs on H100-SXM; median 400
+        rid = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b"}).info.run_id
+        client.log_metric(rid, names.SUM_DEVICE_TFLOPS, tflops)
+        client.log_metric(rid, names.SUM_TFLOPS_PER_W, tflops / 600.0)  # 600 W per device
+    other = client.create_run("0", tags={names.ACCEL_SHORT: "A100-80GB", names.MODEL_NAME: "llama-7b"}).info.run_id
+    client.log_metric(other, names.SUM_DEVICE_TFLOPS, 100.0)
+    cfg = TrainConfig(model="llama-7b", seq_len=4096, micro_batch_size=1, grad_accum=4, num_processes=8, max_steps=1000)
+    plan = make_plan(cfg, accelerator_short="H100-SXM", precision="bf16", strategy="ddp", client=client,
+                     device_hour_usd=2.0)
+    fpt = 42.8637e9  # Llama-2-7B at 4096, METRICS.md
+    tps = 400e12 * 8 / fpt
+    assert plan["prediction_basis"] == "median of 3 runs of llama-7b"
+    assert plan["predicted_tokens_per_sec"] == pytest.approx(tps, rel=1e-5)
+    wall = 1000 * 4096 * 4 * 8 / tps
+    assert plan["predicted_wall_s"] == pytest.approx(wall, rel=1e-5)
+    assert plan["predicted_usd"] == pytest.approx(2.0 * 8 * wall / 3600, rel=1e-5)
+    assert plan["predicted_kwh"] == pytest.approx(600 * 8 * wall / 3.6e6, rel=1e-5)

@@ -256,6 +256,9 @@ def run_training(cfg: TrainConfig) -> dict | None:
         measured_peak_note = f"{measured_peak:.4g}"
     except Exception as e:  # noqa: BLE001 - an unmeasurable peak leaves mfu_measured_peak out, with the reason
         measured_peak_note = f"unknown: {type(e).__name__}: {e}"
+    if device.type == "cuda":  # the peak measurement's matrices must not count in the run's peak memory
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
     # ---- energy, carbon, cost -----------------------------------------------------------------
     from ..carbon import CarbonTracker
