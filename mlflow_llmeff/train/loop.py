@@ -16,7 +16,7 @@ import sys
 import time
 from contextlib import nullcontext
 
-from .. import names
+from .. import names, probes
 from ..energy import EnergyReading, make_meter, sum_over_ranks
 from ..goodput import TimeAccount, goodput
 from ..counting import BatchCounter
@@ -54,79 +54,6 @@ def _micro_batches(n: int, micro_batch_size: int, world: int, rank: int, seed: i
         base = (off * world + rank) * micro_batch_size
         yield cached[1][base: base + micro_batch_size]
         k += 1
-
-
-def _versions() -> dict[str, str]:
-    import platform
-
-    from .. import __version__
-
-    out = {names.V_LLMEFF: __version__, names.V_PYTHON: platform.python_version()}
-    for tag, mod in ((names.V_TORCH, "torch"), (names.V_TRANSFORMERS, "transformers"),
-                     (names.V_ACCELERATE, "accelerate"), (names.V_MLFLOW, "mlflow")):
-        try:
-            out[tag] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            out[tag] = "unknown"
-    return out
-
-
-def _git_commit() -> str:
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        r = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "unknown: not a git checkout"
-    except Exception:  # noqa: BLE001
-        return "unknown: git not available"
-
-
-def _param_counts(model) -> tuple[int, int]:
-    """(total, non-embedding) parameters of the built model; tied weights counted once."""
-    total = sum(p.numel() for p in model.parameters())
-    emb = model.get_input_embeddings().weight.numel()
-    wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2 learned positions
-    if wpe is not None:
-        emb += wpe.weight.numel()
-    return total, total - emb
-
-
-def _model_state_bytes(model, optimizer) -> tuple[int, int]:
-    """(bytes of weights + gradients + optimizer state, parameters) held by this device."""
-    import torch
-
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    nbytes, nparams = 0, 0
-    for p in model.parameters():
-        lp = local(p)
-        nparams += lp.numel()
-        nbytes += lp.numel() * lp.element_size()
-        if p.requires_grad:  # gradients live through every step (freed only between steps)
-            g = local(p.grad) if p.grad is not None else lp
-            nbytes += g.numel() * g.element_size()
-    opt = getattr(optimizer, "optimizer", optimizer)
-    for st in opt.state.values():
-        for v in st.values():
-            if torch.is_tensor(v) and v.dim() > 0:
-                lv = local(v)
-                nbytes += lv.numel() * lv.element_size()
-    return nbytes, nparams
-
-
-def _peak_memory_gib(device) -> tuple[float, float, str]:
-    """(max allocated, max reserved) GiB of this process's device, and the source."""
-    import torch
-
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30,
-                "torch.cuda.max_memory_allocated / max_memory_reserved")
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-    return rss, rss, "cpu: peak process RSS (getrusage ru_maxrss) for both allocated and reserved; no allocator statistics on CPU"
 
 
 def _build_accelerator(cfg: TrainConfig, precision: str, cuda: bool):
@@ -192,7 +119,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
                         synthetic_blocks=max(64, 2 * cfg.micro_batch_size * world * cfg.grad_accum),
                         vocab_size=min(len(tokenizer), model_config.vocab_size))
     model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
-    params_total, params_non_emb = _param_counts(model)
+    params_total, params_non_emb = probes.param_counts(model)
     if cfg.activation_checkpointing and cfg.parallelism != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model.config, "use_cache"):
@@ -306,7 +233,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
         ensure_experiment_kind(client, client.get_run(run_id).info.experiment_id)
         logger = RunLogger(run_id, client, resume=state is not None)
         changed = logger.log_params(cfg.to_params())
-        tags = {**accel.tags(), **_versions()}
+        tags = {**accel.tags(), **probes.software_versions()}
         tags.update({
             names.NODES: str(int(os.environ.get("NUM_MACHINES", 0)) or max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))),
             names.PAR_STRATEGY: strategy, names.PAR_DP: str(world), names.PAR_TP: "1", names.PAR_PP: "1", names.PAR_CP: "1",
@@ -323,7 +250,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
             names.PEAK_TFLOPS: f"{peak:g}" if peak else "unknown", names.PEAK_SOURCE: peak_source,
             names.WARMUP_STEPS: str(cfg.warmup_steps), names.WARMUP_NOTE: WARMUP_NOTE,
             names.DATASET: cfg.dataset, names.DATASET_KIND: data.kind, names.TOKENIZER: tokenizer_name(cfg.model),
-            names.GIT_COMMIT: _git_commit(), names.RESUME_ATTEMPTS: str(attempts),
+            names.GIT_COMMIT: probes.git_commit(os.path.dirname(os.path.abspath(__file__))), names.RESUME_ATTEMPTS: str(attempts),
             names.PEAK_MEASURED_TFLOPS: measured_peak_note,
             names.ENERGY_SOURCE: energy.source, names.ENERGY_WHY: energy.why or "measured",
         })
@@ -415,7 +342,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
             ls = accelerator.reduce(loss_sum, reduction="sum") if world > 1 else loss_sum
             loss = float(ls[0] / ls[1])
             loss_sum.zero_()
-            alloc, reserved, mem_source = _peak_memory_gib(device)
+            alloc, reserved, mem_source = probes.peak_memory_gib(device)
             mem = torch.tensor([alloc, reserved], dtype=torch.float64, device=device)
             if world > 1:
                 mem = accelerator.gather(mem.unsqueeze(0)).max(dim=0).values
@@ -508,7 +435,7 @@ def run_training(cfg: TrainConfig) -> dict | None:
         summary[names.COST_TOTAL_USD] = total_usd
         summary[names.SUM_USD_PER_BTOK] = total_usd * 1e9 / tokens
     if main:
-        end_tags = {names.MEMORY_SOURCE: _peak_memory_gib(device)[2], names.HFU_METHOD: hfu_note,
+        end_tags = {names.MEMORY_SOURCE: probes.peak_memory_gib(device)[2], names.HFU_METHOD: hfu_note,
                     **carbon.tags(energy_source=energy.source if energy.measures else None)}
         if energy.measures:
             end_tags[names.ENERGY_SOURCE] = energy.source
@@ -666,8 +593,8 @@ def _summary(cfg, meter, account, model, optimizer, device, world, peak, model_f
                     names.SUM_MFU: fl.utilization(tflops, peak), names.SUM_MFU_PALM: fl.utilization(tflops_palm, peak)})
         if hw_flops_per_step is not None:
             out[names.SUM_HFU] = fl.utilization(hw_flops_per_step / rates.step_time_s / 1e12, peak)
-    alloc, _, _ = _peak_memory_gib(device)
-    state_bytes, local_params = _model_state_bytes(model, optimizer)
+    alloc, _, _ = probes.peak_memory_gib(device)
+    state_bytes, local_params = probes.model_state_bytes(model, optimizer)
     t = torch.tensor([[alloc, state_bytes / max(1, local_params)]], dtype=torch.float64, device=device)
     if world > 1:
         t = accelerator.gather(t)

@@ -1,0 +1,529 @@
+"""``mlflow_llmeff.autolog()``: the standard efficiency metrics for HF Trainer, Accelerate and plain PyTorch loops.
+
+Built on MLflow's autologging utilities (``mlflow.utils.autologging_utils``): the integration is
+registered with ``autologging_integration("mlflow_llmeff")`` and every patch goes through
+``safe_patch``, so ``autolog(disable=True)`` reverts all of them, ``silent=True`` silences our
+warnings, and an exception in our code is logged as a warning while the user's call goes on
+(``MLFLOW_AUTOLOGGING_TESTING=true`` makes it raise, as for MLflow's own integrations).
+
+What is patched (``safe_patch``; once-per-run entry points only, so the per-call cost of
+``safe_patch``, ~30 us, never lands on the hot path):
+
+* ``transformers.Trainer.__init__``: adds our ``TrainerCallback`` (steps from ``on_step_end``,
+  ``train/loss`` from ``on_log``, summary at ``on_train_end``, before the Trainer's own MLflow
+  callback ends the run, so both share one run and no key is logged twice);
+* ``accelerate.Accelerator.prepare`` (the prepared model gets the token hook) and
+  ``Accelerator.end_training`` (summary, on every rank);
+* ``torch.optim.Optimizer.__init__`` (arms discovery of the model a new optimizer trains);
+* ``torch.distributed.destroy_process_group`` (summary on every rank before the group goes);
+* ``mlflow.end_run`` (summary before the run the metrics go to ends; also at interpreter exit).
+
+Hot path (torch hooks, removed by the cleanup callback that ``revert_patches`` runs):
+
+* one global optimizer step post-hook (``register_optimizer_step_post_hook``): one optimizer step
+  = one step of the first optimizer that steps after counting began (Accelerate's wrapper only
+  steps the torch optimizer at gradient-sync boundaries, so accumulation is handled);
+* one forward hook (with kwargs) on the root model: counts ``input_ids`` / ``attention_mask`` /
+  ``labels`` of every training forward (``module.training`` and grad enabled; evaluation under
+  ``no_grad`` or ``eval()`` is not counted) and reads ``output.loss`` when there is one;
+* discovery: after an optimizer is created and while no model is hooked, global forward hooks find
+  the outermost module called with token ids, hook it and remove themselves (they cost only during
+  the first forward).
+
+The public entry is ``mlflow_llmeff.autolog`` (this module's :func:`autolog`, exported lazily by
+the package); the module is named ``autologging`` so that the function and the module never clash.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass
+
+from mlflow.utils.autologging_utils import (
+    autologging_integration,
+    autologging_is_disabled,
+    get_autologging_config,
+    is_testing,
+    safe_patch,
+)
+
+__all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor"]
+
+log = logging.getLogger(__name__)
+
+#: The name under which MLflow's autologging utilities know this integration.
+INTEGRATION = "mlflow_llmeff"
+
+
+@dataclass(frozen=True)
+class _Settings:
+    log_every_n_steps: int
+    warmup_steps: int
+    device_hour_usd: float | None
+    measure_energy: str
+    peak_tflops: float | None
+
+
+class _Session:
+    """State of one ``autolog()`` enablement: hooks, the hooked models and the current monitor."""
+
+    def __init__(self, settings: _Settings) -> None:
+        self.settings = settings
+        self.monitor = None  # EfficiencyMonitor of the training in progress
+        self.owner: str | None = None  # trainer / accelerate / pytorch
+        self.trainer_active = False
+        self.opt_id: int | None = None  # the optimizer whose steps are counted
+        self.hooked: weakref.WeakSet = weakref.WeakSet()
+        self.handles: list = []  # module hooks and the optimizer hook
+        self.discovery: list | None = None  # global forward hook handles while armed
+        self.depth = 0
+        self.accelerator = None  # weakref to the last Accelerator that prepared a model
+        self.prepared: weakref.WeakSet = weakref.WeakSet()
+        self.optimizer = None  # weakref to the last optimizer constructed
+        self.positional: dict[int, tuple[str, ...]] = {}
+        self.warned = False
+
+    # -------------------------------------------------------------------------------- failures
+    def fail(self, e: BaseException) -> None:
+        """A failure in a hook: warn once (unless silent), never raise (except in MLflow test mode)."""
+        if is_testing():
+            raise e
+        if not self.warned and not get_autologging_config(INTEGRATION, "silent", False):
+            self.warned = True
+            warnings.warn(f"mlflow_llmeff autolog: {type(e).__name__}: {e}; training continues", stacklevel=2)
+        log.debug("autolog hook failure", exc_info=e)
+
+    # -------------------------------------------------------------------------------- model hooks
+    def attach(self, module) -> bool:
+        """Hook ``module`` for token counting unless it, an ancestor or a descendant is hooked."""
+        import torch
+
+        if module is None or not isinstance(module, torch.nn.Module):
+            return False
+        for m in list(self.hooked):
+            if m is module or any(sub is module for sub in m.modules()) or any(sub is m for sub in module.modules()):
+                return False
+        self.handles.append(module.register_forward_hook(self._forward_hook, with_kwargs=True))
+        self.hooked.add(module)
+        return True
+
+    def _batch(self, module, args, kwargs):
+        """The forward's ``input_ids`` / ``attention_mask`` / ``labels`` as a dict, or None."""
+        import torch
+
+        batch = {k: kwargs[k] for k in ("input_ids", "attention_mask", "labels") if k in kwargs}
+        if args:
+            key = id(module)
+            if key not in self.positional:
+                import inspect
+
+                from .monitor import unwrap_model
+
+                try:
+                    params = tuple(inspect.signature(unwrap_model(module).forward).parameters)
+                except (TypeError, ValueError):
+                    params = ()
+                self.positional[key] = params if "input_ids" in params else ()
+            params = self.positional[key]
+            if params:
+                batch.update({k: v for k, v in zip(params, args) if k in ("input_ids", "attention_mask", "labels")})
+            elif "input_ids" not in batch and torch.is_tensor(args[0]) and not args[0].is_floating_point():
+                batch["input_ids"] = args[0]
+        ids = batch.get("input_ids")
+        if not torch.is_tensor(ids) or ids.is_floating_point() or ids.dim() not in (1, 2):
+            return None
+        return batch
+
+    def _forward_hook(self, module, args, kwargs, output):
+        try:
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            batch = self._batch(module, args, kwargs)
+            if batch is None:
+                return
+            mon = self.monitor if self.monitor is not None else self.start_monitor(module)
+            if mon is None:
+                return
+            loss = None
+            if self.owner != "trainer":
+                loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+                if loss is not None and not (torch.is_tensor(loss) and loss.dim() == 0):
+                    loss = None
+            mon.count(batch, loss=loss)
+        except Exception as e:  # noqa: BLE001
+            self.fail(e)
+
+    # -------------------------------------------------------------------------------- discovery
+    def arm_discovery(self) -> None:
+        """After an optimizer is built: find the root model on its first training forward."""
+        if self.discovery is not None:
+            return
+        from torch.nn.modules import module as tm
+
+        self.depth = 0
+        self.discovery = [tm.register_module_forward_pre_hook(self._discover_pre),
+                          tm.register_module_forward_hook(self._discover_post, with_kwargs=True, always_call=True)]
+
+    def disarm_discovery(self) -> None:
+        for h in self.discovery or ():
+            h.remove()
+        self.discovery = None
+
+    def _discover_pre(self, module, args):
+        self.depth += 1
+
+    def _discover_post(self, module, args, kwargs, output):
+        self.depth = max(0, self.depth - 1)
+        if self.depth:
+            return
+        try:
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()) or self._batch(module, args, kwargs) is None:
+                return
+            self.disarm_discovery()
+            if self.attach(module):
+                self._forward_hook(module, args, kwargs, output)  # this first forward counts too
+        except Exception as e:  # noqa: BLE001
+            self.disarm_discovery()
+            self.fail(e)
+
+    # -------------------------------------------------------------------------------- monitors
+    def start_monitor(self, module):
+        """Create the monitor (and, on rank 0, the run) at the first counted forward of a loop."""
+        if self.trainer_active:
+            return None  # the Trainer callback owns the monitor
+        from .monitor import EfficiencyMonitor, infer_precision, unwrap_model
+
+        acc = self.accelerator() if self.accelerator is not None else None
+        precision, strategy, owner = None, None, "pytorch"
+        if acc is not None and module in self.prepared:
+            owner = "accelerate"
+            mp = str(getattr(acc, "mixed_precision", "no"))
+            precision = mp if mp in ("bf16", "fp16", "fp8") else infer_precision(unwrap_model(module))
+            strategy = _accelerate_strategy(acc)
+        opt = self.optimizer() if self.optimizer is not None else None
+        s = self.settings
+        self.monitor = EfficiencyMonitor(
+            log_every_n_steps=s.log_every_n_steps, warmup_steps=s.warmup_steps, model=module, optimizer=opt,
+            peak_tflops=s.peak_tflops, precision=precision, device_hour_usd=s.device_hour_usd,
+            measure_energy=s.measure_energy, strategy=strategy, integration=owner)
+        self.owner, self.opt_id = owner, None
+        return self.monitor
+
+    def on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        mon = self.monitor
+        if mon is None or self.trainer_active:
+            return
+        try:
+            if self.opt_id is None:
+                self.opt_id = id(optimizer)
+                if mon._optimizer is None:
+                    mon._optimizer = optimizer
+            elif self.opt_id != id(optimizer):
+                return  # a second optimizer in the same loop: steps are counted once
+            mon.step()
+        except Exception as e:  # noqa: BLE001
+            self.fail(e)
+
+    def finish(self, *, collective: bool, run_id: str | None = None) -> None:
+        """Finish the current monitor (only if it logs into ``run_id``, when given)."""
+        mon = self.monitor
+        if mon is None or mon.finished:
+            self.monitor = None
+            return
+        if run_id is not None and mon.run_id is not None and mon.run_id != run_id:
+            return
+        if run_id is not None and mon.run_id is None and mon.is_main:
+            return
+        self.monitor, self.owner, self.opt_id = None, None, None
+        mon.finish(collective=collective)
+
+    def teardown(self) -> None:
+        try:
+            self.finish(collective=False)
+        except Exception as e:  # noqa: BLE001
+            log.debug("finish at teardown failed", exc_info=e)
+        self.disarm_discovery()
+        for h in self.handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self.handles.clear()
+
+
+_SESSION: _Session | None = None
+
+
+def is_enabled() -> bool:
+    """True while ``mlflow_llmeff.autolog()`` is enabled in this process."""
+    return _SESSION is not None and not autologging_is_disabled(INTEGRATION)
+
+
+def active_monitor():
+    """The :class:`~mlflow_llmeff.monitor.EfficiencyMonitor` of the training in progress, or None."""
+    return _SESSION.monitor if _SESSION is not None else None
+
+
+def _accelerate_strategy(acc) -> str:
+    dt = str(getattr(getattr(acc, "distributed_type", None), "value", getattr(acc, "distributed_type", "")))
+    dt = dt.upper()
+    if "FSDP" in dt:
+        return "fsdp"
+    if "DEEPSPEED" in dt:
+        try:
+            return f"deepspeed_zero{acc.state.deepspeed_plugin.zero_stage}"
+        except Exception:  # noqa: BLE001
+            return "deepspeed"
+    return "ddp" if getattr(acc, "num_processes", 1) > 1 else "single"
+
+
+# ------------------------------------------------------------------------------------ patches
+def _session() -> _Session | None:
+    return _SESSION if is_enabled() else None
+
+
+def _patched_optimizer_init(original, self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    s = _session()
+    if s is not None:
+        s.optimizer = weakref.ref(self)
+        s.arm_discovery()
+
+
+def _patched_prepare(original, self, *args, **kwargs):
+    result = original(self, *args, **kwargs)
+    s = _session()
+    if s is not None:
+        import torch
+
+        s.accelerator = weakref.ref(self)
+        for obj in result if isinstance(result, tuple) else (result,):
+            if isinstance(obj, torch.nn.Module):
+                s.prepared.add(obj)
+                s.attach(obj)
+    return result
+
+
+def _patched_end_training(original, self, *args, **kwargs):
+    s = _session()
+    if s is not None:
+        s.finish(collective=True)
+    return original(self, *args, **kwargs)
+
+
+def _patched_destroy_process_group(original, *args, **kwargs):
+    s = _session()
+    if s is not None:
+        s.finish(collective=True)
+    return original(*args, **kwargs)
+
+
+def _patched_end_run(original, *args, **kwargs):
+    s = _session()
+    if s is not None and s.monitor is not None:
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is not None:
+            s.finish(collective=False, run_id=active.info.run_id)
+    return original(*args, **kwargs)
+
+
+def _patched_trainer_init(original, self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    s = _session()
+    if s is not None:
+        cb_cls, first_cls = _trainer_callbacks()
+        cb = cb_cls()
+        self.add_callback(cb)  # after the Trainer's MLflowCallback: its run exists at on_train_begin
+        self.callback_handler.callbacks.insert(0, first_cls(cb))  # summary before it ends the run
+
+
+_TRAINER_CALLBACKS = None
+
+
+def _trainer_callbacks():
+    """Our TrainerCallback classes (defined on first use: importing transformers is slow)."""
+    global _TRAINER_CALLBACKS
+    if _TRAINER_CALLBACKS is not None:
+        return _TRAINER_CALLBACKS
+    from mlflow.utils.autologging_utils import ExceptionSafeClass
+    from transformers import TrainerCallback
+
+    from . import names
+
+    class LlmeffTrainerCallback(TrainerCallback, metaclass=ExceptionSafeClass):
+        """Standard efficiency metrics for ``Trainer.train()`` (added by ``mlflow_llmeff.autolog``)."""
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            from .monitor import EfficiencyMonitor, infer_precision
+
+            s = _session()
+            if s is None:
+                return
+            s.finish(collective=True)  # a loop monitor left open before the Trainer started
+            s.trainer_active, s.owner = True, "trainer"
+            s.disarm_discovery()
+            s.attach(model)
+            precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
+                else infer_precision(model)
+            st = s.settings
+            s.monitor = EfficiencyMonitor(
+                log_every_n_steps=st.log_every_n_steps, warmup_steps=st.warmup_steps, model=model,
+                optimizer=optimizer, peak_tflops=st.peak_tflops, precision=precision,
+                device_hour_usd=st.device_hour_usd, measure_energy=st.measure_energy,
+                start_step=int(state.global_step), integration="trainer", track_loss=False)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            s = _session()
+            if s is not None and s.trainer_active and s.monitor is not None:
+                s.monitor.step()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            s = _session()
+            if s is not None and s.trainer_active and s.monitor is not None and logs and "loss" in logs:
+                s.monitor.log_metrics({names.TRAIN_LOSS: float(logs["loss"])}, int(state.global_step))
+
+        def finish(self):
+            s = _session()
+            if s is not None and s.trainer_active:
+                s.finish(collective=True)
+                s.trainer_active = False
+
+    class LlmeffTrainerEnd(TrainerCallback, metaclass=ExceptionSafeClass):
+        """First in the callback list: logs the summary before other callbacks end the run."""
+
+        def __init__(self, main):
+            self.main = main
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.main.finish()
+
+    _TRAINER_CALLBACKS = (LlmeffTrainerCallback, LlmeffTrainerEnd)
+    return _TRAINER_CALLBACKS
+
+
+def _patch_transformers(module) -> None:
+    s = _session()
+    if s is None or "trainer" in getattr(s, "patched", ()):
+        return
+    s.patched = getattr(s, "patched", set()) | {"trainer"}
+    safe_patch(INTEGRATION, module.Trainer, "__init__", _patched_trainer_init)
+
+
+def _patch_accelerate(module) -> None:
+    s = _session()
+    if s is None or "accelerate" in getattr(s, "patched", ()):
+        return
+    s.patched = getattr(s, "patched", set()) | {"accelerate"}
+    safe_patch(INTEGRATION, module.Accelerator, "prepare", _patched_prepare)
+    safe_patch(INTEGRATION, module.Accelerator, "end_training", _patched_end_training)
+
+
+def _at_exit() -> None:
+    s = _SESSION
+    if s is not None:
+        try:
+            s.finish(collective=False)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_ATEXIT_REGISTERED = False
+
+
+@autologging_integration(INTEGRATION)
+def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd: float | None = None,
+            measure_energy: str = "auto", peak_tflops: float | None = None, disable: bool = False,
+            silent: bool = False) -> None:
+    """Log the standard efficiency metrics and condition tags of HF Trainer, Accelerate and PyTorch loops.
+
+    One line before training; nothing else in the script changes. Each training loop gives one MLflow
+    run (the active run, the Trainer's run with ``report_to="mlflow"``, or a new run) with
+    ``train/tokens``, ``throughput/*``, ``summary/*`` (MFU where the peak is known) and the
+    ``llmeff.*`` condition tags; only rank 0 logs, counts are summed over ranks.
+
+    Args:
+        log_every_n_steps: optimizer steps between logged points (>= 1).
+        warmup_steps: first optimizer steps excluded from steady-state figures (>= 0).
+        device_hour_usd: price per device-hour, USD, for ``cost/*`` (default: the dated table).
+        measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none``.
+        peak_tflops: dense peak TFLOP/s per device (default: the datasheet table; CPUs have none).
+        disable: True reverts every patch and hook of a previous ``autolog()`` call.
+        silent: True suppresses our warnings and MLflow's autologging event logs.
+
+    Raises:
+        ValueError: for a bad argument (autolog then stays disabled).
+    """
+    global _SESSION, _ATEXIT_REGISTERED
+    from mlflow.utils.autologging_utils import AUTOLOGGING_INTEGRATIONS
+    from mlflow.utils.autologging_utils.safety import _AUTOLOGGING_CLEANUP_CALLBACKS
+
+    from .energy import MODES
+
+    try:
+        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not accepted; give an int >= 1")
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r} is not accepted; give an int >= 0")
+        if measure_energy not in MODES:
+            raise ValueError(f"measure_energy={measure_energy!r} is not accepted; use one of {', '.join(MODES)}")
+        if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and peak_tflops > 0):
+            raise ValueError(f"peak_tflops={peak_tflops!r} is not accepted; give TFLOP/s > 0 or None")
+        if device_hour_usd is not None and not (isinstance(device_hour_usd, (int, float)) and device_hour_usd >= 0):
+            raise ValueError(f"device_hour_usd={device_hour_usd!r} is not accepted; give a price >= 0 in USD or None")
+    except ValueError:
+        AUTOLOGGING_INTEGRATIONS.setdefault(INTEGRATION, {})["disable"] = True
+        raise
+
+    import torch
+    import torch.optim.optimizer as topt
+
+    import mlflow
+    import mlflow.tracking.fluent as fluent
+    from mlflow.utils.import_hooks import register_post_import_hook
+
+    session = _Session(_Settings(log_every_n_steps, warmup_steps, device_hour_usd, measure_energy, peak_tflops))
+    _SESSION = session
+
+    def cleanup() -> None:  # run by revert_patches on autolog(disable=True) or a new autolog() call
+        global _SESSION
+        session.teardown()
+        if _SESSION is session:
+            _SESSION = None
+
+    _AUTOLOGGING_CLEANUP_CALLBACKS.setdefault(INTEGRATION, []).append(cleanup)
+    session.handles.append(topt.register_optimizer_step_post_hook(session.on_optimizer_step))
+    safe_patch(INTEGRATION, torch.optim.Optimizer, "__init__", _patched_optimizer_init)
+    if torch.distributed.is_available():
+        safe_patch(INTEGRATION, torch.distributed, "destroy_process_group", _patched_destroy_process_group)
+    safe_patch(INTEGRATION, fluent, "end_run", _patched_end_run)
+    if mlflow.end_run is not fluent.end_run:
+        safe_patch(INTEGRATION, mlflow, "end_run", _patched_end_run)
+    # Trainer and Accelerator are patched when their modules are imported (now, if they already are).
+    register_post_import_hook(_patch_transformers, "transformers.trainer", overwrite=True)
+    register_post_import_hook(_patch_accelerate, "accelerate.accelerator", overwrite=True)
+    for name, fn in (("transformers.trainer", _patch_transformers), ("accelerate.accelerator", _patch_accelerate)):
+        if name in sys.modules:
+            fn(sys.modules[name])
+    if not _ATEXIT_REGISTERED:
+        # A loop nobody ends (no end_run, end_training, destroy_process_group) is finished at exit,
+        # BEFORE the interpreter shuts thread pools down: MLflow's asynchronous logging queue (and
+        # its own atexit drain) cannot schedule work after that, so queued points would be lost.
+        # threading's exit hooks run before concurrent.futures' shutdown when registered after it.
+        import concurrent.futures.thread  # noqa: F401 - make sure its hook is registered first
+        import threading
+
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_at_exit)
+        atexit.register(_at_exit)
+        _ATEXIT_REGISTERED = True

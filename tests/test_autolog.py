@@ -1,0 +1,147 @@
+"""mlflow_llmeff.autolog() in-process: plain PyTorch loop counts, enable/disable restores, failures stay inside."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import mlflow
+import pytest
+import torch
+
+import mlflow_llmeff
+from mlflow_llmeff import names
+
+AL = importlib.import_module("mlflow_llmeff.autologging")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One sqlite store for the module (creating an MLflow database costs ~2 s)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def tracking_uri(store, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(store)
+    yield store
+    mlflow_llmeff.autolog(disable=True)
+    mlflow.set_tracking_uri(None)
+
+
+def tiny_model():
+    from transformers import LlamaForCausalLM
+
+    from mlflow_llmeff.train.models import load_config
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(load_config("llama-tiny"))
+
+
+def batch(lengths: list[int], t: int = 8) -> dict[str, torch.Tensor]:
+    """Rows of ``t`` positions whose first ``lengths[i]`` are real tokens."""
+    ids = torch.arange(len(lengths) * t).view(len(lengths), t) % 200 + 3
+    mask = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_import_is_cheap_and_autolog_is_the_function():
+    code = ("import sys, mlflow_llmeff; assert 'torch' not in sys.modules and 'mlflow' not in sys.modules; "
+            "assert callable(mlflow_llmeff.autolog) and "
+            "mlflow_llmeff.autolog.integration_name == 'mlflow_llmeff'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plain_loop_counts_non_padding_tokens_over_accumulated_micro_batches(tracking_uri):
+    mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none", peak_tflops=1.0)
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    micro = [batch([8, 5]), batch([3, 8])]  # 13 + 11 = 24 non-padding tokens per step, 32 positions
+    for _ in range(4):
+        for b in micro:  # gradient accumulation: two forwards per optimizer step
+            model(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        model(**micro[0])  # evaluation: not counted
+    run_id = AL.active_monitor().run_id
+    mlflow.end_run()  # the run ends: summary logged first
+    client = mlflow.MlflowClient()
+    run = client.get_run(run_id)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, names.TRAIN_TOKENS)] == [(2, 48.0), (4, 96.0)]
+    assert run.data.metrics[names.TRAIN_PADDED_TOKENS] == 128.0
+    assert run.data.metrics[names.TRAIN_LOSS_TOKENS] == 4 * (7 + 4 + 2 + 7)
+    assert run.data.metrics[names.SUM_TOKENS] == 96.0 and run.data.metrics[names.SUM_STEPS] == 4.0
+    assert names.SUM_MFU in run.data.metrics and names.TPUT_DEVICE_MFU in run.data.metrics  # peak given
+    assert run.data.tags[names.AUTOLOG_INTEGRATION] == "pytorch"
+    assert run.data.tags[names.GRAD_ACCUM] == "2" and run.data.tags[names.ACCEL_SHORT] == "cpu"
+    assert run.info.status == "FINISHED"
+
+
+def test_disable_restores_every_patched_function_and_hook(tracking_uri):
+    import accelerate
+    import torch.optim.optimizer as topt
+    import transformers
+    from torch.nn.modules import module as tm
+
+    import mlflow.tracking.fluent as fluent
+
+    targets = [(torch.optim.Optimizer, "__init__"), (torch.distributed, "destroy_process_group"),
+               (fluent, "end_run"), (mlflow, "end_run"), (transformers.Trainer, "__init__"),
+               (accelerate.Accelerator, "prepare"), (accelerate.Accelerator, "end_training")]
+    before = [vars(obj)[name] for obj, name in targets]
+    hooks_before = (len(topt._global_optimizer_post_hooks), len(tm._global_forward_hooks),
+                    len(tm._global_forward_pre_hooks))
+
+    mlflow_llmeff.autolog(log_every_n_steps=1, warmup_steps=0, measure_energy="none")
+    assert all(vars(obj)[name] is not orig for (obj, name), orig in zip(targets, before))
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(**batch([8])).loss.backward()
+    opt.step()
+    assert len(model._forward_hooks) == 1 and AL.active_monitor() is not None
+    run_id = AL.active_monitor().run_id
+
+    mlflow_llmeff.autolog(disable=True)
+    assert all(vars(obj)[name] is orig for (obj, name), orig in zip(targets, before))
+    assert (len(topt._global_optimizer_post_hooks), len(tm._global_forward_hooks),
+            len(tm._global_forward_pre_hooks)) == hooks_before
+    assert len(model._forward_hooks) == 0 and not AL.is_enabled()
+    assert mlflow.MlflowClient().get_run(run_id).data.metrics[names.SUM_STEPS] == 1.0  # finished on disable
+    # The loop now runs untouched: no new run, no metrics.
+    n_runs = len(mlflow.search_runs(search_all_experiments=True))
+    model(**batch([8])).loss.backward()
+    opt.step()
+    assert AL.active_monitor() is None and mlflow.active_run() is None
+    assert len(mlflow.search_runs(search_all_experiments=True)) == n_runs
+
+
+def test_an_exception_in_our_hooks_never_reaches_the_loop(tracking_uri, monkeypatch):
+    mlflow_llmeff.autolog(log_every_n_steps=1, warmup_steps=0, measure_energy="none")
+
+    def boom(self, module):
+        raise RuntimeError("autolog bug")
+
+    monkeypatch.setattr(AL._Session, "start_monitor", boom)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="autolog bug"):
+        for _ in range(2):
+            model(**batch([8])).loss.backward()
+            opt.step()
+    assert AL.active_monitor() is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
+    ({"warmup_steps": -1}, "warmup_steps=-1"),
+    ({"measure_energy": "magic"}, "measure_energy='magic'.*auto, nvml, rapl, none"),
+    ({"peak_tflops": 0}, "peak_tflops=0"),
+])
+def test_bad_arguments_raise_and_leave_autolog_disabled(tracking_uri, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mlflow_llmeff.autolog(**kwargs)
+    assert not AL.is_enabled()

@@ -1,0 +1,117 @@
+"""The example scripts, run as users run them (a subprocess each), with only the autolog line added.
+
+Each must give exactly one run with the standard metrics and condition tags, and ``train/tokens``
+equal to the non-padding tokens the script fed (hand-computed in each script's docstring).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from mlflow_llmeff import names
+
+from conftest import REPO
+
+EXAMPLES = REPO / "examples"
+OUR_PREFIXES = ("train/", "throughput/", "summary/", "memory/", "energy/", "cost/", "carbon/", "eval/")
+
+
+def run_script(args: list[str], uri: str, timeout: int = 240) -> None:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("MLFLOW_RUN_ID", None)
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def only_run(uri: str):
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.MlflowClient().search_runs([e.experiment_id for e in mlflow.search_experiments()])
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return runs[0]
+
+
+def assert_standard(run, tokens: int, count: str, strategy: str, integration: str) -> None:
+    m, t = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED"
+    assert m[names.TRAIN_TOKENS] == tokens and m[names.SUM_TOKENS] == tokens
+    for key in (names.TPUT_TOKENS, names.TPUT_DEVICE_TOKENS, names.TPUT_DEVICE_TFLOPS, names.TRAIN_STEP_TIME_S,
+                names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TFLOPS, names.SUM_STEP_TIME_S, names.SUM_WALL_S):
+        assert key in m, key
+    assert (t[names.ACCEL_SHORT], t[names.ACCEL_COUNT], t[names.PAR_STRATEGY]) == ("cpu", count, strategy)
+    assert t[names.AUTOLOG_INTEGRATION] == integration
+    assert t[names.PEAK_SOURCE].startswith("unknown") and names.SUM_MFU not in m  # CPU: no datasheet peak
+    for key in (names.V_TORCH, names.V_MLFLOW, names.PRECISION, names.MODEL_PARAMS, names.WARMUP_STEPS):
+        assert key in t, key
+
+
+def assert_no_duplicate_points(run) -> list[str]:
+    client = mlflow.MlflowClient()
+    ours = [k for k in run.data.metrics if k.startswith(OUR_PREFIXES)]
+    for key in ours:
+        steps = [p.step for p in client.get_metric_history(run.info.run_id, key)]
+        assert len(steps) == len(set(steps)), (key, steps)
+    return ours
+
+
+def test_plain_pytorch_example(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_script([sys.executable, str(EXAMPLES / "plain_pytorch.py")], uri)
+    run = only_run(uri)
+    assert_standard(run, 394, "1", "single", "pytorch")  # 2 epochs x 197 bytes
+    assert run.data.metrics[names.TRAIN_PADDED_TOKENS] == 436  # 2 x (50 + 64 + 54 + 50)
+    assert run.data.metrics[names.TRAIN_LOSS_TOKENS] == 378  # 394 - 16 sequences
+    assert_no_duplicate_points(run)
+
+
+@pytest.mark.slow
+def test_accelerate_example_one_process(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_script([sys.executable, str(EXAMPLES / "accelerate_loop.py")], uri)
+    run = only_run(uri)
+    assert_standard(run, 1536, "1", "single", "accelerate")  # 6 steps x 2 x 4 x 32
+    assert run.data.tags[names.GRAD_ACCUM] == "2" and run.data.metrics[names.SUM_STEPS] == 6
+
+
+@pytest.mark.slow
+def test_accelerate_example_ddp_two_cpu_processes_one_run_tokens_summed(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(EXAMPLES / "accelerate_loop.py")]
+    os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    try:
+        run_script(cmd, uri, timeout=300)
+    finally:
+        os.environ.pop("ACCELERATE_USE_CPU", None)
+    run = only_run(uri)
+    assert_standard(run, 3072, "2", "ddp", "accelerate")  # 2 processes x 1536
+    assert run.data.metrics[names.SUM_STEPS] == 6  # optimizer steps, not steps x ranks
+    assert_no_duplicate_points(run)
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
+    run = only_run(uri)
+    assert_standard(run, 394, "1", "single", "trainer")  # 8 steps = 2 epochs x 197 bytes
+    ours = assert_no_duplicate_points(run)
+    assert "loss" in run.data.metrics  # the Trainer's own callback logged into the same run
+    trainer_keys = set(run.data.metrics) - set(ours)
+    assert not trainer_keys & set(ours)
+    client = mlflow.MlflowClient()
+    assert [p.step for p in client.get_metric_history(run.info.run_id, names.TRAIN_LOSS)] == [2, 4, 6, 8]
+
+
+@pytest.mark.slow
+def test_hf_trainer_without_mlflow_reporting_gets_its_own_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
+    run = only_run(uri)
+    assert_standard(run, 394, "1", "single", "trainer")
+    assert "loss" not in run.data.metrics
