@@ -64,6 +64,10 @@ class CodecarbonEstimate:
 
 
 def _quiet_codecarbon(env: Mapping[str, str]) -> str:
+    try:  # codecarbon sets its logger's level when first imported: import first, then set ours
+        import codecarbon.external.logger  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or different layout: the level below still applies
+        pass
     level = env.get("CODECARBON_LOG_LEVEL", "error")
     try:
         logging.getLogger("codecarbon").setLevel(level.upper())

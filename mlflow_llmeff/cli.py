@@ -186,12 +186,26 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     import transformers
 
     from mlflow_llmeff.evals import evaluate, log_to_mlflow
+    from mlflow_llmeff.evals.api import check_inputs
 
-    if tokenizer_name == "byt5":
-        tok = transformers.ByT5Tokenizer(extra_ids=0)
-    else:
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_name or model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    try:  # names, few-shot and data files are checked before any model is loaded
+        check_inputs(tasks, data_dir=data_dir, num_fewshot=num_fewshot)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        if tokenizer_name == "byt5":
+            tok = transformers.ByT5Tokenizer(extra_ids=0)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(tokenizer_name or model_dir)
+    except Exception as e:  # noqa: BLE001 - one line, not the library's stack trace
+        raise click.UsageError(f"no tokenizer could be loaded from {tokenizer_name or model_dir!r} "
+                               f"({type(e).__name__}); pass --tokenizer DIR, or --tokenizer byt5 for models "
+                               f"trained from the byte-level presets") from None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001
+        raise click.UsageError(f"--model {model_dir!r} is not a loadable causal LM directory or hub id "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         result = evaluate(model, tok, tasks, data_dir=data_dir, num_fewshot=num_fewshot, limit=limit,

@@ -472,6 +472,8 @@ def measure_matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: 
     import torch
 
     _check_dtype(dtype)
+    if device.startswith("cpu:"):  # torch names a DDP rank's CPU device "cpu:<rank>"; one CPU either way
+        device = "cpu"
     is_cuda = device.startswith("cuda")
     if not is_cuda and device != "cpu":
         raise ValueError(f"device {device!r} is not accepted; use 'cpu', 'cuda' or 'cuda:<index>'")

@@ -95,11 +95,13 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
     return MemoryEstimate(w, g, o, a, ac)
 
 
-def history_tflops(client, accelerator_short: str, model: str) -> tuple[float | None, int, str]:
+def history_tflops(client, accelerator_short: str, model: str, strategy: str | None = None,
+                   devices: int | None = None) -> tuple[float | None, int, str]:
     """Median achieved model TFLOP/s per device of earlier runs on ``accelerator_short``.
 
     Returns:
-        ``(tflops or None, runs used, which runs)``; same-model runs are preferred.
+        ``(tflops or None, runs used, which runs)``. Preferred, in order: runs of the same model
+        with the same strategy and device count, runs of the same model, runs of any model.
     """
     try:
         exps = [e.experiment_id for e in client.search_experiments()]
@@ -109,10 +111,13 @@ def history_tflops(client, accelerator_short: str, model: str) -> tuple[float | 
         return None, 0, "no tracking server reachable"
     runs = [r for r in runs if r.data.metrics.get(names.SUM_DEVICE_TFLOPS, 0) > 0]
     same = [r for r in runs if r.data.tags.get(names.MODEL_NAME) == model]
-    use, which = (same, f"runs of {model}") if same else (runs, "runs of any model")
-    if not use:
-        return None, 0, f"no earlier run on {accelerator_short}"
-    return statistics.median(r.data.metrics[names.SUM_DEVICE_TFLOPS] for r in use), len(use), which
+    alike = [r for r in same if r.data.tags.get(names.PAR_STRATEGY) == strategy
+             and r.data.tags.get(names.ACCEL_COUNT) == str(devices)]
+    for use, which in ((alike, f"runs of {model} with {strategy} on {devices} devices"), (same, f"runs of {model}"),
+                       (runs, "runs of any model")):
+        if use:
+            return statistics.median(r.data.metrics[names.SUM_DEVICE_TFLOPS] for r in use), len(use), which
+    return None, 0, f"no earlier run on {accelerator_short}"
 
 
 def history_power_w(client, accelerator_short: str) -> float | None:
@@ -171,7 +176,7 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, cli
         "memory_total_gib": mem.total(False) / GIB, "memory_total_ckpt_gib": mem.total(True) / GIB,
     }
     if client is not None:
-        tflops, n, which = history_tflops(client, accelerator_short, cfg.model)
+        tflops, n, which = history_tflops(client, accelerator_short, cfg.model, strategy, dp)
         out["prediction_basis"] = f"median of {n} {which}" if tflops else which
         if tflops:
             tps = tflops * 1e12 * dp / fpt

@@ -34,5 +34,7 @@ def tracking_uri(tmp_path, monkeypatch):
 def shared_data():
     """Path of ../shared/data (LLMEFF_DATA_DIR overrides); skips when absent."""
     if not DATA_DIR.is_dir():
-        pytest.skip(f"shared data not found at {DATA_DIR}")
+        if os.environ.get("CI"):  # CI lays ../shared beside the clone: missing data is a failure there
+            pytest.fail(f"shared data not found at {DATA_DIR} (set LLMEFF_DATA_DIR)")
+        pytest.skip(f"shared data not found at {DATA_DIR} (set LLMEFF_DATA_DIR)")
     return DATA_DIR

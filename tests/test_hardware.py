@@ -202,3 +202,9 @@ def test_gpu_detection_and_measured_bf16_peak_below_datasheet(tmp_path):
     print(f"{info.name}: measured bf16 {measured:.1f} TFLOP/s, datasheet {peak} ({source[:40]})")
     if peak is not None:
         assert 0.3 * peak < measured < 1.0 * peak
+
+
+def test_measured_peak_accepts_a_ddp_rank_cpu_device(tmp_path):
+    from mlflow_llmeff.hardware import measure_matmul_peak
+
+    assert measure_matmul_peak("fp32", "cpu:1", cache_dir=tmp_path, sizes=[64], min_time_s=0.01) > 0

@@ -74,3 +74,10 @@ def test_logging_failure_warns_once_and_does_not_raise(tracking_uri, recwarn):
 def test_default_run_name():
     assert default_run_name("llama-7b", "H100-SXM", 8, "fsdp", "bf16") == "llama-7b-h100-sxm-8x-fsdp-bf16"
     assert default_run_name("/models/my-llama/", "cpu", 2, "ddp", "fp32") == "my-llama-cpu-2x-ddp-fp32"
+
+
+def test_mlflow_projects_empty_string_param_is_not_a_change(tracking_uri):
+    client = mlflow.MlflowClient()
+    run_id = client.create_run("0").info.run_id
+    client.log_param(run_id, "checkpoint_dir", "''")  # how `mlflow run` logs an empty default
+    assert RunLogger(run_id, client).log_params({"checkpoint_dir": ""}) == {}

@@ -89,3 +89,11 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
     assert plan["predicted_wall_s"] == pytest.approx(wall, rel=1e-5)
     assert plan["predicted_usd"] == pytest.approx(2.0 * 8 * wall / 3600, rel=1e-5)
     assert plan["predicted_kwh"] == pytest.approx(600 * 8 * wall / 3.6e6, rel=1e-5)
+
+
+def test_plan_rejects_an_unknown_accelerator(tracking_uri):
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import dry_run
+
+    with pytest.raises(ValueError, match=r"accelerator 'TPUv5' is not known; use one of: .*H100-SXM"):
+        dry_run(TrainConfig(model="llama-7b"), accelerator_short="TPUv5")

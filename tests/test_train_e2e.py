@@ -189,3 +189,20 @@ def test_mfu_above_one_is_reported_not_clipped(tracking_uri):
     assert run.data.tags[names.PEAK_SOURCE].startswith("user")
     # HFU counts the same step's executed FLOPs: at least the model FLOPs
     assert out["summary"][names.SUM_HFU] >= out["summary"][names.SUM_MFU] * 0.99
+
+
+def test_failure_inside_training_ends_the_run_failed(tracking_uri, monkeypatch):
+    from mlflow_llmeff.train.loop import RAISE_AT_STEP_ENV
+
+    monkeypatch.setenv(RAISE_AT_STEP_ENV, "3")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run_training(TrainConfig(max_steps=6, log_every_n_steps=1, seq_len=32, micro_batch_size=2))
+    run = only_run()
+    assert run.info.status == "FAILED"
+    assert [s for s, _ in history(run, names.TRAIN_TOKENS)] == [1, 2, 3]  # what was measured is kept
+
+
+def test_missing_eval_data_is_rejected_before_any_run_starts(tracking_uri, tmp_path):
+    with pytest.raises(ValueError, match=r"hellaswag_val.jsonl: file not found in the data directory"):
+        run_training(TrainConfig(eval_tasks="hellaswag", eval_data_dir=str(tmp_path)))
+    assert mlflow.MlflowClient().search_runs(["0"]) == []

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from mlflow_llmeff import names
 from mlflow_llmeff.evals import data, hellaswag, mmlu
 
-__all__ = ["EvalResult", "TASK_NAMES", "evaluate", "expand_tasks", "log_to_mlflow", "mlflow_metrics"]
+__all__ = ["EvalResult", "TASK_NAMES", "check_inputs", "evaluate", "expand_tasks", "log_to_mlflow", "mlflow_metrics"]
 
 TASK_NAMES = ("mmlu", "hellaswag") + tuple(f"mmlu_{s}" for s in data.MMLU_SUBJECTS)
 # the keys METRICS.md fixes; other metrics are logged as "eval/<metric>"
@@ -84,6 +84,40 @@ def expand_tasks(tasks: str | Sequence[str]) -> tuple[list[str], bool]:
     if not out:
         raise ValueError("tasks [] is empty; use mmlu, hellaswag or mmlu_<subject>")
     return list(dict.fromkeys(out)), group
+
+
+def check_inputs(tasks: str | Sequence[str], *, data_dir: str | None = None, num_fewshot: int = 0) -> None:
+    """Check task names, ``num_fewshot`` and that the data files exist, without reading them.
+
+    Cheap enough to run before a model is loaded or a training run starts.
+
+    Raises:
+        ValueError: one line naming the bad task, value or missing file (and where data is looked for).
+    """
+    import os
+
+    scored, _ = expand_tasks(tasks)
+    if not 0 <= num_fewshot <= 5:
+        raise ValueError(f"num_fewshot {num_fewshot} is not accepted; use 0-5 (MMLU has 5 dev examples per subject)")
+    if num_fewshot and "hellaswag" in scored:
+        raise ValueError(f"num_fewshot {num_fewshot} applies to every task, but HellaSwag is scored 0-shot only here "
+                         f"(its few-shot examples come from a training split); score hellaswag in a separate 0-shot call")
+    root = data.resolve_data_dir(data_dir)
+    if root == data.HUB:
+        return
+    where = (f"data directory {root!r} (from --data-dir / eval_data_dir, else ${data.DATA_DIR_ENV}, "
+             f"else ../shared/data beside the repository)")
+    for task in scored:
+        if task == "hellaswag":
+            paths = [os.path.join(root, "hellaswag", "hellaswag_val.jsonl")]
+        else:
+            subj = task[len("mmlu_"):]
+            paths = [os.path.join(root, "mmlu", "test", f"{subj}_test.csv")]
+            if num_fewshot:
+                paths.append(os.path.join(root, "mmlu", "dev", f"{subj}_dev.csv"))
+        for path in paths:
+            if not os.path.isfile(path):
+                raise ValueError(f"{path}: file not found in the {where}; {data.LAYOUT}")
 
 
 def _first(docs: list, limit: int | float | None, subset_seed: int | None = None) -> list:

@@ -125,7 +125,8 @@ class RunLogger(NullLogger):
 
         try:
             existing = self.client.get_run(self.run_id).data.params
-            changed = {k: (existing[k], v) for k, v in params.items() if k in existing and existing[k] != v}
+            changed = {k: (existing[k], v) for k, v in params.items()
+                       if k in existing and _same_param(existing[k]) != _same_param(v)}
             new = [Param(k, v) for k, v in params.items() if k not in existing]
             if new:
                 self.client.log_batch(self.run_id, params=new)
@@ -152,6 +153,11 @@ class RunLogger(NullLogger):
             self.client.set_terminated(self.run_id, status)
         except Exception as e:  # noqa: BLE001
             self._warn(e)
+
+
+def _same_param(value: str) -> str:
+    """Normal form for comparing param values: MLflow Projects logs an empty string as ``''``."""
+    return "" if value in ("''", '""') else value
 
 
 def default_run_name(model: str, accel_short: str, count: int, strategy: str, precision: str) -> str:

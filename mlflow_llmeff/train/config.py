@@ -103,7 +103,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
         ValueError: one line naming the bad value and the accepted ones.
     """
     from .data import dataset_kind
-    from .models import load_config, max_positions
+    from .models import is_preset, load_config, load_tokenizer, max_positions
 
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum", "num_processes", "log_every_n_steps"):
         _positive(name, getattr(cfg, name))
@@ -159,11 +159,9 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     if cfg.eval_limit < 0:
         raise ValueError(f"eval_limit={cfg.eval_limit} must be >= 0 (0 = all documents)")
     if cfg.eval_tasks:
-        from ..evals.api import expand_tasks
+        from ..evals.api import check_inputs
 
-        expand_tasks(cfg.eval_tasks)
-        if not 0 <= cfg.eval_num_fewshot <= 5:
-            raise ValueError(f"eval_num_fewshot={cfg.eval_num_fewshot} is not accepted; use 0-5")
+        check_inputs(cfg.eval_tasks, data_dir=cfg.eval_data_dir or None, num_fewshot=cfg.eval_num_fewshot)
     from ..evals.targets import parse_targets
 
     for t in parse_targets(cfg.targets):
@@ -176,6 +174,13 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
             raise ValueError(f"target {t} needs eval_tasks to include {task!r} (eval_tasks={cfg.eval_tasks!r})")
 
     config = load_config(cfg.model)
+    if not is_preset(cfg.model):
+        try:
+            load_tokenizer(cfg.model)
+        except Exception as e:  # noqa: BLE001 - one line instead of the library's stack trace
+            raise ValueError(f"model {cfg.model!r} has no usable tokenizer ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160]}); save one beside the weights "
+                             f"(tokenizer.save_pretrained) or use a preset") from None
     limit = max_positions(config)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len={cfg.seq_len} exceeds the {limit} positions of model {cfg.model!r}; use seq_len <= {limit}")

@@ -35,8 +35,12 @@ def launch(cfg: TrainConfig) -> int:
     Raises:
         ValueError: bad settings, as one line naming the value and the accepted ones.
     """
+    import logging
+
     import torch
 
+    for noisy in ("mlflow.store.db.utils", "alembic"):  # table-creation chatter of a new sqlite store
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if cfg.dry_run:
         return dry_run(cfg)
     validate(cfg)
@@ -74,6 +78,9 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
         accelerator_short = hw.detect_accelerator(count=cfg.num_processes).short
         bf16 = torch.cuda.is_bf16_supported() if cuda else True
     else:
+        known = sorted({row.short for row in hw.PEAK_TABLE} | {"cpu"})
+        if accelerator_short not in known:
+            raise ValueError(f"accelerator {accelerator_short!r} is not known; use one of: {', '.join(known)}")
         cuda, bf16 = accelerator_short.lower() != "cpu", True
     validate(cfg, cuda_available=cuda, bf16_supported=bf16)
     precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
@@ -86,6 +93,14 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     if run_id:
         client = mlflow.MlflowClient()
         client.set_tag(run_id, names.DRY_RUN, "true")
+        from ..tracking.logger import default_run_name
+
+        for k, v in {"mlflow.runName": "plan-" + default_run_name(cfg.model, accelerator_short, cfg.num_processes,
+                                                                  strategy, precision),
+                     names.MODEL_NAME: cfg.model, names.ACCEL_SHORT: accelerator_short,
+                     names.ACCEL_COUNT: str(cfg.num_processes), names.PAR_STRATEGY: strategy,
+                     names.PRECISION: precision, names.SEQ_LEN: str(cfg.seq_len)}.items():
+            client.set_tag(run_id, k, v)
         for k, v in plan.items():
             if isinstance(v, (int, float)):
                 client.log_metric(run_id, f"plan/{k}", float(v))

@@ -29,8 +29,10 @@ from .models import build_model, load_config, load_tokenizer, tokenizer_name
 
 log = logging.getLogger(__name__)
 
-# Test hook: the process SIGKILLs itself right after this optimizer step (simulates a crash).
+# Test hooks: right after this optimizer step the process SIGKILLs itself (a crash), or raises
+# RuntimeError (a failure inside training).
 KILL_AT_STEP_ENV = "LLMEFF_FAULT_KILL_AT_STEP"
+RAISE_AT_STEP_ENV = "LLMEFF_FAULT_RAISE_AT_STEP"
 WARMUP_NOTE = ("first warmup_steps optimizer steps of every attempt (torch.compile, allocator and "
                "kernel warm-up, the FlopCounterMode step) excluded from throughput/*, summary/*")
 
@@ -84,12 +86,43 @@ def _build_accelerator(cfg: TrainConfig, precision: str, cuda: bool):
 def run_training(cfg: TrainConfig) -> dict | None:
     """Train per ``cfg`` on this process's devices and log to MLflow from the main process.
 
+    A run that fails after its MLflow run started is ended FAILED (KILLED on Ctrl-C or SIGTERM);
+    its checkpoints stay, so rerunning the same command resumes it.
+
     Returns:
         On the main process, ``{"run_id": ..., "summary": {key: value}}``; None on other ranks.
 
     Raises:
         ValueError: for bad settings (before any heavy work).
     """
+    holder: dict = {}
+    previous = None
+    if threading_main():
+        previous = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    try:
+        return _run_training(cfg, holder)
+    except BaseException as e:
+        logger = holder.get("logger")
+        if logger is not None:
+            logger.close("KILLED" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "FAILED")
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def threading_main() -> bool:
+    """True in the main thread (only there can signal handlers be installed)."""
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _sigterm_to_exit(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
+def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
     import torch
     from accelerate.utils import broadcast_object_list, set_seed
 
@@ -179,7 +212,8 @@ def run_training(cfg: TrainConfig) -> dict | None:
 
     measured_peak, measured_peak_note = None, ""
     try:  # cached per device and dtype after the first measurement (llmeff peak)
-        measured_peak = hw.measure_matmul_peak("fp32" if precision == "fp32" else precision, str(device))
+        measured_peak = hw.measure_matmul_peak("fp32" if precision == "fp32" else precision,
+                                               "cpu" if device.type == "cpu" else str(device))
         measured_peak_note = f"{measured_peak:.4g}"
     except Exception as e:  # noqa: BLE001 - an unmeasurable peak leaves mfu_measured_peak out, with the reason
         measured_peak_note = f"unknown: {type(e).__name__}: {e}"
@@ -232,6 +266,9 @@ def run_training(cfg: TrainConfig) -> dict | None:
                 client.set_tag(env_run, names.RESUME_CONTINUED_IN, run_id)
         ensure_experiment_kind(client, client.get_run(run_id).info.experiment_id)
         logger = RunLogger(run_id, client, resume=state is not None)
+        holder["logger"] = logger
+        if state:
+            print(f"llmeff: resuming MLflow run {run_id} from checkpoint step {start_step} (attempt {attempts})")
         changed = logger.log_params(cfg.to_params())
         tags = {**accel.tags(), **probes.software_versions()}
         tags.update({
@@ -407,6 +444,8 @@ def run_training(cfg: TrainConfig) -> dict | None:
             if isinstance(logger, RunLogger):
                 logger.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == int(os.environ.get(RAISE_AT_STEP_ENV, "0") or 0):
+            raise RuntimeError(f"{RAISE_AT_STEP_ENV}={step}: injected failure")
         if stop_now:
             if main:
                 print(f"llmeff: every target reached at step {step}; stopping (stop_at_targets=true)")
@@ -448,6 +487,10 @@ def run_training(cfg: TrainConfig) -> dict | None:
                 end_tags[t.not_reached_tag] = "not_reached"
         logger.set_tags(end_tags)
         logger.log_metrics(summary, meter.step)
+        tps = summary.get(names.SUM_TOKENS_PER_SEC)
+        print(f"llmeff: run {run_id}: {meter.step} steps, {meter.total.tokens:,} tokens, "
+              + (f"{tps:,.0f} tokens/s steady state, " if tps else "")
+              + f"wall {summary[names.SUM_WALL_S]:.1f} s, goodput {summary[names.SUM_GOODPUT]:.2f}")
         warn = fl.mfu_warning(summary.get(names.SUM_MFU))
         if warn and not mfu_warned:
             log.warning(warn)
