@@ -232,8 +232,8 @@ class _Session:
         except Exception as e:  # noqa: BLE001
             self.fail(e)
 
-    def finish(self, *, collective: bool, run_id: str | None = None) -> None:
-        """Finish the current monitor (only if it logs into ``run_id``, when given)."""
+    def finish(self, *, collective: bool, run_id: str | None = None, status: str = "FINISHED") -> None:
+        """Finish the current monitor (only if it logs into ``run_id``, when given) with ``status``."""
         mon = self.monitor
         if mon is None or mon.finished:
             self.monitor = None
@@ -243,7 +243,7 @@ class _Session:
         if run_id is not None and mon.run_id is None and mon.is_main:
             return
         self.monitor, self.owner, self.opt_id = None, None, None
-        mon.finish(collective=collective)
+        mon.finish(status, collective=collective)
 
     def teardown(self) -> None:
         try:
@@ -431,8 +431,12 @@ def _patch_accelerate(module) -> None:
 def _at_exit() -> None:
     s = _SESSION
     if s is not None:
+        # An unhandled exception that ends the script leaves sys.last_value (set when the
+        # interpreter prints the traceback, before exit hooks run): the run failed, it did not finish.
+        err = getattr(sys, "last_value", None)
+        status = "FINISHED" if err is None else ("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
         try:
-            s.finish(collective=False)
+            s.finish(collective=False, status=status)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

@@ -2,7 +2,9 @@
 
 Categories follow ``../shared/METRICS.md``: init, compile, data_wait, eval, checkpoint_save,
 checkpoint_load, lost_progress, other. Measured directly: init, data_wait, eval, checkpoint_save,
-checkpoint_load, lost_progress (time of steps replayed after a resume). Derived: ``compile`` is the
+checkpoint_load, lost_progress (the time a crashed attempt ran after its last checkpoint, from the
+checkpoint's save time to the attempt's last logged metric; metrics reach the server at least
+every few seconds, so the last seconds before a crash can go unseen). Derived: ``compile`` is the
 excess of the warm-up steps over steady-state speed, ``max(0, warmup_s - warmup_steps *
 steady_step_s)`` (first-step compilation and allocator warm-up, the definition of Google's
 ML Goodput "program startup" overhead applied per attempt); ``other`` is the remainder. Goodput is
@@ -83,7 +85,7 @@ class TimeAccount:
         compile_s = max(0.0, warmup_s - warmup_steps * steady_step_s) if steady_step_s is not None else warmup_s
         compile_s = min(compile_s, step_s)
         dw = s["data_wait"] if data_wait_in_steps_s is None else data_wait_in_steps_s
-        productive = max(0.0, step_s - compile_s - dw - s["lost_progress"])
+        productive = max(0.0, step_s - compile_s - dw)
         out = {c: 0.0 for c in BADPUT_CATEGORIES}
         out.update({k: v for k, v in s.items()})
         out["compile"] = compile_s

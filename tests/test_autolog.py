@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -145,3 +146,24 @@ def test_bad_arguments_raise_and_leave_autolog_disabled(tracking_uri, kwargs, ma
     with pytest.raises(ValueError, match=match):
         mlflow_llmeff.autolog(**kwargs)
     assert not AL.is_enabled()
+
+
+def test_script_that_dies_with_an_exception_leaves_a_failed_run(tmp_path, tracking_uri):
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import torch, mlflow_llmeff\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "mlflow_llmeff.autolog(log_every_n_steps=1, warmup_steps=0, measure_energy='none')\n"
+        "m = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,\n"
+        "    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "ids = torch.randint(0, 32, (2, 8))\n"
+        "for step in range(3):\n"
+        "    m(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()\n"
+        "raise RuntimeError('user code failed')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri})
+    assert r.returncode == 1 and "user code failed" in r.stderr
+    runs = mlflow.MlflowClient().search_runs(["0"])
+    assert [x.info.status for x in runs] == ["FAILED"]
+    assert runs[0].data.metrics["train/tokens"] == 3 * 16

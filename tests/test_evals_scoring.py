@@ -143,3 +143,18 @@ def test_max_length_from_config(llama, tok):
 def test_bad_padding_side_is_rejected(llama, tok):
     with pytest.raises(ValueError, match="padding_side 'middle' is not accepted; use 'left' or 'right'"):
         LoglikelihoodScorer(llama, tok, padding_side="middle")
+
+
+def test_packed_short_documents_match_one_forward_per_choice(llama, tok):
+    # one long question and four short ones: the short ones share rows (block-diagonal causal mask)
+    docs = [[("Questions.\n\nQ: " + "y" * n + "?\nAnswer:", " " + c) for c in "ABCD"] for n in (40, 3, 5, 8, 2)]
+    for kw in (dict(batch_size=1), dict(batch_size=2, padding_side="left"), dict(family_min_tokens=4)):
+        scorer = LoglikelihoodScorer(llama, tok, **kw)
+        got = scorer.score(docs, ["s"] * len(docs))
+        ref = [[naive(llama, tok, c, k) for c, k in doc] for doc in docs]
+        assert max(abs(a - b) for r, g in zip(ref, got) for a, b in zip(r, g)) < 5e-5
+    # rows are as wide as the longest document: 15 + 40 + 9 context bytes + " " = 65 input tokens; the
+    # short ones (28, 30, 33, 27 tokens) pack as 33 + 30 and 28 + 27: 3 rows, 3 forwards at batch size 1
+    one = LoglikelihoodScorer(llama, tok, batch_size=1, family_min_tokens=100)
+    one.score(docs, ["s"] * 5)
+    assert one.forward_passes == 3

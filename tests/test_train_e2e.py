@@ -132,6 +132,11 @@ def test_killed_run_resumes_into_the_same_run(tracking_uri, tmp_path):
     assert [s for s, _ in tokens] == list(range(1, 41))           # each step once
     assert [v for _, v in tokens] == [128.0 * s for s in range(1, 41)]  # counters continuous
     assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(1, 41))
+    # the crashed attempt ran 2 steps past its step-20 checkpoint: lost progress, counted once
+    m = run.data.metrics
+    assert 0 < m["summary/badput_lost_progress_s"] < m[names.SUM_WALL_S]
+    parts = sum(m[k] for k in names.SUM_BADPUT.values()) + m[names.SUM_GOODPUT] * m[names.SUM_WALL_S]
+    assert parts == pytest.approx(m[names.SUM_WALL_S])
 
 
 def test_cpu_run_logs_cost_identity_and_never_reports_an_estimate_as_measured(tracking_uri):
@@ -142,7 +147,7 @@ def test_cpu_run_logs_cost_identity_and_never_reports_an_estimate_as_measured(tr
     # cost = price x devices x wall hours, per 1e9 tokens, with the run's own wall_s and tokens
     assert m[names.SUM_USD_PER_BTOK] == pytest.approx(2.5 * 1 * m[names.SUM_WALL_S] / 3600 / m[names.SUM_TOKENS] * 1e9)
     assert tags[names.COST_SOURCE] == "user (device_hour_usd)" and tags[names.COST_DEVICE_HOUR_USD] == "2.5"
-    assert history(run, names.COST_TOTAL_USD)[-1][0] == 6
+    assert [s for s, _ in history(run, names.COST_TOTAL_USD)] == [3, 6]  # once per logged step
     if tags[names.ENERGY_SOURCE] in ("rapl",):  # a machine with readable RAPL measures the CPU package
         assert m[names.ENERGY_TOTAL_KWH] > 0
     else:  # no counter here: the estimate is kept apart and tagged, nothing is reported as measured

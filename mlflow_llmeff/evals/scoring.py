@@ -18,6 +18,10 @@ Speed (what differs from the harness, never the numbers):
   share their common token prefix: it runs once per family and its cache is reused by every
   document batch.
 * Documents and branches are sorted by length (longest first) before batching, so padding is small.
+* Documents whose choices differ only in their last token (MMLU) are one row each, and short rows
+  are packed into one model row with a 4D block-diagonal causal mask.
+* The LM head runs only on scored positions (``logits_to_keep``) where the model supports it; a
+  ByT5 tokenizer is encoded directly as UTF-8 bytes + offset (checked on a probe string).
 
 Positions are passed explicitly and padding is masked, so scores do not depend on batch size or
 padding side beyond float rounding (fp32 log-probs, summed in float64: below 1e-5 nats). Documents whose input exceeds the
@@ -29,7 +33,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -89,8 +93,28 @@ class _Encoder:
 
         # the 4 choices of a document share their context string: remember recent encodings
         self._cached = functools.lru_cache(maxsize=64)(self._encode)
+        self._byte_offset = self._probe_byte_tokenizer(tokenizer)
+        self._specials = tuple(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())) \
+            if self._byte_offset is not None else ()
+
+    @staticmethod
+    def _probe_byte_tokenizer(tokenizer: Any) -> int | None:
+        """Id of byte 0 for a ByT5-style tokenizer (id = UTF-8 byte + offset), else None.
+
+        Its Python tokenizer costs ~2 us per character; the direct map gives the same ids, which is
+        checked here on a probe string, and is used only for text holding no special-token string.
+        """
+        offset = getattr(tokenizer, "offset", None)
+        if type(tokenizer).__name__ != "ByT5Tokenizer" or not isinstance(offset, int):
+            return None
+        probe = "Ab c\n\u00e9\u4e2d!"
+        slow = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+        return offset if slow == [b + offset for b in probe.encode("utf-8")] else None
 
     def _encode(self, text: str) -> tuple[int, ...]:
+        if self._byte_offset is not None and not any(t in text for t in self._specials):
+            off = self._byte_offset
+            return tuple(self.prefix) + tuple(b + off for b in text.encode("utf-8"))
         return tuple(self.prefix) + tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def __call__(self, text: str) -> list[int]:
@@ -172,7 +196,7 @@ class LoglikelihoodScorer:
         model: a Hugging Face causal LM (``forward(input_ids, attention_mask, position_ids,
             past_key_values, use_cache)`` returning ``.logits`` of shape ``(B, T, V)``).
         tokenizer: any Hugging Face tokenizer.
-        batch_size: sequences per forward pass (documents at the shared level, branches after).
+        batch_size: rows per forward pass (documents, several short ones packed in one row, or branches).
         device: where to run; default the model's device.
         max_length: context length in tokens; default :func:`resolve_max_length`.
         add_bos: None keeps the tokenizer's leading special tokens (see :class:`_Encoder`), True
@@ -203,6 +227,7 @@ class LoglikelihoodScorer:
         # transformers >= 5.2x names the KV cache argument ``cache``; older ones ``past_key_values``
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._keep_logits = "logits_to_keep" in params  # LM head on scored positions only
         self.forward_passes = 0  # model calls made, for benchmarks
         self.forward_tokens = 0  # input positions run (padding included), for benchmarks
 
@@ -270,12 +295,140 @@ class LoglikelihoodScorer:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past: Any, use_cache: bool):
+    def _forward(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, past: Any, use_cache: bool,
+                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """One model call; with ``keep`` (bool ``(B, T)``) returns only those positions' logits ``(N, V)``."""
         self.forward_passes += 1
         self.forward_tokens += int(ids.numel())
-        cache_kw = {self._cache_arg: past} if past is not None else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=use_cache, **cache_kw)
-        return out.logits, (out.get(self._cache_arg) if use_cache else None)
+        kw = {self._cache_arg: past} if past is not None else {}
+        if keep is not None and self._keep_logits:
+            kw["logits_to_keep"] = keep  # the LM head runs on the kept positions only
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=use_cache, **kw)
+        logits = out.logits
+        if keep is not None and not self._keep_logits:
+            logits = logits[keep]
+        return logits, (out.get(self._cache_arg) if use_cache else None)
+
+    def _select_cache(self, cache: Any, rows: list[int]) -> Any:
+        """A new cache holding only batch ``rows`` of ``cache`` (the original stays intact)."""
+        new = copy.copy(cache)
+        new.layers = [copy.copy(layer) for layer in cache.layers]
+        new.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
+        return new
+
+    def _score_family(self, docs: list[_Doc], use_family: bool) -> list[list[float]]:
+        """Score documents that may share a family prefix; returns per doc its choice scores."""
+        fam_cache, fam_len = None, 0
+        if use_family and len(docs) > 1:
+            fam_len = _lcp([u.choices[0].input_ids[: u.shared] for u in docs])
+            fam_len = min([fam_len] + [u.shared - 1 for u in docs])  # every doc keeps >= 1 own token
+            if fam_len >= self.family_min_tokens:
+                prefix = docs[0].choices[0].input_ids[:fam_len]
+                ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
+                _, fam_cache = self._forward(ids, torch.ones_like(ids), torch.arange(fam_len, device=self.device)[None],
+                                             None, True, keep=torch.zeros_like(ids, dtype=torch.bool))
+            else:
+                fam_len = 0
+        for u in docs:
+            u.family_len = fam_len
+        trees = [_Tree.build(u, fam_len) for u in docs]
+        if any(max(t.seg, default=0) > 0 for t in trees):
+            # choices differ in more than their last token (HellaSwag endings): run each document's
+            # prefix once and the distinct tails as branches on its cache (a tree row with a 4D mask
+            # would pay dense attention over all tails, measured slower on CPU)
+            result: list[list[float]] = [[0.0] * len(u.choices) for u in docs]
+            order = sorted(range(len(docs)), key=lambda j: -(docs[j].shared - docs[j].family_len))
+            for s in range(0, len(order), self.batch_size):
+                batch = order[s : s + self.batch_size]
+                self._score_doc_batch([docs[j] for j in batch], fam_cache, fam_len, [result[j] for j in batch])
+            return result
+        # one input row per document (MMLU): pack several short documents into one row
+        order = sorted(range(len(docs)), key=lambda j: -len(trees[j].row))  # longest first: little padding
+        rows = self._pack([trees[j] for j in order]) if self.share_prefix else [[trees[j]] for j in order]
+        for s in range(0, len(rows), self.batch_size):
+            self._score_rows(rows[s : s + self.batch_size], fam_cache, fam_len)
+        return [t.sums for t in trees]
+
+    @staticmethod
+    def _pack(trees: list[_Tree]) -> list[list[_Tree]]:
+        """First-fit packing of trees (longest first) into rows no wider than the longest tree."""
+        if not trees:
+            return []
+        cap = len(trees[0].row)
+        rows: list[list[_Tree]] = []
+        free: list[int] = []
+        for t in trees:
+            n = len(t.row)
+            k = next((r for r in range(len(rows)) if free[r] >= n), None)
+            if k is None:
+                rows.append([t])
+                free.append(cap - n)
+            else:
+                rows[k].append(t)
+                free[k] -= n
+        return rows
+
+    def _score_rows(self, rows: list[list[_Tree]], fam_cache: Any, fam_len: int) -> None:
+        """One forward for a batch of rows, each holding one or more trees (on the family cache);
+        sets every tree's ``sums``."""
+        n, width = len(rows), max(sum(len(t.row) for t in r) for r in rows)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((n, width), dtype=torch.long)
+        seg = torch.full((n, width), -1, dtype=torch.long)  # part of a tree: 0 prefix, k tail k, -1 pad
+        doc = torch.full((n, width), -1, dtype=torch.long)  # which tree of the row
+        keep = torch.zeros((n, width), dtype=torch.bool)
+        pairs: list[tuple[int, int, int, int]] = []  # (row, column, target token, choice slot in the batch)
+        trees: list[_Tree] = []
+        n_slots = 0
+        for b, r in enumerate(rows):
+            used = sum(len(t.row) for t in r)
+            off = width - used if self.padding_side == "left" else 0
+            for j, t in enumerate(r):
+                m = len(t.row)
+                ids[b, off : off + m] = torch.tensor(t.row, dtype=torch.long)
+                pos[b, off : off + m] = torch.tensor(t.pos, dtype=torch.long)
+                seg[b, off : off + m] = torch.tensor(t.seg, dtype=torch.long)
+                doc[b, off : off + m] = j
+                for col, target, choice in t.targets:
+                    keep[b, off + col] = True
+                    pairs.append((b, off + col, target, n_slots + choice))
+                n_slots += len(t.doc.choices)
+                trees.append(t)
+                off += m
+        simple = fam_len == 0 and self.padding_side == "right" and all(
+            len(r) == 1 and max(r[0].seg, default=0) == 0 for r in rows)
+        past = None
+        if simple:  # plain causal rows padded on the right: pads are never attended, no mask needed
+            mask = None
+        else:  # causal within a tree, its prefix visible to its tails, tails blind to each other; family visible
+            cols = torch.arange(width)
+            segq, segk = seg[:, :, None], seg[:, None, :]
+            allowed = ((cols[None, :, None] >= cols[None, None, :]) & (segk >= 0)
+                       & (doc[:, :, None] == doc[:, None, :]) & ((segk == 0) | (segk == segq)))
+            allowed |= torch.eye(width, dtype=torch.bool)[None] & (segq < 0)  # pad queries see themselves
+            if fam_len:
+                allowed = torch.cat([torch.ones((n, width, fam_len), dtype=torch.bool), allowed], dim=2)
+                past = self._select_cache(fam_cache, [0] * n)
+            dtype = next(self.model.parameters()).dtype
+            dtype = dtype if dtype.is_floating_point else torch.float32
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+            mask = mask.to(self.device)
+        dev = self.device
+        logits, _ = self._forward(ids.to(dev), mask, pos.to(dev), past, False, keep=keep.to(dev))
+        # kept logits come in row-major order of ``keep``: map (row, column) -> index
+        index = torch.full((n, width), -1, dtype=torch.long)
+        index[keep] = torch.arange(int(keep.sum()))
+        rows = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        colt = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        tgt = torch.tensor([p[2] for p in pairs], dtype=torch.long, device=dev)
+        slot = torch.tensor([p[3] for p in pairs], dtype=torch.long, device=dev)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        picked = lp[index[rows, colt].to(dev), tgt].double()
+        sums = torch.zeros(n_slots, dtype=torch.float64, device=dev).index_add_(0, slot, picked).tolist()
+        k = 0
+        for t in trees:
+            t.sums = sums[k : k + len(t.doc.choices)]
+            k += len(t.doc.choices)
 
     def _pad(self, rows: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Pad rows to one length; returns (ids, mask, offset of each row's first real token)."""
@@ -299,35 +452,6 @@ class LoglikelihoodScorer:
         for b, (off, st) in enumerate(zip(offsets, starts)):
             pos[b] = st + torch.arange(width) - off
         return pos.clamp_(min=0)
-
-    def _select_cache(self, cache: Any, rows: list[int]) -> Any:
-        """A new cache holding only batch ``rows`` of ``cache`` (the original stays intact)."""
-        new = copy.copy(cache)
-        new.layers = [copy.copy(layer) for layer in cache.layers]
-        new.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
-        return new
-
-    def _score_family(self, docs: list[_Doc], use_family: bool) -> list[list[float]]:
-        """Score documents that may share a family prefix; returns per doc its choice scores."""
-        fam_cache, fam_len = None, 0
-        if use_family and len(docs) > 1:
-            fam_len = _lcp([u.choices[0].input_ids[: u.shared] for u in docs])
-            fam_len = min([fam_len] + [u.shared - 1 for u in docs])  # every doc keeps >= 1 own token
-            if fam_len >= self.family_min_tokens:
-                prefix = docs[0].choices[0].input_ids[:fam_len]
-                ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
-                _, fam_cache = self._forward(ids, torch.ones_like(ids), torch.arange(fam_len, device=self.device)[None],
-                                             None, True)
-            else:
-                fam_len = 0
-        for u in docs:
-            u.family_len = fam_len
-        result: list[list[float]] = [[0.0] * len(u.choices) for u in docs]
-        order = sorted(range(len(docs)), key=lambda j: -(docs[j].shared - docs[j].family_len))
-        for s in range(0, len(order), self.batch_size):
-            batch = order[s : s + self.batch_size]
-            self._score_doc_batch([docs[j] for j in batch], fam_cache, fam_len, [result[j] for j in batch])
-        return result
 
     def _score_doc_batch(self, docs: list[_Doc], fam_cache: Any, fam_len: int, results: list[list[float]]) -> None:
         rows = [u.choices[0].input_ids[fam_len : u.shared] for u in docs]
@@ -389,3 +513,39 @@ class LoglikelihoodScorer:
                 n = len(branches[k][1])
                 out[k] = torch.log_softmax(logits[row, offs[row] : offs[row] + n].float(), dim=-1)
         return out
+
+
+@dataclass
+class _Tree:
+    """One document as a single model row: its shared prefix (after the family prefix), then each
+    distinct choice tail. ``pos`` are absolute positions (a tail restarts right after the prefix),
+    ``seg`` says which part a column is (0 prefix, k >= 1 tail k), ``targets`` lists
+    ``(column, next token, choice)`` for every continuation token to score."""
+
+    doc: _Doc
+    row: list[int]
+    pos: list[int]
+    seg: list[int]
+    targets: list[tuple[int, int, int]]
+    sums: list[float] = field(default_factory=list)  # per choice, set when scored
+
+    @classmethod
+    def build(cls, u: _Doc, fam_len: int) -> "_Tree":
+        first = u.choices[0].input_ids
+        row = list(first[fam_len : u.shared])
+        pos = list(range(fam_len, u.shared))
+        seg = [0] * len(row)
+        tail_at: dict[tuple[int, ...], int] = {}  # tail -> its first column
+        targets: list[tuple[int, int, int]] = []
+        for i, e in enumerate(u.choices):
+            inp = e.input_ids
+            tail = inp[u.shared :]
+            if tail and tail not in tail_at:
+                tail_at[tail] = len(row)
+                row += tail
+                pos += range(u.shared, u.shared + len(tail))
+                seg += [len(tail_at)] * len(tail)
+            for p in range(e.start - 1, len(inp)):  # input position p predicts token p + 1
+                col = p - fam_len if p < u.shared else tail_at[tail] + p - u.shared
+                targets.append((col, e.tokens[p + 1], i))
+        return cls(u, row, pos, seg, targets)

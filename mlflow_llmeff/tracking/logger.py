@@ -65,12 +65,16 @@ class RunLogger(NullLogger):
         self._clock = clock
         self._send_interval_s = send_interval_s
         self._last_send = clock()
+        self.last_timestamp_s: float | None = None  # newest metric point before this attempt (unix s)
         if resume:
             run = self.client.get_run(run_id)
             for key in run.data.metrics:
                 try:
                     hist = self.client.get_metric_history(run_id, key)
                     self._last_step[key] = max(m.step for m in hist) if hist else -1
+                    if hist:
+                        newest = max(m.timestamp for m in hist) / 1000
+                        self.last_timestamp_s = max(self.last_timestamp_s or 0.0, newest)
                 except Exception as e:  # noqa: BLE001
                     self._warn(e)
 

@@ -62,7 +62,7 @@ class TrainConfig:
     cloud_provider: str = field(default="", metadata={"help": "cloud provider (codecarbon codes: aws, gcp, azure) for the grid intensity"})
     cloud_region: str = field(default="", metadata={"help": "cloud region (e.g. us-east-1), with cloud_provider"})
     dry_run: bool = field(default=False, metadata={"help": "plan only: parameters, FLOPs, memory per device and predictions; no training"})
-    run_name: str = field(default="", metadata={"help": "MLflow run name ('' = <model>-<accel><count>x-<strategy>-<precision>)"})
+    run_name: str = field(default="", metadata={"help": "MLflow run name ('' = <model>-<accelerator short>-<count>x-<strategy>-<precision>)"})
     experiment_name: str = field(default="", metadata={"help": "MLflow experiment for llmeff train ('' = MLflow's active/default)"})
 
     # ----------------------------------------------------------------------------------- helpers

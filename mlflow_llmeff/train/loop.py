@@ -267,6 +267,12 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
         ensure_experiment_kind(client, client.get_run(run_id).info.experiment_id)
         logger = RunLogger(run_id, client, resume=state is not None)
         holder["logger"] = logger
+        if state and logger.last_timestamp_s and state.get("saved_at_unix"):
+            # The crashed attempt ran on after its last checkpoint until its last logged metric:
+            # that time (work lost with it) is lost progress, and wall time of the run.
+            lost = max(0.0, logger.last_timestamp_s - float(state["saved_at_unix"]))
+            account.add("lost_progress", lost)
+            account.previous_wall_s += lost
         if state:
             print(f"llmeff: resuming MLflow run {run_id} from checkpoint step {start_step} (attempt {attempts})")
         changed = logger.log_params(cfg.to_params())
@@ -324,10 +330,11 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
     energy.start(meter.total.tokens)
     sync()
     meter.begin()
-    t_replay0 = time.perf_counter()
     for step in range(start_step + 1, cfg.max_steps + 1):
         lr = scheduler.get_last_lr()[0]
-        count_flops = (step == start_step + 1 and cfg.warmup_steps > 0)
+        # FlopCounterMode on a compiled model stops dynamo from ever compiling it: under compile
+        # hardware FLOPs are analytic (below) instead.
+        count_flops = (step == start_step + 1 and cfg.warmup_steps > 0 and not cfg.compile)
         flop_counter = None
         if count_flops:
             from torch.utils.flop_counter import FlopCounterMode
@@ -363,6 +370,12 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
                 hfu_note = "FlopCounterMode on the first step; CPU SDPA attention added analytically (palm, no causal discount)"
             else:
                 hfu_note = "FlopCounterMode on the first step of the attempt (eager attention counted)"
+        elif cfg.compile and step == start_step + 1:
+            local_tokens, local_len_sq = counter.peek_tokens()
+            hw_flops_per_step = (model_flops_per_token(local_len_sq / max(1, local_tokens), "palm") * local_tokens
+                                 * (4 / 3 if cfg.activation_checkpointing else 1))
+            hfu_note = ("analytic: compile=true (FlopCounterMode would stop torch.compile); palm-convention FLOPs "
+                        "of the first step's tokens, x4/3 under activation checkpointing")
 
         log_now = step % cfg.log_every_n_steps == 0 or step == cfg.max_steps
         ckpt_now = bool(cfg.checkpoint_dir) and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps)
@@ -373,8 +386,6 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
             meter.add(counter.take(step - last_boundary,
                                    (lambda t: accelerator.reduce(t, reduction="sum")) if world > 1 else None))
             last_boundary = step
-            if step == replay_until and state is not None and replay_until > start_step:
-                account.add("lost_progress", time.perf_counter() - t_replay0)
         if log_now:
             ls = accelerator.reduce(loss_sum, reduction="sum") if world > 1 else loss_sum
             loss = float(ls[0] / ls[1])
@@ -471,8 +482,9 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
     summary.update(carbon.metrics(measured_kwh=energy.total_kwh if energy.measures else None, tokens=tokens))
     total_usd = cost_usd(summary[names.SUM_WALL_S], energy.total_kwh)
     if total_usd is not None and tokens:
-        summary[names.COST_TOTAL_USD] = total_usd
         summary[names.SUM_USD_PER_BTOK] = total_usd * 1e9 / tokens
+    for key in (names.ENERGY_TOTAL_KWH, names.CARBON_TOTAL_KG, names.COST_TOTAL_USD):
+        summary.pop(key, None)  # interval metrics, already logged at the last step
     if main:
         end_tags = {names.MEMORY_SOURCE: probes.peak_memory_gib(device)[2], names.HFU_METHOD: hfu_note,
                     **carbon.tags(energy_source=energy.source if energy.measures else None)}
@@ -612,7 +624,7 @@ def _save_checkpoint(accelerator, cfg, step, run_id, meter, account, attempts, w
     path = ckpt.step_dir(cfg.checkpoint_dir, step)
     accelerator.save_state(path)
     if accelerator.is_main_process:
-        ckpt.write_state(path, {"step": step, "run_id": run_id, "meter": meter.state_dict(),
+        ckpt.write_state(path, {"step": step, "run_id": run_id, "saved_at_unix": time.time(), "meter": meter.state_dict(),
                                 "account": account.state_dict(), "attempts": attempts, "world_size": world,
                                 "energy_j": energy_j, "params": cfg.to_params(), **extra})
         ckpt.prune(cfg.checkpoint_dir, cfg.checkpoint_keep)
