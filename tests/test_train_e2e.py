@@ -211,3 +211,15 @@ def test_missing_eval_data_is_rejected_before_any_run_starts(tracking_uri, tmp_p
     with pytest.raises(ValueError, match=r"hellaswag_val.jsonl: file not found in the data directory"):
         run_training(TrainConfig(eval_tasks="hellaswag", eval_data_dir=str(tmp_path)))
     assert mlflow.MlflowClient().search_runs(["0"]) == []
+
+
+@pytest.mark.slow
+def test_compile_really_compiles_and_its_time_is_compile_badput(tracking_uri):
+    out = run_training(TrainConfig(max_steps=6, log_every_n_steps=3, seq_len=32, micro_batch_size=2, compile=True,
+                                   peak_tflops=1.0))
+    s = out["summary"]
+    # Inductor compilation takes seconds on CPU; an uncompiled warm-up of this model takes well under one.
+    assert s[names.SUM_BADPUT["compile"]] > 2.0
+    run = only_run()
+    assert run.data.tags[names.HFU_METHOD].startswith("analytic: compile=true")
+    assert s[names.SUM_HFU] == pytest.approx(s[names.SUM_MFU_PALM])  # palm FLOPs, no recomputation
