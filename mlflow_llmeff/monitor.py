@@ -623,8 +623,9 @@ class EfficiencyMonitor:
                         "or torch.distributed.destroy_process_group())")
                 step = self._last_edge
         meter = self._meter
+        now = self._clock()  # one instant for wall_s and the cost, so usd_per_billion_tokens matches both
         out: dict[str, float] = {names.SUM_TOKENS: float(meter.total.tokens), names.SUM_STEPS: float(meter.step),
-                                 names.SUM_WALL_S: self._clock() - self._t0}
+                                 names.SUM_WALL_S: now - self._t0}
         rates = meter.summary()
         tflops = None
         if rates is not None:
@@ -663,7 +664,7 @@ class EfficiencyMonitor:
         if self._price is not None and tokens > 0:
             from . import cost as cost_mod
 
-            out[names.SUM_USD_PER_BTOK] = cost_mod.usd_per_billion_tokens(self._cost(self._clock()), tokens)
+            out[names.SUM_USD_PER_BTOK] = cost_mod.usd_per_billion_tokens(self._cost(now), tokens)
         out = {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
         if self.is_main:
             tags = {names.MEMORY_SOURCE: mem_source}

@@ -108,6 +108,7 @@ def test_energy_and_cost_from_a_fake_meter(tracking_uri):
     assert history(mon.run_id, names.COST_TOTAL_USD) == [(2, pytest.approx(0.002))]  # 3.6 USD/h x 2 s
     assert s[names.SUM_J_PER_TOKEN] == 3.0
     assert s[names.SUM_USD_PER_BTOK] == pytest.approx(0.002 * 1e9 / 200)
+    assert s[names.SUM_USD_PER_BTOK] == pytest.approx(3.6 * s[names.SUM_WALL_S] / 3600 / 200 * 1e9)
     tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
     assert tags[names.ENERGY_SOURCE] == "fake" and tags[names.COST_DEVICE_HOUR_USD] == "3.6"
 
