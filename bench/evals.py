@@ -3,7 +3,7 @@
     python bench/evals.py --tasks mmlu_anatomy,hellaswag --limit 100 --num-fewshot 0
     python bench/evals.py --model DIR --tasks mmlu --limit 5 --num-fewshot 5 --device cuda
 
-Without --model, a random Llama (byte vocabulary 259, --hidden/--layers) is built in memory. Both
+Without --model, a random Llama (byte vocabulary 259 or --vocab, --hidden/--layers) is built in memory. Both
 sides score the same documents in the same process, one after the other; the predictions must be
 identical (checked, the run fails otherwise). Times: ours = tokenization + scoring; harness
 "scoring" = its HFLM.loglikelihood calls (tokenization + scoring), "end-to-end" = simple_evaluate
@@ -22,6 +22,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF causal LM dir (default: random Llama)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=259,
+                    help="random Llama's vocabulary (>= 259); e.g. 32000 gives a real LM-head/log-softmax cost "
+                         "with byte inputs")
     ap.add_argument("--tasks", default="mmlu_anatomy,mmlu_high_school_biology,hellaswag")
     ap.add_argument("--num-fewshot", type=int, default=0)
     ap.add_argument("--limit", type=int, default=50)
@@ -47,7 +50,8 @@ def main() -> None:
             tok = transformers.ByT5Tokenizer(extra_ids=0)
     else:
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=259, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        cfg = transformers.LlamaConfig(vocab_size=max(259, args.vocab), hidden_size=args.hidden,
+                                       intermediate_size=4 * args.hidden,
                                        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
                                        max_position_embeddings=8192)
         model = transformers.LlamaForCausalLM(cfg)
