@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from .throughput import Counts
 
-# Positions in the accumulator tensor.
-_TOKENS, _PADDED, _LOSS, _SAMPLES, _SUM_LEN_SQ = range(5)
+# Positions in the on-device accumulator; padded positions and samples are shapes, kept as ints.
+_TOKENS, _LOSS, _SUM_LEN_SQ = range(3)
 
 
 class BatchCounter:
@@ -23,10 +23,12 @@ class BatchCounter:
     def __init__(self, device="cpu") -> None:
         import torch
 
-        self._acc = torch.zeros(5, dtype=torch.int64, device=device)
+        self._acc = torch.zeros(3, dtype=torch.int64, device=device)
+        self._padded = 0
+        self._samples = 0
 
     def add(self, input_ids=None, attention_mask=None, labels=None) -> None:
-        """Count one micro-batch.
+        """Count one micro-batch (a few fused tensor ops on its device, no synchronization).
 
         Args:
             input_ids: ``(B, T)`` token ids (used when there is no attention mask).
@@ -35,6 +37,9 @@ class BatchCounter:
             labels: ``(B, T)`` with ``-100`` where no loss is taken; loss-bearing tokens are
                 ``labels[:, 1:] != -100`` (causal shift). Absent: non-padding tokens minus one per
                 sequence.
+
+        Raises:
+            ValueError: when neither ``input_ids`` nor ``attention_mask`` is given.
         """
         import torch
 
@@ -43,20 +48,23 @@ class BatchCounter:
             raise ValueError("BatchCounter.add needs input_ids or attention_mask")
         if ref.dim() == 1:
             ref = ref.unsqueeze(0)
-        mask = attention_mask if attention_mask is not None else torch.ones_like(ref)
-        if mask.dim() == 1:
-            mask = mask.unsqueeze(0)
-        lens = mask.sum(dim=1).to(torch.int64)
-        acc = self._acc
-        acc[_TOKENS] += lens.sum()
-        acc[_PADDED] += mask.numel()
+        b, t = ref.shape
+        if attention_mask is not None:
+            lens = ref.sum(dim=1, dtype=torch.int64)
+            tokens = lens.sum()
+            sum_sq = (lens * lens).sum()
+        else:  # every position is real: all three counts are shapes
+            lens = None
+            tokens = torch.tensor(b * t, device=self._acc.device)
+            sum_sq = torch.tensor(b * t * t, device=self._acc.device)
         if labels is not None:
             lab = labels if labels.dim() == 2 else labels.unsqueeze(0)
-            acc[_LOSS] += (lab[:, 1:] != -100).sum()
+            loss = (lab[:, 1:] != -100).sum()
         else:
-            acc[_LOSS] += (lens - 1).clamp(min=0).sum()
-        acc[_SAMPLES] += mask.shape[0]
-        acc[_SUM_LEN_SQ] += (lens * lens).sum()
+            loss = (lens - 1).clamp(min=0).sum() if lens is not None else torch.tensor(b * (t - 1), device=self._acc.device)
+        self._acc += torch.stack((tokens, loss, sum_sq))
+        self._padded += b * t
+        self._samples += b
 
     def take(self, steps: int, reduce=None) -> Counts:
         """Return the counts since the last take (summed over ranks by ``reduce``) and reset.
@@ -66,11 +74,15 @@ class BatchCounter:
             reduce: callable summing a tensor over data-parallel ranks (e.g.
                 ``lambda t: accelerator.reduce(t, "sum")``); None for one process.
         """
-        t = reduce(self._acc) if reduce is not None else self._acc
-        v = t.tolist()
+        import torch
+
+        local = torch.cat((self._acc, torch.tensor([self._padded, self._samples], dtype=torch.int64,
+                                                   device=self._acc.device)))
+        v = (reduce(local) if reduce is not None else local).tolist()
         self._acc.zero_()
-        return Counts(steps=steps, tokens=v[_TOKENS], padded_tokens=v[_PADDED], loss_tokens=v[_LOSS],
-                      samples=v[_SAMPLES], sum_len_sq=v[_SUM_LEN_SQ])
+        self._padded = self._samples = 0
+        return Counts(steps=steps, tokens=v[_TOKENS], padded_tokens=v[3], loss_tokens=v[_LOSS],
+                      samples=v[4], sum_len_sq=v[_SUM_LEN_SQ])
 
     def peek_tokens(self) -> tuple[int, int]:
         """(tokens, sum of squared lengths) counted locally since the last take (synchronizes)."""

@@ -207,8 +207,10 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
     accel = hw.detect_accelerator(count=world, device_type=device.type)
     peak, peak_source = hw.resolve_peak(accel, precision, cfg.peak_tflops or None)
 
+    model_shape = fl.model_shape(model_config)  # parsed once: the formula runs at every logged step
+
     def model_flops_per_token(s: float, convention: str = "megatron") -> float:
-        return fl.flops_per_token(model_config, s, convention)
+        return fl.flops_per_token(model_shape, s, convention)
 
     measured_peak, measured_peak_note = None, ""
     try:  # cached per device and dtype after the first measurement (llmeff peak)
@@ -365,7 +367,7 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
                 # x4/3 when checkpointing recomputes the forward).
                 local_tokens, local_len_sq = counter.peek_tokens()
                 s_eff = local_len_sq / max(1, local_tokens)
-                attn = fl.attention_flops_per_token(model_config, s_eff, "palm") * local_tokens
+                attn = fl.attention_flops_per_token(model_shape, s_eff, "palm") * local_tokens
                 hw_flops_per_step += attn * (4 / 3 if cfg.activation_checkpointing else 1)
                 hfu_note = "FlopCounterMode on the first step; CPU SDPA attention added analytically (palm, no causal discount)"
             else:
