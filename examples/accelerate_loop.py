@@ -50,6 +50,10 @@ def main() -> None:
             optimizer.zero_grad()
     accelerator.print(f"last loss {out.loss.item():.3f}")
     accelerator.wait_for_everyone()
+    # Release the DDP model while its process group is alive: a gloo group whose last reference goes at
+    # interpreter exit can deadlock there (its worker thread needs the GIL the exiting thread holds).
+    accelerator.free_memory()
+    del model, optimizer, out
     accelerator.end_training()
 
 

@@ -148,7 +148,7 @@ def test_bad_arguments_raise_and_leave_autolog_disabled(tracking_uri, kwargs, ma
     assert not AL.is_enabled()
 
 
-def test_script_that_dies_with_an_exception_leaves_a_failed_run(tmp_path, tracking_uri):
+def test_script_that_dies_with_an_exception_leaves_a_failed_run(tmp_path):
     script = tmp_path / "dies.py"
     script.write_text(
         "import torch, mlflow_llmeff\n"
@@ -161,9 +161,10 @@ def test_script_that_dies_with_an_exception_leaves_a_failed_run(tmp_path, tracki
         "for step in range(3):\n"
         "    m(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()\n"
         "raise RuntimeError('user code failed')\n")
+    own_store = f"sqlite:///{tmp_path / 'own.db'}"  # this module's shared store holds other tests' runs
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri})
+                       env={**os.environ, "MLFLOW_TRACKING_URI": own_store})
     assert r.returncode == 1 and "user code failed" in r.stderr
-    runs = mlflow.MlflowClient().search_runs(["0"])
+    runs = mlflow.MlflowClient(tracking_uri=own_store).search_runs(["0"])
     assert [x.info.status for x in runs] == ["FAILED"]
     assert runs[0].data.metrics["train/tokens"] == 3 * 16

@@ -75,8 +75,13 @@ def _build_accelerator(cfg: TrainConfig, precision: str, cuda: bool):
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=int(cfg.parallelism[-1]),
                                                      gradient_accumulation_steps=cfg.grad_accum,
                                                      gradient_clipping=cfg.max_grad_norm or None)
-    if cfg.compile:
-        kwargs["dynamo_backend"] = "inductor"
+    # AcceleratorState is process-wide and keeps the first run's settings (precision, ...): a second
+    # run in the same process (a notebook, a sweep, tests) would silently inherit them. The
+    # distributed PartialState is kept.
+    from accelerate.state import AcceleratorState
+
+    if hasattr(AcceleratorState, "_reset_state"):
+        AcceleratorState._reset_state()
     return Accelerator(
         mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision],
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
@@ -165,6 +170,8 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
     from transformers import get_cosine_schedule_with_warmup
 
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.resolved_lr_warmup_steps(), cfg.max_steps)
+    if cfg.compile:  # compiled here rather than through Accelerate's dynamo plugin (see _build_accelerator)
+        model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it
     # num_processes times per call), and registered so save_state/load_state carry it.
@@ -511,6 +518,10 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
             logger.set_tags({names.MFU_WARNING: f"summary: {warn}"})
         logger.close("FINISHED")
     accelerator.wait_for_everyone()
+    # Free the DDP/FSDP model while its process group is alive: a gloo group whose last reference goes
+    # at interpreter exit can deadlock there (its worker thread needs the GIL the exiting thread holds).
+    accelerator.free_memory()
+    del model, optimizer
     accelerator.end_training()
     return {"run_id": run_id, "summary": summary} if main else None
 
