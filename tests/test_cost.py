@@ -88,3 +88,15 @@ def test_table_keys_are_short_names_that_hardware_detection_produces():
 
     shorts = {row.short for row in PEAK_TABLE}
     assert set(DEFAULT_DEVICE_HOUR_USD) <= shorts
+
+
+def test_prices_command_lists_every_default_with_its_source():
+    from click.testing import CliRunner
+
+    from mlflow_llmeff.cli import main
+    from mlflow_llmeff.cost import DEFAULT_DEVICE_HOUR_USD
+
+    out = CliRunner().invoke(main, ["prices"]).output
+    for short, price in DEFAULT_DEVICE_HOUR_USD.items():
+        line = next(line for line in out.splitlines() if line.startswith(short + " "))
+        assert f"${price.usd:5.2f}" in line and price.source in line

@@ -318,3 +318,15 @@ def test_device_failing_at_start_is_dropped_with_why_not_raised():
     assert m.num_devices == 1 and f"{UUID_B}: first read failed" in m.why
     m.close()
     assert nvml.calls == {"init": 1, "shutdown": 1}
+
+
+def test_energy_probe_command_says_how_energy_would_be_measured():
+    from click.testing import CliRunner
+
+    from mlflow_llmeff.cli import main
+
+    res = CliRunner().invoke(main, ["energy-probe", "--measure-energy", "none"])
+    assert res.exit_code == 0
+    assert "energy.source: none (0 device(s))" in res.output
+    assert "energy.why: measure_energy=none" in res.output
+    assert "carbon.intensity_g_per_kwh: 369.473" in res.output  # codecarbon's USA figure, offline
