@@ -508,7 +508,6 @@ class EfficiencyMonitor:
 
     def _log_interval(self, step: int, collective: bool = True) -> None:
         from . import energy as en
-        from . import flops as fl
 
         total = self._meter.total
         alloc, reserved, _ = self._memory(collective)
@@ -523,14 +522,7 @@ class EfficiencyMonitor:
             m[names.TRAIN_LR] = lr
         rates = self._meter.interval()
         if rates is not None:
-            m.update({names.TRAIN_STEP_TIME_S: rates.step_time_s, names.TPUT_TOKENS: rates.tokens_per_sec,
-                      names.TPUT_SAMPLES: rates.samples_per_sec, names.TPUT_DEVICE_TOKENS: rates.device_tokens_per_sec})
-            if self._config is not None and rates.counts.tokens > 0:
-                tflops = rates.device_tflops_per_sec(self._fpt)
-                m[names.TPUT_DEVICE_TFLOPS] = tflops
-                mfu = fl.utilization(tflops, self.peak_tflops)
-                if mfu is not None:
-                    m[names.TPUT_DEVICE_MFU] = mfu
+            m.update(rates.interval_metrics(self._fpt if self._config is not None else None, self.peak_tflops))
         now = self._clock()
         j0, tok0, t0 = self._log_mark
         if self._energy_devices:

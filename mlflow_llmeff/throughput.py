@@ -82,6 +82,26 @@ class Rates:
         """Achieved model TFLOP/s per device, given FLOPs/token as a function of effective seq len."""
         return self.tokens_per_sec * flops_per_token(self.counts.effective_seq_len) / self.num_devices / 1e12
 
+    def interval_metrics(self, flops_per_token: Callable[[float], float] | None = None,
+                         peak_tflops: float | None = None) -> dict[str, float]:
+        """The interval's ``train/step_time_s`` and ``throughput/*`` metrics, keyed as in names.py.
+
+        Achieved TFLOP/s needs ``flops_per_token`` (and tokens); MFU also needs ``peak_tflops``
+        (never clipped). Used by the training loop and by EfficiencyMonitor alike.
+        """
+        from . import names
+        from .flops import utilization
+
+        m = {names.TRAIN_STEP_TIME_S: self.step_time_s, names.TPUT_TOKENS: self.tokens_per_sec,
+             names.TPUT_SAMPLES: self.samples_per_sec, names.TPUT_DEVICE_TOKENS: self.device_tokens_per_sec}
+        if flops_per_token is not None and self.counts.tokens > 0:
+            tflops = self.device_tflops_per_sec(flops_per_token)
+            m[names.TPUT_DEVICE_TFLOPS] = tflops
+            mfu = utilization(tflops, peak_tflops)
+            if mfu is not None:
+                m[names.TPUT_DEVICE_MFU] = mfu
+        return m
+
 
 @dataclass
 class ThroughputMeter:

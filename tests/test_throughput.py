@@ -99,3 +99,20 @@ def test_state_dict_round_trip_continues_counters():
 def test_invalid_devices_rejected():
     with pytest.raises(ValueError, match="num_devices=0"):
         ThroughputMeter(num_devices=0, warmup_steps=0)
+
+
+def test_interval_metrics_hand_computed_with_and_without_a_peak():
+    from mlflow_llmeff import names
+
+    clock = FakeClock()
+    m = ThroughputMeter(num_devices=2, warmup_steps=0, clock=clock)
+    m.begin()
+    clock.t += 2.0
+    m.add(Counts(steps=1, tokens=1000, padded_tokens=1000, loss_tokens=990, samples=10, sum_len_sq=100_000))
+    r = m.interval()
+    # 500 tokens/s; per device 250; FLOPs/token 1e9 -> 250e9 FLOP/s = 0.25 TFLOP/s per device
+    got = r.interval_metrics(lambda s: 1e9, peak_tflops=1.0)
+    assert got == {names.TRAIN_STEP_TIME_S: 2.0, names.TPUT_TOKENS: 500.0, names.TPUT_SAMPLES: 5.0,
+                   names.TPUT_DEVICE_TOKENS: 250.0, names.TPUT_DEVICE_TFLOPS: 0.25, names.TPUT_DEVICE_MFU: 0.25}
+    assert names.TPUT_DEVICE_MFU not in r.interval_metrics(lambda s: 1e9)  # unknown peak: no MFU
+    assert names.TPUT_DEVICE_TFLOPS not in r.interval_metrics()            # unknown model: no TFLOP/s

@@ -409,14 +409,10 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
                        names.MEM_MAX_ALLOC: float(mem[0]), names.MEM_MAX_RESERVED: float(mem[1])}
             rates = meter.interval()
             if rates is not None:
-                tflops = rates.device_tflops_per_sec(model_flops_per_token)
-                metrics.update({names.TRAIN_STEP_TIME_S: rates.step_time_s, names.TPUT_TOKENS: rates.tokens_per_sec,
-                                names.TPUT_SAMPLES: rates.samples_per_sec,
-                                names.TPUT_DEVICE_TOKENS: rates.device_tokens_per_sec,
-                                names.TPUT_DEVICE_TFLOPS: tflops, names.TPUT_DEVICE_MFU: fl.utilization(tflops, peak)})
+                metrics.update(rates.interval_metrics(model_flops_per_token, peak))
                 if hw_flops_per_step is not None:
                     metrics[names.TPUT_DEVICE_HFU] = fl.utilization(hw_flops_per_step / rates.step_time_s / 1e12, peak)
-                warn = fl.mfu_warning(metrics[names.TPUT_DEVICE_MFU])
+                warn = fl.mfu_warning(metrics.get(names.TPUT_DEVICE_MFU))
                 if warn and not mfu_warned:  # reported, never clipped
                     mfu_warned = True
                     log.warning(warn)
