@@ -66,6 +66,9 @@ ENERGY_DEVICE_AVG_POWER_W = _metric("energy/device/avg_power_w", "W", "average p
 ENERGY_J_PER_TOKEN = _metric("energy/j_per_token", "J/token", "measured energy per non-padding token over the interval", I)
 CARBON_TOTAL_KG = _metric("carbon/total_kg_co2e", "kg CO2e", "cumulative emissions (codecarbon)", I)
 COST_TOTAL_USD = _metric("cost/total_usd", "USD", "device_hour_usd * devices * wall hours (+ kWh * usd_per_kwh)", I)
+ENERGY_ESTIMATE_CPU_KWH = _metric("energy/estimate/cpu_kwh", "kWh", "cumulative codecarbon CPU energy ESTIMATE for the node(s) (TDP x load or its RAPL read; see llmeff.carbon.estimate_method), all attempts; not in energy/total_kwh", I)
+ENERGY_ESTIMATE_RAM_KWH = _metric("energy/estimate/ram_kwh", "kWh", "cumulative codecarbon RAM energy ESTIMATE (W per GB constant), all attempts; not in energy/total_kwh", I)
+CARBON_ESTIMATE_KG = _metric("carbon/estimate_kg_co2e", "kg CO2e", "cumulative emissions of codecarbon's CPU+RAM estimate, all attempts; not in carbon/total_kg_co2e", I)
 EVAL_VAL_LOSS = _metric("eval/val_loss", "nats/token", "mean loss on the held-out split", I)
 EVAL_VAL_PPL = _metric("eval/val_perplexity", "-", "exp(eval/val_loss)", I)
 EVAL_MMLU_ACC = _metric("eval/mmlu/acc", "fraction", "MMLU accuracy (lm-eval-harness definition)", I)
@@ -89,13 +92,27 @@ SUM_TFLOPS_PER_W = _metric("summary/tflops_per_w", "TFLOP/s/W", "achieved model 
 SUM_KWH_PER_BTOK = _metric("summary/kwh_per_billion_tokens", "kWh", "measured energy per 1e9 non-padding tokens", S)
 SUM_KG_CO2E_PER_BTOK = _metric("summary/kg_co2e_per_billion_tokens", "kg CO2e", "emissions per 1e9 non-padding tokens", S)
 SUM_USD_PER_BTOK = _metric("summary/usd_per_billion_tokens", "USD", "cost per 1e9 non-padding tokens", S)
-ENERGY_ESTIMATE_CPU_KWH = _metric("energy/estimate/cpu_kwh", "kWh", "codecarbon's CPU energy ESTIMATE for the node (TDP x load or its RAPL read; see llmeff.carbon.estimate_method); not in energy/total_kwh", S)
-ENERGY_ESTIMATE_RAM_KWH = _metric("energy/estimate/ram_kwh", "kWh", "codecarbon's RAM energy ESTIMATE (W per GB constant); not in energy/total_kwh", S)
-CARBON_ESTIMATE_KG = _metric("carbon/estimate_kg_co2e", "kg CO2e", "emissions of codecarbon's CPU+RAM estimate; not in carbon/total_kg_co2e", S)
-SUM_GOODPUT = _metric("summary/goodput", "fraction", "productive training time / wall time", S)
-BADPUT_CATEGORIES = ("init", "compile", "data_wait", "eval", "checkpoint_save", "checkpoint_load", "lost_progress", "other")
-SUM_BADPUT = {c: _metric(f"summary/badput_{c}_s", "s", f"wall time spent on {c.replace('_', ' ')}", S) for c in BADPUT_CATEGORIES}
-SUM_WALL_S = _metric("summary/wall_s", "s", "wall time of the training run (all attempts, init to end)", S)
+SUM_COST_USD = _metric("summary/cost_usd", "USD", "run total cost (all attempts, lost progress included)", S)
+SUM_ENERGY_KWH = _metric("summary/energy_kwh", "kWh", "run total measured energy (all attempts)", S)
+SUM_KG_CO2E = _metric("summary/kg_co2e", "kg CO2e", "run total emissions of the measured energy", S)
+SUM_ESTIMATE_KG_CO2E = _metric("summary/estimate_kg_co2e", "kg CO2e", "run total emissions of codecarbon's CPU+RAM estimate (when nothing is measured)", S)
+SUM_ESTIMATE_KG_CO2E_PER_BTOK = _metric("summary/estimate_kg_co2e_per_billion_tokens", "kg CO2e", "codecarbon-estimate emissions per 1e9 non-padding tokens (when nothing is measured)", S)
+SUM_GOODPUT = _metric("summary/goodput", "fraction", "productive step time / wall time (docs/time.md)", S)
+BADPUT_CATEGORIES = ("init", "warmup", "compile", "data_wait", "eval", "checkpoint_save", "checkpoint_load",
+                     "lost_progress", "other")
+_BADPUT_MEANING = {
+    "init": "set-up before the first step (process start, model build, run creation, peak measurement)",
+    "warmup": "the warm-up steps' excess over steady-state step time (allocator, kernels, FlopCounterMode step); not logged when compiling",
+    "compile": "the warm-up steps' excess over steady-state step time under torch.compile (compilation); logged only when compiling",
+    "data_wait": "host time blocked on the next batch inside steps",
+    "eval": "evaluations (declared pauses)",
+    "checkpoint_save": "checkpoint writes (declared pauses)",
+    "checkpoint_load": "checkpoint loads (declared pauses)",
+    "lost_progress": "time a crashed attempt ran after its last checkpoint (work redone)",
+    "other": "time outside steps and declared pauses (after the last step, undeclared pauses)",
+}
+SUM_BADPUT = {c: _metric(f"summary/badput_{c}_s", "s", _BADPUT_MEANING[c], S) for c in BADPUT_CATEGORIES}
+SUM_WALL_S = _metric("summary/wall_s", "s", "wall time of the run, all attempts, init to end: productive time plus every summary/badput_*_s, exactly (docs/time.md)", S)
 SUM_TOKENS = _metric("summary/tokens", "tokens", "total non-padding tokens trained on", S)
 SUM_STEPS = _metric("summary/steps", "steps", "optimizer steps completed", S)
 
@@ -114,18 +131,27 @@ TTQ_SUFFIXES = {
 def target_key(metric: str, op: str, value: str) -> str:
     """Return the key stem of a time-to-quality target, e.g. ``hellaswag_acc_norm_ge_0.30``.
 
+    The stem is ``<metric with / as _>_<ge|le>_<value>`` passed through
+    :func:`mlflow_llmeff.tracking.keys.safe_key`, so it is always a key MLflow accepts; for a value
+    :func:`mlflow_llmeff.evals.targets.parse_targets` accepted (``0.30``, ``-1.5``, ``1e-3``) it is
+    unchanged by that. A value text outside that form is mapped, never dropped (``+9.5`` gives
+    ``..._plus_9.5``; ``parse_targets`` writes it ``9.5`` first).
+
     Args:
         metric: eval key without the ``eval/`` prefix, e.g. ``hellaswag/acc_norm``.
         op: ``">="`` or ``"<="``.
-        value: the threshold exactly as the user wrote it (kept verbatim so ``0.30`` stays ``0.30``).
+        value: the threshold text, canonical as ``parse_targets`` keeps it in ``Target.text``
+            (verbatim but for a dropped ``+``, so ``0.30`` stays ``0.30``).
 
     Raises:
         ValueError: for an operator other than ``>=`` / ``<=``.
     """
+    from mlflow_llmeff.tracking.keys import safe_key  # pure; imports MLflow's validators lazily
+
     ops = {">=": "ge", "<=": "le"}
     if op not in ops:
         raise ValueError(f"target operator {op!r} is not accepted; use '>=' or '<='")
-    return f"{metric.replace('/', '_')}_{ops[op]}_{value}"
+    return safe_key(f"{metric.replace('/', '_')}_{ops[op]}_{value}")
 
 
 # --------------------------------------------------------------------------- tags
@@ -189,6 +215,7 @@ DRY_RUN = _tag("dry_run", "'true' on a run that only planned (plan/* metrics), n
 RESUME_CHANGED = _tag("resume.changed_params", "params passed with new values on resume (not re-logged)")
 AUTOLOG_INTEGRATION = _tag("autolog.integration", "what produced the metrics: trainer, accelerate, pytorch (mlflow_llmeff.autolog) or monitor (EfficiencyMonitor)")
 AUTOLOG_NOTE = _tag("autolog.note", "set when autolog/EfficiencyMonitor left something out of the totals, and why")
+LOGGING_WARNINGS = _tag("logging.warnings", "what the logger changed to get entries past MLflow's rules (keys renamed, values shortened or dropped) and entries MLflow still rejected; '; '-separated, de-duplicated, at most 8000 characters")
 TTQ_TAG_PREFIX = "llmeff.ttq."
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

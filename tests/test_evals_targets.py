@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
-from mlflow_llmeff.evals.targets import Target, parse_targets
+from mlflow_llmeff.evals.targets import Target, canonical_value, parse_targets
 
 
 def test_parse_two_targets():
@@ -40,3 +41,59 @@ def test_empty_spec_is_no_target():
 def test_bad_targets_are_named(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_targets(spec)
+
+
+@pytest.mark.parametrize("written,threshold,text,key", [
+    ("0.30", 0.30, "0.30", "val_loss_le_0.30"),  # trailing zero kept as written
+    ("+9.5", 9.5, "9.5", "val_loss_le_9.5"),  # leading '+' dropped (MLflow refuses '+')
+    ("-1.5", -1.5, "-1.5", "val_loss_le_-1.5"),
+    ("2", 2.0, "2", "val_loss_le_2"),
+    (".5", 0.5, "0.5", "val_loss_le_0.5"),  # leading-dot fraction gets its zero
+    ("-.5", -0.5, "-0.5", "val_loss_le_-0.5"),
+    ("1e-3", 1e-3, "1e-3", "val_loss_le_1e-3"),
+    ("1e+3", 1e3, "1e3", "val_loss_le_1e3"),  # exponent '+' dropped
+    ("2E+1", 20.0, "2E1", "val_loss_le_2E1"),
+    ("+1.25e-2", 0.0125, "1.25e-2", "val_loss_le_1.25e-2"),
+])
+def test_plain_decimal_values_are_accepted_in_canonical_form(written, threshold, text, key):
+    (t,) = parse_targets(f"val_loss<={written}")
+    assert (t.threshold, t.text, t.key, str(t)) == (threshold, text, key, f"val_loss<={text}")
+
+
+@pytest.mark.parametrize("written", ["inf", "-inf", "nan", "NaN", "Infinity", "1_000", "0x10", "1.", "1e", "e3",
+                                     "+-1", "--1", "1.2.3", "١", "0b1", "5%"])
+def test_values_that_are_not_plain_decimal_numbers_are_rejected(written):
+    with pytest.raises(ValueError, match=rf"^target 'val_loss<={re.escape(written)}' has non-numeric value "
+                                         rf"'{re.escape(written)}'; write metric>=value or metric<=value with value "
+                                         r"a plain decimal number"):
+        parse_targets(f"val_loss<={written}")
+
+
+def test_an_empty_value_is_rejected():
+    with pytest.raises(ValueError, match=r"^target 'val_loss<=' is not accepted; write metric>=value"):
+        parse_targets("val_loss<=")
+
+
+def test_a_value_beyond_the_float_range_is_rejected():
+    with pytest.raises(ValueError, match=r"^target 'val_loss<=1e999' has value '1e999' beyond the float range; write"):
+        parse_targets("val_loss<=1e999")
+
+
+def test_the_same_number_written_two_ways_is_given_twice():
+    with pytest.raises(ValueError, match="target 'val_loss<=9.5' is given twice"):
+        parse_targets("val_loss<=+9.5,val_loss<=9.5")
+
+
+def test_canonical_value_rejects_what_is_not_a_plain_decimal():
+    assert canonical_value("+1e+3") == "1e3"
+    with pytest.raises(ValueError, match=r"^threshold 'inf' is not a plain decimal number; write e.g. 0.30"):
+        canonical_value("inf")
+
+
+def test_case_a_every_target_key_is_accepted_by_mlflow():
+    from mlflow_llmeff.tracking.keys import key_accepted
+
+    t = parse_targets("val_loss<=+9.5")[0]
+    keys = [*t.metric_keys().values(), t.not_reached_tag]
+    assert keys[0] == "ttq/val_loss_le_9.5_wall_s" and t.not_reached_tag == "llmeff.ttq.val_loss_le_9.5"
+    assert all(key_accepted(k) for k in keys)

@@ -1,8 +1,16 @@
 import math
+import sys
 
 import mlflow
+import pytest
+from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from mlflow_llmeff.tracking.logger import RunLogger, default_run_name
+from mlflow_llmeff import names
+from mlflow_llmeff.evals.targets import parse_targets
+from mlflow_llmeff.tracking import keys
+from mlflow_llmeff.tracking.logger import NullLogger, RunLogger, default_run_name
 
 
 class FakeClock:
@@ -23,15 +31,15 @@ def test_metrics_are_buffered_then_sent_in_one_batch(tracking_uri):
     clock = FakeClock()
     log = RunLogger(run_id, client, send_interval_s=5.0, clock=clock)
     log.log_metrics({"train/loss": 1.0}, 1)
-    log.log_metrics({"train/loss": 0.9, "bad": math.nan}, 2)
-    assert log._pending == [] and len(log._buffer) == 2  # nothing sent within the interval; NaN dropped
+    log.log_metrics({"train/loss": 0.9, "train/learning_rate": 1e-3}, 2)
+    assert log._pending == [] and len(log._buffer) == 3  # nothing sent within the interval
     clock.t = 5.0
     log.log_metrics({"train/loss": 0.8}, 3)
     assert log._buffer == [] and len(log._pending) == 1
     log.log_metrics({"train/loss": 0.7}, 4)
     log.close()
     assert steps(client, run_id, "train/loss") == [1, 2, 3, 4]
-    assert "bad" not in client.get_run(run_id).data.metrics
+    assert steps(client, run_id, "train/learning_rate") == [2]
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
@@ -81,3 +89,245 @@ def test_mlflow_projects_empty_string_param_is_not_a_change(tracking_uri):
     run_id = client.create_run("0").info.run_id
     client.log_param(run_id, "checkpoint_dir", "''")  # how `mlflow run` logs an empty default
     assert RunLogger(run_id, client).log_params({"checkpoint_dir": ""}) == {}
+
+
+# --------------------------------------------------------------------------- nothing lost to one bad entry
+class RecordingClient:
+    """A real MlflowClient that records each log_batch call and rejects batches holding a poisoned key.
+
+    A rejected synchronous call raises what an MLflow store raises for a bad entry
+    (INVALID_PARAMETER_VALUE); a rejected asynchronous call returns an operation whose ``wait``
+    raises the generic wrapper MLflow's ``RunOperations.wait`` raises.
+    """
+
+    def __init__(self, poison=(), reject_multi=False):
+        self._client = mlflow.MlflowClient()
+        self.poison = set(poison)
+        self.reject_multi = reject_multi
+        self.calls = []  # (number of metrics, params, tags, synchronous)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), synchronous=True):
+        entries = [*metrics, *params, *tags]
+        self.calls.append((len(metrics), len(params), len(tags), synchronous))
+        bad = [e.key for e in entries if e.key in self.poison]
+        if bad and (self.reject_multi and len(entries) > 1 or len(entries) == 1):
+            error = MlflowException(f"Invalid value {bad[0]!r} for parameter 'key'", error_code=INVALID_PARAMETER_VALUE)
+        elif bad:
+            error = MlflowException(f"batch rejected because of {bad[0]!r}", error_code=INVALID_PARAMETER_VALUE)
+        else:
+            return self._client.log_batch(run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous)
+        if synchronous:
+            raise error
+        return FailedOperation(error)
+
+
+class FailedOperation:
+    def __init__(self, error):
+        self.error = error
+
+    def wait(self):
+        raise MlflowException(f"The following failures occurred while performing one or more async logging operations: [{self.error!r}]")
+
+
+def new_run(client=None):
+    return (client or mlflow.MlflowClient()).create_run("0").info.run_id
+
+
+def warnings_tag(run_id):
+    return mlflow.MlflowClient().get_run(run_id).data.tags.get(names.LOGGING_WARNINGS)
+
+
+def test_case_a_plus_signed_target_keys_land_with_the_summary(tracking_uri):
+    target = parse_targets("val_loss<=+9.5")[0]
+    assert (target.threshold, target.key) == (9.5, "val_loss_le_9.5")
+    run_id = new_run()
+    log = RunLogger(run_id)
+    ttq = {key: float(i) for i, key in enumerate(target.metric_keys().values())}
+    summary = {names.SUM_MFU: 0.41, names.SUM_TOKENS: 1_000_000.0, names.SUM_WALL_S: 123.5, names.SUM_GOODPUT: 0.9}
+    log.log_metrics({**ttq, **summary}, 40)
+    log.close()
+    logged = mlflow.MlflowClient().get_run(run_id).data.metrics
+    assert logged == {**ttq, **summary}
+    assert ttq["ttq/val_loss_le_9.5_wall_s"] == 0.0 and warnings_tag(run_id) is None
+
+
+def test_a_metric_key_mlflow_refuses_is_renamed_and_the_rest_logged(tracking_uri):
+    run_id = new_run()
+    log = RunLogger(run_id)
+    log.log_metrics({"ttq/val_loss_le_+9.5_wall_s": 12.0, "mfu(%)": 41.0, names.SUM_MFU: 0.41}, 7)
+    log.close()
+    assert mlflow.MlflowClient().get_run(run_id).data.metrics == {
+        "ttq/val_loss_le_plus_9.5_wall_s": 12.0, "mfu_pct": 41.0, names.SUM_MFU: 0.41}
+    assert warnings_tag(run_id) == ("metric 'ttq/val_loss_le_+9.5_wall_s' renamed to 'ttq/val_loss_le_plus_9.5_wall_s'; "
+                                    "metric 'mfu(%)' renamed to 'mfu_pct'")
+
+
+def test_case_b_a_bad_user_tag_key_does_not_cost_the_condition_tags(tracking_uri):
+    run_id = new_run()
+    tags = {d.key: f"value {i}" for i, d in enumerate(names.TAGS[:60])}
+    RunLogger(run_id).set_tags({**tags, "team@lab": "nlp", "cost(%)": "12"})
+    logged = mlflow.MlflowClient().get_run(run_id).data.tags
+    assert all(logged[k] == v for k, v in tags.items()) and len(tags) == 60
+    assert (logged["team_at_lab"], logged["cost_pct"]) == ("nlp", "12")
+    assert logged[names.LOGGING_WARNINGS] == "tag 'team@lab' renamed to 'team_at_lab'; tag 'cost(%)' renamed to 'cost_pct'"
+
+
+def test_a_metric_with_a_string_value_is_dropped_and_named(tracking_uri):
+    run_id = new_run()
+    log = RunLogger(run_id)
+    log.log_metrics({"train/loss": 2.5, "eval/note": "diverged", "train/tokens": 4096}, 3)
+    log.close()
+    assert mlflow.MlflowClient().get_run(run_id).data.metrics == {"train/loss": 2.5, "train/tokens": 4096.0}
+    assert warnings_tag(run_id) == "metric 'eval/note' dropped: value of type str is not a real number"
+
+
+def test_nan_and_inf_losses_are_logged(tracking_uri):
+    client = mlflow.MlflowClient()
+    run_id = new_run()
+    log = RunLogger(run_id, client)
+    for step, loss in enumerate([2.0, math.nan, math.inf, -math.inf], start=1):
+        log.log_metrics({"train/loss": loss}, step)
+    log.close()
+    values = [m.value for m in sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)]
+    # SQL stores keep NaN and write +/-inf as the largest double (SqlAlchemyStore.sanitize_metric_value)
+    assert values[0] == 2.0 and math.isnan(values[1])
+    assert values[2:] == [sys.float_info.max, -sys.float_info.max]
+    assert warnings_tag(run_id) is None
+
+
+def test_a_rejected_sync_batch_is_retried_entry_by_entry(tracking_uri):
+    client = RecordingClient(poison={"llmeff.poisoned"}, reject_multi=True)
+    run_id = new_run(client)
+    tags = {f"user.tag{i}": str(i) for i in range(7)} | {"llmeff.poisoned": "x"}
+    RunLogger(run_id, client).set_tags(tags)
+    logged = mlflow.MlflowClient().get_run(run_id).data.tags
+    assert {k: logged.get(k) for k in tags} == {**{f"user.tag{i}": str(i) for i in range(7)}, "llmeff.poisoned": None}
+    assert logged[names.LOGGING_WARNINGS] == ("tag 'llmeff.poisoned' rejected by MLflow (MlflowException: "
+                                              "Invalid value 'llmeff.poisoned' for parameter 'key')")
+
+
+def test_a_failed_async_metric_batch_is_retried_at_flush(tracking_uri):
+    client = RecordingClient(poison={"train/poisoned"})
+    run_id = new_run(client)
+    log = RunLogger(run_id, client, send_interval_s=0.0)
+    log.log_metrics({"train/loss": 1.5, "train/poisoned": 1.0, "train/tokens": 512}, 1)
+    assert len(log._pending) == 1
+    log.close()
+    assert mlflow.MlflowClient().get_run(run_id).data.metrics == {"train/loss": 1.5, "train/tokens": 512.0}
+    assert "metric 'train/poisoned' at step 1 rejected by MLflow" in warnings_tag(run_id)
+    assert client.calls[1] == (3, 0, 0, True)  # the whole batch again, synchronously, then halves
+
+
+def test_the_real_store_rejecting_a_key_loses_only_that_key(tracking_uri, monkeypatch):
+    # "bad@key" passes local validation here, so only the sqlite store sees it and rejects it
+    accepted = keys.key_accepted
+    monkeypatch.setattr(keys, "key_accepted", lambda k: k == "bad@key" or accepted(k))
+    keys._checked_key.cache_clear()
+    client = mlflow.MlflowClient()
+    run_id = new_run(client)
+    log = RunLogger(run_id, client)
+    log.log_metrics({f"m{i}": float(i) for i in range(9)} | {"bad@key": 1.0}, 2)
+    log.close()
+    keys._checked_key.cache_clear()
+    assert client.get_run(run_id).data.metrics == {f"m{i}": float(i) for i in range(9)}
+    assert warnings_tag(run_id).startswith("metric 'bad@key' at step 2 rejected by MLflow (MlflowException: Invalid value")
+
+
+def test_a_tag_value_over_8000_characters_is_shortened(tracking_uri):
+    run_id = new_run()
+    RunLogger(run_id).set_tags({"notes": "n" * 9000, "short": "s"})
+    logged = mlflow.MlflowClient().get_run(run_id).data.tags
+    assert (logged["notes"], logged["short"]) == ("n" * 8000, "s")
+    assert logged[names.LOGGING_WARNINGS] == "tag 'notes' value shortened from 9000 to 8000 characters"
+
+
+def test_params_over_100_in_one_call_all_land_in_batches_of_100(tracking_uri):
+    client = RecordingClient()
+    run_id = new_run(client)
+    params = {f"p{i:03d}": str(i) for i in range(250)}
+    assert RunLogger(run_id, client).log_params(params) == {}
+    assert mlflow.MlflowClient().get_run(run_id).data.params == params
+    assert [c[1] for c in client.calls] == [100, 100, 50]
+
+
+def test_tags_over_100_in_one_call_are_sent_in_batches_of_100(tracking_uri):
+    client = RecordingClient()
+    run_id = new_run(client)
+    tags = {f"t{i:03d}": str(i) for i in range(201)}
+    RunLogger(run_id, client).set_tags(tags)
+    assert [c[2] for c in client.calls] == [100, 100, 1]
+    logged = mlflow.MlflowClient().get_run(run_id).data.tags
+    assert {k: logged[k] for k in tags} == tags
+
+
+def test_set_synchronous_makes_every_send_synchronous(tracking_uri):
+    client = RecordingClient()
+    run_id = new_run(client)
+    log = RunLogger(run_id, client, send_interval_s=0.0)
+    log.set_synchronous(True)
+    log.log_metrics({"train/loss": 1.0}, 1)
+    log.log_metrics({"train/loss": 0.5}, 2)
+    assert log._pending == []
+    log.close()
+    assert [c[3] for c in client.calls] == [True, True]
+    assert steps(client, run_id, "train/loss") == [1, 2]
+
+
+def test_last_point_after_resume_is_the_newest_point_per_key(tracking_uri):
+    client = mlflow.MlflowClient()
+    run_id = new_run(client)
+    client.log_batch(run_id, metrics=[Metric("energy/total_kwh", 0.5, 1_000, 1), Metric("energy/total_kwh", 1.25, 2_000, 4),
+                                      Metric("energy/total_kwh", 0.75, 3_000, 2), Metric("cost/total_usd", 3.0, 2_500, 4)])
+    log = RunLogger(run_id, client, resume=True)
+    assert log.last_point("energy/total_kwh") == (4, 1.25, 2_000)
+    assert log.last_point("cost/total_usd") == (4, 3.0, 2_500)
+    assert log.last_point("train/loss") is None
+    assert (log.last_logged_step("energy/total_kwh"), log.last_timestamp_s) == (4, 3.0)
+
+
+def test_a_renamed_key_is_deduplicated_on_resume_under_its_mlflow_key(tracking_uri):
+    client = mlflow.MlflowClient()
+    run_id = new_run(client)
+    first = RunLogger(run_id, client)
+    first.log_metrics({"mfu(%)": 40.0}, 1)
+    first.log_metrics({"mfu(%)": 41.0}, 2)
+    first.flush()
+    again = RunLogger(run_id, client, resume=True)
+    assert again.last_point("mfu_pct")[:2] == (2, 41.0)
+    again.log_metrics({"mfu(%)": 99.0}, 2)  # replayed step
+    again.log_metrics({"mfu(%)": 42.0}, 3)
+    again.close()
+    assert [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, "mfu_pct"), key=lambda m: m.step)] == [
+        (1, 40.0), (2, 41.0), (3, 42.0)]
+
+
+def test_the_warnings_tag_stays_under_8000_characters_and_says_what_was_left_out(tracking_uri):
+    run_id = new_run()
+    log = RunLogger(run_id)
+    log.log_metrics({f"note{i:03d}": "text" for i in range(300)}, 1)
+    log.close()
+    text = warnings_tag(run_id)
+    shown = text.split("; ")
+    assert len(text) <= 8000 and text == log.warnings_text()
+    assert shown[0] == "metric 'note000' dropped: value of type str is not a real number"
+    assert shown[-1] == f"{300 - (len(shown) - 1)} more not listed (see the training log)"
+
+
+def test_null_logger_has_the_same_methods_as_no_ops():
+    null = NullLogger()
+    null.set_synchronous(True)
+    null.flush()
+    assert (null.last_point("train/loss"), null.last_logged_step("train/loss"), null.last_timestamp_s) == (None, -1, None)
+
+
+@pytest.mark.parametrize("status", ["FINISHED", "FAILED"])
+def test_close_sets_the_status_after_flushing(tracking_uri, status):
+    client = mlflow.MlflowClient()
+    run_id = new_run(client)
+    log = RunLogger(run_id, client)
+    log.log_metrics({"train/loss": 1.0}, 1)
+    log.close(status)
+    assert (client.get_run(run_id).info.status, steps(client, run_id, "train/loss")) == (status, [1])

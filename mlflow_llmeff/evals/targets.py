@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mlflow_llmeff import names
 from mlflow_llmeff.evals.data import MMLU_SUBJECTS
 
-__all__ = ["TARGET_METRICS", "Target", "parse_targets"]
+__all__ = ["TARGET_METRICS", "Target", "canonical_value", "parse_targets"]
 
 # eval keys without the "eval/" prefix, from names.py; plus "mmlu_<subject>/acc" (checked by pattern)
 TARGET_METRICS: tuple[str, ...] = tuple(
@@ -18,8 +18,11 @@ TARGET_METRICS: tuple[str, ...] = tuple(
 )
 _SUBJECT_METRICS = frozenset(f"mmlu_{s}/acc" for s in MMLU_SUBJECTS)
 _TARGET_RE = re.compile(r"^\s*([A-Za-z0-9_/]+)\s*(>=|<=)\s*([^\s]+)\s*$")
-_ACCEPTED = (f"write metric>=value or metric<=value with metric one of {', '.join(TARGET_METRICS)}, "
-             f"mmlu_<subject>/acc")
+# a plain decimal number: optional sign, digits with an optional fraction or a leading-dot fraction,
+# optional exponent; ASCII digits only (no "inf", "nan", "1_000", "0x10", "1.")
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_ACCEPTED = (f"write metric>=value or metric<=value with value a plain decimal number (0.30, -1.5, 1e-3) "
+             f"and metric one of {', '.join(TARGET_METRICS)}, mmlu_<subject>/acc")
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class Target:
         metric: eval key without ``eval/``, e.g. ``hellaswag/acc_norm``.
         op: ``">="`` (higher is better) or ``"<="`` (lower is better).
         threshold: the value as a float.
-        text: the value exactly as written (``"0.30"``), kept for the key.
+        text: the value as written, in canonical form (:func:`canonical_value`): ``"0.30"`` stays
+            ``"0.30"``, ``"+9.5"`` is ``"9.5"``; the key stem is built from it.
     """
 
     metric: str
@@ -40,7 +44,7 @@ class Target:
 
     @property
     def key(self) -> str:
-        """Key stem, e.g. ``hellaswag_acc_norm_ge_0.30`` (``names.target_key``)."""
+        """Key stem, e.g. ``hellaswag_acc_norm_ge_0.30`` (``names.target_key``; always a valid MLflow key)."""
         return names.target_key(self.metric, self.op, self.text)
 
     @property
@@ -67,11 +71,38 @@ class Target:
         return f"{self.metric}{self.op}{self.text}"
 
 
+def canonical_value(text: str) -> str:
+    """Return the key text of a threshold ``text`` that matches the plain decimal form.
+
+    Kept as written, so ``0.30`` stays ``0.30`` and ``-1.5`` stays ``-1.5``, except: a leading ``+``
+    is dropped (``+9.5`` -> ``9.5``), an exponent's ``+`` is dropped (``1e+3`` -> ``1e3``; ``1e-3``
+    stays), and a leading-dot fraction gets its zero (``.5`` -> ``0.5``, ``-.5`` -> ``-0.5``),
+    which reads as a number in a key rather than as a separator. Equal texts name equal targets.
+
+    Raises:
+        ValueError: when ``text`` is not a plain decimal number (see ``parse_targets``).
+    """
+    if not _NUMBER_RE.fullmatch(text):
+        raise ValueError(f"threshold {text!r} is not a plain decimal number; write e.g. 0.30, -1.5 or 1e-3")
+    out = text[1:] if text.startswith("+") else text
+    out = re.sub(r"([eE])\+", r"\1", out)
+    if out.startswith("."):
+        out = "0" + out
+    elif out.startswith("-."):
+        out = "-0" + out[1:]
+    return out
+
+
 def parse_targets(spec: str | None) -> list[Target]:
     """Parse a comma-separated target list; ``None`` or ``""`` gives ``[]``.
 
+    A value must be a plain decimal number: optional sign, then digits with an optional ``.digits``
+    fraction or a ``.digits`` fraction alone, then an optional exponent (``0.30``, ``+9.5``, ``-1.5``,
+    ``.5``, ``1e-3``, ``2E+1``), finite as a float. ``inf``, ``nan``, ``1_000``, ``0x10``, ``1.``
+    and empty values are rejected. ``Target.text`` is :func:`canonical_value` of what was written.
+
     Raises:
-        ValueError: one line naming the bad target and the accepted metrics and operators.
+        ValueError: one line naming the bad target and the accepted metrics, operators and values.
     """
     if spec is None or not spec.strip():
         return []
@@ -80,16 +111,15 @@ def parse_targets(spec: str | None) -> list[Target]:
         m = _TARGET_RE.match(part)
         if not m:
             raise ValueError(f"target {part.strip()!r} is not accepted; {_ACCEPTED}")
-        metric, op, text = m.groups()
+        metric, op, written = m.groups()
         if metric not in TARGET_METRICS and metric not in _SUBJECT_METRICS:
             raise ValueError(f"target {part.strip()!r} names unknown metric {metric!r}; {_ACCEPTED}")
-        try:
-            threshold = float(text)
-        except ValueError:
-            threshold = float("nan")
-        if math.isnan(threshold) or math.isinf(threshold):
-            raise ValueError(f"target {part.strip()!r} has non-numeric value {text!r}; {_ACCEPTED}")
-        t = Target(metric, op, threshold, text)
+        if not _NUMBER_RE.fullmatch(written):
+            raise ValueError(f"target {part.strip()!r} has non-numeric value {written!r}; {_ACCEPTED}")
+        threshold = float(written)
+        if not math.isfinite(threshold):
+            raise ValueError(f"target {part.strip()!r} has value {written!r} beyond the float range; {_ACCEPTED}")
+        t = Target(metric, op, threshold, canonical_value(written))
         if any(o.key == t.key for o in out):
             raise ValueError(f"target {part.strip()!r} is given twice; {_ACCEPTED}")
         out.append(t)
