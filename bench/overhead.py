@@ -1,14 +1,16 @@
 """Overhead of mlflow_llmeff's per-step instrumentation, measured side by side in one process.
 
-Prints the ratio of tokens/s of a training loop instrumented the way ``llmeff train`` does it
-(on-device token counting every micro-batch; at every logged step: window edge, rates, MFU inputs,
-asynchronous batched MLflow logging to a real sqlite store) to the same loop bare, on the same
-tiny model. Contenders run interleaved in rounds and the median of the per-round ratios is
+Prints the ratio of tokens/s of a training loop instrumented the way ``llmeff train`` drives the
+meter (``EfficiencyMonitor``: the batch fetch declared as ``data_wait``, on-device token counting
+of every micro-batch with its loss, ``step`` with the learning rate; at every logged step: window
+edge, rates, MFU/HFU, energy and codecarbon's running estimate, asynchronous batched MLflow
+logging to a real sqlite store; codecarbon running as in a default run) to the same loop bare, on
+the same tiny model. Contenders run interleaved in rounds and the median of the per-round ratios is
 reported, because this machine is shared and noisy. Target: ratio >= 0.99 (overhead <= 1%).
 
 Two more contenders measure the user-facing paths on the same model: ``monitor`` (an explicit
 ``EfficiencyMonitor.step(batch=..., loss=...)`` per step) and ``autolog`` (``mlflow_llmeff.autolog()``
-enabled for that contender only: forward hook + optimizer step hook, nothing in the loop; disabled
+enabled for that contender only: forward hooks + optimizer step hook, nothing in the loop; disabled
 again before the next contender, so the others run without its hooks).
 
     python bench/overhead.py [--steps 100] [--rounds 11] [--log-every 5]
@@ -41,11 +43,6 @@ def main() -> None:
     import mlflow
     import torch
 
-    from mlflow_llmeff import names
-    from mlflow_llmeff.counting import BatchCounter
-    from mlflow_llmeff.flops import flops_per_token
-    from mlflow_llmeff.throughput import ThroughputMeter
-    from mlflow_llmeff.tracking.logger import RunLogger
     from mlflow_llmeff.train.models import build_model, load_config
 
     torch.manual_seed(0)
@@ -65,15 +62,37 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     mlflow.set_tracking_uri(f"sqlite:///{tmp}/bench.db")
     client = mlflow.MlflowClient()
-    run_id = client.create_run("0").info.run_id
-    logger = RunLogger(run_id, client)
-    logged_step = [0]
 
-    # ---- user-facing paths: EfficiencyMonitor on the same model, autolog on an identical copy ------------
     import mlflow_llmeff
     from mlflow_llmeff.monitor import EfficiencyMonitor
 
-    mon_run = client.create_run("0").info.run_id
+    train_run, mon_run = client.create_run("0").info.run_id, client.create_run("0").info.run_id
+    # Direct measure, finer than the noisy ratios: seconds spent inside our calls / contender wall time.
+    inside = {"train_path": 0.0, "monitor": 0.0}
+    wall = {"train_path": 0.0, "monitor": 0.0}
+
+    def train_path(n):
+        # The meter as llmeff train drives it, with its defaults (energy auto, codecarbon running).
+        mon = EfficiencyMonitor(model=model, optimizer=opt, log_every_n_steps=args.log_every, warmup_steps=0,
+                                run_id=train_run, integration="train")  # set-up outside the timing
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t_in = time.perf_counter()
+            with mon.pause("data_wait"):
+                b = batch
+            spent = time.perf_counter() - t_in
+            out = model(**b)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t_in = time.perf_counter()
+            mon.count(b, loss=out.loss.detach())
+            mon.step(learning_rate=1e-4)
+            inside["train_path"] += spent + time.perf_counter() - t_in
+        elapsed = time.perf_counter() - t0
+        wall["train_path"] += elapsed
+        mon.finish()
+        return n * args.batch * args.seq_len / elapsed
 
     def monitor(n):
         mon = EfficiencyMonitor(model=model, optimizer=opt, log_every_n_steps=args.log_every, warmup_steps=0,
@@ -110,48 +129,16 @@ def main() -> None:
         mlflow_llmeff.autolog(disable=True)
         return tput
 
-    # Direct measure, finer than the noisy ratios: seconds spent inside our calls / contender wall time.
-    inside = {"instrumented": 0.0, "monitor": 0.0}
-    wall = {"instrumented": 0.0, "monitor": 0.0}
-
     def bare(n):
         t0 = time.perf_counter()
         for _ in range(n):
             train_step()
         return n * args.batch * args.seq_len / (time.perf_counter() - t0)
 
-    def instrumented(n):
-        counter = BatchCounter()
-        meter = ThroughputMeter(num_devices=1, warmup_steps=0)
-        loss_sum = torch.zeros(2, dtype=torch.float64)
-        t0 = time.perf_counter()
-        meter.begin()
-        last = 0
-        for step in range(1, n + 1):
-            loss = train_step()
-            t_in = time.perf_counter()
-            counter.add(batch["input_ids"], batch["attention_mask"], batch["labels"])
-            loss_sum[0] += loss.detach().double()
-            loss_sum[1] += 1
-            if step % args.log_every == 0:
-                meter.add(counter.take(step - last))
-                last = step
-                r = meter.interval()
-                logged_step[0] += args.log_every
-                logger.log_metrics({names.TRAIN_LOSS: float(loss_sum[0] / loss_sum[1]), names.TRAIN_TOKENS: meter.total.tokens,
-                                    names.TPUT_TOKENS: r.tokens_per_sec, names.TRAIN_STEP_TIME_S: r.step_time_s,
-                                    names.TPUT_DEVICE_TFLOPS: r.device_tflops_per_sec(lambda s: flops_per_token(cfg, s))},
-                                   logged_step[0])
-                loss_sum.zero_()
-            inside["instrumented"] += time.perf_counter() - t_in
-        elapsed = time.perf_counter() - t0
-        wall["instrumented"] += elapsed
-        return n * args.batch * args.seq_len / elapsed
-
     def bare_again(n):  # the same bare loop again: its ratio is the noise floor of this run
         return bare(n)
 
-    contenders = (bare, instrumented, monitor, autolog, bare_again)
+    contenders = (bare, train_path, monitor, autolog, bare_again)
     for f in contenders:
         f(5)  # warm-up, not counted
     ratios: dict[str, list[float]] = {f.__name__: [] for f in contenders[1:]}
@@ -162,7 +149,6 @@ def main() -> None:
             ratios[name].append(res[name] / res["bare"])
         print(f"round {r + 1}: bare {res['bare']:,.0f} tok/s, "
               + ", ".join(f"{k} {res[k]:,.0f} tok/s (ratio {v[-1]:.4f})" for k, v in ratios.items()), flush=True)
-    logger.close()
     for name, rs in ratios.items():
         med = statistics.median(rs)
         print(f"median ratio {name}/bare = {med:.4f} over {args.rounds} interleaved rounds "

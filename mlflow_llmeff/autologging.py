@@ -36,8 +36,8 @@ the package); the module is named ``autologging`` so that the function and the m
 
 from __future__ import annotations
 
-import atexit
 import logging
+import math
 import sys
 import warnings
 import weakref
@@ -61,11 +61,27 @@ INTEGRATION = "mlflow_llmeff"
 
 @dataclass(frozen=True)
 class _Settings:
+    """What ``autolog()`` was called with: the monitor arguments every integration passes on."""
+
     log_every_n_steps: int
     warmup_steps: int
     device_hour_usd: float | None
+    usd_per_kwh: float | None
     measure_energy: str
     peak_tflops: float | None
+    country_iso_code: str | None
+    cloud_provider: str | None
+    cloud_region: str | None
+    targets: str | None
+    tags: tuple[tuple[str, str], ...]
+
+    def monitor_kwargs(self) -> dict:
+        """Keyword arguments of :class:`~mlflow_llmeff.monitor.EfficiencyMonitor` from these settings."""
+        return dict(log_every_n_steps=self.log_every_n_steps, warmup_steps=self.warmup_steps,
+                    device_hour_usd=self.device_hour_usd, usd_per_kwh=self.usd_per_kwh,
+                    measure_energy=self.measure_energy, peak_tflops=self.peak_tflops,
+                    country_iso_code=self.country_iso_code, cloud_provider=self.cloud_provider,
+                    cloud_region=self.cloud_region, targets=self.targets, tags=dict(self.tags))
 
 
 class _Session:
@@ -86,6 +102,7 @@ class _Session:
         self.optimizer = None  # weakref to the last optimizer constructed
         self.positional: dict[int, tuple[str, ...]] = {}
         self.warned = False
+        self.auto_eval = None  # the monitor whose automatic "eval" pause is open
 
     # -------------------------------------------------------------------------------- failures
     def fail(self, e: BaseException) -> None:
@@ -108,8 +125,33 @@ class _Session:
             if m is module or any(sub is module for sub in m.modules()) or any(sub is m for sub in module.modules()):
                 return False
         self.handles.append(module.register_forward_hook(self._forward_hook, with_kwargs=True))
+        self.handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
         self.hooked.add(module)
         return True
+
+    def _pre_hook(self, module, args, kwargs):
+        """Evaluation inside a loop: a forward outside training opens an ``eval`` pause that the
+        next training forward (or optimizer step, or the end) closes, so eval time never lands in
+        a step. The Trainer declares its evaluations itself (``Trainer.evaluate`` is paused)."""
+        try:
+            mon = self.monitor
+            if mon is None or self.owner == "trainer":
+                return
+            import torch
+
+            training = module.training and torch.is_grad_enabled()
+            if not training and self.auto_eval is None:
+                mon.enter_pause("eval")
+                self.auto_eval = mon
+            elif training:
+                self.end_auto_eval()
+        except Exception as e:  # noqa: BLE001
+            self.fail(e)
+
+    def end_auto_eval(self) -> None:
+        mon, self.auto_eval = self.auto_eval, None
+        if mon is not None:
+            mon.exit_pause()
 
     def _batch(self, module, args, kwargs):
         """The forward's ``input_ids`` / ``attention_mask`` / ``labels`` as a dict, or None."""
@@ -209,11 +251,8 @@ class _Session:
             precision = mp if mp in ("bf16", "fp16", "fp8") else infer_precision(unwrap_model(module))
             strategy = _accelerate_strategy(acc)
         opt = self.optimizer() if self.optimizer is not None else None
-        s = self.settings
-        self.monitor = EfficiencyMonitor(
-            log_every_n_steps=s.log_every_n_steps, warmup_steps=s.warmup_steps, model=module, optimizer=opt,
-            peak_tflops=s.peak_tflops, precision=precision, device_hour_usd=s.device_hour_usd,
-            measure_energy=s.measure_energy, strategy=strategy, integration=owner)
+        self.monitor = EfficiencyMonitor(model=module, optimizer=opt, precision=precision, strategy=strategy,
+                                         integration=owner, **self.settings.monitor_kwargs())
         self.owner, self.opt_id = owner, None
         return self.monitor
 
@@ -228,6 +267,7 @@ class _Session:
                     mon._optimizer = optimizer
             elif self.opt_id != id(optimizer):
                 return  # a second optimizer in the same loop: steps are counted once
+            self.end_auto_eval()
             mon.step()
         except Exception as e:  # noqa: BLE001
             self.fail(e)
@@ -242,12 +282,15 @@ class _Session:
             return
         if run_id is not None and mon.run_id is None and mon.is_main:
             return
+        self.end_auto_eval()
         self.monitor, self.owner, self.opt_id = None, None, None
         mon.finish(status, collective=collective)
 
     def teardown(self) -> None:
         try:
-            self.finish(collective=False)
+            from . import lifecycle
+
+            self.finish(collective=False, status=lifecycle.exit_status())
         except Exception as e:  # noqa: BLE001
             log.debug("finish at teardown failed", exc_info=e)
         self.disarm_discovery()
@@ -327,14 +370,33 @@ def _patched_destroy_process_group(original, *args, **kwargs):
 
 
 def _patched_end_run(original, *args, **kwargs):
+    from . import lifecycle
+
     s = _session()
+    status = str(kwargs.pop("status", args[0] if args else "FINISHED"))
+    if lifecycle.exiting() and status == "FINISHED":
+        status = lifecycle.exit_status()  # MLflow's exit hook says FINISHED even after a crash or SIGTERM
     if s is not None and s.monitor is not None:
         import mlflow
 
         active = mlflow.active_run()
         if active is not None:
-            s.finish(collective=False, run_id=active.info.run_id)
-    return original(*args, **kwargs)
+            s.finish(collective=False, run_id=active.info.run_id, status=status)
+    return original(status, *args[1:], **kwargs)
+
+
+def _paused(category: str):
+    """A patch that runs the original inside ``monitor.pause(category)`` while a monitor is open."""
+
+    def patched(original, self, *args, **kwargs):
+        s = _session()
+        mon = s.monitor if s is not None else None
+        if mon is None or mon.finished:
+            return original(self, *args, **kwargs)
+        with mon.pause(category):
+            return original(self, *args, **kwargs)
+
+    return patched
 
 
 def _patched_trainer_init(original, self, *args, **kwargs):
@@ -348,6 +410,8 @@ def _patched_trainer_init(original, self, *args, **kwargs):
 
 
 _TRAINER_CALLBACKS = None
+#: Trainer evaluation outputs that are timings, not quality: not logged under eval/.
+_TRAINER_EVAL_SKIP = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time")
 
 
 def _trainer_callbacks():
@@ -364,7 +428,8 @@ def _trainer_callbacks():
         """Standard efficiency metrics for ``Trainer.train()`` (added by ``mlflow_llmeff.autolog``)."""
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            from .monitor import EfficiencyMonitor, infer_precision
+            from .conditions import infer_precision
+            from .monitor import EfficiencyMonitor
 
             s = _session()
             if s is None:
@@ -375,12 +440,9 @@ def _trainer_callbacks():
             s.attach(model)
             precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
                 else infer_precision(model)
-            st = s.settings
-            s.monitor = EfficiencyMonitor(
-                log_every_n_steps=st.log_every_n_steps, warmup_steps=st.warmup_steps, model=model,
-                optimizer=optimizer, peak_tflops=st.peak_tflops, precision=precision,
-                device_hour_usd=st.device_hour_usd, measure_energy=st.measure_energy,
-                start_step=int(state.global_step), integration="trainer", track_loss=False)
+            s.monitor = EfficiencyMonitor(model=model, optimizer=optimizer, precision=precision,
+                                          start_step=int(state.global_step), integration="trainer", track_loss=False,
+                                          **s.settings.monitor_kwargs())
 
         def on_step_end(self, args, state, control, **kwargs):
             s = _session()
@@ -391,6 +453,17 @@ def _trainer_callbacks():
             s = _session()
             if s is not None and s.trainer_active and s.monitor is not None and logs and "loss" in logs:
                 s.monitor.log_metrics({names.TRAIN_LOSS: float(logs["loss"])}, int(state.global_step))
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            s = _session()
+            if s is None or not s.trainer_active or s.monitor is None or not metrics:
+                return
+            values = {k[len("eval_"):]: float(v) for k, v in metrics.items()
+                      if k.startswith("eval_") and isinstance(v, (int, float)) and k not in _TRAINER_EVAL_SKIP}
+            if "loss" in values:  # the Trainer's eval_loss is the held-out loss: eval/val_loss
+                values["val_loss"] = values.pop("loss")
+                values["val_perplexity"] = math.exp(min(values["val_loss"], 700.0))
+            s.monitor.log_eval(values, int(state.global_step))
 
         def finish(self):
             s = _session()
@@ -417,6 +490,10 @@ def _patch_transformers(module) -> None:
         return
     s.patched = getattr(s, "patched", set()) | {"trainer"}
     safe_patch(INTEGRATION, module.Trainer, "__init__", _patched_trainer_init)
+    for method, category in (("evaluate", "eval"), ("_save_checkpoint", "checkpoint_save"),
+                             ("_load_from_checkpoint", "checkpoint_load")):
+        if hasattr(module.Trainer, method):
+            safe_patch(INTEGRATION, module.Trainer, method, _paused(category))
 
 
 def _patch_accelerate(module) -> None:
@@ -426,64 +503,55 @@ def _patch_accelerate(module) -> None:
     s.patched = getattr(s, "patched", set()) | {"accelerate"}
     safe_patch(INTEGRATION, module.Accelerator, "prepare", _patched_prepare)
     safe_patch(INTEGRATION, module.Accelerator, "end_training", _patched_end_training)
-
-
-def _at_exit() -> None:
-    s = _SESSION
-    if s is not None:
-        # An unhandled exception that ends the script leaves sys.last_value (set when the
-        # interpreter prints the traceback, before exit hooks run): the run failed, it did not finish.
-        err = getattr(sys, "last_value", None)
-        status = "FINISHED" if err is None else ("KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
-        try:
-            s.finish(collective=False, status=status)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-
-_ATEXIT_REGISTERED = False
+    safe_patch(INTEGRATION, module.Accelerator, "save_state", _paused("checkpoint_save"))
+    safe_patch(INTEGRATION, module.Accelerator, "load_state", _paused("checkpoint_load"))
 
 
 @autologging_integration(INTEGRATION)
 def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd: float | None = None,
-            measure_energy: str = "auto", peak_tflops: float | None = None, disable: bool = False,
+            measure_energy: str = "auto", peak_tflops: float | None = None, usd_per_kwh: float | None = None,
+            country_iso_code: str | None = "USA", cloud_provider: str | None = None, cloud_region: str | None = None,
+            targets: str | None = None, tags: dict[str, str] | None = None, disable: bool = False,
             silent: bool = False) -> None:
     """Log the standard efficiency metrics and condition tags of HF Trainer, Accelerate and PyTorch loops.
 
     One line before training; nothing else in the script changes. Each training loop gives one MLflow
-    run (the active run, the Trainer's run with ``report_to="mlflow"``, or a new run) with
-    ``train/tokens``, ``throughput/*``, ``summary/*`` (MFU where the peak is known) and the
-    ``llmeff.*`` condition tags; only rank 0 logs, counts are summed over ranks.
+    run (the active run, the Trainer's run with ``report_to="mlflow"``, or a new run) with the same
+    keys and definitions as ``llmeff train`` (``train/*``, ``throughput/*`` with MFU and HFU where
+    the peak is known, ``energy/*``, ``carbon/*``, ``cost/*``, ``summary/*`` with goodput and the
+    badput categories, ``ttq/*``) and the ``llmeff.*`` condition tags, except what a user's loop
+    hides (:data:`HIDDEN_FROM_AUTOLOG`); only rank 0 logs, counts are summed over ranks.
 
     Args:
         log_every_n_steps: optimizer steps between logged points (>= 1).
         warmup_steps: first optimizer steps excluded from steady-state figures (>= 0).
         device_hour_usd: price per device-hour, USD, for ``cost/*`` (default: the dated table).
-        measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none``.
+        measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (``none`` also turns codecarbon off).
         peak_tflops: dense peak TFLOP/s per device (default: the datasheet table; CPUs have none).
+        usd_per_kwh: energy price added to the cost, USD/kWh (measured energy only).
+        country_iso_code, cloud_provider, cloud_region: where the machines are (codecarbon, offline).
+        targets: time-to-quality targets on evaluations the integration sees, e.g. ``"val_loss<=2.0"``
+            (HF Trainer's ``eval_loss`` is ``val_loss``).
+        tags: extra tags for every run (keys MLflow refuses are mapped to allowed ones).
         disable: True reverts every patch and hook of a previous ``autolog()`` call.
         silent: True suppresses our warnings and MLflow's autologging event logs.
 
     Raises:
         ValueError: for a bad argument (autolog then stays disabled).
     """
-    global _SESSION, _ATEXIT_REGISTERED
+    global _SESSION
     from mlflow.utils.autologging_utils import AUTOLOGGING_INTEGRATIONS
     from mlflow.utils.autologging_utils.safety import _AUTOLOGGING_CLEANUP_CALLBACKS
 
-    from .energy import MODES
+    from .evals.targets import parse_targets
+    from .monitor import _check_args
 
     try:
-        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not accepted; give an int >= 1")
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r} is not accepted; give an int >= 0")
-        if measure_energy not in MODES:
-            raise ValueError(f"measure_energy={measure_energy!r} is not accepted; use one of {', '.join(MODES)}")
-        if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and peak_tflops > 0):
-            raise ValueError(f"peak_tflops={peak_tflops!r} is not accepted; give TFLOP/s > 0 or None")
-        if device_hour_usd is not None and not (isinstance(device_hour_usd, (int, float)) and device_hour_usd >= 0):
-            raise ValueError(f"device_hour_usd={device_hour_usd!r} is not accepted; give a price >= 0 in USD or None")
+        _check_args(log_every_n_steps, warmup_steps, None, measure_energy, None, peak_tflops, device_hour_usd,
+                    usd_per_kwh)
+        parse_targets(targets)
+        if tags is not None and not (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)):
+            raise ValueError(f"tags={tags!r} is not accepted; give a dict of str keys to values")
     except ValueError:
         AUTOLOGGING_INTEGRATIONS.setdefault(INTEGRATION, {})["disable"] = True
         raise
@@ -495,7 +563,12 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
     import mlflow.tracking.fluent as fluent
     from mlflow.utils.import_hooks import register_post_import_hook
 
-    session = _Session(_Settings(log_every_n_steps, warmup_steps, device_hour_usd, measure_energy, peak_tflops))
+    from . import lifecycle
+
+    settings = _Settings(log_every_n_steps, warmup_steps, device_hour_usd, usd_per_kwh, measure_energy, peak_tflops,
+                         country_iso_code, cloud_provider, cloud_region, targets,
+                         tuple((k, str(v)) for k, v in (tags or {}).items()))
+    session = _Session(settings)
     _SESSION = session
 
     def cleanup() -> None:  # run by revert_patches on autolog(disable=True) or a new autolog() call
@@ -518,16 +591,6 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
     for name, fn in (("transformers.trainer", _patch_transformers), ("accelerate.accelerator", _patch_accelerate)):
         if name in sys.modules:
             fn(sys.modules[name])
-    if not _ATEXIT_REGISTERED:
-        # A loop nobody ends (no end_run, end_training, destroy_process_group) is finished at exit,
-        # BEFORE the interpreter shuts thread pools down: MLflow's asynchronous logging queue (and
-        # its own atexit drain) cannot schedule work after that, so queued points would be lost.
-        # threading's exit hooks run before concurrent.futures' shutdown when registered after it.
-        import concurrent.futures.thread  # noqa: F401 - make sure its hook is registered first
-        import threading
-
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            register(_at_exit)
-        atexit.register(_at_exit)
-        _ATEXIT_REGISTERED = True
+    # A loop nobody ends (no end_run, end_training, destroy_process_group) is finished at exit with
+    # the status the process ends with (FINISHED, FAILED, KILLED): see mlflow_llmeff.lifecycle.
+    lifecycle.install()

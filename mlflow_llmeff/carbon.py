@@ -249,6 +249,27 @@ class CarbonTracker:
         except Exception as e:
             self.why = f"codecarbon tracker failed to stop ({type(e).__name__}: {e}); no CPU/RAM estimate"
 
+    def running_estimate(self, min_age_s: float = 1.0) -> tuple[float, float] | None:
+        """codecarbon's CPU and RAM energy estimate so far, kWh (after :meth:`stop`: the final one); else None.
+
+        codecarbon samples every ``measure_power_secs`` in a background thread; a sample older
+        than ``min_age_s`` is refreshed first (about 0.3 ms), so logged running totals lag the
+        truth by at most ``min_age_s``. Uses the tracker's running totals (``_total_cpu_energy``,
+        ``_total_ram_energy``; codecarbon has no public reading short of ``flush()``, which also
+        writes its outputs). Never raises.
+        """
+        tracker = self._tracker
+        if tracker is None:
+            est = self.estimate  # after stop(): the final figures
+            return (est.cpu_kwh, est.ram_kwh) if est is not None else None
+        try:
+            refresh = getattr(tracker, "_measure_power_and_energy_if_stale", None)
+            if refresh is not None:
+                refresh(min_interval_s=min_age_s)
+            return float(tracker._total_cpu_energy.kWh), float(tracker._total_ram_energy.kWh)
+        except Exception:  # noqa: BLE001 - a different codecarbon layout: no running figure
+            return None
+
     def __enter__(self) -> "CarbonTracker":
         self.start()
         return self

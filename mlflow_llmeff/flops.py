@@ -381,6 +381,29 @@ def measure_step_flops(step_fn: Callable[[], object]) -> int:
     return int(counter.get_total_flops())
 
 
+#: Full activation checkpointing runs every layer's forward twice: forward + backward is three
+#: forward-equivalents of GEMM FLOPs, recomputation adds a fourth (Korthikanti et al. 2022,
+#: "Reducing Activation Recomputation in Large Transformer Models", Sec. 5; METRICS.md).
+RECOMPUTE_FACTOR = 4.0 / 3.0
+
+
+def hardware_model_ratio(config, seq_len: float, *, recompute: bool = False) -> float:
+    """Hardware FLOPs per model FLOP, analytic: what HFU is to MFU when no step was counted.
+
+    Dense attention kernels (eager, SDPA math, CPU SDPA) compute the full ``s x s`` score
+    matrix, so the executed FLOPs follow the ``palm`` convention (no causal discount), while model
+    FLOPs follow ``megatron``; full activation checkpointing multiplies by
+    :data:`RECOMPUTE_FACTOR`. HFU = MFU x this ratio.
+
+    Args:
+        config: as for :func:`model_shape`.
+        seq_len: effective sequence length (tokens, > 0).
+        recompute: full activation checkpointing is on.
+    """
+    ratio = flops_per_token(config, seq_len, "palm") / flops_per_token(config, seq_len, "megatron")
+    return ratio * (RECOMPUTE_FACTOR if recompute else 1.0)
+
+
 def utilization(achieved_tflops_per_device: float, peak_tflops: float | None) -> float | None:
     """MFU or HFU: achieved TFLOP/s per device over the dense peak TFLOP/s per device.
 

@@ -1,14 +1,31 @@
-"""Goodput: wall time split into productive training and named overhead ("badput") categories.
+"""The explicit clock: what every second of a training run was spent on, and goodput from it.
 
-Categories follow ``../shared/METRICS.md``: init, compile, data_wait, eval, checkpoint_save,
-checkpoint_load, lost_progress, other. Measured directly: init, data_wait, eval, checkpoint_save,
-checkpoint_load, lost_progress (the time a crashed attempt ran after its last checkpoint, from the
-checkpoint's save time to the attempt's last logged metric; metrics reach the server at least
-every few seconds, so the last seconds before a crash can go unseen). Derived: ``compile`` is the
-excess of the warm-up steps over steady-state speed, ``max(0, warmup_s - warmup_steps *
-steady_step_s)`` (first-step compilation and allocator warm-up, the definition of Google's
-ML Goodput "program startup" overhead applied per attempt); ``other`` is the remainder. Goodput is
-``productive_s / wall_s`` (a fraction in [0, 1]). The clock is injected; no I/O here.
+A :class:`TimeLedger` is always in exactly one state, and every interval between two clock reads
+is credited to the state it was in, so the parts of the wall time add up to the wall time by
+construction (up to float rounding), across restarts too. The states:
+
+* ``init``: from the start of the attempt (process start for ``llmeff train``, monitor creation
+  for a user's loop) until the first step begins (:meth:`TimeLedger.begin`);
+* ``step``: inside optimizer steps. Each :meth:`TimeLedger.step_done` closes a step and returns its
+  seconds; the caller says whether it was a warm-up step. Throughput windows, step time, tokens/s
+  and MFU use these seconds only;
+* a declared pause (:meth:`TimeLedger.pause`): ``eval``, ``checkpoint_save``, ``checkpoint_load``,
+  ``init`` (set-up after the clock started), ``other``. Pauses stop the step clock: an eval
+  between two steps never lands in either step;
+* ``data_wait``: host time blocked on the next batch, declared like a pause but *inside* the step:
+  it stays in the step's seconds (so throughput is wall-clock throughput, as torchtitan and
+  Lightning report it, and on an asynchronous device waiting for data can overlap device work, so
+  taking it out would overstate tokens/s), and the breakdown carves it out of productive time;
+* ``other``: time after the last completed step (a step never closed), and pauses of an unknown
+  kind.
+
+Breakdown (:func:`breakdown`): ``productive`` = step seconds - data wait - the warm-up's excess,
+where the warm-up excess (``warmup``, or ``compile`` when the model is compiled) is how much longer
+the warm-up steps took than the same number of steady-state steps (Google's ML Goodput "program
+startup" overhead, measured per attempt: first-step compilation, allocator and kernel warm-up, the
+FlopCounterMode step); ``lost_progress`` is the time a crashed attempt ran after its last checkpoint
+(its work is redone). ``wall`` = productive + every badput category, exactly. Goodput =
+productive / wall. The clock is injected; no I/O, no torch.
 """
 
 from __future__ import annotations
@@ -18,91 +35,222 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .names import BADPUT_CATEGORIES
+__all__ = ["PAUSES", "TimeLedger", "breakdown", "goodput"]
 
-MEASURED = ("init", "data_wait", "eval", "checkpoint_save", "checkpoint_load", "lost_progress")
+#: Categories a caller may declare with :meth:`TimeLedger.pause`.
+PAUSES = ("eval", "checkpoint_save", "checkpoint_load", "data_wait", "init", "other")
+#: Ledger keys: seconds credited directly (pauses, init, lost progress) and step seconds by phase.
+_KEYS = ("init", "eval", "checkpoint_save", "checkpoint_load", "lost_progress", "other",
+         "warmup_step", "steady_step", "warmup_data_wait", "steady_data_wait")
 
 
 @dataclass
-class TimeAccount:
-    """Accumulates seconds per category over one or more attempts.
+class TimeLedger:
+    """Seconds per state over one or more attempts of a run.
 
     Args:
-        clock: monotonic seconds, injected for tests.
+        clock: monotonic seconds (tests inject a fake clock).
+        started_at: clock value at which this attempt started (default: now); the time up to
+            :meth:`begin` is ``init``.
+
+    Attributes:
+        seconds: seconds per ledger key, all attempts (see module docstring).
+        warmup_steps: warm-up steps closed, all attempts; ``steady_steps`` likewise.
     """
 
     clock: Callable[[], float] = time.perf_counter
-    seconds: dict[str, float] = field(default_factory=lambda: {c: 0.0 for c in MEASURED})
-    previous_wall_s: float = 0.0  # wall time of earlier attempts (resume)
-    _t0: float | None = None
+    started_at: float | None = None
+    seconds: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in _KEYS})
+    warmup_steps: int = 0
+    steady_steps: int = 0
+    _state: str = "init"
+    _mark: float = 0.0
+    _open_step_s: float = 0.0  # seconds of the step in progress (data wait included)
+    _open_wait_s: float = 0.0  # data wait inside the step in progress
+    _depth: int = 0  # nested pauses: the outermost one holds the time
+    _outer: str = "init"  # state to return to when the outermost pause ends
+    _closed: bool = False
 
-    def start(self) -> None:
-        """Mark the start of this attempt's wall time."""
-        self._t0 = self.clock()
+    def __post_init__(self) -> None:
+        self._mark = self.clock() if self.started_at is None else float(self.started_at)
 
-    def add(self, category: str, seconds: float) -> None:
-        """Add ``seconds`` to a measured category.
+    # ------------------------------------------------------------------------------ transitions
+    def _credit(self) -> float:
+        """Credit the time since the last read to the current state; returns now."""
+        now = self.clock()
+        if self._closed:
+            return now
+        dt = now - self._mark
+        self._mark = now
+        if self._state == "step":
+            self._open_step_s += dt
+        elif self._state == "data_wait":
+            self._open_step_s += dt
+            self._open_wait_s += dt
+        else:
+            self.seconds[self._state] += dt
+        return now
+
+    def begin(self) -> None:
+        """End ``init``: the first step starts now."""
+        if self._state == "init":
+            self._credit()
+            self._state = "step"
+
+    def enter(self, category: str) -> None:
+        """Start a pause of ``category`` (one of :data:`PAUSES`); nested pauses stay in the outer one.
+
+        ``data_wait`` before the first step starts that step (the first batch is awaited inside it).
 
         Raises:
-            ValueError: for a category that is not measured directly.
+            ValueError: for a category outside :data:`PAUSES`.
         """
-        if category not in self.seconds:
-            raise ValueError(f"category {category!r} is not accepted; use one of: {', '.join(MEASURED)}")
-        self.seconds[category] += seconds
+        if category not in PAUSES:
+            raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self._credit()
+        self._outer = "step" if (category == "data_wait" and self._state == "init") else self._state
+        self._state = category
+
+    def exit(self) -> None:
+        """End the innermost pause (the time since the outermost one began goes to it)."""
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        self._credit()
+        self._state = self._outer
 
     @contextmanager
-    def measure(self, category: str):
-        """Context manager adding its duration to ``category``."""
-        t = self.clock()
+    def pause(self, category: str):
+        """``with ledger.pause("eval"): ...``: the block's time goes to ``category``."""
+        self.enter(category)
         try:
             yield
         finally:
-            self.add(category, self.clock() - t)
+            self.exit()
 
-    def wall_s(self) -> float:
-        """Wall seconds of all attempts up to now."""
-        if self._t0 is None:
-            raise RuntimeError("TimeAccount.start() was not called")
-        return self.previous_wall_s + self.clock() - self._t0
+    def step_done(self, warmup: bool) -> float:
+        """Close the step in progress; returns its seconds (declared pauses excluded, data wait included).
 
-    def breakdown(self, *, step_s: float, warmup_s: float, warmup_steps: int, steady_step_s: float | None,
-                  data_wait_in_steps_s: float | None = None) -> dict[str, float]:
-        """Split wall time into productive seconds and every badput category.
+        Called inside a pause (a step that ends during an eval), the step closes with the time it
+        had when the pause began. Without :meth:`begin`, the time since the ledger started is the
+        first step's.
 
         Args:
-            step_s: total wall seconds inside optimizer steps (warm-up and steady, all attempts).
-            warmup_s: seconds of warm-up steps (all attempts); ``warmup_steps``: their number.
-            steady_step_s: steady-state seconds per step (None when never reached).
-            data_wait_in_steps_s: the part of ``data_wait`` that lies inside ``step_s`` (defaults to
-                all of it).
-
-        Returns:
-            ``{"productive": s, "wall": s, "<category>": s for each badput category}``, where the
-            categories and productive add up to wall.
+            warmup: True when the step is one of this attempt's warm-up steps.
         """
-        wall = self.wall_s()
-        s = dict(self.seconds)
-        compile_s = max(0.0, warmup_s - warmup_steps * steady_step_s) if steady_step_s is not None else warmup_s
-        compile_s = min(compile_s, step_s)
-        dw = s["data_wait"] if data_wait_in_steps_s is None else data_wait_in_steps_s
-        productive = max(0.0, step_s - compile_s - dw)
-        out = {c: 0.0 for c in BADPUT_CATEGORIES}
-        out.update({k: v for k, v in s.items()})
-        out["compile"] = compile_s
-        named = sum(out[c] for c in BADPUT_CATEGORIES if c != "other")
-        out["other"] = max(0.0, wall - productive - named)
-        out["productive"] = productive
-        out["wall"] = wall
+        if self._closed:
+            return 0.0
+        if self._state == "init":
+            self._state = "step"
+        if self._depth == 0:
+            self._credit()
+        step_s, wait_s = self._open_step_s, self._open_wait_s
+        phase = "warmup" if warmup else "steady"
+        self.seconds[f"{phase}_step"] += step_s
+        self.seconds[f"{phase}_data_wait"] += wait_s
+        if warmup:
+            self.warmup_steps += 1
+        else:
+            self.steady_steps += 1
+        self._open_step_s = self._open_wait_s = 0.0
+        return step_s
+
+    def add(self, category: str, seconds: float) -> None:
+        """Credit ``seconds`` that passed outside this attempt's clock (``lost_progress``)."""
+        if category not in self.seconds or category.endswith("_step"):
+            raise ValueError(f"category {category!r} is not accepted; use lost_progress")
+        self.seconds[category] += float(seconds)
+
+    # ------------------------------------------------------------------------------ readings
+    def close(self) -> dict[str, float]:
+        """Credit the time up to now and stop the clock; returns the final seconds.
+
+        A step left open (never closed) becomes ``other``. Idempotent.
+        """
+        if not self._closed:
+            self._credit()
+            self.seconds["other"] += self._open_step_s  # a step (or a wait for a batch) no step closed
+            self._open_step_s = self._open_wait_s = 0.0
+            self._closed = True
+        return dict(self.seconds)
+
+    def snapshot(self) -> dict[str, float]:
+        """The ledger's seconds up to now (the open step counted as ``other``), without changing it."""
+        out = dict(self.seconds)
+        if self._closed:
+            return out
+        pending = self.clock() - self._mark
+        if self._state in ("step", "data_wait"):
+            out["other"] += self._open_step_s + pending
+        else:
+            out[self._state] += pending
+            out["other"] += self._open_step_s
         return out
 
+    def wall_s(self) -> float:
+        """Wall seconds of all attempts up to now (the sum of every part)."""
+        return wall_of(self.snapshot())
+
+    def train_s(self) -> float:
+        """Seconds inside closed steps, all attempts (eval and checkpoint time excluded)."""
+        return self.seconds["warmup_step"] + self.seconds["steady_step"]
+
+    # ------------------------------------------------------------------------------ restarts
     def state_dict(self) -> dict:
-        return {"seconds": dict(self.seconds), "wall_s": self.wall_s()}
+        """Seconds up to now, for a checkpoint (the open step counts as ``other``)."""
+        return {"seconds": self.snapshot(), "warmup_steps": self.warmup_steps, "steady_steps": self.steady_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.seconds.update(state["seconds"])
-        self.previous_wall_s = float(state["wall_s"])
+        """Carry the seconds of earlier attempts into this one."""
+        for k, v in state["seconds"].items():
+            if k in self.seconds:
+                self.seconds[k] += float(v)
+        self.warmup_steps += int(state.get("warmup_steps", 0))
+        self.steady_steps += int(state.get("steady_steps", 0))
 
 
-def goodput(breakdown: dict[str, float]) -> float:
-    """``productive / wall`` from :meth:`TimeAccount.breakdown` (0.0 for zero wall time)."""
-    return breakdown["productive"] / breakdown["wall"] if breakdown["wall"] > 0 else 0.0
+def breakdown(seconds: dict[str, float], warmup_steps: int, steady_steps: int, *,
+              compiled: bool = False) -> dict[str, float]:
+    """Split a ledger's seconds into productive time and the badput categories.
+
+    Args:
+        seconds: :meth:`TimeLedger.snapshot` (all attempts).
+        warmup_steps: warm-up steps in it; ``steady_steps``: steady-state steps.
+        compiled: the model is compiled: the warm-up excess is named ``compile``, else ``warmup``.
+
+    Returns:
+        ``{"productive", "wall", "init", "warmup" | "compile", "data_wait", "eval",
+        "checkpoint_save", "checkpoint_load", "lost_progress", "other"}`` in seconds, where
+        ``productive`` plus every other entry but ``wall`` equals ``wall``.
+
+    The warm-up excess is ``max(0, warm - warmup_steps * steady / steady_steps)`` over the step
+    seconds net of data wait (all of ``warm`` when no steady step ran), capped at ``warm``.
+    """
+    s = seconds
+    warm = max(0.0, s["warmup_step"] - s["warmup_data_wait"])
+    steady = max(0.0, s["steady_step"] - s["steady_data_wait"])
+    if steady_steps > 0:
+        excess = min(warm, max(0.0, warm - warmup_steps * steady / steady_steps))
+    else:
+        excess = warm
+    out = {c: s[c] for c in ("init", "eval", "checkpoint_save", "checkpoint_load", "lost_progress", "other")}
+    out["compile" if compiled else "warmup"] = excess
+    out["data_wait"] = s["warmup_data_wait"] + s["steady_data_wait"]
+    out["productive"] = (warm - excess) + steady
+    out["wall"] = wall_of(s)
+    return out
+
+
+def wall_of(seconds: dict[str, float]) -> float:
+    """Wall seconds of a ledger's seconds: every key once (data wait lies inside the step keys)."""
+    return sum(v for k, v in seconds.items() if not k.endswith("_data_wait"))
+
+
+def goodput(parts: dict[str, float]) -> float:
+    """``productive / wall`` of :func:`breakdown` (0.0 for zero wall time)."""
+    return parts["productive"] / parts["wall"] if parts["wall"] > 0 else 0.0

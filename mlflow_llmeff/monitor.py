@@ -1,113 +1,81 @@
-"""EfficiencyMonitor: the standard efficiency metrics for any training loop, one call per optimizer step.
+"""EfficiencyMonitor: the one meter every path reports through (``llmeff train``, autolog, your loop).
 
-A user loop (or :mod:`mlflow_llmeff.autologging`) reports each micro-batch with :meth:`EfficiencyMonitor.count`
-and each optimizer step with :meth:`EfficiencyMonitor.step`; the monitor logs the same keys, with the
-same meaning, as the training entrypoint (``mlflow_llmeff/train/loop.py``, ``../shared/METRICS.md``):
+It is the only place that counts tokens, keeps the clock, reads energy, computes FLOPs, MFU and
+HFU, cost, carbon, goodput and time-to-quality, and talks to the logger; the training entrypoint
+(``mlflow_llmeff/train/loop.py``) drives it exactly as a user's loop does, and the autolog
+integrations drive the same object, so every figure means the same on every path
+(``../shared/METRICS.md``):
 
-* tokens are non-padding input tokens (``attention_mask.sum()``), counted on the device with
-  :class:`~mlflow_llmeff.counting.BatchCounter` so counting never synchronizes;
-* window edges are the end of warm-up, every ``log_every_n_steps``-th step and the last step; there
-  the device is synchronized and the counts are summed over ranks (``torch.distributed.all_reduce``
-  when a process group is initialized), then fed to the pure
-  :class:`~mlflow_llmeff.throughput.ThroughputMeter`;
-* the first ``warmup_steps`` steps are excluded from ``throughput/*`` and ``summary/*``;
-* only rank 0 logs, through the batched asynchronous :class:`~mlflow_llmeff.tracking.logger.RunLogger`.
+* tokens are non-padding input tokens (``attention_mask.sum()``), counted on the device
+  (:class:`~mlflow_llmeff.counting.StepTally`), summed over ranks at window edges (end of warm-up,
+  every ``log_every_n_steps``-th step, steps the caller marks, the end), where the device is
+  synchronized;
+* the clock is explicit (:class:`~mlflow_llmeff.goodput.TimeLedger`): non-step work is declared
+  with :meth:`EfficiencyMonitor.pause` and never lands in a step; throughput, step time and MFU
+  use step time only, and wall time is productive time plus the badput categories, exactly;
+* the first ``warmup_steps`` steps of every attempt are excluded from steady-state figures;
+* consumption totals (energy, codecarbon's estimate, carbon, cost) and the clock continue across
+  resumes (:meth:`EfficiencyMonitor.state_dict`, ``resume_state=``);
+* only rank 0 logs, through the batched asynchronous, validating
+  :class:`~mlflow_llmeff.tracking.logger.RunLogger`; every ending gets its status
+  (:mod:`mlflow_llmeff.lifecycle`).
 
-Every rank must call :meth:`step` the same number of times (window edges are collectives). A failure
-inside the monitor after construction warns once and turns the monitor into a no-op: it never
-stops training. Bad arguments at construction raise ``ValueError``.
-
-Not covered here (the entrypoint has them): HFU (needs a FlopCounterMode step), goodput/badput
-time accounting, codecarbon's kg-CO2e.
+Collectives: :meth:`step` at window edges, :meth:`log_eval`, :meth:`state_dict` and :meth:`finish`
+(with ``collective=True``) must be called on every rank in the same order. A failure inside the
+monitor after construction warns once and turns it into a no-op; it never stops training. Bad
+arguments raise ``ValueError``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import sys
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Any, Callable
 
-from . import names
-from .throughput import Counts, ThroughputMeter
+from . import collectives, lifecycle, names
+from .conditions import (FLOPS_FORMULA_NOTE, condition_tags, infer_precision, infer_strategy, is_compiled,
+                         shape_tags, unwrap_model, uses_activation_checkpointing)
+from .goodput import PAUSES, TimeLedger, breakdown, goodput
+from .throughput import ThroughputMeter
 
-__all__ = ["EfficiencyMonitor", "PRECISIONS"]
+__all__ = ["EfficiencyMonitor", "PRECISIONS", "unwrap_model", "infer_precision", "infer_strategy"]
 
 log = logging.getLogger(__name__)
 
 #: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-
-WARMUP_NOTE = ("first warmup_steps optimizer steps of the run (torch.compile, allocator and kernel "
-               "warm-up, MLflow run creation) excluded from throughput/*, summary/*")
-
-# Host-side explicit counts, in BatchCounter's accumulator order.
-_FIELDS = ("tokens", "padded_tokens", "loss_tokens", "samples", "sum_len_sq")
+#: Interval keys that are running totals (logged again at the end if the last step has none).
+_TOTAL_KEYS = (names.ENERGY_TOTAL_KWH, names.CARBON_TOTAL_KG, names.COST_TOTAL_USD, names.ENERGY_ESTIMATE_CPU_KWH,
+               names.ENERGY_ESTIMATE_RAM_KWH, names.CARBON_ESTIMATE_KG)
 
 
-def unwrap_model(model):
-    """The user's module inside DDP / FSDP / Accelerate / ``torch.compile`` wrappers."""
-    seen = 0
-    while model is not None and seen < 8:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if inner is None or inner is model:
-            break
-        model, seen = inner, seen + 1
-    return model
+def _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
+                device_hour_usd, usd_per_kwh) -> None:
+    from . import energy as en
 
+    def bad_int(v, lo):
+        return not isinstance(v, int) or isinstance(v, bool) or v < lo
 
-def infer_precision(model) -> str:
-    """``fp32`` / ``bf16`` / ``fp16`` from the dtype of the model's first floating parameter."""
-    try:
-        import torch
-
-        for p in model.parameters():
-            if p.is_floating_point():
-                return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(p.dtype, "fp32")
-    except Exception:  # noqa: BLE001
-        pass
-    return "fp32"
-
-
-def infer_strategy(model, world: int) -> str:
-    """``single``, ``ddp`` or ``fsdp`` from the wrapper classes around the model and the world size."""
-    m, depth = model, 0
-    while m is not None and depth < 8:
-        cls = type(m).__name__
-        if "FullyShardedDataParallel" in cls or cls.startswith("FSDP"):
-            return "fsdp"
-        if cls == "DistributedDataParallel":
-            return "ddp"
-        m, depth = getattr(m, "_orig_mod", None) or getattr(m, "module", None), depth + 1
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        return "fsdp"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        return f"deepspeed_zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
-    return "ddp" if world > 1 else "single"
-
-
-def _script_git_commit() -> str:
-    """Git commit of the directory holding the user's script (``sys.argv[0]``), where known."""
-    from .probes import git_commit
-
-    return git_commit(os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else os.getcwd())
-
-
-def _dist():
-    """``torch.distributed`` when a process group is initialized, else None."""
-    try:
-        import torch.distributed as dist
-
-        return dist if dist.is_available() and dist.is_initialized() else None
-    except Exception:  # noqa: BLE001
-        return None
+    if bad_int(log_every_n_steps, 1):
+        raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not accepted; give an int >= 1")
+    if bad_int(warmup_steps, 0):
+        raise ValueError(f"warmup_steps={warmup_steps!r} is not accepted; give an int >= 0")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not accepted; use one of {', '.join(PRECISIONS)}")
+    if energy_meter is None and measure_energy not in en.MODES:
+        raise ValueError(f"measure_energy={measure_energy!r} is not accepted; use one of {', '.join(en.MODES)}")
+    if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and peak_tflops > 0):
+        raise ValueError(f"peak_tflops={peak_tflops!r} is not accepted; give TFLOP/s > 0 or None")
+    for name, v in (("device_hour_usd", device_hour_usd), ("usd_per_kwh", usd_per_kwh)):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name}={v!r} is not accepted; give a price >= 0 in USD or None")
 
 
 class EfficiencyMonitor:
-    """Standard throughput, MFU, energy and cost metrics for a training loop you write yourself.
+    """Standard throughput, MFU/HFU, energy, carbon, cost, goodput and time-to-quality for any loop.
 
     Example::
 
@@ -116,29 +84,47 @@ class EfficiencyMonitor:
                 loss = model(**batch).loss
                 loss.backward(); opt.step(); opt.zero_grad()
                 mon.step(batch=batch, loss=loss)
+                if mon.step_count % 100 == 0:
+                    with mon.pause("eval"):
+                        mon.log_eval({"val_loss": evaluate(model)})
 
     Args:
         log_every_n_steps: optimizer steps between logged points (>= 1).
-        warmup_steps: first optimizer steps excluded from steady-state figures (>= 0).
-        model: the model being trained (wrappers are looked through); its ``config`` gives the
-            FLOPs per token, its parameters the device, precision and ``llmeff.model.*`` tags.
+        warmup_steps: first optimizer steps of every attempt excluded from steady-state figures (>= 0).
+        model: the model being trained (wrappers are looked through): its ``config`` gives FLOPs
+            per token; its parameters the device, precision and ``llmeff.model.*`` tags.
         model_config: a Hugging Face config (or :class:`~mlflow_llmeff.flops.ModelShape`) when
-            ``model`` has none; without either, TFLOP/s and MFU are omitted.
-        optimizer: read for ``train/learning_rate`` (``param_groups[0]["lr"]``) and
-            ``summary/model_state_bytes_per_param``.
+            ``model`` has none; without either, TFLOP/s, MFU and HFU are omitted.
+        optimizer: read for ``train/learning_rate`` and ``summary/model_state_bytes_per_param``.
         peak_tflops: dense peak TFLOP/s per device; default: the datasheet table, else no MFU.
         precision: one of :data:`PRECISIONS`; default: the dtype of the model's parameters.
-        run_id: MLflow run to log into; default: the active run, else a new run (ended by
-            :meth:`finish`). Only rank 0 touches MLflow.
-        run_name: name of a run the monitor creates; default
-            ``<model>-<accelerator><count>x-<strategy>-<precision>``.
-        device_hour_usd: price per device-hour for ``cost/*``; default: the dated table.
-        measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (see :mod:`mlflow_llmeff.energy`).
-        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests).
         strategy: ``llmeff.parallelism.strategy``; default: from the model's wrappers.
-        start_step: optimizer steps already done (a resumed loop); MLflow steps continue from it.
-        tags: extra tags for the run.
+        compile: the model is compiled (warm-up excess named ``compile``); default: detected.
+        activation_checkpointing: full recomputation is on (HFU x 4/3); default: detected (HF models).
+        run_id: MLflow run to continue (a resumed run); default: the active run, ``MLFLOW_RUN_ID``,
+            else a new run (which :meth:`finish` ends). Only rank 0 touches MLflow.
+        run_name: name of a new run; default ``<model>-<accelerator>-<count>x-<strategy>-<precision>``.
+        experiment_name: experiment of a new run; default: MLflow's current experiment.
+        tags: extra tags (keys MLflow refuses are mapped, see :mod:`mlflow_llmeff.tracking.keys`).
+        params: MLflow params of the run (never re-logged with a new value on resume).
+        device_hour_usd: price per device-hour for ``cost/*``; default: the dated table.
+        usd_per_kwh: energy price added to the cost (measured energy only); default: none.
+        measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (``none`` also turns carbon off).
+        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests).
+        country_iso_code, cloud_provider, cloud_region: where the machines are, for codecarbon's
+            grid intensity (offline).
+        carbon_tracker: a :class:`~mlflow_llmeff.carbon.CarbonTracker` to use instead (tests).
+        measure_peak: measure the achievable matmul peak (cached per device and dtype) for
+            ``summary/mfu_measured_peak``.
+        targets: time-to-quality targets, e.g. ``"val_loss<=1.9,hellaswag/acc_norm>=0.30"``.
+        start_step: optimizer steps already done (a resumed loop without ``resume_state``).
+        resume_state: :meth:`state_dict` of the checkpoint being resumed: counters, clock and
+            consumption continue.
+        started_at: ``clock()`` value at which this attempt started (default: now); the time
+            until construction ends is ``init``.
         clock: monotonic seconds (tests inject a fake clock).
+        integration: ``llmeff.autolog.integration`` (train, monitor, trainer, accelerate, pytorch).
+        track_loss: log ``train/loss`` from the losses passed to :meth:`count` / :meth:`step`.
 
     Raises:
         ValueError: for a bad argument (the message names it and what is accepted).
@@ -146,39 +132,64 @@ class EfficiencyMonitor:
 
     def __init__(self, *, log_every_n_steps: int = 10, warmup_steps: int = 3, model=None, model_config=None,
                  optimizer=None, peak_tflops: float | None = None, precision: str | None = None,
-                 run_id: str | None = None, run_name: str | None = None, device_hour_usd: float | None = None,
-                 measure_energy: str = "auto", energy_meter=None, strategy: str | None = None,
-                 start_step: int = 0, tags: dict[str, str] | None = None,
+                 strategy: str | None = None, compile: bool | None = None,
+                 activation_checkpointing: bool | None = None, run_id: str | None = None,
+                 run_name: str | None = None, experiment_name: str | None = None,
+                 tags: dict[str, str] | None = None, params: dict[str, str] | None = None,
+                 device_hour_usd: float | None = None, usd_per_kwh: float | None = None,
+                 measure_energy: str = "auto", energy_meter=None, country_iso_code: str | None = "USA",
+                 cloud_provider: str | None = None, cloud_region: str | None = None, carbon_tracker=None,
+                 measure_peak: bool = True, targets: str | None = None, start_step: int = 0,
+                 resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
                  track_loss: bool = True) -> None:
-        from . import cost as cost_mod
-        from . import energy as en
-        from . import hardware as hw
+        from .evals.targets import parse_targets
 
-        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not accepted; give an int >= 1")
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r} is not accepted; give an int >= 0")
-        if precision is not None and precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not accepted; use one of {', '.join(PRECISIONS)}")
-        if energy_meter is None and measure_energy not in en.MODES:
-            raise ValueError(f"measure_energy={measure_energy!r} is not accepted; use one of {', '.join(en.MODES)}")
-
-        self.log_every_n_steps = log_every_n_steps
-        self.warmup_steps = warmup_steps
-        self.track_loss = track_loss
-        self._clock = clock
-        self._optimizer = optimizer
-        self._model = model
-        self._broken = False
-        self._finished = self._finishing = False
+        _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
+                    device_hour_usd, usd_per_kwh)
+        self._targets = parse_targets(targets)
+        self._ledger = TimeLedger(clock, started_at)
+        self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
+        self._clock, self._optimizer, self._model, self._integration = clock, optimizer, model, integration
+        self._broken = self._finished = False
         self._summary: dict[str, float] = {}
-        self._integration = integration
-
-        dist = _dist()
-        self.world_size = dist.get_world_size() if dist else 1
-        self.rank = dist.get_rank() if dist else 0
+        self._lr: float | None = None
+        self._pending_steps, self._pending_s = 0, 0.0
+        self._reached: dict[str, int] = {}
+        self._attempts = 1
+        self._totals_step = -1  # step of the last logged running totals
+        self._hfu_ratio: float | None = None
+        self._hfu_note = "none: no model config (no FLOPs per token)"
+        self._shape_tags_pending = True
+        self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
+        from .counting import StepTally
+
+        self._tally = StepTally()
+        self._read_model(model, model_config, precision, strategy, compile, activation_checkpointing)
+        self._meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
+        self._set_up_measurement(peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
+                                 energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
+        from .tracking.logger import NullLogger
+
+        self._logger, self._run = NullLogger(), None
+        self.run_id: str | None = None
+        if resume_state:
+            self._load(resume_state)
+        if self.is_main:
+            self._open_run(run_id, run_name, experiment_name, tags or {}, params or {}, resume_state)
+        self._carbon.start()
+        self._consumption.intensity_g_per_kwh = self._carbon.intensity_g_per_kwh
+        self._energy.start()
+        lifecycle.install()
+        lifecycle.register(self)
+        self._ledger.begin()
+        self._consumption.start_interval(self._ledger.wall_s(), self._meter.total.tokens)
+
+    # ------------------------------------------------------------------------------ set-up
+    def _read_model(self, model, model_config, precision, strategy, compile, act_ckpt) -> None:
+        """Device, precision, strategy, compile and recompute flags, and the FLOPs model, from the model."""
+        from . import flops as fl
 
         inner = unwrap_model(model) if model is not None else None
         self._device = None
@@ -187,131 +198,130 @@ class EfficiencyMonitor:
                 self._device = next(inner.parameters()).device
             except Exception:  # noqa: BLE001 - a model without parameters
                 self._device = None
-        device_type = self._device.type if self._device is not None else None
         self.precision = precision or (infer_precision(inner) if inner is not None else "fp32")
         self.strategy = strategy or infer_strategy(model, self.world_size)
-
-        # FLOPs per token as a function of the effective sequence length (None: unknown model).
+        self.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
+        self.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
+                                         else model is not None and uses_activation_checkpointing(model))
         config = model_config if model_config is not None else getattr(inner, "config", None)
-        self._config = config
-        self._fpt_note = "no model config: TFLOP/s and MFU omitted (pass model= or model_config=)"
+        self._config, self._shape, self._fpt_note = config, None, "unknown: no model config (pass model= or model_config=)"
         if config is not None:
             try:
-                from . import flops as fl
-
-                fl.model_shape(config)
-                self._fpt_note = ("megatron: L*h^2*(12+12g/n+18f/h+6s/h)+6hV per token, causal attention counted "
-                                  "once (Megatron-LM num_floating_point_operations); palm beside it")
+                self._shape = fl.model_shape(config)
+                self._fpt_note = FLOPS_FORMULA_NOTE
+                why = ("compile=true (FlopCounterMode would stop torch.compile)" if self.compiled
+                       else "no FlopCounterMode step on this path")
+                self._hfu_note = (f"analytic: {why}; palm-convention FLOPs (dense attention, no causal discount)"
+                                  + (" x4/3 (activation checkpointing)" if self.activation_checkpointing else "")
+                                  + " over megatron model FLOPs")
             except ValueError as e:
-                config, self._config = None, None
                 self._fpt_note = f"unknown: {e}"
 
+    def _set_up_measurement(self, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
+                            energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker) -> None:
+        """Peaks (datasheet and measured), price, energy meter and carbon tracker."""
+        from . import cost as cost_mod
+        from . import energy as en
+        from . import hardware as hw
+        from .carbon import CarbonTracker
+        from .consumption import Consumption
+
+        device_type = self._device.type if self._device is not None else None
         self.accelerator = hw.detect_accelerator(count=self.world_size, device_type=device_type)
         self.peak_tflops, self._peak_source = hw.resolve_peak(self.accelerator, self.precision, peak_tflops)
+        self._measured_peak, self._measured_peak_note = None, "not measured (measure_peak=False)"
+        if measure_peak:
+            self._measure_peak()
         self._price, self._price_source = cost_mod.device_hour_price(self.accelerator.short, device_hour_usd)
+        self._cost_tags = cost_mod.cost_tags(self._price, self._price_source, usd_per_kwh)
         if energy_meter is None:
             idx = [self._device.index or 0] if device_type == "cuda" else None
-            energy_meter = en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none" \
-                else en.NullMeter("measure_energy=none")
+            energy_meter = (en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none"
+                            else en.NullMeter("measure_energy=none"))
         self._energy = energy_meter
+        self._carbon = carbon_tracker or CarbonTracker(
+            country_iso_code=country_iso_code, cloud_provider=cloud_provider, cloud_region=cloud_region,
+            enabled=measure_energy != "none")
+        self._consumption = Consumption(devices=self.world_size, device_hour_usd=self._price, usd_per_kwh=usd_per_kwh)
 
-        self._meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps,
-                                      start_step=start_step, clock=clock)
-        self._counter = None  # BatchCounter, created on the first batch's device
-        self._host = [0] * len(_FIELDS)  # explicit counts passed as numbers
-        self._loss: list[Any] = []  # per micro-batch losses (floats or 0-d tensors) since the last log
-        self._loss_sum, self._loss_n = 0.0, 0  # reduced, since the last log
-        self._micro = 0  # micro-batches counted in the current step
-        self._pending_steps = 0  # optimizer steps since the last window edge
-        self._first_shape: tuple[int, int, int] | None = None  # (micro batch, seq len, grad accum)
-        self._last_edge = start_step
-        self._joules_edge = 0.0  # measured energy (all ranks) at the last edge, J
-        self._energy_devices = 0
-        self._log_mark = (0.0, 0, 0.0)  # (joules, tokens, clock) at the last logged point
-        self._lr: float | None = None
+    def _measure_peak(self) -> None:
+        """Achievable matmul TFLOP/s on this device and dtype (cached per machine: seconds, once)."""
+        from . import hardware as hw
 
-        # ---- the MLflow run (rank 0 only) ----------------------------------------------------
-        from .tracking.logger import NullLogger
+        dev = self._device
+        where = "cpu" if dev is None or dev.type == "cpu" else str(dev)
+        try:
+            self._measured_peak = hw.measure_matmul_peak(self.precision, where)
+            self._measured_peak_note = f"{self._measured_peak:.4g}"
+        except Exception as e:  # noqa: BLE001 - an unmeasurable peak leaves mfu_measured_peak out, with the reason
+            self._measured_peak_note = f"unknown: {type(e).__name__}: {e}"
+        if dev is not None and dev.type == "cuda":  # its matrices must not count in the run's peak memory
+            import torch
 
-        self._logger = NullLogger()
-        self._owns_run = False
-        self.run_id: str | None = None
-        if self.is_main:
-            self._open_run(run_id, run_name, tags or {})
-        self._energy.start()
-        self._t0 = clock()
-        self._log_mark = (0.0, 0, self._t0)
-        self._meter.begin()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
 
-    # ------------------------------------------------------------------------------ run set-up
-    def _open_run(self, run_id: str | None, run_name: str | None, extra_tags: dict[str, str]) -> None:
+    def _load(self, state: dict) -> None:
+        """Continue counters, clock, consumption and reached targets from a checkpoint's state."""
+        self._meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=self.warmup_steps)
+        self._meter.load_state_dict(state["throughput"])
+        self._ledger.load_state_dict(state["ledger"])
+        self._reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
+        self._attempts = int(state.get("attempts", 1)) + 1
+        self._consumption.resume(state.get("consumption", {}), {})
+
+    def _open_run(self, run_id, run_name, experiment_name, extra_tags, params, resume_state) -> None:
+        """Rank 0: open or continue the MLflow run, tag the conditions, account a crashed attempt's tail."""
         import mlflow
 
-        from .tracking.logger import RunLogger, default_run_name, ensure_experiment_kind
+        from .tracking.logger import RunLogger, default_run_name
+        from .tracking.runs import open_run
 
         client = mlflow.MlflowClient()
-        if run_id is None:
-            active = mlflow.active_run()
-            if active is not None:
-                run_id = active.info.run_id
-            else:
-                model_name = self._model_name()
-                name = run_name or default_run_name(model_name, self.accelerator.short, self.world_size,
-                                                    self.strategy, self.precision)
-                run_id = mlflow.start_run(run_name=name).info.run_id
-                self._owns_run = True
-                ensure_experiment_kind(client, client.get_run(run_id).info.experiment_id)
-        self.run_id = run_id
-        self._logger = RunLogger(run_id, client)
-        self._logger.set_tags({**self._condition_tags(), **extra_tags})
+        name = run_name or default_run_name(extra_tags.get(names.MODEL_NAME) or self._model_name(),
+                                            self.accelerator.short, self.world_size, self.strategy, self.precision)
+        self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name)
+        self.run_id = self._run.run_id
+        self._logger = RunLogger(self.run_id, client, resume=self._run.resumed)
+        if resume_state:
+            self._account_crashed_tail(resume_state)
+        self._given_tags = set(extra_tags)
+        changed = self._logger.log_params(params) if params else {}
+        tags = {**self._condition_tags(), **extra_tags, names.RESUME_ATTEMPTS: str(self._attempts)}
+        if resume_state:
+            tags[names.RESUMED_FROM] = str(self._meter.step)
+        if changed:
+            tags[names.RESUME_CHANGED] = ", ".join(f"{k}: {a} -> {b} (not re-logged)" for k, (a, b) in changed.items())
+        self._logger.set_tags(tags)
+
+    def _account_crashed_tail(self, state: dict) -> None:
+        """The crashed attempt ran on after its checkpoint until its last logged point: lost progress,
+        and its energy and estimate continue from that point's totals."""
+        last = {}
+        for key in (names.ENERGY_TOTAL_KWH, names.ENERGY_ESTIMATE_CPU_KWH, names.ENERGY_ESTIMATE_RAM_KWH):
+            point = self._logger.last_point(key)
+            if point is not None:
+                last[key] = float(point[1])
+        self._consumption.resume(state.get("consumption", {}), last)
+        newest, saved = self._logger.last_timestamp_s, state.get("saved_at_unix")
+        if newest is not None and saved is not None:
+            self._ledger.add("lost_progress", max(0.0, float(newest) - float(saved)))
 
     def _model_name(self) -> str:
-        inner = unwrap_model(self._model) if self._model is not None else None
-        cfg = self._config if self._config is not None else getattr(inner, "config", None)
-        for attr in ("name_or_path", "_name_or_path"):
-            v = getattr(cfg, attr, None)
-            if isinstance(v, str) and v:
-                return v
-        mt = getattr(cfg, "model_type", None)
-        if isinstance(mt, str) and mt:
-            return mt
-        return type(inner).__name__.lower() if inner is not None else "model"
+        from .conditions import model_name
+
+        return model_name(self._model, self._config)
 
     def _condition_tags(self) -> dict[str, str]:
-        from . import cost as cost_mod
-        from .probes import param_counts, software_versions
+        return condition_tags(
+            accelerator=self.accelerator, world=self.world_size, strategy=self.strategy, precision=self.precision,
+            model=self._model, config=self._config, flops_note=self._fpt_note, peak_tflops=self.peak_tflops,
+            peak_source=self._peak_source, measured_peak_note=self._measured_peak_note,
+            warmup_steps=self.warmup_steps, energy_source=self._energy.source, energy_why=self._energy.why,
+            integration=self._integration, compiled=self.compiled,
+            activation_checkpointing=self.activation_checkpointing, cost_tags=self._cost_tags)
 
-        world = self.world_size
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
-        tags = {**self.accelerator.tags(), **software_versions()}
-        tags.update({
-            names.NODES: str(max(1, world // max(1, local))),
-            names.PAR_STRATEGY: self.strategy, names.PAR_DP: str(world), names.PAR_TP: "1", names.PAR_PP: "1",
-            names.PAR_CP: "1", names.PRECISION: self.precision, names.MODEL_NAME: self._model_name(),
-            names.FLOPS_FORMULA: self._fpt_note,
-            names.PEAK_TFLOPS: f"{self.peak_tflops:g}" if self.peak_tflops else "unknown",
-            names.PEAK_SOURCE: self._peak_source, names.WARMUP_STEPS: str(self.warmup_steps),
-            names.WARMUP_NOTE: WARMUP_NOTE, names.GIT_COMMIT: _script_git_commit(),
-            names.ENERGY_SOURCE: self._energy.source,
-            names.AUTOLOG_INTEGRATION: self._integration,
-        })
-        if self._energy.why:
-            tags[names.ENERGY_WHY] = self._energy.why
-        tags.update(cost_mod.cost_tags(self._price, self._price_source))
-        inner = unwrap_model(self._model) if self._model is not None else None
-        if inner is not None:
-            try:
-                total, non_emb = param_counts(inner)
-                tags[names.MODEL_PARAMS], tags[names.MODEL_NON_EMB_PARAMS] = str(total), str(non_emb)
-            except Exception:  # noqa: BLE001 - not a Hugging Face model: total only
-                tags[names.MODEL_PARAMS] = str(sum(p.numel() for p in inner.parameters()))
-        cfg = self._config
-        if cfg is not None:
-            tags[names.MODEL_LAYERS] = str(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", "unknown")))
-            tags[names.MODEL_HIDDEN] = str(getattr(cfg, "hidden_size", getattr(cfg, "n_embd", "unknown")))
-        return tags
-
-    # ------------------------------------------------------------------------------ counting
+    # ------------------------------------------------------------------------------ failures
     def _fail(self, e: BaseException) -> None:
         if not self._broken:
             self._broken = True
@@ -319,6 +329,11 @@ class EfficiencyMonitor:
                           stacklevel=3)
         log.debug("monitor failure", exc_info=e)
 
+    @property
+    def _off(self) -> bool:
+        return self._broken or self._finished
+
+    # ------------------------------------------------------------------------------ counting
     def count(self, batch=None, *, tokens=None, padded_tokens=None, loss_tokens=None, samples=None,
               sum_len_sq=None, loss=None) -> None:
         """Count one micro-batch of the current optimizer step (gradient accumulation: call per micro-batch).
@@ -336,61 +351,31 @@ class EfficiencyMonitor:
                 lengths); sets the effective sequence length of the attention FLOPs.
             loss: this micro-batch's mean loss (float or 0-d tensor; not synchronized).
         """
-        if self._broken or self._finished:
+        if self._off:
             return
         try:
             if batch is not None:
-                self._count_batch(batch)
+                self._tally.add_batch(batch)
+                if self._device is None:
+                    self._device = self._tally.device
             if tokens is not None:
-                self._count_numbers(tokens, padded_tokens, loss_tokens, samples, sum_len_sq)
+                self._tally.add_numbers(tokens, padded_tokens, loss_tokens, samples, sum_len_sq)
             if loss is not None and self.track_loss:
-                self._loss.append(loss.detach() if hasattr(loss, "detach") else float(loss))
-            self._micro += 1
+                self._tally.add_loss(loss)
+            self._tally.micro += 1
         except Exception as e:  # noqa: BLE001 - never stop training
             self._fail(e)
 
-    def _count_batch(self, batch) -> None:
-        import torch
-
-        if torch.is_tensor(batch):
-            ids, mask, labels = batch, None, None
-        else:
-            get = batch.get if hasattr(batch, "get") else (lambda k: getattr(batch, k, None))
-            ids, mask, labels = get("input_ids"), get("attention_mask"), get("labels")
-        if mask is not None and (not torch.is_tensor(mask) or mask.dim() > 2):
-            mask = None  # 4-D custom masks: count input_ids positions instead
-        ref = mask if mask is not None else ids
-        if ref is None or not torch.is_tensor(ref):
-            return
-        if self._counter is None:
-            from .counting import BatchCounter
-
-            self._counter = BatchCounter(ref.device)
-            if self._device is None:
-                self._device = ref.device
-        self._counter.add(ids, mask, labels if torch.is_tensor(labels) else None)
-        if self._first_shape is None:
-            shape = ref.shape if ref.dim() == 2 else (1, ref.shape[-1])
-            self._first_shape = (int(shape[0]), int(shape[1]), 0)
-
-    def _count_numbers(self, tokens, padded_tokens, loss_tokens, samples, sum_len_sq) -> None:
-        t = int(tokens)
-        s = int(samples) if samples is not None else 0
-        self._host[0] += t
-        self._host[1] += int(padded_tokens) if padded_tokens is not None else t
-        self._host[2] += int(loss_tokens) if loss_tokens is not None else (t - s if s else t)
-        self._host[3] += s
-        self._host[4] += int(sum_len_sq) if sum_len_sq is not None else (t * t // s if s else t * t)
-
     def step(self, batch=None, *, tokens=None, padded_tokens=None, loss_tokens=None, samples=None,
-             sum_len_sq=None, loss=None, learning_rate: float | None = None) -> None:
+             sum_len_sq=None, loss=None, learning_rate: float | None = None, edge: bool = False) -> None:
         """End one optimizer step; optionally count its last (or only) micro-batch first.
 
         Takes the same counting arguments as :meth:`count`, plus ``learning_rate`` (default: read
-        from ``optimizer`` at logged steps). At window edges it synchronizes the device, sums the
-        counts over ranks and logs (rank 0).
+        from ``optimizer`` at logged steps) and ``edge``: True makes this step a window edge (a
+        collective) so that an eval or checkpoint right after it sees exact totals. At window edges
+        it synchronizes the device, sums the counts over ranks and logs (rank 0).
         """
-        if self._broken or self._finished:
+        if self._off:
             return
         if batch is not None or tokens is not None or loss is not None:
             self.count(batch, tokens=tokens, padded_tokens=padded_tokens, loss_tokens=loss_tokens,
@@ -398,15 +383,18 @@ class EfficiencyMonitor:
         try:
             if learning_rate is not None:
                 self._lr = float(learning_rate)
-            if self._first_shape is not None and self._first_shape[2] == 0:
-                b, s, _ = self._first_shape
-                self._first_shape = (b, s, max(1, self._micro))
-            self._micro = 0
-            self._pending_steps += 1
-            step = self._meter.step + self._pending_steps
+            self._tally.end_step()
+            step = self.step_count + 1
             log_now = step % self.log_every_n_steps == 0
-            if log_now or step == self._meter.warmup_end_step:
-                self._edge(step)
+            at_edge = log_now or edge or step == self._meter.warmup_end_step
+            if at_edge:
+                collectives.synchronize(self._device)
+            self._pending_s += self._ledger.step_done(self._meter.is_warmup(step))
+            self._pending_steps += 1
+            if self._shape_tags_pending:
+                self._tag_shape()
+            if at_edge:
+                self._edge()
                 if log_now:
                     self._log_interval(step)
         except Exception as e:  # noqa: BLE001 - never stop training
@@ -414,217 +402,355 @@ class EfficiencyMonitor:
 
     @property
     def step_count(self) -> int:
-        """Optimizer steps seen (including ``start_step``)."""
+        """Optimizer steps seen (including earlier attempts and ``start_step``)."""
         return self._meter.step + self._pending_steps
 
+    def _tag_shape(self) -> None:
+        self._shape_tags_pending = False
+        if self._tally.first_shape is not None and self.is_main:
+            b, s, ga = self._tally.first_shape
+            given = getattr(self, "_given_tags", set())
+            tags = {k: v for k, v in shape_tags(b, s, max(1, ga), self.world_size).items() if k not in given}
+            if tags:
+                self._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
+
+    # ------------------------------------------------------------------------------ the clock
+    @contextmanager
+    def pause(self, category: str):
+        """Declare non-step work: ``with monitor.pause("eval"): ...``.
+
+        Categories: ``eval``, ``checkpoint_save``, ``checkpoint_load``, ``data_wait`` (host time
+        blocked on the next batch; it stays inside the step, see docs/time.md), ``init``
+        (set-up after the monitor started) and ``other``. The device is synchronized at both ends
+        (except for ``data_wait``) so the pause holds exactly its own work. Not a collective: a
+        pause on one rank only is fine. Nested pauses count in the outermost.
+
+        Raises:
+            ValueError: for a category not in :data:`~mlflow_llmeff.goodput.PAUSES`.
+        """
+        self.enter_pause(category)
+        try:
+            yield
+        finally:
+            self.exit_pause()
+
+    def enter_pause(self, category: str) -> None:
+        """Start a pause (for hooks that cannot use ``with``); pair with :meth:`exit_pause`.
+
+        Raises:
+            ValueError: for a category not in :data:`~mlflow_llmeff.goodput.PAUSES`.
+        """
+        if category not in PAUSES:
+            raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
+        self._pause_sync = getattr(self, "_pause_sync", [])
+        self._pause_sync.append(category != "data_wait")
+        if self._off:
+            return
+        try:
+            if self._pause_sync[-1]:
+                collectives.synchronize(self._device)
+            self._ledger.enter(category)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def exit_pause(self) -> None:
+        """End the pause :meth:`enter_pause` started."""
+        sync = self._pause_sync.pop() if getattr(self, "_pause_sync", None) else False
+        if self._broken:
+            return
+        try:
+            if sync:
+                collectives.synchronize(self._device)
+            self._ledger.exit()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    @contextmanager
+    def counting_hardware_flops(self):
+        """Count the hardware FLOPs of the step run inside (``FlopCounterMode``) for HFU.
+
+        Wrap one whole early step (all its micro-batches, before :meth:`step`); the ratio of its
+        counted FLOPs to its model FLOPs then gives HFU = MFU x ratio. Not under ``torch.compile``
+        (the counter stops dynamo from compiling): there the analytic ratio stays. CPU
+        scaled-dot-product attention, which the counter cannot see, is added analytically
+        (``palm`` convention, x4/3 under activation checkpointing).
+        """
+        if self._off or self.compiled or self._shape is None:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        before = self._tally.peek_tokens()
+        with counter:
+            yield
+        try:
+            self._set_counted_ratio(float(counter.get_total_flops()), before)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _set_counted_ratio(self, counted: float, before: tuple[int, int]) -> None:
+        from . import flops as fl
+
+        tokens, sq = (a - b for a, b in zip(self._tally.peek_tokens(), before))
+        if tokens <= 0 or counted <= 0:
+            return
+        s_eff = sq / tokens
+        note = "FlopCounterMode on step {} of the attempt (eager attention counted)"
+        attn_impl = getattr(self._config, "_attn_implementation", None)
+        if attn_impl == "sdpa" and (self._device is None or self._device.type == "cpu"):
+            extra = fl.attention_flops_per_token(self._shape, s_eff, "palm") * tokens
+            counted += extra * (fl.RECOMPUTE_FACTOR if self.activation_checkpointing else 1.0)
+            note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
+        self._hfu_ratio = counted / (fl.flops_per_token(self._shape, s_eff) * tokens)
+        self._hfu_note = note.format(self.step_count + 1)
+
+    def _ratio(self, s_eff: float) -> float | None:
+        """Hardware FLOPs per model FLOP (counted, else analytic)."""
+        if self._hfu_ratio is not None:
+            return self._hfu_ratio
+        if self._shape is None or s_eff <= 0:
+            return None
+        cache = self.__dict__.setdefault("_ratio_cache", {})
+        if s_eff not in cache:
+            from . import flops as fl
+
+            cache.clear()  # one batch shape at a time in practice
+            cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self.activation_checkpointing)
+        return cache[s_eff]
+
     # ------------------------------------------------------------------------------ window edges
-    def _sync(self) -> None:
-        if self._device is not None and self._device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self._device)
-
-    def _reduce_device(self):
-        """Torch device for collectives: CUDA for NCCL, else CPU."""
-        import torch
-
-        dist = _dist()
-        if dist is not None and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        dist = _dist()
-        if dist is None or self.world_size == 1:
-            return values
-        import torch
-
-        t = torch.tensor(values, dtype=torch.float64, device=self._reduce_device())
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-        return t.tolist()
-
-    def _edge(self, step: int, collective: bool = True) -> None:
-        """Account steps ``(last edge, step]``: synchronize, sum over ranks, feed the meter."""
-        import torch
-
-        self._sync()
-        steps = step - self._last_edge
-        dist = _dist() if collective else None
-        host = list(self._host)
-        reduce_needed = dist is not None and self.world_size > 1
-        if self._counter is not None:
-            def reduce(t):
-                # Explicit (host) counts ride along in the same collective as the device counts.
-                t = t + torch.tensor(host, dtype=torch.int64, device=t.device)
-                if reduce_needed:
-                    t = t.to(self._reduce_device())
-                    dist.all_reduce(t)
-                return t
-
-            counts = self._counter.take(steps, reduce=reduce)
-        else:
-            vals = [int(v) for v in self._all_reduce([float(v) for v in host])] if reduce_needed else host
-            counts = Counts(steps, *vals)
-        self._host = [0] * len(_FIELDS)
-        # Losses and energy ride in one float collective.
-        loss_vals = [float(v) for v in self._loss]
-        self._loss = []
-        reading = self._energy.read() if self._energy.measures else None
-        local = [sum(loss_vals), float(len(loss_vals)), reading.joules if reading else 0.0,
-                 float(self._energy.num_devices if reading else 0)]
-        g = self._all_reduce(local) if reduce_needed else local
-        self._loss_sum += g[0]
-        self._loss_n += int(g[1])
-        self._joules_edge, self._energy_devices = g[2], int(g[3])
-        self._meter.add(counts)
-        self._last_edge = step
-        self._pending_steps = 0
-
-    def _memory(self, collective: bool = True) -> tuple[float, float, str]:
-        from .probes import peak_memory_gib
-
-        import torch
-
-        dev = self._device if self._device is not None else torch.device("cpu")
-        alloc, reserved, source = peak_memory_gib(dev)
-        if collective:
-            alloc, reserved = self._all_reduce([alloc, reserved], op="max")
-        return alloc, reserved, source
+    def _edge(self, collective: bool = True) -> None:
+        """Account the pending steps: counts summed over ranks, with their step seconds."""
+        reduce = collectives.reduce_tensor if (collective and self.world_size > 1) else None
+        counts = self._tally.take(self._pending_steps, reduce=reduce)
+        self._meter.add(counts, self._pending_s)
+        self._pending_steps, self._pending_s = 0, 0.0
 
     def _fpt(self, s: float, convention: str = "megatron") -> float:
         from . import flops as fl
 
-        return fl.flops_per_token(self._config, s, convention)
+        return fl.flops_per_token(self._shape, s, convention)
+
+    def _refresh_consumption(self, collective: bool = True, loss: tuple[float, int] = (0.0, 0)) -> tuple[float, int]:
+        """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along."""
+        loss_sum, loss_n = loss
+        reading = self._energy.read() if self._energy.measures else None
+        est = self._carbon.running_estimate()
+        local = [loss_sum, float(loss_n), reading.joules if reading else 0.0,
+                 float(self._energy.num_devices if reading else 0), est[0] if est else 0.0,
+                 est[1] if est else 0.0, 1.0 if est else 0.0]
+        g = collectives.all_reduce(local) if collective else local
+        self._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None)
+        return g[0], int(g[1])
+
+    def _memory(self, collective: bool = True) -> tuple[float, float, str]:
+        import torch
+
+        from .probes import peak_memory_gib
+
+        dev = self._device if self._device is not None else torch.device("cpu")
+        alloc, reserved, source = peak_memory_gib(dev)
+        self._memory_source = source
+        if collective:
+            alloc, reserved = collectives.all_reduce([alloc, reserved], op="max")
+        return alloc, reserved, source
 
     def _learning_rate(self) -> float | None:
         if self._lr is not None:
             return self._lr
-        opt = self._optimizer
         try:
-            lr = opt.param_groups[0]["lr"] if opt is not None else None
+            lr = self._optimizer.param_groups[0]["lr"] if self._optimizer is not None else None
             return float(lr) if lr is not None else None
         except Exception:  # noqa: BLE001
             return None
 
     def _log_interval(self, step: int, collective: bool = True) -> None:
-        from . import energy as en
-
+        """The interval metrics at a logged step (a collective: losses, energy and memory over ranks)."""
         total = self._meter.total
+        loss_sum, loss_n = self._refresh_consumption(collective, self._tally.take_loss())
         alloc, reserved, _ = self._memory(collective)
         m: dict[str, float] = {names.TRAIN_TOKENS: total.tokens, names.TRAIN_PADDED_TOKENS: total.padded_tokens,
                                names.TRAIN_LOSS_TOKENS: total.loss_tokens,
                                names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
-        if self._loss_n:
-            m[names.TRAIN_LOSS] = self._loss_sum / self._loss_n
-            self._loss_sum, self._loss_n = 0.0, 0
+        if loss_n:
+            m[names.TRAIN_LOSS] = loss_sum / loss_n
         lr = self._learning_rate()
         if lr is not None:
             m[names.TRAIN_LR] = lr
         rates = self._meter.interval()
         if rates is not None:
-            m.update(rates.interval_metrics(self._fpt if self._config is not None else None, self.peak_tflops))
-        now = self._clock()
-        j0, tok0, t0 = self._log_mark
-        if self._energy_devices:
-            dj, dtok, dt = self._joules_edge - j0, total.tokens - tok0, now - t0
-            m[names.ENERGY_TOTAL_KWH] = en.joules_to_kwh(self._joules_edge)
-            if dt > 0:
-                m[names.ENERGY_DEVICE_AVG_POWER_W] = en.average_power_w(dj, dt, self._energy_devices)
-            if dtok > 0:
-                m[names.ENERGY_J_PER_TOKEN] = en.j_per_token(dj, dtok)
-        if self._price is not None:
-            m[names.COST_TOTAL_USD] = self._cost(now)
-        self._log_mark = (self._joules_edge, total.tokens, now)
-        self._log(m, step)
+            fpt = self._fpt if self._shape is not None else None
+            m.update(rates.interval_metrics(fpt, self.peak_tflops, self._ratio(rates.counts.effective_seq_len)))
+            self._warn_mfu(m.get(names.TPUT_DEVICE_MFU), f"step {step}")
+        m.update(self._consumption.interval(self._ledger.wall_s(), total.tokens))
+        self._totals_step = step
+        self._latest = m
+        self._logger.log_metrics(m, step)
 
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        """Queue metrics asynchronously; during :meth:`finish`, write them synchronously.
+    @property
+    def latest_metrics(self) -> dict[str, float]:
+        """The interval metrics of the last logged step (empty before the first)."""
+        return getattr(self, "_latest", {})
 
-        ``finish`` may run at interpreter exit (MLflow ends open runs in an ``atexit`` handler),
-        when MLflow's asynchronous logging thread pool has already shut down.
+    def _warn_mfu(self, mfu: float | None, where: str) -> None:
+        from . import flops as fl
+
+        warn = fl.mfu_warning(mfu)
+        if warn and not getattr(self, "_mfu_warned", False):  # reported, never clipped
+            self._mfu_warned = True
+            log.warning(warn)
+            self._logger.set_tags({names.MFU_WARNING: f"{where}: {warn}"}, synchronous=False)
+
+    # ------------------------------------------------------------------------------ evals, extras
+    def log_eval(self, values: dict[str, float], step: int | None = None) -> None:
+        """Log evaluation results under ``eval/`` and record time-to-quality for targets they reach.
+
+        Args:
+            values: results by metric, e.g. ``{"val_loss": 2.1, "hellaswag/acc_norm": 0.31}`` (an
+                ``eval/`` prefix is accepted and dropped); the keys the ``targets`` name.
+            step: MLflow step (default: the current optimizer step).
+
+        With several ranks, call it on every rank (it is a collective when steps are pending).
         """
-        from .tracking.logger import RunLogger
-
-        if not (self._finishing and isinstance(self._logger, RunLogger)):
-            self._logger.log_metrics(metrics, step)
+        if self._off:
             return
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v is not None and math.isfinite(float(v))]
         try:
-            if batch:
-                self._logger.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+            step = self.step_count if step is None else step
+            clean = {(k[len("eval/"):] if k.startswith("eval/") else k): float(v) for k, v in values.items()}
+            if self.is_main:
+                self._logger.log_metrics({f"eval/{k}": v for k, v in clean.items()}, step)
+            newly = [t for t in self._targets if t.key not in self._reached and t.reached(clean.get(t.metric))]
+            if newly:
+                self._log_ttq(newly, step)
         except Exception as e:  # noqa: BLE001
-            self._logger._warn(e)
+            self._fail(e)
 
-    def _cost(self, now: float) -> float:
-        from . import cost as cost_mod
+    def _log_ttq(self, newly, step: int) -> None:
+        """``ttq/<target>_*`` at the first step a target is reached (METRICS.md, Time-to-quality)."""
+        if self._pending_steps:
+            self._edge()
+        self._refresh_consumption()
+        wall = self._ledger.wall_s() - self._ledger.snapshot()["init"]
+        kwh = self._consumption.total_kwh
+        usd = self._consumption.cost_usd(wall)
+        figures = {"wall_s": wall, "train_s": self._ledger.train_s(), "tokens": float(self._meter.total.tokens),
+                   "device_hours": self.world_size * wall / 3600.0, "kwh": kwh, "usd": usd,
+                   "kg_co2e": self._consumption.kg_co2e(kwh)}
+        for t in newly:
+            self._reached[t.key] = step
+            keys = t.metric_keys()
+            self._logger.log_metrics({keys[k]: v for k, v in figures.items() if v is not None}, step)
+            self._logger.set_tags({t.not_reached_tag: f"reached_at_step_{step}"})
 
-        return cost_mod.total_cost_usd(device_hour_usd=self._price, devices=self.world_size, wall_s=now - self._t0)
+    @property
+    def targets_reached(self) -> bool:
+        """True once every target has been reached (False without targets)."""
+        return bool(self._targets) and all(t.key in self._reached for t in self._targets)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Log extra metrics (rank 0) at ``step`` (default: the current optimizer step) through the monitor's logger."""
+        """Log extra metrics (rank 0) at ``step`` (default: the current optimizer step); keys MLflow
+        refuses are mapped to allowed ones."""
         if not self._broken and self.is_main:
             self._logger.log_metrics(metrics, self.step_count if step is None else step)
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set extra tags on the run (rank 0)."""
+        if not self._broken and self.is_main:
+            self._logger.set_tags(tags)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed attempt needs to continue (JSON-safe). A collective: call on every rank."""
+        if self._pending_steps and not self._broken:
+            self._edge()
+        if not self._broken:
+            self._refresh_consumption()
+        return {"step": self._meter.step, "throughput": self._meter.state_dict(),
+                "ledger": self._ledger.state_dict(), "consumption": self._consumption.state_dict(),
+                "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
+                "saved_at_unix": time.time()}
+
+    def flush(self) -> None:
+        """Send every buffered point and wait until the tracking server has it (rank 0)."""
+        if self.is_main and not self._broken:
+            self._logger.flush()
+
     # ------------------------------------------------------------------------------ the end
-    def finish(self, status: str = "FINISHED", *, collective: bool = True) -> dict[str, float]:
-        """Account the last steps, log ``summary/*`` and end the run if the monitor created it.
+    def finish(self, status: str | None = None, *, collective: bool = True) -> dict[str, float]:
+        """Account the last steps, log ``summary/*`` and end the run if the monitor opened it.
 
         Args:
-            status: MLflow status for a run the monitor created.
+            status: MLflow status of the run; default FINISHED (KILLED after SIGTERM/SIGINT).
             collective: True when every rank calls ``finish`` (the tail after the last window edge
                 is then summed over ranks). With several ranks and ``collective=False`` (only rank 0
                 got here, e.g. at interpreter exit) the steps after the last edge are left out of the
-                totals and ``llmeff.autolog.note`` says so.
+                totals and ``llmeff.autolog.note`` says so. After a signal, never collective.
 
         Returns:
-            The ``summary/*`` metrics (identical on every rank when collective; ``{}`` after a failure).
+            The ``summary/*`` metrics (``{}`` after a failure inside the monitor).
         """
         if self._finished:
             return self._summary
-        self._finished = self._finishing = True
+        self._finished = True
+        status = status or lifecycle.status_for(None)
+        collective = (collective and lifecycle.signalled() is None) or self.world_size == 1
         try:
             if not self._broken:
-                self._summary = self._finish(status, collective)
+                self._summary = self._finish(collective)
         except Exception as e:  # noqa: BLE001 - never stop training
             self._fail(e)
         finally:
-            try:
-                self._energy.close()
-            except Exception:  # noqa: BLE001
-                pass
-            self._close_run(status)
+            self._close(status)
         return self._summary
 
-    def _finish(self, status: str, collective: bool) -> dict[str, float]:
-        from . import energy as en
-        from . import flops as fl
+    def end_at_exit(self, status: str) -> None:
+        """Finish at interpreter exit (rank 0 alone, synchronous logging; see :mod:`mlflow_llmeff.lifecycle`)."""
+        if not self._finished:
+            self._logger.set_synchronous(True)
+            self.finish(status, collective=False)
 
-        step = self.step_count
-        can_reduce = collective or self.world_size == 1
+    def _finish(self, collective: bool) -> dict[str, float]:
         note = None
+        step = self.step_count
         if self._pending_steps:
-            if can_reduce:
-                self._edge(step)
-                self._log_interval(step)
+            if collective:
+                self._edge()
             else:
-                note = (f"steps {self._last_edge + 1}..{step} after the last window edge are not in the totals: "
+                note = (f"steps {self._meter.step + 1}..{step} after the last window edge are not in the totals: "
                         "the run ended on rank 0 only (call finish on every rank, accelerator.end_training() "
                         "or torch.distributed.destroy_process_group())")
-                step = self._last_edge
-        meter = self._meter
-        now = self._clock()  # one instant for wall_s and the cost, so usd_per_billion_tokens matches both
-        out: dict[str, float] = {names.SUM_TOKENS: float(meter.total.tokens), names.SUM_STEPS: float(meter.step),
-                                 names.SUM_WALL_S: now - self._t0}
-        rates = meter.summary()
+                step = self._meter.step
+        if step > 0 and self._totals_step != step:  # the counters and totals at the last step, once
+            self._log_interval(step, collective)
+        seconds = self._ledger.close()
+        self._carbon.stop()
+        self._refresh_consumption(collective)
+        out = self._summary_figures(seconds, collective)
+        if self.is_main:
+            self._logger.set_tags(self._end_tags(note))
+            self._logger.log_metrics(out, max(step, 0))
+            self._warn_mfu(out.get(names.SUM_MFU), "summary")
+        return out
+
+    def _summary_figures(self, seconds: dict[str, float], collective: bool) -> dict[str, float]:
+        """Every ``summary/*`` figure of the run (all attempts)."""
+        from . import flops as fl
+
+        parts = breakdown(seconds, self._ledger.warmup_steps, self._ledger.steady_steps, compiled=self.compiled)
+        tokens = self._meter.total.tokens
+        out: dict[str, float] = {names.SUM_TOKENS: float(tokens), names.SUM_STEPS: float(self._meter.step),
+                                 names.SUM_WALL_S: parts["wall"], names.SUM_GOODPUT: goodput(parts)}
+        for c in names.BADPUT_CATEGORIES:
+            if c in parts:
+                out[names.SUM_BADPUT[c]] = parts[c]
+        rates = self._meter.summary()
         tflops = None
         if rates is not None:
             out.update({names.SUM_TOKENS_PER_SEC: rates.tokens_per_sec,
                         names.SUM_DEVICE_TOKENS_PER_SEC: rates.device_tokens_per_sec,
                         names.SUM_STEP_TIME_S: rates.step_time_s})
-            if self._config is not None and rates.counts.tokens > 0:
+            if self._shape is not None and rates.counts.tokens > 0:
                 tflops = rates.device_tflops_per_sec(self._fpt)
                 out[names.SUM_DEVICE_TFLOPS] = tflops
                 mfu = fl.utilization(tflops, self.peak_tflops)
@@ -632,66 +758,61 @@ class EfficiencyMonitor:
                     out[names.SUM_MFU] = mfu
                     out[names.SUM_MFU_PALM] = fl.utilization(
                         rates.device_tflops_per_sec(lambda s: self._fpt(s, "palm")), self.peak_tflops)
-        alloc, _, mem_source = self._memory(can_reduce)
+                    ratio = self._ratio(rates.counts.effective_seq_len)
+                    if ratio is not None:
+                        out[names.SUM_HFU] = mfu * ratio
+                if self._measured_peak:
+                    out[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(tflops, self._measured_peak)
+        out.update(self._memory_figures(collective))
+        out.update(self._consumption.summary(parts["wall"], tokens, tflops))
+        return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
+
+    def _memory_figures(self, collective: bool) -> dict[str, float]:
         inner = unwrap_model(self._model) if self._model is not None else None
-        if inner is not None:
-            from .probes import model_state_bytes
+        if inner is None:
+            return {}
+        from .probes import model_state_bytes
 
-            nparams = sum(p.numel() for p in inner.parameters())
-            out[names.SUM_BYTES_PER_PARAM] = alloc * 2**30 / max(1, nparams)
-            if self._optimizer is not None:
-                state_bytes, local_params = model_state_bytes(inner, self._optimizer)
-                bpp = state_bytes / max(1, local_params)
-                out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = self._all_reduce([bpp], "max")[0] if can_reduce else bpp
-        tokens = meter.total.tokens
-        if self._energy_devices and tokens > 0:
-            kwh = en.joules_to_kwh(self._joules_edge)
-            out[names.SUM_J_PER_TOKEN] = en.j_per_token(self._joules_edge, tokens)
-            out[names.SUM_KWH_PER_BTOK] = en.kwh_per_billion_tokens(kwh, tokens)
-            wall = out[names.SUM_WALL_S]
-            if tflops is not None and wall > 0:
-                power = en.average_power_w(self._joules_edge, wall, self._energy_devices)
-                if power > 0:
-                    out[names.SUM_TFLOPS_PER_W] = en.tflops_per_w(tflops, power)
-        if self._price is not None and tokens > 0:
-            from . import cost as cost_mod
-
-            out[names.SUM_USD_PER_BTOK] = cost_mod.usd_per_billion_tokens(self._cost(now), tokens)
-        out = {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
-        if self.is_main:
-            tags = {names.MEMORY_SOURCE: mem_source}
-            if self._first_shape is not None:
-                b, s, ga = self._first_shape
-                ga = max(1, ga)
-                tags.update({names.SEQ_LEN: str(s), names.MICRO_BATCH_SIZE: str(b), names.GRAD_ACCUM: str(ga),
-                             names.GLOBAL_BATCH_TOKENS: str(s * b * ga * self.world_size)})
-            warn = fl.mfu_warning(out.get(names.SUM_MFU))
-            if warn:
-                tags[names.MFU_WARNING] = warn
-            if note:
-                tags[names.AUTOLOG_NOTE] = note
-            self._logger.set_tags(tags)
-            self._log(out, max(step, 0))
+        alloc, _, _ = self._memory(collective)
+        nparams = sum(p.numel() for p in inner.parameters())
+        out = {names.SUM_BYTES_PER_PARAM: alloc * 2**30 / max(1, nparams)}
+        if self._optimizer is not None:
+            state_bytes, local_params = model_state_bytes(inner, self._optimizer)
+            bpp = state_bytes / max(1, local_params)
+            out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = collectives.all_reduce([bpp], "max")[0] if collective else bpp
         return out
 
-    def _close_run(self, status: str) -> None:
-        if not self.is_main:
-            return
-        from .tracking.logger import RunLogger
+    def _end_tags(self, note: str | None) -> dict[str, str]:
+        tags = {names.HFU_METHOD: self._hfu_note, **self._carbon.tags(
+            energy_source=self._energy.source if self._consumption.measured else None)}
+        if getattr(self, "_memory_source", None) is not None:
+            tags[names.MEMORY_SOURCE] = self._memory_source
+        if not self._consumption.measured and self._consumption.estimate is not None:
+            tags[names.ENERGY_SOURCE] = "codecarbon_estimate"
+            tags[names.ENERGY_WHY] = (f"no measured energy ({self._energy.why}); only codecarbon's CPU/RAM estimate is "
+                                      "logged, under energy/estimate/* and carbon/estimate_kg_co2e")
+        for t in self._targets:
+            if t.key not in self._reached:
+                tags[t.not_reached_tag] = "not_reached"
+        if note:
+            tags[names.AUTOLOG_NOTE] = note
+        return tags
 
-        logger = self._logger
-        if isinstance(logger, RunLogger):
-            logger.flush()
-        if not self._owns_run or self.run_id is None:
+    def _close(self, status: str) -> None:
+        """Stop the meters, flush and end the run (if the monitor owns it) with ``status``."""
+        lifecycle.unregister(self)
+        for closer in (self._energy.close, self._carbon.stop):
+            try:
+                closer()
+            except Exception:  # noqa: BLE001
+                pass
+        if not self.is_main or self._run is None:
             return
         try:
-            import mlflow
+            from .tracking.runs import end_run
 
-            active = mlflow.active_run()
-            if active is not None and active.info.run_id == self.run_id:
-                mlflow.end_run(status)
-            else:
-                logger.close(status)
+            self._logger.flush()
+            end_run(self._logger.client, self._run, status)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -708,4 +829,5 @@ class EfficiencyMonitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.finish("FAILED" if exc_type is not None else "FINISHED")
+        self.finish(lifecycle.status_for(exc), collective=exc is None)
+

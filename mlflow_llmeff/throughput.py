@@ -1,17 +1,17 @@
-"""Windowed tokens/s and step timing: a pure calculator (no I/O, no torch, clock injected).
+"""Windowed tokens/s and step timing: a pure calculator (no I/O, no torch, no clock).
 
 Counting rules (``../shared/METRICS.md``): a step is one optimizer step; tokens are non-padding
 input tokens summed over micro-batches and data-parallel ranks; the first ``warmup_steps`` steps of
 every attempt (a fresh process, also after a resume) are excluded from steady-state figures;
-throughput over an interval is tokens in the interval divided by its wall time. The caller reduces
-counts over ranks and synchronizes the device before each :meth:`ThroughputMeter.add`, so every
-window edge is a synchronized instant.
+throughput over an interval is tokens in the interval divided by its step time (the interval's
+wall time less declared pauses: evals, checkpoints). The caller reduces counts over ranks and
+synchronizes the device before each :meth:`ThroughputMeter.add`, so every window edge is a
+synchronized instant.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -38,8 +38,12 @@ class Counts:
     sum_len_sq: int = 0
 
     def __iadd__(self, other: "Counts") -> "Counts":
-        for k in asdict(self):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.steps += other.steps
+        self.tokens += other.tokens
+        self.padded_tokens += other.padded_tokens
+        self.loss_tokens += other.loss_tokens
+        self.samples += other.samples
+        self.sum_len_sq += other.sum_len_sq
         return self
 
     @property
@@ -83,11 +87,12 @@ class Rates:
         return self.tokens_per_sec * flops_per_token(self.counts.effective_seq_len) / self.num_devices / 1e12
 
     def interval_metrics(self, flops_per_token: Callable[[float], float] | None = None,
-                         peak_tflops: float | None = None) -> dict[str, float]:
+                         peak_tflops: float | None = None, hfu_ratio: float | None = None) -> dict[str, float]:
         """The interval's ``train/step_time_s`` and ``throughput/*`` metrics, keyed as in names.py.
 
         Achieved TFLOP/s needs ``flops_per_token`` (and tokens); MFU also needs ``peak_tflops``
-        (never clipped). Used by the training loop and by EfficiencyMonitor alike.
+        (never clipped); HFU is MFU x ``hfu_ratio`` (hardware FLOPs per model FLOP,
+        :func:`mlflow_llmeff.flops.hardware_model_ratio` or a counted step).
         """
         from . import names
         from .flops import utilization
@@ -100,6 +105,8 @@ class Rates:
             mfu = utilization(tflops, peak_tflops)
             if mfu is not None:
                 m[names.TPUT_DEVICE_MFU] = mfu
+                if hfu_ratio is not None:
+                    m[names.TPUT_DEVICE_HFU] = mfu * hfu_ratio
         return m
 
 
@@ -107,28 +114,27 @@ class Rates:
 class ThroughputMeter:
     """Cumulative counters and steady-state windows over optimizer steps.
 
-    Usage: call :meth:`begin` when the first step starts, then :meth:`add` with the global counts of
-    the steps since the previous call (at least at the end of warm-up and at every logged step),
-    and :meth:`interval` to take the steady-state rates since the last interval.
+    Usage: :meth:`add` the global counts of the steps since the previous call together with their
+    step seconds (from :class:`~mlflow_llmeff.goodput.TimeLedger`: declared pauses such as evals
+    and checkpoints are not in them), at least at the end of warm-up and at every logged step;
+    :meth:`interval` takes the steady-state rates since the last interval. No clock here: the
+    caller synchronizes the device before reading the seconds at each edge.
 
     Args:
         num_devices: devices taking part (>= 1).
         warmup_steps: steps of each attempt excluded from steady-state figures (>= 0).
         start_step: optimizer steps already done before this attempt (resume), 0 for a new run.
-        clock: monotonic seconds; injected so tests use a fake clock.
     """
 
     num_devices: int
     warmup_steps: int
     start_step: int = 0
-    clock: Callable[[], float] = time.perf_counter
     total: Counts = field(default_factory=Counts)
     steady: Counts = field(default_factory=Counts)
     steady_s: float = 0.0
     warmup_s: float = 0.0
     _window: Counts = field(default_factory=Counts)
     _window_s: float = 0.0
-    _t_last: float | None = None
     _step: int = 0
 
     def __post_init__(self) -> None:
@@ -148,33 +154,28 @@ class ThroughputMeter:
         """The step after which this attempt is in steady state."""
         return self.start_step + self.warmup_steps
 
-    def begin(self) -> None:
-        """Start the clock (device synchronized by the caller)."""
-        self._t_last = self.clock()
+    def is_warmup(self, step: int) -> bool:
+        """True for a warm-up step of this attempt."""
+        return step <= self.warmup_end_step
 
-    def add(self, counts: Counts) -> None:
-        """Account the steps ``(self.step, self.step + counts.steps]`` that ended just now.
+    def add(self, counts: Counts, seconds: float) -> None:
+        """Account the steps ``(self.step, self.step + counts.steps]`` that took ``seconds`` of step time.
 
         Raises:
-            RuntimeError: before :meth:`begin`.
             ValueError: when the stretch straddles the end of warm-up (the caller must cut there).
         """
-        if self._t_last is None:
-            raise RuntimeError("ThroughputMeter.add() called before begin()")
-        now = self.clock()
-        dt, self._t_last = now - self._t_last, now
         first, last = self._step + 1, self._step + counts.steps
         if first <= self.warmup_end_step < last:
             raise ValueError(f"steps {first}..{last} straddle the end of warm-up at step {self.warmup_end_step}")
         self._step = last
         self.total += counts
         if last <= self.warmup_end_step:
-            self.warmup_s += dt
+            self.warmup_s += seconds
         else:
             self.steady += counts
-            self.steady_s += dt
+            self.steady_s += seconds
             self._window += counts
-            self._window_s += dt
+            self._window_s += seconds
 
     def interval(self) -> Rates | None:
         """Steady-state rates since the previous call, or None when no steady step happened."""
@@ -192,7 +193,7 @@ class ThroughputMeter:
 
     # -- resume ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Counters to store in a checkpoint (times from the clock are not carried over)."""
+        """Counters to store in a checkpoint."""
         return {"total": asdict(self.total), "steady": asdict(self.steady), "steady_s": self.steady_s,
                 "warmup_s": self.warmup_s, "step": self._step}
 

@@ -64,3 +64,43 @@ def prune(checkpoint_dir: str, keep: int) -> None:
         path = os.path.join(checkpoint_dir, name)
         if m and int(m.group(1)) < newest and not os.path.isfile(os.path.join(path, STATE_FILE)):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def find_resume(checkpoint_dir: str, resume: str, world: int) -> tuple[str, dict] | None:
+    """The checkpoint a run resumes from (``resume=auto``), or None.
+
+    Raises:
+        ValueError: when the checkpoint was written by another number of processes, or by a
+            version of mlflow_llmeff whose counters this one cannot continue.
+    """
+    if not checkpoint_dir or resume != "auto":
+        return None
+    found = latest(checkpoint_dir)
+    if not found:
+        return None
+    path, state = found
+    if state.get("world_size") != world:
+        raise ValueError(f"checkpoint {path} was written by {state.get('world_size')} processes, this run has "
+                         f"{world}; resume with num_processes={state.get('world_size')} or resume=never")
+    if "monitor" not in state:
+        raise ValueError(f"checkpoint {path} was written by an older mlflow_llmeff without meter state; "
+                         "resume=never starts a new run")
+    return path, state
+
+
+def save(accelerator, cfg, step: int, monitor, extra: dict) -> None:
+    """Write Accelerate's state, then the meter's state (a collective: every rank calls it).
+
+    The meter's state is taken after the weights are written, so its clock holds the write; the
+    metrics up to this step reach the tracking server before ``llmeff_state.json`` is written, last
+    (a directory without it is an interrupted save), so a resume from here never lacks them.
+    """
+    path = step_dir(cfg.checkpoint_dir, step)
+    accelerator.save_state(path)
+    state = monitor.state_dict()
+    if accelerator.is_main_process:
+        monitor.flush()
+        write_state(path, {"step": step, "run_id": monitor.run_id, "monitor": state,
+                           "world_size": accelerator.num_processes, "params": cfg.to_params(), **extra})
+        prune(cfg.checkpoint_dir, cfg.checkpoint_keep)
+    accelerator.wait_for_everyone()

@@ -1,0 +1,167 @@
+"""The measurement conditions of a run as ``llmeff.*`` tags, and what is read off the model.
+
+One place for every path (``llmeff train``, ``EfficiencyMonitor``, autolog): the accelerator, its
+count and nodes, parallelism, precision, model shape, FLOPs convention, peaks and their sources,
+warm-up, energy and cost sources, software versions and the code's commit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import names
+
+__all__ = ["unwrap_model", "infer_precision", "infer_strategy", "is_compiled", "uses_activation_checkpointing",
+           "model_name", "condition_tags", "FLOPS_FORMULA_NOTE", "WARMUP_NOTE"]
+
+FLOPS_FORMULA_NOTE = ("megatron: L*h^2*(12+12g/n+18f/h+6s/h)+6hV per token, causal attention counted once "
+                      "(Megatron-LM num_floating_point_operations); palm beside it")
+WARMUP_NOTE = ("first warmup_steps optimizer steps of every attempt (torch.compile, allocator and kernel warm-up, "
+               "the FlopCounterMode step) excluded from throughput/* and steady-state summary/*; their excess over "
+               "steady-state step time is summary/badput_warmup_s (badput_compile_s when compiling)")
+
+
+def unwrap_model(model):
+    """The user's module inside DDP / FSDP / Accelerate / ``torch.compile`` wrappers."""
+    seen = 0
+    while model is not None and seen < 8:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None or inner is model:
+            break
+        model, seen = inner, seen + 1
+    return model
+
+
+def is_compiled(model) -> bool:
+    """True when ``torch.compile`` wraps the model at any depth of its wrappers."""
+    m, depth = model, 0
+    while m is not None and depth < 8:
+        if getattr(m, "_orig_mod", None) is not None:
+            return True
+        m, depth = getattr(m, "module", None), depth + 1
+    return False
+
+
+def uses_activation_checkpointing(model) -> bool:
+    """True for a Hugging Face model with activation (gradient) checkpointing on."""
+    try:
+        inner = unwrap_model(model)
+        for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers >= 5 renamed it
+            if hasattr(type(inner), attr) or attr in getattr(inner, "__dict__", {}):
+                return bool(getattr(inner, attr))
+        return False
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def infer_precision(model) -> str:
+    """``fp32`` / ``bf16`` / ``fp16`` from the dtype of the model's first floating parameter."""
+    try:
+        import torch
+
+        for p in model.parameters():
+            if p.is_floating_point():
+                return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(p.dtype, "fp32")
+    except Exception:  # noqa: BLE001
+        pass
+    return "fp32"
+
+
+def infer_strategy(model, world: int) -> str:
+    """``single``, ``ddp``, ``fsdp`` or ``deepspeed_zero<n>`` from the model's wrappers, Accelerate's
+    environment and the world size."""
+    m, depth = model, 0
+    while m is not None and depth < 8:
+        cls = type(m).__name__
+        if "FullyShardedDataParallel" in cls or cls.startswith("FSDP"):
+            return "fsdp"
+        if cls == "DistributedDataParallel":
+            return "ddp"
+        m, depth = getattr(m, "_orig_mod", None) or getattr(m, "module", None), depth + 1
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        return "fsdp"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        return f"deepspeed_zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
+    return "ddp" if world > 1 else "single"
+
+
+def model_name(model, config) -> str:
+    """The config's ``name_or_path``, else its ``model_type``, else the module's class name."""
+    for attr in ("name_or_path", "_name_or_path"):
+        v = getattr(config, attr, None)
+        if isinstance(v, str) and v:
+            return v
+    mt = getattr(config, "model_type", None)
+    if isinstance(mt, str) and mt:
+        return mt
+    inner = unwrap_model(model)
+    return type(inner).__name__.lower() if inner is not None else "model"
+
+
+def script_git_commit() -> str:
+    """Git commit of the directory holding the running script (``sys.argv[0]``), where known."""
+    from .probes import git_commit
+
+    here = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else os.getcwd()
+    return git_commit(here)
+
+
+def nodes(world: int) -> int:
+    """Machines taking part: ``NUM_MACHINES`` / ``GROUP_WORLD_SIZE`` when a launcher says, else world / local world."""
+    for var in ("NUM_MACHINES", "GROUP_WORLD_SIZE"):
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local_n = int(local) if local.isdigit() and int(local) > 0 else world
+    return max(1, world // local_n)
+
+
+def model_tags(model, config) -> dict[str, str]:
+    """``llmeff.model.*`` tags: name, parameters (total, non-embedding), layers, hidden size."""
+    from .probes import param_counts
+
+    tags = {names.MODEL_NAME: model_name(model, config)}
+    inner = unwrap_model(model)
+    if inner is not None:
+        try:
+            total, non_emb = param_counts(inner)
+            tags[names.MODEL_PARAMS], tags[names.MODEL_NON_EMB_PARAMS] = str(total), str(non_emb)
+        except Exception:  # noqa: BLE001 - not a Hugging Face model: total only
+            tags[names.MODEL_PARAMS] = str(sum(p.numel() for p in inner.parameters()))
+    if config is not None:
+        tags[names.MODEL_LAYERS] = str(getattr(config, "num_hidden_layers", getattr(config, "n_layer", "unknown")))
+        tags[names.MODEL_HIDDEN] = str(getattr(config, "hidden_size", getattr(config, "n_embd", "unknown")))
+    return tags
+
+
+def condition_tags(*, accelerator, world: int, strategy: str, precision: str, model, config, flops_note: str,
+                   peak_tflops: float | None, peak_source: str, measured_peak_note: str, warmup_steps: int,
+                   energy_source: str, energy_why: str | None, integration: str, compiled: bool,
+                   activation_checkpointing: bool, cost_tags: dict[str, str]) -> dict[str, str]:
+    """Every condition tag a meter knows at its start (see ``docs/metrics.md`` for each key)."""
+    from .probes import software_versions
+
+    tags = {**accelerator.tags(), **software_versions()}
+    tags.update({
+        names.NODES: str(nodes(world)), names.PAR_STRATEGY: strategy, names.PAR_DP: str(world),
+        names.PAR_TP: "1", names.PAR_PP: "1", names.PAR_CP: "1", names.PRECISION: precision,
+        names.FLOPS_FORMULA: flops_note,
+        names.PEAK_TFLOPS: f"{peak_tflops:g}" if peak_tflops else "unknown", names.PEAK_SOURCE: peak_source,
+        names.PEAK_MEASURED_TFLOPS: measured_peak_note,
+        names.WARMUP_STEPS: str(warmup_steps), names.WARMUP_NOTE: WARMUP_NOTE,
+        names.GIT_COMMIT: script_git_commit(),
+        names.ENERGY_SOURCE: energy_source, names.ENERGY_WHY: energy_why or "measured",
+        names.AUTOLOG_INTEGRATION: integration,
+        names.COMPILE: str(bool(compiled)).lower(), names.ACT_CKPT: str(bool(activation_checkpointing)).lower(),
+    })
+    tags.update(model_tags(model, config))
+    tags.update(cost_tags)
+    return tags
+
+
+def shape_tags(micro_batch_size: int, seq_len: int, grad_accum: int, world: int) -> dict[str, str]:
+    """``llmeff.seq_len``, ``micro_batch_size``, ``grad_accum`` and ``global_batch_tokens``."""
+    return {names.SEQ_LEN: str(seq_len), names.MICRO_BATCH_SIZE: str(micro_batch_size),
+            names.GRAD_ACCUM: str(grad_accum), names.GLOBAL_BATCH_TOKENS: str(seq_len * micro_batch_size * grad_accum * world)}

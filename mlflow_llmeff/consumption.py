@@ -1,0 +1,190 @@
+"""Running totals of what a run consumes: measured energy, codecarbon's estimate, carbon and cost.
+
+Consumption never rolls back. Progress counters (steps, tokens) restart from the checkpoint a
+resumed run loads, because the work after it is redone; resources spent after that checkpoint were
+spent all the same, so after a resume every consumption total continues from the newest figure the
+run recorded: the crashed attempt's last logged point, or its checkpoint, whichever is later
+(:meth:`Consumption.resume`). Cost follows the wall time, which already holds the crashed
+attempt's lost progress (:mod:`mlflow_llmeff.goodput`).
+
+Formulas (``../shared/METRICS.md``, *Cost, energy, carbon*):
+
+* ``energy/total_kwh = J / 3.6e6`` of the measured devices of every rank (NVML, RAPL);
+* ``carbon/total_kg_co2e = kWh x intensity / 1000`` with codecarbon's grid intensity;
+* codecarbon's CPU/RAM *estimate* is kept apart (``energy/estimate/*``, ``carbon/estimate_kg_co2e``);
+* ``cost/total_usd = device_hour_usd x devices x wall_s / 3600 (+ measured kWh x usd_per_kwh)``.
+
+Pure: readings come in from the caller (already summed over ranks); no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import energy as en
+from . import names
+from .cost import total_cost_usd, usd_per_billion_tokens
+
+__all__ = ["Consumption"]
+
+
+@dataclass
+class Consumption:
+    """Energy, estimate, carbon and cost totals of a run (all attempts).
+
+    Args:
+        devices: devices taking part (for cost and average power per device).
+        device_hour_usd: price per device-hour, USD, or None (no cost figures).
+        usd_per_kwh: energy price, USD/kWh, or None (energy not priced).
+        intensity_g_per_kwh: grid intensity codecarbon uses, g CO2e/kWh, or None (no carbon).
+    """
+
+    devices: int
+    device_hour_usd: float | None = None
+    usd_per_kwh: float | None = None
+    intensity_g_per_kwh: float | None = None
+    prior_j: float = 0.0  # measured energy of earlier attempts, J
+    prior_cpu_kwh: float = 0.0  # codecarbon estimate of earlier attempts, kWh
+    prior_ram_kwh: float = 0.0
+    joules: float = 0.0  # measured energy of this attempt, all ranks, J
+    energy_devices: int = 0  # devices measured (0: nothing measured)
+    cpu_kwh: float | None = None  # codecarbon estimate of this attempt, all nodes (None: no estimate)
+    ram_kwh: float | None = None
+    _mark: tuple[float, int, float] | None = None  # (J, tokens, wall s) at the last interval
+
+    # ------------------------------------------------------------------------------ updates
+    def update(self, *, joules: float, energy_devices: int, estimate: tuple[float, float] | None = None) -> None:
+        """Set this attempt's readings (cumulative since its start, summed over ranks)."""
+        self.joules, self.energy_devices = float(joules), int(energy_devices)
+        if estimate is not None:
+            self.cpu_kwh, self.ram_kwh = float(estimate[0]), float(estimate[1])
+
+    def resume(self, state: dict, last_logged: dict[str, float]) -> None:
+        """Continue from a checkpoint's :meth:`state_dict` and the run's newest logged totals.
+
+        Args:
+            state: what :meth:`state_dict` returned when the checkpoint was written.
+            last_logged: newest logged value of each cumulative key of the run (all attempts),
+                e.g. ``{"energy/total_kwh": 0.3}``; missing keys fall back to the checkpoint.
+        """
+        self.prior_j = max(float(state.get("energy_j", 0.0)),
+                           last_logged.get(names.ENERGY_TOTAL_KWH, 0.0) * en.J_PER_KWH)
+        self.prior_cpu_kwh = max(float(state.get("estimate_cpu_kwh", 0.0)),
+                                 last_logged.get(names.ENERGY_ESTIMATE_CPU_KWH, 0.0))
+        self.prior_ram_kwh = max(float(state.get("estimate_ram_kwh", 0.0)),
+                                 last_logged.get(names.ENERGY_ESTIMATE_RAM_KWH, 0.0))
+
+    def state_dict(self) -> dict:
+        """Totals of all attempts so far, for a checkpoint."""
+        return {"energy_j": self.total_j, "estimate_cpu_kwh": self.prior_cpu_kwh + (self.cpu_kwh or 0.0),
+                "estimate_ram_kwh": self.prior_ram_kwh + (self.ram_kwh or 0.0)}
+
+    # ------------------------------------------------------------------------------ totals
+    @property
+    def measured(self) -> bool:
+        """True when some device's energy is measured (NVML, RAPL)."""
+        return self.energy_devices > 0
+
+    @property
+    def total_j(self) -> float:
+        """Measured energy of all attempts, J."""
+        return self.prior_j + self.joules
+
+    @property
+    def total_kwh(self) -> float | None:
+        """Measured energy of all attempts, kWh; None when nothing is measured."""
+        return en.joules_to_kwh(self.total_j) if self.measured else None
+
+    @property
+    def estimate(self) -> tuple[float, float] | None:
+        """codecarbon's (CPU, RAM) estimate of all attempts, kWh; None without one."""
+        if self.cpu_kwh is None:
+            return None
+        return self.prior_cpu_kwh + self.cpu_kwh, self.prior_ram_kwh + (self.ram_kwh or 0.0)
+
+    def kg_co2e(self, kwh: float | None) -> float | None:
+        """``kWh x intensity / 1000``; None without energy or intensity."""
+        if kwh is None or self.intensity_g_per_kwh is None:
+            return None
+        return kwh * self.intensity_g_per_kwh / 1000.0
+
+    def cost_usd(self, wall_s: float) -> float | None:
+        """Cost of ``wall_s`` seconds (all attempts) on every device, plus priced measured energy."""
+        if self.device_hour_usd is None:
+            return None
+        return total_cost_usd(device_hour_usd=self.device_hour_usd, devices=self.devices, wall_s=wall_s,
+                              kwh=self.total_kwh or 0.0, usd_per_kwh=self.usd_per_kwh)
+
+    # ------------------------------------------------------------------------------ figures
+    def totals(self, wall_s: float) -> dict[str, float]:
+        """The cumulative interval keys at wall time ``wall_s``: energy, estimate, carbon, cost."""
+        out: dict[str, float] = {}
+        kwh = self.total_kwh
+        if kwh is not None:
+            out[names.ENERGY_TOTAL_KWH] = kwh
+            kg = self.kg_co2e(kwh)
+            if kg is not None:
+                out[names.CARBON_TOTAL_KG] = kg
+        est = self.estimate
+        if est is not None:
+            out[names.ENERGY_ESTIMATE_CPU_KWH], out[names.ENERGY_ESTIMATE_RAM_KWH] = est
+            kg = self.kg_co2e(est[0] + est[1])
+            if kg is not None:
+                out[names.CARBON_ESTIMATE_KG] = kg
+        usd = self.cost_usd(wall_s)
+        if usd is not None:
+            out[names.COST_TOTAL_USD] = usd
+        return out
+
+    def interval(self, wall_s: float, tokens: int) -> dict[str, float]:
+        """Totals plus the interval's average power per device and J per token since the last call."""
+        out = self.totals(wall_s)
+        j = self.total_j
+        if self.measured and self._mark is not None:
+            j0, tok0, t0 = self._mark
+            if wall_s > t0:
+                out[names.ENERGY_DEVICE_AVG_POWER_W] = en.average_power_w(j - j0, wall_s - t0, self.energy_devices)
+            if tokens > tok0:
+                out[names.ENERGY_J_PER_TOKEN] = en.j_per_token(j - j0, tokens - tok0)
+        self._mark = (j, tokens, wall_s)
+        return out
+
+    def start_interval(self, wall_s: float, tokens: int) -> None:
+        """Open the first interval (energy and tokens so far, at wall time ``wall_s``)."""
+        self._mark = (self.total_j, tokens, wall_s)
+
+    def summary(self, wall_s: float, tokens: int, device_tflops: float | None) -> dict[str, float]:
+        """End-of-run ``summary/*`` consumption figures (keys of ``../shared/METRICS.md``).
+
+        Args:
+            wall_s: the run's wall time, all attempts, s.
+            tokens: non-padding tokens trained on, all attempts.
+            device_tflops: steady-state achieved model TFLOP/s per device (for TFLOP/s per W).
+        """
+        out: dict[str, float] = {}
+        kwh = self.total_kwh
+        usd = self.cost_usd(wall_s)
+        if usd is not None:
+            out[names.SUM_COST_USD] = usd
+            if tokens:
+                out[names.SUM_USD_PER_BTOK] = usd_per_billion_tokens(usd, tokens)
+        if kwh is not None:
+            out[names.SUM_ENERGY_KWH] = kwh
+            if tokens:
+                out[names.SUM_J_PER_TOKEN] = en.j_per_token(self.total_j, tokens)
+                out[names.SUM_KWH_PER_BTOK] = en.kwh_per_billion_tokens(kwh, tokens)
+            power = en.average_power_w(self.total_j, wall_s, self.energy_devices) if wall_s > 0 else 0.0
+            if device_tflops is not None and power > 0:
+                out[names.SUM_TFLOPS_PER_W] = en.tflops_per_w(device_tflops, power)
+            kg = self.kg_co2e(kwh)
+            if kg is not None:
+                out[names.SUM_KG_CO2E] = kg
+                if tokens:
+                    out[names.SUM_KG_CO2E_PER_BTOK] = kg * 1e9 / tokens
+        elif self.estimate is not None:
+            kg = self.kg_co2e(sum(self.estimate))
+            if kg is not None:
+                out[names.SUM_ESTIMATE_KG_CO2E] = kg
+                if tokens:
+                    out[names.SUM_ESTIMATE_KG_CO2E_PER_BTOK] = kg * 1e9 / tokens
+        return out

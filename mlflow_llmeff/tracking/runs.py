@@ -1,0 +1,86 @@
+"""Which MLflow run a meter logs into, and how it ends: open, resume, end with a status.
+
+Order of choice (:func:`open_run`): an explicit ``run_id`` (a resumed checkpoint's run); the
+active run; ``MLFLOW_RUN_ID`` (set by ``mlflow run`` for the child process; named as below while
+it has no metrics yet); otherwise a new run
+in ``experiment_name`` (or MLflow's current experiment), named as ``../shared/METRICS.md`` says.
+A run the meter opened or resumed is the meter's to end; an active run the user started stays
+open for the user.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import names
+
+__all__ = ["RunHandle", "open_run", "end_run"]
+
+
+@dataclass
+class RunHandle:
+    """The run a meter logs into.
+
+    Attributes:
+        run_id: MLflow run id.
+        owned: True when the meter ends the run (it created or resumed it).
+        fluent: True when the run is MLflow's active run started by the meter (``mlflow.start_run``).
+        resumed: True when an existing run was continued.
+    """
+
+    run_id: str
+    owned: bool
+    fluent: bool
+    resumed: bool
+
+
+def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str | None = None) -> RunHandle:
+    """Open (or continue) the run to log into; see the module docstring for the order of choice.
+
+    Under ``mlflow run`` a resumed checkpoint's run can differ from the launcher's
+    ``MLFLOW_RUN_ID``: the launcher's run then gets ``llmeff.resume.continued_in_run``.
+    """
+    import mlflow
+
+    from .logger import ensure_experiment_kind
+
+    env_run = os.environ.get("MLFLOW_RUN_ID") or None
+    if run_id is not None:
+        client.update_run(run_id, status="RUNNING")
+        if env_run and env_run != run_id:
+            client.set_tag(env_run, names.RESUME_CONTINUED_IN, run_id)
+        return RunHandle(run_id, owned=True, fluent=False, resumed=True)
+    active = mlflow.active_run()
+    if active is not None:
+        return RunHandle(active.info.run_id, owned=False, fluent=False, resumed=False)
+    if env_run:
+        client.update_run(env_run, status="RUNNING")
+        run = client.get_run(env_run)
+        if not run.data.metrics:  # the launcher's fresh run: give it the standard name
+            client.set_tag(env_run, "mlflow.runName", run_name)
+        ensure_experiment_kind(client, run.info.experiment_id)
+        return RunHandle(env_run, owned=True, fluent=False, resumed=True)
+    if experiment_name:
+        exp = client.get_experiment_by_name(experiment_name)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment_name)
+    else:
+        from mlflow.tracking.fluent import _get_experiment_id
+
+        exp_id = _get_experiment_id()
+    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name)
+    ensure_experiment_kind(client, run.info.experiment_id)
+    return RunHandle(run.info.run_id, owned=True, fluent=True, resumed=False)
+
+
+def end_run(client, handle: RunHandle, status: str) -> None:
+    """End a run the meter owns with ``status`` (and an end time); leaves a user's active run open."""
+    if not handle.owned:
+        return
+    import mlflow
+
+    active = mlflow.active_run()
+    if handle.fluent and active is not None and active.info.run_id == handle.run_id:
+        mlflow.end_run(status)
+    else:
+        client.set_terminated(handle.run_id, status)
