@@ -51,12 +51,30 @@ from mlflow.utils.autologging_utils import (
     safe_patch,
 )
 
-__all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor"]
+__all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor", "HIDDEN_FROM_AUTOLOG", "HIDDEN_FROM_MONITOR"]
 
 log = logging.getLogger(__name__)
 
 #: The name under which MLflow's autologging utilities know this integration.
 INTEGRATION = "mlflow_llmeff"
+
+#: What ``llmeff train`` logs that an explicit :class:`~mlflow_llmeff.monitor.EfficiencyMonitor`
+#: cannot know unless the caller passes it (``tags=``, ``params=``): key (or ``params``) -> why.
+HIDDEN_FROM_MONITOR = {
+    "llmeff.dataset": "the loop's data source is the loop's own (pass tags={'llmeff.dataset': ...})",
+    "llmeff.dataset.kind": "likewise",
+    "llmeff.tokenizer": "the loop's tokenizer is the loop's own",
+    "params": "llmeff train logs its settings as params; a loop's settings are the caller's to log (params=)",
+}
+#: What ``llmeff train`` logs that a user's loop hides from ``autolog()``: key, key prefix or
+#: ``params`` -> why. Listed in docs/autolog.md; a test checks the three paths against it.
+HIDDEN_FROM_AUTOLOG = {
+    **HIDDEN_FROM_MONITOR,
+    "eval/": ("evaluations a loop runs itself are timed (a forward outside training opens an eval pause) but "
+              "their results are not seen; HF Trainer's evaluate() is (eval_loss -> eval/val_loss); report "
+              "others with mlflow_llmeff.active_monitor().log_eval(...)"),
+    "ttq/": "time-to-quality needs those evaluation results",
+}
 
 
 @dataclass(frozen=True)

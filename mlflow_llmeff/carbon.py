@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from mlflow_llmeff import names
 
-__all__ = ["CodecarbonEstimate", "CarbonTracker", "grid_intensity_g_per_kwh"]
+__all__ = ["CodecarbonEstimate", "CarbonTracker", "FakeCarbonTracker", "grid_intensity_g_per_kwh"]
 
 _log = logging.getLogger(__name__)
 
@@ -339,3 +339,39 @@ class CarbonTracker:
         elif self.why:
             t[names.CARBON_ESTIMATE_METHOD] = f"none: {self.why}"
         return t
+
+
+class FakeCarbonTracker(CarbonTracker):
+    """A tracker for tests, shipped with the package: a fixed grid intensity and an estimate you set.
+
+    Nothing is imported from codecarbon and nothing runs in the background. :meth:`set_estimate`
+    sets the running CPU and RAM estimate (kWh since :meth:`start`); :meth:`stop` freezes it.
+
+    Args:
+        intensity_g_per_kwh: the grid intensity it reports, g CO2e/kWh.
+    """
+
+    def __init__(self, intensity_g_per_kwh: float = 400.0) -> None:
+        super().__init__(enabled=True)
+        self._fixed = float(intensity_g_per_kwh)
+        self._running: tuple[float, float] | None = None
+        self.started = False
+
+    def start(self) -> None:
+        self.intensity_g_per_kwh = self._fixed
+        self.source = "fake"
+        self.started = True
+        self._running = (0.0, 0.0)
+
+    def set_estimate(self, cpu_kwh: float, ram_kwh: float) -> None:
+        """Set the running estimate since :meth:`start`, kWh."""
+        self._running = (float(cpu_kwh), float(ram_kwh))
+
+    def running_estimate(self, min_age_s: float = 1.0) -> tuple[float, float] | None:
+        if self.estimate is not None:
+            return self.estimate.cpu_kwh, self.estimate.ram_kwh
+        return self._running
+
+    def stop(self) -> None:
+        if self._running is not None and self.estimate is None:
+            self.estimate = CodecarbonEstimate(self._running[0], self._running[1], "fake", "machine", 0.0)

@@ -92,7 +92,10 @@ def test_disable_restores_every_patched_function_and_hook(tracking_uri):
 
     targets = [(torch.optim.Optimizer, "__init__"), (torch.distributed, "destroy_process_group"),
                (fluent, "end_run"), (mlflow, "end_run"), (transformers.Trainer, "__init__"),
-               (accelerate.Accelerator, "prepare"), (accelerate.Accelerator, "end_training")]
+               (transformers.Trainer, "evaluate"), (transformers.Trainer, "_save_checkpoint"),
+               (transformers.Trainer, "_load_from_checkpoint"), (accelerate.Accelerator, "prepare"),
+               (accelerate.Accelerator, "end_training"), (accelerate.Accelerator, "save_state"),
+               (accelerate.Accelerator, "load_state")]
     before = [vars(obj)[name] for obj, name in targets]
     hooks_before = (len(topt._global_optimizer_post_hooks), len(tm._global_forward_hooks),
                     len(tm._global_forward_pre_hooks))
@@ -110,7 +113,7 @@ def test_disable_restores_every_patched_function_and_hook(tracking_uri):
     assert all(vars(obj)[name] is orig for (obj, name), orig in zip(targets, before))
     assert (len(topt._global_optimizer_post_hooks), len(tm._global_forward_hooks),
             len(tm._global_forward_pre_hooks)) == hooks_before
-    assert len(model._forward_hooks) == 0 and not AL.is_enabled()
+    assert len(model._forward_hooks) == 0 and len(model._forward_pre_hooks) == 0 and not AL.is_enabled()
     assert mlflow.MlflowClient().get_run(run_id).data.metrics[names.SUM_STEPS] == 1.0  # finished on disable
     # The loop now runs untouched: no new run, no metrics.
     n_runs = len(mlflow.search_runs(search_all_experiments=True))
@@ -168,3 +171,86 @@ def test_script_that_dies_with_an_exception_leaves_a_failed_run(tmp_path):
     runs = mlflow.MlflowClient(tracking_uri=own_store).search_runs(["0"])
     assert [x.info.status for x in runs] == ["FAILED"]
     assert runs[0].data.metrics["train/tokens"] == 3 * 16
+
+
+def parts_add_up(m: dict) -> float:
+    return m[names.SUM_GOODPUT] * m[names.SUM_WALL_S] + sum(m.get(k, 0.0) for k in names.SUM_BADPUT.values())
+
+
+def test_an_eval_inside_a_plain_loop_is_timed_as_eval_not_as_a_step(tracking_uri):
+    import time
+
+    mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none")
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1, 5):
+        model(**batch([8, 8])).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:  # the loop's own evaluation, as users write it
+            model.eval()
+            with torch.no_grad():
+                model(**batch([8]))
+                time.sleep(1.0)  # a slow eval data loader
+                model(**batch([8]))
+            model.train()
+    run_id = AL.active_monitor().run_id
+    mlflow.end_run()
+    m = mlflow.MlflowClient().get_run(run_id).data.metrics
+    assert m[names.SUM_BADPUT["eval"]] >= 1.0
+    assert m[names.SUM_STEP_TIME_S] < 0.5  # a tiny model's step takes milliseconds: the eval is not in it
+    assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=1e-9)
+    assert m[names.TRAIN_TOKENS] == 4 * 16  # the eval's tokens are not training tokens
+
+
+def test_accelerate_save_state_and_load_state_are_checkpoint_time(tracking_uri, tmp_path):
+    from accelerate import Accelerator
+
+    mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=0, measure_energy="none")
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(tiny_model())
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(1, 5):
+        acc.backward(model(**batch([8])).loss)
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            acc.save_state(str(tmp_path / "ckpt"))
+            acc.load_state(str(tmp_path / "ckpt"))
+    run_id = AL.active_monitor().run_id
+    acc.end_training()
+    m = mlflow.MlflowClient().get_run(run_id).data.metrics
+    assert m[names.SUM_BADPUT["checkpoint_save"]] > 0 and m[names.SUM_BADPUT["checkpoint_load"]] > 0
+    assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=1e-9)
+    assert m[names.SUM_STEPS] == 4.0
+
+
+def test_trainer_evaluate_is_eval_time_and_its_loss_reaches_time_to_quality(tracking_uri, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            b = batch([8 - i % 3])
+            return {k: v[0] for k, v in b.items()}
+
+    mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none", targets="val_loss<=100")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                             max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="no", report_to="none",
+                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0, logging_steps=2)
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=Rows(), eval_dataset=Rows())
+    trainer.train()
+    runs = mlflow.MlflowClient().search_runs([e.experiment_id for e in mlflow.search_experiments()],
+                                             order_by=["attributes.start_time DESC"])
+    run = runs[0]
+    assert run.data.tags[names.AUTOLOG_INTEGRATION] == "trainer"
+    m = run.data.metrics
+    hist = mlflow.MlflowClient().get_metric_history(run.info.run_id, names.EVAL_VAL_LOSS)
+    assert sorted(p.step for p in hist) == [2, 4]
+    assert [p.step for p in mlflow.MlflowClient().get_metric_history(run.info.run_id,
+                                                                      "ttq/val_loss_le_100_wall_s")] == [2]
+    assert m[names.SUM_BADPUT["eval"]] > 0
+    assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=1e-9)
+    assert run.data.tags["llmeff.ttq.val_loss_le_100"] == "reached_at_step_2"

@@ -159,3 +159,192 @@ def test_a_failure_inside_the_monitor_warns_and_never_raises(tracking_uri, monke
         mon.step(tokens=10, samples=1)
     mon.step(tokens=10, samples=1)  # now a no-op
     assert mon.finish() == {}
+
+
+# ------------------------------------------------------------------------------------ the clock
+def run_a_b(eval_s: float):
+    """12 steps of 0.086 s (256 tokens each), logged every 4; an eval of ``eval_s`` after steps 4 and 8."""
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=4, warmup_steps=3, clock=clock, measure_energy="none",
+                            measure_peak=False, started_at=-2.0)  # 2 s of set-up before the monitor
+    for step in range(1, 13):
+        clock.t += 0.086
+        mon.step(tokens=256, samples=4)
+        if eval_s and step % 4 == 0:
+            with mon.pause("eval"):
+                clock.t += eval_s
+            mon.log_eval({"val_loss": 5.0})
+    clock.t += 0.01
+    return mon, mon.finish()
+
+
+def test_an_eval_between_steps_never_lands_in_tokens_per_sec(tracking_uri):
+    # The issue's case: run B (eval every 4 steps) reported 79 tokens/s against run A's 1,312.
+    a_mon, a = run_a_b(0.0)
+    b_mon, b = run_a_b(4.15)
+    assert a[names.SUM_TOKENS_PER_SEC] == pytest.approx(256 / 0.086, rel=1e-9)
+    assert b[names.SUM_TOKENS_PER_SEC] == pytest.approx(a[names.SUM_TOKENS_PER_SEC], rel=1e-9)
+    assert b[names.SUM_STEP_TIME_S] == pytest.approx(0.086, rel=1e-9)
+    assert [v for _, v in history(b_mon.run_id, names.TPUT_TOKENS)] == pytest.approx([256 / 0.086] * 3, rel=1e-9)
+    for s, evals in ((a, 0), (b, 3)):
+        assert s[names.SUM_BADPUT["eval"]] == pytest.approx(evals * 4.15, rel=1e-12)
+        parts = s[names.SUM_GOODPUT] * s[names.SUM_WALL_S] + sum(s.get(k, 0.0) for k in names.SUM_BADPUT.values())
+        assert parts == pytest.approx(s[names.SUM_WALL_S], rel=1e-12)  # exact but for float rounding
+        assert s[names.SUM_WALL_S] == pytest.approx(2.0 + 12 * 0.086 + evals * 4.15 + 0.01, rel=1e-12)
+        assert s[names.SUM_BADPUT["init"]] == pytest.approx(2.0, rel=1e-12)
+        assert s[names.SUM_BADPUT["other"]] == pytest.approx(0.01, rel=1e-9)
+
+
+def test_warmup_badput_is_named_warmup_or_compile(tracking_uri):
+    for compiled, key, other in ((False, "warmup", "compile"), (True, "compile", "warmup")):
+        clock = Clock()
+        mon = EfficiencyMonitor(log_every_n_steps=10, warmup_steps=2, clock=clock, measure_energy="none",
+                                measure_peak=False, compile=compiled)
+        for dt in (5.0, 1.0, 1.0, 1.0, 1.0):  # warm-up steps take 6 s, steady ones 1 s
+            clock.t += dt
+            mon.step(tokens=10, samples=1)
+        s = mon.finish()
+        assert s[names.SUM_BADPUT[key]] == 4.0 and names.SUM_BADPUT[other] not in s
+        assert s[names.SUM_GOODPUT] == 5.0 / 9.0
+        tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+        assert tags[names.COMPILE] == str(compiled).lower()
+
+
+def test_hfu_is_mfu_times_palm_over_megatron_flops_without_a_counted_step(tracking_uri):
+    cfg = load_config("llama-tiny")
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model_config=cfg, peak_tflops=2.0, clock=clock,
+                            measure_energy="none", measure_peak=False, activation_checkpointing=True)
+    for _ in range(2):
+        clock.t += 0.5
+        mon.step(tokens=64, samples=2)  # two sequences of 32
+    s = mon.finish()
+    ratio = flops_per_token(cfg, 32.0, "palm") / flops_per_token(cfg, 32.0) * 4 / 3
+    assert s[names.SUM_HFU] == pytest.approx(s[names.SUM_MFU] * ratio, rel=1e-12)
+    assert history(mon.run_id, names.TPUT_DEVICE_HFU)[0][1] == pytest.approx(s[names.SUM_HFU], rel=1e-12)
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert tags[names.HFU_METHOD].startswith("analytic") and "x4/3" in tags[names.HFU_METHOD]
+
+
+# ------------------------------------------------------------------------------------ time to quality
+def test_time_to_quality_hand_computed(tracking_uri):
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, measure_energy="none",
+                            measure_peak=False, device_hour_usd=3.6, targets="val_loss<=2.0,val_loss<=1.0",
+                            started_at=-5.0)
+    for step, loss in ((1, 3.0), (2, 1.9), (3, 1.5)):
+        clock.t += 1.0
+        mon.step(tokens=100, samples=1)
+        with mon.pause("eval"):
+            clock.t += 2.0
+        mon.log_eval({"eval/val_loss": loss})
+    s = mon.finish()
+    m = mlflow.MlflowClient().get_run(mon.run_id).data
+    stem = "val_loss_le_2.0"
+    assert history(mon.run_id, f"ttq/{stem}_wall_s") == [(2, 6.0)]  # 2 steps + 2 evals, init excluded
+    assert m.metrics[f"ttq/{stem}_train_s"] == 2.0 and m.metrics[f"ttq/{stem}_tokens"] == 200.0
+    assert m.metrics[f"ttq/{stem}_device_hours"] == pytest.approx(6.0 / 3600)
+    assert m.metrics[f"ttq/{stem}_usd"] == pytest.approx(3.6 * 6.0 / 3600)
+    assert f"ttq/{stem}_kwh" not in m.metrics  # nothing measured: no made-up energy
+    assert m.tags[f"llmeff.ttq.{stem}"] == "reached_at_step_2"
+    assert m.tags["llmeff.ttq.val_loss_le_1.0"] == "not_reached"
+    assert history(mon.run_id, "eval/val_loss") == [(1, 3.0), (2, 1.9), (3, 1.5)]
+    assert s[names.SUM_WALL_S] == 5.0 + 3 * 3.0
+
+
+def test_a_target_written_with_a_plus_sign_loses_no_key(tracking_uri):
+    # The issue's case: --targets 'val_loss<=+9.5', reached at the last step; the final batch was rejected.
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=1, clock=clock, measure_energy="none",
+                            measure_peak=False, targets="val_loss<=+9.5")
+    for _ in range(3):
+        clock.t += 1.0
+        mon.step(tokens=10, samples=1)
+    mon.log_eval({"val_loss": 4.2})
+    s = mon.finish()
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    assert run.info.status == "FINISHED"
+    for suffix in ("wall_s", "train_s", "tokens", "device_hours"):
+        assert f"ttq/val_loss_le_9.5_{suffix}" in run.data.metrics
+    assert set(s) <= set(run.data.metrics) and names.SUM_GOODPUT in s
+    assert run.data.tags["llmeff.ttq.val_loss_le_9.5"] == "reached_at_step_3"
+
+
+def test_a_user_tag_mlflow_refuses_costs_no_condition_tag(tracking_uri):
+    # The issue's case: one bad user key in the batch with the standard tags lost every llmeff.* tag.
+    mon = EfficiencyMonitor(measure_energy="none", measure_peak=False, tags={"team@lab": "nlp", "owner": "ana"})
+    mon.step(tokens=10, samples=1)
+    mon.finish()
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    for key in (names.ACCEL_NAME, names.ACCEL_COUNT, names.PRECISION, names.PAR_STRATEGY, names.V_MLFLOW,
+                names.PEAK_SOURCE, names.WARMUP_STEPS, names.ENERGY_SOURCE, names.AUTOLOG_INTEGRATION):
+        assert key in tags, key
+    assert tags["team_at_lab"] == "nlp" and tags["owner"] == "ana"
+    assert "team@lab" in tags[names.LOGGING_WARNINGS]
+
+
+# ------------------------------------------------------------------------------------ endings
+@pytest.mark.parametrize("exc, status", [
+    (None, "FINISHED"), (RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED"),
+    (SystemExit(0), "FINISHED"), (SystemExit(None), "FINISHED"), (SystemExit(3), "FAILED"),
+    (SystemExit("bad input"), "FAILED")])
+def test_every_ending_gets_its_status_after_the_points_are_flushed(tracking_uri, exc, status):
+    mon = None
+    try:
+        with EfficiencyMonitor(log_every_n_steps=100, warmup_steps=0, measure_energy="none",
+                               measure_peak=False) as mon:
+            for _ in range(3):
+                mon.step(tokens=10, samples=1)
+            if exc is not None:
+                raise exc
+    except BaseException as e:  # noqa: BLE001
+        assert e is exc
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    assert run.info.status == status and run.info.end_time is not None
+    assert history(mon.run_id, names.TRAIN_TOKENS) == [(3, 30.0)]  # the buffered tail reached the store
+
+
+# ------------------------------------------------------------------------------------ resume
+def test_consumption_continues_from_the_crashed_attempts_last_point(tracking_uri):
+    # The issue's case: checkpoint at step 20, killed at 25, resumed. codecarbon's RAM estimate must
+    # cover both attempts (2.0e-4 kWh up to the crash + 1.26e-4 after = 3.26e-4), not the second only.
+    from mlflow_llmeff.carbon import FakeCarbonTracker
+
+    clock = Clock()
+    carbon = FakeCarbonTracker(intensity_g_per_kwh=500.0)
+    first = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=clock, measure_peak=False,
+                              energy_meter=FakeEnergyMeter(100.0, clock=clock), carbon_tracker=carbon,
+                              device_hour_usd=3.6)
+    for step in range(1, 26):
+        clock.t += 1.0
+        carbon.set_estimate(4e-6 * step, 8e-6 * step)
+        first.step(tokens=10, samples=1)
+        if step == 20:
+            state = first.state_dict()  # what the checkpoint at step 20 holds
+    first._logger.flush()  # then SIGKILL: what was sent is all the second attempt finds
+    run_id = first.run_id
+    last_ts = max(m.timestamp for m in mlflow.MlflowClient().get_metric_history(run_id, names.TRAIN_TOKENS)) / 1000
+    state["saved_at_unix"] = last_ts - 5.0  # the checkpoint was written 5 s (wall clock) before the last point
+    assert history(run_id, names.ENERGY_ESTIMATE_RAM_KWH)[-1] == (25, pytest.approx(2.0e-4))
+
+    carbon2 = FakeCarbonTracker(intensity_g_per_kwh=500.0)
+    second = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=clock, measure_peak=False,
+                               energy_meter=FakeEnergyMeter(100.0, clock=clock), carbon_tracker=carbon2,
+                               device_hour_usd=3.6, run_id=run_id, resume_state=state)
+    for step in range(21, 41):
+        clock.t += 1.0
+        carbon2.set_estimate(3e-5 * (step - 20) / 20, 1.26e-4 * (step - 20) / 20)
+        second.step(tokens=10, samples=1)
+    s = second.finish()
+    ram = history(run_id, names.ENERGY_ESTIMATE_RAM_KWH)
+    assert sorted({st for st, _ in ram}) == list(range(1, 41))  # 21..25 kept from the first attempt, not re-logged
+    assert ram[-1][1] == pytest.approx(2.0e-4 + 1.26e-4, rel=1e-12)  # 3.26e-4: both attempts
+    assert history(run_id, names.CARBON_ESTIMATE_KG)[-1][1] == pytest.approx((1.0e-4 + 3e-5 + 3.26e-4) * 0.5)
+    # measured energy: 25 s + 20 s at 100 W, the crashed tail included
+    assert s[names.SUM_ENERGY_KWH] == pytest.approx(45 * 100 / 3.6e6, rel=1e-12)
+    assert history(run_id, names.TRAIN_TOKENS)[-1] == (40, 400.0)  # progress restarts from the checkpoint
+    assert s[names.SUM_BADPUT["lost_progress"]] == pytest.approx(5.0, abs=1e-9)  # newest point - checkpoint
+    assert s[names.SUM_WALL_S] == pytest.approx(20 + 5 + 20, abs=1e-9)  # steps 21..25 were redone
+    assert s[names.SUM_COST_USD] == pytest.approx(3.6 * s[names.SUM_WALL_S] / 3600, rel=1e-12)
+    run = mlflow.MlflowClient().get_run(run_id)
+    assert run.data.tags[names.RESUME_ATTEMPTS] == "2" and run.data.tags[names.RESUMED_FROM] == "20"

@@ -19,10 +19,11 @@ from .. import lifecycle, names
 from . import checkpoint as ckpt
 from .config import TrainConfig, resolve_precision, validate
 
-# Test hooks: right after this optimizer step the process SIGKILLs itself (a crash), or raises
-# RuntimeError (a failure inside training).
+# Test hooks: right after this optimizer step the process SIGKILLs itself (a crash), raises
+# RuntimeError (a failure inside training), or sends itself SIGTERM (a scheduler's kill).
 KILL_AT_STEP_ENV = "LLMEFF_FAULT_KILL_AT_STEP"
 RAISE_AT_STEP_ENV = "LLMEFF_FAULT_RAISE_AT_STEP"
+SIGTERM_AT_STEP_ENV = "LLMEFF_FAULT_SIGTERM_AT_STEP"
 
 
 def run_training(cfg: TrainConfig) -> dict | None:
@@ -185,6 +186,9 @@ def _inject_faults(step: int, monitor) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if step == int(os.environ.get(RAISE_AT_STEP_ENV, "0") or 0):
         raise RuntimeError(f"{RAISE_AT_STEP_ENV}={step}: injected failure")
+    if step == int(os.environ.get(SIGTERM_AT_STEP_ENV, "0") or 0):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises SystemExit at the next bytecode
 
 
 def _already_done(cfg: TrainConfig, t, found) -> dict | None:
