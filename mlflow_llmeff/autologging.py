@@ -41,6 +41,7 @@ import math
 import sys
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from mlflow.utils.autologging_utils import (
@@ -51,7 +52,8 @@ from mlflow.utils.autologging_utils import (
     safe_patch,
 )
 
-__all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor", "HIDDEN_FROM_AUTOLOG", "HIDDEN_FROM_MONITOR"]
+__all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor", "pause", "HIDDEN_FROM_AUTOLOG",
+           "HIDDEN_FROM_MONITOR"]
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +335,28 @@ def active_monitor():
     return _SESSION.monitor if _SESSION is not None else None
 
 
+@contextmanager
+def pause(category: str):
+    """Declare non-step work to autolog's meter: ``with mlflow_llmeff.pause("checkpoint_save"): ...``.
+
+    A no-op while no training is being followed. Categories as
+    :meth:`~mlflow_llmeff.monitor.EfficiencyMonitor.pause`.
+
+    Raises:
+        ValueError: for an unknown category (also when no training is followed).
+    """
+    from .goodput import PAUSES
+
+    if category not in PAUSES:
+        raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
+    mon = active_monitor()
+    if mon is None or mon.finished:
+        yield
+        return
+    with mon.pause(category):
+        yield
+
+
 def _accelerate_strategy(acc) -> str:
     dt = str(getattr(getattr(acc, "distributed_type", None), "value", getattr(acc, "distributed_type", "")))
     dt = dt.upper()
@@ -557,9 +581,7 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
     Raises:
         ValueError: for a bad argument (autolog then stays disabled).
     """
-    global _SESSION
     from mlflow.utils.autologging_utils import AUTOLOGGING_INTEGRATIONS
-    from mlflow.utils.autologging_utils.safety import _AUTOLOGGING_CLEANUP_CALLBACKS
 
     from .evals.targets import parse_targets
     from .monitor import _check_args
@@ -574,8 +596,18 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
         AUTOLOGGING_INTEGRATIONS.setdefault(INTEGRATION, {})["disable"] = True
         raise
 
+    settings = _Settings(log_every_n_steps, warmup_steps, device_hour_usd, usd_per_kwh, measure_energy, peak_tflops,
+                         country_iso_code, cloud_provider, cloud_region, targets,
+                         tuple((k, str(v)) for k, v in (tags or {}).items()))
+    _install(_Session(settings))
+
+
+def _install(session: _Session) -> None:
+    """Make ``session`` current: its cleanup, the optimizer hook, every patch, the exit handling."""
+    global _SESSION
     import torch
     import torch.optim.optimizer as topt
+    from mlflow.utils.autologging_utils.safety import _AUTOLOGGING_CLEANUP_CALLBACKS
 
     import mlflow
     import mlflow.tracking.fluent as fluent
@@ -583,10 +615,6 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
 
     from . import lifecycle
 
-    settings = _Settings(log_every_n_steps, warmup_steps, device_hour_usd, usd_per_kwh, measure_energy, peak_tflops,
-                         country_iso_code, cloud_provider, cloud_region, targets,
-                         tuple((k, str(v)) for k, v in (tags or {}).items()))
-    session = _Session(settings)
     _SESSION = session
 
     def cleanup() -> None:  # run by revert_patches on autolog(disable=True) or a new autolog() call

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from . import collectives, lifecycle, names
 from .conditions import (FLOPS_FORMULA_NOTE, condition_tags, infer_precision, infer_strategy, is_compiled,
                          shape_tags, unwrap_model, uses_activation_checkpointing)
-from .goodput import PAUSES, TimeLedger, breakdown, goodput, wall_of
+from .goodput import PAUSES, TimeLedger, breakdown, goodput
 from .throughput import ThroughputMeter
 
 __all__ = ["EfficiencyMonitor", "PRECISIONS", "unwrap_model", "infer_precision", "infer_strategy"]
@@ -725,10 +725,8 @@ class EfficiencyMonitor:
         self._carbon.stop()
         if step > 0 and self._totals_step != step:  # counters and totals at the last step, once
             self._log_interval(step, collective)
-        else:
+        else:  # each key is logged once per step: the end-of-run totals are the summary's
             self._refresh_consumption(collective)
-            if self.is_main and step > 0:  # the end-of-run totals, a last point at the last step
-                self._logger.log_metrics(self._consumption.totals(wall_of(seconds)), step)
         out = self._summary_figures(seconds, collective)
         if self.is_main:
             self._logger.set_tags(self._end_tags(note))

@@ -38,3 +38,21 @@ def shared_data():
             pytest.fail(f"shared data not found at {DATA_DIR} (set LLMEFF_DATA_DIR)")
         pytest.skip(f"shared data not found at {DATA_DIR} (set LLMEFF_DATA_DIR)")
     return DATA_DIR
+
+
+@pytest.fixture(autouse=True)
+def _no_active_run_leaks():
+    """A test that leaves an MLflow run active would send the next test's metrics to it: fail it."""
+    yield
+    import sys
+
+    if "mlflow" in sys.modules:
+        import mlflow
+
+        run = mlflow.active_run()
+        if run is not None:
+            try:
+                mlflow.end_run()
+            except Exception:  # noqa: BLE001 - its store may be gone with the test's tmp_path
+                pass
+            pytest.fail(f"the test left MLflow run {run.info.run_id} active")

@@ -6,7 +6,7 @@ import mlflow
 import pytest
 import torch
 
-from mlflow_llmeff import names
+from mlflow_llmeff import lifecycle, names
 from mlflow_llmeff.energy import FakeEnergyMeter
 from mlflow_llmeff.flops import flops_per_token
 from mlflow_llmeff.monitor import EfficiencyMonitor
@@ -323,6 +323,8 @@ def test_consumption_continues_from_the_crashed_attempts_last_point(tracking_uri
             state = first.state_dict()  # what the checkpoint at step 20 holds
     first._logger.flush()  # then SIGKILL: what was sent is all the second attempt finds
     run_id = first.run_id
+    lifecycle.unregister(first)  # the process died: nothing of the first attempt runs any more
+    mlflow.end_run("KILLED")
     last_ts = max(m.timestamp for m in mlflow.MlflowClient().get_metric_history(run_id, names.TRAIN_TOKENS)) / 1000
     state["saved_at_unix"] = last_ts - 5.0  # the checkpoint was written 5 s (wall clock) before the last point
     assert history(run_id, names.ENERGY_ESTIMATE_RAM_KWH)[-1] == (25, pytest.approx(2.0e-4))
