@@ -52,6 +52,8 @@ from mlflow.utils.autologging_utils import (
     safe_patch,
 )
 
+from . import names
+
 __all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor", "pause", "HIDDEN_FROM_AUTOLOG",
            "HIDDEN_FROM_MONITOR"]
 
@@ -123,6 +125,7 @@ class _Session:
         self.positional: dict[int, tuple[str, ...]] = {}
         self.warned = False
         self.auto_eval = None  # the monitor whose automatic "eval" pause is open
+        self.late = False  # autolog() came after the optimizer was built
 
     # -------------------------------------------------------------------------------- failures
     def fail(self, e: BaseException) -> None:
@@ -273,11 +276,23 @@ class _Session:
         opt = self.optimizer() if self.optimizer is not None else None
         self.monitor = EfficiencyMonitor(model=module, optimizer=opt, precision=precision, strategy=strategy,
                                          integration=owner, **self.settings.monitor_kwargs())
+        if getattr(self, "late", False):
+            self.late = False
+            msg = ("autolog() was enabled after the optimizer was built: counting started at the first forward "
+                   "after its next step (call mlflow_llmeff.autolog() before building the optimizer)")
+            warnings.warn(f"mlflow_llmeff: {msg}", stacklevel=2)
+            self.monitor.set_tags({names.AUTOLOG_NOTE: msg})
         self.owner, self.opt_id = owner, None
         return self.monitor
 
     def on_optimizer_step(self, optimizer, args, kwargs) -> None:
         mon = self.monitor
+        if mon is None and not self.trainer_active and self.discovery is None and not len(self.hooked):
+            # autolog() came after the optimizer was built: find the model from the next forward on
+            self.optimizer = weakref.ref(optimizer)
+            self.late = True
+            self.arm_discovery()
+            return
         if mon is None or self.trainer_active:
             return
         try:
@@ -427,6 +442,15 @@ def _patched_end_run(original, *args, **kwargs):
     return original(status, *args[1:], **kwargs)
 
 
+def _patched_trainer_train(original, self, *args, **kwargs):
+    import time
+
+    s = _session()
+    if s is not None:
+        s.trainer_started = time.perf_counter()  # the run's wall time starts with train(), as the Trainer's
+    return original(self, *args, **kwargs)
+
+
 def _paused(category: str):
     """A patch that runs the original inside ``monitor.pause(category)`` while a monitor is open."""
 
@@ -484,12 +508,18 @@ def _trainer_callbacks():
                 else infer_precision(model)
             s.monitor = EfficiencyMonitor(model=model, optimizer=optimizer, precision=precision,
                                           start_step=int(state.global_step), integration="trainer", track_loss=False,
+                                          started_at=getattr(s, "trainer_started", None),
                                           **s.settings.monitor_kwargs())
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            self.lr = None  # the rate this step uses: read before the scheduler steps at its end
+            if optimizer is not None and getattr(optimizer, "param_groups", None):
+                self.lr = float(optimizer.param_groups[0]["lr"])
 
         def on_step_end(self, args, state, control, **kwargs):
             s = _session()
             if s is not None and s.trainer_active and s.monitor is not None:
-                s.monitor.step()
+                s.monitor.step(learning_rate=getattr(self, "lr", None))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             s = _session()
@@ -532,6 +562,7 @@ def _patch_transformers(module) -> None:
         return
     s.patched = getattr(s, "patched", set()) | {"trainer"}
     safe_patch(INTEGRATION, module.Trainer, "__init__", _patched_trainer_init)
+    safe_patch(INTEGRATION, module.Trainer, "train", _patched_trainer_train)
     for method, category in (("evaluate", "eval"), ("_save_checkpoint", "checkpoint_save"),
                              ("_load_from_checkpoint", "checkpoint_load")):
         if hasattr(module.Trainer, method):
@@ -589,7 +620,7 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
     try:
         _check_args(log_every_n_steps, warmup_steps, None, measure_energy, None, peak_tflops, device_hour_usd,
                     usd_per_kwh)
-        parse_targets(targets)
+        parse_targets(targets, any_metric=True)
         if tags is not None and not (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)):
             raise ValueError(f"tags={tags!r} is not accepted; give a dict of str keys to values")
     except ValueError:

@@ -179,7 +179,9 @@ class CarbonTracker:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Find the grid intensity and start codecarbon's tracker. Never raises."""
+        """Find the grid intensity and start codecarbon's tracker. Never raises; a second call does nothing."""
+        if self._tracker is not None or self.estimate is not None:
+            return
         if not self.enabled:
             self._disable("carbon tracking disabled (measure_energy=none)")
             return
@@ -249,7 +251,7 @@ class CarbonTracker:
         except Exception as e:
             self.why = f"codecarbon tracker failed to stop ({type(e).__name__}: {e}); no CPU/RAM estimate"
 
-    def running_estimate(self, min_age_s: float = 1.0) -> tuple[float, float] | None:
+    def running_estimate(self, min_age_s: float = 0.25) -> tuple[float, float] | None:
         """codecarbon's CPU and RAM energy estimate so far, kWh (after :meth:`stop`: the final one); else None.
 
         codecarbon samples every ``measure_power_secs`` in a background thread; a sample older
@@ -367,7 +369,7 @@ class FakeCarbonTracker(CarbonTracker):
         """Set the running estimate since :meth:`start`, kWh."""
         self._running = (float(cpu_kwh), float(ram_kwh))
 
-    def running_estimate(self, min_age_s: float = 1.0) -> tuple[float, float] | None:
+    def running_estimate(self, min_age_s: float = 0.25) -> tuple[float, float] | None:
         if self.estimate is not None:
             return self.estimate.cpu_kwh, self.estimate.ram_kwh
         return self._running

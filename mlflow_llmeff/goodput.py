@@ -91,6 +91,11 @@ class TimeLedger:
             self.seconds[self._state] += dt
         return now
 
+    def start_earlier(self, started_at: float) -> None:
+        """Move the attempt's start back to ``started_at`` (clock seconds) while still in ``init``."""
+        if self._state == "init" and self._depth == 0 and started_at < self._mark:
+            self._mark = float(started_at)
+
     def begin(self) -> None:
         """End ``init``: the first step starts now."""
         if self._state == "init":

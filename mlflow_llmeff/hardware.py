@@ -165,6 +165,16 @@ PEAK_TABLE: tuple[PeakRow, ...] = (
             _AMD_MI300 + ": MI325X TF32 653.7, BF16/FP16 1307.4, FP8 2614.9, FP32 matrix 163.4"),
 )
 
+#: Memory per device, GB as the same datasheets state it (HBM/GDDR capacity; the usable part torch
+#: reports is 1-2% less). Only where the short name fixes the capacity: A100, V100 and GH200 come in
+#: several sizes and are absent (pass the memory, or plan on the machine itself).
+MEMORY_GB: dict[str, float] = {
+    "V100S-PCIe": 32, "A10": 24, "A10G": 24, "A100-SXM4-40GB": 40, "A100-80GB": 80, "A100-PCIe-40GB": 40,
+    "A100-PCIe-80GB": 80, "L4": 24, "L40S": 48, "H100-SXM": 80, "H100-PCIe": 80, "H100-NVL": 94, "H200": 141,
+    "H200-NVL": 141, "B100": 192, "B200": 180, "GB200": 186, "MI250X": 128, "MI300X": 192, "MI325X": 256,
+}
+
+
 _TOKEN_SPLIT = re.compile(r"[\s\-_/()]+")
 
 

@@ -147,7 +147,7 @@ class EfficiencyMonitor:
 
         _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
                     device_hour_usd, usd_per_kwh)
-        self._targets = parse_targets(targets)
+        self._targets = parse_targets(targets, any_metric=True)
         self._ledger = TimeLedger(clock, started_at)
         self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
         self._clock, self._optimizer, self._model, self._integration = clock, optimizer, model, integration
@@ -282,6 +282,8 @@ class EfficiencyMonitor:
                                             self.accelerator.short, self.world_size, self.strategy, self.precision)
         self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name)
         self.run_id = self._run.run_id
+        if self._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
+            self._ledger.start_earlier(self._clock() - max(0.0, time.time() - self._run.fresh_since_unix))
         self._logger = RunLogger(self.run_id, client, resume=self._run.resumed)
         if resume_state:
             self._account_crashed_tail(resume_state)
@@ -579,6 +581,9 @@ class EfficiencyMonitor:
         if lr is not None:
             m[names.TRAIN_LR] = lr
         rates = self._meter.interval()
+        if rates is not None and self._meter.total.tokens == 0:
+            self._note_nothing_counted()
+            rates = None  # no token was counted: a rate of 0 tokens/s would be a number nobody measured
         if rates is not None:
             fpt = self._fpt if self._shape is not None else None
             m.update(rates.interval_metrics(fpt, self.peak_tflops, self._ratio(rates.counts.effective_seq_len)))
@@ -592,6 +597,15 @@ class EfficiencyMonitor:
     def latest_metrics(self) -> dict[str, float]:
         """The interval metrics of the last logged step (empty before the first)."""
         return getattr(self, "_latest", {})
+
+    def _note_nothing_counted(self) -> None:
+        if getattr(self, "_nothing_noted", False):
+            return
+        self._nothing_noted = True
+        msg = ("EfficiencyMonitor.step() ran with no token counted (pass batch= or tokens= to step() or count()): "
+               "no throughput, MFU or per-token figure is logged")
+        warnings.warn(f"mlflow_llmeff: {msg}", stacklevel=4)
+        self._logger.set_tags({names.AUTOLOG_NOTE: msg}, synchronous=False)
 
     def _warn_mfu(self, mfu: float | None, where: str) -> None:
         from . import flops as fl
@@ -618,6 +632,8 @@ class EfficiencyMonitor:
         try:
             step = self.step_count if step is None else step
             clean = {(k[len("eval/"):] if k.startswith("eval/") else k): float(v) for k, v in values.items()}
+            if "val_loss" in clean and "val_perplexity" not in clean:  # one definition on every path
+                clean["val_perplexity"] = math.exp(min(clean["val_loss"], 700.0))
             if self.is_main:
                 self._logger.log_metrics({f"eval/{k}": v for k, v in clean.items()}, step)
             newly = [t for t in self._targets if t.key not in self._reached and t.reached(clean.get(t.metric))]
@@ -747,6 +763,9 @@ class EfficiencyMonitor:
                 out[names.SUM_BADPUT[c]] = parts[c]
         rates = self._meter.summary()
         tflops = None
+        if rates is not None and tokens == 0:
+            self._note_nothing_counted()
+            rates = None
         if rates is not None:
             out.update({names.SUM_TOKENS_PER_SEC: rates.tokens_per_sec,
                         names.SUM_DEVICE_TOKENS_PER_SEC: rates.device_tokens_per_sec,

@@ -84,3 +84,20 @@ def peak_memory_gib(device) -> tuple[float, float, str]:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     return rss, rss, "cpu: peak process RSS (getrusage ru_maxrss) for both allocated and reserved; no allocator statistics on CPU"
+
+
+def process_start_perf_counter() -> float:
+    """``time.perf_counter()`` value of this process's start (psutil, else ``/proc``; else now).
+
+    The wall time of ``llmeff train`` starts here: imports and set-up are ``init``.
+    """
+    import time
+
+    now_perf, now_unix = time.perf_counter(), time.time()
+    try:
+        import psutil
+
+        created = psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - no psutil or no /proc: the attempt starts now
+        return now_perf
+    return now_perf - max(0.0, now_unix - created)

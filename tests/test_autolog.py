@@ -92,7 +92,7 @@ def test_disable_restores_every_patched_function_and_hook(tracking_uri):
 
     targets = [(torch.optim.Optimizer, "__init__"), (torch.distributed, "destroy_process_group"),
                (fluent, "end_run"), (mlflow, "end_run"), (transformers.Trainer, "__init__"),
-               (transformers.Trainer, "evaluate"), (transformers.Trainer, "_save_checkpoint"),
+               (transformers.Trainer, "train"), (transformers.Trainer, "evaluate"), (transformers.Trainer, "_save_checkpoint"),
                (transformers.Trainer, "_load_from_checkpoint"), (accelerate.Accelerator, "prepare"),
                (accelerate.Accelerator, "end_training"), (accelerate.Accelerator, "save_state"),
                (accelerate.Accelerator, "load_state")]
@@ -254,3 +254,23 @@ def test_trainer_evaluate_is_eval_time_and_its_loss_reaches_time_to_quality(trac
     assert m[names.SUM_BADPUT["eval"]] > 0
     assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=1e-9)
     assert run.data.tags["llmeff.ttq.val_loss_le_100"] == "reached_at_step_2"
+    # the learning rate of each logged step is the one that step used, as the Trainer logs it
+    theirs = {e["step"]: e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e}
+    ours = {p.step: p.value for p in mlflow.MlflowClient().get_metric_history(run.info.run_id, names.TRAIN_LR)}
+    assert set(ours) == {2, 4} and ours == pytest.approx({k: theirs[k] for k in ours}, rel=1e-6)
+
+
+def test_autolog_enabled_after_the_optimizer_still_gives_a_run_and_says_so(tracking_uri):
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before autolog()
+    mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=0, measure_energy="none")
+    with pytest.warns(UserWarning, match="after the optimizer was built"):
+        for _ in range(5):
+            model(**batch([8])).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run_id = AL.active_monitor().run_id
+    mlflow.end_run()
+    run = mlflow.MlflowClient().get_run(run_id)
+    assert run.data.metrics[names.SUM_STEPS] == 4.0 and run.data.metrics[names.TRAIN_TOKENS] == 4 * 8
+    assert "after the optimizer was built" in run.data.tags[names.AUTOLOG_NOTE]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlflow
 import pytest
 import torch
@@ -249,6 +251,7 @@ def test_time_to_quality_hand_computed(tracking_uri):
     assert m.tags[f"llmeff.ttq.{stem}"] == "reached_at_step_2"
     assert m.tags["llmeff.ttq.val_loss_le_1.0"] == "not_reached"
     assert history(mon.run_id, "eval/val_loss") == [(1, 3.0), (2, 1.9), (3, 1.5)]
+    assert history(mon.run_id, names.EVAL_VAL_PPL)[0] == (1, pytest.approx(math.exp(3.0)))  # as llmeff train logs it
     assert s[names.SUM_WALL_S] == 5.0 + 3 * 3.0
 
 
@@ -350,3 +353,30 @@ def test_consumption_continues_from_the_crashed_attempts_last_point(tracking_uri
     assert s[names.SUM_COST_USD] == pytest.approx(3.6 * s[names.SUM_WALL_S] / 3600, rel=1e-12)
     run = mlflow.MlflowClient().get_run(run_id)
     assert run.data.tags[names.RESUME_ATTEMPTS] == "2" and run.data.tags[names.RESUMED_FROM] == "20"
+
+
+def test_steps_with_nothing_counted_log_no_made_up_rate(tracking_uri):
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, measure_energy="none", measure_peak=False)
+    with pytest.warns(UserWarning, match="no token counted"):
+        for _ in range(4):
+            clock.t += 1.0
+            mon.step()  # the user forgot batch= / tokens=
+        s = mon.finish()
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    assert names.SUM_TOKENS_PER_SEC not in s and names.TPUT_TOKENS not in run.data.metrics
+    assert s[names.SUM_STEPS] == 4.0 and "no token counted" in run.data.tags[names.AUTOLOG_NOTE]
+
+
+def test_a_launchers_fresh_run_starts_the_wall_time(tracking_uri, monkeypatch):
+    # Under `mlflow run` the launcher made the run before our process started: its wall time is the run's.
+    import time as _time
+
+    client = mlflow.MlflowClient()
+    run_id = client.create_run("0", start_time=int((_time.time() - 10.0) * 1000)).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    mon = EfficiencyMonitor(measure_energy="none", measure_peak=False)
+    mon.step(tokens=10, samples=1)
+    s = mon.finish()
+    assert 10.0 <= s[names.SUM_BADPUT["init"]] < 70.0
+    assert s[names.SUM_WALL_S] >= 10.0 and mon.run_id == run_id

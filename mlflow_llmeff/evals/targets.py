@@ -18,6 +18,7 @@ TARGET_METRICS: tuple[str, ...] = tuple(
 )
 _SUBJECT_METRICS = frozenset(f"mmlu_{s}/acc" for s in MMLU_SUBJECTS)
 _TARGET_RE = re.compile(r"^\s*([A-Za-z0-9_/]+)\s*(>=|<=)\s*([^\s]+)\s*$")
+_ANY_TARGET_RE = re.compile(r"^\s*([A-Za-z0-9_./-]+?)\s*(>=|<=)\s*([^\s]+)\s*$")
 # a plain decimal number: optional sign, digits with an optional fraction or a leading-dot fraction,
 # optional exponent; ASCII digits only (no "inf", "nan", "1_000", "0x10", "1.")
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
@@ -93,7 +94,7 @@ def canonical_value(text: str) -> str:
     return out
 
 
-def parse_targets(spec: str | None) -> list[Target]:
+def parse_targets(spec: str | None, *, any_metric: bool = False) -> list[Target]:
     """Parse a comma-separated target list; ``None`` or ``""`` gives ``[]``.
 
     A value must be a plain decimal number: optional sign, then digits with an optional ``.digits``
@@ -101,18 +102,28 @@ def parse_targets(spec: str | None) -> list[Target]:
     ``.5``, ``1e-3``, ``2E+1``), finite as a float. ``inf``, ``nan``, ``1_000``, ``0x10``, ``1.``
     and empty values are rejected. ``Target.text`` is :func:`canonical_value` of what was written.
 
+    Args:
+        spec: e.g. ``"val_loss<=1.9,hellaswag/acc_norm>=0.30"``.
+        any_metric: accept any metric name (letters, digits, ``_ . - /``), e.g. one a loop reports
+            with ``EfficiencyMonitor.log_eval``; False (``llmeff train``) accepts the evals it runs.
+
     Raises:
         ValueError: one line naming the bad target and the accepted metrics, operators and values.
     """
     if spec is None or not spec.strip():
         return []
+    if ";" in spec:
+        raise ValueError(f"targets {spec!r} use ';'; separate targets with commas, e.g. "
+                         f"'val_loss<=1.9,hellaswag/acc_norm>=0.30'")
     out: list[Target] = []
     for part in spec.split(","):
-        m = _TARGET_RE.match(part)
+        if not part.strip():
+            raise ValueError(f"targets {spec!r} hold an empty target (a comma too many); {_ACCEPTED}")
+        m = (_ANY_TARGET_RE if any_metric else _TARGET_RE).match(part)
         if not m:
             raise ValueError(f"target {part.strip()!r} is not accepted; {_ACCEPTED}")
         metric, op, written = m.groups()
-        if metric not in TARGET_METRICS and metric not in _SUBJECT_METRICS:
+        if not any_metric and metric not in TARGET_METRICS and metric not in _SUBJECT_METRICS:
             raise ValueError(f"target {part.strip()!r} names unknown metric {metric!r}; {_ACCEPTED}")
         if not _NUMBER_RE.fullmatch(written):
             raise ValueError(f"target {part.strip()!r} has non-numeric value {written!r}; {_ACCEPTED}")

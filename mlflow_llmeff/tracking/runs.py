@@ -27,12 +27,15 @@ class RunHandle:
         owned: True when the meter ends the run (it created or resumed it).
         fluent: True when the run is MLflow's active run started by the meter (``mlflow.start_run``).
         resumed: True when an existing run was continued.
+        fresh_since_unix: for a launcher's run with nothing logged yet (``mlflow run``), its start
+            time (unix seconds): the run's wall time starts there. None otherwise.
     """
 
     run_id: str
     owned: bool
     fluent: bool
     resumed: bool
+    fresh_since_unix: float | None = None
 
 
 def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str | None = None) -> RunHandle:
@@ -57,10 +60,12 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     if env_run:
         client.update_run(env_run, status="RUNNING")
         run = client.get_run(env_run)
-        if not run.data.metrics:  # the launcher's fresh run: give it the standard name
+        fresh = not run.data.metrics
+        if fresh:  # the launcher's fresh run: give it the standard name
             client.set_tag(env_run, "mlflow.runName", run_name)
         ensure_experiment_kind(client, run.info.experiment_id)
-        return RunHandle(env_run, owned=True, fluent=False, resumed=True)
+        return RunHandle(env_run, owned=True, fluent=False, resumed=True,
+                         fresh_since_unix=run.info.start_time / 1000 if fresh and run.info.start_time else None)
     if experiment_name:
         exp = client.get_experiment_by_name(experiment_name)
         exp_id = exp.experiment_id if exp else client.create_experiment(experiment_name)

@@ -45,9 +45,10 @@ def launch(cfg: TrainConfig) -> int:
         return dry_run(cfg)
     validate(cfg)
     if cfg.num_processes == 1:
+        from ..probes import process_start_perf_counter
         from .loop import run_training
 
-        run_training(cfg)
+        run_training(cfg, started_at=process_start_perf_counter())
         return 0
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
     return subprocess.run(cmd, env=env).returncode

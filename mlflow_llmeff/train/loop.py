@@ -26,11 +26,16 @@ RAISE_AT_STEP_ENV = "LLMEFF_FAULT_RAISE_AT_STEP"
 SIGTERM_AT_STEP_ENV = "LLMEFF_FAULT_SIGTERM_AT_STEP"
 
 
-def run_training(cfg: TrainConfig) -> dict | None:
+def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | None:
     """Train per ``cfg`` on this process's devices and log to MLflow from the main process.
 
     A run that fails after its MLflow run started ends FAILED (KILLED on Ctrl-C or SIGTERM), with
     what was measured flushed; its checkpoints stay, so rerunning the same command resumes it.
+
+    Args:
+        cfg: the settings.
+        started_at: ``time.perf_counter()`` at which this attempt began (the command line passes the
+            process start, so imports are ``init``); default: now.
 
     Returns:
         On the main process, ``{"run_id": ..., "summary": {key: value}}``; None on other ranks.
@@ -43,32 +48,34 @@ def run_training(cfg: TrainConfig) -> dict | None:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lifecycle.sigterm_to_exit)
     try:
-        return _run_training(cfg, holder)
+        return _run_training(cfg, holder, time.perf_counter() if started_at is None else started_at)
     except BaseException as e:
         monitor = holder.get("monitor")
         if monitor is not None:
             monitor.finish(lifecycle.status_for(e), collective=False)
+        elif holder.get("carbon") is not None:
+            holder["carbon"].stop()
         raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
+def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None:
     import torch
 
     from .setup import build, teardown
 
-    started = time.perf_counter()  # the attempt's wall time starts here: set-up is init
     cuda = torch.cuda.is_available()
     validate(cfg)
     precision = resolve_precision(cfg, cuda_available=cuda,
                                   bf16_supported=torch.cuda.is_bf16_supported() if cuda else True)
+    holder["carbon"] = carbon = _carbon_tracker(cfg)  # from the start, so its estimate spans the set-up too
     t = build(cfg, precision, cuda)
     found = ckpt.find_resume(cfg.checkpoint_dir, cfg.resume, t.world)
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
-    monitor = _open_monitor(cfg, t, found, started)
+    monitor = _open_monitor(cfg, t, found, started, carbon)
     holder["monitor"] = monitor
     if found:
         with monitor.pause("checkpoint_load"):
@@ -81,7 +88,16 @@ def _run_training(cfg: TrainConfig, holder: dict) -> dict | None:
     return {"run_id": monitor.run_id, "summary": summary} if t.accelerator.is_main_process else None
 
 
-def _open_monitor(cfg: TrainConfig, t, found, started: float):
+def _carbon_tracker(cfg: TrainConfig):
+    from ..carbon import CarbonTracker
+
+    tracker = CarbonTracker(country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
+                            cloud_region=cfg.cloud_region or None, enabled=cfg.measure_energy != "none")
+    tracker.start()
+    return tracker
+
+
+def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
     """The run's meter: conditions as tags, settings as params, the checkpoint's counters continued."""
     from ..monitor import EfficiencyMonitor
     from ..probes import git_commit
@@ -102,7 +118,7 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float):
         peak_tflops=cfg.peak_tflops or None, device_hour_usd=cfg.device_hour_usd or None,
         usd_per_kwh=cfg.usd_per_kwh or None, measure_energy=cfg.measure_energy,
         country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
-        cloud_region=cfg.cloud_region or None, targets=cfg.targets, run_id=state["run_id"] if state else None,
+        cloud_region=cfg.cloud_region or None, carbon_tracker=carbon, targets=cfg.targets, run_id=state["run_id"] if state else None,
         run_name=cfg.run_name or None, experiment_name=cfg.experiment_name or None, tags=tags,
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
         integration="train")
@@ -218,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = TrainConfig(**json.loads(args.config_json))
     try:
-        run_training(cfg)
+        from ..probes import process_start_perf_counter
+
+        run_training(cfg, started_at=process_start_perf_counter())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
