@@ -1,5 +1,5 @@
 """``python -m mlflow_llmeff ...`` runs the ``llmeff`` command line (used by the MLproject)."""
 
-from .cli import main
+from .cli import run_as_project
 
-main(prog_name="llmeff")
+run_as_project()

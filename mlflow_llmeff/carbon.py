@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from mlflow_llmeff import names
 
-__all__ = ["CodecarbonEstimate", "CarbonTracker", "FakeCarbonTracker", "grid_intensity_g_per_kwh"]
+__all__ = ["CodecarbonEstimate", "CarbonTracker", "FakeCarbonTracker", "check_location", "grid_intensity_g_per_kwh"]
 
 _log = logging.getLogger(__name__)
 
@@ -129,6 +129,42 @@ def grid_intensity_g_per_kwh(
         kg = engine.get_private_infra_emissions(one_kwh, geo)
         where = country
     return kg * 1000.0, f"{head}, {where}"
+
+
+def check_location(*, country_iso_code: str | None, cloud_provider: str | None = None,
+                   cloud_region: str | None = None) -> None:
+    """Refuse a country or cloud region codecarbon does not know, before any work.
+
+    codecarbon itself would log an error at the end of the run and fall back to the world
+    average; a typo (``US`` for ``USA``) must not silently change the carbon figures.
+
+    Raises:
+        ValueError: one line naming the bad value and where the accepted ones are listed.
+    """
+    try:
+        from codecarbon.input import DataSource
+    except ImportError:  # no codecarbon: no carbon figures, nothing to check
+        return
+    data = DataSource()
+    if country_iso_code:
+        mix = data.get_global_energy_mix_data()
+        code = country_iso_code.upper()
+        if code not in mix:
+            near = sorted(k for k in mix if k.startswith(code[:2]))[:6] or ["USA", "FRA", "DEU", "GBR", "CAN", "IND"]
+            raise ValueError(f"country_iso_code={country_iso_code!r} is not in codecarbon's table of {len(mix)} "
+                             f"countries (ISO 3166-1 alpha-3 codes, e.g. {', '.join(near)}); see "
+                             "codecarbon/data/private_infra/global_energy_mix.json")
+    if cloud_provider or cloud_region:
+        df = data.get_cloud_emissions_data()
+        providers = sorted(set(df["provider"]))
+        if cloud_provider not in providers:
+            raise ValueError(f"cloud_provider={cloud_provider!r} is not in codecarbon's cloud table (it has "
+                             f"{', '.join(providers)}); elsewhere leave cloud_provider empty and give the region's "
+                             "country as country_iso_code (e.g. USA for us-east-1)")
+        regions = sorted(set(df.loc[df["provider"] == cloud_provider, "region"]))
+        if cloud_region and cloud_region not in regions:
+            raise ValueError(f"cloud_region={cloud_region!r} is not a {cloud_provider} region codecarbon knows; "
+                             f"use one of: {', '.join(regions)}")
 
 
 class CarbonTracker:

@@ -40,8 +40,66 @@ def train_cmd(**kwargs) -> None:
     try:
         code = launch(TrainConfig(**kwargs))
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
+        fail(str(e), kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # unexpected: say why on the run, then show the traceback
+        from .tracking.runs import error_line, record_failure
+
+        record_failure(error_line(e), known_conditions(kwargs))
+        raise
     raise SystemExit(code)
+
+
+def known_conditions(params: dict) -> dict[str, str]:
+    """The condition tags known before anything is built (for a run that fails early)."""
+    from . import names
+    from .probes import software_versions
+
+    tags = dict(software_versions())
+    try:
+        from .hardware import detect_accelerator
+
+        tags.update(detect_accelerator(count=int(params.get("num_processes") or 1)).tags())
+    except Exception:  # noqa: BLE001
+        pass
+    for key, name in ((names.MODEL_NAME, "model"), (names.PRECISION, "precision"),
+                      (names.PAR_STRATEGY, "parallelism"), (names.SEQ_LEN, "seq_len"),
+                      (names.MICRO_BATCH_SIZE, "micro_batch_size"), (names.GRAD_ACCUM, "grad_accum")):
+        if params.get(name) not in (None, ""):
+            tags[key] = str(params[name])
+    return tags
+
+
+def fail(message: str, params: dict | None = None):
+    """Stop with one line. Under ``mlflow run`` the line also goes onto the launcher's run
+    (``llmeff.error``, its description, the known conditions) and speaks of ``-P name=value``."""
+    import os
+
+    if not os.environ.get("MLFLOW_RUN_ID"):
+        raise click.UsageError(message)
+    from .tracking.runs import record_failure
+
+    record_failure(message, known_conditions(params or {}))
+    click.echo(f"Error: {message}", err=True)
+    raise SystemExit(2)
+
+
+def run_as_project() -> None:
+    """``python -m mlflow_llmeff``: under ``mlflow run`` a bad ``-P`` value is one line, named as ``-P``."""
+    import os
+    import re
+
+    if not os.environ.get("MLFLOW_RUN_ID"):
+        main(prog_name="llmeff")
+        return
+    try:
+        main(prog_name="llmeff", standalone_mode=False)
+    except click.ClickException as e:
+        msg = re.sub(r"'--([a-z0-9-]+)'", lambda m: "-P " + m.group(1).replace("-", "_"), e.format_message())
+        fail(msg.replace("\n", " "))
+    except click.exceptions.Abort:
+        raise SystemExit(130) from None
 
 
 # ---- flops / peak commands (FLOPs per token, measured matmul peak)
@@ -151,6 +209,30 @@ def energy_probe_cmd(measure_energy: str, country_iso_code: str, cloud_provider:
         click.echo(f"carbon: none (codecarbon not installed: {e})")
 
 
+@main.command("models")
+@click.option("--seq-len", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="Sequence length of the FLOPs and activation figures (capped at a model's positions).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list instead of a table.")
+def models_cmd(seq_len: int, as_json: bool) -> None:
+    """List the model presets: shape, parameters, FLOPs per token and training memory."""
+    import json
+
+    from .plan import models_table
+
+    rows = models_table(seq_len)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    click.echo(f"{'preset':<11} {'params':>15} {'layers':>6} {'hidden':>6} {'seq':>5} {'GFLOP/token':>11} "
+               f"{'train GiB':>9}  shape from")
+    for r in rows:
+        click.echo(f"{r['preset']:<11} {r['params']:>15,} {r['layers']:>6} {r['hidden']:>6} {r['seq_len']:>5} "
+                   f"{r['flops_per_token'] / 1e9:>11.4g} {r['train_memory_gib']:>9.1f}  {r['source']}")
+    click.echo(f"GFLOP/token: training FLOPs per token (megatron convention) at seq = min({seq_len}, the model's "
+               "positions). train GiB: one device, bf16 mixed precision with AdamW (16 B/param) plus the "
+               "activations of one sequence, without the allocator margin (llmeff plan gives any configuration).")
+
+
 @main.command("prices")
 def prices_cmd() -> None:
     """Print the dated default device-hour price table (pass device_hour_usd to override)."""
@@ -209,7 +291,7 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         result = evaluate(model, tok, tasks, data_dir=data_dir, num_fewshot=num_fewshot, limit=limit,
-                          batch_size=batch_size, device=device)
+                          batch_size=batch_size, device=device, progress=True)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     click.echo(result.table())

@@ -96,12 +96,17 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
 
 
 def history_tflops(client, accelerator_short: str, model: str, strategy: str | None = None,
-                   devices: int | None = None) -> tuple[float | None, int, str]:
+                   devices: int | None = None, shape: dict[str, str] | None = None) -> tuple[float | None, int, str]:
     """Median achieved model TFLOP/s per device of earlier runs on ``accelerator_short``.
 
+    Args:
+        shape: ``{tag: value}`` of the planned model's shape (``llmeff.model.params``, ``.layers``,
+            ``.hidden``); a run with the same values (or the same model name) has the same shape.
+
     Returns:
-        ``(tflops or None, runs used, which runs)``. Preferred, in order: runs of the same model
-        with the same strategy and device count, runs of the same model, runs of any model.
+        ``(tflops or None, runs used, basis)``. Preferred, in order: runs of the same shape with the
+        same strategy and device count; runs of the same shape; runs of other models, whose
+        TFLOP/s are scaled by this model's FLOPs per token, and the basis says so.
     """
     try:
         exps = [e.experiment_id for e in client.search_experiments()]
@@ -110,13 +115,25 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
     except Exception:  # noqa: BLE001 - no tracking server: no prediction
         return None, 0, "no tracking server reachable"
     runs = [r for r in runs if r.data.metrics.get(names.SUM_DEVICE_TFLOPS, 0) > 0]
-    same = [r for r in runs if r.data.tags.get(names.MODEL_NAME) == model]
+
+    def same_shape(r) -> bool:
+        if r.data.tags.get(names.MODEL_NAME) == model:
+            return True
+        return bool(shape) and all(r.data.tags.get(k) == v for k, v in shape.items())
+
+    same = [r for r in runs if same_shape(r)]
     alike = [r for r in same if r.data.tags.get(names.PAR_STRATEGY) == strategy
              and r.data.tags.get(names.ACCEL_COUNT) == str(devices)]
-    for use, which in ((alike, f"runs of {model} with {strategy} on {devices} devices"), (same, f"runs of {model}"),
-                       (runs, "runs of any model")):
+    for use, which in ((alike, f"runs of {model}'s shape with {strategy} on {devices} devices"),
+                       (same, f"runs of {model}'s shape")):
         if use:
             return statistics.median(r.data.metrics[names.SUM_DEVICE_TFLOPS] for r in use), len(use), which
+    if runs:
+        big = max(runs, key=lambda r: int(r.data.tags.get(names.MODEL_PARAMS, "0") or 0))
+        which = (f"runs of other models on {accelerator_short}, scaled by FLOPs per token (largest: "
+                 f"{big.data.tags.get(names.MODEL_NAME, '?')}, {int(big.data.tags.get(names.MODEL_PARAMS, '0') or 0):,} "
+                 "params); models of another size reach other TFLOP/s, so this is a rough guess")
+        return statistics.median(r.data.metrics[names.SUM_DEVICE_TFLOPS] for r in runs), len(runs), which
     return None, 0, f"no earlier run on {accelerator_short}"
 
 
@@ -176,7 +193,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, cli
         "memory_total_gib": mem.total(False) / GIB, "memory_total_ckpt_gib": mem.total(True) / GIB,
     }
     if client is not None:
-        tflops, n, which = history_tflops(client, accelerator_short, cfg.model, strategy, dp)
+        shape = {names.MODEL_PARAMS: str(counts["total"]), names.MODEL_LAYERS: str(model_shape(config).layers),
+                 names.MODEL_HIDDEN: str(model_shape(config).hidden)}
+        tflops, n, which = history_tflops(client, accelerator_short, cfg.model, strategy, dp, shape)
         out["prediction_basis"] = f"median of {n} {which}" if tflops else which
         if tflops:
             tps = tflops * 1e12 * dp / fpt
@@ -194,10 +213,32 @@ def format_plan(plan: dict) -> str:
     """Human-readable table of :func:`make_plan`'s output."""
     rows = []
     for k, v in plan.items():
-        if isinstance(v, float):
+        if isinstance(v, bool):
+            v = "yes" if v else "no"
+        elif isinstance(v, float):
             v = f"{v:,.4g}" if abs(v) < 1e6 else f"{v:.4e}"
         elif isinstance(v, int):
             v = f"{v:,}"
         rows.append((k, str(v)))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def models_table(seq_len: int = 2048) -> list[dict]:
+    """One row per preset: parameters, layers, hidden size, FLOPs per token and training memory.
+
+    ``train_memory_gib``: one device, bf16 mixed precision, AdamW (16 B/param of model state),
+    activations of one sequence of ``min(seq_len, positions)`` tokens (:func:`estimate_memory`).
+    """
+    from .train.models import PRESETS, load_config, max_positions
+
+    rows = []
+    for name, (_, _, source) in PRESETS.items():
+        config = load_config(name)
+        s = min(seq_len, max_positions(config) or seq_len)
+        shape = model_shape(config)
+        mem = estimate_memory(config, seq_len=s, micro_batch_size=1, strategy="single", dp=1, precision="bf16")
+        rows.append({"preset": name, "params": param_counts(config)["total"], "layers": shape.layers,
+                     "hidden": shape.hidden, "seq_len": s, "flops_per_token": flops_per_token(config, s),
+                     "train_memory_gib": mem.total(False) / GIB, "source": source})
+    return rows

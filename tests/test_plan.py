@@ -83,7 +83,7 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
                      device_hour_usd=2.0)
     fpt = 42.8637e9  # Llama-2-7B at 4096, METRICS.md
     tps = 400e12 * 8 / fpt
-    assert plan["prediction_basis"] == "median of 3 runs of llama-7b"
+    assert plan["prediction_basis"] == "median of 3 runs of llama-7b's shape"
     assert plan["predicted_tokens_per_sec"] == pytest.approx(tps, rel=1e-5)
     wall = 1000 * 4096 * 4 * 8 / tps
     assert plan["predicted_wall_s"] == pytest.approx(wall, rel=1e-5)
@@ -97,3 +97,22 @@ def test_plan_rejects_an_unknown_accelerator(tracking_uri):
 
     with pytest.raises(ValueError, match=r"accelerator 'TPUv5' is not known; use one of: .*H100-SXM"):
         dry_run(TrainConfig(model="llama-7b"), accelerator_short="TPUv5")
+
+
+def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri):
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.plan import make_plan
+    from mlflow_llmeff.train.config import TrainConfig
+
+    client = mlflow.MlflowClient()
+    rid = client.create_run("0", tags={names.ACCEL_SHORT: "cpu", names.MODEL_NAME: "llama-tiny",
+                                       names.MODEL_PARAMS: "125632"}).info.run_id
+    client.log_metric(rid, names.SUM_DEVICE_TFLOPS, 0.02)
+    plan = make_plan(TrainConfig(model="llama-7b"), accelerator_short="cpu", precision="fp32", strategy="single",
+                     client=client, device_hour_usd=1.0)
+    assert plan["prediction_basis"].startswith("median of 1 runs of other models on cpu, scaled by FLOPs per token")
+    assert "llama-tiny, 125,632 params" in plan["prediction_basis"] and "rough guess" in plan["prediction_basis"]
+    assert plan["predicted_tokens_per_sec"] == pytest.approx(0.02e12 / plan["flops_per_token_megatron"])
+    assert plan["predicted_usd"] == pytest.approx(plan["predicted_wall_s"] / 3600)  # printed: a price is known

@@ -89,3 +89,31 @@ def end_run(client, handle: RunHandle, status: str) -> None:
         mlflow.end_run(status)
     else:
         client.set_terminated(handle.run_id, status)
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for a run's ``llmeff.error``: the message of a ValueError, else ``Type: message``."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    line = text if isinstance(exc, ValueError) else f"{type(exc).__name__}: {text}".rstrip(": ")
+    return line[:2000]
+
+
+def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str | None = None) -> bool:
+    """Write why a run failed onto it: ``llmeff.error``, the run's description, and ``tags``.
+
+    For the launcher's run under ``mlflow run`` (``MLFLOW_RUN_ID``) when ``run_id`` is None. Never
+    raises; returns True when something was written.
+    """
+    run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        return False
+    try:
+        from mlflow import MlflowClient
+
+        from .logger import RunLogger
+
+        logger = RunLogger(run_id, MlflowClient())
+        logger.set_tags({**(tags or {}), names.ERROR: message, "mlflow.note.content": f"Failed: {message}"})
+        return True
+    except Exception:  # noqa: BLE001 - reporting a failure must not hide it
+        return False

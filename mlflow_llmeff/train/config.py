@@ -26,6 +26,7 @@ class TrainConfig:
     text_field: str = field(default="text", metadata={"help": "text column of .jsonl files and hub datasets"})
     packing: bool = field(default=True, metadata={"help": "join documents into full seq_len blocks (no padding); false pads each document"})
     val_fraction: float = field(default=0.05, metadata={"help": "fraction of blocks held out for validation loss, in [0, 0.5]"})
+    val_blocks: int = field(default=32, metadata={"help": "held-out blocks scored at each validation: a fixed subset, the same for a given seed (0 = all)"})
     max_steps: int = field(default=50, metadata={"help": "optimizer steps to train (total, across resumes)"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
     micro_batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch per device"})
@@ -59,9 +60,10 @@ class TrainConfig:
     usd_per_kwh: float = field(default=0.0, metadata={"help": "energy price in USD/kWh added to the cost (0: energy not priced)"})
     measure_energy: str = field(default="auto", metadata={"help": "auto (NVML counters, NVML power, RAPL), nvml, rapl, none"})
     country_iso_code: str = field(default="USA", metadata={"help": "ISO 3166 alpha-3 country of the machines, for codecarbon's grid intensity (offline)"})
-    cloud_provider: str = field(default="", metadata={"help": "cloud provider (codecarbon codes: aws, gcp, azure) for the grid intensity"})
-    cloud_region: str = field(default="", metadata={"help": "cloud region (e.g. us-east-1), with cloud_provider"})
-    dry_run: bool = field(default=False, metadata={"help": "plan only: parameters, FLOPs, memory per device and predictions; no training"})
+    cloud_provider: str = field(default="", metadata={"help": "cloud provider in codecarbon's cloud table (gcp) for a per-region grid intensity; elsewhere give country_iso_code"})
+    cloud_region: str = field(default="", metadata={"help": "cloud region (e.g. us-central1), with cloud_provider"})
+    dry_run: bool = field(default=False, metadata={"help": "plan only: parameters, FLOPs, memory per device, fit and predictions; no training"})
+    force: bool = field(default=False, metadata={"help": "train even when the memory estimate says the run does not fit the device"})
     run_name: str = field(default="", metadata={"help": "MLflow run name ('' = <model>-<accelerator short>-<count>x-<strategy>-<precision>)"})
     experiment_name: str = field(default="", metadata={"help": "MLflow experiment for llmeff train ('' = MLflow's active/default)"})
 
@@ -107,7 +109,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
 
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum", "num_processes", "log_every_n_steps"):
         _positive(name, getattr(cfg, name))
-    for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+    for name in ("warmup_steps", "eval_every", "checkpoint_every", "val_blocks"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
     _positive("checkpoint_keep", cfg.checkpoint_keep)
@@ -128,7 +130,12 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0 USD")
     if cfg.cloud_region and not cfg.cloud_provider:
-        raise ValueError(f"cloud_region={cfg.cloud_region!r} needs cloud_provider (aws, gcp, azure)")
+        raise ValueError(f"cloud_region={cfg.cloud_region!r} needs cloud_provider (codecarbon's cloud table has gcp)")
+    if cfg.measure_energy != "none":
+        from ..carbon import check_location
+
+        check_location(country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
+                       cloud_region=cfg.cloud_region or None)
 
     if cuda_available is None or bf16_supported is None:
         import torch

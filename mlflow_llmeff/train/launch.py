@@ -29,11 +29,42 @@ def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict
     return cmd, env
 
 
+class FitError(ValueError):
+    """The run would not fit the device's memory (the message says what would)."""
+
+
+def message_style() -> str:
+    """``mlflow`` under ``mlflow run`` (messages speak of ``-P name=value``), else ``cli``."""
+    return "mlflow" if os.environ.get("MLFLOW_RUN_ID") else "cli"
+
+
+def fit_here(cfg: TrainConfig):
+    """The memory verdict of ``cfg`` on this machine's devices (:func:`mlflow_llmeff.fit.verdict`)."""
+    import torch
+
+    from .. import fit
+    from .config import resolve_precision, resolve_strategy
+
+    cuda = torch.cuda.is_available()
+    bf16 = torch.cuda.is_bf16_supported() if cuda else True
+    precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
+    strategy = resolve_strategy(cfg, cfg.num_processes)
+    if cuda:
+        available = fit.cuda_free_bytes()
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        where = f"this {torch.cuda.get_device_name(0)} ({total:.0f} GiB, the free part counted)"
+    else:
+        available, where = fit.host_available_bytes(), "this CPU (host memory, shared by all processes)"
+    return fit.verdict(cfg, precision=precision, strategy=strategy, available_bytes=available, where=where,
+                       cpu=not cuda, bf16_ok=bf16)
+
+
 def launch(cfg: TrainConfig) -> int:
-    """Validate ``cfg`` (cheap, before heavy work), then train. Returns the exit code.
+    """Validate ``cfg`` and check that it fits (cheap, before heavy work), then train. Returns the exit code.
 
     Raises:
         ValueError: bad settings, as one line naming the value and the accepted ones.
+        FitError: the run would not fit the device (unless ``cfg.force``), naming what would.
     """
     import logging
 
@@ -44,6 +75,9 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.dry_run:
         return dry_run(cfg)
     validate(cfg)
+    verdict = fit_here(cfg)
+    if verdict.fits is False and not cfg.force:
+        raise FitError(verdict.line(message_style()))
     if cfg.num_processes == 1:
         from ..probes import process_start_perf_counter
         from .loop import run_training
@@ -55,24 +89,27 @@ def launch(cfg: TrainConfig) -> int:
 
 
 def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: bool = False) -> int:
-    """Print the plan (no training, no weights): parameters, FLOPs, memory, predictions.
+    """Print the plan (no training, no weights): parameters, FLOPs, memory, fit, predictions.
 
     Works on a CPU machine for any preset (the model is built on the meta device). Planning for
     an accelerator other than this machine's (``accelerator_short``, e.g. ``H100-SXM``) resolves
-    ``precision=auto`` as bf16 there. Under ``mlflow run`` the plan is logged to the run as
-    ``plan/*`` metrics and the tag ``llmeff.dry_run=true``.
+    ``precision=auto`` as bf16 there and checks the fit against its datasheet memory. Under
+    ``mlflow run`` the plan is logged to the run as ``plan/*`` metrics and the tags
+    ``llmeff.dry_run=true`` and ``llmeff.plan.fit``.
     """
     import json as _json
 
     import mlflow
 
+    from .. import fit
     from .. import hardware as hw
     from .. import names
     from ..cost import device_hour_price
     from ..plan import format_plan, make_plan
     from .config import resolve_precision, resolve_strategy
 
-    if accelerator_short is None:
+    here = accelerator_short is None
+    if here:
         import torch
 
         cuda = torch.cuda.is_available()
@@ -89,20 +126,40 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     price, _ = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
     plan = make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy,
                      client=mlflow.MlflowClient(), device_hour_usd=price)
-    print(_json.dumps(plan, indent=1) if as_json else format_plan(plan))
+    if here:
+        verdict = fit_here(cfg)
+    else:
+        gb = hw.MEMORY_GB.get(accelerator_short)
+        verdict = fit.verdict(cfg, precision=precision, strategy=strategy,
+                              available_bytes=gb * 2**30 if gb else None,
+                              where=f"an {gb:g} GiB {accelerator_short}" if gb else f"a {accelerator_short}",
+                              cpu=not cuda, bf16_ok=bf16)
+    line = verdict.line(message_style())
+    plan["memory_needed_gib"] = verdict.needed_bytes / 2**30
+    if verdict.available_bytes is not None:
+        plan["memory_available_gib"] = verdict.available_bytes / 2**30
+        plan["fits"] = bool(verdict.fits)
+    print(_json.dumps({**plan, "fit": line}, indent=1) if as_json else format_plan(plan) + "\n" + line)
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if run_id:
-        client = mlflow.MlflowClient()
-        client.set_tag(run_id, names.DRY_RUN, "true")
-        from ..tracking.logger import default_run_name
-
-        for k, v in {"mlflow.runName": "plan-" + default_run_name(cfg.model, accelerator_short, cfg.num_processes,
-                                                                  strategy, precision),
-                     names.MODEL_NAME: cfg.model, names.ACCEL_SHORT: accelerator_short,
-                     names.ACCEL_COUNT: str(cfg.num_processes), names.PAR_STRATEGY: strategy,
-                     names.PRECISION: precision, names.SEQ_LEN: str(cfg.seq_len)}.items():
-            client.set_tag(run_id, k, v)
-        for k, v in plan.items():
-            if isinstance(v, (int, float)):
-                client.log_metric(run_id, f"plan/{k}", float(v))
+        _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision)
     return 0
+
+
+def _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision) -> None:
+    import mlflow
+
+    from .. import names
+    from ..tracking.logger import default_run_name
+
+    client = mlflow.MlflowClient()
+    client.set_tag(run_id, names.DRY_RUN, "true")
+    for k, v in {"mlflow.runName": "plan-" + default_run_name(cfg.model, accelerator_short, cfg.num_processes,
+                                                              strategy, precision),
+                 names.MODEL_NAME: cfg.model, names.ACCEL_SHORT: accelerator_short,
+                 names.ACCEL_COUNT: str(cfg.num_processes), names.PAR_STRATEGY: strategy,
+                 names.PRECISION: precision, names.SEQ_LEN: str(cfg.seq_len), names.PLAN_FIT: line}.items():
+        client.set_tag(run_id, k, v)
+    for k, v in plan.items():
+        if isinstance(v, (int, float)):
+            client.log_metric(run_id, f"plan/{k}", float(v))

@@ -52,7 +52,13 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
     except BaseException as e:
         monitor = holder.get("monitor")
         if monitor is not None:
-            monitor.finish(lifecycle.status_for(e), collective=False)
+            status = lifecycle.status_for(e)
+            if status != "FINISHED":  # the run says why it stopped
+                from ..tracking.runs import error_line
+
+                why = f"stopped by {lifecycle.signalled() or 'Ctrl-C'}" if status == "KILLED" else error_line(e)
+                monitor.set_tags({names.ERROR: why, "mlflow.note.content": f"{status.title()}: {why}"})
+            monitor.finish(status, collective=False)
         elif holder.get("carbon") is not None:
             holder["carbon"].stop()
         raise

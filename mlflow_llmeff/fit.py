@@ -1,0 +1,271 @@
+"""Will it fit? Memory per device against what the device has, before a model is built.
+
+The need comes from :func:`mlflow_llmeff.plan.estimate_memory` (the estimator ``llmeff plan``
+prints: weights, gradients and optimizer state under the chosen sharding, activations with or
+without checkpointing), plus a stated allocator margin: :data:`MARGIN_FRACTION` of the estimate
+(PyTorch's caching allocator fragments; PyTorch's own memory docs and the FSDP/ZeRO papers report
+10-20% above the tensors' bytes) and :data:`MARGIN_FIXED_GIB` per device (the CUDA context,
+cuBLAS workspaces and NCCL buffers; on a CPU the interpreter and its libraries).
+
+What the device has: on CUDA the free memory of every local device (``torch.cuda.mem_get_info``,
+the smallest); on a CPU the host memory available to this process (``MemAvailable``, bounded by a
+cgroup limit where one is set), shared by all the processes of the run. Planning for a named
+accelerator uses its datasheet capacity (:data:`mlflow_llmeff.hardware.MEMORY_GB`).
+
+When it does not fit, :func:`verdict` lists the cheapest configurations that do: the same compute
+first (bf16 activations, a smaller micro-batch with more accumulation so the global batch stays,
+sharding with FSDP over the same devices), then more devices with FSDP, then activation
+checkpointing (about 4/3 of the compute).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+
+from .plan import GIB, estimate_memory
+
+__all__ = ["MARGIN_FRACTION", "MARGIN_FIXED_GIB", "Candidate", "Verdict", "needed_bytes", "verdict",
+           "host_available_bytes", "cuda_free_bytes"]
+
+MARGIN_FRACTION = 0.10
+MARGIN_FIXED_GIB = 1.5
+_DEVICE_STEPS = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def needed_bytes(estimate_bytes: float) -> float:
+    """The estimate plus the allocator margin, bytes per device."""
+    return estimate_bytes * (1.0 + MARGIN_FRACTION) + MARGIN_FIXED_GIB * GIB
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A configuration that fits.
+
+    Attributes:
+        changes: parameter -> new value (the names of ``llmeff train`` / MLproject parameters).
+        estimate_bytes: estimated bytes per device (without the margin).
+        devices: devices it uses.
+        compute: compute relative to the asked configuration (4/3 with activation checkpointing added).
+    """
+
+    changes: dict
+    estimate_bytes: float
+    devices: int
+    compute: float
+
+    def describe(self, style: str = "cli") -> str:
+        """``--micro-batch-size 2 --grad-accum 4 (46 GiB)`` or ``-P micro_batch_size=2 ...`` (``style="mlflow"``)."""
+        if style == "mlflow":
+            opts = " ".join(f"-P {k}={_text(v)}" for k, v in self.changes.items())
+        else:
+            opts = " ".join(f"--{k.replace('_', '-')} {_text(v)}" for k, v in self.changes.items())
+        return f"{opts} ({_gib(self.estimate_bytes)} GiB)"
+
+
+def _gib(b: float) -> str:
+    """Bytes as GiB with sensible digits: 109, 22.4, 0.61."""
+    g = b / GIB
+    return f"{g:.0f}" if g >= 100 else f"{g:.1f}" if g >= 1 else f"{g:.2g}"
+
+
+def _text(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a configuration fits a device, and what would.
+
+    Attributes:
+        model: the model name.
+        estimate_bytes: estimated bytes per device (weights, gradients, optimizer, activations).
+        available_bytes: what the device has (None: unknown, no verdict).
+        where: the device in words, e.g. ``an 80 GiB H100-SXM`` or ``this CPU``.
+        processes_share: True when the processes share the memory (CPU: one host for all).
+        processes: processes of the run.
+        candidates: cheapest fitting configurations when it does not fit.
+        why_none: why nothing fits, when no candidate does.
+    """
+
+    model: str
+    estimate_bytes: float
+    available_bytes: float | None
+    where: str
+    processes_share: bool
+    processes: int
+    candidates: list[Candidate] = field(default_factory=list)
+    why_none: str = ""
+
+    @property
+    def needed_bytes(self) -> float:
+        """With the margin, for everything that must fit into ``available_bytes``."""
+        return needed_bytes(self.estimate_bytes) * (self.processes if self.processes_share else 1)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.available_bytes is None else self.needed_bytes <= self.available_bytes
+
+    def line(self, style: str = "cli") -> str:
+        """One line: the verdict, the need and the room, and what would fit."""
+        per = "per process" if self.processes_share else "per device"
+        need = (f"{self.model} needs about {_gib(self.estimate_bytes)} GiB {per} "
+                f"({_gib(needed_bytes(self.estimate_bytes))} GiB with the allocator margin"
+                + (f", x{self.processes} processes" if self.processes_share and self.processes > 1 else "") + ")")
+        if self.available_bytes is None:
+            return f"{need}; the memory of {self.where} is unknown, so it is not checked"
+        room = f"against {_gib(self.available_bytes)} GiB available"
+        if self.fits:
+            return f"fits {self.where}: {need}, {room} ({_gib(self.available_bytes - self.needed_bytes)} GiB to spare)"
+        force = "-P force=true" if style == "mlflow" else "--force true"
+        if self.candidates:
+            alts = "; ".join(c.describe(style) for c in self.candidates)
+            return f"does not fit {self.where}: {need}, {room}. Fits with: {alts} ({force} skips this check)"
+        return f"does not fit {self.where}: {need}, {room}. {self.why_none} ({force} skips this check)"
+
+
+def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt) -> float:
+    mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, strategy=strategy,
+                          dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager")
+    return mem.total(ckpt)
+
+
+def _candidates(config, cfg, *, precision, strategy, available, cpu, bf16_ok) -> list[Candidate]:
+    """Every variation of the asked configuration that fits, cheapest first, minimal changes only."""
+    mbs_options = [cfg.micro_batch_size]
+    while mbs_options[-1] > 1:
+        mbs_options.append(mbs_options[-1] // 2)
+    precisions = [precision] + (["bf16"] if precision == "fp32" and bf16_ok else [])
+    ckpts = [cfg.activation_checkpointing] + ([True] if not cfg.activation_checkpointing else [])
+    if cpu:  # processes share the host: fewer of them, never sharding
+        layouts = [(n, strategy if n > 1 else "single") for n in range(cfg.num_processes, 0, -1)]
+    else:
+        layouts = [(cfg.num_processes, strategy)]
+        if strategy != "fsdp" and not strategy.startswith("deepspeed"):
+            layouts.append((cfg.num_processes, "fsdp"))
+        layouts += [(n, "fsdp" if not strategy.startswith("deepspeed") else "deepspeed_zero3")
+                    for n in _DEVICE_STEPS if n > cfg.num_processes]
+    found: list[Candidate] = []
+    for mbs, prec, ckpt, (n, strat) in itertools.product(mbs_options, precisions, ckpts, layouts):
+        est = _estimate(config, cfg, micro_batch_size=mbs, precision=prec, strategy=strat, devices=n, ckpt=ckpt)
+        if needed_bytes(est) * (n if cpu else 1) > available:
+            continue
+        changes = {}
+        if prec != precision:
+            changes["precision"] = prec
+        if mbs != cfg.micro_batch_size:
+            changes["micro_batch_size"] = mbs
+            changes["grad_accum"] = cfg.grad_accum * (cfg.micro_batch_size // mbs)
+        if n != cfg.num_processes:
+            changes["num_processes"] = n
+        if strat != strategy:
+            changes["parallelism"] = strat
+        if ckpt != cfg.activation_checkpointing:
+            changes["activation_checkpointing"] = ckpt
+        if changes:
+            found.append(Candidate(changes, est, n, 4 / 3 if ckpt and not cfg.activation_checkpointing else 1.0))
+    # drop a candidate that changes more than a cheaper one that fits; then the cheapest of each kind
+    found = [c for c in found if not any(set(o.changes) < set(c.changes) and _cost(o) <= _cost(c) for o in found)]
+    best: dict[str, Candidate] = {}
+    for c in sorted(found, key=_cost):
+        best.setdefault(_kind(c), c)
+    return sorted(best.values(), key=_cost)
+
+
+def _cost(c: Candidate) -> tuple:
+    """Compute first (recomputation costs 4/3), then devices, then how much changes."""
+    return (c.compute, c.devices, len(c.changes), -c.changes.get("micro_batch_size", 10**9))
+
+
+def _kind(c: Candidate) -> str:
+    if "activation_checkpointing" in c.changes:
+        return "checkpointing"
+    if "num_processes" in c.changes:
+        return "devices"
+    if "parallelism" in c.changes:
+        return "sharding"
+    if "precision" in c.changes:
+        return "precision"
+    return "micro_batch"
+
+
+def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None, where: str, cpu: bool,
+            bf16_ok: bool = True) -> Verdict:
+    """Check ``cfg`` against ``available_bytes`` (see the module docstring).
+
+    Args:
+        cfg: a :class:`~mlflow_llmeff.train.config.TrainConfig`.
+        precision, strategy: resolved precision and parallelism strategy.
+        available_bytes: free bytes per device (CUDA) or host bytes for all processes (CPU); None
+            when unknown.
+        where: the device in words for the message.
+        cpu: the processes share host memory (and cannot shard).
+        bf16_ok: bf16 is possible there (offered as a cheaper configuration).
+    """
+    from .train.models import PRESETS, load_config
+
+    config = load_config(cfg.model)
+    est = _estimate(config, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision, strategy=strategy,
+                    devices=cfg.num_processes, ckpt=cfg.activation_checkpointing)
+    v = Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes)
+    if available_bytes is None or v.fits:
+        return v
+    cands = _candidates(config, cfg, precision=precision, strategy=strategy, available=available_bytes, cpu=cpu,
+                        bf16_ok=bf16_ok)
+    why = ""
+    if not cands:
+        state = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=1, strategy=strategy,
+                                dp=cfg.num_processes, precision=precision)
+        why = (f"Nothing fits there: weights, gradients and AdamW state alone need "
+               f"{_gib(state.weights + state.gradients + state.optimizer)} GiB")
+        smaller = []
+        for name in PRESETS:
+            if name == cfg.model:
+                continue
+            c = load_config(name)
+            need = needed_bytes(_estimate(c, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision,
+                                          strategy=strategy, devices=cfg.num_processes,
+                                          ckpt=cfg.activation_checkpointing))
+            if need * (cfg.num_processes if cpu else 1) <= available_bytes:
+                smaller.append((need, name))
+        if smaller:
+            need, name = max(smaller)
+            why += f"; the largest preset that fits as asked is {name} ({_gib(need)} GiB with the margin)"
+    return Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, cands, why)
+
+
+def host_available_bytes() -> float | None:
+    """Host memory this process can still take: ``MemAvailable``, bounded by a cgroup limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = float(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = open(limit_file, encoding="ascii").read().strip()
+            if raw == "max" or int(raw) > 1 << 60:
+                continue
+            room = int(raw) - int(open(usage_file, encoding="ascii").read().strip())
+            avail = room if avail is None else min(avail, room)
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
+def cuda_free_bytes() -> float | None:
+    """The smallest free memory over this process's CUDA devices (``torch.cuda.mem_get_info``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    indices = [int(local)] if local is not None else range(torch.cuda.device_count())
+    return float(min(torch.cuda.mem_get_info(i)[0] for i in indices))
