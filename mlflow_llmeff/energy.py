@@ -824,5 +824,7 @@ def make_meter(
         except Exception as e:
             reasons.append(f"RAPL: {_err(e)}")
     why = "; ".join(reasons)
-    _warn_once(f"energy not measured: {why}")
+    short = "NVML unavailable for this process's GPUs" if device_indices else "no CUDA device, no readable RAPL"
+    _warn_once(f"energy not measured here ({short}): only codecarbon's estimate is logged "
+               "(tag llmeff.energy.why and `llmeff energy-probe` say why)")
     return NullMeter(why, clock=clock)

@@ -794,8 +794,10 @@ class EfficiencyMonitor:
         from .probes import model_state_bytes
 
         alloc, _, _ = self._memory(collective)
-        nparams = sum(p.numel() for p in inner.parameters())
-        out = {names.SUM_BYTES_PER_PARAM: alloc * 2**30 / max(1, nparams)}
+        out: dict[str, float] = {}
+        if self._device is not None and self._device.type == "cuda":  # allocator statistics, never process RSS
+            nparams = sum(p.numel() for p in inner.parameters())
+            out[names.SUM_BYTES_PER_PARAM] = alloc * 2**30 / max(1, nparams)
         if self._optimizer is not None:
             state_bytes, local_params = model_state_bytes(inner, self._optimizer)
             bpp = state_bytes / max(1, local_params)

@@ -88,3 +88,24 @@ def test_epoch_order_is_deterministic_and_changes_per_epoch():
     assert D.epoch_order(10, 0, 1) == D.epoch_order(10, 0, 1)
     assert D.epoch_order(10, 0, 1) != D.epoch_order(10, 1, 1)
     assert sorted(D.epoch_order(10, 2, 1)) == list(range(10))
+
+
+def test_validation_scores_a_fixed_subset_of_blocks():
+    import torch
+    from accelerate import Accelerator
+    from transformers import LlamaForCausalLM
+
+    from mlflow_llmeff.train.data import prepare_data
+    from mlflow_llmeff.train.evaluate import validation_loss
+    from mlflow_llmeff.train.models import load_config, load_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(load_config("llama-tiny"))
+    data = prepare_data("python-docs", load_tokenizer("llama-tiny"), 32, val_fraction=0.05, seed=0)
+    assert len(data.val) > 4
+    acc = Accelerator(cpu=True)
+    got = validation_loss(acc, model, data.val, 2, 1, 0, blocks=4)
+    with torch.no_grad():  # packed blocks, no padding: 31 loss tokens each, so the mean of the 4 losses
+        want = sum(float(model(**data.val[i:i + 1]).loss) for i in range(4)) / 4
+    assert got == pytest.approx(want, rel=1e-5)
+    assert validation_loss(acc, model, data.val, 2, 1, 0, blocks=0) != pytest.approx(got)  # 0 = every block

@@ -206,3 +206,17 @@ def test_shared_data_loads(shared_data, uniform, tok):
     assert len(data.load_mmlu(str(shared_data), "anatomy", "dev")) == 5
     r = evaluate(uniform, tok, "mmlu_anatomy,hellaswag", data_dir=str(shared_data), num_fewshot=0, limit=3)
     assert r.counts == {"mmlu_anatomy": 3, "hellaswag": 3}
+
+
+def test_a_progress_bar_counts_the_documents(capsys):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from mlflow_llmeff.evals.api import evaluate
+    from mlflow_llmeff.train.models import load_config, load_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(load_config("llama-tiny"))
+    evaluate(model, load_tokenizer("llama-tiny"), "hellaswag", data_dir=FIX, progress=True)
+    err = capsys.readouterr().err
+    assert "eval hellaswag" in err and "3/3" in err  # the fixture's three documents

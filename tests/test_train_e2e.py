@@ -21,7 +21,7 @@ INTERVAL_KEYS = [names.TRAIN_LOSS, names.TRAIN_LR, names.TRAIN_TOKENS, names.TRA
                  names.TPUT_DEVICE_TOKENS, names.TPUT_DEVICE_TFLOPS, names.MEM_MAX_ALLOC, names.MEM_MAX_RESERVED,
                  names.EVAL_VAL_LOSS, names.EVAL_VAL_PPL]
 SUMMARY_KEYS = [names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TOKENS_PER_SEC, names.SUM_DEVICE_TFLOPS,
-                names.SUM_STEP_TIME_S, names.SUM_BYTES_PER_PARAM, names.SUM_MODEL_STATE_BYTES_PER_PARAM,
+                names.SUM_STEP_TIME_S, names.SUM_MODEL_STATE_BYTES_PER_PARAM,
                 names.SUM_GOODPUT, names.SUM_WALL_S, names.SUM_TOKENS, names.SUM_STEPS,
                 *(names.SUM_BADPUT[c] for c in names.BADPUT_CATEGORIES if c != "compile")]
 CONDITION_TAGS = [names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.ACCEL_GENERATION, names.NODES,
@@ -63,6 +63,7 @@ def test_readme_command_gives_one_finished_run_with_every_key(tracking_uri, tmp_
     for tag in CONDITION_TAGS:
         assert run.data.tags.get(tag), tag
     assert run.data.tags[names.ACCEL_SHORT] == "cpu"
+    assert names.SUM_BYTES_PER_PARAM not in run.data.metrics  # CPU: no allocator statistics, never from RSS
     assert run.data.tags[names.PAR_STRATEGY] == "single"
     assert run.info.run_name == "llama-tiny-cpu-1x-single-fp32"
     # 50 steps x 8 sequences x 128 packed tokens, no padding
@@ -209,6 +210,8 @@ def test_failure_inside_training_ends_the_run_failed(tracking_uri, monkeypatch):
     run = only_run()
     assert run.info.status == "FAILED"
     assert [s for s, _ in history(run, names.TRAIN_TOKENS)] == [1, 2, 3]  # what was measured is kept
+    assert run.data.tags[names.ERROR] == "RuntimeError: LLMEFF_FAULT_RAISE_AT_STEP=3: injected failure"
+    assert run.data.tags["mlflow.note.content"] == "Failed: " + run.data.tags[names.ERROR]
 
 
 def test_missing_eval_data_is_rejected_before_any_run_starts(tracking_uri, tmp_path):
@@ -264,5 +267,6 @@ def test_sigterm_ends_the_run_killed_with_its_points(tracking_uri, tmp_path):
     assert r.returncode == 143, r.stderr[-2000:]
     run = only_run()
     assert run.info.status == "KILLED" and run.info.end_time is not None
+    assert run.data.tags[names.ERROR] == "stopped by SIGTERM"
     assert history(run, names.TRAIN_TOKENS) == [(4, 256.0), (6, 384.0)]  # the tail after step 4 flushed
     assert run.data.metrics[names.SUM_STEPS] == 6.0

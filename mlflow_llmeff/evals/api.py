@@ -143,10 +143,21 @@ def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))  # first of ties, as numpy.argmax
 
 
+def _progress_bar(total: int, what: str):
+    """A tqdm bar of documents: every second on a terminal, at most every 30 s into a log."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, desc=f"eval {what}", unit="doc", mininterval=1.0 if tty else 30.0, leave=True,
+                dynamic_ncols=True)
+
+
 def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir: str | None = None,
              num_fewshot: int = 0, limit: int | float | None = None, batch_size: int = 8, device: Any = None,
              seed: int = 1234, share_prefix: bool = True, add_bos: bool | None = None,
-             subset_seed: int | None = None) -> EvalResult:
+             subset_seed: int | None = None, progress: bool = False) -> EvalResult:
     """Score MMLU and/or HellaSwag with lm-evaluation-harness 0.4.x definitions.
 
     Args:
@@ -167,6 +178,8 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
         add_bos: see :class:`.scoring.LoglikelihoodScorer`.
         subset_seed: with ``limit``, score a seeded random subset of ``limit`` documents per task
             instead of the first ones (training-time evals use one fixed subset per run).
+        progress: show a progress bar on stderr (documents scored of all, rate, ETA); redrawn at
+            most every 30 s when stderr is not a terminal, so logs stay short.
 
     Raises:
         ValueError: unknown task, bad ``num_fewshot``/``limit``, missing or malformed data files.
@@ -203,7 +216,13 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
             for _, d in docs:
                 all_reqs.append(hellaswag.requests(d) if task == "hellaswag" else mmlu.requests(d, shots))
                 families.append(task if task != "hellaswag" else None)  # MMLU: one family per subject
-        lls = scorer.score(all_reqs, families)
+        scorer.progress = _progress_bar(len(all_reqs), ",".join(scored) if len(scored) < 4 else "mmlu") \
+            if progress else None
+        try:
+            lls = scorer.score(all_reqs, families)
+        finally:
+            if scorer.progress is not None:
+                scorer.progress.close()
     finally:
         if was_training:
             model.train()

@@ -230,6 +230,7 @@ class LoglikelihoodScorer:
         self._keep_logits = "logits_to_keep" in params  # LM head on scored positions only
         self.forward_passes = 0  # model calls made, for benchmarks
         self.forward_tokens = 0  # input positions run (padding included), for benchmarks
+        self.progress = None  # an object with update(n): documents scored (a tqdm bar)
 
     # ------------------------------------------------------------------ encoding
     def encode_request(self, context: str, continuation: str) -> Encoded:
@@ -281,6 +282,8 @@ class LoglikelihoodScorer:
                 for i, e in enumerate(choices):
                     units.append(_Doc(d, [e], len(e.input_ids)))
                     slots.append([(d, i)])
+        if self.progress is not None and hasattr(self.progress, "total"):
+            self.progress.total = len(units)  # scoring units: documents, or choices where not shared
         fam_of = [families[u.idx] if (families is not None and self.share_prefix) else None for u in units]
         groups: dict[Hashable, list[int]] = {}
         for j, f in enumerate(fam_of):  # documents without a family form one group, no family prefix
@@ -341,13 +344,19 @@ class LoglikelihoodScorer:
             for s in range(0, len(order), self.batch_size):
                 batch = order[s : s + self.batch_size]
                 self._score_doc_batch([docs[j] for j in batch], fam_cache, fam_len, [result[j] for j in batch])
+                self._advance(len(batch))
             return result
         # one input row per document (MMLU): pack several short documents into one row
         order = sorted(range(len(docs)), key=lambda j: -len(trees[j].row))  # longest first: little padding
         rows = self._pack([trees[j] for j in order]) if self.share_prefix else [[trees[j]] for j in order]
         for s in range(0, len(rows), self.batch_size):
             self._score_rows(rows[s : s + self.batch_size], fam_cache, fam_len)
+            self._advance(sum(len(r) for r in rows[s : s + self.batch_size]))
         return [t.sums for t in trees]
+
+    def _advance(self, documents: int) -> None:
+        if self.progress is not None:
+            self.progress.update(documents)
 
     @staticmethod
     def _pack(trees: list[_Tree]) -> list[list[_Tree]]:
