@@ -14,8 +14,9 @@ first (:mod:`mlflow_llmeff.tracking.keys`): a key MLflow refuses is mapped to on
 over-long value is shortened, a metric value that is not a number is dropped, and the tag
 ``llmeff.logging.warnings`` says which. A batch the store still rejects is sent again in halves,
 down to single entries, so only the entries that fail on their own are lost, and they are named in
-the same tag. A logging failure warns once and training goes on (accelerate's tracker does the
-same).
+the same tag. Secrets never land: values of secret-looking names, environment secrets and URI
+user-info are masked first (:mod:`mlflow_llmeff.tracking.redact`). A logging failure warns once
+and training goes on (accelerate's tracker does the same).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import warnings
 from collections import deque
 
 from .. import names
-from . import keys
+from . import keys, redact
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +209,9 @@ class RunLogger(NullLogger):
 
         try:
             entries = {}
+            secrets = redact.environment_secrets()
             for k, v in tags.items():
-                checked = keys.check_tag(k, v)
+                checked = keys.check_tag(k, redact.clean(str(k), str(v), secrets))
                 self._note(checked.problems)
                 if checked.key is not None:
                     self._note_collision("tag", k, checked.key, entries)
@@ -235,8 +237,9 @@ class RunLogger(NullLogger):
         try:
             existing = self.client.get_run(self.run_id).data.params
             changed, entries = {}, {}
+            secrets = redact.environment_secrets()
             for k, v in params.items():
-                checked = keys.check_param(k, v)
+                checked = keys.check_param(k, redact.clean(str(k), str(v), secrets))
                 self._note(checked.problems)
                 if checked.key is None:
                     continue
