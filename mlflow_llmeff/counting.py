@@ -185,6 +185,13 @@ class StepTally:
         v = (reduce(t) if reduce is not None else t).tolist()
         return Counts(steps, *[int(x) for x in v])
 
+    def peek_loss(self) -> tuple[float, int]:
+        """This rank's (sum, count) of losses since the last take, without resetting (synchronizes)."""
+        s, n = self.loss_host
+        if self.loss_acc is not None and self.loss_acc_n:
+            s, n = s + float(self.loss_acc), n + self.loss_acc_n
+        return s, n
+
     def take_loss(self) -> tuple[float, int]:
         """This rank's (sum, count) of losses since the last take (synchronizes), and reset."""
         s, n = self.loss_host

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import warnings
 from contextlib import contextmanager
@@ -125,6 +126,10 @@ class EfficiencyMonitor:
         clock: monotonic seconds (tests inject a fake clock).
         integration: ``llmeff.autolog.integration`` (train, monitor, trainer, accelerate, pytorch).
         track_loss: log ``train/loss`` from the losses passed to :meth:`count` / :meth:`step`.
+        heartbeat_path: a small JSON file (e.g. in the checkpoint folder) that rank 0 rewrites at
+            every logged step with the time, step and consumption totals. After a SIGKILL the
+            resumed attempt reads it for the lost progress and the energy so far, even when the
+            last points never reached the tracking server.
 
     Raises:
         ValueError: for a bad argument (the message names it and what is accepted).
@@ -142,9 +147,10 @@ class EfficiencyMonitor:
                  measure_peak: bool = True, targets: str | None = None, start_step: int = 0,
                  resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
-                 track_loss: bool = True) -> None:
+                 track_loss: bool = True, heartbeat_path: str | None = None) -> None:
         from .evals.targets import parse_targets
 
+        self._heartbeat_path = heartbeat_path
         _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
                     device_hour_usd, usd_per_kwh)
         self._targets = parse_targets(targets, any_metric=True)
@@ -154,6 +160,7 @@ class EfficiencyMonitor:
         self._broken = self._finished = False
         self._summary: dict[str, float] = {}
         self._lr: float | None = None
+        self._nonfinite: tuple[int, float] | None = None  # first logged non-finite train/loss
         self._pending_steps, self._pending_s = 0, 0.0
         self._reached: dict[str, int] = {}
         self._attempts = 1
@@ -269,6 +276,9 @@ class EfficiencyMonitor:
         self._reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
         self._attempts = int(state.get("attempts", 1)) + 1
         self._consumption.resume(state.get("consumption", {}), {})
+        if state.get("hfu_counted"):  # counted in an earlier attempt: not again (see counting_hardware_flops)
+            self._hfu_ratio, self._hfu_note = float(state["hfu_counted"][0]), str(state["hfu_counted"][1])
+            self._hfu_counted = True
 
     def _open_run(self, run_id, run_name, experiment_name, extra_tags, params, resume_state) -> None:
         """Rank 0: open or continue the MLflow run, tag the conditions, account a crashed attempt's tail."""
@@ -300,12 +310,16 @@ class EfficiencyMonitor:
         """The crashed attempt ran on after its checkpoint until its last logged point: lost progress,
         and its energy and estimate continue from that point's totals."""
         last = {}
-        for key in (names.ENERGY_TOTAL_KWH, names.ENERGY_ESTIMATE_CPU_KWH, names.ENERGY_ESTIMATE_RAM_KWH):
+        for key in self._HEARTBEAT_KEYS:
             point = self._logger.last_point(key)
             if point is not None:
                 last[key] = float(point[1])
-        self._consumption.resume(state.get("consumption", {}), last)
         newest, saved = self._logger.last_timestamp_s, state.get("saved_at_unix")
+        beat = self._read_heartbeat()
+        if beat is not None and float(beat["unix"]) > (newest or 0.0):  # newer than what reached the server
+            newest = float(beat["unix"])
+            last.update({k: float(v) for k, v in beat.get("totals", {}).items()})
+        self._consumption.resume(state.get("consumption", {}), last)
         if newest is not None and saved is not None:
             self._ledger.add("lost_progress", max(0.0, float(newest) - float(saved)))
 
@@ -475,9 +489,11 @@ class EfficiencyMonitor:
         counted FLOPs to its model FLOPs then gives HFU = MFU x ratio. Not under ``torch.compile``
         (the counter stops dynamo from compiling): there the analytic ratio stays. CPU
         scaled-dot-product attention, which the counter cannot see, is added analytically
-        (``palm`` convention, x4/3 under activation checkpointing).
+        (``palm`` convention, x4/3 under activation checkpointing). Counted once per run: a resumed
+        attempt keeps the checkpoint's ratio, so its first step runs exactly as an uninterrupted
+        run's (the counter can change which kernels run, and so the last bits of the weights).
         """
-        if self._off or self.compiled or self._shape is None:
+        if self._off or self.compiled or self._shape is None or getattr(self, "_hfu_counted", False):
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
@@ -506,6 +522,7 @@ class EfficiencyMonitor:
             note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
         self._hfu_ratio = counted / (fl.flops_per_token(self._shape, s_eff) * tokens)
         self._hfu_note = note.format(self.step_count + 1)
+        self._hfu_counted = True
 
     def _ratio(self, s_eff: float) -> float | None:
         """Hardware FLOPs per model FLOP (counted, else analytic)."""
@@ -577,6 +594,8 @@ class EfficiencyMonitor:
                                names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
         if loss_n:
             m[names.TRAIN_LOSS] = loss_sum / loss_n
+            if not math.isfinite(m[names.TRAIN_LOSS]) and self._nonfinite is None:
+                self._nonfinite = (step, m[names.TRAIN_LOSS])
         lr = self._learning_rate()
         if lr is not None:
             m[names.TRAIN_LR] = lr
@@ -592,6 +611,64 @@ class EfficiencyMonitor:
         self._totals_step = step
         self._latest = m
         self._logger.log_metrics(m, step)
+        if self._heartbeat_path and self.is_main:
+            self._beat(step, m)
+
+    _HEARTBEAT_KEYS = (names.ENERGY_TOTAL_KWH, names.ENERGY_ESTIMATE_CPU_KWH, names.ENERGY_ESTIMATE_RAM_KWH)
+
+    def _beat(self, step: int, m: dict[str, float]) -> None:
+        """Rewrite the heartbeat file (temp file + rename: a reader never sees half of it)."""
+        import json
+
+        beat = {"run_id": self.run_id, "step": step, "unix": time.time(),
+                "totals": {k: m[k] for k in self._HEARTBEAT_KEYS if k in m}}
+        tmp = f"{self._heartbeat_path}.tmp"
+        try:
+            os.makedirs(os.path.dirname(tmp) or ".", exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(beat, f)
+            os.replace(tmp, self._heartbeat_path)
+        except OSError as e:  # a full disk must not stop training
+            log.debug("heartbeat not written: %s", e)
+
+    def _read_heartbeat(self) -> dict | None:
+        import json
+
+        try:
+            with open(self._heartbeat_path or "", encoding="utf-8") as f:
+                beat = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return beat if beat.get("run_id") == self.run_id else None
+
+    @property
+    def nonfinite_loss(self) -> tuple[int, float] | None:
+        """``(step, value)`` of the first logged step whose mean ``train/loss`` was NaN or infinite, else None.
+
+        Checked where the loss is read anyway (logged steps, summed over ranks), so it costs no
+        device synchronization; :meth:`check_loss` looks at the steps since the last logged one.
+        """
+        return self._nonfinite
+
+    def check_loss(self, collective: bool = True) -> tuple[int, float] | None:
+        """Like :attr:`nonfinite_loss`, also looking at the losses counted since the last logged step.
+
+        Synchronizes the device (and, with ``collective``, reduces a flag over ranks: call it on
+        every rank), so call it where the loop waits anyway, e.g. before a checkpoint save, so
+        that a checkpoint never holds weights trained on a non-finite loss.
+        """
+        if self._nonfinite is not None or self._off:
+            return self._nonfinite
+        try:
+            s, n = self._tally.peek_loss()
+            bad = 1.0 if (n and not math.isfinite(s)) else 0.0
+            if collective and self.world_size > 1:
+                bad = collectives.all_reduce([bad], op="max")[0]
+            if bad:
+                self._nonfinite = (self.step_count, s / n if n else float("nan"))
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        return self._nonfinite
 
     @property
     def latest_metrics(self) -> dict[str, float]:
@@ -685,6 +762,7 @@ class EfficiencyMonitor:
         return {"step": self._meter.step, "throughput": self._meter.state_dict(),
                 "ledger": self._ledger.state_dict(), "consumption": self._consumption.state_dict(),
                 "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
+                "hfu_counted": [self._hfu_ratio, self._hfu_note] if getattr(self, "_hfu_counted", False) else None,
                 "saved_at_unix": time.time()}
 
     def flush(self) -> None:

@@ -52,6 +52,7 @@ TRAIN_LR = _metric("train/learning_rate", "-", "learning rate at the logged step
 TRAIN_TOKENS = _metric("train/tokens", "tokens", "cumulative non-padding input tokens (attention_mask.sum()), all micro-batches, all data-parallel ranks", I)
 TRAIN_PADDED_TOKENS = _metric("train/padded_tokens", "tokens", "cumulative input positions including padding", I)
 TRAIN_LOSS_TOKENS = _metric("train/loss_tokens", "tokens", "cumulative loss-bearing (label != -100, after the causal shift) tokens", I)
+TRAIN_SKIPPED_STEPS = _metric("train/skipped_steps", "steps", "cumulative optimizer steps skipped because a micro-batch's loss was not finite (llmeff train with nan_policy=skip_step)", I)
 TRAIN_STEP_TIME_S = _metric("train/step_time_s", "s", "mean optimizer-step wall time over the interval's post-warm-up steps", I)
 TPUT_TOKENS = _metric("throughput/tokens_per_sec", "tokens/s", "global non-padding tokens per second over the interval (warm-up excluded)", I)
 TPUT_SAMPLES = _metric("throughput/samples_per_sec", "samples/s", "global sequences per second over the interval (warm-up excluded)", I)

@@ -245,7 +245,7 @@ def test_evals_during_training_stay_out_of_tokens_per_sec(tracking_uri):
     a = run_training(TrainConfig(**common))["summary"]
     b = run_training(TrainConfig(**common, eval_every=4, targets="val_loss<=+9.5"))["summary"]
     ratio = b[names.SUM_TOKENS_PER_SEC] / a[names.SUM_TOKENS_PER_SEC]
-    assert 0.5 < ratio < 2.0, ratio  # within this machine's noise (the fault gave 0.06)
+    assert 0.25 < ratio < 4.0, ratio  # within this shared machine's noise (the fault gave 0.06)
     assert b[names.SUM_BADPUT["eval"]] > a[names.SUM_BADPUT["eval"]] > 0  # A evaluates once, at the end
     for s in (a, b):
         assert parts_add_up(s) == pytest.approx(s[names.SUM_WALL_S], rel=1e-9)

@@ -94,7 +94,8 @@ def end_run(client, handle: RunHandle, status: str) -> None:
 def error_line(exc: BaseException) -> str:
     """One line for a run's ``llmeff.error``: the message of a ValueError, else ``Type: message``."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    line = text if isinstance(exc, ValueError) else f"{type(exc).__name__}: {text}".rstrip(": ")
+    own = isinstance(exc, ValueError) or getattr(exc, "one_line", False)  # messages written to be the line
+    line = text if own else f"{type(exc).__name__}: {text}".rstrip(": ")
     return line[:2000]
 
 

@@ -2,8 +2,11 @@
 
 Layout: ``<checkpoint_dir>/step_<NNNNNNNN>/`` holds Accelerate's state (model, optimizer, RNG,
 registered scheduler) and ``llmeff_state.json`` (step, MLflow run id, token and time counters).
-The JSON is written last and atomically, so a directory without it is an interrupted save and
-is ignored.
+
+Writes are atomic: everything goes into ``step_<NNNNNNNN>.partial/`` first, every file is
+fsynced, the JSON is written last, and only then is the folder renamed to its final name (and the
+parent folder fsynced). A kill at any point leaves either the previous checkpoints untouched plus
+a ``.partial`` folder (never picked, removed at the next start) or the complete new checkpoint.
 """
 
 from __future__ import annotations
@@ -15,11 +18,18 @@ import shutil
 
 STATE_FILE = "llmeff_state.json"
 _DIR_RE = re.compile(r"^step_(\d{8})$")
+PARTIAL = ".partial"  # suffix of a checkpoint folder still being written
 
 
 def step_dir(checkpoint_dir: str, step: int) -> str:
     """Directory of the checkpoint taken after optimizer step ``step``."""
     return os.path.join(checkpoint_dir, f"step_{step:08d}")
+
+
+def heartbeat_path(checkpoint_dir: str) -> str | None:
+    """The meter's heartbeat file in ``checkpoint_dir`` (None without one): time, step and totals
+    of the newest logged step, read by a resumed attempt to account a SIGKILLed attempt's tail."""
+    return os.path.join(checkpoint_dir, "heartbeat.json") if checkpoint_dir else None
 
 
 def complete_checkpoints(checkpoint_dir: str) -> list[tuple[int, str]]:
@@ -51,6 +61,46 @@ def write_state(path: str, state: dict) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(state, f, indent=1, sort_keys=True)
     os.replace(tmp, os.path.join(path, STATE_FILE))
+
+
+def _fsync_tree(path: str) -> None:
+    """fsync every file under ``path`` and the folders holding them (POSIX; a no-op where unsupported)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a folder
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def clean_partial(checkpoint_dir: str) -> list[str]:
+    """Remove half-written checkpoints (``step_*.partial`` folders) left by a killed save; returns them."""
+    if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+        return []
+    removed = []
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name.endswith(PARTIAL) and _DIR_RE.match(name[:-len(PARTIAL)]):
+            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 def prune(checkpoint_dir: str, keep: int) -> None:
@@ -89,18 +139,33 @@ def find_resume(checkpoint_dir: str, resume: str, world: int) -> tuple[str, dict
 
 
 def save(accelerator, cfg, step: int, monitor, extra: dict) -> None:
-    """Write Accelerate's state, then the meter's state (a collective: every rank calls it).
+    """Write Accelerate's state, then the meter's state, atomically (a collective: every rank calls it).
 
-    The meter's state is taken after the weights are written, so its clock holds the write; the
-    metrics up to this step reach the tracking server before ``llmeff_state.json`` is written, last
-    (a directory without it is an interrupted save), so a resume from here never lacks them.
+    Everything is written into ``step_<N>.partial/``; the meter's state is taken after the weights
+    are written, so its clock holds the write; the metrics up to this step reach the tracking
+    server before ``llmeff_state.json`` is written, last; every file is fsynced and the folder is
+    renamed to ``step_<N>`` only then. So a resume never picks a half-written checkpoint, and never
+    one whose metrics are missing.
     """
-    path = step_dir(cfg.checkpoint_dir, step)
+    final = step_dir(cfg.checkpoint_dir, step)
+    path = final + PARTIAL
+    if accelerator.is_main_process and os.path.isdir(path):
+        shutil.rmtree(path)  # left by an earlier attempt killed at this very step
+    accelerator.wait_for_everyone()
     accelerator.save_state(path)
     state = monitor.state_dict()
+    accelerator.wait_for_everyone()  # every rank's shard is on disk
     if accelerator.is_main_process:
+        from .faults import maybe_fault
+
+        maybe_fault("kill_in_save", step)
         monitor.flush()
         write_state(path, {"step": step, "run_id": monitor.run_id, "monitor": state,
                            "world_size": accelerator.num_processes, "params": cfg.to_params(), **extra})
+        _fsync_tree(path)
+        if os.path.isdir(final):  # a complete checkpoint of the same step (a replayed step): replace it
+            shutil.rmtree(final)
+        os.rename(path, final)
+        _fsync_dir(cfg.checkpoint_dir)
         prune(cfg.checkpoint_dir, cfg.checkpoint_keep)
     accelerator.wait_for_everyone()

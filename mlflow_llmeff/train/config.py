@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PARALLELISMS = ("auto", "single", "ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
 RESUME_MODES = ("auto", "never")
+NAN_POLICIES = ("fail", "skip_step")
 ATTN_IMPLS = ("sdpa", "eager")
 ENERGY_MODES = ("auto", "nvml", "rapl", "none")
 
@@ -54,6 +55,7 @@ class TrainConfig:
     checkpoint_every: int = field(default=0, metadata={"help": "save a checkpoint every N steps (0: only at the end when checkpoint_dir is set)"})
     checkpoint_keep: int = field(default=2, metadata={"help": "newest checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto (continue from the latest checkpoint and its MLflow run) or never"})
+    nan_policy: str = field(default="fail", metadata={"help": "a NaN or infinite training loss: fail (end FAILED naming the step; checked at logged steps and before checkpoints, no extra sync) or skip_step (skip that optimizer step, count train/skipped_steps; one sync per micro-batch)"})
     seed: int = field(default=0, metadata={"help": "seed for init, data order and the validation split"})
     peak_tflops: float = field(default=0.0, metadata={"help": "dense peak TFLOP/s per device overriding the datasheet table (0: table)"})
     device_hour_usd: float = field(default=0.0, metadata={"help": "price per device-hour in USD (0: the dated default table, none for CPU)"})
@@ -124,6 +126,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     _one_of("precision", cfg.precision, PRECISIONS)
     _one_of("parallelism", cfg.parallelism, PARALLELISMS)
     _one_of("resume", cfg.resume, RESUME_MODES)
+    _one_of("nan_policy", cfg.nan_policy, NAN_POLICIES)
     _one_of("attn_implementation", cfg.attn_implementation, ATTN_IMPLS)
     _one_of("measure_energy", cfg.measure_energy, ENERGY_MODES)
     for name in ("device_hour_usd", "usd_per_kwh"):

@@ -17,13 +17,24 @@ from contextlib import nullcontext
 
 from .. import lifecycle, names
 from . import checkpoint as ckpt
+from . import faults
 from .config import TrainConfig, resolve_precision, validate
 
-# Test hooks: right after this optimizer step the process SIGKILLs itself (a crash), raises
-# RuntimeError (a failure inside training), or sends itself SIGTERM (a scheduler's kill).
-KILL_AT_STEP_ENV = "LLMEFF_FAULT_KILL_AT_STEP"
-RAISE_AT_STEP_ENV = "LLMEFF_FAULT_RAISE_AT_STEP"
-SIGTERM_AT_STEP_ENV = "LLMEFF_FAULT_SIGTERM_AT_STEP"
+# test hooks: see train/faults.py
+KILL_AT_STEP_ENV, RAISE_AT_STEP_ENV = faults.ENV["kill_at_step"], faults.ENV["raise_at_step"]
+SIGTERM_AT_STEP_ENV = faults.ENV["sigterm_at_step"]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss became NaN or infinite (``nan_policy=fail``); the message is the run's one line."""
+
+    one_line = True
+
+
+class DataError(RuntimeError):
+    """Fetching a batch failed; the message names the step and the underlying error."""
+
+    one_line = True
 
 
 def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | None:
@@ -54,9 +65,8 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
         if monitor is not None:
             status = lifecycle.status_for(e)
             if status != "FINISHED":  # the run says why it stopped
-                from ..tracking.runs import error_line
-
-                why = f"stopped by {lifecycle.signalled() or 'Ctrl-C'}" if status == "KILLED" else error_line(e)
+                why = (f"stopped by {lifecycle.signalled() or 'Ctrl-C'}" if status == "KILLED"
+                       else _why(e, monitor.step_count + 1))
                 monitor.set_tags({names.ERROR: why, "mlflow.note.content": f"{status.title()}: {why}"})
             monitor.finish(status, collective=False)
         elif holder.get("carbon") is not None:
@@ -78,6 +88,10 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
                                   bf16_supported=torch.cuda.is_bf16_supported() if cuda else True)
     holder["carbon"] = carbon = _carbon_tracker(cfg)  # from the start, so its estimate spans the set-up too
     t = build(cfg, precision, cuda)
+    if t.accelerator.is_main_process:
+        for name in ckpt.clean_partial(cfg.checkpoint_dir):
+            print(f"llmeff: removed the half-written checkpoint {name} left by an interrupted save")
+    t.accelerator.wait_for_everyone()
     found = ckpt.find_resume(cfg.checkpoint_dir, cfg.resume, t.world)
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
@@ -86,7 +100,8 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     if found:
         with monitor.pause("checkpoint_load"):
             t.accelerator.load_state(found[0])
-    _train(cfg, t, monitor, start_step=monitor.step_count)
+    _train(cfg, t, monitor, start_step=monitor.step_count,
+           skipped=int(found[1].get("skipped_steps", 0)) if found else 0)
     summary = monitor.finish()
     if t.accelerator.is_main_process:
         _print_summary(monitor, summary)
@@ -127,10 +142,10 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
         cloud_region=cfg.cloud_region or None, carbon_tracker=carbon, targets=cfg.targets, run_id=state["run_id"] if state else None,
         run_name=cfg.run_name or None, experiment_name=cfg.experiment_name or None, tags=tags,
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
-        integration="train")
+        integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir))
 
 
-def _train(cfg: TrainConfig, t, monitor, start_step: int) -> None:
+def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> None:
     """The step loop: micro-batches, optimizer step, then evals and checkpoints when due."""
     from tqdm.auto import tqdm
 
@@ -140,44 +155,107 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int) -> None:
                           start_step * cfg.grad_accum, t.device)
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if t.accelerator.is_main_process else True,
                unit="step", dynamic_ncols=True)
+    now = {"step": start_step + 1}
+    oom = faults.oom_hook(t.model, lambda: now["step"])
+    skip_bad = cfg.nan_policy == "skip_step"
     t.model.train()
     for step in range(start_step + 1, cfg.max_steps + 1):
+        now["step"] = step
         lr = t.scheduler.get_last_lr()[0]  # the rate this step uses
         first = step == start_step + 1 and cfg.warmup_steps > 0
+        bad_step = False  # a micro-batch of this step had a non-finite loss (skip_step only)
         with monitor.counting_hardware_flops() if first else nullcontext():
-            for _ in range(cfg.grad_accum):
+            for i in range(cfg.grad_accum):
                 with monitor.pause("data_wait"):
-                    batch = next(batches)
-                monitor.count(batch, loss=_micro_step(cfg, t, batch))
+                    batch = _next_batch(batches, step, first_micro=i == 0)
+                loss, bad = _micro_step(cfg, t, batch, step, skip_bad, bad_step)
+                bad_step = bad_step or bad
+                monitor.count(batch, loss=None if bad else loss)
         t.scheduler.step()
         eval_now = _due(step, cfg.eval_every, cfg.max_steps) and (t.data.val is not None or bool(cfg.eval_tasks))
         ckpt_now = bool(cfg.checkpoint_dir) and _due(step, cfg.checkpoint_every, cfg.max_steps)
         monitor.step(learning_rate=lr, edge=eval_now or ckpt_now)
+        if skip_bad:
+            skipped += bad_step
+            if bad_step or step % cfg.log_every_n_steps == 0 or step == cfg.max_steps:
+                monitor.log_metrics({names.TRAIN_SKIPPED_STEPS: skipped}, step)
+        else:
+            _check_loss(cfg, monitor, edge=eval_now or ckpt_now)
         if eval_now:
             _evaluate(cfg, t, monitor, step)
         stop = cfg.stop_at_targets and monitor.targets_reached
         if ckpt_now or (stop and cfg.checkpoint_dir):
             with monitor.pause("checkpoint_save"):
-                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop})
+                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped})
         _progress(bar, monitor)
         _inject_faults(step, monitor)
         if stop:
             if t.accelerator.is_main_process:
                 print(f"llmeff: every target reached at step {step}; stopping (stop_at_targets=true)")
             break
+    if oom is not None:
+        oom.remove()
     bar.close()
 
 
-def _micro_step(cfg: TrainConfig, t, batch):
-    """Forward, backward and (at the accumulation boundary) the optimizer step; returns the loss."""
+def _next_batch(batches, step: int, first_micro: bool) -> dict:
+    """The next micro-batch; a failure becomes a :class:`DataError` naming the step."""
+    try:
+        if first_micro:
+            faults.maybe_fault("data_at_step", step)
+        return next(batches)
+    except Exception as e:  # noqa: BLE001 - any loader failure ends the run with one line
+        raise DataError(f"data loading failed at step {step}: {type(e).__name__}: {e}") from e
+
+
+def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_before: bool):
+    """Forward, backward and (at the accumulation boundary) the optimizer step.
+
+    Returns ``(loss, bad)``: the detached mean loss, and whether it was not finite (checked, with
+    one device sync and a flag reduced over ranks, only when ``skip_bad``). At the boundary, a
+    step with a bad micro-batch (``bad`` or ``bad_before``) drops its gradients instead of stepping.
+    """
     with t.accelerator.accumulate(t.model):
         out = t.model(**batch)
+        loss = out.loss.detach()
+        bad = skip_bad and _not_finite(loss, t.world)
         t.accelerator.backward(out.loss)
-        if t.accelerator.sync_gradients and cfg.max_grad_norm > 0 and not cfg.parallelism.startswith("deepspeed"):
-            t.accelerator.clip_grad_norm_(t.model.parameters(), cfg.max_grad_norm)
-        t.optimizer.step()
-        t.optimizer.zero_grad(set_to_none=True)
-    return out.loss.detach()
+        faults.maybe_fault("kill_in_step", step)
+        if t.accelerator.sync_gradients and (bad or bad_before):
+            t.optimizer.zero_grad(set_to_none=True)  # skip: these gradients come from a non-finite loss
+        else:
+            if t.accelerator.sync_gradients and cfg.max_grad_norm > 0 and not cfg.parallelism.startswith("deepspeed"):
+                t.accelerator.clip_grad_norm_(t.model.parameters(), cfg.max_grad_norm)
+            t.optimizer.step()
+            t.optimizer.zero_grad(set_to_none=True)
+    return loss, bad
+
+
+def _not_finite(loss, world: int) -> bool:
+    """True when ``loss`` is NaN or infinite on any rank (synchronizes the device)."""
+    import torch
+
+    from .. import collectives
+
+    bad = 0.0 if bool(torch.isfinite(loss).item()) else 1.0
+    if world > 1:
+        bad = collectives.all_reduce([bad], op="max")[0]
+    return bool(bad)
+
+
+def _check_loss(cfg: TrainConfig, monitor, edge: bool) -> None:
+    """Raise :class:`NonFiniteLoss` once the meter has seen a NaN or infinite loss (``nan_policy=fail``).
+
+    At logged steps the meter has read the loss anyway; before an eval or checkpoint (``edge``)
+    it also looks at the steps since, so no checkpoint holds diverged weights.
+    """
+    bad = monitor.check_loss() if edge else monitor.nonfinite_loss
+    if bad is not None:
+        at, value = bad
+        raise NonFiniteLoss(
+            f"train/loss is {value} at step {at} (nan_policy=fail): training diverged; the last checkpoint "
+            f"before it is kept. Lower learning_rate (now {cfg.learning_rate:g}), keep max_grad_norm > 0, or "
+            "pass nan_policy=skip_step")
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -190,6 +268,7 @@ def _evaluate(cfg: TrainConfig, t, monitor, step: int) -> None:
 
     with monitor.pause("eval"):
         values = evaluate(cfg, t)
+        faults.maybe_fault("kill_in_eval", step)
     monitor.log_eval(values, step)
 
 
@@ -202,15 +281,25 @@ def _progress(bar, monitor) -> None:
 
 
 def _inject_faults(step: int, monitor) -> None:
-    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
-    if kill_at and step == kill_at and monitor.is_main:
+    """The after-step test hooks (train/faults.py); the kill flushes the metrics first, on rank 0."""
+    if faults.fires("kill_at_step", step) and monitor.is_main:
         monitor.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    if step == int(os.environ.get(RAISE_AT_STEP_ENV, "0") or 0):
-        raise RuntimeError(f"{RAISE_AT_STEP_ENV}={step}: injected failure")
-    if step == int(os.environ.get(SIGTERM_AT_STEP_ENV, "0") or 0):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)  # the handler raises SystemExit at the next bytecode
+        faults.maybe_fault("kill_at_step", step)
+    faults.maybe_fault("raise_at_step", step)
+    faults.maybe_fault("sigterm_at_step", step)
+
+
+def _why(e: BaseException, step: int) -> str:
+    """The one line a failed run carries: our own errors as they are, OOM with what to try."""
+    from ..tracking.runs import error_line
+
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return (f"out of memory at step {step} ({first}); a smaller micro_batch_size with more grad_accum, "
+                "activation_checkpointing=true, bf16, or more devices with fsdp need less (see llmeff plan)")
+    return error_line(e)
 
 
 def _already_done(cfg: TrainConfig, t, found) -> dict | None:

@@ -1,0 +1,87 @@
+"""Fault injection for tests: the entrypoint fails on purpose at a named point of a named step.
+
+Each point is switched on by an environment variable holding the optimizer step (1-based) at
+which it fires; unset or 0 means never. The tests use them to prove that every way a run can end
+leaves a correct record and a resumable checkpoint:
+
+================================  ===========================================================
+``LLMEFF_FAULT_KILL_AT_STEP``     SIGKILL right after the step (metrics flushed first)
+``LLMEFF_FAULT_KILL_IN_STEP``     SIGKILL inside the step: after the first backward, before
+                                  the optimizer step
+``LLMEFF_FAULT_KILL_IN_SAVE``     SIGKILL inside the checkpoint save of that step: Accelerate's
+                                  files written, ``llmeff_state.json`` not yet, not renamed
+``LLMEFF_FAULT_KILL_IN_EVAL``     SIGKILL inside the evaluation after that step
+``LLMEFF_FAULT_RAISE_AT_STEP``    RuntimeError after the step (a failure inside training)
+``LLMEFF_FAULT_SIGTERM_AT_STEP``  SIGTERM to itself after the step (a scheduler's kill)
+``LLMEFF_FAULT_OOM_AT_STEP``      ``torch.OutOfMemoryError`` from a forward hook in that step
+``LLMEFF_FAULT_DATA_AT_STEP``     OSError while fetching that step's first micro-batch
+================================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+ENV = {
+    "kill_at_step": "LLMEFF_FAULT_KILL_AT_STEP",
+    "kill_in_step": "LLMEFF_FAULT_KILL_IN_STEP",
+    "kill_in_save": "LLMEFF_FAULT_KILL_IN_SAVE",
+    "kill_in_eval": "LLMEFF_FAULT_KILL_IN_EVAL",
+    "raise_at_step": "LLMEFF_FAULT_RAISE_AT_STEP",
+    "sigterm_at_step": "LLMEFF_FAULT_SIGTERM_AT_STEP",
+    "oom_at_step": "LLMEFF_FAULT_OOM_AT_STEP",
+    "data_at_step": "LLMEFF_FAULT_DATA_AT_STEP",
+}
+
+
+def fault_step(point: str) -> int:
+    """The step at which ``point`` fires (0: never)."""
+    v = os.environ.get(ENV[point], "0") or "0"
+    return int(v) if v.strip().isdigit() else 0
+
+
+def fires(point: str, step: int) -> bool:
+    """True when ``point`` is set to fire at ``step``."""
+    at = fault_step(point)
+    return bool(at) and at == step
+
+
+def maybe_fault(point: str, step: int) -> None:
+    """Fire ``point`` if it is set for ``step``: SIGKILL, an exception, or SIGTERM.
+
+    Raises:
+        RuntimeError, torch.OutOfMemoryError or OSError: as the table above says.
+    """
+    if not fires(point, step):
+        return
+    if point.startswith("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(5)  # never reached
+    if point == "raise_at_step":
+        raise RuntimeError(f"{ENV[point]}={step}: injected failure")
+    if point == "sigterm_at_step":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises SystemExit at the next bytecode
+    if point == "oom_at_step":
+        import torch
+
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({ENV[point]}={step}: injected)")
+    if point == "data_at_step":
+        raise OSError(f"[Errno 5] Input/output error: 'shard-00007.jsonl' ({ENV[point]}={step}: injected)")
+
+
+def oom_hook(model, step_of):
+    """Register a forward pre-hook on ``model`` that raises the injected OOM at its step.
+
+    ``step_of`` is a callable giving the optimizer step being computed. Returns the hook handle, or
+    None when the fault is not set.
+    """
+    if not fault_step("oom_at_step"):
+        return None
+
+    def hook(_module, _args):
+        maybe_fault("oom_at_step", step_of())
+
+    return model.register_forward_pre_hook(hook)

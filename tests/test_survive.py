@@ -1,0 +1,246 @@
+"""What clusters do to runs: kills at any point, diverged losses, OOM, data errors, secrets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from mlflow_llmeff import names
+from mlflow_llmeff.tracking import redact
+from mlflow_llmeff.train import checkpoint as ckpt
+from mlflow_llmeff.train import faults
+from mlflow_llmeff.train.config import TrainConfig
+from mlflow_llmeff.train.loop import run_training
+
+from test_train_e2e import env_for, history, only_run, parts_add_up
+
+
+# ------------------------------------------------------------------ atomic checkpoints
+class FakeAccelerator:
+    is_main_process = True
+    num_processes = 1
+
+    def __init__(self, fail_after_files: int | None = None) -> None:
+        self.fail_after_files = fail_after_files
+
+    def save_state(self, path):
+        os.makedirs(path, exist_ok=True)
+        for i in range(3):
+            if self.fail_after_files is not None and i == self.fail_after_files:
+                raise KeyboardInterrupt("killed in the middle of the write")
+            with open(os.path.join(path, f"shard{i}.bin"), "wb") as f:
+                f.write(b"x" * 10)
+
+    def wait_for_everyone(self):
+        pass
+
+
+class FakeMonitor:
+    run_id = "r1"
+    flushed = 0
+
+    def state_dict(self):
+        return {"steps": 1}
+
+    def flush(self):
+        self.flushed += 1
+
+
+def test_checkpoint_appears_only_when_complete_and_half_writes_are_never_picked(tmp_path):
+    cfg = TrainConfig(checkpoint_dir=str(tmp_path), checkpoint_keep=2)
+    ckpt.save(FakeAccelerator(), cfg, 4, FakeMonitor(), {})
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004"]
+    assert sorted(os.listdir(tmp_path / "step_00000004")) == ["llmeff_state.json", "shard0.bin", "shard1.bin",
+                                                              "shard2.bin"]
+    with pytest.raises(KeyboardInterrupt):  # a kill in the middle of the next write
+        ckpt.save(FakeAccelerator(fail_after_files=2), cfg, 8, FakeMonitor(), {})
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000008.partial"]
+    path, state = ckpt.latest(str(tmp_path))
+    assert path.endswith("step_00000004") and state["step"] == 4
+    assert ckpt.clean_partial(str(tmp_path)) == ["step_00000008.partial"]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004"]
+    # a replayed step's save replaces both a leftover partial and a complete folder of that step
+    os.makedirs(tmp_path / "step_00000008.partial")
+    ckpt.save(FakeAccelerator(), cfg, 8, FakeMonitor(), {"skipped_steps": 3})
+    ckpt.save(FakeAccelerator(), cfg, 8, FakeMonitor(), {"skipped_steps": 5})
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000008"]
+    assert json.loads((tmp_path / "step_00000008" / ckpt.STATE_FILE).read_text())["skipped_steps"] == 5
+
+
+# ------------------------------------------------------------------ kill at any point, resume
+KILL_ARGS = ["--max-steps", "12", "--log-every-n-steps", "2", "--seq-len", "32", "--micro-batch-size", "2",
+             "--checkpoint-every", "4", "--eval-every", "4", "--val-blocks", "4", "--warmup-steps", "1",
+             "--measure-energy", "none", "--seed", "3"]
+TOKENS_PER_STEP = 2 * 32
+
+
+def _final_weights(ckpt_dir):
+    from safetensors.torch import load_file
+
+    path, state = ckpt.latest(str(ckpt_dir))
+    assert state["step"] == 12
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _train(tmp_path, uri, ckpt_dir, extra_env=None):
+    args = [sys.executable, "-m", "mlflow_llmeff", "train", *KILL_ARGS, "--checkpoint-dir", str(ckpt_dir)]
+    return subprocess.run(args, cwd=tmp_path, env={**env_for(uri), **(extra_env or {})}, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_sigkill_in_a_step_in_a_save_and_in_an_eval_each_resume_to_an_uninterrupted_runs_weights(tmp_path, tracking_uri):
+    import torch
+
+    ref_uri = f"sqlite:///{tmp_path / 'ref.db'}"
+    r = _train(tmp_path, ref_uri, tmp_path / "ref")
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = _final_weights(tmp_path / "ref")
+    # point -> (the step it fires at, the last complete checkpoint before it)
+    cases = {"kill_in_step": (7, 4), "kill_in_save": (8, 4), "kill_in_eval": (8, 4)}  # the eval runs before the save
+    for point, (at, resumed_from) in cases.items():
+        uri = f"sqlite:///{tmp_path / (point + '.db')}"
+        ck = tmp_path / point
+        first = _train(tmp_path, uri, ck, {faults.ENV[point]: str(at)})
+        assert first.returncode == -9, (point, first.stderr[-2000:])
+        if point == "kill_in_save":  # killed between Accelerate's files and the rename
+            assert (ck / f"step_{at:08d}.partial").is_dir()
+        second = _train(tmp_path, uri, ck)
+        assert second.returncode == 0, (point, second.stderr[-3000:])
+        assert "half-written" in second.stdout or point != "kill_in_save"
+        mlflow.set_tracking_uri(uri)
+        run = only_run()  # one run
+        assert run.info.status == "FINISHED", point
+        assert run.data.tags[names.RESUMED_FROM] == str(resumed_from), point
+        tokens = history(run, names.TRAIN_TOKENS)
+        assert [s for s, _ in tokens] == list(range(2, 13, 2)), point  # each logged step once
+        assert [v for _, v in tokens] == [TOKENS_PER_STEP * s for s in range(2, 13, 2)], point  # continuous
+        assert [s for s, _ in history(run, names.EVAL_VAL_LOSS)] == [4, 8, 12], point
+        m = run.data.metrics
+        assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=0.01), point
+        assert m[names.SUM_BADPUT["checkpoint_load"]] > 0, point
+        assert m[names.SUM_BADPUT["lost_progress"]] > 0, point
+        assert run.data.tags[names.HFU_METHOD].startswith("FlopCounterMode on step 1 "), point  # counted once
+        weights = _final_weights(ck)
+        assert weights.keys() == reference.keys()
+        for k in reference:
+            assert torch.equal(weights[k], reference[k]), (point, k)
+        assert not [p for p in os.listdir(ck) if p.endswith(ckpt.PARTIAL)], point
+
+
+# ------------------------------------------------------------------ bad numbers and crashes
+def test_nan_loss_ends_failed_naming_the_step_with_points_and_checkpoint_kept(tracking_uri, tmp_path):
+    cfg = TrainConfig(max_steps=20, log_every_n_steps=1, seq_len=32, micro_batch_size=2, learning_rate=1e8,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1, measure_energy="none")
+    from mlflow_llmeff.train.loop import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss) as err:
+        run_training(cfg)
+    run = only_run()
+    assert run.info.status == "FAILED" and run.info.end_time
+    loss = history(run, names.TRAIN_LOSS)
+    bad_step = loss[-1][0]
+    assert loss[-1][1] != loss[-1][1]  # the NaN point itself is logged
+    assert all(v == v for _, v in loss[:-1]) and [s for s, _ in loss] == list(range(1, bad_step + 1))
+    assert run.data.tags[names.ERROR].startswith(f"train/loss is nan at step {bad_step} (nan_policy=fail)")
+    assert str(err.value) == run.data.tags[names.ERROR]
+    # the newest checkpoint is the step before: no checkpoint holds the diverged weights
+    assert ckpt.latest(str(tmp_path / "ck"))[1]["step"] == bad_step - 1
+    assert names.SUM_WALL_S in run.data.metrics  # the figures up to that point
+
+
+def test_nan_policy_skip_step_skips_and_counts(tracking_uri):
+    cfg = TrainConfig(max_steps=6, log_every_n_steps=2, seq_len=32, micro_batch_size=2, learning_rate=1e8,
+                      nan_policy="skip_step", measure_energy="none")
+    out = run_training(cfg)
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    skipped = history(run, names.TRAIN_SKIPPED_STEPS)
+    assert skipped[-1][0] == 6 and skipped[-1][1] >= 1
+    assert all(v == v for _, v in history(run, names.TRAIN_LOSS))  # skipped losses are not averaged in
+    assert out["summary"][names.SUM_STEPS] == 6
+
+
+def test_out_of_memory_ends_failed_with_advice_and_checkpoint_kept(tracking_uri, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv(faults.ENV["oom_at_step"], "3")
+    cfg = TrainConfig(max_steps=6, log_every_n_steps=1, seq_len=32, micro_batch_size=2,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, measure_energy="none")
+    with pytest.raises(torch.OutOfMemoryError):
+        run_training(cfg)
+    run = only_run()
+    assert run.info.status == "FAILED"
+    assert run.data.tags[names.ERROR].startswith("out of memory at step 3 (CUDA out of memory. Tried to allocate")
+    assert "micro_batch_size" in run.data.tags[names.ERROR]
+    assert [s for s, _ in history(run, names.TRAIN_TOKENS)] == [1, 2]
+    assert ckpt.latest(str(tmp_path / "ck"))[1]["step"] == 2
+
+
+def test_data_error_ends_failed_naming_the_step(tracking_uri, tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV["data_at_step"], "4")
+    cfg = TrainConfig(max_steps=6, log_every_n_steps=1, seq_len=32, micro_batch_size=2,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=3, measure_energy="none")
+    from mlflow_llmeff.train.loop import DataError
+
+    with pytest.raises(DataError):
+        run_training(cfg)
+    run = only_run()
+    assert run.info.status == "FAILED"
+    assert run.data.tags[names.ERROR] == ("data loading failed at step 4: OSError: [Errno 5] Input/output error: "
+                                          "'shard-00007.jsonl' (LLMEFF_FAULT_DATA_AT_STEP=4: injected)")
+    assert [s for s, _ in history(run, names.TRAIN_TOKENS)] == [1, 2, 3]
+    assert ckpt.latest(str(tmp_path / "ck"))[1]["step"] == 3
+
+
+def test_bad_nan_policy_is_one_line(tracking_uri):
+    from mlflow_llmeff.train.config import validate
+
+    with pytest.raises(ValueError, match="^nan_policy='ignore' is not accepted; use one of: fail, skip_step$"):
+        validate(TrainConfig(nan_policy="ignore"))
+
+
+# ------------------------------------------------------------------ secrets
+def test_secret_names_and_values_are_never_recorded(tracking_uri, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
+    monkeypatch.setenv("MY_SERVICE_PASSWORD", "correct-horse-battery")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a name with "token" in a word, not a secret
+    from mlflow_llmeff.tracking.logger import RunLogger
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("secrets")
+    run_id = client.create_run(exp).info.run_id
+    logger = RunLogger(run_id, client)
+    logger.set_tags({"llmeff.user.api_key": "sk-live-123", "llmeff.user.note": "pulled with hf_abcdefghijklmnop",
+                     "llmeff.user.tokenizer": "gpt2",
+                     "llmeff.user.source": "https://alice:s3cr3t@data.example.com/c.jsonl?sig=XYZ&part=1"})
+    logger.log_params({"dataset": "s3://AKIAKEY:wJalrXUtn@bucket/corpus", "password": "correct-horse-battery",
+                       "learning_rate": "0.001"})
+    logger.close()
+    run = client.get_run(run_id)
+    t, p = run.data.tags, run.data.params
+    assert t["llmeff.user.api_key"] == "***"
+    assert t["llmeff.user.note"] == "pulled with ***"
+    assert t["llmeff.user.tokenizer"] == "gpt2"
+    assert t["llmeff.user.source"] == "https://data.example.com/c.jsonl?sig=***&part=1"
+    assert p == {"dataset": "s3://bucket/corpus", "password": "***", "learning_rate": "0.001"}
+    blob = json.dumps({**t, **p})
+    for secret in ("hf_abcdefghijklmnop", "correct-horse-battery", "s3cr3t", "wJalrXUtn", "sk-live-123"):
+        assert secret not in blob
+
+
+def test_redact_rules():
+    assert [redact.secret_name(n) for n in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "apiKey", "GITHUB_PAT_TOKEN",
+                                            "tokenizer", "global_batch_tokens", "sort_key", "llmeff.auth")] == \
+        [True, True, True, True, False, False, False, True]
+    assert redact.strip_uri_secrets("http://u:p@127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert redact.strip_uri_secrets("no uri here") == "no uri here"
+    assert redact.environment_secrets({"A_TOKEN": "short", "B_SECRET": "long-enough-1", "C": "long-enough-2"}) == \
+        ["long-enough-1"]
+    assert redact.clean_obj({"uri": "https://x:y@h/p", "api_key": "k", "n": [1, "https://z@h"]}, []) == \
+        {"uri": "https://h/p", "api_key": "***", "n": [1, "https://h"]}
