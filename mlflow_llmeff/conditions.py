@@ -108,8 +108,9 @@ def script_git_commit() -> str:
 
 
 def nodes(world: int) -> int:
-    """Machines taking part: ``NUM_MACHINES`` / ``GROUP_WORLD_SIZE`` when a launcher says, else world / local world."""
-    for var in ("NUM_MACHINES", "GROUP_WORLD_SIZE"):
+    """Machines taking part: ``LLMEFF_NUM_MACHINES`` (llmeff train), ``NUM_MACHINES`` / ``GROUP_WORLD_SIZE``
+    when a launcher says, else world / local world."""
+    for var in ("LLMEFF_NUM_MACHINES", "NUM_MACHINES", "GROUP_WORLD_SIZE"):
         v = os.environ.get(var, "")
         if v.isdigit() and int(v) > 0:
             return int(v)
@@ -145,7 +146,8 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
 
     tags = {**accelerator.tags(), **software_versions()}
     tags.update({
-        names.NODES: str(nodes(world)), names.PAR_STRATEGY: strategy, names.PAR_DP: str(world),
+        names.NODES: str(nodes(world)), names.PROCS_PER_NODE: str(max(1, world // nodes(world))),
+        names.PAR_STRATEGY: strategy, names.PAR_DP: str(world),
         names.PAR_TP: "1", names.PAR_PP: "1", names.PAR_CP: "1", names.PRECISION: precision,
         names.FLOPS_FORMULA: flops_note,
         names.PEAK_TFLOPS: f"{peak_tflops:g}" if peak_tflops else "unknown", names.PEAK_SOURCE: peak_source,

@@ -162,6 +162,7 @@ ACCEL_COUNT = _tag("accelerator.count", "devices taking part (world size); on CP
 ACCEL_MEMORY_GIB = _tag("accelerator.memory_gib", "memory per device in GiB (unknown on CPU: 'unknown')")
 ACCEL_GENERATION = _tag("accelerator.generation", "Ampere, Hopper, Blackwell, CDNA3, cpu, ...")
 NODES = _tag("nodes", "machines taking part")
+PROCS_PER_NODE = _tag("processes_per_node", "processes (devices) on each machine")
 DRIVER_VERSION = _tag("driver.version", "accelerator driver version ('none' on CPU)")
 CUDA_VERSION = _tag("cuda.version", "CUDA runtime torch was built with ('none' on CPU)")
 PAR_STRATEGY = _tag("parallelism.strategy", "single, ddp, fsdp, deepspeed_zero1/2/3, megatron")

@@ -56,3 +56,71 @@ def _no_active_run_leaks():
             except Exception:  # noqa: BLE001 - its store may be gone with the test's tmp_path
                 pass
             pytest.fail(f"the test left MLflow run {run.info.run_id} active")
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackServer:
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite backend, which a test can stop and start."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+        raise RuntimeError("mlflow server did not answer /health in time")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, monkeypatch):
+    """A started :class:`LoopbackServer`, the tracking URI of this test and its subprocesses."""
+    import mlflow
+
+    root = tmp_path / "server"
+    root.mkdir()
+    server = LoopbackServer(root)
+    server.start()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(server.uri)
+    yield server
+    mlflow.set_tracking_uri(None)
+    server.stop()

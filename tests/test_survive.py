@@ -244,3 +244,29 @@ def test_redact_rules():
         ["long-enough-1"]
     assert redact.clean_obj({"uri": "https://x:y@h/p", "api_key": "k", "n": [1, "https://z@h"]}, []) == \
         {"uri": "https://h/p", "api_key": "***", "n": [1, "https://h"]}
+
+
+# ------------------------------------------------------------------ two nodes
+@pytest.mark.slow
+def test_two_nodes_on_loopback_give_one_run_with_tokens_from_both(mlflow_server, tmp_path):
+    from conftest import free_port
+
+    port = str(free_port())
+    env = env_for(mlflow_server.uri)
+    procs = []
+    for rank in (0, 1):  # two "machines" of one process each, rendezvousing on 127.0.0.1
+        node = tmp_path / f"node{rank}"
+        node.mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mlflow_llmeff", "train", "--num-machines", "2", "--machine-rank", str(rank),
+             "--main-process-ip", "127.0.0.1", "--main-process-port", port, "--max-steps", "6",
+             "--log-every-n-steps", "3", "--seq-len", "32", "--micro-batch-size", "2", "--measure-energy", "none"],
+            cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    t = run.data.tags
+    assert (t[names.NODES], t[names.PROCS_PER_NODE], t[names.ACCEL_COUNT], t[names.PAR_STRATEGY]) == ("2", "1", "2", "ddp")
+    # 2 ranks x 2 sequences x 32 tokens = 128 tokens per step: both machines' tokens counted
+    assert history(run, names.TRAIN_TOKENS) == [(3, 384.0), (6, 768.0)]

@@ -38,6 +38,10 @@ class TrainConfig:
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; 0 disables"})
     precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPUs that support it, else fp32), fp32, bf16, fp16"})
     num_processes: int = field(default=1, metadata={"help": "processes (devices) on this machine; > 1 launches through accelerate launch"})
+    num_machines: int = field(default=1, metadata={"help": "machines (nodes) in the job; > 1 launches through accelerate launch on each, with machine_rank and main_process_ip"})
+    machine_rank: int = field(default=0, metadata={"help": "this machine's rank in 0..num_machines-1 (0 logs to MLflow)"})
+    main_process_ip: str = field(default="", metadata={"help": "address of machine 0 for the rendezvous (with num_machines > 1)"})
+    main_process_port: int = field(default=29500, metadata={"help": "TCP port of the rendezvous on machine 0"})
     parallelism: str = field(default="auto", metadata={"help": "auto (single or ddp), single, ddp, fsdp, deepspeed_zero1/2/3"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in the backward pass"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (compile time falls in warm-up)"})
@@ -159,7 +163,14 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
             import deepspeed  # noqa: F401
         except ImportError:
             raise ValueError(f"parallelism={cfg.parallelism!r} needs the deepspeed package (pip install deepspeed)") from None
-    if cfg.parallelism == "single" and cfg.num_processes > 1:
+    if cfg.num_machines < 1 or not 0 <= cfg.machine_rank < cfg.num_machines:
+        raise ValueError(f"machine_rank={cfg.machine_rank} with num_machines={cfg.num_machines}; "
+                         f"machine_rank must be in 0..{max(0, cfg.num_machines - 1)}")
+    if cfg.num_machines > 1 and not cfg.main_process_ip:
+        raise ValueError(f"num_machines={cfg.num_machines} needs main_process_ip (the address of machine 0)")
+    if not 0 < cfg.main_process_port < 65536:
+        raise ValueError(f"main_process_port={cfg.main_process_port} must be a TCP port in 1..65535")
+    if cfg.parallelism == "single" and cfg.num_processes * cfg.num_machines > 1:
         raise ValueError(f"parallelism='single' with num_processes={cfg.num_processes}; use ddp, fsdp or deepspeed_zero*")
     if cfg.num_processes > 1 and cfg.parallelism in ("ddp", "auto") and not cuda_available:
         pass  # CPU DDP over gloo works through the multi-process launcher

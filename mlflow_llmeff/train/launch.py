@@ -17,9 +17,14 @@ from .config import TrainConfig, validate
 
 
 def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict[str, str]]:
-    """The ``accelerate launch`` command line and environment for ``cfg.num_processes`` processes."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cfg.num_processes),
-           "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
+    """The ``accelerate launch`` command line and environment for ``cfg.num_processes`` processes on
+    each of ``cfg.num_machines`` machines (Accelerate counts processes over all machines)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--num_processes", str(cfg.num_processes * cfg.num_machines),
+           "--num_machines", str(cfg.num_machines), "--dynamo_backend", "no", "--mixed_precision", "no"]
+    if cfg.num_machines > 1:
+        cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip,
+                "--main_process_port", str(cfg.main_process_port)]
     if cfg.parallelism not in ("fsdp",) and not cfg.parallelism.startswith("deepspeed"):
         cmd.append("--multi_gpu")
     cmd += ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
@@ -78,13 +83,14 @@ def launch(cfg: TrainConfig) -> int:
     verdict = fit_here(cfg)
     if verdict.fits is False and not cfg.force:
         raise FitError(verdict.line(message_style()))
-    if cfg.num_processes == 1:
+    if cfg.num_processes == 1 and cfg.num_machines == 1:
         from ..probes import process_start_perf_counter
         from .loop import run_training
 
         run_training(cfg, started_at=process_start_perf_counter())
         return 0
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
+    env["LLMEFF_NUM_MACHINES"] = str(cfg.num_machines)  # for the nodes tag, whatever the launcher sets
     return subprocess.run(cmd, env=env).returncode
 
 
