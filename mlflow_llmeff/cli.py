@@ -233,6 +233,27 @@ def models_cmd(seq_len: int, as_json: bool) -> None:
                "activations of one sequence, without the allocator margin (llmeff plan gives any configuration).")
 
 
+@main.command("sync")
+@click.argument("folder", type=click.Path(file_okay=False))
+def sync_cmd(folder: str) -> None:
+    """Send what a run could not deliver while its tracking server was down (an outbox FOLDER:
+    <checkpoint_dir>/outbox for llmeff train, ~/.cache/mlflow_llmeff/outbox otherwise), and end
+    those runs with the status and end time they recorded."""
+    from .tracking.logger import deliver_outbox
+
+    try:
+        delivered = deliver_outbox(folder)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the server still does not answer: one line, files kept
+        raise click.ClickException(f"the tracking server did not take the outbox ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}); the files are kept") from None
+    if not delivered:
+        click.echo(f"nothing to send in {folder}")
+    for run_id, n, status in delivered:
+        click.echo(f"run {run_id}: {n} entries sent" + (f", ended {status}" if status else ""))
+
+
 @main.command("prices")
 def prices_cmd() -> None:
     """Print the dated default device-hour price table (pass device_hour_usd to override)."""

@@ -130,6 +130,9 @@ class EfficiencyMonitor:
             every logged step with the time, step and consumption totals. After a SIGKILL the
             resumed attempt reads it for the lost progress and the energy so far, even when the
             last points never reached the tracking server.
+        outbox_dir: where points the tracking server has not taken spill (before checkpoints and at
+            the end) while it does not answer; default ``$LLMEFF_OUTBOX_DIR`` or
+            ``~/.cache/mlflow_llmeff/outbox``. ``llmeff sync DIR`` sends them later.
 
     Raises:
         ValueError: for a bad argument (the message names it and what is accepted).
@@ -147,10 +150,10 @@ class EfficiencyMonitor:
                  measure_peak: bool = True, targets: str | None = None, start_step: int = 0,
                  resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
-                 track_loss: bool = True, heartbeat_path: str | None = None) -> None:
+                 track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None) -> None:
         from .evals.targets import parse_targets
 
-        self._heartbeat_path = heartbeat_path
+        self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
         _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
                     device_hour_usd, usd_per_kwh)
         self._targets = parse_targets(targets, any_metric=True)
@@ -294,7 +297,7 @@ class EfficiencyMonitor:
         self.run_id = self._run.run_id
         if self._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
             self._ledger.start_earlier(self._clock() - max(0.0, time.time() - self._run.fresh_since_unix))
-        self._logger = RunLogger(self.run_id, client, resume=self._run.resumed)
+        self._logger = RunLogger(self.run_id, client, resume=self._run.resumed, outbox_dir=self._outbox_dir)
         if resume_state:
             self._account_crashed_tail(resume_state)
         self._given_tags = set(extra_tags)

@@ -270,3 +270,102 @@ def test_two_nodes_on_loopback_give_one_run_with_tokens_from_both(mlflow_server,
     assert (t[names.NODES], t[names.PROCS_PER_NODE], t[names.ACCEL_COUNT], t[names.PAR_STRATEGY]) == ("2", "1", "2", "ddp")
     # 2 ranks x 2 sequences x 32 tokens = 128 tokens per step: both machines' tokens counted
     assert history(run, names.TRAIN_TOKENS) == [(3, 384.0), (6, 768.0)]
+
+
+# ------------------------------------------------------------------ a tracking server that goes away
+@pytest.mark.slow
+def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_steps(mlflow_server, tmp_path):
+    import statistics
+    import time
+
+    ck = tmp_path / "ck"
+    steps, every = 1000, 5
+    env = {**env_for(mlflow_server.uri), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+           "LLMEFF_DELIVERY_WAIT_S": "120"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", str(steps), "--log-every-n-steps", str(every),
+         "--seq-len", "64", "--micro-batch-size", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "100",
+         "--measure-energy", "none", "--warmup-steps", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def step_now() -> int:
+        try:
+            return json.loads((ck / "heartbeat.json").read_text())["step"]
+        except (OSError, ValueError):
+            return 0
+
+    def wait_for(cond, timeout_s=600):
+        deadline = time.monotonic() + timeout_s
+        while not cond() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    wait_for(lambda: step_now() >= 60)
+    down_at = step_now()
+    mlflow_server.stop()
+    stopped = time.monotonic()
+    wait_for(lambda: time.monotonic() - stopped > 6)  # a run that ends meanwhile waits for the server
+    up_at = step_now()
+    mlflow_server.start()
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert up_at >= down_at + every * 5, (down_at, up_at)  # the run went on while the server was down
+    run = only_run()
+    assert run.info.status == "FINISHED" and run.info.end_time
+    tokens = history(run, names.TRAIN_TOKENS)
+    assert tokens == [(s, 256.0 * s) for s in range(every, steps + 1, every)]  # every point, exactly once
+    assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(every, steps + 1, every))
+    assert names.SUM_WALL_S in run.data.metrics
+    step_s = history(run, names.TRAIN_STEP_TIME_S)
+    down = [v for s, v in step_s if down_at + every < s <= up_at]
+    up = [v for s, v in step_s if s <= down_at or s > up_at + every]
+    ratio = statistics.median(down) / statistics.median(up)
+    assert 1 / 3 < ratio < 3, (ratio, len(down), len(up))  # within this machine's noise
+    assert "did not answer" in run.data.tags[names.LOGGING_WARNINGS]
+    assert not os.path.exists(ck / "outbox" / f"{run.info.run_id}.jsonl")  # all delivered: nothing left
+
+
+def test_outbox_spills_when_the_server_is_gone_and_llmeff_sync_delivers_it(tracking_uri, tmp_path):
+    """A server that never comes back during the run: close() spills; llmeff sync sends and ends the run."""
+    from click.testing import CliRunner
+    from mlflow.exceptions import MlflowException
+
+    from mlflow_llmeff.cli import main
+    from mlflow_llmeff.tracking.logger import RunLogger
+
+    class DownClient:
+        def __init__(self, real):
+            self.real, self.down = real, True
+
+        def log_batch(self, *a, **kw):
+            if self.down:
+                raise MlflowException("API request to endpoint /api/2.0/mlflow/runs/log-batch failed: "
+                                      "Connection refused", error_code="TEMPORARILY_UNAVAILABLE")
+            return self.real.log_batch(*a, **kw)
+
+        def set_terminated(self, *a, **kw):
+            if self.down:
+                raise MlflowException("Connection refused", error_code="TEMPORARILY_UNAVAILABLE")
+            return self.real.set_terminated(*a, **kw)
+
+    real = mlflow.MlflowClient()
+    run_id = real.create_run("0").info.run_id
+    client = DownClient(real)
+    log = RunLogger(run_id, client, send_interval_s=0.0, outbox_dir=str(tmp_path / "outbox"), wait_s=0.5)
+    for step in range(1, 4):
+        log.log_metrics({"train/tokens": 64.0 * step, "train/loss": float("nan") if step == 3 else 2.0}, step)
+    log.set_tags({"llmeff.user.note": "kept"})
+    log.close("FINISHED")
+    spilled = tmp_path / "outbox" / f"{run_id}.jsonl"
+    assert spilled.exists()
+    assert real.get_run(run_id).info.status == "RUNNING"  # not ended before everything is delivered
+    assert real.get_run(run_id).data.metrics == {}
+    r = CliRunner().invoke(main, ["sync", str(tmp_path / "outbox")])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == f"run {run_id}: 7 entries sent, ended FINISHED"
+    run = real.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["llmeff.user.note"] == "kept"
+    assert [(m.step, m.value) for m in real.get_metric_history(run_id, "train/tokens")] == [(1, 64.0), (2, 128.0),
+                                                                                            (3, 192.0)]
+    assert not spilled.exists()
+    r = CliRunner().invoke(main, ["sync", str(tmp_path / "nowhere")])
+    assert r.exit_code != 0 and "outbox folder" in r.output and "Traceback" not in r.output

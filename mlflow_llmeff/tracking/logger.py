@@ -21,7 +21,10 @@ and training goes on (accelerate's tracker does the same).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import threading
 import time
 import warnings
 from collections import deque
@@ -82,7 +85,7 @@ class RunLogger(NullLogger):
     """
 
     def __init__(self, run_id: str, client=None, *, resume: bool = False, send_interval_s: float = 5.0,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, outbox_dir: str | None = None, wait_s: float | None = None) -> None:
         from mlflow import MlflowClient
 
         self.run_id = run_id
@@ -102,7 +105,16 @@ class RunLogger(NullLogger):
         self._send_interval_s = send_interval_s
         self._last_send = clock()
         self.last_timestamp_s: float | None = None  # newest metric point before this attempt (unix s)
+        # The outbox: entries the server has not confirmed, sent again by a background thread.
+        self.outbox_dir = outbox_dir or default_outbox_dir()
+        self._wait_s = float(os.environ.get(WAIT_ENV, "30")) if wait_s is None else float(wait_s)
+        self._held: list[tuple[object, list]] = []  # (async operation still in flight or None, entries)
+        self._lock = threading.Lock()
+        self._down_since: float | None = None  # unix time the server stopped answering (None: up)
+        self._prober: threading.Thread | None = None
+        self._closing = False
         if resume:
+            self._deliver_own_outbox()
             self._learn_history()
 
     def _learn_history(self) -> None:
@@ -280,8 +292,14 @@ class RunLogger(NullLogger):
             synchronous=synchronous)
 
     def _submit(self, entries: list, *, synchronous: bool) -> None:
-        """Send ``entries`` in one call; remember an async operation with its entries for :meth:`flush`."""
+        """Send ``entries`` in one call; remember an async operation with its entries for :meth:`flush`.
+
+        While the tracking server is down, entries go straight to the outbox (no call, no wait).
+        """
         if not entries:
+            return
+        if self._down_since is not None:
+            self._hold(None, entries)
             return
         try:
             op = self._log_batch(entries, synchronous)
@@ -306,8 +324,8 @@ class RunLogger(NullLogger):
                 continue
             try:
                 op.wait()  # finished: returns or raises at once
-            except Exception as e:  # noqa: BLE001
-                self._recover(entries, e, resend_whole=True)
+            except Exception:  # noqa: BLE001 - resent whole (then in halves) by the outbox thread
+                self._hold(None, entries)
         self._pending = still
 
     def _recover(self, entries: list, error: Exception, *, resend_whole: bool) -> None:
@@ -316,8 +334,11 @@ class RunLogger(NullLogger):
         The batch is sent again synchronously in halves, down to single entries; an entry that
         fails alone is named in ``llmeff.logging.warnings``. ``resend_whole`` first resends the
         whole batch (an async failure reaches us wrapped, without MLflow's error code). A failure
-        that does not blame an entry stops the retry: the rest is named as not logged.
+        that does not blame an entry stops the retry: the rest goes to the outbox.
         """
+        if self._down_since is not None and not _blames_entry(error):
+            self._hold(None, entries)
+            return
         if resend_whole:
             queue = deque([entries])
         elif _blames_entry(error):
@@ -341,11 +362,114 @@ class RunLogger(NullLogger):
                     queue.extendleft(reversed(_halves(part)))
 
     def _lost(self, entries: list, error: Exception) -> None:
+        """The store failed without blaming an entry: the server is down; hold ``entries`` in the outbox."""
         self._warn(error)
         self._outage = True  # the store is failing: leave the warning tag for the next send
-        shown = list(dict.fromkeys(_describe(e) for e in entries))
-        more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
-        self._note((f"{len(entries)} entries not logged ({', '.join(shown[:5])}{more}): {_reason(error)}",))
+        self._went_down(error)
+        self._hold(None, entries)
+
+    # ------------------------------------------------------------------ the outbox
+    def _went_down(self, error: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.time()
+            self._down_reason = _reason(error)
+            log.warning("mlflow_llmeff: the tracking server is not answering (%s); training goes on, points are "
+                        "held and sent when it answers (outbox: %s)", self._down_reason, self.outbox_dir)
+
+    def _hold(self, op, entries: list) -> None:
+        """Keep ``entries`` (and the async ``op`` that may still deliver them) for the outbox thread."""
+        with self._lock:
+            self._held.append((op, entries))
+            if self._prober is None or not self._prober.is_alive():
+                self._prober = threading.Thread(target=self._probe, name="llmeff-outbox", daemon=True)
+                self._prober.start()
+
+    def _probe(self) -> None:
+        """Outbox thread: deliver held entries in order, backing off 1, 2, 4, 8, 10 s while the server is down."""
+        delay = 1.0
+        while True:
+            with self._lock:
+                if not self._held:
+                    self._prober = None
+                    self._back_up()
+                    return
+                op, entries = self._held[0]
+            if self._deliver(op, entries):
+                with self._lock:
+                    self._held.pop(0)
+                delay = 1.0
+                continue
+            if self._closing:
+                return  # close() spills what is left
+            time.sleep(delay)
+            delay = min(10.0, delay * 2)
+
+    def _deliver(self, op, entries: list) -> bool:
+        """One delivery attempt: wait for ``op`` if it is still in flight, else send ``entries`` synchronously.
+
+        Returns False when the server did not answer (the entries stay held).
+        """
+        if op is not None:
+            try:
+                op.wait()
+                return True
+            except Exception:  # noqa: BLE001 - failed in flight: send ourselves
+                pass
+        try:
+            self._log_batch(entries, synchronous=True)
+            return True
+        except Exception as e:  # noqa: BLE001
+            if _blames_entry(e):
+                self._recover(entries, e, resend_whole=False)  # halves; a later outage re-holds the rest
+                return True
+            self._warn(e)
+            self._went_down(e)
+            return False
+
+    def _back_up(self) -> None:
+        """Called with the lock held when the outbox is empty again."""
+        if self._down_since is not None:
+            since = time.strftime("%H:%M:%S", time.gmtime(self._down_since))
+            self._note((f"the tracking server did not answer from {since} UTC ({self._down_reason}) for "
+                        f"{time.time() - self._down_since:.0f} s; every held point was delivered after",))
+            self._down_since = None
+
+    def outbox_path(self) -> str:
+        """The file this run's undelivered entries spill to: ``<outbox_dir>/<run_id>.jsonl``."""
+        return os.path.join(self.outbox_dir, f"{self.run_id}.jsonl")
+
+    def _spill(self, end: tuple[str, int] | None = None) -> int:
+        """Write every held entry (and ``end`` = (status, end time ms)) to :meth:`outbox_path`, replacing
+        it; remove the file when nothing is held. Returns the entries written."""
+        with self._lock:
+            entries = [e for _, batch in self._held for e in batch]
+        path = self.outbox_path()
+        if not entries and end is None:
+            if os.path.exists(path):
+                os.remove(path)
+            return 0
+        write_outbox(path, self.run_id, entries, end)
+        return len(entries)
+
+    def _deliver_own_outbox(self) -> None:
+        """On resume: send what an earlier attempt of this run left in the outbox (not its end record)."""
+        path = self.outbox_path()
+        if os.path.exists(path):
+            try:
+                n, _ = deliver_outbox_file(path, self.client, terminate=False)
+                log.info("mlflow_llmeff: delivered %d entries an earlier attempt left in %s", n, path)
+            except Exception as e:  # noqa: BLE001 - kept for llmeff sync
+                self._warn(e)
+
+    def held_count(self) -> int:
+        """Entries waiting in the outbox (not yet confirmed by the tracking server)."""
+        with self._lock:
+            return sum(len(b) for _, b in self._held)
+
+    def _wait_for_outbox(self, deadline: float, *, while_down: bool = False) -> None:
+        """Wait until the outbox is empty or ``deadline``; stop early when the server is down unless ``while_down``."""
+        while self.held_count() and (while_down or self._down_since is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ the warning tag
     def _note(self, problems: tuple[str, ...]) -> None:
@@ -377,7 +501,7 @@ class RunLogger(NullLogger):
 
     def _write_problems(self) -> None:
         """Set ``llmeff.logging.warnings`` when a problem was found since it was last set."""
-        if self._outage:  # do not add a second failing call (each one may wait out HTTP retries)
+        if self._outage or self._down_since is not None:  # no second failing call (each may wait out HTTP retries)
             self._outage = False
             return
         if not self._problems_dirty:
@@ -393,26 +517,162 @@ class RunLogger(NullLogger):
 
     # ------------------------------------------------------------------ flush and close
     def flush(self) -> None:
-        """Send the buffer and wait until every queued batch reached the tracking server.
+        """Send the buffer and wait until the tracking server has every entry, or spill them to the outbox.
 
-        A batch whose async operation failed is retried synchronously (see :meth:`_recover`).
+        Waits at most ``wait_s`` (``LLMEFF_DELIVERY_WAIT_S``, default 30 s), and not at all once the
+        server is known to be down: then every entry not yet confirmed is written to
+        :meth:`outbox_path` (the training loop calls this before every checkpoint, so a checkpoint
+        never outruns its metrics: they are on the server or in the outbox file beside it).
         """
         self._send()
+        deadline = time.monotonic() + self._wait_s
         pending, self._pending = self._pending, []
         for op, entries in pending:
+            if not self._wait_op(op, deadline):
+                self._hold(op, entries)  # still in flight: the outbox thread waits for it
+                continue
             try:
                 op.wait()
-            except Exception as e:  # noqa: BLE001
-                self._recover(entries, e, resend_whole=True)
+            except Exception:  # noqa: BLE001 - resent whole, then in halves, by the outbox thread
+                self._hold(None, entries)
+        self._wait_for_outbox(deadline)
+        self._spill()
         self._write_problems()
 
+    def _wait_op(self, op, deadline: float) -> bool:
+        """Wait for an async operation until ``deadline`` (or until the server is known down); True when done."""
+        futures = getattr(op, "_operation_futures", None)
+        if futures is None:
+            return True  # no way to wait with a timeout: op.wait() blocks
+        for f in futures:
+            while not f.done():
+                if self._down_since is not None or time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.02)
+        return True
+
     def close(self, status: str = "FINISHED") -> None:
-        """Flush and mark the run terminated with ``status``."""
+        """Flush and mark the run terminated with ``status`` once every entry is delivered.
+
+        When the server does not take everything within ``wait_s``, nothing is lost: the entries and
+        the status with this end time are written to :meth:`outbox_path`, and
+        ``llmeff sync <outbox dir>`` (or resuming the run) delivers them and ends the run.
+        """
         self.flush()
+        self._wait_for_outbox(time.monotonic() + self._wait_s, while_down=True)  # the server may come back
+        end_ms = int(time.time() * 1000)
+        if self.held_count():
+            self._closing = True
+            n = self._spill(end=(status, end_ms))
+            msg = (f"mlflow_llmeff: the tracking server did not take {n} entries of run {self.run_id}; they and its "
+                   f"end ({status}) are in {self.outbox_path()}: run `llmeff sync {self.outbox_dir}` when it answers")
+            log.warning(msg)
+            print(msg, flush=True)
+            return
         try:
-            self.client.set_terminated(self.run_id, status)
+            self.client.set_terminated(self.run_id, status, end_time=end_ms)
         except Exception as e:  # noqa: BLE001
             self._warn(e)
+            write_outbox(self.outbox_path(), self.run_id, [], (status, end_ms))
+
+
+def default_outbox_dir() -> str:
+    """Where undelivered entries spill without a checkpoint folder: ``$LLMEFF_OUTBOX_DIR`` or
+    ``~/.cache/mlflow_llmeff/outbox``."""
+    return os.environ.get("LLMEFF_OUTBOX_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mlflow_llmeff",
+                                                               "outbox")
+
+
+WAIT_ENV = "LLMEFF_DELIVERY_WAIT_S"
+
+
+def write_outbox(path: str, run_id: str, entries: list, end: tuple[str, int] | None = None) -> None:
+    """Write an outbox file atomically: one JSON object per line (``m``: metric key, value, timestamp
+    ms, step; ``p``/``t``: param/tag key, value; ``end``: status, end time ms), the run id first."""
+    from mlflow.entities import Metric, Param
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"run_id": run_id}) + "\n")
+        for e in entries:
+            if isinstance(e, Metric):
+                rec = {"m": [e.key, e.value, e.timestamp, e.step]}
+            else:
+                rec = {"p" if isinstance(e, Param) else "t": [e.key, e.value]}
+            f.write(json.dumps(rec) + "\n")
+        if end is not None:
+            f.write(json.dumps({"end": list(end)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> tuple[int, str | None]:
+    """Send an outbox file's entries to its run and, with ``terminate``, end the run with the recorded
+    status and end time; then delete the file.
+
+    Sending again what the server already has is harmless: a metric point is the same
+    (key, value, timestamp, step), which MLflow's SQL stores keep once, and tags and params are set to
+    the same values.
+
+    Returns:
+        ``(entries sent, status set or None)``.
+
+    Raises:
+        ValueError: for a file that is not an outbox file (its first line names no run).
+        mlflow.exceptions.MlflowException: when the server refuses or does not answer (the file stays).
+    """
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
+
+    with open(path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if not lines or "run_id" not in lines[0]:
+        raise ValueError(f"{path} is not an mlflow_llmeff outbox file (no run id on its first line)")
+    run_id, metrics, others, end = lines[0]["run_id"], [], [], None
+    for rec in lines[1:]:
+        if "m" in rec:
+            k, v, ts, step = rec["m"]
+            metrics.append(Metric(k, float(v), int(ts), int(step)))
+        elif "p" in rec:
+            others.append(Param(*rec["p"]))
+        elif "t" in rec:
+            others.append(RunTag(*rec["t"]))
+        elif "end" in rec:
+            end = rec["end"]
+    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+    for i in range(0, len(others), MAX_PARAMS_TAGS_PER_BATCH):
+        part = others[i:i + MAX_PARAMS_TAGS_PER_BATCH]
+        client.log_batch(run_id, params=[e for e in part if isinstance(e, Param)],
+                         tags=[e for e in part if isinstance(e, RunTag)])
+    status = None
+    if terminate and end is not None:
+        status = str(end[0])
+        client.set_terminated(run_id, status, end_time=int(end[1]))
+    os.remove(path)
+    return len(metrics) + len(others), status
+
+
+def deliver_outbox(folder: str, client=None) -> list[tuple[str, int, str | None]]:
+    """Deliver every outbox file (``*.jsonl``) in ``folder``: ``[(run id, entries sent, status set)]``.
+
+    Raises:
+        ValueError: when ``folder`` is not a directory.
+    """
+    from mlflow import MlflowClient
+
+    if not os.path.isdir(folder):
+        raise ValueError(f"outbox folder {folder!r} does not exist (llmeff train spills to <checkpoint_dir>/outbox, "
+                         f"autolog and monitors to {default_outbox_dir()})")
+    client = client or MlflowClient()
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            n, status = deliver_outbox_file(os.path.join(folder, name), client)
+            out.append((name[:-len(".jsonl")], n, status))
+    return out
 
 
 def _halves(entries: list) -> list[list]:

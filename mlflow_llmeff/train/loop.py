@@ -142,7 +142,8 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
         cloud_region=cfg.cloud_region or None, carbon_tracker=carbon, targets=cfg.targets, run_id=state["run_id"] if state else None,
         run_name=cfg.run_name or None, experiment_name=cfg.experiment_name or None, tags=tags,
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
-        integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir))
+        integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir),
+        outbox_dir=os.path.join(cfg.checkpoint_dir, "outbox") if cfg.checkpoint_dir else None)
 
 
 def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> None:
