@@ -915,8 +915,12 @@ class EfficiencyMonitor:
             from .tracking.runs import end_run
 
             self._logger.flush()
+            if not self._logger.settle(status):  # the server is away: the ending waits in the outbox
+                return
             end_run(self._logger.client, self._run, status)
         except Exception as e:  # noqa: BLE001
+            if hasattr(self._logger, "ending_failed"):
+                self._logger.ending_failed(status, int(time.time() * 1000), e)
             self._fail(e)
 
     @property

@@ -85,7 +85,8 @@ class LoopbackServer:
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1"],
-            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT)
+            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT,
+            start_new_session=True)  # its own process group: stop() ends its workers too, never the tests
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -99,12 +100,15 @@ class LoopbackServer:
         raise RuntimeError("mlflow server did not answer /health in time")
 
     def stop(self) -> None:
+        import os
+        import signal
+
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=20)
             except Exception:  # noqa: BLE001
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
 

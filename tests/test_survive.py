@@ -261,7 +261,7 @@ def test_two_nodes_on_loopback_give_one_run_with_tokens_from_both(mlflow_server,
             [sys.executable, "-m", "mlflow_llmeff", "train", "--num-machines", "2", "--machine-rank", str(rank),
              "--main-process-ip", "127.0.0.1", "--main-process-port", port, "--max-steps", "6",
              "--log-every-n-steps", "3", "--seq-len", "32", "--micro-batch-size", "2", "--measure-energy", "none"],
-            cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
     run = only_run()
@@ -286,7 +286,7 @@ def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_
         [sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", str(steps), "--log-every-n-steps", str(every),
          "--seq-len", "64", "--micro-batch-size", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "100",
          "--measure-energy", "none", "--warmup-steps", "1"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def step_now() -> int:
         try:
@@ -319,7 +319,9 @@ def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_
     down = [v for s, v in step_s if down_at + every < s <= up_at]
     up = [v for s, v in step_s if s <= down_at or s > up_at + every]
     ratio = statistics.median(down) / statistics.median(up)
-    assert 1 / 3 < ratio < 3, (ratio, len(down), len(up))  # within this machine's noise
+    # within this machine's noise; the server shares the CPU with training here, so steps may even be
+    # faster while it is stopped. The fault this guards against (steps waiting on the server) is slower.
+    assert 0.1 < ratio < 2.0, (ratio, len(down), len(up))
     assert "did not answer" in run.data.tags[names.LOGGING_WARNINGS]
     assert not os.path.exists(ck / "outbox" / f"{run.info.run_id}.jsonl")  # all delivered: nothing left
 

@@ -71,6 +71,9 @@ class NullLogger:
     def close(self, status: str = "FINISHED") -> None:  # noqa: D102
         pass
 
+    def settle(self, status: str) -> bool:  # noqa: D102
+        return True
+
 
 class RunLogger(NullLogger):
     """Logs to one MLflow run from the main process.
@@ -559,21 +562,35 @@ class RunLogger(NullLogger):
         ``llmeff sync <outbox dir>`` (or resuming the run) delivers them and ends the run.
         """
         self.flush()
-        self._wait_for_outbox(time.monotonic() + self._wait_s, while_down=True)  # the server may come back
-        end_ms = int(time.time() * 1000)
-        if self.held_count():
-            self._closing = True
-            n = self._spill(end=(status, end_ms))
-            msg = (f"mlflow_llmeff: the tracking server did not take {n} entries of run {self.run_id}; they and its "
-                   f"end ({status}) are in {self.outbox_path()}: run `llmeff sync {self.outbox_dir}` when it answers")
-            log.warning(msg)
-            print(msg, flush=True)
+        if not self.settle(status):
             return
+        end_ms = int(time.time() * 1000)
         try:
             self.client.set_terminated(self.run_id, status, end_time=end_ms)
         except Exception as e:  # noqa: BLE001
-            self._warn(e)
-            write_outbox(self.outbox_path(), self.run_id, [], (status, end_ms))
+            self.ending_failed(status, end_ms, e)
+
+    def settle(self, status: str) -> bool:
+        """Before ending the run with ``status``: wait up to ``wait_s`` for the outbox to empty (the server
+        may come back). True when everything is delivered (end the run now); otherwise the entries and
+        the ending are written to :meth:`outbox_path`, a line says how to send them, and False."""
+        self._wait_for_outbox(time.monotonic() + self._wait_s, while_down=True)
+        if not self.held_count():
+            self._spill()  # an earlier spill is delivered now: remove its file
+            self._write_problems()  # e.g. the outage note made when the server came back
+            return True
+        self._closing = True
+        n = self._spill(end=(status, int(time.time() * 1000)))
+        msg = (f"mlflow_llmeff: the tracking server did not take {n} entries of run {self.run_id}; they and its "
+               f"end ({status}) are in {self.outbox_path()}: run `llmeff sync {self.outbox_dir}` when it answers")
+        log.warning(msg)
+        print(msg, flush=True)
+        return False
+
+    def ending_failed(self, status: str, end_ms: int, error: Exception) -> None:
+        """Ending the run failed (the server went away at the last moment): keep the ending in the outbox."""
+        self._warn(error)
+        write_outbox(self.outbox_path(), self.run_id, [], (status, end_ms))
 
 
 def default_outbox_dir() -> str:
