@@ -205,3 +205,22 @@ def test_bad_input_is_one_line(experiment, tmp_path, args, message):
     err_lines = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
     assert len(err_lines) == 1 and err_lines[0].startswith(message), r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_mlproject_compare_entry_point_logs_the_report_on_the_launcher_run(experiment, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    client, exp_id, ids = experiment
+    r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "compare", "--env-manager", "local",
+                        "--experiment-id", exp_id, "-P", "experiment=cmp", "-P", f"out={tmp_path / 'o'}"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "weak scaling efficiency 0.9 " in r.stdout
+    comparisons = client.search_runs([exp_id], f"tags.`{names.COMPARE_RUN_IDS}` != ''")
+    assert len(comparisons) == 1 and comparisons[0].info.status == "FINISHED"
+    assert set(comparisons[0].data.tags[names.COMPARE_RUN_IDS].split(",")) == set(ids)  # not itself
+    assert "report.html" in [a.path for a in client.list_artifacts(comparisons[0].info.run_id)]

@@ -6,7 +6,7 @@ import os
 
 from .. import names
 from .render import DEFAULT_GROUP_BY, Report, build_report, write_report
-from .source import select_runs
+from .source import Selection, select_runs
 
 __all__ = ["compare", "default_ui_base", "log_report"]
 
@@ -44,6 +44,12 @@ def compare(experiment: str, *, filter_string: str = "", group_by: str = DEFAULT
     uri = tracking_uri or mlflow.get_tracking_uri()
     client = mlflow.MlflowClient(uri)
     selection = select_runs(client, experiment, filter_string)
+    launcher = os.environ.get("MLFLOW_RUN_ID")  # under `mlflow run -e compare`: the launcher's own run
+    if launcher and any(r.run_id == launcher for r in selection.runs):
+        selection = Selection(selection.experiment_id, selection.experiment_name, selection.filter_string,
+                              [r for r in selection.runs if r.run_id != launcher])
+        if not selection.runs:
+            raise ValueError(f"experiment {selection.experiment_name!r} has no runs to compare")
     rep = build_report(client, selection, group_by=group_by, baseline=baseline,
                        ui_base=default_ui_base(uri) if ui_base is None else ui_base)
     paths = write_report(rep, out_dir)
@@ -52,14 +58,22 @@ def compare(experiment: str, *, filter_string: str = "", group_by: str = DEFAULT
 
 
 def log_report(client, rep: Report, out_dir: str) -> str:
-    """Log ``out_dir`` as the artifacts of one new FINISHED run of the compared experiment, tagged with
-    the compared run ids (``llmeff.compare.run_ids``); returns its run id."""
+    """Log ``out_dir`` as the artifacts of one comparison run tagged with the compared run ids
+    (``llmeff.compare.run_ids``); returns its run id.
+
+    The run is a new FINISHED run of the compared experiment, or under ``mlflow run -e compare`` the
+    launcher's run (``MLFLOW_RUN_ID``, which the launcher ends).
+    """
     sel = rep.selection
-    ids = ",".join(r.run_id for r in sel.runs)
-    run = client.create_run(sel.experiment_id, run_name=f"compare-{len(sel.runs)}-runs", tags={
-        names.COMPARE_RUN_IDS: ids[:8000], names.COMPARE_EXPERIMENT: sel.experiment_name,
-        names.COMPARE_FILTER: sel.filter_string,
-        "mlflow.note.content": "llmeff compare report: open report.html in Artifacts"})
-    client.log_artifacts(run.info.run_id, os.path.abspath(out_dir))
-    client.set_terminated(run.info.run_id, "FINISHED")
-    return run.info.run_id
+    tags = {names.COMPARE_RUN_IDS: ",".join(r.run_id for r in sel.runs)[:8000],
+            names.COMPARE_EXPERIMENT: sel.experiment_name, names.COMPARE_FILTER: sel.filter_string,
+            "mlflow.runName": f"compare-{len(sel.runs)}-runs",
+            "mlflow.note.content": "llmeff compare report: open report.html in Artifacts"}
+    launcher = os.environ.get("MLFLOW_RUN_ID")
+    run_id = launcher or client.create_run(sel.experiment_id).info.run_id
+    for k, v in tags.items():
+        client.set_tag(run_id, k, v)
+    client.log_artifacts(run_id, os.path.abspath(out_dir))
+    if not launcher:
+        client.set_terminated(run_id, "FINISHED")
+    return run_id

@@ -56,9 +56,9 @@ def fig_tokens_per_device(rep, history) -> bytes | str:
     ax.set_xticks(range(len(runs)), [r.label for r in runs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per device (steady state)")
     ax.set_title("Throughput per device by group")
-    for g, c in colours.items():
-        ax.bar([], [], color=c, label=g)
-    ax.legend(fontsize=7)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=c, label=g) for g, c in colours.items()], fontsize=7)
     return png(fig)
 
 
