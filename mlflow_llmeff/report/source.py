@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import names
+from ..tracking.runs import ui_run_url
 from .calc import RunRecord
 
 __all__ = ["Selection", "select_runs", "metric_history", "ui_run_url"]
@@ -97,11 +98,3 @@ def metric_history(client, run_id: str, key: str) -> list[tuple[int, int, float]
     except Exception:  # noqa: BLE001 - a missing history is an empty plot line, not an error
         return []
     return sorted((int(m.step), int(m.timestamp), float(m.value)) for m in points)
-
-
-def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:
-    """The MLflow 3 UI address of a run's page (the training-runs view, not the GenAI overview).
-
-    ``base`` is the server's address (``http://host:port``) or ``""`` for a link relative to the server.
-    """
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
