@@ -224,3 +224,11 @@ def test_mlproject_compare_entry_point_logs_the_report_on_the_launcher_run(exper
     assert len(comparisons) == 1 and comparisons[0].info.status == "FINISHED"
     assert set(comparisons[0].data.tags[names.COMPARE_RUN_IDS].split(",")) == set(ids)  # not itself
     assert "report.html" in [a.path for a in client.list_artifacts(comparisons[0].info.run_id)]
+
+
+def test_a_run_without_summary_does_not_make_every_condition_a_column():
+    from mlflow_llmeff.report.calc import differing_tags
+
+    parent = RunRecord("p", "sweep-parent", tags={})  # no llmeff tags, no summary
+    assert differing_tags([rec("a", 1, 1000.0), rec("b", 2, 1800.0), parent]) == [
+        names.ACCEL_COUNT, names.PAR_STRATEGY, names.GLOBAL_BATCH_TOKENS]

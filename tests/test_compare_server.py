@@ -169,3 +169,26 @@ def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path)
     keep = os.environ.get("LLMEFF_SCREENSHOT_DIR")
     if keep:
         shutil.copytree(shots, keep, dirs_exist_ok=True)
+
+
+@pytest.mark.parametrize("query, status, line", [
+    ("?filter=metrics.x%20%3E%3E%3E%201", 400, "bad filter 'metrics.x &gt;&gt;&gt; 1': "),
+    ("?precision=fp8", 400, "no run of experiment 'sweep' matches the filter"),
+])
+def test_server_page_bad_input_is_one_line(server, sweep, query, status, line):
+    import urllib.error
+
+    _, exp_id, _ = sweep
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{server}/llmeff/experiments/{exp_id}{query}", timeout=30)
+    body = e.value.read().decode()
+    assert e.value.code == status
+    assert body.count("class='error'") == 1 and line in body and "Traceback" not in body
+
+
+def test_server_page_unknown_experiment_is_404(server):
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{server}/llmeff/experiments/98765", timeout=30)
+    assert e.value.code == 404 and "experiment id '98765' not found" in e.value.read().decode()

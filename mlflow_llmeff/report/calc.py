@@ -126,8 +126,13 @@ def _condition(r: RunRecord, tag: str, param: str | None) -> str | None:
 
 
 def differing_tags(runs: list[RunRecord], keys: tuple[str, ...] = CONDITION_TAGS) -> list[str]:
-    """The condition tags among ``keys`` whose value (absent counts as a value) is not the same on every run."""
-    return [k for k in keys if len({r.tags.get(k) for r in runs}) > 1]
+    """The condition tags among ``keys`` whose value (absent counts as a value) is not the same on every run.
+
+    Only runs with ``summary/*`` figures count (a crashed or non-training run lacking the tags would
+    make every condition look different); with none, every run counts.
+    """
+    compared = [r for r in runs if r.has_summary] or runs
+    return [k for k in keys if len({r.tags.get(k) for r in compared}) > 1]
 
 
 @dataclass(frozen=True)

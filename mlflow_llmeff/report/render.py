@@ -183,7 +183,8 @@ def to_csv(rep: Report) -> str:
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}
-th{background:#f3f3f3;position:sticky;top:0}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
+th{background:#f3f3f3;position:sticky;top:0;max-width:9em;white-space:normal;overflow-wrap:anywhere;
+font-size:12px}td:first-child{white-space:nowrap}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
 tr.nosummary td{background:#fde2e2;color:#700}.warn{background:#fff3cd;border:2px solid #d39e00;
 padding:6px 10px;margin:6px 0;font-weight:600}.figs img{max-width:46%;margin:6px;border:1px solid #ddd}
 .note{color:#555}form.filters{margin:8px 0}form.filters input{width:38em}"""
