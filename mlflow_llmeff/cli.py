@@ -350,7 +350,7 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
     for w in rep.warnings:
         click.echo(f"WARNING: {w.text()}", err=True)
     for r in rep.runs:
-        if rep.row_note(r):
+        if rep.missing_summary(r):
             click.echo(f"marked row: {r.label} ({r.run_id}): {rep.row_note(r)}", err=True)
     click.echo(f"{len(rep.runs)} runs of {rep.selection.experiment_name!r} compared")
     for line in scaling_lines(rep) or ["scaling efficiency: no runs that differ only in device count"]:

@@ -187,6 +187,8 @@ def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, t
     assert "WARNING: not comparable: eval batch size (llmeff.eval.batch_size) differs" in r.output
     assert "class='warn'>WARNING: not comparable: eval batch size" in (tmp_path / "o" / "report.html").read_text()
     assert "**WARNING** not comparable: eval batch size" in (tmp_path / "o" / "report.md").read_text()
+    notes = {row["run"]: row["note"] for row in csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text()))}
+    assert notes == {"bs8": "not comparable: eval batch size = 8", "bs16": "not comparable: eval batch size = 16"}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -62,11 +62,16 @@ class Report:
         return " / ".join(r.tags.get(k, "?") for k in self.group_by)
 
     def row_note(self, r: RunRecord) -> str:
-        """Empty for a run with summary figures; else why it has none (status and ``llmeff.error``)."""
+        """Why a row needs care: no summary figures (status and ``llmeff.error``), else the
+        conditions that make it not comparable with the other rows (empty when none)."""
         if r.has_summary:
-            return ""
+            diffs = [f"{w.what} = {v}" for w in self.warnings for v, labels in w.values.items() if r.label in labels]
+            return "not comparable: " + "; ".join(diffs) if diffs else ""
         why = r.tags.get(names.ERROR)
         return f"{r.status}: no summary/* metrics" + (f" ({why})" if why else "")
+
+    def missing_summary(self, r: RunRecord) -> bool:
+        return not r.has_summary
 
     def url(self, r: RunRecord) -> str:
         return ui_run_url(self.ui_base, r.experiment_id, r.run_id)
@@ -160,7 +165,7 @@ def to_markdown(rep: Report) -> str:
     lines += ["| " + " | ".join(_md_cell(h) for h in head) + " |", "|" + " --- |" * len(head)]
     for r, row in zip(rep.runs, rows):
         cells = [f"[{_md_cell(row[0])}]({rep.url(r)})"] + [_md_cell(c) for c in row[1:]]
-        if rep.row_note(r):
+        if rep.missing_summary(r):
             cells[0] = f"**{cells[0]} (no summary)**"
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Scaling efficiency", ""]
@@ -185,7 +190,7 @@ _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}
 th{background:#f3f3f3;position:sticky;top:0;max-width:9em;white-space:normal;overflow-wrap:anywhere;
 font-size:12px}td:first-child{white-space:nowrap}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
-tr.nosummary td{background:#fde2e2;color:#700}.warn{background:#fff3cd;border:2px solid #d39e00;
+tr.nosummary td{background:#fde2e2;color:#700}tr.notcomparable td:last-child{background:#fff3cd;font-weight:600}.warn{background:#fff3cd;border:2px solid #d39e00;
 padding:6px 10px;margin:6px 0;font-weight:600}.figs img{max-width:46%;margin:6px;border:1px solid #ddd}
 .note{color:#555}form.filters{margin:8px 0}form.filters input{width:38em}"""
 
@@ -208,7 +213,8 @@ def to_html(rep: Report, *, extra_head: str = "") -> str:
     head, rows = table_rows(rep)
     out.append("<table id='runs'><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr></thead><tbody>")
     for r, row in zip(rep.runs, rows):
-        cls = " class='nosummary'" if rep.row_note(r) else " class='run'"
+        cls = " class='nosummary'" if rep.missing_summary(r) else (" class='run notcomparable'" if rep.row_note(r)
+                                                                   else " class='run'")
         cells = [f"<a href='{e(rep.url(r))}' target='_top'>{e(row[0])}</a>"] + [e(c) for c in row[1:]]
         out.append(f"<tr{cls} data-run-id='{e(r.run_id)}'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     out.append("</tbody></table>")
