@@ -158,7 +158,8 @@ def test_crashed_run_is_a_marked_row(experiment, tmp_path):
     log_run(client, exp_id, "crashed", 1, 0.0, summary=False, status="FAILED")
     r = invoke("compare", "--experiment", "cmp", "--out", str(tmp_path / "o"))
     assert r.exit_code == 0, r.output
-    assert "marked row: crashed" in r.output and "FAILED: no summary/* metrics (RuntimeError: injected failure)" in r.output
+    assert "marked row: crashed" in r.output
+    assert "FAILED: no summary/* metrics (RuntimeError: injected failure)" in r.output
     html = (tmp_path / "o" / "report.html").read_text()
     assert html.count("<tr class='nosummary'") == 1
 
@@ -187,7 +188,8 @@ def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, t
     assert "WARNING: not comparable: eval batch size (llmeff.eval.batch_size) differs" in r.output
     assert "class='warn'>WARNING: not comparable: eval batch size" in (tmp_path / "o" / "report.html").read_text()
     assert "**WARNING** not comparable: eval batch size" in (tmp_path / "o" / "report.md").read_text()
-    notes = {row["run"]: row["note"] for row in csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text()))}
+    rows = csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text()))
+    notes = {row["run"]: row["note"] for row in rows}
     assert notes == {"bs8": "not comparable: eval batch size = 8", "bs16": "not comparable: eval batch size = 16"}
 
 
@@ -202,7 +204,9 @@ def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, t
 ])
 def test_bad_input_is_one_line(experiment, tmp_path, args, message):
     experiment[0].create_experiment("empty")
-    r = CliRunner().invoke(__import__("mlflow_llmeff.cli").cli.main, ["compare", *args, "--out", str(tmp_path / "o")])
+    from mlflow_llmeff.cli import main
+
+    r = CliRunner().invoke(main, ["compare", *args, "--out", str(tmp_path / "o")])
     assert r.exit_code == 2
     err_lines = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
     assert len(err_lines) == 1 and err_lines[0].startswith(message), r.output

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .. import names
 
-__all__ = ["RunRecord", "Warning_", "ScalingRow", "round_sig", "unit_of", "header", "metric_columns",
+__all__ = ["RunRecord", "Incomparability", "ScalingRow", "round_sig", "unit_of", "header", "metric_columns",
            "differing_tags", "comparability_warnings", "scaling_efficiency", "pareto_front", "carbon_per_btok",
            "CONDITION_TAGS", "COMPARABILITY"]
 
@@ -136,7 +136,7 @@ def differing_tags(runs: list[RunRecord], keys: tuple[str, ...] = CONDITION_TAGS
 
 
 @dataclass(frozen=True)
-class Warning_:
+class Incomparability:
     """A reason the compared figures are not comparable.
 
     Attributes:
@@ -155,7 +155,7 @@ class Warning_:
         return f"not comparable: {self.what} ({self.key}) differs: {parts}"
 
 
-def comparability_warnings(runs: list[RunRecord]) -> list[Warning_]:
+def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
     """One warning per condition of :data:`COMPARABILITY` whose value differs between runs.
 
     A run that lacks the condition counts as ``unknown``; a condition no run records gives no warning.
@@ -168,7 +168,7 @@ def comparability_warnings(runs: list[RunRecord]) -> list[Warning_]:
         for r in compared:
             values.setdefault(_condition(r, key, param) or "unknown", []).append(r.label)
         if len(values) > 1:
-            out.append(Warning_(what, key, values))
+            out.append(Incomparability(what, key, values))
     return out
 
 

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, field
 
 from .. import names
-from .calc import (CONDITION_TAGS, RunRecord, ScalingRow, Warning_, carbon_per_btok, comparability_warnings,
-                   differing_tags, header, metric_columns, pareto_front, round_sig, scaling_efficiency)
+from .calc import (CONDITION_TAGS, Incomparability, RunRecord, ScalingRow, comparability_warnings, differing_tags,
+                   header, metric_columns, round_sig, scaling_efficiency)
 from .source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
@@ -47,7 +47,7 @@ class Report:
     group_by: list[str]
     columns: list[str]
     tag_columns: list[str]
-    warnings: list[Warning_]
+    warnings: list[Incomparability]
     scaling: list[ScalingRow]
     figures: dict[str, bytes] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -190,7 +190,8 @@ _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}
 th{background:#f3f3f3;position:sticky;top:0;max-width:9em;white-space:normal;overflow-wrap:anywhere;
 font-size:12px}td:first-child{white-space:nowrap}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
-tr.nosummary td{background:#fde2e2;color:#700}tr.notcomparable td:last-child{background:#fff3cd;font-weight:600}.warn{background:#fff3cd;border:2px solid #d39e00;
+tr.nosummary td{background:#fde2e2;color:#700}
+tr.notcomparable td:last-child{background:#fff3cd;font-weight:600}.warn{background:#fff3cd;border:2px solid #d39e00;
 padding:6px 10px;margin:6px 0;font-weight:600}.figs img{max-width:46%;margin:6px;border:1px solid #ddd}
 .note{color:#555}form.filters{margin:8px 0}form.filters input{width:38em}"""
 

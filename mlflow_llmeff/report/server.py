@@ -75,7 +75,8 @@ def _filter_form(exp_id: str, args, runs) -> str:
         short = key[len("llmeff."):]
         values = sorted({r.tags.get(key) for r in runs if r.tags.get(key)})
         opts = "".join(f"<option{' selected' if args.get(short) == v else ''}>{e(v)}</option>" for v in values)
-        fields.append(f"<label>{e(short)} <select name='{e(short)}'><option value=''>any</option>{opts}</select></label>")
+        fields.append(f"<label>{e(short)} <select name='{e(short)}'><option value=''>any</option>{opts}"
+                      "</select></label>")
     return (f"<form class='filters' method='get' action='{PREFIX}/experiments/{e(exp_id)}'>" + " ".join(fields)
             + f"<br><label>MLflow filter <input name='filter' value='{e(args.get('filter', ''))}'></label>"
             f"<input type='hidden' name='group_by' value='{e(args.get('group_by', ''))}'>"

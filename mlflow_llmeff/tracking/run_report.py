@@ -135,4 +135,5 @@ def log_run_report(client, run_id: str) -> str | None:
             client.log_figure(run_id, fig, path)
         return None
     except Exception as e:  # noqa: BLE001 - a report must never stop or fail the run
-        return f"efficiency report not (fully) logged: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        return f"efficiency report not (fully) logged: {type(e).__name__}: {first}"
