@@ -238,3 +238,27 @@ def test_a_run_without_summary_does_not_make_every_condition_a_column():
     parent = RunRecord("p", "sweep-parent", tags={})  # no llmeff tags, no summary
     assert differing_tags([rec("a", 1, 1000.0), rec("b", 2, 1800.0), parent]) == [
         names.ACCEL_COUNT, names.PAR_STRATEGY, names.GLOBAL_BATCH_TOKENS]
+
+
+def test_quality_against_cost_and_ttq_bars_use_the_targets():
+    from mlflow_llmeff.report import plots
+    from mlflow_llmeff.report.render import build_report
+    from mlflow_llmeff.report.source import Selection
+
+    runs = []
+    for i, (acc, usd, wall) in enumerate(((0.31, 2.0, 600.0), (0.33, 1.5, 500.0), (0.30, 3.0, 900.0))):
+        r = rec(str(i), 1 + i, 1000.0 * (1 + i))
+        r.metrics.update({"eval/hellaswag/acc_norm": acc, "ttq/hellaswag_acc_norm_ge_0.30_usd": usd,
+                          "ttq/hellaswag_acc_norm_ge_0.30_wall_s": wall, names.MEM_MAX_ALLOC: 2.0})
+        runs.append(r)
+    assert plots._quality_pairs(runs[1]) == [("eval/hellaswag/acc_norm", "ttq/hellaswag_acc_norm_ge_0.30_usd",
+                                              0.33, 1.5)]
+    rep = build_report(None, Selection("1", "e", "", runs), plots=False)
+    figs, notes = plots.draw_all(rep, lambda run_id, key: [])
+    assert {"quality_cost.png", "ttq.png", "tokens_per_device.png"} <= set(figs)
+    assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for png in figs.values())
+    assert notes == ["pareto_cost.png: no run has both summary/device_tokens_per_sec and summary/usd_per_billion_tokens",
+                     "pareto_carbon.png: no run has a kg-CO2e per billion tokens figure (measured or estimate)",
+                     "loss.png: no run has a train/loss history"]
+    # run 1 (0.33 for 1.5 USD) dominates runs 0 and 2: the front is run 1 alone
+    assert pareto_front([(2.0, 0.31), (1.5, 0.33), (3.0, 0.30)], maximize_x=False, maximize_y=True) == [1]
