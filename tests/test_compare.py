@@ -121,14 +121,43 @@ def log_run(client, exp_id, name, devices, tps, *, summary=True, status="FINISHE
     return rid
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One sqlite store for the module's tests (creating an MLflow database costs seconds); each test
+    that adds runs makes its own experiment."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 @pytest.fixture
-def experiment(tracking_uri):
+def tracking_uri(store, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(store)
+    yield store
+    mlflow.set_tracking_uri(None)
+
+
+_EXPERIMENTS: dict[str, tuple] = {}
+
+
+def new_experiment(name: str, runs=(("one", 1, 1000.0), ("two", 2, 1800.0))):
+    """An experiment of the module's store with ``runs`` ((name, devices, tokens/s)); made once per name."""
     import mlflow
 
     client = mlflow.MlflowClient()
-    exp_id = client.create_experiment("cmp")
-    ids = [log_run(client, exp_id, "one", 1, 1000.0), log_run(client, exp_id, "two", 2, 1800.0)]
+    if name not in _EXPERIMENTS:
+        exp_id = client.create_experiment(name)
+        _EXPERIMENTS[name] = (exp_id, [log_run(client, exp_id, n, d, t) for n, d, t in runs])
+    exp_id, ids = _EXPERIMENTS[name]
     return client, exp_id, ids
+
+
+@pytest.fixture
+def experiment(tracking_uri):
+    new_experiment("empty", runs=())
+    return new_experiment("cmp")
 
 
 def invoke(*args):
@@ -153,10 +182,10 @@ def test_compare_writes_table_html_and_plots(experiment, tmp_path):
     assert "#/experiments/" in html and "/runs/" in html
 
 
-def test_crashed_run_is_a_marked_row(experiment, tmp_path):
-    client, exp_id, _ = experiment
+def test_crashed_run_is_a_marked_row(tracking_uri, tmp_path):
+    client, exp_id, _ = new_experiment("cmp-crashed")
     log_run(client, exp_id, "crashed", 1, 0.0, summary=False, status="FAILED")
-    r = invoke("compare", "--experiment", "cmp", "--out", str(tmp_path / "o"))
+    r = invoke("compare", "--experiment", "cmp-crashed", "--out", str(tmp_path / "o"))
     assert r.exit_code == 0, r.output
     assert "marked row: crashed" in r.output
     assert "FAILED: no summary/* metrics (RuntimeError: injected failure)" in r.output
@@ -164,17 +193,17 @@ def test_crashed_run_is_a_marked_row(experiment, tmp_path):
     assert html.count("<tr class='nosummary'") == 1
 
 
-def test_log_to_mlflow_makes_one_comparison_run(experiment, tmp_path):
-    client, exp_id, ids = experiment
-    r = invoke("compare", "--experiment", "cmp", "--out", str(tmp_path / "o"), "--log-to-mlflow")
+def test_log_to_mlflow_makes_one_comparison_run(tracking_uri, tmp_path):
+    client, exp_id, ids = new_experiment("cmp-logged")
+    r = invoke("compare", "--experiment", "cmp-logged", "--out", str(tmp_path / "o"), "--log-to-mlflow")
     assert r.exit_code == 0, r.output
     run_id = r.output.strip().split()[-1]
     run = client.get_run(run_id)
     assert set(run.data.tags[names.COMPARE_RUN_IDS].split(",")) == set(ids)
     assert "report.html" in [a.path for a in client.list_artifacts(run_id)]
     # a second comparison leaves the comparison run out
-    r2 = invoke("compare", "--experiment", "cmp", "--out", str(tmp_path / "o2"))
-    assert "2 runs of 'cmp' compared" in r2.output
+    r2 = invoke("compare", "--experiment", "cmp-logged", "--out", str(tmp_path / "o2"))
+    assert "2 runs of 'cmp-logged' compared" in r2.output
 
 
 def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, tmp_path):
@@ -203,7 +232,6 @@ def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, t
     (["--experiment", "cmp", "--baseline", "abc"], "Error: --baseline 'abc' is not among the compared runs"),
 ])
 def test_bad_input_is_one_line(experiment, tmp_path, args, message):
-    experiment[0].create_experiment("empty")
     from mlflow_llmeff.cli import main
 
     r = CliRunner().invoke(main, ["compare", *args, "--out", str(tmp_path / "o")])
@@ -214,15 +242,15 @@ def test_bad_input_is_one_line(experiment, tmp_path, args, message):
 
 
 @pytest.mark.slow
-def test_mlproject_compare_entry_point_logs_the_report_on_the_launcher_run(experiment, tmp_path):
+def test_mlproject_compare_entry_point_logs_the_report_on_the_launcher_run(tracking_uri, tmp_path):
     import subprocess
     import sys
 
     from conftest import REPO
 
-    client, exp_id, ids = experiment
+    client, exp_id, ids = new_experiment("cmp-project")
     r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "compare", "--env-manager", "local",
-                        "--experiment-id", exp_id, "-P", "experiment=cmp", "-P", f"out={tmp_path / 'o'}"],
+                        "--experiment-id", exp_id, "-P", "experiment=cmp-project", "-P", f"out={tmp_path / 'o'}"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "weak scaling efficiency 0.9 " in r.stdout
