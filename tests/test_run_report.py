@@ -90,3 +90,33 @@ def test_training_run_has_a_dataset_input_distinct_names_and_the_run_link(tracki
     assert f"/#/experiments/{r1.info.experiment_id}/runs/{first['run_id']}" in out
     assert r1.data.tags[names.EVAL_BATCH_SIZE] == "2"
     assert "efficiency_report.json" in _artifacts(client, first["run_id"])
+
+
+@pytest.mark.parametrize("kind", ["text_file", "hub", "synthetic"])
+def test_dataset_input_source_names_where_the_data_came_from(tmp_path, kind):
+    import torch
+
+    from mlflow_llmeff.train.data import Blocks, PreparedData
+    from mlflow_llmeff.train.dataset_input import training_dataset
+
+    ids = torch.arange(24).reshape(3, 8)
+    mask = torch.ones_like(ids)
+    mask[2, 6:] = 0  # one padded block: 22 real tokens
+    data = PreparedData(Blocks(ids, mask, ids), None, kind, "")
+    path = tmp_path / "docs.txt"
+    path.write_text("x")
+    dataset = {"text_file": str(path), "hub": "org/corpus", "synthetic": "synthetic"}[kind]
+    ds = training_dataset(dataset, data, seq_len=8, packing=False)
+    entity = ds._to_mlflow_entity()
+    assert json.loads(entity.profile) == {"train_tokens": 22, "train_blocks": 3, "val_blocks": 0, "seq_len": 8,
+                                          "packing": False, "kind": kind}
+    if kind == "text_file":
+        assert entity.name == "docs.txt" and json.loads(entity.source) == {"uri": str(path)}
+    elif kind == "hub":
+        assert entity.name == "org/corpus" and json.loads(entity.source)["path"] == "org/corpus"
+    else:
+        assert entity.source_type == "code" and entity.name == "synthetic"
+    # the digest follows the tokens: another block changes it
+    ids2 = ids.clone()
+    ids2[0, 0] = 99
+    assert training_dataset(dataset, PreparedData(Blocks(ids2, mask, ids2), None, kind, ""), 8, False).digest != ds.digest

@@ -39,9 +39,13 @@ def _source(dataset: str, kind: str):
 
         return HuggingFaceDatasetSource(path=dataset, split="train")
     if kind in ("text_file", "jsonl", "text_dir"):
-        from mlflow.data.artifact_dataset_sources import LocalArtifactDatasetSource
+        import warnings
 
-        return LocalArtifactDatasetSource(os.path.abspath(dataset))
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # MLflow registers the local-file source twice and says so
+            warnings.simplefilter("ignore")
+            return resolve_dataset_source(os.path.abspath(dataset))
     from mlflow.data.code_dataset_source import CodeDatasetSource
 
     return CodeDatasetSource({"mlflow_llmeff.dataset": dataset, "kind": kind})
