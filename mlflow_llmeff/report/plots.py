@@ -69,8 +69,12 @@ def _pareto(runs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, size
     fig, ax = plt.subplots(figsize=(7, 4.5))
     s = sizes or [40] * len(pts)
     dominated = [i for i in range(len(pts)) if i not in front]
-    ax.scatter([xs[i] for i in dominated], [ys[i] for i in dominated], s=[s[i] for i in dominated],
-               color="0.75", label="dominated")
+    if dominated:
+        ax.scatter([xs[i] for i in dominated], [ys[i] for i in dominated], s=[s[i] for i in dominated],
+                   color="0.75", label="dominated")
+        for i in dominated:
+            ax.annotate(runs[i].label, (xs[i], ys[i]), fontsize=6, color="0.55", xytext=(4, -10),
+                        textcoords="offset points")
     ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=[s[i] for i in front], color="tab:blue",
                label="Pareto front", zorder=3)
     ax.plot([xs[i] for i in front], [ys[i] for i in front], color="tab:blue", lw=1)

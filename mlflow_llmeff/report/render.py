@@ -188,8 +188,7 @@ def to_csv(rep: Report) -> str:
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}
-th{background:#f3f3f3;position:sticky;top:0;max-width:9em;white-space:normal;overflow-wrap:anywhere;
-font-size:12px}td:first-child{white-space:nowrap}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
+th{background:#f3f3f3;position:sticky;top:0;max-width:9em;min-width:4.5em;white-space:normal;font-size:12px}td:first-child{white-space:nowrap}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
 tr.nosummary td{background:#fde2e2;color:#700}
 tr.notcomparable td:last-child{background:#fff3cd;font-weight:600}.warn{background:#fff3cd;border:2px solid #d39e00;
 padding:6px 10px;margin:6px 0;font-weight:600}.figs img{max-width:46%;margin:6px;border:1px solid #ddd}
@@ -212,7 +211,11 @@ def to_html(rep: Report, *, extra_head: str = "") -> str:
         out.append(f"<p>Filter: <code>{e(sel.filter_string)}</code></p>")
     out += [f"<div class='warn'>WARNING: {e(w.text())}</div>" for w in rep.warnings]
     head, rows = table_rows(rep)
-    out.append("<table id='runs'><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr></thead><tbody>")
+    def breakable(h: str) -> str:  # headers wrap after '/' and '_' rather than inside words
+        return e(h).replace("/", "/<wbr>").replace("_", "_<wbr>").replace(".", ".<wbr>")
+
+    out.append("<table id='runs'><thead><tr>" + "".join(f"<th>{breakable(h)}</th>" for h in head)
+               + "</tr></thead><tbody>")
     for r, row in zip(rep.runs, rows):
         cls = " class='nosummary'" if rep.missing_summary(r) else (" class='run notcomparable'" if rep.row_note(r)
                                                                    else " class='run'")
