@@ -44,6 +44,23 @@ def test_monitor_logs_the_efficiency_report_at_the_end(tracking_uri):
     assert names.REPORT_WARNING not in client.get_run(mon.run_id).data.tags
 
 
+def test_measured_power_gets_its_figure(tracking_uri):
+    from mlflow_llmeff.energy import FakeEnergyMeter
+
+    clock = FakeClock()
+    with EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, energy_meter=FakeEnergyMeter(300.0, clock=clock),
+                           clock=clock, measure_peak=False) as mon:
+        for _ in range(4):
+            clock.t += 1.0
+            mon.step(tokens=100, samples=1)
+    client = mlflow.MlflowClient()
+    assert "efficiency/power.png" in _artifacts(client, mon.run_id, "efficiency")
+    report = mlflow.artifacts.load_dict(f"runs:/{mon.run_id}/efficiency_report.json")
+    # 300 W for 4 s of one device = 1200 J = 1200 / 3.6e6 kWh
+    assert report["summary"][names.SUM_ENERGY_KWH]["value"] == pytest.approx(1200 / 3.6e6)
+    assert report["summary"][names.SUM_ENERGY_KWH]["unit"] == "kWh"
+
+
 def test_report_failure_is_a_warning_tag_not_an_error(tracking_uri, monkeypatch):
     from mlflow_llmeff.tracking import run_report
 
