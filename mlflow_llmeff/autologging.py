@@ -68,6 +68,8 @@ HIDDEN_FROM_MONITOR = {
     "llmeff.dataset": "the loop's data source is the loop's own (pass tags={'llmeff.dataset': ...})",
     "llmeff.dataset.kind": "likewise",
     "llmeff.tokenizer": "the loop's tokenizer is the loop's own",
+    "llmeff.eval.batch_size": "the loop's evaluations are the loop's own (pass tags={'llmeff.eval.batch_size': ...})",
+    "llmeff.eval.num_fewshot": "likewise (pass tags={'llmeff.eval.num_fewshot': ...} when the loop scores MMLU)",
     "params": "llmeff train logs its settings as params; a loop's settings are the caller's to log (params=)",
 }
 #: What ``llmeff train`` logs that a user's loop hides from ``autolog()``: key, key prefix or

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 
@@ -339,3 +341,41 @@ def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
         raise SystemExit(dry_run(TrainConfig(**kwargs), accelerator_short=accelerator_short, as_json=as_json))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+
+
+# ---- compare command (mlflow_llmeff/report)
+@main.command("compare")
+@click.option("--experiment", required=True, help="Experiment name (or id) whose runs are compared.")
+@click.option("--filter", "filter_string", default="", show_default=False,
+              help="MLflow search filter, e.g. \"tags.`llmeff.precision` = 'bf16'\" ('' = every run).")
+@click.option("--group-by", default="accelerator.name,parallelism.strategy,precision", show_default=True,
+              help="Comma-separated llmeff tag names the plots group by.")
+@click.option("--baseline", default=None, help="Run id of the scaling-efficiency baseline [default: fewest devices].")
+@click.option("--out", "out_dir", default="llmeff-compare", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for report.md, report.csv, report.html and the PNGs.")
+@click.option("--log-to-mlflow", is_flag=True, help="Also log the report as artifacts of one comparison run.")
+@click.option("--ui-url", default=None,
+              help="MLflow UI address for run links [default: the tracking URI when it is a server, "
+                   "else http://127.0.0.1:5000].")
+def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_mlflow, ui_url) -> None:
+    """Compare runs on efficiency: table, scaling efficiency, Pareto fronts (reads any tracking URI)."""
+    from .report.compare import compare
+    from .report.render import scaling_lines
+
+    try:
+        rep, paths, run_id = compare(experiment, filter_string=filter_string, group_by=group_by,
+                                     baseline=baseline or None, out_dir=out_dir, log_to_mlflow=log_to_mlflow,
+                                     ui_base=ui_url)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    for w in rep.warnings:
+        click.echo(f"WARNING: {w.text()}", err=True)
+    for r in rep.runs:
+        if rep.missing_summary(r):
+            click.echo(f"marked row: {r.label} ({r.run_id}): {rep.row_note(r)}", err=True)
+    click.echo(f"{len(rep.runs)} runs of {rep.selection.experiment_name!r} compared")
+    for line in scaling_lines(rep) or ["scaling efficiency: no runs that differ only in device count"]:
+        click.echo(line)
+    click.echo(f"report: {os.path.join(out_dir, 'report.html')} ({len(paths)} files)")
+    if run_id:
+        click.echo(f"logged as comparison run {run_id}")

@@ -150,7 +150,8 @@ class EfficiencyMonitor:
                  measure_peak: bool = True, targets: str | None = None, start_step: int = 0,
                  resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
-                 track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None) -> None:
+                 track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
+                 report: bool = True) -> None:
         from .evals.targets import parse_targets
 
         self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
@@ -160,6 +161,7 @@ class EfficiencyMonitor:
         self._ledger = TimeLedger(clock, started_at)
         self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
         self._clock, self._optimizer, self._model, self._integration = clock, optimizer, model, integration
+        self._report = report
         self._broken = self._finished = False
         self._summary: dict[str, float] = {}
         self._lr: float | None = None
@@ -292,8 +294,11 @@ class EfficiencyMonitor:
 
         client = mlflow.MlflowClient()
         name = run_name or default_run_name(extra_tags.get(names.MODEL_NAME) or self._model_name(),
-                                            self.accelerator.short, self.world_size, self.strategy, self.precision)
-        self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name)
+                                            self.accelerator.short, self.world_size, self.strategy, self.precision,
+                                            seq_len=extra_tags.get(names.SEQ_LEN),
+                                            global_batch_tokens=extra_tags.get(names.GLOBAL_BATCH_TOKENS))
+        self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
+                             unique_name=run_name is None)
         self.run_id = self._run.run_id
         if self._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
             self._ledger.start_earlier(self._clock() - max(0.0, time.time() - self._run.fresh_since_unix))
@@ -917,11 +922,24 @@ class EfficiencyMonitor:
             self._logger.flush()
             if not self._logger.settle(status):  # the server is away: the ending waits in the outbox
                 return
+            self._log_report()
             end_run(self._logger.client, self._run, status)
         except Exception as e:  # noqa: BLE001
             if hasattr(self._logger, "ending_failed"):
                 self._logger.ending_failed(status, int(time.time() * 1000), e)
             self._fail(e)
+
+    def _log_report(self) -> None:
+        """Rank 0, points flushed: ``efficiency_report.json`` and figures (``report=True``); a failure is a tag."""
+        if not (self._report and self._summary):
+            return
+        from .tracking.run_report import log_run_report
+
+        problem = log_run_report(self._logger.client, self.run_id)
+        if problem:
+            log.warning("mlflow_llmeff: %s", problem)
+            self._logger.set_tags({names.REPORT_WARNING: problem})
+            self._logger.flush()
 
     @property
     def summary(self) -> dict[str, float]:

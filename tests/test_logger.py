@@ -82,6 +82,24 @@ def test_logging_failure_warns_once_and_does_not_raise(tracking_uri, recwarn):
 def test_default_run_name():
     assert default_run_name("llama-7b", "H100-SXM", 8, "fsdp", "bf16") == "llama-7b-h100-sxm-8x-fsdp-bf16"
     assert default_run_name("/models/my-llama/", "cpu", 2, "ddp", "fp32") == "my-llama-cpu-2x-ddp-fp32"
+    assert default_run_name("llama-tiny", "cpu", 1, "single", "fp32", seq_len=128,
+                            global_batch_tokens=4096) == "llama-tiny-cpu-1x-single-fp32-s128-gbt4096"
+
+
+def test_runs_of_one_experiment_get_distinct_names(tracking_uri):
+    import mlflow
+
+    from mlflow_llmeff.tracking.runs import open_run
+
+    client = mlflow.MlflowClient()
+    got = []
+    for _ in range(3):  # e.g. a default run, then an eval run of the same configuration, twice
+        handle = open_run(client, run_id=None, run_name="llama-tiny-cpu-1x-single-fp32-s128-gbt1024",
+                          unique_name=True)
+        got.append(client.get_run(handle.run_id).info.run_name)
+        mlflow.end_run()
+    assert got == ["llama-tiny-cpu-1x-single-fp32-s128-gbt1024", "llama-tiny-cpu-1x-single-fp32-s128-gbt1024-2",
+                   "llama-tiny-cpu-1x-single-fp32-s128-gbt1024-3"]
 
 
 def test_mlflow_projects_empty_string_param_is_not_a_change(tracking_uri):

@@ -722,13 +722,22 @@ def _same_param(value: str) -> str:
     return "" if value in ("''", '""') else value
 
 
-def default_run_name(model: str, accel_short: str, count: int, strategy: str, precision: str) -> str:
-    """``<model>-<accelerator short><count>x-<strategy>-<precision>``, e.g. ``llama-7b-h100-8x-fsdp-bf16``.
+def default_run_name(model: str, accel_short: str, count: int, strategy: str, precision: str, *,
+                     seq_len: int | str | None = None, global_batch_tokens: int | str | None = None) -> str:
+    """``<model>-<accelerator short>-<count>x-<strategy>-<precision>[-s<seq_len>][-gbt<global batch tokens>]``,
+    e.g. ``llama-7b-h100-8x-fsdp-bf16-s4096-gbt4194304``.
 
-    The model part is the last path component for local directories and hub ids.
+    The model part is the last path component for local directories and hub ids. Sequence length and
+    global batch tokens, where known, tell apart runs that differ only in batch shape;
+    :func:`mlflow_llmeff.tracking.runs.unique_run_name` adds a counter when names are still equal.
     """
     base = model.rstrip("/").split("/")[-1]
-    return f"{base}-{accel_short.lower()}-{count}x-{strategy}-{precision}"
+    name = f"{base}-{accel_short.lower()}-{count}x-{strategy}-{precision}"
+    if seq_len not in (None, ""):
+        name += f"-s{seq_len}"
+    if global_batch_tokens not in (None, ""):
+        name += f"-gbt{global_batch_tokens}"
+    return name
 
 
 def ensure_experiment_kind(client, experiment_id: str) -> None:

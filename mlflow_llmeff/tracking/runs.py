@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .. import names
 
-__all__ = ["RunHandle", "open_run", "end_run"]
+__all__ = ["RunHandle", "open_run", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
 
 
 @dataclass
@@ -38,11 +38,37 @@ class RunHandle:
     fresh_since_unix: float | None = None
 
 
-def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str | None = None) -> RunHandle:
+def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str | None = None) -> str:
+    """``name``, or ``name-2``, ``name-3``, ... when runs of the experiment already have it (never raises).
+
+    Args:
+        client: ``MlflowClient``.
+        experiment_id: the experiment the run is in.
+        name: the wanted name.
+        exclude_run_id: a run whose own name does not count (the launcher's run being renamed).
+    """
+    try:
+        quoted = name.replace("'", "")
+        taken = {r.info.run_name for r in client.search_runs(
+            [experiment_id], f"attributes.run_name LIKE '{quoted}%'", max_results=1000)
+            if r.info.run_id != exclude_run_id}
+    except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
+        return name
+    if name not in taken:
+        return name
+    n = 2
+    while f"{name}-{n}" in taken:
+        n += 1
+    return f"{name}-{n}"
+
+
+def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str | None = None,
+             unique_name: bool = False) -> RunHandle:
     """Open (or continue) the run to log into; see the module docstring for the order of choice.
 
     Under ``mlflow run`` a resumed checkpoint's run can differ from the launcher's
-    ``MLFLOW_RUN_ID``: the launcher's run then gets ``llmeff.resume.continued_in_run``.
+    ``MLFLOW_RUN_ID``: the launcher's run then gets ``llmeff.resume.continued_in_run``. With
+    ``unique_name`` a new (or fresh launcher's) run gets :func:`unique_run_name` of ``run_name``.
     """
     import mlflow
 
@@ -62,6 +88,8 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
         run = client.get_run(env_run)
         fresh = not run.data.metrics
         if fresh:  # the launcher's fresh run: give it the standard name
+            if unique_name:
+                run_name = unique_run_name(client, run.info.experiment_id, run_name, exclude_run_id=env_run)
             client.set_tag(env_run, "mlflow.runName", run_name)
         ensure_experiment_kind(client, run.info.experiment_id)
         return RunHandle(env_run, owned=True, fluent=False, resumed=True,
@@ -73,6 +101,8 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
         from mlflow.tracking.fluent import _get_experiment_id
 
         exp_id = _get_experiment_id()
+    if unique_name:
+        run_name = unique_run_name(client, exp_id, run_name)
     run = mlflow.start_run(experiment_id=exp_id, run_name=run_name)
     ensure_experiment_kind(client, run.info.experiment_id)
     return RunHandle(run.info.run_id, owned=True, fluent=True, resumed=False)
@@ -118,3 +148,21 @@ def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str
         return True
     except Exception:  # noqa: BLE001 - reporting a failure must not hide it
         return False
+
+
+def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:
+    """The MLflow 3 UI address of a run in the training-runs view (``#/experiments/<id>/runs/<run id>``).
+
+    A bare ``#/experiments/<id>`` opens the GenAI overview in a fresh browser; this address does not.
+    ``base`` is the server's address (``http://host:port``) or ``""`` for a link relative to the server.
+    """
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def run_url_line(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """One line telling where to open the run: its training-runs URL on a server, else the
+    ``mlflow ui`` command for a local store and the URL it will serve."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"view run at {ui_run_url(tracking_uri, experiment_id, run_id)}"
+    return (f"view run: mlflow ui --backend-store-uri {tracking_uri} then open "
+            f"{ui_run_url('http://127.0.0.1:5000', experiment_id, run_id)}")

@@ -244,6 +244,13 @@ def render_mlproject() -> str:
         lines += [f"      # {doc}", f"      {name}: {{type: {mtype}, default: {default}}}"]
     lines += ["    command: >-", "      python -m mlflow_llmeff eval"]
     lines += [f"      --{n.replace('_', '-')} {{{n}}}" for n, *_ in EVAL_ENTRY_PARAMS]
+    lines += ["", "  # Compare the runs of an experiment: table, scaling efficiency, Pareto fronts (docs/compare.md).",
+              "  compare:", "    parameters:"]
+    for name, mtype, default, doc in COMPARE_ENTRY_PARAMS:
+        spec = f"{{type: {mtype}}}" if default is None else f"{{type: {mtype}, default: {default}}}"
+        lines += [f"      # {doc}", f"      {name}: {spec}"]
+    lines += ["    command: >-", "      python -m mlflow_llmeff compare --log-to-mlflow"]
+    lines += [f"      --{n.replace('_', '-')} {{{n}}}" for n, *_ in COMPARE_ENTRY_PARAMS]
     return "\n".join(lines) + "\n"
 
 
@@ -256,6 +263,15 @@ EVAL_ENTRY_PARAMS = (
     ("data_dir", "string", '"../shared/data"', "directory with mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl"),
     ("batch_size", "float", 8, "sequences per forward pass"),
     ("output_json", "string", '"eval_results.json"', "metrics and per-example records"),
+)
+
+# The compare entry point's parameters: the `llmeff compare` options (a test runs the command).
+# --log-to-mlflow is a flag, always on here: the report lands in the MLflow UI's artifact viewer.
+COMPARE_ENTRY_PARAMS = (
+    ("experiment", "string", None, "experiment name (or id) whose runs are compared (required)"),
+    ("filter", "string", '""', "MLflow search filter ('' = every run)"),
+    ("group_by", "string", '"accelerator.name,parallelism.strategy,precision"', "llmeff tag names the plots group by"),
+    ("out", "string", '"llmeff-compare"', "folder for report.md, report.csv, report.html and the PNGs"),
 )
 
 

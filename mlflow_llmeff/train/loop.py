@@ -97,6 +97,8 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
         return _already_done(cfg, t, found)
     monitor = _open_monitor(cfg, t, found, started, carbon)
     holder["monitor"] = monitor
+    if monitor.is_main and monitor.run_id and not found:
+        _log_dataset(cfg, t, monitor)
     if found:
         with monitor.pause("checkpoint_load"):
             t.accelerator.load_state(found[0])
@@ -131,7 +133,10 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
             names.MICRO_BATCH_SIZE: str(cfg.micro_batch_size), names.GRAD_ACCUM: str(cfg.grad_accum),
             names.GLOBAL_BATCH_TOKENS: str(cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * t.world),
             names.DATASET: cfg.dataset, names.DATASET_KIND: t.data.kind, names.TOKENIZER: tokenizer_name(cfg.model),
+            names.EVAL_BATCH_SIZE: str(cfg.micro_batch_size),  # evaluate.py scores micro_batch_size sequences a pass
             names.GIT_COMMIT: git_commit(os.path.dirname(os.path.abspath(__file__)))}
+    if cfg.eval_tasks:
+        tags[names.EVAL_NUM_FEWSHOT] = str(cfg.eval_num_fewshot)
     return EfficiencyMonitor(
         log_every_n_steps=cfg.log_every_n_steps, warmup_steps=cfg.warmup_steps, model=t.model,
         model_config=t.model_config, optimizer=t.optimizer, precision=t.precision, strategy=t.strategy,
@@ -144,6 +149,22 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
         integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir),
         outbox_dir=os.path.join(cfg.checkpoint_dir, "outbox") if cfg.checkpoint_dir else None)
+
+
+def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
+    """The training data as the run's MLflow dataset input (rank 0; a failure is a warning, never fatal)."""
+    try:
+        import mlflow
+
+        from .dataset_input import log_training_input, training_dataset
+
+        log_training_input(mlflow.MlflowClient(), monitor.run_id,
+                           training_dataset(cfg.dataset, t.data, cfg.seq_len, cfg.packing))
+    except Exception as e:  # noqa: BLE001 - a missing Dataset column must not stop training
+        import warnings
+
+        warnings.warn(f"mlflow_llmeff: training data not logged as an MLflow dataset input ({type(e).__name__}: {e})",
+                      stacklevel=2)
 
 
 def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> None:
@@ -318,6 +339,15 @@ def _print_summary(monitor, summary: dict) -> None:
           f"{int(summary.get(names.SUM_TOKENS, 0)):,} tokens, "
           + (f"{tps:,.0f} tokens/s steady state, " if tps else "")
           + f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s, goodput {summary.get(names.SUM_GOODPUT, 0.0):.2f}")
+    try:
+        import mlflow
+
+        from ..tracking.runs import run_url_line
+
+        exp_id = mlflow.MlflowClient().get_run(monitor.run_id).info.experiment_id
+        print(f"llmeff: {run_url_line(mlflow.get_tracking_uri(), exp_id, monitor.run_id)}")
+    except Exception:  # noqa: BLE001 - a printed link is cosmetic
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

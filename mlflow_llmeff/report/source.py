@@ -1,0 +1,100 @@
+"""Reading the runs to compare out of MLflow: an ``MlflowClient`` (any tracking URI) or a server's live store.
+
+Both expose the same positional calls (``get_experiment_by_name``, ``get_experiment``, ``search_runs``,
+``get_metric_history``), so the efficiency page inside ``mlflow server`` and ``llmeff compare`` share
+this code. Errors are ``ValueError`` with one line naming the bad value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import names
+from ..tracking.runs import ui_run_url
+from .calc import RunRecord
+
+__all__ = ["Selection", "select_runs", "metric_history", "ui_run_url"]
+
+#: Most runs one comparison reads (pages of MLflow's search are followed up to this).
+MAX_RUNS = 500
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The compared runs of one experiment.
+
+    Attributes:
+        experiment_id, experiment_name: the experiment.
+        filter_string: the MLflow search filter used ('' = every run).
+        runs: the runs, newest first; comparison runs (``llmeff.compare.run_ids``) are left out.
+    """
+
+    experiment_id: str
+    experiment_name: str
+    filter_string: str
+    runs: list[RunRecord]
+
+
+def _experiment(client, experiment: str):
+    """The experiment named ``experiment`` (or with that id); ValueError when there is none."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None and experiment.isdigit():
+        try:
+            exp = client.get_experiment(experiment)
+        except Exception:  # noqa: BLE001 - an unknown id is reported below
+            exp = None
+    if exp is None:
+        raise ValueError(f"experiment {experiment!r} not found (give an experiment name or id that exists in "
+                         f"this tracking store)")
+    return exp
+
+
+def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
+    """Read the runs of ``experiment`` that match ``filter_string`` (MLflow search syntax).
+
+    Args:
+        client: an ``mlflow.MlflowClient`` or a tracking store (``mlflow.server.handlers._get_tracking_store()``).
+        experiment: experiment name (or numeric id).
+        filter_string: MLflow search filter, e.g. ``tags."llmeff.precision" = 'bf16'``.
+
+    Raises:
+        ValueError: unknown experiment, a filter MLflow cannot parse, or no run to compare (each one line).
+    """
+    from mlflow.entities import ViewType
+    from mlflow.exceptions import MlflowException
+
+    exp = _experiment(client, experiment)
+    runs, token = [], None
+    while len(runs) < MAX_RUNS:
+        try:
+            page = client.search_runs([exp.experiment_id], filter_string or "", ViewType.ACTIVE_ONLY,
+                                      min(MAX_RUNS - len(runs), 200), ["attributes.start_time DESC"], token)
+        except MlflowException as e:
+            first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0]
+            raise ValueError(f"bad filter {filter_string!r}: {first}") from None
+        runs += [_record(r) for r in page]
+        token = getattr(page, "token", None)
+        if not token:
+            break
+    runs = [r for r in runs if names.COMPARE_RUN_IDS not in r.tags]
+    if not runs:
+        if filter_string:
+            raise ValueError(f"no run of experiment {exp.name!r} matches the filter {filter_string!r}")
+        raise ValueError(f"experiment {exp.name!r} has no runs to compare")
+    return Selection(exp.experiment_id, exp.name, filter_string or "", runs)
+
+
+def _record(run) -> RunRecord:
+    tags = dict(run.data.tags)
+    return RunRecord(run_id=run.info.run_id, name=tags.get("mlflow.runName") or run.info.run_name or "",
+                     status=run.info.status, experiment_id=run.info.experiment_id,
+                     metrics=dict(run.data.metrics), tags=tags, params=dict(run.data.params))
+
+
+def metric_history(client, run_id: str, key: str) -> list[tuple[int, int, float]]:
+    """``(step, timestamp_ms, value)`` points of one metric of one run, by step; [] when it has none."""
+    try:
+        points = client.get_metric_history(run_id, key)
+    except Exception:  # noqa: BLE001 - a missing history is an empty plot line, not an error
+        return []
+    return sorted((int(m.step), int(m.timestamp), float(m.value)) for m in points)

@@ -1,0 +1,141 @@
+"""The per-run efficiency report logged at the end of every run: ``efficiency_report.json`` and a few figures.
+
+Written by rank 0 from what the run holds in MLflow once its points are flushed (the summary, the
+``llmeff.*`` conditions, the interval histories), through MLflow's own artifact APIs:
+``log_dict`` (``efficiency_report.json``), ``log_table`` (``efficiency_summary.json``, one row per
+summary figure, shown as a table in the artifact viewer) and ``log_figure`` (``efficiency/*.png``).
+:func:`log_run_report` never raises: a failure is returned as one line for the
+``llmeff.report.warning`` tag.
+"""
+
+from __future__ import annotations
+
+from .. import names
+
+__all__ = ["FORMULAS", "build_report_dict", "log_run_report"]
+
+#: Formula and source of each headline figure (docs/formulas.md has the derivations).
+FORMULAS = {
+    names.SUM_TOKENS_PER_SEC: ("non-padding tokens of the steady-state steps / their step time, all ranks",
+                               "../shared/METRICS.md; warm-up steps excluded"),
+    names.SUM_MFU: ("achieved model FLOP/s per device / dense datasheet peak; model FLOPs per token "
+                    "L*h^2*(12+12g/n+18f/h+6s/h)+6hV", "Megatron-LM num_floating_point_operations; "
+                    "Chowdhery et al. 2022 (PaLM) App. B for MFU"),
+    names.SUM_MFU_PALM: ("as summary/mfu with 6N + 12*L*h*s FLOPs per token (no causal discount)",
+                         "Chowdhery et al. 2022 (PaLM) App. B"),
+    names.SUM_HFU: ("hardware FLOP/s (recomputation included) per device / dense peak",
+                    "Korthikanti et al. 2022, Reducing Activation Recomputation, Sec. 6"),
+    names.SUM_MFU_MEASURED_PEAK: ("as summary/mfu against the measured achievable matmul peak (MAMF)",
+                                  "Bekman, ML Engineering, 'Maximum Achievable Matmul FLOPS'"),
+    names.SUM_GOODPUT: ("productive step time / wall time", "docs/time.md"),
+    names.SUM_COST_USD: ("device_hour_usd * devices * wall hours (+ kWh * usd_per_kwh)", "docs/energy_carbon_cost.md"),
+    names.SUM_USD_PER_BTOK: ("summary/cost_usd * 1e9 / summary/tokens", "docs/energy_carbon_cost.md"),
+    names.SUM_KG_CO2E: ("measured kWh * grid intensity (codecarbon, offline)", "docs/energy_carbon_cost.md"),
+    names.SUM_ESTIMATE_KG_CO2E_PER_BTOK: ("codecarbon CPU+RAM estimate kg CO2e * 1e9 / tokens",
+                                          "docs/energy_carbon_cost.md"),
+}
+
+_UNITS = {d.key: d.unit for d in names.METRICS}
+_MEANINGS = {d.key: d.meaning for d in names.METRICS}
+
+
+def build_report_dict(run_id: str, metrics: dict[str, float], tags: dict[str, str]) -> dict:
+    """The content of ``efficiency_report.json``.
+
+    Args:
+        run_id: the run.
+        metrics: the run's latest metric values by key.
+        tags: the run's tags by key.
+
+    Returns:
+        ``{"run_id", "summary": {key: {"value", "unit", "meaning"}}, "time_to_quality": {key: value},
+        "conditions": {llmeff tag: value}, "formulas": {key: {"formula", "source"}}}``.
+    """
+    summary = {k: {"value": v, "unit": _UNITS.get(k, "-"), "meaning": _MEANINGS.get(k, "")}
+               for k, v in sorted(metrics.items()) if k.startswith("summary/")}
+    return {"run_id": run_id, "run_name": tags.get("mlflow.runName", ""),
+            "summary": summary,
+            "time_to_quality": {k: v for k, v in sorted(metrics.items()) if k.startswith("ttq/")},
+            "conditions": {k: v for k, v in sorted(tags.items()) if k.startswith("llmeff.")},
+            "formulas": {k: {"formula": f, "source": s} for k, (f, s) in FORMULAS.items() if k in metrics},
+            "docs": "docs/metrics.md (keys), docs/formulas.md (derivations), docs/compare.md (comparing runs)"}
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, int, float]]:
+    return sorted((int(m.step), int(m.timestamp), float(m.value)) for m in client.get_metric_history(run_id, key))
+
+
+def _figures(client, run_id: str) -> dict:
+    """``{file name: matplotlib figure}`` for the histories the run has (none drawn for an empty one)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure  # no pyplot: no global figure registry, nothing to close
+
+    out = {}
+    tps, mfu = _history(client, run_id, names.TPUT_TOKENS), _history(client, run_id, names.TPUT_DEVICE_MFU)
+    if tps:
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
+        ax.plot([s for s, _, _ in tps], [v for _, _, v in tps], marker=".", color="tab:blue")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("tokens/s (global)", color="tab:blue")
+        if mfu:
+            ax2 = ax.twinx()
+            ax2.plot([s for s, _, _ in mfu], [v for _, _, v in mfu], marker=".", color="tab:red")
+            ax2.set_ylabel("MFU (fraction)", color="tab:red")
+        ax.set_title("Throughput and MFU over steps")
+        fig.tight_layout()
+        out["efficiency/throughput_mfu.png"] = fig
+    power = _history(client, run_id, names.ENERGY_DEVICE_AVG_POWER_W)
+    if power:
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
+        ax.plot([s for s, _, _ in power], [v for _, _, v in power], marker=".")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("average power per device, W")
+        ax.set_title("Measured power")
+        fig.tight_layout()
+        out["efficiency/power.png"] = fig
+    loss, tokens = _history(client, run_id, names.TRAIN_LOSS), dict(
+        (s, v) for s, _, v in _history(client, run_id, names.TRAIN_TOKENS))
+    pts = [(tokens[s], v) for s, _, v in loss if s in tokens]
+    if pts:
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
+        ax.plot(*zip(*pts), marker=".")
+        ax.set_xlabel("tokens (non-padding, all ranks)")
+        ax.set_ylabel("train/loss, nats/token")
+        ax.set_title("Loss against tokens")
+        fig.tight_layout()
+        out["efficiency/loss_tokens.png"] = fig
+    return out
+
+
+def log_run_report(client, run_id: str) -> str | None:
+    """Log the run's efficiency report (JSON, summary table, figures) as its artifacts.
+
+    Args:
+        client: ``mlflow.MlflowClient`` of the run's tracking store.
+        run_id: the run, with its points already flushed.
+
+    Returns:
+        None when everything was logged; else one line saying what failed (never raises).
+    """
+    try:
+        run = client.get_run(run_id)
+        from .redact import clean_obj
+
+        report = clean_obj(build_report_dict(run_id, dict(run.data.metrics), dict(run.data.tags)))  # no secrets
+        client.log_dict(run_id, report, "efficiency_report.json")
+        if report["summary"]:
+            rows = list(report["summary"].items())
+            client.log_table(run_id, data={"key": [k for k, _ in rows], "value": [d["value"] for _, d in rows],
+                                           "unit": [d["unit"] for _, d in rows]},
+                             artifact_file="efficiency_summary.json")
+        for path, fig in _figures(client, run_id).items():
+            client.log_figure(run_id, fig, path)
+        return None
+    except Exception as e:  # noqa: BLE001 - a report must never stop or fail the run
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        return f"efficiency report not (fully) logged: {type(e).__name__}: {first}"

@@ -1,0 +1,292 @@
+"""llmeff compare: the pure calculators (hand-checked numbers), the report files, and one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+from click.testing import CliRunner
+
+from mlflow_llmeff import names
+from mlflow_llmeff.report.calc import (RunRecord, comparability_warnings, header, metric_columns, pareto_front,
+                                       round_sig, scaling_efficiency)
+
+BASE_TAGS = {names.ACCEL_SHORT: "cpu", names.ACCEL_NAME: "Test CPU", names.PRECISION: "fp32",
+             names.MODEL_NAME: "llama-tiny", names.SEQ_LEN: "128", names.MICRO_BATCH_SIZE: "8",
+             names.GRAD_ACCUM: "1", names.ACT_CKPT: "false", names.COMPILE: "false", names.DATASET: "python-docs",
+             names.FLOPS_FORMULA: "megatron", names.PEAK_SOURCE: "datasheet X", names.V_LLMEFF: "0.1.0"}
+
+
+def rec(run_id, devices, tps, *, strategy=None, gbt=None, mbs="8", **tags):
+    t = {**BASE_TAGS, names.ACCEL_COUNT: str(devices), names.MICRO_BATCH_SIZE: mbs,
+         names.PAR_STRATEGY: strategy or ("single" if devices == 1 else "ddp"),
+         names.GLOBAL_BATCH_TOKENS: str(gbt if gbt is not None else 128 * int(mbs) * devices), **tags}
+    return RunRecord(run_id, f"run-{run_id}", metrics={names.SUM_TOKENS_PER_SEC: tps,
+                                                       names.SUM_DEVICE_TOKENS_PER_SEC: tps / devices}, tags=t)
+
+
+# ------------------------------------------------------------------------------------- calculators
+@pytest.mark.parametrize("x, digits, expected", [(1234.5678, 4, 1235.0), (0.000123456, 3, 0.000123),
+                                                 (-98765.0, 2, -99000.0), (0.0, 4, 0.0)])
+def test_round_sig_keeps_significant_digits(x, digits, expected):
+    assert round_sig(x, digits) == expected
+
+
+def test_round_sig_rejects_zero_digits():
+    with pytest.raises(ValueError, match="digits=0"):
+        round_sig(1.0, 0)
+
+
+def test_headers_carry_units():
+    assert header(names.SUM_TOKENS_PER_SEC) == "summary/tokens_per_sec [tokens/s]"
+    assert header("ttq/val_loss_le_2.0_usd") == "ttq/val_loss_le_2.0_usd [USD]"
+    assert header(names.SUM_COST_USD) == "summary/cost_usd [USD]"
+
+
+def test_metric_columns_are_summary_in_names_order_then_ttq():
+    r = RunRecord("a", "a", metrics={names.SUM_GOODPUT: 0.9, "ttq/x_ge_1_usd": 2.0, names.SUM_TOKENS_PER_SEC: 1.0,
+                                     "train/loss": 3.0})
+    assert metric_columns([r]) == [names.SUM_TOKENS_PER_SEC, names.SUM_GOODPUT, "ttq/x_ge_1_usd"]
+
+
+def test_weak_scaling_efficiency_hand_computed():
+    # same micro-batch per device: 1000 tokens/s on 1, 1800 on 2, 3000 on 4 devices
+    rows = scaling_efficiency([rec("a", 1, 1000.0), rec("b", 2, 1800.0), rec("c", 4, 3000.0)])
+    assert [(r.run_id, r.baseline_id, r.kind, round(r.efficiency, 3)) for r in rows] == [
+        ("b", "a", "weak", 0.9), ("c", "a", "weak", 0.75)]
+
+
+def test_strong_scaling_is_named_when_the_global_batch_is_the_same():
+    rows = scaling_efficiency([rec("a", 1, 1000.0, gbt=2048, mbs="16"), rec("b", 2, 1900.0, gbt=2048, mbs="8")])
+    assert len(rows) == 1 and rows[0].kind == "strong" and rows[0].efficiency == pytest.approx(0.95)
+
+
+def test_baseline_choice_changes_the_reference():
+    rows = scaling_efficiency([rec("a", 1, 1000.0), rec("b", 2, 1800.0), rec("c", 4, 3000.0)], baseline="b")
+    # c against b: 3000 / (1800 * 4 / 2) = 0.8333; a against b: 1000 / (1800 / 2) = 1.111
+    assert {r.run_id: round(r.efficiency, 4) for r in rows} == {"a": 1.1111, "c": 0.8333}
+
+
+def test_runs_that_differ_in_more_than_device_count_are_not_scaled_together():
+    rows = scaling_efficiency([rec("a", 1, 1000.0), rec("b", 2, 1800.0, **{names.PRECISION: "bf16"})])
+    assert rows == []
+
+
+@pytest.mark.parametrize("baseline, match", [("zzz", "'zzz' is not among the compared runs")])
+def test_unknown_baseline_is_one_line(baseline, match):
+    with pytest.raises(ValueError, match=match):
+        scaling_efficiency([rec("a", 1, 1000.0), rec("b", 2, 1800.0)], baseline=baseline)
+
+
+def test_pareto_front_hand_example():
+    # (usd per Btok: less is better, tokens/s: more is better)
+    pts = [(10.0, 100.0), (5.0, 80.0), (12.0, 90.0), (5.0, 80.0), (20.0, 150.0), (float("nan"), 999.0)]
+    # (12, 90) is dominated by (10, 100); the duplicate (5, 80) points are both kept; NaN never on the front
+    assert pareto_front(pts, maximize_x=False, maximize_y=True) == [1, 3, 0, 4]
+
+
+@pytest.mark.parametrize("tag, what", [(names.EVAL_BATCH_SIZE, "eval batch size"),
+                                       (names.FLOPS_FORMULA, "FLOPs convention"),
+                                       (names.PEAK_SOURCE, "peak source")])
+def test_runs_differing_in_a_measurement_condition_are_not_comparable(tag, what):
+    a, b = rec("a", 1, 1000.0, **{tag: "8"}), rec("b", 1, 1000.0, **{tag: "16"})
+    warns = comparability_warnings([a, b])
+    assert [w.what for w in warns] == [what]
+    assert warns[0].text() == f"not comparable: {what} ({tag}) differs: 8 (run-a); 16 (run-b)"
+
+
+def test_like_runs_give_no_warning():
+    assert comparability_warnings([rec("a", 1, 1000.0), rec("b", 2, 1900.0)]) == []
+
+
+# ------------------------------------------------------------------------------------- against a store
+def log_run(client, exp_id, name, devices, tps, *, summary=True, status="FINISHED", **tags):
+    t = {**BASE_TAGS, names.ACCEL_COUNT: str(devices), names.PAR_STRATEGY: "single" if devices == 1 else "ddp",
+         names.GLOBAL_BATCH_TOKENS: str(1024 * devices), **tags}
+    run = client.create_run(exp_id, run_name=name, tags=t)
+    rid = run.info.run_id
+    for step, loss in ((5, 4.0), (10, 3.5)):
+        client.log_metric(rid, names.TRAIN_LOSS, loss, step=step, timestamp=1_000_000 + step * 1000)
+        client.log_metric(rid, names.TRAIN_TOKENS, step * 1024.0 * devices, step=step)
+    if summary:
+        for k, v in {names.SUM_TOKENS_PER_SEC: tps, names.SUM_DEVICE_TOKENS_PER_SEC: tps / devices,
+                     names.SUM_USD_PER_BTOK: 50.0 / devices, names.SUM_ESTIMATE_KG_CO2E_PER_BTOK: 3.0 + devices,
+                     names.SUM_COST_USD: 0.01 * devices, names.EVAL_VAL_LOSS: 3.0 - 0.1 * devices,
+                     names.MEM_MAX_ALLOC: 1.5}.items():
+            client.log_metric(rid, k, v, step=10)
+    else:
+        client.set_tag(rid, names.ERROR, "RuntimeError: injected failure")
+    client.set_terminated(rid, status)
+    return rid
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One sqlite store for the module's tests (creating an MLflow database costs seconds); each test
+    that adds runs makes its own experiment."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def tracking_uri(store, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(store)
+    yield store
+    mlflow.set_tracking_uri(None)
+
+
+_EXPERIMENTS: dict[str, tuple] = {}
+
+
+def new_experiment(name: str, runs=(("one", 1, 1000.0), ("two", 2, 1800.0))):
+    """An experiment of the module's store with ``runs`` ((name, devices, tokens/s)); made once per name."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    if name not in _EXPERIMENTS:
+        exp_id = client.create_experiment(name)
+        _EXPERIMENTS[name] = (exp_id, [log_run(client, exp_id, n, d, t) for n, d, t in runs])
+    exp_id, ids = _EXPERIMENTS[name]
+    return client, exp_id, ids
+
+
+@pytest.fixture
+def experiment(tracking_uri):
+    new_experiment("empty", runs=())
+    return new_experiment("cmp")
+
+
+def invoke(*args):
+    from mlflow_llmeff.cli import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_compare_writes_table_html_and_plots(experiment, tmp_path):
+    out = tmp_path / "rep"
+    r = invoke("compare", "--experiment", "cmp", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "weak scaling efficiency 0.9 " in r.output  # 1800 / (1000 * 2)
+    names_written = sorted(p.name for p in out.iterdir())
+    assert {"report.md", "report.csv", "report.html", "tokens_per_device.png", "pareto_cost.png",
+            "pareto_carbon.png", "quality_cost.png", "loss.png"} <= set(names_written)
+    rows = list(csv.DictReader(io.StringIO((out / "report.csv").read_text())))
+    assert sorted(row["run"] for row in rows) == ["one", "two"]
+    assert {row["summary/tokens_per_sec [tokens/s]"] for row in rows} == {"1000", "1800"}
+    html = (out / "report.html").read_text()
+    assert html.count("<tr class='run'") == 2 and html.count("data:image/png;base64,") == 5
+    assert "#/experiments/" in html and "/runs/" in html
+
+
+def test_crashed_run_is_a_marked_row(tracking_uri, tmp_path):
+    client, exp_id, _ = new_experiment("cmp-crashed")
+    log_run(client, exp_id, "crashed", 1, 0.0, summary=False, status="FAILED")
+    r = invoke("compare", "--experiment", "cmp-crashed", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 0, r.output
+    assert "marked row: crashed" in r.output
+    assert "FAILED: no summary/* metrics (RuntimeError: injected failure)" in r.output
+    html = (tmp_path / "o" / "report.html").read_text()
+    assert html.count("<tr class='nosummary'") == 1
+
+
+def test_log_to_mlflow_makes_one_comparison_run(tracking_uri, tmp_path):
+    client, exp_id, ids = new_experiment("cmp-logged")
+    r = invoke("compare", "--experiment", "cmp-logged", "--out", str(tmp_path / "o"), "--log-to-mlflow")
+    assert r.exit_code == 0, r.output
+    run_id = r.output.strip().split()[-1]
+    run = client.get_run(run_id)
+    assert set(run.data.tags[names.COMPARE_RUN_IDS].split(",")) == set(ids)
+    assert "report.html" in [a.path for a in client.list_artifacts(run_id)]
+    # a second comparison leaves the comparison run out
+    r2 = invoke("compare", "--experiment", "cmp-logged", "--out", str(tmp_path / "o2"))
+    assert "2 runs of 'cmp-logged' compared" in r2.output
+
+
+def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, tmp_path):
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    exp_id = client.create_experiment("mixed")
+    log_run(client, exp_id, "bs8", 1, 1000.0, **{names.EVAL_BATCH_SIZE: "8"})
+    log_run(client, exp_id, "bs16", 1, 1000.0, **{names.EVAL_BATCH_SIZE: "16"})
+    r = invoke("compare", "--experiment", "mixed", "--out", str(tmp_path / "o"))
+    assert "WARNING: not comparable: eval batch size (llmeff.eval.batch_size) differs" in r.output
+    assert "class='warn'>WARNING: not comparable: eval batch size" in (tmp_path / "o" / "report.html").read_text()
+    assert "**WARNING** not comparable: eval batch size" in (tmp_path / "o" / "report.md").read_text()
+    rows = csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text()))
+    notes = {row["run"]: row["note"] for row in rows}
+    assert notes == {"bs8": "not comparable: eval batch size = 8", "bs16": "not comparable: eval batch size = 16"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--experiment", "nope"], "Error: experiment 'nope' not found"),
+    (["--experiment", "empty"], "Error: experiment 'empty' has no runs to compare"),
+    (["--experiment", "cmp", "--filter", "metrics.x >>> 1"], "Error: bad filter 'metrics.x >>> 1': "),
+    (["--experiment", "cmp", "--filter", "tags.`llmeff.precision` = 'fp8'"],
+     "Error: no run of experiment 'cmp' matches the filter \"tags.`llmeff.precision` = 'fp8'\""),
+    (["--experiment", "cmp", "--group-by", "colour"], "Error: --group-by 'colour' is not an llmeff tag"),
+    (["--experiment", "cmp", "--baseline", "abc"], "Error: --baseline 'abc' is not among the compared runs"),
+])
+def test_bad_input_is_one_line(experiment, tmp_path, args, message):
+    from mlflow_llmeff.cli import main
+
+    r = CliRunner().invoke(main, ["compare", *args, "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2
+    err_lines = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(err_lines) == 1 and err_lines[0].startswith(message), r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_mlproject_compare_entry_point_logs_the_report_on_the_launcher_run(tracking_uri, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    client, exp_id, ids = new_experiment("cmp-project")
+    r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "-e", "compare", "--env-manager", "local",
+                        "--experiment-id", exp_id, "-P", "experiment=cmp-project", "-P", f"out={tmp_path / 'o'}"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "weak scaling efficiency 0.9 " in r.stdout
+    comparisons = client.search_runs([exp_id], f"tags.`{names.COMPARE_RUN_IDS}` != ''")
+    assert len(comparisons) == 1 and comparisons[0].info.status == "FINISHED"
+    assert set(comparisons[0].data.tags[names.COMPARE_RUN_IDS].split(",")) == set(ids)  # not itself
+    assert "report.html" in [a.path for a in client.list_artifacts(comparisons[0].info.run_id)]
+
+
+def test_a_run_without_summary_does_not_make_every_condition_a_column():
+    from mlflow_llmeff.report.calc import differing_tags
+
+    parent = RunRecord("p", "sweep-parent", tags={})  # no llmeff tags, no summary
+    assert differing_tags([rec("a", 1, 1000.0), rec("b", 2, 1800.0), parent]) == [
+        names.ACCEL_COUNT, names.PAR_STRATEGY, names.GLOBAL_BATCH_TOKENS]
+
+
+def test_quality_against_cost_and_ttq_bars_use_the_targets():
+    from mlflow_llmeff.report import plots
+    from mlflow_llmeff.report.render import build_report
+    from mlflow_llmeff.report.source import Selection
+
+    runs = []
+    for i, (acc, usd, wall) in enumerate(((0.31, 2.0, 600.0), (0.33, 1.5, 500.0), (0.30, 3.0, 900.0))):
+        r = rec(str(i), 1 + i, 1000.0 * (1 + i))
+        r.metrics.update({"eval/hellaswag/acc_norm": acc, "ttq/hellaswag_acc_norm_ge_0.30_usd": usd,
+                          "ttq/hellaswag_acc_norm_ge_0.30_wall_s": wall, names.MEM_MAX_ALLOC: 2.0})
+        runs.append(r)
+    assert plots._quality_pairs(runs[1]) == [("eval/hellaswag/acc_norm", "ttq/hellaswag_acc_norm_ge_0.30_usd",
+                                              0.33, 1.5)]
+    rep = build_report(None, Selection("1", "e", "", runs), plots=False)
+    figs, notes = plots.draw_all(rep, lambda run_id, key: [])
+    assert {"quality_cost.png", "ttq.png", "tokens_per_device.png"} <= set(figs)
+    assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for png in figs.values())
+    assert notes == ["pareto_cost.png: no run has both summary/device_tokens_per_sec and summary/usd_per_billion_tokens",
+                     "pareto_carbon.png: no run has a kg-CO2e per billion tokens figure (measured or estimate)",
+                     "loss.png: no run has a train/loss history"]
+    # run 1 (0.33 for 1.5 USD) dominates runs 0 and 2: the front is run 1 alone
+    assert pareto_front([(2.0, 0.31), (1.5, 0.33), (3.0, 0.30)], maximize_x=False, maximize_y=True) == [1]

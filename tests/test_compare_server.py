@@ -1,0 +1,196 @@
+"""End to end against a real ``mlflow server --app-name llmeff`` on loopback (sqlite) holding a scaling sweep.
+
+The sweep (``projects/scaling-sweep``, 1 and 2 CPU processes, a few steps) runs once per module;
+``llmeff compare`` reads it over HTTP; headless Chromium (Debian's package, driven by playwright)
+opens the HTML report and the server's efficiency page.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``mlflow server --app-name llmeff`` on a free loopback port; yields its URL, killed at the end."""
+    root = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--app-name", "llmeff", "--backend-store-uri",
+                             f"sqlite:///{root / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            _stop(proc)
+            pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+        time.sleep(1)
+    yield url
+    _stop(proc)
+    log.close()
+
+
+def _stop(proc) -> None:
+    """Stop the server and the workers it started (its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _env(url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
+    env.update(MLFLOW_TRACKING_URI=url, OMP_NUM_THREADS="1", CODECARBON_LOG_LEVEL="error")
+    return env
+
+
+@pytest.fixture(scope="module")
+def sweep(server, tmp_path_factory):
+    """The scaling sweep at 1 and 2 CPU processes, logged to the server; yields (parent run id, experiment id)."""
+    import mlflow
+
+    out = tmp_path_factory.mktemp("sweep")
+    r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO / "projects" / "scaling-sweep"),
+                        "--env-manager", "local", "--experiment-name", "sweep",
+                        "-P", "process_counts=1,2", "-P", "max_steps=8", "-P", "warmup_steps=2",
+                        "-P", "log_every_n_steps=2", "-P", "seq_len=64", "-P", "val_blocks=4",
+                        "-P", "device_hour_usd=1.0",  # a price, so the cost Pareto front has points
+                        "-P", f"out={out / 'report'}"],
+                       cwd=out, env=_env(server), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    client = mlflow.MlflowClient(server)
+    exp = client.get_experiment_by_name("sweep")
+    parents = client.search_runs([exp.experiment_id], "tags.`mlflow.runName` LIKE 'scaling-sweep-%'")
+    assert len(parents) == 1
+    return parents[0].info.run_id, exp.experiment_id, client
+
+
+def test_compare_over_http_prints_scaling_efficiency_recomputed_from_the_runs(server, sweep, tmp_path):
+    parent, exp_id, client = sweep
+    children = client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent}'")
+    assert len(children) == 2
+    by_n = {int(c.data.tags["llmeff.accelerator.count"]): c.data.metrics["summary/tokens_per_sec"] for c in children}
+    expected = by_n[2] / (by_n[1] * 2 / 1)
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "compare", "--experiment", "sweep", "--filter",
+                        f"tags.mlflow.parentRunId = '{parent}'", "--out", str(out)],
+                       env=_env(server), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"\(2 devices\) vs baseline .* \(1\): weak scaling efficiency ([0-9.e+-]+) ", r.stdout)
+    assert m, r.stdout
+    assert float(m.group(1)) == pytest.approx(float(f"{expected:.3g}"), rel=0, abs=0)
+    assert math.isfinite(expected) and expected > 0
+    written = {p.name for p in out.iterdir()}
+    assert {"report.md", "report.csv", "report.html", "tokens_per_device.png", "loss.png"} <= written
+    assert (out / "report.csv").read_text().count("\n") == 3  # header + one row per run
+    # the sweep logged the same comparison as the parent's artifacts
+    assert "scaling-report/report.html" in [a.path for a in client.list_artifacts(parent, "scaling-report")]
+
+
+def _chromium():
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} missing: .ci/run installs Debian's chromium package")
+        pytest.skip(f"{CHROMIUM} missing (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    return sync_playwright
+
+
+def _open(page, url: str) -> tuple[list, int]:
+    page.goto(url, wait_until="load")
+    page.wait_for_function("Array.from(document.images).every(i => i.complete)")
+    images = page.evaluate("Array.from(document.images).map(i => [i.alt, i.complete && i.naturalWidth > 0])")
+    return images, page.locator("table#runs tbody tr").count()
+
+
+def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path):
+    sync_playwright = _chromium()
+    parent, exp_id, client = sweep
+    n_runs = len(client.search_runs([exp_id]))  # both children and the parent (a marked row: no summary)
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "compare", "--experiment", "sweep", "--out", str(out)],
+                       env=_env(server), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    pngs = sorted(p.name for p in out.glob("*.png"))  # every figure the report drew is an <img> of the page
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            for name, url in (("report", (out / "report.html").as_uri()),
+                              ("server", f"{server}/llmeff/experiments/{exp_id}")):
+                images, rows = _open(page, url)
+                page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+                assert len(images) == len(pngs) >= 5, (name, images, pngs)
+                assert all(ok for _, ok in images), (name, images)
+                assert rows == n_runs, (name, rows, n_runs)
+            # a condition-tag filter on the server page keeps the matching runs only
+            _, rows = _open(page, f"{server}/llmeff/experiments/{exp_id}?accelerator.count=2")
+            assert rows == 1
+        finally:
+            browser.close()
+    assert (shots / "report.png").stat().st_size > 10_000 and (shots / "server.png").stat().st_size > 10_000
+    keep = os.environ.get("LLMEFF_SCREENSHOT_DIR")
+    if keep:
+        shutil.copytree(shots, keep, dirs_exist_ok=True)
+
+
+@pytest.mark.parametrize("query, status, line", [
+    ("?filter=metrics.x%20%3E%3E%3E%201", 400, "bad filter 'metrics.x >>> 1': "),
+    ("?precision=fp8", 400, "no run of experiment 'sweep' matches the filter"),
+])
+def test_server_page_bad_input_is_one_line(server, sweep, query, status, line):
+    import urllib.error
+
+    _, exp_id, _ = sweep
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{server}/llmeff/experiments/{exp_id}{query}", timeout=30)
+    import html
+
+    body = html.unescape(e.value.read().decode())
+    assert e.value.code == status
+    assert body.count("class='error'") == 1 and line in body and "Traceback" not in body
+
+
+def test_server_page_unknown_experiment_is_404(server):
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{server}/llmeff/experiments/98765", timeout=30)
+    assert e.value.code == 404 and "experiment id '98765' not found" in e.value.read().decode()
