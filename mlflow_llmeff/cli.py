@@ -253,8 +253,8 @@ def prices_cmd() -> None:
 @click.option("--num-fewshot", default=0, show_default=True, type=int, help="MMLU few-shot examples (0-5).")
 @click.option("--limit", default=None, type=int, help="Score only the first N documents of each task.")
 @click.option("--data-dir", default=None,
-              help="Data directory (mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl) or 'hub'; "
-                   "default $LLMEFF_DATA_DIR or ../shared/data.")
+              help="Local data directory (mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl); default "
+                   "$LLMEFF_DATA_DIR, else the hub datasets cais/mmlu and Rowan/hellaswag (or their cache).")
 @click.option("--batch-size", default=8, show_default=True, type=int, help="Sequences per forward pass.")
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
 @click.option("--output-json", default=None, type=click.Path(dir_okay=False),

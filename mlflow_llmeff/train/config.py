@@ -51,7 +51,7 @@ class TrainConfig:
     eval_tasks: str = field(default="", metadata={"help": "benchmarks scored at each eval: comma-separated mmlu, hellaswag, mmlu_<subject> ('' = none)"})
     eval_limit: int = field(default=100, metadata={"help": "documents per benchmark task at each eval: a fixed subset drawn once with seed (0 = all)"})
     eval_num_fewshot: int = field(default=0, metadata={"help": "MMLU few-shot examples (0-5)"})
-    eval_data_dir: str = field(default="", metadata={"help": "directory with mmlu/ and hellaswag/ ('' = $LLMEFF_DATA_DIR or ../shared/data)"})
+    eval_data_dir: str = field(default="", metadata={"help": "directory with mmlu/ and hellaswag/ ('' = $LLMEFF_DATA_DIR, else the hub datasets cais/mmlu and Rowan/hellaswag)"})
     targets: str = field(default="", metadata={"help": "time-to-quality targets, e.g. 'val_loss<=1.9,hellaswag/acc_norm>=0.30'"})
     stop_at_targets: bool = field(default=False, metadata={"help": "stop training once every target is reached"})
     checkpoint_dir: str = field(default="", metadata={"help": "directory for accelerate.save_state checkpoints ('' disables)"})
@@ -254,7 +254,7 @@ EVAL_ENTRY_PARAMS = (
     ("tasks", "string", '"mmlu,hellaswag"', "comma-separated: mmlu, hellaswag, mmlu_<subject>"),
     ("num_fewshot", "float", 0, "MMLU few-shot examples (0-5)"),
     ("limit", "float", 100, "first N documents of each task"),
-    ("data_dir", "string", '"../shared/data"', "directory with mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl"),
+    ("data_dir", "string", '""', "directory with mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl ('' = $LLMEFF_DATA_DIR, else the hub)"),
     ("batch_size", "float", 8, "sequences per forward pass"),
     ("output_json", "string", '"eval_results.json"', "metrics and per-example records"),
 )

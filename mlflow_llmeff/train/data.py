@@ -404,7 +404,7 @@ class TokenBlocks:
         import torch
 
         col = self.table[[int(j) for j in idx]]["input_ids"] if len(idx) else np.zeros((0, self.seq_len))
-        if isinstance(col, np.ndarray) and col.dtype != object and col.ndim == 2:
+        if isinstance(col, np.ndarray) and col.dtype != object and col.ndim == 2 and col.shape[1] == self.seq_len:
             ids = torch.from_numpy(col.astype(np.int64))  # (B, T): packed, no padding
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
         ids = torch.full((len(idx), self.seq_len), self.pad_id, dtype=torch.long)
