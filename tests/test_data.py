@@ -220,3 +220,20 @@ def test_validation_scores_a_fixed_subset_of_blocks(cache):
         want = sum(float(model(**data.val[i:i + 1]).loss) for i in range(4)) / 4
     assert got == pytest.approx(want, rel=1e-5)
     assert validation_loss(acc, model, data.val, 2, 1, 0, blocks=0) != pytest.approx(got)  # 0 = every block
+
+
+def test_prepare_data_command_fills_the_cache_training_reads(tmp_path, tok, cache):
+    from click.testing import CliRunner
+
+    from mlflow_llmeff.cli import main
+
+    p = tmp_path / "a.txt"
+    p.write_text("\n\n".join("doc %02d " % i * 4 for i in range(50)))
+    args = ["prepare-data", "--dataset", str(p), "--seq-len", "32", "--data-cache-dir", cache]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[-2].startswith(f"{p}: 50 documents -> 1,440 tokens in 45 full blocks of seq_len 32; tokenized in")
+    got = json.loads(CliRunner().invoke(main, args + ["--json"]).output)
+    assert got["cache_hit"] is True and got["tokens"] == 1440 and got["blocks"] == 45
+    d = D.prepare_data(str(p), tok, 32, val_fraction=0.1, cache_dir=cache)
+    assert d.cache.hit and d.cache.path == got["cache_path"]

@@ -308,7 +308,7 @@ def tokenize_to_cache(dataset: str, tokenizer, seq_len: int, *, packing: bool = 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.join(tmp, "map"))
     procs = num_proc_for(len(raw), num_proc)
-    with _quiet_datasets():
+    with _quiet_datasets(show=len(raw) >= 100_000):
         tokens = raw.map(Packer(tokenizer, seq_len, packing), batched=True, batch_size=PACK_BATCH_DOCS,
                          num_proc=procs if procs > 1 else None, remove_columns=raw.column_names,
                          features=_features(tokenizer, seq_len, packing), new_fingerprint=key,
@@ -337,13 +337,16 @@ def _count_tokens(tokens) -> int:
 
 
 class _quiet_datasets:
-    """Silence ``datasets``' progress bars for a block unless the user asked for them."""
+    """Silence ``datasets``' progress bars for a block, unless ``show`` (large data: minutes of work)."""
+
+    def __init__(self, show: bool = False) -> None:
+        self._show = show
 
     def __enter__(self):
         import datasets
 
         self._was = datasets.utils.logging.is_progress_bar_enabled()
-        if os.environ.get("LLMEFF_DATA_PROGRESS") != "1":
+        if not self._show:
             datasets.utils.logging.disable_progress_bar()
 
     def __exit__(self, *exc):

@@ -102,6 +102,10 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
                             cache_dir=cfg.data_cache_dir or None, num_proc=cfg.tokenize_workers,
                             streaming=cfg.streaming, world=world, rank=accelerator.process_index,
                             stream_val_blocks=cfg.val_blocks or 32)
+    if accelerator.is_main_process and data.cache is not None:
+        c = data.cache
+        print(f"llmeff: data: {c.tokens:,} tokens in {c.blocks:,} blocks of {cfg.seq_len} "
+              f"({'from the cache' if c.hit else f'tokenized in {c.seconds:.1f} s'}: {c.path})")
     model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
     if cfg.activation_checkpointing and cfg.parallelism != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
