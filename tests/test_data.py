@@ -239,3 +239,12 @@ def test_prepare_data_command_fills_the_cache_training_reads(tmp_path, tok, cach
     assert got["cache_hit"] is True and got["tokens"] == 1440 and got["blocks"] == 45
     d = D.prepare_data(str(p), tok, 32, val_fraction=0.1, cache_dir=cache)
     assert d.cache.hit and d.cache.path == got["cache_path"]
+
+
+def test_two_tokenizing_workers_give_the_same_blocks_as_one(tmp_path, tok):
+    p = tmp_path / "a.jsonl"
+    p.write_text("\n".join(json.dumps({"text": f"doc {i} " * (1 + i % 5)}) for i in range(2200)))
+    one = D.tokenize_to_cache(str(p), tok, 16, cache_dir=str(tmp_path / "c1"), num_proc=1)
+    two = D.tokenize_to_cache(str(p), tok, 16, cache_dir=str(tmp_path / "c2"), num_proc=2)
+    assert len(two.meta["files"]) == 2 and two.blocks == one.blocks
+    assert two.load()["input_ids"] == one.load()["input_ids"]

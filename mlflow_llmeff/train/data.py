@@ -43,7 +43,7 @@ from typing import Any
 DEFAULT_DATASET = "python-docs"
 CACHE_DIR_ENV = "LLMEFF_CACHE_DIR"
 PACK_BATCH_DOCS = 1000  # documents per batched map call; packing carries no tokens across batches
-CACHE_FORMAT = 1  # bump when the cached layout or the packing rule changes
+CACHE_FORMAT = 2  # bump when the cached layout or the packing rule changes
 _META = "llmeff_tokens.json"
 _TEXT_EXT = (".txt",)
 _JSON_EXT = (".jsonl", ".json")
@@ -261,10 +261,11 @@ class TokenCache:
     meta: dict = field(default_factory=dict)
 
     def load(self):
-        """The token dataset, memory-mapped (column ``input_ids``)."""
+        """The token dataset, memory-mapped from its Arrow files (column ``input_ids``)."""
         import datasets
 
-        return datasets.load_from_disk(os.path.join(self.path, "data"))
+        parts = [datasets.Dataset.from_file(os.path.join(self.path, "data", f)) for f in self.meta["files"]]
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def num_proc_for(rows: int, num_proc: int = 0) -> int:
@@ -306,23 +307,23 @@ def tokenize_to_cache(dataset: str, tokenizer, seq_len: int, *, packing: bool = 
     os.makedirs(root, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "map"))
+    os.makedirs(os.path.join(tmp, "data"))
     procs = num_proc_for(len(raw), num_proc)
     with _quiet_datasets(show=len(raw) >= 100_000):
+        # map's own output files (one per worker) are the cache: nothing is copied afterwards
         tokens = raw.map(Packer(tokenizer, seq_len, packing), batched=True, batch_size=PACK_BATCH_DOCS,
                          num_proc=procs if procs > 1 else None, remove_columns=raw.column_names,
                          features=_features(tokenizer, seq_len, packing), new_fingerprint=key,
-                         cache_file_name=os.path.join(tmp, "map", "tokens.arrow"), desc="llmeff: tokenizing")
-        tokens.save_to_disk(os.path.join(tmp, "data"), num_proc=procs if procs > 1 else None)
+                         cache_file_name=os.path.join(tmp, "data", "tokens.arrow"), desc="llmeff: tokenizing")
+    files = [os.path.relpath(f["filename"], os.path.join(tmp, "data")) for f in tokens.cache_files]
     n_tokens = len(tokens) * seq_len if packing else _count_tokens(tokens)
     meta = {"format": CACHE_FORMAT, "dataset": dataset, "kind": kind, "description": desc, "seq_len": seq_len,
             "packing": bool(packing), "text_field": text_field, "tokens": int(n_tokens), "blocks": len(tokens),
-            "vocab_size": len(tokenizer), "documents": len(raw), "num_proc": procs,
+            "vocab_size": len(tokenizer), "documents": len(raw), "num_proc": procs, "files": files,
             "tokenize_s": round(time.perf_counter() - t0, 3)}
+    del tokens
     with open(os.path.join(tmp, _META), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
-    del tokens
-    shutil.rmtree(os.path.join(tmp, "map"), ignore_errors=True)  # map's own output, now copied into data/
     try:
         os.replace(tmp, path)
     except OSError:  # another process renamed its copy first: theirs is as good

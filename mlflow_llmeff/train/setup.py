@@ -105,7 +105,7 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     if accelerator.is_main_process and data.cache is not None:
         c = data.cache
         print(f"llmeff: data: {c.tokens:,} tokens in {c.blocks:,} blocks of {cfg.seq_len} "
-              f"({'from the cache' if c.hit else f'tokenized in {c.seconds:.1f} s'}: {c.path})")
+              f"({'from the cache' if c.hit else 'tokenized'} in {c.seconds:.2f} s: {c.path})")
     model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
     if cfg.activation_checkpointing and cfg.parallelism != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
