@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from .data import epoch_order
+from .data import epoch_permutation
 
 
 def micro_batches(n: int, micro_batch_size: int, seed: int, start: int, per_epoch: int | None = None):
@@ -39,8 +39,8 @@ def micro_batches(n: int, micro_batch_size: int, seed: int, start: int, per_epoc
     while True:
         epoch, off = divmod(k, per_epoch)
         if cached[0] != epoch:
-            cached = (epoch, epoch_order(n, epoch, seed))
-        yield cached[1][off * micro_batch_size: (off + 1) * micro_batch_size]
+            cached = (epoch, epoch_permutation(n, epoch, seed))
+        yield cached[1][off * micro_batch_size: (off + 1) * micro_batch_size].tolist()
         k += 1
 
 

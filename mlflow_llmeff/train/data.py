@@ -505,8 +505,9 @@ def prepare_data(dataset: str, tokenizer, seq_len: int, *, packing: bool = True,
         raise ValueError(f"dataset {dataset!r} yields {n} block(s) of seq_len={seq_len}: too little "
                          f"text for training plus a validation split; use a smaller seq_len or more text")
     perm = np.random.default_rng(seed).permutation(n)
-    val = TokenBlocks(blocks.select(np.sort(perm[:n_val])), seq_len, pad_id) if n_val else None
-    train = TokenBlocks(blocks.select(perm[n_val:]), seq_len, pad_id)
+    # index mappings kept in memory (8 bytes a block), not written as files beside the cache
+    val = TokenBlocks(blocks.select(np.sort(perm[:n_val]), keep_in_memory=True), seq_len, pad_id) if n_val else None
+    train = TokenBlocks(blocks.select(perm[n_val:], keep_in_memory=True), seq_len, pad_id)
     return PreparedData(train, val, kind, desc, cache, False, seq_len, pad_id)
 
 
@@ -528,8 +529,14 @@ def _prepare_stream(dataset, tokenizer, seq_len, packing, val_fraction, seed, te
     return PreparedData(train, val, kind, f"{desc} (streaming)", None, True, seq_len, pad_id)
 
 
-def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
-    """Deterministic sample order of epoch ``epoch`` (a fresh permutation per epoch, from ``seed``)."""
+def epoch_permutation(n: int, epoch: int, seed: int):
+    """Deterministic sample order of epoch ``epoch``: an int64 tensor ``(n,)``, a fresh permutation per
+    epoch from ``seed`` (8 bytes a block; a Python list would take ~36)."""
     import torch
 
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
+    """:func:`epoch_permutation` as a list."""
+    return epoch_permutation(n, epoch, seed).tolist()
