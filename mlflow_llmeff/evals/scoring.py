@@ -530,10 +530,15 @@ class LoglikelihoodScorer:
             pos = self._positions(mask, offs, [docs[r].shared for r in doc_rows])
             past = self._select_cache(cache, doc_rows)
             full_mask = torch.cat([doc_mask[doc_rows], mask], dim=1)
-            logits, _ = self._forward(ids.to(dev), full_mask.to(dev), pos.to(dev), past, True)
-            for row, k in enumerate(chunk):
+            # every real tail position is scored; the LM head skips the padding (kept rows come row-major)
+            logits, _ = self._forward(ids.to(dev), full_mask.to(dev), pos.to(dev), past, True,
+                                      keep=mask.bool().to(dev))
+            lp = torch.log_softmax(logits.float(), dim=-1)  # (real tail positions, V)
+            at = 0
+            for k in chunk:
                 n = len(branches[k][1])
-                out[k] = torch.log_softmax(logits[row, offs[row] : offs[row] + n].float(), dim=-1)
+                out[k] = lp[at : at + n]
+                at += n
         return out
 
 
