@@ -10,6 +10,7 @@ process, one after the other; the predictions must be identical (checked, the ru
 Times: ours = tokenization + scoring; harness = its HFLM.loglikelihood calls (tokenization +
 scoring). "positions/doc" = input positions the model actually runs per document (padding
 included), counted by a forward pre-hook on the model for both sides. HellaSwag is scored 0-shot.
+Documents come from --data-dir, else $LLMEFF_DATA_DIR, else the hub (cais/mmlu, Rowan/hellaswag).
 Needs `pip install lm-eval`.
 """
 
