@@ -43,7 +43,7 @@ from typing import Any
 DEFAULT_DATASET = "python-docs"
 CACHE_DIR_ENV = "LLMEFF_CACHE_DIR"
 PACK_BATCH_DOCS = 1000  # documents per batched map call; packing carries no tokens across batches
-CACHE_FORMAT = 2  # bump when the cached layout or the packing rule changes
+CACHE_FORMAT = 3  # bump when the cached layout or the packing rule changes
 _META = "llmeff_tokens.json"
 _TEXT_EXT = (".txt",)
 _JSON_EXT = (".jsonl", ".json")
@@ -314,7 +314,8 @@ def tokenize_to_cache(dataset: str, tokenizer, seq_len: int, *, packing: bool = 
         tokens = raw.map(Packer(tokenizer, seq_len, packing), batched=True, batch_size=PACK_BATCH_DOCS,
                          num_proc=procs if procs > 1 else None, remove_columns=raw.column_names,
                          features=_features(tokenizer, seq_len, packing), new_fingerprint=key,
-                         cache_file_name=os.path.join(tmp, "data", "tokens.arrow"), desc="llmeff: tokenizing")
+                         cache_file_name=os.path.join(tmp, "data", "tokens.arrow"), desc="llmeff: tokenizing",
+                         writer_batch_size=_writer_rows(seq_len, len(tokenizer)))
     files = [os.path.relpath(f["filename"], os.path.join(tmp, "data")) for f in tokens.cache_files]
     n_tokens = len(tokens) * seq_len if packing else _count_tokens(tokens)
     meta = {"format": CACHE_FORMAT, "dataset": dataset, "kind": kind, "description": desc, "seq_len": seq_len,
@@ -329,6 +330,14 @@ def tokenize_to_cache(dataset: str, tokenizer, seq_len: int, *, packing: bool = 
     except OSError:  # another process renamed its copy first: theirs is as good
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenCache(path, meta["tokens"], meta["blocks"], False, time.perf_counter() - t0, meta)
+
+
+def _writer_rows(seq_len: int, vocab_size: int) -> int:
+    """Rows per Arrow record batch of the cache: about 32 MB each. Opening a memory-mapped file reads
+    every batch's header, and the kernel reads ahead around each, so small batches (datasets'
+    default, 1,000 rows) put ~1 GB of a 4 GB cache into the trainer's resident memory."""
+    item = 2 if token_dtype(vocab_size) == "uint16" else 4
+    return max(1000, (32 << 20) // (seq_len * item))
 
 
 def _count_tokens(tokens) -> int:
@@ -388,14 +397,20 @@ class TokenBlocks:
         table: a ``datasets.Dataset`` with column ``input_ids`` (rows of at most ``seq_len`` ids).
         seq_len: the padded length.
         pad_id: id written on padding positions (masked out and ignored by the loss).
+        rows: which rows of ``table`` these blocks are, in order (an int64 array; default all).
+            Kept as an array rather than a ``datasets`` index mapping: 8 bytes a block, nothing
+            written beside the cache.
     """
 
-    def __init__(self, table, seq_len: int, pad_id: int) -> None:
+    def __init__(self, table, seq_len: int, pad_id: int, rows=None) -> None:
+        import numpy as np
+
         self.table = table.with_format("numpy")
         self.seq_len, self.pad_id = seq_len, pad_id
+        self.rows = np.arange(len(table), dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
 
     def __len__(self) -> int:
-        return len(self.table)
+        return len(self.rows)
 
     def __getitem__(self, i):
         if isinstance(i, int):
@@ -407,7 +422,8 @@ class TokenBlocks:
         import numpy as np
         import torch
 
-        col = self.table[[int(j) for j in idx]]["input_ids"] if len(idx) else np.zeros((0, self.seq_len))
+        col = self.table[self.rows[np.asarray(idx, dtype=np.int64)].tolist()]["input_ids"] if len(idx) \
+            else np.zeros((0, self.seq_len))
         if isinstance(col, np.ndarray) and col.dtype != object and col.ndim == 2 and col.shape[1] == self.seq_len:
             ids = torch.from_numpy(col.astype(np.int64))  # (B, T): packed, no padding
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -419,14 +435,14 @@ class TokenBlocks:
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
     def shard(self, world: int, rank: int) -> "TokenBlocks":
-        """This rank's contiguous shard (``datasets.distributed.split_dataset_by_node``): disjoint across
-        ranks, their union the whole set; shard sizes differ by at most one block."""
-        from datasets.distributed import split_dataset_by_node
-
+        """This rank's contiguous shard, split as ``datasets.distributed.split_dataset_by_node`` splits a
+        map-style dataset (the first ``len % world`` shards hold one block more): disjoint across
+        ranks, together all blocks."""
         if world == 1:
             return self
-        part = split_dataset_by_node(self.table.with_format(None), rank=rank, world_size=world)
-        return TokenBlocks(part, self.seq_len, self.pad_id)
+        div, mod = divmod(len(self.rows), world)
+        start = div * rank + min(rank, mod)
+        return TokenBlocks(self.table, self.seq_len, self.pad_id, self.rows[start: start + div + (rank < mod)])
 
 
 @dataclass
@@ -505,9 +521,8 @@ def prepare_data(dataset: str, tokenizer, seq_len: int, *, packing: bool = True,
         raise ValueError(f"dataset {dataset!r} yields {n} block(s) of seq_len={seq_len}: too little "
                          f"text for training plus a validation split; use a smaller seq_len or more text")
     perm = np.random.default_rng(seed).permutation(n)
-    # index mappings kept in memory (8 bytes a block), not written as files beside the cache
-    val = TokenBlocks(blocks.select(np.sort(perm[:n_val]), keep_in_memory=True), seq_len, pad_id) if n_val else None
-    train = TokenBlocks(blocks.select(perm[n_val:], keep_in_memory=True), seq_len, pad_id)
+    val = TokenBlocks(blocks, seq_len, pad_id, np.sort(perm[:n_val])) if n_val else None
+    train = TokenBlocks(blocks, seq_len, pad_id, perm[n_val:])
     return PreparedData(train, val, kind, desc, cache, False, seq_len, pad_id)
 
 
