@@ -1,7 +1,7 @@
 """Which blocks each rank trains on, step by step, so a resume continues the data order exactly.
 
-Each rank reads only its shard of the training blocks (contiguous, disjoint, from
-``datasets.distributed.split_dataset_by_node``) through a torch ``DataLoader`` (worker processes,
+Each rank reads only its shard of the training blocks (contiguous, disjoint, split as
+``datasets.distributed.split_dataset_by_node`` splits a map-style dataset) through a torch ``DataLoader`` (worker processes,
 pinned memory on CUDA, prefetching); the order inside a shard is a fresh seeded permutation per
 epoch, so it depends only on ``(seed, world, rank, micro-step)``.
 """
