@@ -1,13 +1,17 @@
-"""Examples/s of mlflow_llmeff.evals vs lm-evaluation-harness 0.4.x on the same model and documents.
+"""Examples/s of mlflow_llmeff.evals vs lm-evaluation-harness 0.4.x on the same model and documents, per task.
 
-    python bench/evals.py --tasks mmlu_anatomy,hellaswag --limit 100 --num-fewshot 0
+    python bench/evals.py --tasks mmlu_anatomy,mmlu_high_school_biology,hellaswag --limit 60 --vocabs 259,32000
     python bench/evals.py --model DIR --tasks mmlu --limit 5 --num-fewshot 5 --device cuda
 
-Without --model, a random Llama (byte vocabulary 259 or --vocab, --hidden/--layers) is built in memory. Both
-sides score the same documents in the same process, one after the other; the predictions must be
-identical (checked, the run fails otherwise). Times: ours = tokenization + scoring; harness
-"scoring" = its HFLM.loglikelihood calls (tokenization + scoring), "end-to-end" = simple_evaluate
-(task building from local json files too). Needs `pip install lm-eval`.
+Without --model, a random Llama (--hidden/--layers) is built in memory for each vocabulary of --vocabs
+(259 = the byte vocabulary; 32000 gives a real LM-head / log-softmax cost with the same byte inputs).
+Each task (hellaswag; the MMLU subjects listed, together) is scored by both sides in the same
+process, one after the other; the predictions must be identical (checked, the run fails otherwise).
+Times: ours = tokenization + scoring; harness = its HFLM.loglikelihood calls (tokenization +
+scoring). "positions/doc" = input positions the model actually runs per document (padding
+included), counted by a forward pre-hook on the model for both sides. HellaSwag is scored 0-shot.
+Documents come from --data-dir, else $LLMEFF_DATA_DIR, else the hub (cais/mmlu, Rowan/hellaswag).
+Needs `pip install lm-eval`.
 """
 
 from __future__ import annotations
@@ -17,30 +21,21 @@ import os
 import time
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF causal LM dir (default: random Llama)")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=259,
-                    help="random Llama's vocabulary (>= 259); e.g. 32000 gives a real LM-head/log-softmax cost "
-                         "with byte inputs")
-    ap.add_argument("--tasks", default="mmlu_anatomy,mmlu_high_school_biology,hellaswag")
-    ap.add_argument("--num-fewshot", type=int, default=0)
-    ap.add_argument("--limit", type=int, default=50)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def _positions_counter(model):
+    """A forward pre-hook counting the input positions of every model call; returns (counter, handle)."""
+    count = {"n": 0}
 
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            count["n"] += int(ids.numel())
+
+    return count, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _build(args, vocab):
     import torch
     import transformers
-    from lm_eval.models.huggingface import HFLM
-
-    from mlflow_llmeff.evals import evaluate
-    from mlflow_llmeff.evals.harness import run_harness
 
     if args.model:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model)
@@ -50,13 +45,36 @@ def main() -> None:
             tok = transformers.ByT5Tokenizer(extra_ids=0)
     else:
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=max(259, args.vocab), hidden_size=args.hidden,
-                                       intermediate_size=4 * args.hidden,
-                                       num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                                       max_position_embeddings=8192)
+        cfg = transformers.LlamaConfig(vocab_size=max(259, vocab), hidden_size=args.hidden,
+                                       intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                                       num_attention_heads=max(1, args.hidden // 64), max_position_embeddings=8192)
         model = transformers.LlamaForCausalLM(cfg)
         tok = transformers.ByT5Tokenizer(extra_ids=0)
-    model = model.to(args.device).eval()
+    return model.to(args.device).eval(), tok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF causal LM dir (default: random Llama)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocabs", default="259,32000",
+                    help="random Llama vocabularies, comma-separated (>= 259; ignored with --model)")
+    ap.add_argument("--tasks", default="mmlu_anatomy,mmlu_high_school_biology,hellaswag")
+    ap.add_argument("--num-fewshot", type=int, default=0, help="MMLU few-shot examples (HellaSwag: 0)")
+    ap.add_argument("--limit", type=int, default=50)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from mlflow_llmeff.evals import evaluate
+    from mlflow_llmeff.evals.harness import run_harness
 
     spent = {"s": 0.0}
     original = HFLM.loglikelihood
@@ -71,29 +89,43 @@ def main() -> None:
             spent["s"] += time.perf_counter() - t
 
     HFLM.loglikelihood = timed
-    kw = dict(data_dir=args.data_dir, num_fewshot=args.num_fewshot, limit=args.limit, batch_size=args.batch_size)
-    evaluate(model, tok, args.tasks, **dict(kw, limit=2))  # warm-up (allocator, kernels)
-    theirs = run_harness(model, tok, args.tasks, **kw)
-    ours = evaluate(model, tok, args.tasks, **kw)
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-    same = [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
-    n = len(ours.examples)
-    diff = max(abs(p - q) for a, b in zip(ours.examples, theirs.examples) for p, q in zip(a["logliks"], b["logliks"]))
-    print(f"tasks={args.tasks} num_fewshot={args.num_fewshot} limit={args.limit} batch_size={args.batch_size} "
-          f"device={args.device} documents={n} params={sum(p.numel() for p in model.parameters()):,}")
-    print(f"{'':<26}{'ours':>12}{'harness':>12}{'ratio':>8}")
-    rows = [("scoring examples/s", n / ours.seconds, n / spent["s"]),
-            ("end-to-end examples/s", n / ours.seconds, n / theirs.seconds)]
-    for name, a, b in rows:
-        print(f"{name:<26}{a:>12.1f}{b:>12.1f}{a / b:>7.2f}x")
-    print(f"forward positions (ours): {ours.config['forward_tokens']:,}")
-    print(f"same predictions: {same}; max |loglik diff| = {diff:.2e} nats")
-    for k in sorted(ours.metrics):
-        print(f"  {k:<40} ours {ours.metrics[k]:.4f}  harness {theirs.metrics.get(k, float('nan')):.4f}")
-    if not same:
-        raise SystemExit("predictions differ")
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    groups = [(t, [t], 0) for t in names if t == "hellaswag"]
+    mmlu = [t for t in names if t != "hellaswag"]
+    if mmlu:
+        groups.insert(0, ("mmlu" if len(mmlu) > 1 else mmlu[0], mmlu, args.num_fewshot))
+    vocabs = [None] if args.model else [int(v) for v in args.vocabs.split(",")]
+    failed = []
+    for vocab in vocabs:
+        model, tok = _build(args, vocab)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"\nmodel: {'random Llama, vocab ' + str(vocab) if vocab else args.model}, {params:,} params; "
+              f"limit={args.limit} batch_size={args.batch_size} device={args.device}")
+        print(f"{'task':<12}{'shots':>6}{'docs':>6}{'ours ex/s':>11}{'harness':>9}{'ratio':>8}"
+              f"{'pos/doc ours':>14}{'harness':>9}{'same preds':>12}")
+        for label, tasks, shots in groups:
+            kw = dict(data_dir=args.data_dir, num_fewshot=shots, limit=args.limit, batch_size=args.batch_size)
+            evaluate(model, tok, tasks, **dict(kw, limit=2))  # warm-up (allocator, kernels)
+            count, handle = _positions_counter(model)
+            spent["s"] = 0.0
+            theirs = run_harness(model, tok, tasks, **kw)
+            theirs_pos, count["n"] = count["n"], 0
+            ours = evaluate(model, tok, tasks, **kw)
+            ours_pos = count["n"]
+            handle.remove()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            same = [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
+            if "hellaswag" in tasks:  # acc_norm's prediction too (the harness records whether it was right)
+                same = same and [a["correct_norm"] for a in ours.examples] == [b["correct_norm"] for b in theirs.examples]
+            n = len(ours.examples)
+            a, b = n / ours.seconds, n / spent["s"]
+            print(f"{label:<12}{shots:>6}{n:>6}{a:>11.1f}{b:>9.1f}{a / b:>7.2f}x{ours_pos / n:>14.0f}"
+                  f"{theirs_pos / n:>9.0f}{str(same):>12}")
+            if not same:
+                failed.append((vocab, label))
+    if failed:
+        raise SystemExit(f"predictions differ: {failed}")
 
 
 if __name__ == "__main__":

@@ -276,8 +276,8 @@ def prices_cmd() -> None:
 @click.option("--num-fewshot", default=0, show_default=True, type=int, help="MMLU few-shot examples (0-5).")
 @click.option("--limit", default=None, type=int, help="Score only the first N documents of each task.")
 @click.option("--data-dir", default=None,
-              help="Data directory (mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl) or 'hub'; "
-                   "default $LLMEFF_DATA_DIR or ../shared/data.")
+              help="Local data directory (mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl); default "
+                   "$LLMEFF_DATA_DIR, else the hub datasets cais/mmlu and Rowan/hellaswag (or their cache).")
 @click.option("--batch-size", default=8, show_default=True, type=int, help="Sequences per forward pass.")
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
 @click.option("--output-json", default=None, type=click.Path(dir_okay=False),
@@ -379,3 +379,55 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
     click.echo(f"report: {os.path.join(out_dir, 'report.html')} ({len(paths)} files)")
     if run_id:
         click.echo(f"logged as comparison run {run_id}")
+
+
+# ---- prepare-data command (tokenize ahead of time into the cache llmeff train reads)
+@main.command("prepare-data")
+@click.option("--dataset", default="python-docs", show_default=True,
+              help="'python-docs', a .txt/.jsonl/.json/.parquet file or directory, or a HF dataset id.")
+@click.option("--model", default="llama-tiny", show_default=True,
+              help="Preset or model directory / hub id whose tokenizer is used (as llmeff train --model).")
+@click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per block.")
+@click.option("--packing", type=click.BOOL, default=True, show_default=True,
+              help="Join documents into full seq_len blocks (true) or one padded row per document (false).")
+@click.option("--text-field", default="text", show_default=True, help="Text column of .jsonl/.parquet/hub data.")
+@click.option("--data-cache-dir", default="", help="Token cache directory ('' = $LLMEFF_CACHE_DIR or "
+                                                   "~/.cache/mlflow_llmeff/tokens), as llmeff train --data-cache-dir.")
+@click.option("--tokenize-workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Tokenizing processes (datasets map num_proc; 0 = one per CPU for large data).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def prepare_data_cmd(dataset: str, model: str, seq_len: int, packing: bool, text_field: str, data_cache_dir: str,
+                     tokenize_workers: int, as_json: bool) -> None:
+    """Tokenize and pack a dataset into the on-disk cache that llmeff train with the same settings reads.
+
+    Run it ahead of time (e.g. on a CPU node with the cache directory on shared storage); it prints
+    the documents, tokens and blocks and the cache path, and whether the cache was already there.
+    """
+    import json
+
+    from .train.data import tokenize_to_cache
+    from .train.models import load_tokenizer
+
+    if dataset == "synthetic":
+        raise click.UsageError("dataset 'synthetic' is generated at start-up; there is nothing to prepare")
+    try:
+        tok = load_tokenizer(model)
+    except Exception as e:  # noqa: BLE001 - one line, not the library's stack trace
+        raise click.UsageError(f"--model {model!r}: no tokenizer could be loaded ({type(e).__name__}); use a preset "
+                               f"(llmeff models) or a model directory with its tokenizer") from None
+    try:
+        c = tokenize_to_cache(dataset, tok, seq_len, packing=packing, text_field=text_field,
+                              cache_dir=data_cache_dir or None, num_proc=tokenize_workers)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    out = {"dataset": dataset, "cache_path": c.path, "cache_hit": c.hit, "documents": c.meta.get("documents"),
+           "tokens": c.tokens, "blocks": c.blocks, "seq_len": seq_len, "packing": packing, "seconds": round(c.seconds, 3),
+           "num_proc": c.meta.get("num_proc")}
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    how = "already cached" if c.hit else f"tokenized in {c.seconds:.1f} s with {out['num_proc']} process(es)"
+    layout = "full blocks" if packing else "padded rows"
+    click.echo(f"{dataset}: {out['documents']:,} documents -> {c.tokens:,} tokens in {c.blocks:,} {layout} of "
+               f"seq_len {seq_len}; {how}")
+    click.echo(f"cache: {c.path}")

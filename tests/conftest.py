@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
 import pytest
 
@@ -15,6 +16,11 @@ os.environ.setdefault("CODECARBON_LOG_LEVEL", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Token caches of the tests' runs go to a fresh folder, not the user's ~/.cache.
+os.environ.setdefault("LLMEFF_CACHE_DIR", tempfile.mkdtemp(prefix="llmeff_test_tokens_"))
+# The product has no default data folder beside the repository: tests point it at the shared data.
+if DATA_DIR.is_dir():
+    os.environ.setdefault("LLMEFF_DATA_DIR", str(DATA_DIR))
 
 
 @pytest.fixture

@@ -163,7 +163,8 @@ def test_data_dir_from_env(monkeypatch):
     monkeypatch.setenv(data.DATA_DIR_ENV, "/some/where")
     assert data.resolve_data_dir() == "/some/where"
     monkeypatch.delenv(data.DATA_DIR_ENV)
-    assert data.resolve_data_dir().endswith("shared/data")
+    assert data.resolve_data_dir() == data.HUB  # no folder beside the repository: the hub datasets
+    assert data.resolve_data_dir("") == data.HUB and data.resolve_data_dir("/d") == "/d"
 
 
 def test_logs_standard_keys_to_active_run(uniform, tok, tracking_uri):

@@ -103,10 +103,12 @@ def check_inputs(tasks: str | Sequence[str], *, data_dir: str | None = None, num
         raise ValueError(f"num_fewshot {num_fewshot} applies to every task, but HellaSwag is scored 0-shot only here "
                          f"(its few-shot examples come from a training split); score hellaswag in a separate 0-shot call")
     root = data.resolve_data_dir(data_dir)
-    if root == data.HUB:
+    if root == data.HUB:  # load the first task's data now: offline without a cache fails here, in one line
+        first = scored[0]
+        data.load_hellaswag(root) if first == "hellaswag" else data.load_mmlu(root, first[len("mmlu_"):], "test")
         return
-    where = (f"data directory {root!r} (from --data-dir / eval_data_dir, else ${data.DATA_DIR_ENV}, "
-             f"else ../shared/data beside the repository)")
+    where = (f"data directory {root!r} (from --data-dir / eval_data_dir, else ${data.DATA_DIR_ENV}; "
+             f"without either, the hub datasets {data.MMLU_HUB} and {data.HELLASWAG_HUB} are read)")
     for task in scored:
         if task == "hellaswag":
             paths = [os.path.join(root, "hellaswag", "hellaswag_val.jsonl")]
@@ -166,7 +168,7 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
         tasks: names or one comma-separated string: ``mmlu`` (57 subjects and the group),
             ``mmlu_<subject>``, ``hellaswag``.
         data_dir: local data directory (see :mod:`.data`), ``"hub"``, or None for
-            ``$LLMEFF_DATA_DIR`` / ``../shared/data``.
+            ``$LLMEFF_DATA_DIR``, else the hub datasets ``cais/mmlu`` and ``Rowan/hellaswag``.
         num_fewshot: MMLU solved examples per prompt, the first k of the subject's dev split
             (0-5). HellaSwag supports 0 only (its few-shot examples come from a training split
             that the data directory does not hold).

@@ -1,6 +1,10 @@
-"""Loading MMLU and HellaSwag documents from a local directory (original release formats) or the hub.
+"""Loading MMLU and HellaSwag documents from their sources: the hub (default) or a local directory.
 
-A data directory holds::
+With no data directory given (no ``--data-dir`` / ``eval_data_dir``, no ``$LLMEFF_DATA_DIR``), the
+documents come from the Hugging Face hub through ``datasets``, as lm-evaluation-harness 0.4 reads
+them: ``cais/mmlu`` (config ``<subject>``, splits ``test`` scored and ``dev`` few-shot) and
+``Rowan/hellaswag`` (split ``validation``); a warm ``datasets`` cache serves them offline. A data
+directory in the original release formats is the alternative for machines without the hub::
 
     mmlu/dev/<subject>_dev.csv      5 few-shot examples per subject
     mmlu/test/<subject>_test.csv    the scored questions
@@ -8,27 +12,27 @@ A data directory holds::
 
 MMLU CSVs have no header and six columns ``question,A,B,C,D,answer`` (answer a letter A-D), as in
 Hendrycks et al.'s release; HellaSwag lines are the original jsonl records (``ctx_a``, ``ctx_b``,
-``activity_label``, ``endings`` (4), ``label``). Documents come back in the field layout of the hub
-copies that lm-evaluation-harness reads (``cais/mmlu``: question, subject, choices, answer as an
-index; ``Rowan/hellaswag``: the jsonl fields), in file order.
-
-``data_dir="hub"`` reads ``cais/mmlu`` and ``Rowan/hellaswag`` through ``datasets`` instead (needs
-network access or a warm hub cache).
+``activity_label``, ``endings`` (4), ``label``). Both sources give the same documents, in the
+field layout of the hub copies (``cais/mmlu``: question, subject, choices, answer as an index;
+``Rowan/hellaswag``: the jsonl fields, ``label`` an int), in file order.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DATA_DIR_ENV", "HUB", "LAYOUT", "MMLU_SUBJECTS", "load_hellaswag", "load_mmlu",
-           "resolve_data_dir"]
+__all__ = ["DATA_DIR_ENV", "HELLASWAG_HUB", "HUB", "LAYOUT", "MMLU_HUB", "MMLU_SUBJECTS", "load_hellaswag",
+           "load_mmlu", "resolve_data_dir"]
 
 DATA_DIR_ENV = "LLMEFF_DATA_DIR"
 HUB = "hub"
+MMLU_HUB = "cais/mmlu"  # lm-evaluation-harness tasks/mmlu/default: dataset_path, one config per subject
+HELLASWAG_HUB = "Rowan/hellaswag"  # lm-evaluation-harness tasks/hellaswag: validation_split "validation"
 LAYOUT = "expected layout: <data_dir>/mmlu/dev/<subject>_dev.csv, <data_dir>/mmlu/test/<subject>_test.csv, " \
          "<data_dir>/hellaswag/hellaswag_val.jsonl"
 
@@ -52,14 +56,29 @@ _LETTERS = "ABCD"
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> str:
-    """Return the data directory: ``data_dir``, else env ``LLMEFF_DATA_DIR``, else ``../shared/data``
-    relative to the repository root (the directory above the ``mlflow_llmeff`` package)."""
-    if data_dir is not None:
+    """Where documents come from: ``data_dir``, else env ``LLMEFF_DATA_DIR``, else :data:`HUB`.
+
+    An empty string counts as not given. ``"hub"`` means the Hugging Face hub (or its cache).
+    """
+    if data_dir:
         return str(data_dir)
-    env = os.environ.get(DATA_DIR_ENV)
-    if env:
-        return env
-    return str(Path(__file__).resolve().parents[2].parent / "shared" / "data")
+    return os.environ.get(DATA_DIR_ENV) or HUB
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_rows(repo: str, config: str | None, split: str) -> tuple[dict, ...]:
+    """Rows of a hub dataset split, loaded once per process (evaluations during training reuse them)."""
+    import datasets  # lazy: heavy import
+
+    try:
+        ds = datasets.load_dataset(repo, config, split=split)
+    except Exception as e:  # noqa: BLE001 - one line instead of the library's stack trace
+        what = f"{repo}" + (f" (config {config!r}, split {split!r})" if config else f" (split {split!r})")
+        raise ValueError(f"{what} could not be loaded from the Hugging Face hub or the datasets cache "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); without network "
+                         f"access give a local copy with --data-dir DIR (eval_data_dir) or ${DATA_DIR_ENV}; "
+                         f"{LAYOUT}") from None
+    return tuple(ds)
 
 
 def _fail(path: Path | str, why: str) -> ValueError:
@@ -70,7 +89,7 @@ def load_mmlu(data_dir: str | os.PathLike | None, subject: str, split: str) -> l
     """Documents of one MMLU subject and split.
 
     Args:
-        data_dir: a directory in the layout above, ``"hub"``, or None for :func:`resolve_data_dir`.
+        data_dir: a directory in the layout above, ``"hub"``, or None (see :func:`resolve_data_dir`).
         subject: one of :data:`MMLU_SUBJECTS`.
         split: ``"dev"`` (few-shot examples) or ``"test"`` (scored), or ``"val"``.
 
@@ -86,12 +105,9 @@ def load_mmlu(data_dir: str | os.PathLike | None, subject: str, split: str) -> l
         raise ValueError(f"MMLU split {split!r} is not accepted; use 'dev', 'val' or 'test'")
     root = resolve_data_dir(data_dir)
     if root == HUB:
-        import datasets  # lazy: heavy import
-
         hub_split = {"dev": "dev", "val": "validation", "test": "test"}[split]
-        ds = datasets.load_dataset("cais/mmlu", subject, split=hub_split)
         return [{"question": r["question"], "subject": subject, "choices": list(r["choices"]),
-                 "answer": int(r["answer"])} for r in ds]
+                 "answer": int(r["answer"])} for r in _hub_rows(MMLU_HUB, subject, hub_split)]
     path = Path(root) / "mmlu" / split / f"{subject}_{split}.csv"
     if not path.is_file():
         raise _fail(path, "file not found")
@@ -111,15 +127,16 @@ def load_mmlu(data_dir: str | os.PathLike | None, subject: str, split: str) -> l
 def load_hellaswag(data_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     """HellaSwag validation documents (the raw jsonl records, ``label`` as int).
 
+    Args:
+        data_dir: a directory in the layout above, ``"hub"``, or None (see :func:`resolve_data_dir`).
+
     Raises:
-        ValueError: missing or malformed file (names it and the layout).
+        ValueError: missing or malformed file (names it and the layout); the hub dataset cannot be
+            loaded (names it and the ``--data-dir`` / ``LLMEFF_DATA_DIR`` alternative).
     """
     root = resolve_data_dir(data_dir)
     if root == HUB:
-        import datasets
-
-        ds = datasets.load_dataset("Rowan/hellaswag", split="validation")
-        return [dict(r, label=int(r["label"])) for r in ds]
+        return [dict(r, label=int(r["label"])) for r in _hub_rows(HELLASWAG_HUB, None, "validation")]
     path = Path(root) / "hellaswag" / "hellaswag_val.jsonl"
     if not path.is_file():
         raise _fail(path, "file not found")

@@ -1,9 +1,10 @@
-"""Cross-check: run EleutherAI lm-evaluation-harness 0.4.x on the same model and local data.
+"""Cross-check: run EleutherAI lm-evaluation-harness 0.4.x on the same model and documents.
 
 Used by the slow cross-check test and ``bench/evals.py``; needs ``pip install lm-eval`` (not a
 runtime dependency). The harness's own task YAMLs (``mmlu/default/mmlu_<subject>.yaml``,
 ``hellaswag/hellaswag.yaml``) are included unchanged; only the dataset is pointed at json files
-written from the local data directory (MMLU rows in the ``cais/mmlu`` layout), so prompts,
+written from the documents we score (a local directory or the hub; rows in the ``cais/mmlu`` and
+``Rowan/hellaswag`` layouts), so prompts,
 few-shot sampling and metrics are the harness's, with no hub access.
 """
 
@@ -29,8 +30,10 @@ def _write_tasks(root: Path, scored: Sequence[str], data_dir: str | None) -> Non
     tasks_dir = Path(lm_eval.__file__).parent / "tasks"
     for task in scored:
         if task == "hellaswag":
-            src = Path(data.resolve_data_dir(data_dir)) / "hellaswag" / "hellaswag_val.jsonl"
-            data.load_hellaswag(data_dir)  # validates the file, same error as ours
+            src = root / "hellaswag_validation.jsonl"
+            with open(src, "w", encoding="utf-8") as f:  # from the same source as ours (a directory or the hub)
+                for d in data.load_hellaswag(data_dir):
+                    f.write(json.dumps(d) + "\n")
             files = {"validation": str(src)}
             base = tasks_dir / "hellaswag" / "hellaswag.yaml"
             extra = "training_split: null\n"

@@ -479,17 +479,30 @@ class LoglikelihoodScorer:
         if fam_cache is not None:
             past = self._select_cache(fam_cache, [0] * len(docs))
             mask = torch.cat([torch.ones((len(docs), fam_len), dtype=torch.long), mask], dim=1)
-        dev = self.device
-        logits, cache = self._forward(ids.to(dev), mask.to(dev), pos.to(dev), past, bool(branches))
-        # scores from the shared level: positions p < shared predict token p + 1
+        # positions scored at the shared level (p < shared predicts token p + 1): usually the first
+        # continuation token or none; the LM head runs on these only
+        keep = torch.zeros(ids.shape, dtype=torch.bool)
+        wanted: list[tuple[int, int, torch.Tensor, list[int]]] = []  # (doc row, choice, columns, targets)
         for b, u in enumerate(docs):
             for i, e in enumerate(u.choices):
                 lo, hi = e.start - 1, min(len(e.input_ids), u.shared)  # predicting positions in [lo, hi)
                 if lo < hi:
-                    rel = torch.arange(lo, hi) - fam_len + offs[b]
-                    lp = torch.log_softmax(logits[b, rel.to(dev)].float(), dim=-1)
-                    tgt = torch.tensor(e.tokens[lo + 1 : hi + 1], device=dev)
-                    results[b][i] += float(lp.gather(-1, tgt[:, None]).double().sum())
+                    cols = torch.arange(lo, hi) - fam_len + offs[b]
+                    keep[b, cols] = True
+                    wanted.append((b, i, cols, list(e.tokens[lo + 1 : hi + 1])))
+        dev = self.device
+        # right-padded rows without a family prefix: pads come after every real token, so the plain
+        # causal mask is exact (and takes the causal attention kernel); branches still see ``mask``
+        plain = fam_cache is None and self.padding_side == "right"
+        logits, cache = self._forward(ids.to(dev), None if plain else mask.to(dev), pos.to(dev), past,
+                                      bool(branches), keep=keep.to(dev))
+        if wanted:
+            index = torch.full(keep.shape, -1, dtype=torch.long)
+            index[keep] = torch.arange(int(keep.sum()))
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            for b, i, cols, targets in wanted:
+                tgt = torch.tensor(targets, device=dev)
+                results[b][i] += float(lp[index[b, cols].to(dev)].gather(-1, tgt[:, None]).double().sum())
         if not branches:
             return
         branch_scores = self._score_branches(docs, branches, cache, mask)
@@ -517,10 +530,15 @@ class LoglikelihoodScorer:
             pos = self._positions(mask, offs, [docs[r].shared for r in doc_rows])
             past = self._select_cache(cache, doc_rows)
             full_mask = torch.cat([doc_mask[doc_rows], mask], dim=1)
-            logits, _ = self._forward(ids.to(dev), full_mask.to(dev), pos.to(dev), past, True)
-            for row, k in enumerate(chunk):
+            # every real tail position is scored; the LM head skips the padding (kept rows come row-major)
+            logits, _ = self._forward(ids.to(dev), full_mask.to(dev), pos.to(dev), past, True,
+                                      keep=mask.bool().to(dev))
+            lp = torch.log_softmax(logits.float(), dim=-1)  # (real tail positions, V)
+            at = 0
+            for k in chunk:
                 n = len(branches[k][1])
-                out[k] = torch.log_softmax(logits[row, offs[row] : offs[row] + n].float(), dim=-1)
+                out[k] = lp[at : at + n]
+                at += n
         return out
 
 

@@ -25,6 +25,10 @@ class TrainConfig:
     model: str = field(default="llama-tiny", metadata={"help": "preset name, local HF model directory, or hub id"})
     dataset: str = field(default="python-docs", metadata={"help": "'python-docs' (built in, real text), 'synthetic', a .txt/.jsonl file or directory, or a HF dataset id"})
     text_field: str = field(default="text", metadata={"help": "text column of .jsonl files and hub datasets"})
+    streaming: bool = field(default=False, metadata={"help": "read the dataset lazily (datasets streaming) and pack on the fly, for hub datasets too large to download"})
+    data_cache_dir: str = field(default="", metadata={"help": "directory of tokenized datasets, reused across runs ('' = $LLMEFF_CACHE_DIR or ~/.cache/mlflow_llmeff/tokens)"})
+    tokenize_workers: int = field(default=0, metadata={"help": "processes tokenizing the dataset (datasets map num_proc; 0 = one per CPU for large data)"})
+    data_workers: int = field(default=-1, metadata={"help": "DataLoader worker processes per rank (-1 = 2 on CUDA, 0 on CPU)"})
     packing: bool = field(default=True, metadata={"help": "join documents into full seq_len blocks (no padding); false pads each document"})
     val_fraction: float = field(default=0.05, metadata={"help": "fraction of blocks held out for validation loss, in [0, 0.5]"})
     val_blocks: int = field(default=32, metadata={"help": "held-out blocks scored at each validation: a fixed subset, the same for a given seed (0 = all)"})
@@ -52,7 +56,7 @@ class TrainConfig:
     eval_tasks: str = field(default="", metadata={"help": "benchmarks scored at each eval: comma-separated mmlu, hellaswag, mmlu_<subject> ('' = none)"})
     eval_limit: int = field(default=100, metadata={"help": "documents per benchmark task at each eval: a fixed subset drawn once with seed (0 = all)"})
     eval_num_fewshot: int = field(default=0, metadata={"help": "MMLU few-shot examples (0-5)"})
-    eval_data_dir: str = field(default="", metadata={"help": "directory with mmlu/ and hellaswag/ ('' = $LLMEFF_DATA_DIR or ../shared/data)"})
+    eval_data_dir: str = field(default="", metadata={"help": "directory with mmlu/ and hellaswag/ ('' = $LLMEFF_DATA_DIR, else the hub datasets cais/mmlu and Rowan/hellaswag)"})
     targets: str = field(default="", metadata={"help": "time-to-quality targets, e.g. 'val_loss<=1.9,hellaswag/acc_norm>=0.30'"})
     stop_at_targets: bool = field(default=False, metadata={"help": "stop training once every target is reached"})
     checkpoint_dir: str = field(default="", metadata={"help": "directory for accelerate.save_state checkpoints ('' disables)"})
@@ -86,6 +90,15 @@ class TrainConfig:
             out[f.name] = str(v).lower() if isinstance(v, bool) else str(v)
         return out
 
+    def resolved_data_workers(self, world: int = 1) -> int:
+        """``DataLoader`` workers per rank: ``data_workers`` when >= 0, else 2 on CUDA (reading memory-mapped
+        blocks is cheap; two keep the next batches ready), 0 on CPU (workers would compete with training)."""
+        if self.data_workers >= 0:
+            return self.data_workers
+        import torch
+
+        return 2 if torch.cuda.is_available() else 0
+
     def resolved_lr_warmup_steps(self) -> int:
         return self.lr_warmup_steps if self.lr_warmup_steps >= 0 else max(1, round(0.05 * self.max_steps))
 
@@ -115,10 +128,12 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
 
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum", "num_processes", "log_every_n_steps"):
         _positive(name, getattr(cfg, name))
-    for name in ("warmup_steps", "eval_every", "checkpoint_every", "val_blocks"):
+    for name in ("warmup_steps", "eval_every", "checkpoint_every", "val_blocks", "tokenize_workers"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
     _positive("checkpoint_keep", cfg.checkpoint_keep)
+    if cfg.data_workers < -1:
+        raise ValueError(f"data_workers={cfg.data_workers} must be >= 0 (or -1 = auto)")
     if cfg.seq_len < 2:
         raise ValueError(f"seq_len={cfg.seq_len} must be >= 2 (a causal LM predicts token t+1 from t)")
     if not 0.0 <= cfg.val_fraction <= 0.5:
@@ -260,7 +275,7 @@ EVAL_ENTRY_PARAMS = (
     ("tasks", "string", '"mmlu,hellaswag"', "comma-separated: mmlu, hellaswag, mmlu_<subject>"),
     ("num_fewshot", "float", 0, "MMLU few-shot examples (0-5)"),
     ("limit", "float", 100, "first N documents of each task"),
-    ("data_dir", "string", '"../shared/data"', "directory with mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl"),
+    ("data_dir", "string", '""', "directory with mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl ('' = $LLMEFF_DATA_DIR, else the hub)"),
     ("batch_size", "float", 8, "sequences per forward pass"),
     ("output_json", "string", '"eval_results.json"', "metrics and per-example records"),
 )

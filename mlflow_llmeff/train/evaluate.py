@@ -21,7 +21,7 @@ def validation_loss(accelerator, model, val, micro_batch_size: int, world: int, 
         idx_all = list(range(rank, scored, world))
         for i in range(0, len(idx_all), micro_batch_size):
             idx = idx_all[i: i + micro_batch_size]
-            b = {k: v[idx].to(accelerator.device) for k, v in val[:].items()}
+            b = {k: v.to(accelerator.device) for k, v in val[idx].items()}
             out = model(**b)
             n = (b["labels"][:, 1:] != -100).sum()
             tot[0] += out.loss.double() * n

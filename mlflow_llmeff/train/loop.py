@@ -173,8 +173,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
 
     from .batches import BatchStream
 
-    batches = BatchStream(t.data.train, cfg.micro_batch_size, t.world, t.rank, cfg.seed,
-                          start_step * cfg.grad_accum, t.device)
+    batches = BatchStream(t.data, cfg.micro_batch_size, t.world, t.rank, cfg.seed,
+                          start_step * cfg.grad_accum, t.device, num_workers=cfg.resolved_data_workers(t.world))
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if t.accelerator.is_main_process else True,
                unit="step", dynamic_ncols=True)
     now = {"step": start_step + 1}

@@ -5,6 +5,7 @@ Every rank builds the same things; :func:`build` returns them in one :class:`Tra
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,10 +94,20 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     set_seed(cfg.seed)
     model_config = load_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    data = prepare_data(cfg.dataset, tokenizer, cfg.seq_len, packing=cfg.packing, val_fraction=cfg.val_fraction,
-                        seed=cfg.seed, text_field=cfg.text_field,
-                        synthetic_blocks=max(64, 2 * cfg.micro_batch_size * world * cfg.grad_accum),
-                        vocab_size=min(len(tokenizer), model_config.vocab_size))
+    # The main process tokenizes into the cache first (on a miss); the others then find it there.
+    t_data = time.perf_counter()
+    with accelerator.main_process_first():
+        data = prepare_data(cfg.dataset, tokenizer, cfg.seq_len, packing=cfg.packing, val_fraction=cfg.val_fraction,
+                            seed=cfg.seed, text_field=cfg.text_field,
+                            synthetic_blocks=max(64, 2 * cfg.micro_batch_size * world * cfg.grad_accum),
+                            vocab_size=min(len(tokenizer), model_config.vocab_size),
+                            cache_dir=cfg.data_cache_dir or None, num_proc=cfg.tokenize_workers,
+                            streaming=cfg.streaming, world=world, rank=accelerator.process_index,
+                            stream_val_blocks=cfg.val_blocks or 32)
+    if accelerator.is_main_process and data.cache is not None:
+        c = data.cache
+        print(f"llmeff: data: {c.tokens:,} tokens in {c.blocks:,} blocks of {cfg.seq_len} "
+              f"({'from the cache' if c.hit else 'tokenized'}; data set-up {time.perf_counter() - t_data:.2f} s: {c.path})")
     model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
     if cfg.activation_checkpointing and cfg.parallelism != "fsdp":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
