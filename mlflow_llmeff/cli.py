@@ -45,7 +45,14 @@ def train_cmd(**kwargs) -> None:
         fail(str(e), kwargs)
     except (KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:  # unexpected: say why on the run, then show the traceback
+    except Exception as e:
+        from .train.loop import stopped_with_one_line
+
+        line = stopped_with_one_line(e)
+        if line:  # a known ending (diverged loss, OOM, data error): the run already says why
+            click.echo(f"Error: {line}", err=True)
+            raise SystemExit(1) from None
+        # unexpected: say why on the run, then show the traceback
         from .tracking.runs import error_line, record_failure
 
         record_failure(error_line(e), known_conditions(kwargs))

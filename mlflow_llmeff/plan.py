@@ -110,7 +110,7 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
     """
     try:
         exps = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}'",
+        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}' and attributes.status = 'FINISHED'",
                                   max_results=500)
     except Exception:  # noqa: BLE001 - no tracking server: no prediction
         return None, 0, "no tracking server reachable"
@@ -141,7 +141,7 @@ def history_power_w(client, accelerator_short: str) -> float | None:
     """Median measured average power per device (W) of earlier runs on the accelerator."""
     try:
         exps = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}'",
+        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}' and attributes.status = 'FINISHED'",
                                   max_results=500)
     except Exception:  # noqa: BLE001
         return None

@@ -57,6 +57,16 @@ def test_weak_scaling_efficiency_hand_computed():
         ("b", "a", "weak", 0.9), ("c", "a", "weak", 0.75)]
 
 
+def test_a_failed_run_is_never_a_baseline_and_same_device_counts_give_no_scaling_row():
+    # the trial's case: a diverged FAILED run (with a summary, 3764 tokens/s) listed first on 1 device
+    import dataclasses
+
+    failed = dataclasses.replace(rec("x", 1, 3764.0), status="FAILED")
+    rows = scaling_efficiency([failed, rec("a", 1, 1000.0), rec("b", 2, 1800.0)])
+    assert [(r.run_id, r.baseline_id, round(r.efficiency, 3)) for r in rows] == [("b", "a", 0.9)]
+    assert not failed.comparable and rec("a", 1, 1000.0).comparable
+
+
 def test_strong_scaling_is_named_when_the_global_batch_is_the_same():
     rows = scaling_efficiency([rec("a", 1, 1000.0, gbt=2048, mbs="16"), rec("b", 2, 1900.0, gbt=2048, mbs="8")])
     assert len(rows) == 1 and rows[0].kind == "strong" and rows[0].efficiency == pytest.approx(0.95)

@@ -76,8 +76,13 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
         rid = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b"}).info.run_id
         client.log_metric(rid, names.SUM_DEVICE_TFLOPS, tflops)
         client.log_metric(rid, names.SUM_TFLOPS_PER_W, tflops / 600.0)  # 600 W per device
+        client.set_terminated(rid, "FINISHED")
     other = client.create_run("0", tags={names.ACCEL_SHORT: "A100-80GB", names.MODEL_NAME: "llama-7b"}).info.run_id
     client.log_metric(other, names.SUM_DEVICE_TFLOPS, 100.0)
+    client.set_terminated(other, "FINISHED")
+    diverged = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b"}).info.run_id
+    client.log_metric(diverged, names.SUM_DEVICE_TFLOPS, 9000.0)  # a FAILED run never feeds a prediction
+    client.set_terminated(diverged, "FAILED")
     cfg = TrainConfig(model="llama-7b", seq_len=4096, micro_batch_size=1, grad_accum=4, num_processes=8, max_steps=1000)
     plan = make_plan(cfg, accelerator_short="H100-SXM", precision="bf16", strategy="ddp", client=client,
                      device_hour_usd=2.0)
@@ -110,6 +115,7 @@ def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri)
     rid = client.create_run("0", tags={names.ACCEL_SHORT: "cpu", names.MODEL_NAME: "llama-tiny",
                                        names.MODEL_PARAMS: "125632"}).info.run_id
     client.log_metric(rid, names.SUM_DEVICE_TFLOPS, 0.02)
+    client.set_terminated(rid, "FINISHED")
     plan = make_plan(TrainConfig(model="llama-7b"), accelerator_short="cpu", precision="fp32", strategy="single",
                      client=client, device_hour_usd=1.0)
     assert plan["prediction_basis"].startswith("median of 1 runs of other models on cpu, scaled by FLOPs per token")

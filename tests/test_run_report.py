@@ -113,13 +113,17 @@ def test_training_run_has_a_dataset_input_distinct_names_and_the_run_link(tracki
 def test_dataset_input_source_names_where_the_data_came_from(tmp_path, kind):
     import torch
 
-    from mlflow_llmeff.train.data import Blocks, PreparedData
+    import datasets
+
+    from mlflow_llmeff.train.data import PreparedData, TokenBlocks
     from mlflow_llmeff.train.dataset_input import training_dataset
 
-    ids = torch.arange(24).reshape(3, 8)
-    mask = torch.ones_like(ids)
-    mask[2, 6:] = 0  # one padded block: 22 real tokens
-    data = PreparedData(Blocks(ids, mask, ids), None, kind, "")
+    rows = [list(range(0, 8)), list(range(8, 16)), list(range(16, 22))]  # the last row padded: 22 real tokens
+
+    def prepared(rows):
+        return PreparedData(TokenBlocks(datasets.Dataset.from_dict({"input_ids": rows}), 8, 0), None, kind, "")
+
+    data = prepared(rows)
     path = tmp_path / "docs.txt"
     path.write_text("x")
     dataset = {"text_file": str(path), "hub": "org/corpus", "synthetic": "synthetic"}[kind]
@@ -134,6 +138,5 @@ def test_dataset_input_source_names_where_the_data_came_from(tmp_path, kind):
     else:
         assert entity.source_type == "code" and entity.name == "synthetic"
     # the digest follows the tokens: another block changes it
-    ids2 = ids.clone()
-    ids2[0, 0] = 99
-    assert training_dataset(dataset, PreparedData(Blocks(ids2, mask, ids2), None, kind, ""), 8, False).digest != ds.digest
+    rows2 = [[99] + rows[0][1:]] + rows[1:]
+    assert training_dataset(dataset, prepared(rows2), 8, False).digest != ds.digest

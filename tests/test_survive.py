@@ -279,7 +279,7 @@ def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_
     import time
 
     ck = tmp_path / "ck"
-    steps, every = 1000, 5
+    steps, every = 600, 5
     env = {**env_for(mlflow_server.uri), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
            "LLMEFF_DELIVERY_WAIT_S": "120"}
     proc = subprocess.Popen(
@@ -371,3 +371,16 @@ def test_outbox_spills_when_the_server_is_gone_and_llmeff_sync_delivers_it(track
     assert not spilled.exists()
     r = CliRunner().invoke(main, ["sync", str(tmp_path / "nowhere")])
     assert r.exit_code != 0 and "outbox folder" in r.output and "Traceback" not in r.output
+
+
+def test_a_diverged_run_on_the_command_line_is_one_line_not_a_traceback(tracking_uri, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", "8", "--log-every-n-steps", "2",
+                        "--seq-len", "32", "--micro-batch-size", "2", "--learning-rate", "1e8",
+                        "--measure-energy", "none"], cwd=tmp_path, env=env_for(tracking_uri), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    line = [x for x in r.stderr.splitlines() if x.startswith("Error: ")]
+    assert len(line) == 1 and line[0].startswith("Error: train/loss is nan at step ")
+    assert "--nan-policy skip_step" in line[0] and "checkpoint" not in line[0]  # no checkpoint_dir: none kept
+    assert only_run().data.tags[names.ERROR] == line[0][len("Error: "):]

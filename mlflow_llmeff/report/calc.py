@@ -45,6 +45,12 @@ class RunRecord:
         return any(k.startswith("summary/") for k in self.metrics)
 
     @property
+    def comparable(self) -> bool:
+        """True for a run that finished with its summary: only these enter scaling, fronts and plots
+        (a FAILED run, e.g. a diverged loss, is a marked row, never a baseline)."""
+        return self.has_summary and self.status == "FINISHED"
+
+    @property
     def devices(self) -> int | None:
         """Devices taking part (``llmeff.accelerator.count``), None when absent or not an integer."""
         v = self.tags.get(names.ACCEL_COUNT, "")
@@ -131,7 +137,7 @@ def differing_tags(runs: list[RunRecord], keys: tuple[str, ...] = CONDITION_TAGS
     Only runs with ``summary/*`` figures count (a crashed or non-training run lacking the tags would
     make every condition look different); with none, every run counts.
     """
-    compared = [r for r in runs if r.has_summary] or runs
+    compared = [r for r in runs if r.comparable] or runs
     return [k for k in keys if len({r.tags.get(k) for r in compared}) > 1]
 
 
@@ -162,7 +168,7 @@ def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
     Only runs with ``summary/*`` figures take part (a crashed run is marked in its row instead).
     """
     out = []
-    compared = [r for r in runs if r.has_summary] or runs
+    compared = [r for r in runs if r.comparable] or runs
     for what, key, param in COMPARABILITY:
         values: dict[str, list[str]] = {}
         for r in compared:
@@ -236,7 +242,7 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None) -> li
     Raises:
         ValueError: when ``baseline`` is not one of ``runs`` or has no ``summary/tokens_per_sec``.
     """
-    usable = [r for r in runs if r.devices and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
+    usable = [r for r in runs if r.comparable and r.devices and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
     if baseline is not None and baseline not in {r.run_id for r in usable}:
         known = {r.run_id for r in runs}
         why = "has no summary/tokens_per_sec or device count" if baseline in known else "is not among the compared runs"
@@ -265,7 +271,7 @@ def _scale_group(members: list[RunRecord], baseline: str | None, label: str) -> 
     n0, t0 = base.devices, base.metrics[names.SUM_TOKENS_PER_SEC]
     rows = []
     for r in sorted(members, key=lambda r: r.devices):
-        if r.run_id == base.run_id:
+        if r.run_id == base.run_id or r.devices == base.devices:  # same device count: no scaling to measure
             continue
         n, t = r.devices, r.metrics[names.SUM_TOKENS_PER_SEC]
         if r.tags.get(names.GLOBAL_BATCH_TOKENS) and r.tags.get(names.GLOBAL_BATCH_TOKENS) == base.tags.get(

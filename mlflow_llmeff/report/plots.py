@@ -38,7 +38,7 @@ def png(fig) -> bytes:
 
 
 def _summarised(runs: list[RunRecord]) -> list[RunRecord]:
-    return [r for r in runs if r.has_summary]
+    return [r for r in runs if r.comparable]
 
 
 def fig_tokens_per_device(rep, history) -> bytes | str:

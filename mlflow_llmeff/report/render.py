@@ -64,14 +64,17 @@ class Report:
     def row_note(self, r: RunRecord) -> str:
         """Why a row needs care: no summary figures (status and ``llmeff.error``), else the
         conditions that make it not comparable with the other rows (empty when none)."""
-        if r.has_summary:
+        if r.comparable:
             diffs = [f"{w.what} = {v}" for w in self.warnings for v, labels in w.values.items() if r.label in labels]
             return "not comparable: " + "; ".join(diffs) if diffs else ""
         why = r.tags.get(names.ERROR)
+        if r.has_summary:
+            return f"{r.status}: left out of scaling, fronts and plots" + (f" ({why})" if why else "")
         return f"{r.status}: no summary/* metrics" + (f" ({why})" if why else "")
 
     def missing_summary(self, r: RunRecord) -> bool:
-        return not r.has_summary
+        """True for a marked row: no summary, or a run that did not finish."""
+        return not r.comparable
 
     def url(self, r: RunRecord) -> str:
         return ui_run_url(self.ui_base, r.experiment_id, r.run_id)

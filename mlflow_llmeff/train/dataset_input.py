@@ -56,17 +56,31 @@ def training_dataset(dataset: str, data, seq_len: int, packing: bool):
 
     Args:
         dataset: the ``dataset`` setting (path, hub id, ``python-docs``, ``synthetic``).
-        data: :class:`~mlflow_llmeff.train.data.PreparedData` (``train.input_ids``: int64 ``(N, seq_len)``).
+        data: :class:`~mlflow_llmeff.train.data.PreparedData` (``train``: :class:`TokenBlocks`, indexed to
+            ``{"input_ids": (B, seq_len), "attention_mask": (B, seq_len)}``; or a stream).
         seq_len: tokens per block.
         packing: documents packed into full blocks.
     """
-    ids = data.train.input_ids
-    rows = max(1, min(len(data.train), DIGEST_TOKENS // max(1, seq_len)))
-    h = hashlib.sha256(repr(tuple(ids.shape)).encode())
-    h.update(ids[:rows].contiguous().numpy().tobytes())
-    profile = {"train_tokens": int(data.train.attention_mask.sum()), "train_blocks": len(data.train),
-               "val_blocks": len(data.val) if data.val is not None else 0, "seq_len": int(seq_len),
-               "packing": bool(packing), "kind": data.kind}
+    if data.streaming:  # a stream has no length to profile: provenance only
+        h = hashlib.sha256(f"stream:{dataset}:{seq_len}:{packing}".encode())
+        profile = {"seq_len": int(seq_len), "packing": bool(packing), "kind": data.kind, "streaming": True}
+    else:
+        rows = max(1, min(len(data.train), DIGEST_TOKENS // max(1, seq_len)))
+        first = data.train[0:rows]  # {"input_ids": (rows, seq_len), "attention_mask": ...}
+        h = hashlib.sha256(repr((len(data.train), int(seq_len))).encode())
+        h.update(first["input_ids"].contiguous().numpy().tobytes())
+        extra = {}
+        if packing:  # full blocks: every position is a token
+            train_tokens = len(data.train) * int(seq_len)
+        elif rows == len(data.train):
+            train_tokens = int(first["attention_mask"].sum())
+        else:  # padded rows: the exact split count would read every row; the cache's total is known
+            train_tokens = None
+            extra = {"cache_tokens": int(data.cache.tokens)} if data.cache is not None else {}
+        profile = {"train_blocks": len(data.train), "val_blocks": len(data.val) if data.val is not None else 0,
+                   "seq_len": int(seq_len), "packing": bool(packing), "kind": data.kind, **extra}
+        if train_tokens is not None:
+            profile["train_tokens"] = train_tokens
     name = dataset if data.kind in ("python_docs", "synthetic", "hub") else os.path.basename(dataset.rstrip("/"))
     return TokenBlocksDataset(_source(dataset, data.kind), name=name, digest=h.hexdigest()[:16], profile=profile)
 

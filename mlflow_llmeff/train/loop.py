@@ -274,10 +274,15 @@ def _check_loss(cfg: TrainConfig, monitor, edge: bool) -> None:
     bad = monitor.check_loss() if edge else monitor.nonfinite_loss
     if bad is not None:
         at, value = bad
+        from .launch import message_style
+
+        opt = "-P " if message_style() == "mlflow" else "--"
+        name = (lambda n: n) if opt == "-P " else (lambda n: n.replace("_", "-"))
+        kept = " the last checkpoint before it is kept." if cfg.checkpoint_dir else ""
         raise NonFiniteLoss(
-            f"train/loss is {value} at step {at} (nan_policy=fail): training diverged; the last checkpoint "
-            f"before it is kept. Lower learning_rate (now {cfg.learning_rate:g}), keep max_grad_norm > 0, or "
-            "pass nan_policy=skip_step")
+            f"train/loss is {value} at step {at} (nan_policy=fail): training diverged;{kept} Lower "
+            f"{opt}{name('learning_rate')} (now {cfg.learning_rate:g}), keep {opt}{name('max_grad_norm')} > 0, or "
+            f"pass {opt}{name('nan_policy')}{'=' if opt == '-P ' else ' '}skip_step")
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -311,6 +316,20 @@ def _inject_faults(step: int, monitor) -> None:
     faults.maybe_fault("sigterm_at_step", step)
 
 
+def stopped_with_one_line(e: BaseException) -> str | None:
+    """The one line for an ending the loop knows (NonFiniteLoss, DataError, out of memory), else None."""
+    if getattr(e, "one_line", False):
+        return str(e)
+    try:
+        import torch
+
+        if isinstance(e, torch.OutOfMemoryError):
+            return _why(e, int(getattr(e, "llmeff_step", 0)) or 0)
+    except ImportError:
+        pass
+    return None
+
+
 def _why(e: BaseException, step: int) -> str:
     """The one line a failed run carries: our own errors as they are, OOM with what to try."""
     from ..tracking.runs import error_line
@@ -318,6 +337,7 @@ def _why(e: BaseException, step: int) -> str:
     import torch
 
     if isinstance(e, torch.OutOfMemoryError):
+        e.llmeff_step = step  # for the command line's one line
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return (f"out of memory at step {step} ({first}); a smaller micro_batch_size with more grad_accum, "
                 "activation_checkpointing=true, bf16, or more devices with fsdp need less (see llmeff plan)")
@@ -366,6 +386,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:  # noqa: BLE001 - known endings as one line; others with their traceback
+        line = stopped_with_one_line(e)
+        if not line:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
