@@ -88,9 +88,20 @@ def _final_weights(ckpt_dir):
 
 
 def _train(tmp_path, uri, ckpt_dir, extra_env=None):
-    args = [sys.executable, "-m", "mlflow_llmeff", "train", *KILL_ARGS, "--checkpoint-dir", str(ckpt_dir)]
-    return subprocess.run(args, cwd=tmp_path, env={**env_for(uri), **(extra_env or {})}, capture_output=True,
-                          text=True, timeout=600)
+    return _all([(uri, ckpt_dir, extra_env)], tmp_path)[0]
+
+
+def _all(jobs, tmp_path):
+    """Run ``llmeff train`` for each ``(uri, checkpoint dir, extra env)`` at once (they are independent:
+    separate stores and folders; single-threaded each, so the 2 cores run two at a time)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "mlflow_llmeff", "train", *KILL_ARGS, "--checkpoint-dir", str(ck)],
+                              cwd=tmp_path, env={**env_for(uri), **(extra or {})}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for uri, ck, extra in jobs]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
 
 
 @pytest.mark.slow
@@ -98,19 +109,20 @@ def test_sigkill_in_a_step_in_a_save_and_in_an_eval_each_resume_to_an_uninterrup
     import torch
 
     ref_uri = f"sqlite:///{tmp_path / 'ref.db'}"
-    r = _train(tmp_path, ref_uri, tmp_path / "ref")
-    assert r.returncode == 0, r.stderr[-3000:]
-    reference = _final_weights(tmp_path / "ref")
     # point -> (the step it fires at, the last complete checkpoint before it)
     cases = {"kill_in_step": (7, 4), "kill_in_save": (8, 4), "kill_in_eval": (8, 4)}  # the eval runs before the save
-    for point, (at, resumed_from) in cases.items():
-        uri = f"sqlite:///{tmp_path / (point + '.db')}"
-        ck = tmp_path / point
-        first = _train(tmp_path, uri, ck, {faults.ENV[point]: str(at)})
+    uris = {point: f"sqlite:///{tmp_path / (point + '.db')}" for point in cases}
+    firsts = _all([(ref_uri, tmp_path / "ref", None)]
+                  + [(uris[p], tmp_path / p, {faults.ENV[p]: str(at)}) for p, (at, _) in cases.items()], tmp_path)
+    r = firsts[0]
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = _final_weights(tmp_path / "ref")
+    for point, first in zip(cases, firsts[1:]):
         assert first.returncode == -9, (point, first.stderr[-2000:])
-        if point == "kill_in_save":  # killed between Accelerate's files and the rename
-            assert (ck / f"step_{at:08d}.partial").is_dir()
-        second = _train(tmp_path, uri, ck)
+    assert (tmp_path / "kill_in_save" / "step_00000008.partial").is_dir()  # killed between Accelerate's files and the rename
+    seconds = _all([(uris[p], tmp_path / p, None) for p in cases], tmp_path)
+    for (point, (at, resumed_from)), second in zip(cases.items(), seconds):
+        uri, ck = uris[point], tmp_path / point
         assert second.returncode == 0, (point, second.stderr[-3000:])
         assert "half-written" in second.stdout or point != "kill_in_save"
         mlflow.set_tracking_uri(uri)
