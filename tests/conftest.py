@@ -26,17 +26,28 @@ if DATA_DIR.is_dir():
     os.environ.setdefault("LLMEFF_DATA_DIR", str(DATA_DIR))
 
 
-@pytest.fixture
-def tracking_uri(tmp_path, monkeypatch):
-    """A fresh sqlite MLflow store for one test; also exported for subprocesses."""
+def use_store(uri: str, monkeypatch):
+    """Point MLflow at ``uri`` for one test (also exported for subprocesses); a generator for fixtures."""
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     mlflow.set_tracking_uri(uri)
     yield uri
     mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture
+def tracking_uri(tmp_path, monkeypatch):
+    """A fresh sqlite MLflow store for one test; also exported for subprocesses."""
+    yield from use_store(f"sqlite:///{tmp_path / 'mlflow.db'}", monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def module_store(tmp_path_factory):
+    """One sqlite store for a module's tests (creating an MLflow database costs seconds); a module
+    overrides ``tracking_uri`` with ``use_store(module_store, ...)``."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
 @pytest.fixture

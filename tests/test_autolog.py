@@ -16,21 +16,13 @@ from mlflow_llmeff import names
 
 AL = importlib.import_module("mlflow_llmeff.autologging")
 
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One sqlite store for the module (creating an MLflow database costs ~2 s)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+from conftest import use_store
 
 
 @pytest.fixture
-def tracking_uri(store, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    mlflow.set_tracking_uri(store)
-    yield store
+def tracking_uri(module_store, monkeypatch):
+    yield from use_store(module_store, monkeypatch)
     mlflow_llmeff.autolog(disable=True)
-    mlflow.set_tracking_uri(None)
 
 
 def tiny_model():

@@ -130,23 +130,13 @@ def log_run(client, exp_id, name, devices, tps, *, summary=True, status="FINISHE
     client.set_terminated(rid, status)
     return rid
 
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One sqlite store for the module's tests (creating an MLflow database costs seconds); each test
-    that adds runs makes its own experiment."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+from conftest import use_store  # noqa: E402
 
 
 @pytest.fixture
-def tracking_uri(store, monkeypatch):
-    import mlflow
-
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    mlflow.set_tracking_uri(store)
-    yield store
-    mlflow.set_tracking_uri(None)
+def tracking_uri(module_store, monkeypatch):
+    """One store for the module (each test that adds runs makes its own experiment)."""
+    yield from use_store(module_store, monkeypatch)
 
 
 _EXPERIMENTS: dict[str, tuple] = {}

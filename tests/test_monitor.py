@@ -15,20 +15,13 @@ from mlflow_llmeff.flops import flops_per_token
 from mlflow_llmeff.monitor import EfficiencyMonitor
 from mlflow_llmeff.train.models import load_config
 
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One sqlite store for the module (creating an MLflow database costs ~2 s)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+from conftest import use_store
 
 
 @pytest.fixture
-def tracking_uri(store, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    mlflow.set_tracking_uri(store)
-    yield store
-    mlflow.set_tracking_uri(None)
+def tracking_uri(module_store, monkeypatch):
+    """One store for the module (each test that adds runs makes its own experiment)."""
+    yield from use_store(module_store, monkeypatch)
 
 
 class Clock:
