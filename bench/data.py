@@ -14,6 +14,8 @@ Steps, side by side on the same corpus, tokenizer (the presets' byte-level ByT5)
   4. tokenization throughput: a bare ``datasets.map`` of the tokenizer (``tokenizer(texts)``,
      nothing else) against :func:`mlflow_llmeff.train.data.tokenize_to_cache` (tokenize, pack,
      write the cache), both from the same warm Arrow copy of the corpus, same ``num_proc``.
+     For the ByT5 tokenizer ``tokenize_to_cache`` computes the same ids without its Python code
+     (UTF-8 bytes + 3 with numpy, :mod:`mlflow_llmeff.bytetok`; equality is a test).
 Targets (issue 13): peak RSS of the training process < 3 GB (the process tree with its
 tokenizing workers is printed beside it); tokenization >= 0.7x the bare map; second
 set-up < 10% of the first.
@@ -115,8 +117,8 @@ def throughput(corpus: str, workers: int, seq_len: int, cache: str) -> dict:
     raw, _, _ = load_text(corpus)  # the Arrow copy is warm (the training runs made it)
     datasets.utils.logging.disable_progress_bar()
 
-    def bare(batch):
-        return tok(batch["text"], add_special_tokens=False)
+    def bare(batch):  # the tokenizer and nothing else (no attention mask written: the stricter baseline)
+        return tok(batch["text"], add_special_tokens=False, return_attention_mask=False)
 
     t0 = time.perf_counter()
     out = raw.map(bare, batched=True, batch_size=1000, num_proc=workers if workers > 1 else None,

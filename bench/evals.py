@@ -6,7 +6,9 @@
 Without --model, a random Llama (--hidden/--layers) is built in memory for each vocabulary of --vocabs
 (259 = the byte vocabulary; 32000 gives a real LM-head / log-softmax cost with the same byte inputs).
 Each task (hellaswag; the MMLU subjects listed, together) is scored by both sides in the same
-process, one after the other; the predictions must be identical (checked, the run fails otherwise).
+process, --rounds times, interleaved with the order alternating (this machine's speed drifts); the
+ratio printed is the median of the rounds' ratios, each round's listed beside it. The predictions must
+be identical (checked every round, the run fails otherwise).
 Times: ours = tokenization + scoring; harness = its HFLM.loglikelihood calls (tokenization +
 scoring). "positions/doc" = input positions the model actually runs per document (padding
 included), counted by a forward pre-hook on the model for both sides. HellaSwag is scored 0-shot.
@@ -18,12 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 
 def _positions_counter(model):
-    """A forward pre-hook counting the input positions of every model call; returns (counter, handle)."""
+    """A forward pre-hook counting the input positions of every call of the model's decoder (both
+    sides run it: the harness through the model, our scorer also directly, see
+    ``LoglikelihoodScorer._head_split``); returns (counter, handle)."""
     count = {"n": 0}
+    model = model.get_decoder() if hasattr(model, "get_decoder") and model.get_decoder() is not None else model
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -66,6 +72,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds of both sides (order alternating); the median ratio is printed")
     args = ap.parse_args()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,21 +115,29 @@ def main() -> None:
             kw = dict(data_dir=args.data_dir, num_fewshot=shots, limit=args.limit, batch_size=args.batch_size)
             evaluate(model, tok, tasks, **dict(kw, limit=2))  # warm-up (allocator, kernels)
             count, handle = _positions_counter(model)
-            spent["s"] = 0.0
-            theirs = run_harness(model, tok, tasks, **kw)
-            theirs_pos, count["n"] = count["n"], 0
-            ours = evaluate(model, tok, tasks, **kw)
-            ours_pos = count["n"]
+            ours_s, theirs_s, pos, same = [], [], {}, True
+            for r in range(args.rounds):  # interleaved, the order alternating: the machine's drift hits both
+                for side in (("harness", "ours") if r % 2 == 0 else ("ours", "harness")):
+                    count["n"], spent["s"] = 0, 0.0
+                    if side == "harness":
+                        theirs = run_harness(model, tok, tasks, **kw)
+                        theirs_s.append(spent["s"])
+                    else:
+                        ours = evaluate(model, tok, tasks, **kw)
+                        ours_s.append(ours.seconds)
+                    if args.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    pos[side] = count["n"]
+                same = same and [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
+                if "hellaswag" in tasks:  # acc_norm's prediction too (the harness records whether it was right)
+                    same = same and [a["correct_norm"] for a in ours.examples] == [b["correct_norm"] for b in theirs.examples]
             handle.remove()
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            same = [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
-            if "hellaswag" in tasks:  # acc_norm's prediction too (the harness records whether it was right)
-                same = same and [a["correct_norm"] for a in ours.examples] == [b["correct_norm"] for b in theirs.examples]
             n = len(ours.examples)
-            a, b = n / ours.seconds, n / spent["s"]
-            print(f"{label:<12}{shots:>6}{n:>6}{a:>11.1f}{b:>9.1f}{a / b:>7.2f}x{ours_pos / n:>14.0f}"
-                  f"{theirs_pos / n:>9.0f}{str(same):>12}")
+            ratios = sorted(t / o for t, o in zip(theirs_s, ours_s))
+            a, b = n / statistics.median(ours_s), n / statistics.median(theirs_s)
+            print(f"{label:<12}{shots:>6}{n:>6}{a:>11.1f}{b:>9.1f}{statistics.median(ratios):>7.2f}x"
+                  f"{pos['ours'] / n:>14.0f}{pos['harness'] / n:>9.0f}{str(same):>12}"
+                  f"   rounds: {' '.join(f'{x:.2f}' for x in ratios)}")
             if not same:
                 failed.append((vocab, label))
     if failed:

@@ -29,6 +29,29 @@ def test_packing_makes_full_blocks_without_padding(tok):
     assert out["input_ids"].dtype.name == "uint16"
 
 
+TEXTS = ["Caf\u00e9 \u4e2d\u6587 \U0001f600", "", "plain ascii, then a NUL \x00 and a tab\t", "x" * 11]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_direct_byte_encoding_equals_the_tokenizer(tok, packing):
+    fast = D.Packer(tok, 4, packing)
+    slow = D.Packer(tok, 4, packing)
+    slow.byte_offset = None  # the ByT5 tokenizer's own Python code
+    assert fast.byte_offset == 3
+    a, b = fast({"text": TEXTS}), slow({"text": TEXTS})
+    rows = [list(map(int, r)) for r in a["input_ids"]]
+    assert rows == [list(map(int, r)) for r in b["input_ids"]]
+    if packing:  # 17 + 1 (EOS) + 0 + 36 + 1 + 11 + 1 = 67 tokens -> 16 blocks of 4, 3 dropped
+        assert len(rows) == 16 and rows[4] == [ids("\U0001f600")[-1], 1, *ids("pl")]  # emoji end, EOS
+    else:  # the empty document makes no row; rows are cut to 4 tokens
+        assert rows == [ids("Caf\u00e9")[:4], ids("plai"), ids("xxxx")]
+
+
+def test_text_spelling_a_special_token_goes_through_the_tokenizer(tok):
+    out = D.Packer(tok, 3, True)({"text": ["a</s>b"]})  # "</s>" is EOS (1) for the tokenizer, not 4 bytes
+    assert out["input_ids"].tolist() == [[ids("a")[0], 1, ids("b")[0]]]
+
+
 def test_padding_masks_and_ignores_pad_positions(tok, tmp_path, cache):
     p = tmp_path / "a.txt"
     p.write_text("\x07\x07\n\n" + "\x08" * 9)

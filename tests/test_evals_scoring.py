@@ -158,3 +158,55 @@ def test_packed_short_documents_match_one_forward_per_choice(llama, tok):
     one = LoglikelihoodScorer(llama, tok, batch_size=1, family_min_tokens=100)
     one.score(docs, ["s"] * 5)
     assert one.forward_passes == 3
+
+
+CTX = "Making tea: a cup."  # 18 bytes; with the " " every choice starts with, 19 shared input tokens
+
+
+def _tails_doc(a: int, b: int) -> list[tuple[str, str]]:
+    """Two choices whose inputs branch right after the shared ``CTX + " "``: tails of ``a`` and ``b``
+    input tokens (each ending's last byte is only a target)."""
+    return [(CTX, " " + "x" * a + "1"), (CTX, " " + "w" * b + "1")]
+
+
+def test_branches_of_a_window_are_sorted_together(llama, tok):
+    # batch size 2; documents' tails (9, 5), (2, 2), (9, 5), (2, 2). A window of one batch (2 documents)
+    # cuts its branches 9,5 | 2,2 -> 2*9 + 2*2 = 22 positions, twice: 44. A window of all four sorts
+    # 9,9 | 5,5 | 2,2 | 2,2 -> 36 = the real tail tokens. Prefixes: 4 x 19 in both.
+    docs = [_tails_doc(9, 5), _tails_doc(2, 2), _tails_doc(9, 5), _tails_doc(2, 2)]
+    ref = [[naive(llama, tok, c, k) for c, k in doc] for doc in docs]
+    tokens = {}
+    for window in (1, 8):
+        scorer = LoglikelihoodScorer(llama, tok, batch_size=2, branch_window=window)
+        got = scorer.score(docs)
+        assert max(abs(a - b) for r, g in zip(ref, got) for a, b in zip(r, g)) < 5e-5
+        tokens[window] = scorer.forward_tokens
+    assert tokens == {1: 4 * 19 + 44, 8: 4 * 19 + 36}
+
+
+def test_lm_head_runs_later_only_where_the_logits_are_the_head_output(llama, tok):
+    class Scaled(transformers.LlamaForCausalLM):
+        """Logits halved after the LM head (as logit scaling or soft-capping models do)."""
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 0.5
+            return out
+
+    scaled = Scaled(llama.config).eval()
+    scaled.load_state_dict(llama.state_dict())
+    docs = [_tails_doc(9, 5), _tails_doc(2, 3), DOCS[-1]]
+    assert LoglikelihoodScorer(llama, tok)._head_split() is not None
+    plain = LoglikelihoodScorer(scaled, tok)
+    assert plain._head_split() is None
+    for model, scorer in ((llama, LoglikelihoodScorer(llama, tok)), (scaled, plain)):
+        ref = [[naive(model, tok, c, k) for c, k in doc] for doc in docs]
+        got = scorer.score(docs)
+        assert max(abs(a - b) for r, g in zip(ref, got) for a, b in zip(r, g)) < 5e-5
+    # halving the logits changes every score: the plain path really used the model's own logits
+    assert abs(plain.score(docs)[0][0] - LoglikelihoodScorer(llama, tok).score(docs)[0][0]) > 0.1
+
+
+def test_bad_branch_window_is_rejected(llama, tok):
+    with pytest.raises(ValueError, match="branch_window 0 is not accepted; use an integer >= 1"):
+        LoglikelihoodScorer(llama, tok, branch_window=0)

@@ -171,13 +171,45 @@ class Packer:
     """
 
     def __init__(self, tokenizer, seq_len: int, packing: bool) -> None:
+        from mlflow_llmeff.bytetok import byte_offset, special_strings
+
         self.tokenizer, self.seq_len, self.packing = tokenizer, seq_len, packing
         self.eos = tokenizer.eos_token_id
         self.dtype = token_dtype(len(tokenizer))
+        # the presets' ByT5 tokenizer: ids are UTF-8 bytes + offset, encoded with numpy (same ids,
+        # checked on a probe; ~50x its Python code); a batch spelling a special token uses the tokenizer
+        self.byte_offset = byte_offset(tokenizer)
+        self.specials = special_strings(tokenizer) if self.byte_offset is not None else ()
+
+    def _direct(self, texts: list[str]):
+        """(UTF-8 bytes + offset of all non-empty documents, each followed by EOS; one array),
+        or None when a text holds a special-token string."""
+        import numpy as np
+
+        if any(sp in t for sp in self.specials for t in texts):
+            return None
+        docs = [t.encode("utf-8") for t in texts]
+        docs = [d for d in docs if d]
+        lens = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        out = np.empty(int(lens.sum()) + len(docs), dtype=self.dtype)
+        eos_at = np.cumsum(lens + 1) - 1
+        is_text = np.ones(out.shape[0], dtype=bool)
+        is_text[eos_at] = False
+        out[is_text] = np.frombuffer(b"".join(docs), dtype=np.uint8).astype(self.dtype) + self.byte_offset
+        out[eos_at] = self.eos
+        return out, eos_at
 
     def __call__(self, batch: dict[str, list]) -> dict[str, Any]:
         import numpy as np
 
+        direct = self._direct(batch["text"]) if self.byte_offset is not None else None
+        if direct is not None:
+            flat_arr, eos_at = direct
+            if not self.packing:  # one row per document: doc + EOS, truncated to seq_len
+                starts = np.concatenate([[0], eos_at[:-1] + 1])
+                return {"input_ids": [flat_arr[a : min(e + 1, a + self.seq_len)] for a, e in zip(starts, eos_at)]}
+            n = len(flat_arr) // self.seq_len
+            return {"input_ids": flat_arr[: n * self.seq_len].reshape(n, self.seq_len)}
         ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
         if not self.packing:  # one row per document: doc + EOS, truncated to seq_len; padded when batched
             return {"input_ids": [(d + [self.eos])[: self.seq_len] for d in ids if d]}
