@@ -210,3 +210,12 @@ def test_lm_head_runs_later_only_where_the_logits_are_the_head_output(llama, tok
 def test_bad_branch_window_is_rejected(llama, tok):
     with pytest.raises(ValueError, match="branch_window 0 is not accepted; use an integer >= 1"):
         LoglikelihoodScorer(llama, tok, branch_window=0)
+
+
+def test_a_family_of_identical_documents_scores_every_position(llama, tok):
+    # two copies of one question (MMLU's test split holds duplicates): their common prefix is the whole
+    # context, so the family prefix must stop before the position that predicts the first answer token
+    doc = [("Q: two plus two?\nAnswer:", " " + c) for c in "ABCD"]
+    ref = [naive(llama, tok, c, k) for c, k in doc]
+    got = LoglikelihoodScorer(llama, tok, family_min_tokens=4).score([doc, doc], ["s", "s"])
+    assert max(abs(a - b) for g in got for a, b in zip(ref, g)) < 5e-5

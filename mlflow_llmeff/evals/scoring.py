@@ -364,7 +364,8 @@ class LoglikelihoodScorer:
         fam_cache, fam_len = None, 0
         if use_family and len(docs) > 1:
             fam_len = _lcp([u.choices[0].input_ids[: u.shared] for u in docs])
-            fam_len = min([fam_len] + [u.shared - 1 for u in docs])  # every doc keeps >= 1 own token
+            # every doc keeps >= 1 own token, and every position it scores (a family of identical contexts)
+            fam_len = min([fam_len] + [u.shared - 1 for u in docs] + [e.start - 1 for u in docs for e in u.choices])
             if fam_len >= self.family_min_tokens:
                 prefix = docs[0].choices[0].input_ids[:fam_len]
                 ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
