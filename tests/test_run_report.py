@@ -140,3 +140,28 @@ def test_dataset_input_source_names_where_the_data_came_from(tmp_path, kind):
     # the digest follows the tokens: another block changes it
     rows2 = [[99] + rows[0][1:]] + rows[1:]
     assert training_dataset(dataset, prepared(rows2), 8, False).digest != ds.digest
+
+
+def test_dataset_digest_of_large_data_reads_blocks_in_storage_order(monkeypatch):
+    import hashlib
+
+    import datasets
+    import numpy as np
+
+    from mlflow_llmeff.train import dataset_input
+    from mlflow_llmeff.train.data import PreparedData, TokenBlocks
+
+    table = datasets.Dataset.from_dict({"input_ids": [[10 * r + c for c in range(4)] for r in range(6)]})
+    monkeypatch.setattr(dataset_input, "DIGEST_TOKENS", 8)  # 2 blocks of 4 tokens are hashed
+    read = []
+    real = TokenBlocks.__getitems__
+    monkeypatch.setattr(TokenBlocks, "__getitems__", lambda self, idx: read.append(self.rows[idx].tolist()) or real(self, idx))
+    train = TokenBlocks(table, 4, 0, rows=np.array([5, 3, 0, 1, 4]))  # a shuffled split: block 2 held out
+    ds = dataset_input.training_dataset("synthetic", PreparedData(train, None, "synthetic", ""), 4, True)
+    # the training order would touch blocks 5 and 3 (pages all over a memory-mapped cache); storage
+    # order reads blocks 0 and 1, one contiguous range
+    assert read == [[0, 1]]
+    h = hashlib.sha256(repr((5, 4)).encode())
+    h.update(np.array([[0, 1, 2, 3], [10, 11, 12, 13]], dtype=np.int64).tobytes())
+    assert ds.digest == h.hexdigest()[:16]
+    assert json.loads(ds._to_mlflow_entity().profile)["train_tokens"] == 5 * 4
