@@ -290,3 +290,19 @@ def test_quality_against_cost_and_ttq_bars_use_the_targets():
                      "loss.png: no run has a train/loss history"]
     # run 1 (0.33 for 1.5 USD) dominates runs 0 and 2: the front is run 1 alone
     assert pareto_front([(2.0, 0.31), (1.5, 0.33), (3.0, 0.30)], maximize_x=False, maximize_y=True) == [1]
+
+
+def test_reports_mask_secrets_in_tags_logged_by_anyone(tracking_uri, tmp_path, monkeypatch):
+    # a run logged by another tool (no llmeff masking): its error names a URL with credentials and
+    # the value of a secret environment variable, and it has a secret-named param
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefgh123456")
+    client, exp_id, _ = new_experiment("cmp-secrets")
+    rid = log_run(client, exp_id, "leaky", 1, 0.0, summary=False, status="FAILED")
+    client.set_tag(rid, names.ERROR, "OSError: https://alice:hunter2pass@hub.example/x with hf_abcdefgh123456")
+    client.log_param(rid, "db_password", "hunter3pass")
+    out = tmp_path / "o"
+    r = invoke("compare", "--experiment", "cmp-secrets", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "OSError: https://hub.example/x with ***" in r.output
+    written = r.output + "".join((out / f).read_text() for f in ("report.md", "report.csv", "report.html"))
+    assert not any(s in written for s in ("hunter2pass", "hunter3pass", "hf_abcdefgh123456", "alice"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import names
+from ..tracking.redact import clean, environment_secrets
 from ..tracking.runs import ui_run_url
 from .calc import RunRecord
 
@@ -57,6 +58,9 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
         experiment: experiment name (or numeric id).
         filter_string: MLflow search filter, e.g. ``tags."llmeff.precision" = 'bf16'``.
 
+    Tags and params come back masked as our logger masks them (secret-looking names, values of
+    secret environment variables, URI user-info), whoever logged them.
+
     Raises:
         ValueError: unknown experiment, a filter MLflow cannot parse, or no run to compare (each one line).
     """
@@ -65,6 +69,7 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
 
     exp = _experiment(client, experiment)
     runs, token = [], None
+    secrets = environment_secrets()
     while len(runs) < MAX_RUNS:
         try:
             page = client.search_runs([exp.experiment_id], filter_string or "", ViewType.ACTIVE_ONLY,
@@ -72,7 +77,7 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
         except MlflowException as e:
             first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0]
             raise ValueError(f"bad filter {filter_string!r}: {first}") from None
-        runs += [_record(r) for r in page]
+        runs += [_record(r, secrets) for r in page]
         token = getattr(page, "token", None)
         if not token:
             break
@@ -84,11 +89,14 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     return Selection(exp.experiment_id, exp.name, filter_string or "", runs)
 
 
-def _record(run) -> RunRecord:
-    tags = dict(run.data.tags)
+def _record(run, secrets: list[str]) -> RunRecord:
+    """A run as the reports see it: tags and params through :func:`mlflow_llmeff.tracking.redact.clean`
+    (runs logged by other tools never had our logger's masking, and reports are shared)."""
+    tags = {k: clean(k, v, secrets) for k, v in run.data.tags.items()}
+    params = {k: clean(k, v, secrets) for k, v in run.data.params.items()}
     return RunRecord(run_id=run.info.run_id, name=tags.get("mlflow.runName") or run.info.run_name or "",
                      status=run.info.status, experiment_id=run.info.experiment_id,
-                     metrics=dict(run.data.metrics), tags=tags, params=dict(run.data.params))
+                     metrics=dict(run.data.metrics), tags=tags, params=params)
 
 
 def metric_history(client, run_id: str, key: str) -> list[tuple[int, int, float]]:
