@@ -330,3 +330,18 @@ def test_energy_probe_command_says_how_energy_would_be_measured():
     assert "energy.source: none (0 device(s))" in res.output
     assert "energy.why: measure_energy=none" in res.output
     assert "carbon.intensity_g_per_kwh: 369.473" in res.output  # codecarbon's USA figure, offline
+
+
+def test_energy_not_measured_note_is_said_once_a_machine_not_once_a_process(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from mlflow_llmeff import energy
+
+    monkeypatch.setattr(energy, "_warned", set())
+    missing = str(tmp_path / "missing")
+    with caplog.at_level(logging.WARNING, logger=energy._log.name):
+        make_meter("auto", device_indices=None, env={"LOCAL_RANK": "1"}, rapl_root=missing)
+        assert [r.getMessage() for r in caplog.records] == []  # rank 1 of the machine: silent
+        m = make_meter("auto", device_indices=None, env={"LOCAL_RANK": "0"}, rapl_root=missing)
+    assert [r.getMessage()[:51] for r in caplog.records] == ["energy not measured here (no CUDA device, no readab"]
+    assert "no CUDA device" in m.why  # every process still tags why
