@@ -219,19 +219,25 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
                                 dp=cfg.num_processes, precision=precision)
         why = (f"Nothing fits there: weights, gradients and AdamW state alone need "
                f"{_gib(state.weights + state.gradients + state.optimizer)} GiB")
-        smaller = []
-        for name in PRESETS:
-            if name == cfg.model:
-                continue
-            c = load_config(name)
-            need = needed_bytes(_estimate(c, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision,
-                                          strategy=strategy, devices=cfg.num_processes,
-                                          ckpt=cfg.activation_checkpointing))
-            if need * (cfg.num_processes if cpu else 1) <= available_bytes:
-                smaller.append((need, name))
-        if smaller:
-            need, name = max(smaller)
-            why += f"; the largest preset that fits as asked is {name} ({_gib(need)} GiB with the margin)"
+        def largest(prec: str) -> tuple[float, str] | None:
+            fitting = []
+            for name in PRESETS:
+                if name == cfg.model:
+                    continue
+                need = needed_bytes(_estimate(load_config(name), cfg, micro_batch_size=cfg.micro_batch_size,
+                                              precision=prec, strategy=strategy, devices=cfg.num_processes,
+                                              ckpt=cfg.activation_checkpointing))
+                if need * (cfg.num_processes if cpu else 1) <= available_bytes:
+                    fitting.append((need, name))
+            return max(fitting) if fitting else None
+
+        asked = largest(precision)
+        if asked:
+            why += f"; the largest preset that fits as asked is {asked[1]} ({_gib(asked[0])} GiB with the margin)"
+        if precision == "fp32" and bf16_ok:
+            half = largest("bf16")
+            if half and (asked is None or half[1] != asked[1]):
+                why += f"; in bf16 precision, {half[1]} ({_gib(half[0])} GiB with the margin)"
     return Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, cands, why)
 
 

@@ -38,6 +38,18 @@ def test_llama_7b_on_a_24_gib_cpu_is_refused_naming_need_and_room_and_the_preset
     assert "largest preset that fits as asked is llama-1b" in line
 
 
+def test_refusal_also_names_the_larger_preset_that_fits_in_bf16():
+    # the trial's machine: 21.9 GiB free; fp32 as asked leaves llama-160m, bf16 activations let llama-1b in
+    v = fit.verdict(TrainConfig(model="llama-7b"), precision="fp32", strategy="single",
+                    available_bytes=21.9 * GIB, where="this CPU", cpu=True)
+    assert ("the largest preset that fits as asked is llama-160m (5.1 GiB with the margin); "
+            "in bf16 precision, llama-1b (21.0 GiB with the margin)") in v.line("cli")
+    # when the same preset is the answer either way, nothing is added
+    v = fit.verdict(TrainConfig(model="llama-7b"), precision="fp32", strategy="single", available_bytes=24 * GIB,
+                    where="this CPU", cpu=True)
+    assert "bf16 precision" not in v.line("cli")
+
+
 def test_llama_7b_fsdp_on_eight_h100s_lists_what_fits():
     # The case: seq 4096, micro-batch 8, FSDP over 8 devices needs 145 GiB per device.
     cfg = TrainConfig(model="llama-7b", seq_len=4096, num_processes=8, parallelism="fsdp")
