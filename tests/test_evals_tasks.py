@@ -221,3 +221,21 @@ def test_a_progress_bar_counts_the_documents(capsys):
     evaluate(model, load_tokenizer("llama-tiny"), "hellaswag", data_dir=FIX, progress=True)
     err = capsys.readouterr().err
     assert "eval hellaswag" in err and "3/3" in err  # the fixture's three documents
+
+
+def test_progress_counts_documents_when_long_ones_are_scored_choice_by_choice(capsys):
+    # a 64-position model: the fixture's documents are longer, so each is scored as 4 separate
+    # (truncated) choices; the bar still counts 3 documents, as the result does
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from mlflow_llmeff.evals.api import evaluate
+    from mlflow_llmeff.train.models import load_config, load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = load_config("llama-tiny")
+    cfg.max_position_embeddings = 64
+    r = evaluate(LlamaForCausalLM(cfg), load_tokenizer("llama-tiny"), "hellaswag", data_dir=FIX, progress=True)
+    err = capsys.readouterr().err
+    assert r.counts == {"hellaswag": 3}
+    assert "3/3" in err and "12/12" not in err and "/12" not in err

@@ -218,8 +218,8 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
             for _, d in docs:
                 all_reqs.append(hellaswag.requests(d) if task == "hellaswag" else mmlu.requests(d, shots))
                 families.append(task if task != "hellaswag" else None)  # MMLU: one family per subject
-        scorer.progress = _progress_bar(len(all_reqs), ",".join(scored) if len(scored) < 4 else "mmlu") \
-            if progress else None
+        label = ",".join(dict.fromkeys("mmlu" if t.startswith("mmlu_") and len(scored) >= 4 else t for t in scored))
+        scorer.progress = _progress_bar(len(all_reqs), label) if progress else None
         try:
             lls = scorer.score(all_reqs, families)
         finally:

@@ -186,6 +186,7 @@ class _Doc:
     choices: list[Encoded]
     shared: int  # length of the common input prefix, >= 1
     family_len: int = 0  # tokens covered by the family prefix cache
+    weight: float = 1.0  # the document's share in this unit (progress counts documents)
 
 
 class LoglikelihoodScorer:
@@ -237,6 +238,7 @@ class LoglikelihoodScorer:
         self.forward_passes = 0  # model calls made, for benchmarks
         self.forward_tokens = 0  # input positions run (padding included), for benchmarks
         self.progress = None  # an object with update(n): documents scored (a tqdm bar)
+        self._carry = 0.0  # documents scored but not yet shown (fractions of a document)
 
     # ------------------------------------------------------------------ encoding
     def encode_request(self, context: str, continuation: str) -> Encoded:
@@ -286,10 +288,8 @@ class LoglikelihoodScorer:
                 slots.append([(d, i) for i in range(len(choices))])
             else:  # one unit per choice: exactly the harness's plan
                 for i, e in enumerate(choices):
-                    units.append(_Doc(d, [e], len(e.input_ids)))
+                    units.append(_Doc(d, [e], len(e.input_ids), weight=1 / len(choices)))
                     slots.append([(d, i)])
-        if self.progress is not None and hasattr(self.progress, "total"):
-            self.progress.total = len(units)  # scoring units: documents, or choices where not shared
         fam_of = [families[u.idx] if (families is not None and self.share_prefix) else None for u in units]
         groups: dict[Hashable, list[int]] = {}
         for j, f in enumerate(fam_of):  # documents without a family form one group, no family prefix
@@ -386,12 +386,18 @@ class LoglikelihoodScorer:
         rows = self._pack([trees[j] for j in order]) if self.share_prefix else [[trees[j]] for j in order]
         for s in range(0, len(rows), self.batch_size):
             self._score_rows(rows[s : s + self.batch_size], fam_cache, fam_len)
-            self._advance(sum(len(r) for r in rows[s : s + self.batch_size]))
+            self._advance(sum(t.doc.weight for r in rows[s : s + self.batch_size] for t in r))
         return [t.sums for t in trees]
 
-    def _advance(self, documents: int) -> None:
+    def _advance(self, documents: float) -> None:
+        """Move the progress bar by whole documents (a document scored choice by choice, as
+        truncated ones are, counts 1/len(choices) a choice; the fraction waits for the rest)."""
         if self.progress is not None:
-            self.progress.update(documents)
+            self._carry += documents
+            whole = int(self._carry + 1e-6)
+            if whole:
+                self.progress.update(whole)
+                self._carry -= whole
 
     @staticmethod
     def _pack(trees: list[_Tree]) -> list[list[_Tree]]:
@@ -541,7 +547,7 @@ class LoglikelihoodScorer:
                             uses[branch_of[(k, tail)]].append((result[part[k]], i, lo - u.shared, e.tokens[lo + 1 :]))
                 self._score_branches(wdocs, branches, uses, cache, mask, picks)
             picks.flush()
-            self._advance(len(part))
+            self._advance(sum(docs[j].weight for j in part))
         return result
 
     def _score_prefixes(self, docs: list[_Doc], fam_cache: Any, fam_len: int, results: list[list[float]],
