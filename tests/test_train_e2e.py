@@ -270,3 +270,28 @@ def test_sigterm_ends_the_run_killed_with_its_points(tracking_uri, tmp_path):
     assert run.data.tags[names.ERROR] == "stopped by SIGTERM"
     assert history(run, names.TRAIN_TOKENS) == [(4, 256.0), (6, 384.0)]  # the tail after step 4 flushed
     assert run.data.metrics[names.SUM_STEPS] == 6.0
+
+
+def test_saved_model_is_the_trained_weights_and_llmeff_eval_scores_it(tracking_uri, tmp_path):
+    import torch
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from mlflow_llmeff.cli import main
+
+    out_dir = tmp_path / "model"
+    out = run_training(TrainConfig(max_steps=3, log_every_n_steps=3, seq_len=32, micro_batch_size=2,
+                                   save_model=str(out_dir), checkpoint_dir=str(tmp_path / "ckpt")))
+    assert out["summary"][names.SUM_STEPS] == 3
+    saved = AutoModelForCausalLM.from_pretrained(out_dir)
+    # the same weights as the run's last checkpoint (Accelerate's state of step 3)
+    from safetensors.torch import load_file
+
+    (step_dir,) = (tmp_path / "ckpt").glob("step_*")  # checkpoint_every=0: the end only
+    ckpt = load_file(str(step_dir / "model.safetensors"))
+    seen = {name: torch.equal(p, ckpt[name]) for name, p in saved.state_dict().items() if name in ckpt}
+    assert len(seen) >= 10 and all(seen.values())
+    res = CliRunner().invoke(main, ["eval", "--model", str(out_dir), "--tasks", "hellaswag", "--limit", "3",
+                                    "--data-dir", str(REPO / "tests" / "fixtures" / "evals")])
+    assert res.exit_code == 0, res.output
+    assert "3 documents" in res.output

@@ -63,6 +63,8 @@ class TrainConfig:
     checkpoint_every: int = field(default=0, metadata={"help": "save a checkpoint every N steps (0: only at the end when checkpoint_dir is set)"})
     checkpoint_keep: int = field(default=2, metadata={"help": "newest checkpoints kept"})
     resume: str = field(default="auto", metadata={"help": "auto (continue from the latest checkpoint and its MLflow run) or never"})
+    save_model: str = field(default="", metadata={"help": "directory for the final model and tokenizer (save_pretrained), "
+                                                          "loadable by `llmeff eval --model DIR` ('' saves none)"})
     nan_policy: str = field(default="fail", metadata={"help": "a NaN or infinite training loss: fail (end FAILED naming the step; checked at logged steps and before checkpoints, no extra sync) or skip_step (skip that optimizer step, count train/skipped_steps; one sync per micro-batch)"})
     seed: int = field(default=0, metadata={"help": "seed for init, data order and the validation split"})
     peak_tflops: float = field(default=0.0, metadata={"help": "dense peak TFLOP/s per device overriding the datasheet table (0: table)"})

@@ -107,6 +107,8 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     summary = monitor.finish()
     if t.accelerator.is_main_process:
         _print_summary(monitor, summary)
+    if cfg.save_model:  # after the run's wall time: saving is not training
+        _save_model(cfg.save_model, t)
     teardown(t)
     return {"run_id": monitor.run_id, "summary": summary} if t.accelerator.is_main_process else None
 
@@ -351,6 +353,20 @@ def _already_done(cfg: TrainConfig, t, found) -> dict | None:
               f"max_steps={cfg.max_steps}); nothing to do")
     t.accelerator.end_training()
     return {"run_id": state.get("run_id"), "summary": {}} if t.accelerator.is_main_process else None
+
+
+def _save_model(path: str, t) -> None:
+    """Write the trained model (``save_pretrained``: config + safetensors) and its tokenizer to ``path``.
+
+    Every rank takes part in gathering the weights (sharded under FSDP/DeepSpeed); the main process
+    writes them.
+    """
+    state = t.accelerator.get_state_dict(t.model)
+    if t.accelerator.is_main_process:
+        t.accelerator.unwrap_model(t.model).save_pretrained(path, state_dict=state)
+        t.tokenizer.save_pretrained(path)
+        print(f"llmeff: model saved to {path} (score it: llmeff eval --model {path})")
+    t.accelerator.wait_for_everyone()
 
 
 def _print_summary(monitor, summary: dict) -> None:
