@@ -291,7 +291,7 @@ def prices_cmd() -> None:
               help="Write metrics and per-example records here.")
 def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot: int, limit: int | None,
              data_dir: str | None, batch_size: int, device: str | None, output_json: str | None) -> None:
-    """Score MMLU / HellaSwag with lm-evaluation-harness 0.4.x definitions; log to the active MLflow run."""
+    """Score MMLU / HellaSwag with lm-evaluation-harness 0.4.x definitions; log to the active MLflow run, if any."""
     import json
 
     import torch
@@ -331,6 +331,8 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
             json.dump(result.to_dict(), f, indent=1)
     if log_to_mlflow(result):
         click.echo("logged to the active MLflow run")
+    else:
+        click.echo("not logged to MLflow: no active run (under `mlflow run . -e eval` it logs to that run)")
 
 
 # ---- plan command (dry run: parameters, FLOPs, memory per device, predictions)

@@ -192,6 +192,7 @@ def test_cli_eval_prints_table_and_writes_json(uniform, tok, tmp_path, tracking_
     js = json.loads(out.read_text())
     assert js["metrics"]["mmlu_anatomy/acc"] == 0.0 and len(js["examples"]) == 5
     assert set(js["examples"][0]) == {"task", "doc_index", "logliks", "gold", "pred", "correct"}
+    assert "not logged to MLflow: no active run" in res.output  # said, not silently skipped
 
 
 def test_cli_eval_bad_data_dir_is_a_usage_error(uniform, tok, tmp_path):
