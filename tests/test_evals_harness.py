@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
 
 import pytest
 import torch
@@ -13,7 +12,9 @@ lm_eval = pytest.importorskip("lm_eval")
 from mlflow_llmeff.evals import evaluate  # noqa: E402
 from mlflow_llmeff.evals.harness import run_harness  # noqa: E402
 
-FIX = str(pathlib.Path(__file__).parent / "fixtures" / "evals")
+from eval_fixtures import eval_fixture_dir  # noqa: E402
+
+FIX = eval_fixture_dir()  # invented documents in the release layout, written to a temp folder
 pytestmark = pytest.mark.slow
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import pytest
 import torch
@@ -14,7 +13,9 @@ from click.testing import CliRunner
 from mlflow_llmeff import names
 from mlflow_llmeff.evals import data, evaluate, hellaswag, log_to_mlflow, mmlu
 
-FIX = str(pathlib.Path(__file__).parent / "fixtures" / "evals")
+from eval_fixtures import eval_fixture_dir
+
+FIX = eval_fixture_dir()  # invented documents in the release layout, written to a temp folder
 LN = math.log(259)  # a uniform model gives every byte token -ln(259)
 
 

@@ -15,6 +15,7 @@ from mlflow_llmeff.train.config import TrainConfig
 from mlflow_llmeff.train.loop import KILL_AT_STEP_ENV, run_training
 
 from conftest import REPO
+from eval_fixtures import eval_fixture_dir
 
 INTERVAL_KEYS = [names.TRAIN_LOSS, names.TRAIN_LR, names.TRAIN_TOKENS, names.TRAIN_PADDED_TOKENS,
                  names.TRAIN_LOSS_TOKENS, names.TRAIN_STEP_TIME_S, names.TPUT_TOKENS, names.TPUT_SAMPLES,
@@ -292,6 +293,6 @@ def test_saved_model_is_the_trained_weights_and_llmeff_eval_scores_it(tracking_u
     seen = {name: torch.equal(p, ckpt[name]) for name, p in saved.state_dict().items() if name in ckpt}
     assert len(seen) >= 10 and all(seen.values())
     res = CliRunner().invoke(main, ["eval", "--model", str(out_dir), "--tasks", "hellaswag", "--limit", "3",
-                                    "--data-dir", str(REPO / "tests" / "fixtures" / "evals")])
+                                    "--data-dir", eval_fixture_dir()])
     assert res.exit_code == 0, res.output
     assert "3 documents" in res.output
