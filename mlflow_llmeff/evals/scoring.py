@@ -518,15 +518,22 @@ class LoglikelihoodScorer:
         for w in range(0, len(order), window):
             part = order[w : w + window]
             wdocs = [docs[j] for j in part]
-            # distinct tails after each document's shared prefix (identical tails run once)
+            # distinct tails after each document's shared prefix (identical tails run once), and per
+            # branch its uses: (results row, choice, first scored tail position, targets)
             branches: list[tuple[int, tuple[int, ...]]] = []  # (row in the window, tail tokens)
+            uses: list[list[tuple[list[float], int, int, tuple[int, ...]]]] = []
             branch_of: dict[tuple[int, tuple[int, ...]], int] = {}
             for k, u in enumerate(wdocs):
-                for e in u.choices:
+                for i, e in enumerate(u.choices):
                     tail = e.input_ids[u.shared :]
-                    if tail and (k, tail) not in branch_of:
+                    if not tail:
+                        continue
+                    if (k, tail) not in branch_of:
                         branch_of[(k, tail)] = len(branches)
                         branches.append((k, tail))
+                        uses.append([])
+                    lo = max(e.start - 1, u.shared)
+                    uses[branch_of[(k, tail)]].append((result[part[k]], i, lo - u.shared, e.tokens[lo + 1 :]))
             caches, masks = [], []
             for s in range(0, len(part), self.batch_size):
                 batch = list(range(s, min(s + self.batch_size, len(part))))
@@ -537,14 +544,6 @@ class LoglikelihoodScorer:
             if branches:
                 cache, mask = self._stack_caches(caches, masks)
                 del caches
-                # (branch, choice row in the window's results, first input position scored, targets)
-                uses: list[list[tuple[list[float], int, int, tuple[int, ...]]]] = [[] for _ in branches]
-                for k, u in enumerate(wdocs):
-                    for i, e in enumerate(u.choices):
-                        tail = e.input_ids[u.shared :]
-                        if tail:
-                            lo = max(e.start - 1, u.shared)
-                            uses[branch_of[(k, tail)]].append((result[part[k]], i, lo - u.shared, e.tokens[lo + 1 :]))
                 self._score_branches(wdocs, branches, uses, cache, mask, picks)
             picks.flush()
             self._advance(sum(docs[j].weight for j in part))
