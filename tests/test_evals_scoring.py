@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from mlflow_llmeff.evals.scoring import LoglikelihoodScorer, encode_pair, resolve_max_length
+from mlflow_llmeff.evals.scoring import LoglikelihoodScorer, _batches, encode_pair, resolve_max_length
 
 V = 259  # ByT5Tokenizer(extra_ids=0): 3 specials + 256 bytes; byte b is id b + 3
 
@@ -163,17 +163,18 @@ def test_packed_short_documents_match_one_forward_per_choice(llama, tok):
 CTX = "Making tea: a cup."  # 18 bytes; with the " " every choice starts with, 19 shared input tokens
 
 
-def _tails_doc(a: int, b: int) -> list[tuple[str, str]]:
-    """Two choices whose inputs branch right after the shared ``CTX + " "``: tails of ``a`` and ``b``
-    input tokens (each ending's last byte is only a target)."""
-    return [(CTX, " " + "x" * a + "1"), (CTX, " " + "w" * b + "1")]
+def _tails_doc(*lengths: int) -> list[tuple[str, str]]:
+    """Choices whose inputs branch right after the shared ``CTX + " "`` (19 tokens with BOS): tails of
+    the given numbers of input tokens (each ending's last byte is only a target)."""
+    return [(CTX, " " + ch * n + "1") for ch, n in zip("xwvu", lengths)]
 
 
 def test_branches_of_a_window_are_sorted_together(llama, tok):
-    # batch size 2; documents' tails (9, 5), (2, 2), (9, 5), (2, 2). A window of one batch (2 documents)
-    # cuts its branches 9,5 | 2,2 -> 2*9 + 2*2 = 22 positions, twice: 44. A window of all four sorts
-    # 9,9 | 5,5 | 2,2 | 2,2 -> 36 = the real tail tokens. Prefixes: 4 x 19 in both.
-    docs = [_tails_doc(9, 5), _tails_doc(2, 2), _tails_doc(9, 5), _tails_doc(2, 2)]
+    # batch size 2; documents' tails (9, 8), (9, 2), (9, 8), (9, 2). Each document's longest tail (9)
+    # runs in its prefix's row: 4 rows of 19 + 9 = 28, no padding (112 positions). Branches: a window
+    # of one batch (2 documents) holds 8 and 2 -> one pass of 2 x 8 = 16 (two passes, 8 + 2 + 2 x 48
+    # pass cost, would cost more), twice: 32. A window of all four sorts 8, 8 | 2, 2 -> 16 + 4 = 20.
+    docs = [_tails_doc(9, 8), _tails_doc(9, 2), _tails_doc(9, 8), _tails_doc(9, 2)]
     ref = [[naive(llama, tok, c, k) for c, k in doc] for doc in docs]
     tokens = {}
     for window in (1, 8):
@@ -181,7 +182,96 @@ def test_branches_of_a_window_are_sorted_together(llama, tok):
         got = scorer.score(docs)
         assert max(abs(a - b) for r, g in zip(ref, got) for a, b in zip(r, g)) < 5e-5
         tokens[window] = scorer.forward_tokens
-    assert tokens == {1: 4 * 19 + 44, 8: 4 * 19 + 36}
+    assert tokens == {1: 112 + 32, 8: 112 + 20}
+
+
+def test_longest_tail_runs_in_the_prefix_row(llama, tok):
+    # tails of 9 ('x'), 5 ('w') and 9 ('v') tokens -> the lead is the first longest ('x'), run in the
+    # prefix's row (19 + 9); 'w' and 'v' are branches on the cache, one pass of 2 rows x 9 (the
+    # branches mask the lead's columns: the scores equal one forward per choice)
+    docs = [_tails_doc(9, 5, 9)]
+    scorer = LoglikelihoodScorer(llama, tok, batch_size=8)
+    got = scorer.score(docs)
+    ref = [naive(llama, tok, c, k) for c, k in docs[0]]
+    assert max(abs(a - b) for a, b in zip(ref, got[0])) < 5e-5
+    assert (scorer.forward_passes, scorer.forward_tokens) == (2, 28 + 2 * 9)
+
+
+def _cost(widths, cuts, pass_positions):
+    return sum((e - s) * widths[s] + pass_positions for s, e in cuts)
+
+
+def test_batches_isolate_an_outlier_and_never_exceed_a_plain_cut():
+    # HellaSwag's first 60 documents, the 8 longest tails; batch 8, pass cost 48 positions: the plain
+    # cut 8 x 224 + 48 = 1,840; [224] [177 172 166] [157 152 152 143]: 272 + 579 + 676 = 1,527
+    widths = [224, 177, 172, 166, 157, 152, 152, 143]
+    assert _batches(widths, 8, 48) == [(0, 1), (1, 4), (4, 8)]
+    assert _cost(widths, _batches(widths, 8, 48), 48) == 1527
+    # the least cost over every way of cutting (2^7 of them), batches of at most 3 rows
+    best = min(_cost(widths, c, 48) for c in _all_cuts(len(widths)) if max(e - s for s, e in c) <= 3)
+    # [224] [177 172] [166 157] [152 152 143]
+    assert _cost(widths, _batches(widths, 3, 48), 48) == best == 272 + 402 + 380 + 504
+    assert _batches([5] * 5, 2, 48) == [(0, 2), (2, 4), (4, 5)]  # equal widths: the plain cut
+    assert _batches([], 8, 48) == []
+    cuts = _batches([300 - 3 * i for i in range(50)], 8, 0)  # no pass cost: no padding at all
+    assert cuts == [(i, i + 1) for i in range(50)]
+
+
+def _all_cuts(n):
+    for mask in range(2 ** (n - 1)):
+        starts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1]
+        yield list(zip(starts, starts[1:] + [n]))
+
+
+def test_branch_cache_is_cropped_to_the_attended_columns():
+    cache = transformers.DynamicCache()
+    keys = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).reshape(2, 1, 5, 2)
+    cache.update(keys, keys + 100, 0)
+    held = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    cropped, mask = LoglikelihoodScorer._crop_masked(cache, held)
+    assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert torch.equal(cropped.layers[0].keys, keys[:, :, :3])
+    assert torch.equal(cropped.layers[0].values, keys[:, :, :3] + 100)
+
+
+def test_last_layer_feed_forward_runs_on_scored_positions_only(llama, tok):
+    # tails 9, 5 after a 19-token prefix: the prefix row (19 + 9 lead = 28 positions) scores the
+    # positions predicting " " and the first byte of the endings (2) and the lead's 9; the branch
+    # pass (5 positions) scores 5. Layer 0's feed-forward block sees all 33 positions, the last one 16.
+    seen = {0: 0, 1: 0}
+    hooks = [llama.model.layers[i].mlp.down_proj.register_forward_pre_hook(
+        lambda m, a, i=i: seen.__setitem__(i, seen[i] + a[0].shape[:-1].numel())) for i in (0, 1)]
+    try:
+        scorer = LoglikelihoodScorer(llama, tok, batch_size=8)
+        assert scorer._last_mlp() is llama.model.layers[1].mlp
+        scorer._head_split()
+        seen.update({0: 0, 1: 0})  # the probes' own passes
+        got = scorer.score([_tails_doc(9, 5)])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == {0: 33, 1: 16}
+    ref = [naive(llama, tok, c, k) for c, k in _tails_doc(9, 5)]
+    assert max(abs(a - b) for a, b in zip(ref, got[0])) < 5e-5
+    assert not llama.model.layers[1].mlp._forward_pre_hooks and not llama.model.layers[1].mlp._forward_hooks
+
+
+def test_feed_forward_that_mixes_positions_keeps_the_full_pass(llama, tok):
+    class Mixing(torch.nn.Module):
+        """Not position-wise: each position's output depends on the mean over all positions."""
+
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return self.mlp(x) + x.mean(dim=1, keepdim=True)
+
+    mixed = transformers.LlamaForCausalLM(llama.config).eval()
+    mixed.load_state_dict(llama.state_dict())
+    mixed.model.layers[-1].mlp = Mixing(mixed.model.layers[-1].mlp)
+    assert LoglikelihoodScorer(mixed, tok)._last_mlp() is None  # the probe's logits moved
+    assert LoglikelihoodScorer(llama, tok)._last_mlp() is llama.model.layers[-1].mlp
 
 
 def test_lm_head_runs_later_only_where_the_logits_are_the_head_output(llama, tok):

@@ -13,14 +13,22 @@ Speed (what differs from the harness, never the numbers):
 
 * Choices of one document share their common input prefix (the context, plus e.g. the space of
   ``" A"`` .. ``" D"`` for a byte tokenizer): it is run once, and only the differing tails of the
-  choices run again on top of its key/value cache ("branches"; identical tails run once).
+  choices run again on top of its key/value cache ("branches"; identical tails run once). The
+  longest tail runs in the prefix's own row (the "lead"; the other branches mask its columns): a
+  plain causal row needs no cache copy and no attention mask.
 * Documents of one *family* (e.g. one MMLU subject: the same description and few-shot examples)
   share their common token prefix: it runs once per family and its cache is reused by every
   document batch.
 * Documents and branches are sorted by length (longest first) before batching, so padding is small;
   branches of a window of ``branch_window * batch_size`` documents are sorted together (on
   HellaSwag's first 60 documents this cut the padded branch positions from 323 to 266 per
-  document, 251 being real).
+  document, 251 being real). Batches are cut where padding plus a per-pass cost is least
+  (:func:`_batches`; never wider or taller than a plain cut's first batch), so an outlier runs
+  alone instead of widening seven rows, and a branch batch's cache is cropped to the columns its
+  rows attend to.
+* The last decoder layer's feed-forward block (position-wise) runs on the scored positions only,
+  where a probe shows the logits there unchanged (:meth:`LoglikelihoodScorer._last_mlp`): context
+  positions need that layer's keys and values, which come before it, not its output.
 * Documents whose choices differ only in their last token (MMLU) are one row each, and short rows
   are packed into one model row with a 4D block-diagonal causal mask.
 * The LM head runs only on scored positions (``logits_to_keep``) where the model supports it. Where
@@ -41,6 +49,7 @@ model's length fall back to the harness's per-choice left truncation, without sh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -186,6 +195,7 @@ class _Doc:
     choices: list[Encoded]
     shared: int  # length of the common input prefix, >= 1
     family_len: int = 0  # tokens covered by the family prefix cache
+    lead: tuple[int, ...] = ()  # the choice tail run in the prefix's own row (branching documents)
     weight: float = 1.0  # the document's share in this unit (progress counts documents)
 
 
@@ -228,6 +238,10 @@ class LoglikelihoodScorer:
         self.family_min_tokens = family_min_tokens
         self.padding_side = padding_side
         self.branch_window = branch_window
+        # a forward pass's fixed cost in input positions, for cutting batches (:func:`_batches`): on
+        # this project's 2-core CPU the bench model (hidden 256, 4 layers) took 4.1 ms for a 1-token
+        # pass and 89-95 us per position in 8 x 64-128 batches (bench/evals.py's model)
+        self.pass_positions = 48
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else 0
         # transformers >= 5.2x names the KV cache argument ``cache``; older ones ``past_key_values``
@@ -235,6 +249,7 @@ class LoglikelihoodScorer:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_logits = "logits_to_keep" in params  # LM head on scored positions only
         self._split: tuple[Any, Any, str] | None | bool = False  # (decoder, LM head, cache arg); None: unusable
+        self._mlp: Any = False  # the last layer's feed-forward module (see _last_mlp); None: unusable
         self.forward_passes = 0  # model calls made, for benchmarks
         self.forward_tokens = 0  # input positions run (padding included), for benchmarks
         self.progress = None  # an object with update(n): documents scored (a tqdm bar)
@@ -314,6 +329,15 @@ class LoglikelihoodScorer:
         """
         self.forward_passes += 1
         self.forward_tokens += int(ids.numel())
+        mlp = self._last_mlp() if keep is not None else None
+        if mlp is not None:
+            with _kept_positions_only(mlp, keep):
+                return self._call(ids, mask, pos, past, use_cache, keep, hidden)
+        return self._call(ids, mask, pos, past, use_cache, keep, hidden)
+
+    def _call(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, past: Any, use_cache: bool,
+              keep: torch.Tensor | None, hidden: bool) -> tuple[torch.Tensor, Any]:
+        """The model call of :meth:`_forward`."""
         split = self._head_split() if hidden and keep is not None else None
         if split is not None:
             decoder, _, cache_arg = split
@@ -328,6 +352,42 @@ class LoglikelihoodScorer:
         if keep is not None and not self._keep_logits:
             logits = logits[keep]
         return logits, (out.get(self._cache_arg) if use_cache else None)
+
+    def _last_mlp(self) -> Any:
+        """The last decoder layer's feed-forward module when running it on the kept positions only
+        (:func:`_kept_positions_only`) leaves the model's logits at those positions unchanged on a
+        probe (within 1e-6), else None. Checked once per scorer.
+
+        Only the positions whose next-token scores are read need the last layer's feed-forward
+        output; every other position needs that layer's keys and values only, which come before it.
+        The feed-forward block is position-wise, so this changes nothing that is read. It is 3/4 of
+        a Llama layer's matrix products (``3 * H * I`` of ``4 * H^2 + 3 * H * I`` with ``I = 4H``):
+        on HellaSwag the context positions score nothing.
+        """
+        if self._mlp is not False:
+            return self._mlp
+        self._mlp = None
+        try:
+            decoder = self.model.get_decoder()
+            layers = getattr(decoder, "layers", None)
+            if layers is None:
+                layers = getattr(decoder, "h", None)
+            mlp = getattr(layers[-1], "mlp", None) if layers is not None and len(layers) else None
+            if not isinstance(mlp, torch.nn.Module):
+                return None
+            head = self.model.get_output_embeddings()
+            vocab = int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 9))
+            ids = torch.arange(1, 9, dtype=torch.long, device=self.device)[None] % vocab
+            keep = torch.tensor([[False, True, False, False, True, False, False, True]], device=self.device)
+            with torch.inference_mode():
+                ref = self.model(input_ids=ids, use_cache=False).logits[keep]
+                with _kept_positions_only(mlp, keep):
+                    got = self.model(input_ids=ids, use_cache=False).logits[keep]
+            if ref.shape == got.shape and torch.allclose(ref, got, rtol=0, atol=1e-6):
+                self._mlp = mlp
+        except Exception:  # noqa: BLE001 - any model this does not fit keeps the plain path
+            self._mlp = None
+        return self._mlp
 
     def _head_split(self) -> tuple[Any, Any, str] | None:
         """``(decoder, LM head, cache argument)`` when ``model(x).logits`` equals
@@ -358,6 +418,21 @@ class LoglikelihoodScorer:
         new.layers = [copy.copy(layer) for layer in cache.layers]
         new.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
         return new
+
+    @staticmethod
+    def _crop_masked(cache: Any, held: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Drop the cache columns right of the last one any row attends to (``held`` ``(B, T)``, 1 on
+        real columns): rows of a window's stacked cache are padded to its widest document, and a batch
+        of branches from shorter documents would attend over (masked) padding. Only caches whose layers
+        are all plain ``DynamicLayer`` are cropped; others are returned as they are."""
+        used = held.any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if used.numel() else 1
+        extra = held.shape[1] - width
+        if extra <= 0 or not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+            return cache, held
+        for layer in cache.layers:
+            layer.crop(-extra)
+        return cache, held[:, :width]
 
     def _score_family(self, docs: list[_Doc], use_family: bool) -> list[list[float]]:
         """Score documents that may share a family prefix; returns per doc its choice scores."""
@@ -504,14 +579,18 @@ class LoglikelihoodScorer:
     def _score_branching(self, docs: list[_Doc], fam_cache: Any, fam_len: int) -> list[list[float]]:
         """Score documents whose choices differ in more than their last token (HellaSwag endings).
 
-        Each document's shared prefix runs once (batches of ``batch_size`` documents, longest
-        first); the distinct tails then run as branches on its key/value cache. Branches of a
+        Each document's shared prefix runs once, with its longest tail in the same row (batches of
+        at most ``batch_size`` documents, longest first, cut by :func:`_batches`); the other
+        distinct tails then run as branches on its key/value cache. Branches of a
         *window* of ``branch_window * batch_size`` documents are sorted by length together before
         they are cut into batches, so a batch holds tails of similar length (little padding); the
         window's prefix caches are kept until its branches have run.
         """
         result: list[list[float]] = [[0.0] * len(u.choices) for u in docs]
-        order = sorted(range(len(docs)), key=lambda j: -(docs[j].shared - docs[j].family_len))
+        for u in docs:  # the longest tail runs in the prefix's row: plain causal, no cache copy
+            tails = [e.input_ids[u.shared :] for e in u.choices]
+            u.lead = max(tails, key=len)
+        order = sorted(range(len(docs)), key=lambda j: -(docs[j].shared - docs[j].family_len + len(docs[j].lead)))
         window = self.batch_size * self.branch_window
         split = self._head_split()
         picks = _Picks(split[1] if split is not None else None, self.batch_size * 128)
@@ -526,7 +605,7 @@ class LoglikelihoodScorer:
             for k, u in enumerate(wdocs):
                 for i, e in enumerate(u.choices):
                     tail = e.input_ids[u.shared :]
-                    if not tail:
+                    if not tail or tail == u.lead:
                         continue
                     if (k, tail) not in branch_of:
                         branch_of[(k, tail)] = len(branches)
@@ -535,8 +614,9 @@ class LoglikelihoodScorer:
                     lo = max(e.start - 1, u.shared)
                     uses[branch_of[(k, tail)]].append((result[part[k]], i, lo - u.shared, e.tokens[lo + 1 :]))
             caches, masks = [], []
-            for s in range(0, len(part), self.batch_size):
-                batch = list(range(s, min(s + self.batch_size, len(part))))
+            for s, e in _batches([u.shared - u.family_len + len(u.lead) for u in wdocs], self.batch_size,
+                                 self.pass_positions):
+                batch = list(range(s, e))
                 cache, mask = self._score_prefixes([wdocs[k] for k in batch], fam_cache, fam_len,
                                                    [result[part[k]] for k in batch], bool(branches), picks)
                 caches.append(cache)
@@ -551,10 +631,11 @@ class LoglikelihoodScorer:
 
     def _score_prefixes(self, docs: list[_Doc], fam_cache: Any, fam_len: int, results: list[list[float]],
                         use_cache: bool, picks: "_Picks") -> tuple[Any, torch.Tensor]:
-        """Run the shared prefixes of a batch of documents (on the family cache), add the scores of
-        the continuation tokens predicted inside them to ``results``; returns (cache, mask) where
-        ``mask`` is ``(B, fam_len + width)``, 1 on real columns."""
-        rows = [u.choices[0].input_ids[fam_len : u.shared] for u in docs]
+        """Run the shared prefixes of a batch of documents (on the family cache), each followed by its
+        lead tail, add the scores of the continuation tokens predicted inside them to ``results``;
+        returns (cache, mask) where ``mask`` is ``(B, fam_len + width)``, 1 on the prefix columns
+        (branches attend to these only, not to the lead tail)."""
+        rows = [u.choices[0].input_ids[fam_len : u.shared] + u.lead for u in docs]
         ids, mask, offs = self._pad(rows)
         pos = self._positions(mask, offs, [fam_len] * len(docs))
         past = None
@@ -567,7 +648,8 @@ class LoglikelihoodScorer:
         wanted: list[tuple[int, int, torch.Tensor, tuple[int, ...]]] = []  # (doc row, choice, columns, targets)
         for b, u in enumerate(docs):
             for i, e in enumerate(u.choices):
-                lo, hi = e.start - 1, min(len(e.input_ids), u.shared)  # predicting positions in [lo, hi)
+                lead = bool(u.lead) and e.input_ids[u.shared :] == u.lead  # this choice's row is this row
+                lo, hi = e.start - 1, len(e.input_ids) if lead else min(len(e.input_ids), u.shared)
                 if lo < hi:
                     cols = torch.arange(lo, hi) - fam_len + offs[b]
                     keep[b, cols] = True
@@ -584,6 +666,11 @@ class LoglikelihoodScorer:
             picks.add(states, torch.cat([index[b, cols] for b, _, cols, _ in wanted]).tolist(),
                       [t for *_, targets in wanted for t in targets], [len(w[3]) for w in wanted],
                       [(results[b], i) for b, i, _, _ in wanted])
+        if any(u.lead for u in docs):
+            mask = mask.clone()
+            for b, u in enumerate(docs):
+                at = u.shared + offs[b]  # the lead tail's first column (after the family columns)
+                mask[b, at : at + len(u.lead)] = 0
         return cache, mask
 
     @staticmethod
@@ -611,13 +698,15 @@ class LoglikelihoodScorer:
         scored tail position, targets)) to its results."""
         order = sorted(range(len(branches)), key=lambda k: -len(branches[k][1]))
         dev = self.device
-        for s in range(0, len(order), self.batch_size):
-            chunk = order[s : s + self.batch_size]
+        for s, e in _batches([len(branches[k][1]) for k in order], self.batch_size, self.pass_positions):
+            chunk = order[s:e]
             doc_rows = [branches[k][0] for k in chunk]
             ids, mask, offs = self._pad([branches[k][1] for k in chunk])
             pos = self._positions(mask, offs, [docs[r].shared for r in doc_rows])
             past = self._select_cache(cache, doc_rows)
-            full_mask = torch.cat([doc_mask[doc_rows], mask], dim=1)
+            held = doc_mask[doc_rows]
+            past, held = self._crop_masked(past, held)
+            full_mask = torch.cat([held, mask], dim=1)
             # every real tail position is scored; the LM head skips the padding (kept rows come row-major)
             states, _ = self._forward(ids.to(dev), full_mask.to(dev), pos.to(dev), past, True,
                                       keep=mask.bool().to(dev), hidden=picks.head is not None)
@@ -634,6 +723,59 @@ class LoglikelihoodScorer:
                     targets_of.append((res, i))
                 at += len(branches[k][1])
             picks.add(states, rows, tgt, counts, targets_of)
+
+
+@contextlib.contextmanager
+def _kept_positions_only(mlp: torch.nn.Module, keep: torch.Tensor):
+    """Within the block, ``mlp`` (a position-wise module ``(B, T, H) -> (B, T, H)``) runs on the
+    ``keep`` positions (bool ``(B, T)``) only; its output elsewhere is zero (never read). Forward
+    hooks, removed on exit: the module itself is not changed."""
+    shape: list[Any] = []
+
+    def pre(module: Any, args: tuple) -> tuple:
+        x = args[0]
+        shape[:] = [x.shape, x.dtype, x.device]
+        return (x[keep][None],) + tuple(args[1:])
+
+    def post(module: Any, args: tuple, out: Any) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError("the feed-forward module returned no tensor")
+        full = torch.zeros(shape[0][:-1] + out.shape[-1:], dtype=out.dtype, device=out.device)
+        full[keep] = out[0]
+        return full
+
+    handles = [mlp.register_forward_pre_hook(pre), mlp.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _batches(widths: Sequence[int], batch_size: int, pass_positions: int) -> list[tuple[int, int]]:
+    """Cut rows sorted by width (longest first) into consecutive batches of at most ``batch_size``.
+
+    Minimises ``sum over batches of (rows x widest row) + pass_positions``: the input positions run,
+    padding included, plus a fixed cost per forward pass expressed in positions. A plain cut every
+    ``batch_size`` rows pays for an outlier in every row of its batch (HellaSwag's first 60
+    documents: one 224-token ending in a batch of 143-177-token ones); here it may run alone. No
+    batch holds more rows, or is wider, than the plain cut's first batch, so peak memory does not
+    grow. Returns ``[(start, end)]`` covering ``range(len(widths))`` in order.
+    """
+    n = len(widths)
+    best = [0.0] + [float("inf")] * n  # best[i]: cost of batching the first i rows
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for s in range(max(0, i - batch_size), i):  # the last batch is rows s..i-1, the widest is row s
+            cost = best[s] + pass_positions + (i - s) * widths[s]
+            if cost <= best[i]:  # ties: the shorter last batch, so equal widths give the plain cut
+                best[i], cut[i] = cost, s
+    out: list[tuple[int, int]] = []
+    i = n
+    while i > 0:
+        out.append((cut[i], i))
+        i = cut[i]
+    return out[::-1]
 
 
 class _Picks:
