@@ -50,6 +50,19 @@ def test_metric_columns_are_summary_in_names_order_then_ttq():
     assert metric_columns([r]) == [names.SUM_TOKENS_PER_SEC, names.SUM_GOODPUT, "ttq/x_ge_1_usd"]
 
 
+def test_final_eval_figures_are_columns_even_when_only_some_runs_evaluated():
+    # the trial: two runs, one evaluated during training -> its last HellaSwag acc_norm and val loss
+    # are columns (before ttq); the other run's cells stay empty; per-subject MMLU keys are no column
+    evaluated = RunRecord("a", "evaluated", metrics={names.SUM_TOKENS_PER_SEC: 10.0, names.EVAL_HELLASWAG_ACC_NORM: 0.25,
+                                                      names.EVAL_VAL_LOSS: 2.5, "eval/mmlu_anatomy/acc": 0.3,
+                                                      "ttq/val_loss_le_3.0_usd": 0.01})
+    plain = RunRecord("b", "plain", metrics={names.SUM_TOKENS_PER_SEC: 12.0})
+    cols = metric_columns([plain, evaluated])
+    assert cols == [names.SUM_TOKENS_PER_SEC, names.EVAL_VAL_LOSS, names.EVAL_HELLASWAG_ACC_NORM,
+                    "ttq/val_loss_le_3.0_usd"]
+    assert header(names.EVAL_HELLASWAG_ACC_NORM) == "eval/hellaswag/acc_norm [fraction]"
+
+
 def test_weak_scaling_efficiency_hand_computed():
     # same micro-batch per device: 1000 tokens/s on 1, 1800 on 2, 3000 on 4 devices
     rows = scaling_efficiency([rec("a", 1, 1000.0), rec("b", 2, 1800.0), rec("c", 4, 3000.0)])
@@ -177,6 +190,7 @@ def test_compare_writes_table_html_and_plots(experiment, tmp_path):
     rows = list(csv.DictReader(io.StringIO((out / "report.csv").read_text())))
     assert sorted(row["run"] for row in rows) == ["one", "two"]
     assert {row["summary/tokens_per_sec [tokens/s]"] for row in rows} == {"1000", "1800"}
+    assert {row["eval/val_loss [nats/token]"] for row in rows} == {"2.9", "2.8"}  # 3.0 - 0.1 x devices
     html = (out / "report.html").read_text()
     assert html.count("<tr class='run'") == 2 and html.count("data:image/png;base64,") == 5
     assert "#/experiments/" in html and "/runs/" in html

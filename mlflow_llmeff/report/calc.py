@@ -117,11 +117,18 @@ def header(key: str) -> str:
     return key if unit in ("-", "") else f"{key} [{unit}]"
 
 
+# quality columns: the last value MLflow holds of each (the run's final evaluation); per-subject MMLU keys stay out
+EVAL_COLUMNS = (names.EVAL_VAL_LOSS, names.EVAL_VAL_PPL, names.EVAL_MMLU_ACC, names.EVAL_HELLASWAG_ACC,
+                names.EVAL_HELLASWAG_ACC_NORM)
+
+
 def metric_columns(runs: list[RunRecord]) -> list[str]:
-    """Every ``summary/*`` and ``ttq/*`` key any run holds: summary keys in ``names.py`` order, then ttq keys sorted."""
-    keys = {k for r in runs for k in r.metrics if k.startswith(("summary/", "ttq/"))}
+    """Every ``summary/*`` key any run holds in ``names.py`` order, then the standard eval keys
+    (:data:`EVAL_COLUMNS`, their last logged value) any run holds, then ``ttq/*`` keys sorted.
+    A run that did not evaluate shows an empty cell under an eval column."""
+    keys = {k for r in runs for k in r.metrics}
     summary = sorted((k for k in keys if k.startswith("summary/")), key=lambda k: (_ORDER.get(k, 10**6), k))
-    return summary + sorted(k for k in keys if k.startswith("ttq/"))
+    return summary + [k for k in EVAL_COLUMNS if k in keys] + sorted(k for k in keys if k.startswith("ttq/"))
 
 
 def _condition(r: RunRecord, tag: str, param: str | None) -> str | None:
