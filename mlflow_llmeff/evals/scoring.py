@@ -450,12 +450,12 @@ class LoglikelihoodScorer:
                 fam_len = 0
         for u in docs:
             u.family_len = fam_len
-        trees = [_Tree.build(u, fam_len) for u in docs]
-        if any(max(t.seg, default=0) > 0 for t in trees):
+        if any(len(e.input_ids) > u.shared for u in docs for e in u.choices):
             # choices differ in more than their last token (HellaSwag endings): run each document's
             # prefix once and the distinct tails as branches on its cache (a tree row with a 4D mask
             # would pay dense attention over all tails, measured slower on CPU)
             return self._score_branching(docs, fam_cache, fam_len)
+        trees = [_Tree.build(u, fam_len) for u in docs]
         # one input row per document (MMLU): pack several short documents into one row
         order = sorted(range(len(docs)), key=lambda j: -len(trees[j].row))  # longest first: little padding
         rows = self._pack([trees[j] for j in order]) if self.share_prefix else [[trees[j]] for j in order]
