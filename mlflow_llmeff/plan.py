@@ -200,7 +200,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, cli
         if tflops:
             tps = tflops * 1e12 * dp / fpt
             wall = cfg.max_steps * tokens_per_step / tps
-            out.update({"predicted_tokens_per_sec": tps, "predicted_wall_s": wall})
+            out.update({"predicted_tokens_per_sec": tps, "predicted_wall_s": wall,
+                        "predicted_wall_covers": f"{cfg.max_steps} steps at the steady-state rate; start-up "
+                                                 "(imports, model build, data set-up), warm-up and evals excluded"})
             if device_hour_usd is not None:
                 out["predicted_usd"] = device_hour_usd * dp * wall / 3600
             power = history_power_w(client, accelerator_short)

@@ -92,6 +92,8 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
     assert plan["predicted_tokens_per_sec"] == pytest.approx(tps, rel=1e-5)
     wall = 1000 * 4096 * 4 * 8 / tps
     assert plan["predicted_wall_s"] == pytest.approx(wall, rel=1e-5)
+    # the trial's dry run predicted less than the run took: the prediction says what it leaves out
+    assert plan["predicted_wall_covers"].startswith("1000 steps at the steady-state rate; start-up")
     assert plan["predicted_usd"] == pytest.approx(2.0 * 8 * wall / 3600, rel=1e-5)
     assert plan["predicted_kwh"] == pytest.approx(600 * 8 * wall / 3.6e6, rel=1e-5)
 
