@@ -271,6 +271,8 @@ def test_feed_forward_that_mixes_positions_keeps_the_full_pass(llama, tok):
     mixed.load_state_dict(llama.state_dict())
     mixed.model.layers[-1].mlp = Mixing(mixed.model.layers[-1].mlp)
     assert LoglikelihoodScorer(mixed, tok)._last_mlp() is None  # the probe's logits moved
+    # a compiled model (a training run's --compile) is left alone: hooks changing every pass recompile it
+    assert LoglikelihoodScorer(torch.compile(llama), tok)._last_mlp() is None
     assert LoglikelihoodScorer(llama, tok)._last_mlp() is llama.model.layers[-1].mlp
 
 

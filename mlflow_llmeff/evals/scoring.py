@@ -367,6 +367,8 @@ class LoglikelihoodScorer:
         if self._mlp is not False:
             return self._mlp
         self._mlp = None
+        if hasattr(self.model, "_orig_mod"):  # torch.compile'd: hooks set and removed each pass would recompile it
+            return None
         try:
             decoder = self.model.get_decoder()
             layers = getattr(decoder, "layers", None)
