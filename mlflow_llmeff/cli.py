@@ -282,6 +282,9 @@ def prices_cmd() -> None:
               help="Comma-separated: mmlu, hellaswag, mmlu_<subject>.")
 @click.option("--num-fewshot", default=0, show_default=True, type=int, help="MMLU few-shot examples (0-5).")
 @click.option("--limit", default=None, type=int, help="Score only the first N documents of each task.")
+@click.option("--subset-seed", default=None, type=int,
+              help="With --limit: score N documents drawn with this seed instead of the first N: a training "
+                   "run's --seed with its --eval-limit gives the documents its in-training evals scored.")
 @click.option("--data-dir", default=None,
               help="Local data directory (mmlu/dev, mmlu/test, hellaswag/hellaswag_val.jsonl); default "
                    "$LLMEFF_DATA_DIR, else the hub datasets cais/mmlu and Rowan/hellaswag (or their cache).")
@@ -290,7 +293,8 @@ def prices_cmd() -> None:
 @click.option("--output-json", default=None, type=click.Path(dir_okay=False),
               help="Write metrics and per-example records here.")
 def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot: int, limit: int | None,
-             data_dir: str | None, batch_size: int, device: str | None, output_json: str | None) -> None:
+             subset_seed: int | None, data_dir: str | None, batch_size: int, device: str | None,
+             output_json: str | None) -> None:
     """Score MMLU / HellaSwag with lm-evaluation-harness 0.4.x definitions; log to the active MLflow run, if any."""
     import json
 
@@ -300,6 +304,9 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     from mlflow_llmeff.evals import evaluate, log_to_mlflow
     from mlflow_llmeff.evals.api import check_inputs
 
+    if subset_seed is not None and limit is None:
+        raise click.UsageError(f"--subset-seed {subset_seed} needs --limit N (the subset's size per task); "
+                               f"without --limit every document is scored")
     try:  # names, few-shot and data files are checked before any model is loaded
         check_inputs(tasks, data_dir=data_dir, num_fewshot=num_fewshot)
     except ValueError as e:
@@ -321,7 +328,7 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         result = evaluate(model, tok, tasks, data_dir=data_dir, num_fewshot=num_fewshot, limit=limit,
-                          batch_size=batch_size, device=device, progress=True)
+                          batch_size=batch_size, device=device, subset_seed=subset_seed, progress=True)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     click.echo(result.table())

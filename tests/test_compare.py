@@ -236,6 +236,21 @@ def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, t
     assert notes == {"bs8": "not comparable: eval batch size = 8", "bs16": "not comparable: eval batch size = 16"}
 
 
+def test_eval_documents_difference_is_warned(tracking_uri, tmp_path):
+    # the trial: 20 seeded documents against all of them look equally authoritative in the table
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    exp_id = client.create_experiment("mixed-docs")
+    log_run(client, exp_id, "d20", 1, 1000.0, **{names.EVAL_DOCUMENTS: "20 drawn with seed 0"})
+    log_run(client, exp_id, "dall", 1, 1000.0, **{names.EVAL_DOCUMENTS: "all"})
+    r = invoke("compare", "--experiment", "mixed-docs", "--out", str(tmp_path / "o"))
+    assert "WARNING: not comparable: eval documents (llmeff.eval.documents) differs" in r.output
+    rows = csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text()))
+    assert {row["run"]: row["llmeff.eval.documents"] for row in rows} == {"d20": "20 drawn with seed 0",
+                                                                          "dall": "all"}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--experiment", "nope"], "Error: experiment 'nope' not found"),
     (["--experiment", "empty"], "Error: experiment 'empty' has no runs to compare"),

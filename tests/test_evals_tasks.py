@@ -196,6 +196,25 @@ def test_cli_eval_prints_table_and_writes_json(uniform, tok, tmp_path, tracking_
     assert "not logged to MLflow: no active run" in res.output  # said, not silently skipped
 
 
+def test_cli_eval_subset_seed_scores_the_documents_a_training_run_scored(uniform, tok, tmp_path, shared_data):
+    # the trial: in-training evals score a seeded subset (--eval-limit, --seed), llmeff eval the first
+    # N; --subset-seed gives the training run's documents: random.Random(1234).sample(range(10042), 3)
+    from mlflow_llmeff.cli import main
+    from mlflow_llmeff.evals.api import eval_documents
+
+    uniform.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    out = tmp_path / "eval.json"
+    args = ["eval", "--model", str(tmp_path / "model"), "--tasks", "hellaswag", "--data-dir", str(shared_data),
+            "--device", "cpu"]
+    res = CliRunner().invoke(main, args + ["--limit", "3", "--subset-seed", "1234", "--output-json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert [e["doc_index"] for e in json.loads(out.read_text())["examples"]] == [122, 1914, 7220]
+    assert eval_documents(3, 1234) == "3 drawn with seed 1234" and eval_documents(0, 1234) == "all"
+    res = CliRunner().invoke(main, args + ["--subset-seed", "1234"])
+    assert res.exit_code == 2 and "--subset-seed 1234 needs --limit N" in res.output
+
+
 def test_cli_eval_bad_data_dir_is_a_usage_error(uniform, tok, tmp_path):
     from mlflow_llmeff.cli import main
 

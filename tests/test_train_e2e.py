@@ -186,6 +186,8 @@ def test_time_to_quality_logged_at_first_step_reaching_target(tracking_uri, shar
     assert run.data.tags["llmeff.ttq.hellaswag_acc_norm_ge_0.99"] == "not_reached"
     assert not any(k.startswith("ttq/hellaswag") for k in m)
     assert [s for s, _ in history(run, names.EVAL_HELLASWAG_ACC_NORM)] == [10, 20, 30]
+    # which documents: llmeff eval --limit 8 --subset-seed 0 scores the same ones
+    assert run.data.tags[names.EVAL_DOCUMENTS] == "8 drawn with seed 0"
 
 
 def test_mfu_above_one_is_reported_not_clipped(tracking_uri):

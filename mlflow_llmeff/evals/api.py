@@ -122,6 +122,14 @@ def check_inputs(tasks: str | Sequence[str], *, data_dir: str | None = None, num
                 raise ValueError(f"{path}: file not found in the {where}; {data.LAYOUT}")
 
 
+def eval_documents(limit: int | None, subset_seed: int | None) -> str:
+    """The ``llmeff.eval.documents`` tag of in-training evals: ``"all"`` (no limit), ``"N drawn with
+    seed S"`` (``limit`` with ``subset_seed``, as :func:`evaluate` scores them) or ``"first N"``."""
+    if not limit:
+        return "all"
+    return f"{limit} drawn with seed {subset_seed}" if subset_seed is not None else f"first {limit}"
+
+
 def _first(docs: list, limit: int | float | None, subset_seed: int | None = None) -> list:
     """The first ``limit`` documents, as the harness's ``--limit`` (a float < 1 is a fraction, rounded up).
 

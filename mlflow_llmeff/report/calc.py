@@ -67,13 +67,14 @@ CONDITION_TAGS = (names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PAR_S
                   names.MODEL_NAME, names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM,
                   names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.ENERGY_SOURCE, names.DATASET,
                   names.FLOPS_FORMULA, names.PEAK_SOURCE, names.EVAL_BATCH_SIZE, names.EVAL_NUM_FEWSHOT,
-                  names.V_LLMEFF)
+                  names.EVAL_DOCUMENTS, names.V_LLMEFF)
 
 #: What makes figures of two runs not comparable: (what, tag key, param fallback for older runs).
 COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None),
                  ("peak source", names.PEAK_SOURCE, None),
                  ("eval batch size", names.EVAL_BATCH_SIZE, None),
                  ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot"),
+                 ("eval documents", names.EVAL_DOCUMENTS, None),
                  ("dataset", names.DATASET, None),
                  ("llmeff version", names.V_LLMEFF, None))
 

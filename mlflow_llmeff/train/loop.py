@@ -139,6 +139,9 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
             names.GIT_COMMIT: git_commit(os.path.dirname(os.path.abspath(__file__)))}
     if cfg.eval_tasks:
         tags[names.EVAL_NUM_FEWSHOT] = str(cfg.eval_num_fewshot)
+        from ..evals.api import eval_documents
+
+        tags[names.EVAL_DOCUMENTS] = eval_documents(cfg.eval_limit, cfg.seed)
     return EfficiencyMonitor(
         log_every_n_steps=cfg.log_every_n_steps, warmup_steps=cfg.warmup_steps, model=t.model,
         model_config=t.model_config, optimizer=t.optimizer, precision=t.precision, strategy=t.strategy,
