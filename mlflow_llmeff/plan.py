@@ -96,17 +96,21 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
 
 
 def history_tflops(client, accelerator_short: str, model: str, strategy: str | None = None,
-                   devices: int | None = None, shape: dict[str, str] | None = None) -> tuple[float | None, int, str]:
+                   devices: int | None = None, shape: dict[str, str] | None = None, seq_len: int | None = None,
+                   micro_batch_size: int | None = None) -> tuple[float | None, int, str]:
     """Median achieved model TFLOP/s per device of earlier runs on ``accelerator_short``.
 
     Args:
         shape: ``{tag: value}`` of the planned model's shape (``llmeff.model.params``, ``.layers``,
             ``.hidden``); a run with the same values (or the same model name) has the same shape.
+        seq_len / micro_batch_size: the planned run's; achieved TFLOP/s changes with both (matrix
+            sizes, attention's share of the FLOPs).
 
     Returns:
         ``(tflops or None, runs used, basis)``. Preferred, in order: runs of the same shape with the
-        same strategy and device count; runs of the same shape; runs of other models, whose
-        TFLOP/s are scaled by this model's FLOPs per token, and the basis says so.
+        same strategy, device count, sequence length and micro batch size; the same without the
+        last two; runs of the same shape; runs of other models, whose TFLOP/s are scaled by this
+        model's FLOPs per token, and the basis says so.
     """
     try:
         exps = [e.experiment_id for e in client.search_experiments()]
@@ -124,7 +128,11 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
     same = [r for r in runs if same_shape(r)]
     alike = [r for r in same if r.data.tags.get(names.PAR_STRATEGY) == strategy
              and r.data.tags.get(names.ACCEL_COUNT) == str(devices)]
-    for use, which in ((alike, f"runs of {model}'s shape with {strategy} on {devices} devices"),
+    exact = [r for r in alike if r.data.tags.get(names.SEQ_LEN) == str(seq_len)
+             and r.data.tags.get(names.MICRO_BATCH_SIZE) == str(micro_batch_size)]
+    on = f"{strategy} on {devices} device{'s' if devices != 1 else ''}"
+    for use, which in ((exact, f"runs of {model}'s shape with {on}, seq_len {seq_len}, micro batch {micro_batch_size}"),
+                       (alike, f"runs of {model}'s shape with {on} (other sequence lengths or micro batches)"),
                        (same, f"runs of {model}'s shape")):
         if use:
             return statistics.median(r.data.metrics[names.SUM_DEVICE_TFLOPS] for r in use), len(use), which
@@ -195,7 +203,8 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, cli
     if client is not None:
         shape = {names.MODEL_PARAMS: str(counts["total"]), names.MODEL_LAYERS: str(model_shape(config).layers),
                  names.MODEL_HIDDEN: str(model_shape(config).hidden)}
-        tflops, n, which = history_tflops(client, accelerator_short, cfg.model, strategy, dp, shape)
+        tflops, n, which = history_tflops(client, accelerator_short, cfg.model, strategy, dp, shape,
+                                          cfg.seq_len, cfg.micro_batch_size)
         out["prediction_basis"] = f"median of {n} {which}" if tflops else which
         if tflops:
             tps = tflops * 1e12 * dp / fpt

@@ -64,6 +64,28 @@ def test_plan_json_for_another_accelerator(tracking_uri):
     assert plan["memory_weights_gib"] == pytest.approx(6_738_415_616 * 4 / 8 / 2**30)
 
 
+def test_plan_prefers_runs_of_the_same_sequence_length_and_micro_batch(tracking_uri):
+    # the trial: llama-tiny at seq 256 was predicted from the median of seq 128 and 256 runs
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.plan import history_tflops
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("plan-seq")
+    for seq, tflops in (("128", 0.02), ("128", 0.025), ("256", 0.04)):
+        rid = client.create_run(exp, tags={names.ACCEL_SHORT: "cpu-x", names.MODEL_NAME: "llama-tiny",
+                                           names.PAR_STRATEGY: "single", names.ACCEL_COUNT: "1",
+                                           names.SEQ_LEN: seq, names.MICRO_BATCH_SIZE: "8"}).info.run_id
+        client.log_metric(rid, names.SUM_DEVICE_TFLOPS, tflops)
+        client.set_terminated(rid, "FINISHED")
+    got = history_tflops(client, "cpu-x", "llama-tiny", "single", 1, None, 256, 8)
+    assert got == (0.04, 1, "runs of llama-tiny's shape with single on 1 device, seq_len 256, micro batch 8")
+    got = history_tflops(client, "cpu-x", "llama-tiny", "single", 1, None, 512, 8)  # none at 512: all three
+    assert got == (0.025, 3, "runs of llama-tiny's shape with single on 1 device (other sequence lengths or "
+                             "micro batches)")
+
+
 def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
     import mlflow
 
