@@ -292,9 +292,12 @@ def prices_cmd() -> None:
 @click.option("--device", default=None, help="torch device (default: cuda if available, else cpu).")
 @click.option("--output-json", default=None, type=click.Path(dir_okay=False),
               help="Write metrics and per-example records here.")
+@click.option("--run-id", default=None,
+              help="Log into this run (e.g. the training run whose --save-model this is), at its last step, "
+                   "so comparisons show this evaluation; tag llmeff.eval.last says what was scored.")
 def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot: int, limit: int | None,
              subset_seed: int | None, data_dir: str | None, batch_size: int, device: str | None,
-             output_json: str | None) -> None:
+             output_json: str | None, run_id: str | None) -> None:
     """Score MMLU / HellaSwag with lm-evaluation-harness 0.4.x definitions; log to the active MLflow run, if any."""
     import json
 
@@ -302,11 +305,19 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     import transformers
 
     from mlflow_llmeff.evals import evaluate, log_to_mlflow
-    from mlflow_llmeff.evals.api import check_inputs
+    from mlflow_llmeff.evals.api import check_inputs, eval_documents, log_to_run
 
     if subset_seed is not None and limit is None:
         raise click.UsageError(f"--subset-seed {subset_seed} needs --limit N (the subset's size per task); "
                                f"without --limit every document is scored")
+    if run_id:  # before any model is loaded
+        import mlflow
+
+        try:
+            mlflow.MlflowClient().get_run(run_id)
+        except Exception as e:  # noqa: BLE001 - one line, not the store's stack trace
+            raise click.UsageError(f"--run-id {run_id!r}: no such run in the tracking store "
+                                   f"{mlflow.get_tracking_uri()!r} ({type(e).__name__})") from None
     try:  # names, few-shot and data files are checked before any model is loaded
         check_inputs(tasks, data_dir=data_dir, num_fewshot=num_fewshot)
     except ValueError as e:
@@ -336,10 +347,18 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     if output_json:
         with open(output_json, "w", encoding="utf-8") as f:
             json.dump(result.to_dict(), f, indent=1)
-    if log_to_mlflow(result):
+    if run_id:
+        note = f"llmeff eval: {tasks}, documents {eval_documents(limit, subset_seed)}, {num_fewshot}-shot"
+        try:
+            step = log_to_run(result, run_id, note)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        click.echo(f"logged to run {run_id} at step {step} (its last train/tokens step)")
+    elif log_to_mlflow(result):
         click.echo("logged to the active MLflow run")
     else:
-        click.echo("not logged to MLflow: no active run (under `mlflow run . -e eval` it logs to that run)")
+        click.echo("not logged to MLflow: no active run (--run-id ID logs into a run; under `mlflow run . -e eval` "
+                   "it logs to that run)")
 
 
 # ---- plan command (dry run: parameters, FLOPs, memory per device, predictions)

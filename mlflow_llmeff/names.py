@@ -222,6 +222,7 @@ AUTOLOG_NOTE = _tag("autolog.note", "set when autolog/EfficiencyMonitor left som
 LOGGING_WARNINGS = _tag("logging.warnings", "what the logger changed to get entries past MLflow's rules (keys renamed, values shortened or dropped) and entries MLflow still rejected; '; '-separated, de-duplicated, at most 8000 characters")
 EVAL_BATCH_SIZE = _tag("eval.batch_size", "sequences per forward pass of in-training evals (validation loss, benchmarks); set when the run evaluates")
 EVAL_NUM_FEWSHOT = _tag("eval.num_fewshot", "MMLU few-shot examples of in-training benchmark evals; set when the run scores benchmarks")
+EVAL_LAST = _tag("eval.last", "set by llmeff eval --run-id: what the run's last eval points are (tasks, documents, few-shot) and their step; they are the eval columns of comparisons")
 EVAL_DOCUMENTS = _tag("eval.documents", "documents each in-training benchmark eval scores per task: 'all', or 'N drawn with seed S' (llmeff eval --limit N --subset-seed S scores the same); set when the run scores benchmarks")
 REPORT_WARNING = _tag("report.warning", "why the end-of-run efficiency report (efficiency_report.json, figures) is missing or incomplete")
 COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare --log-to-mlflow): the compared run ids, comma-separated")

@@ -215,6 +215,34 @@ def test_cli_eval_subset_seed_scores_the_documents_a_training_run_scored(uniform
     assert res.exit_code == 2 and "--subset-seed 1234 needs --limit N" in res.output
 
 
+def test_cli_eval_run_id_makes_the_evaluation_the_runs_last_eval_point(uniform, tok, tmp_path, tracking_uri):
+    # the trial: a saved model scored after training could not reach its training run's comparison
+    import mlflow
+
+    from mlflow_llmeff.cli import main
+
+    client = mlflow.MlflowClient()
+    rid = client.create_run("0").info.run_id
+    for step in (10, 20):
+        client.log_metric(rid, names.TRAIN_TOKENS, step * 1024.0, step=step)
+    client.log_metric(rid, names.EVAL_HELLASWAG_ACC_NORM, 0.9, step=20)  # the in-training eval
+    client.set_terminated(rid, "FINISHED")
+    uniform.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    args = ["eval", "--model", str(tmp_path / "model"), "--tasks", "hellaswag", "--data-dir", FIX, "--device", "cpu"]
+    res = CliRunner().invoke(main, args + ["--run-id", rid])
+    assert res.exit_code == 0, res.output
+    assert f"logged to run {rid} at step 20" in res.output
+    run = client.get_run(rid)
+    assert run.data.metrics[names.EVAL_HELLASWAG_ACC_NORM] == pytest.approx(1 / 3)  # the latest value: ours
+    points = sorted(client.get_metric_history(rid, names.EVAL_HELLASWAG_ACC_NORM), key=lambda m: m.timestamp)
+    assert [(m.step, round(m.value, 4)) for m in points] == [(20, 0.9), (20, 0.3333)]
+    assert run.data.tags[names.EVAL_LAST] == "llmeff eval: hellaswag, documents all, 0-shot; logged at step 20"
+    assert run.info.status == "FINISHED"
+    res = CliRunner().invoke(main, args + ["--run-id", "0123456789abcdef"])
+    assert res.exit_code == 2 and "--run-id '0123456789abcdef': no such run" in res.output
+
+
 def test_cli_eval_bad_data_dir_is_a_usage_error(uniform, tok, tmp_path):
     from mlflow_llmeff.cli import main
 

@@ -282,6 +282,32 @@ def mlflow_metrics(result: EvalResult) -> dict[str, float]:
     return {_STANDARD_KEYS.get(k, f"eval/{k}"): v for k, v in result.metrics.items()}
 
 
+def log_to_run(result: EvalResult, run_id: str, note: str) -> int:
+    """Log a finished run's evaluation (``llmeff eval --run-id``) as its last eval points.
+
+    The metrics go in at the run's last ``train/tokens`` step (0 without one), so MLflow's latest
+    value (and ``llmeff compare``'s column) is this evaluation; the run's status is not touched. The
+    tag ``llmeff.eval.last`` gets ``note`` (what was scored) and the step. Returns the step.
+
+    Raises:
+        ValueError: ``run_id`` names no run of the tracking store (one line).
+    """
+    import mlflow
+    from mlflow.entities import Metric, RunTag
+
+    client = mlflow.MlflowClient()
+    try:
+        client.get_run(run_id)
+    except Exception as e:  # noqa: BLE001 - one line instead of the store's stack trace
+        raise ValueError(f"--run-id {run_id!r}: no such run in the tracking store {mlflow.get_tracking_uri()!r} "
+                         f"({type(e).__name__})") from None
+    step = max((m.step for m in client.get_metric_history(run_id, names.TRAIN_TOKENS)), default=0)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in mlflow_metrics(result).items()],
+                     tags=[RunTag(names.EVAL_LAST, f"{note}; logged at step {step}")])
+    return step
+
+
 def log_to_mlflow(result: EvalResult, step: int | None = None) -> bool:
     """Log the metrics to the active MLflow run (or ``$MLFLOW_RUN_ID``); False when there is none."""
     import os
