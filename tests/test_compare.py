@@ -42,6 +42,10 @@ def test_headers_carry_units():
     assert header(names.SUM_TOKENS_PER_SEC) == "summary/tokens_per_sec [tokens/s]"
     assert header("ttq/val_loss_le_2.0_usd") == "ttq/val_loss_le_2.0_usd [USD]"
     assert header(names.SUM_COST_USD) == "summary/cost_usd [USD]"
+    # per-billion-token figures say so (the trial read "[kg CO2e]" on a per-1e9-token column)
+    assert header(names.SUM_ESTIMATE_KG_CO2E_PER_BTOK) == \
+        "summary/estimate_kg_co2e_per_billion_tokens [kg CO2e/1e9 tokens]"
+    assert header(names.SUM_USD_PER_BTOK) == "summary/usd_per_billion_tokens [USD/1e9 tokens]"
 
 
 def test_metric_columns_are_summary_in_names_order_then_ttq():
