@@ -250,6 +250,7 @@ class LoglikelihoodScorer:
         self._keep_logits = "logits_to_keep" in params  # LM head on scored positions only
         self._split: tuple[Any, Any, str] | None | bool = False  # (decoder, LM head, cache arg); None: unusable
         self._mlp: Any = False  # the last layer's feed-forward module (see _last_mlp); None: unusable
+        self._probed: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, logits) of _probe
         self.forward_passes = 0  # model calls made, for benchmarks
         self.forward_tokens = 0  # input positions run (padding included), for benchmarks
         self.progress = None  # an object with update(n): documents scored (a tqdm bar)
@@ -377,19 +378,28 @@ class LoglikelihoodScorer:
             mlp = getattr(layers[-1], "mlp", None) if layers is not None and len(layers) else None
             if not isinstance(mlp, torch.nn.Module):
                 return None
-            head = self.model.get_output_embeddings()
-            vocab = int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 9))
-            ids = torch.arange(1, 9, dtype=torch.long, device=self.device)[None] % vocab
+            ids, logits = self._probe()
             keep = torch.tensor([[False, True, False, False, True, False, False, True]], device=self.device)
-            with torch.inference_mode():
-                ref = self.model(input_ids=ids, use_cache=False).logits[keep]
-                with _kept_positions_only(mlp, keep):
-                    got = self.model(input_ids=ids, use_cache=False).logits[keep]
+            ref = logits[keep]
+            with torch.inference_mode(), _kept_positions_only(mlp, keep):
+                got = self.model(input_ids=ids, use_cache=False).logits[keep]
             if ref.shape == got.shape and torch.allclose(ref, got, rtol=0, atol=1e-6):
                 self._mlp = mlp
         except Exception:  # noqa: BLE001 - any model this does not fit keeps the plain path
             self._mlp = None
         return self._mlp
+
+    def _probe(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eight token ids ``(1, 8)`` and the model's own logits on them ``(1, 8, V)``, run once: the
+        input of the structure checks (:meth:`_head_split`, :meth:`_last_mlp`). Raises whatever the
+        model raises (the checks catch it)."""
+        if self._probed is None:
+            head = self.model.get_output_embeddings()
+            vocab = int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 9))
+            ids = torch.arange(1, 9, dtype=torch.long, device=self.device)[None] % vocab
+            with torch.inference_mode():
+                self._probed = (ids, self.model(input_ids=ids, use_cache=False).logits)
+        return self._probed
 
     def _head_split(self) -> tuple[Any, Any, str] | None:
         """``(decoder, LM head, cache argument)`` when ``model(x).logits`` equals
@@ -404,10 +414,9 @@ class LoglikelihoodScorer:
                 return None
             params = inspect.signature(decoder.forward).parameters
             cache_arg = "cache" if "cache" in params else "past_key_values"
-            vocab = int(getattr(head, "out_features", 0) or getattr(self.model.config, "vocab_size", 6))
-            ids = torch.arange(1, 6, dtype=torch.long, device=self.device)[None] % vocab
-            ref = self.model(input_ids=ids, use_cache=False).logits
-            got = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
+            ids, ref = self._probe()
+            with torch.inference_mode():
+                got = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
             if ref.shape == got.shape and torch.equal(ref, got):
                 self._split = (decoder, head, cache_arg)
         except Exception:  # noqa: BLE001 - any model without the split keeps the plain path
@@ -732,17 +741,13 @@ def _kept_positions_only(mlp: torch.nn.Module, keep: torch.Tensor):
     """Within the block, ``mlp`` (a position-wise module ``(B, T, H) -> (B, T, H)``) runs on the
     ``keep`` positions (bool ``(B, T)``) only; its output elsewhere is zero (never read). Forward
     hooks, removed on exit: the module itself is not changed."""
-    shape: list[Any] = []
-
     def pre(module: Any, args: tuple) -> tuple:
-        x = args[0]
-        shape[:] = [x.shape, x.dtype, x.device]
-        return (x[keep][None],) + tuple(args[1:])
+        return (args[0][keep][None],) + tuple(args[1:])
 
     def post(module: Any, args: tuple, out: Any) -> torch.Tensor:
         if not isinstance(out, torch.Tensor):
             raise TypeError("the feed-forward module returned no tensor")
-        full = torch.zeros(shape[0][:-1] + out.shape[-1:], dtype=out.dtype, device=out.device)
+        full = torch.zeros(keep.shape + out.shape[-1:], dtype=out.dtype, device=out.device)
         full[keep] = out[0]
         return full
 
