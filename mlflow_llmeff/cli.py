@@ -305,20 +305,14 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     import transformers
 
     from mlflow_llmeff.evals import evaluate, log_to_mlflow
-    from mlflow_llmeff.evals.api import check_inputs, eval_documents, log_to_run
+    from mlflow_llmeff.evals.api import check_inputs, check_run, eval_documents, log_to_run
 
     if subset_seed is not None and limit is None:
         raise click.UsageError(f"--subset-seed {subset_seed} needs --limit N (the subset's size per task); "
                                f"without --limit every document is scored")
-    if run_id:  # before any model is loaded
-        import mlflow
-
-        try:
-            mlflow.MlflowClient().get_run(run_id)
-        except Exception as e:  # noqa: BLE001 - one line, not the store's stack trace
-            raise click.UsageError(f"--run-id {run_id!r}: no such run in the tracking store "
-                                   f"{mlflow.get_tracking_uri()!r} ({type(e).__name__})") from None
-    try:  # names, few-shot and data files are checked before any model is loaded
+    try:  # the run, names, few-shot and data files are checked before any model is loaded
+        if run_id:
+            check_run(run_id)
         check_inputs(tasks, data_dir=data_dir, num_fewshot=num_fewshot)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

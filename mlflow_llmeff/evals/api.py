@@ -282,6 +282,17 @@ def mlflow_metrics(result: EvalResult) -> dict[str, float]:
     return {_STANDARD_KEYS.get(k, f"eval/{k}"): v for k, v in result.metrics.items()}
 
 
+def check_run(run_id: str) -> None:
+    """Raise ValueError (one line naming the id and the tracking store) when ``run_id`` is no run."""
+    import mlflow
+
+    try:
+        mlflow.MlflowClient().get_run(run_id)
+    except Exception as e:  # noqa: BLE001 - one line instead of the store's stack trace
+        raise ValueError(f"--run-id {run_id!r}: no such run in the tracking store {mlflow.get_tracking_uri()!r} "
+                         f"({type(e).__name__})") from None
+
+
 def log_to_run(result: EvalResult, run_id: str, note: str) -> int:
     """Log a finished run's evaluation (``llmeff eval --run-id``) as its last eval points.
 
@@ -295,12 +306,8 @@ def log_to_run(result: EvalResult, run_id: str, note: str) -> int:
     import mlflow
     from mlflow.entities import Metric, RunTag
 
+    check_run(run_id)
     client = mlflow.MlflowClient()
-    try:
-        client.get_run(run_id)
-    except Exception as e:  # noqa: BLE001 - one line instead of the store's stack trace
-        raise ValueError(f"--run-id {run_id!r}: no such run in the tracking store {mlflow.get_tracking_uri()!r} "
-                         f"({type(e).__name__})") from None
     step = max((m.step for m in client.get_metric_history(run_id, names.TRAIN_TOKENS)), default=0)
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in mlflow_metrics(result).items()],
