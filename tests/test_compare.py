@@ -224,35 +224,26 @@ def test_log_to_mlflow_makes_one_comparison_run(tracking_uri, tmp_path):
     assert "2 runs of 'cmp-logged' compared" in r2.output
 
 
-def test_eval_batch_size_difference_is_warned_in_output_and_html(tracking_uri, tmp_path):
-    import mlflow
-
-    client = mlflow.MlflowClient()
-    exp_id = client.create_experiment("mixed")
-    log_run(client, exp_id, "bs8", 1, 1000.0, **{names.EVAL_BATCH_SIZE: "8"})
-    log_run(client, exp_id, "bs16", 1, 1000.0, **{names.EVAL_BATCH_SIZE: "16"})
-    r = invoke("compare", "--experiment", "mixed", "--out", str(tmp_path / "o"))
-    assert "WARNING: not comparable: eval batch size (llmeff.eval.batch_size) differs" in r.output
-    assert "class='warn'>WARNING: not comparable: eval batch size" in (tmp_path / "o" / "report.html").read_text()
-    assert "**WARNING** not comparable: eval batch size" in (tmp_path / "o" / "report.md").read_text()
-    rows = csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text()))
-    notes = {row["run"]: row["note"] for row in rows}
-    assert notes == {"bs8": "not comparable: eval batch size = 8", "bs16": "not comparable: eval batch size = 16"}
-
-
-def test_eval_documents_difference_is_warned(tracking_uri, tmp_path):
+@pytest.mark.parametrize("what, tag, values", [
+    ("eval batch size", names.EVAL_BATCH_SIZE, {"bs8": "8", "bs16": "16"}),
     # the trial: 20 seeded documents against all of them look equally authoritative in the table
+    ("eval documents", names.EVAL_DOCUMENTS, {"d20": "20 drawn with seed 0", "dall": "all"}),
+])
+def test_eval_condition_difference_is_warned_in_output_html_and_rows(tracking_uri, tmp_path, what, tag, values):
     import mlflow
 
     client = mlflow.MlflowClient()
-    exp_id = client.create_experiment("mixed-docs")
-    log_run(client, exp_id, "d20", 1, 1000.0, **{names.EVAL_DOCUMENTS: "20 drawn with seed 0"})
-    log_run(client, exp_id, "dall", 1, 1000.0, **{names.EVAL_DOCUMENTS: "all"})
-    r = invoke("compare", "--experiment", "mixed-docs", "--out", str(tmp_path / "o"))
-    assert "WARNING: not comparable: eval documents (llmeff.eval.documents) differs" in r.output
-    rows = csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text()))
-    assert {row["run"]: row["llmeff.eval.documents"] for row in rows} == {"d20": "20 drawn with seed 0",
-                                                                          "dall": "all"}
+    exp = f"mixed-{tag}"
+    exp_id = client.create_experiment(exp)
+    for name, value in values.items():
+        log_run(client, exp_id, name, 1, 1000.0, **{tag: value})
+    r = invoke("compare", "--experiment", exp, "--out", str(tmp_path / "o"))
+    assert f"WARNING: not comparable: {what} ({tag}) differs" in r.output
+    assert f"class='warn'>WARNING: not comparable: {what}" in (tmp_path / "o" / "report.html").read_text()
+    assert f"**WARNING** not comparable: {what}" in (tmp_path / "o" / "report.md").read_text()
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text())))
+    assert {row["run"]: row["note"] for row in rows} == {n: f"not comparable: {what} = {v}" for n, v in values.items()}
+    assert {row["run"]: row[tag] for row in rows} == values
 
 
 @pytest.mark.parametrize("args, message", [
