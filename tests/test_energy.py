@@ -7,6 +7,7 @@ import types
 import pytest
 
 from mlflow_llmeff import energy
+from mlflow_llmeff.nvml_fake import FakeGpu, FakeNvmlError, fake_nvml  # noqa: F401
 from mlflow_llmeff.energy import (
     EnergyReading,
     FakeEnergyMeter,
@@ -21,65 +22,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
-
-
-class FakeNvmlError(Exception):
-    pass
-
-
-class FakeGpu:
-    """A GPU whose energy counter (mJ) rises at ``watts`` on the fake clock.
-
-    ``reset_at``: at that time the counter goes back to 0 (driver reload) and rises again.
-    ``counter``: False for a pre-Volta GPU without the total-energy counter.
-    """
-
-    def __init__(self, uuid, pci, watts, clock, *, base_mj=0, counter=True, reset_at=None):
-        self.uuid, self.pci, self.watts, self.clock = uuid, pci, watts, clock
-        self.base_mj, self.counter, self.reset_at = base_mj, counter, reset_at
-
-    def energy_mj(self) -> int:
-        if not self.counter:
-            raise FakeNvmlError("Not Supported")
-        t = self.clock()
-        if self.reset_at is not None and t >= self.reset_at:
-            return round(self.watts * 1000 * (t - self.reset_at))
-        return self.base_mj + round(self.watts * 1000 * t)
-
-
-def fake_nvml(gpus: list[FakeGpu]) -> types.SimpleNamespace:
-    """A stand-in for the pynvml module: same function names, handles are the FakeGpu objects."""
-    calls = {"init": 0, "shutdown": 0}
-
-    def by_uuid(u):
-        for g in gpus:
-            if g.uuid == u:
-                return g
-        raise FakeNvmlError("Not Found")
-
-    def by_pci(b):
-        for g in gpus:
-            if g.pci == b:
-                return g
-        raise FakeNvmlError("Not Found")
-
-    def by_index(i):
-        if not 0 <= i < len(gpus):
-            raise FakeNvmlError("Invalid Argument")
-        return gpus[i]
-
-    return types.SimpleNamespace(
-        calls=calls,
-        nvmlInit=lambda: calls.__setitem__("init", calls["init"] + 1),
-        nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
-        nvmlDeviceGetCount=lambda: len(gpus),
-        nvmlDeviceGetHandleByIndex=by_index,
-        nvmlDeviceGetHandleByUUID=by_uuid,
-        nvmlDeviceGetHandleByPciBusId=by_pci,
-        nvmlDeviceGetUUID=lambda g: g.uuid,
-        nvmlDeviceGetTotalEnergyConsumption=lambda g: g.energy_mj(),
-        nvmlDeviceGetPowerUsage=lambda g: round(g.watts * 1000),  # mW
-    )
 
 
 UUID_A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"

@@ -1,0 +1,153 @@
+"""A fake ``pynvml`` module, shipped so that tests and demos run every NVML path without a GPU.
+
+:func:`fake_nvml` returns an object with the ``pynvml`` function names the product calls; its
+device handles are :class:`FakeGpu` objects whose readings follow a fake clock and attributes a
+test sets (energy counter, power, clocks, throttle reasons, temperature, power limit, the
+processes on the device). Units are NVML's own (millijoules, milliwatts, MHz, degrees C), so the
+code under test converts them exactly as it does for real NVML. Failing calls raise
+:class:`FakeNvmlError` (a stand-in for ``pynvml.NVMLError``, which the product catches as any
+exception).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["FakeNvmlError", "FakeGpu", "FakeProcess", "fake_nvml", "THROTTLE_BITS"]
+
+#: NVML clocks-event (throttle) reason bits (``nvml.h``, ``nvmlClocksEventReason*`` /
+#: ``nvmlClocksThrottleReason*``), the ones the product names.
+THROTTLE_BITS = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+
+class FakeNvmlError(Exception):
+    """What a failing fake NVML call raises (e.g. ``Not Supported``, ``Not Found``)."""
+
+
+@dataclass
+class FakeProcess:
+    """A process on a fake device, as ``nvmlDeviceGetComputeRunningProcesses`` reports it.
+
+    Attributes:
+        pid: process id.
+        usedGpuMemory: bytes of device memory it holds (NVML's own attribute name).
+    """
+
+    pid: int
+    usedGpuMemory: int = 0  # noqa: N815 - NVML's attribute name
+
+
+@dataclass
+class FakeGpu:
+    """A GPU whose energy counter (mJ) rises at ``watts`` on the fake clock.
+
+    Attributes:
+        uuid, pci: NVML UUID and PCI bus id.
+        watts: board power (W); the counter rises at this rate.
+        clock: the fake clock (seconds).
+        base_mj: counter value at clock 0.
+        counter: False for a pre-Volta GPU without the total-energy counter.
+        reset_at: at that time the counter goes back to 0 (driver reload) and rises again.
+        readable: False for a device whose every reading fails (e.g. lost from the bus).
+        name: product name.
+        sm_clock_mhz, max_sm_clock_mhz: current and maximum SM clock.
+        throttle_reasons: bit mask of :data:`THROTTLE_BITS`.
+        temperature_c: GPU temperature.
+        power_limit_w: enforced power limit.
+        processes: compute processes on the device.
+    """
+
+    uuid: str
+    pci: str
+    watts: float
+    clock: Callable[[], float]
+    base_mj: int = 0
+    counter: bool = True
+    reset_at: float | None = None
+    readable: bool = True
+    name: str = "NVIDIA H100 80GB HBM3"
+    sm_clock_mhz: int = 1980
+    max_sm_clock_mhz: int = 1980
+    throttle_reasons: int = 0
+    temperature_c: int = 45
+    power_limit_w: float = 700.0
+    processes: list[FakeProcess] = field(default_factory=list)
+
+    def _check(self) -> None:
+        if not self.readable:
+            raise FakeNvmlError("GPU is lost")
+
+    def energy_mj(self) -> int:
+        self._check()
+        if not self.counter:
+            raise FakeNvmlError("Not Supported")
+        t = self.clock()
+        if self.reset_at is not None and t >= self.reset_at:
+            return round(self.watts * 1000 * (t - self.reset_at))
+        return self.base_mj + round(self.watts * 1000 * t)
+
+    def power_mw(self) -> int:
+        self._check()
+        return round(self.watts * 1000)
+
+
+def fake_nvml(gpus: list[FakeGpu]) -> types.SimpleNamespace:
+    """A stand-in for the ``pynvml`` module over ``gpus``: same function names, handles are the FakeGpu objects.
+
+    ``calls`` counts ``nvmlInit`` / ``nvmlShutdown``. ``NVML_CLOCK_SM`` and
+    ``NVML_TEMPERATURE_GPU`` are the real constants' values.
+    """
+    calls = {"init": 0, "shutdown": 0}
+
+    def find(attr, value):
+        for g in gpus:
+            if getattr(g, attr) == value:
+                return g
+        raise FakeNvmlError("Not Found")
+
+    def by_index(i):
+        if not 0 <= i < len(gpus):
+            raise FakeNvmlError("Invalid Argument")
+        return gpus[i]
+
+    def checked(fn):
+        def call(g, *args):
+            g._check()
+            return fn(g, *args)
+        return call
+
+    return types.SimpleNamespace(
+        calls=calls,
+        NVMLError=FakeNvmlError,
+        NVML_CLOCK_SM=1,
+        NVML_TEMPERATURE_GPU=0,
+        nvmlInit=lambda: calls.__setitem__("init", calls["init"] + 1),
+        nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
+        nvmlDeviceGetCount=lambda: len(gpus),
+        nvmlDeviceGetHandleByIndex=by_index,
+        nvmlDeviceGetHandleByUUID=lambda u: find("uuid", u),
+        nvmlDeviceGetHandleByPciBusId=lambda b: find("pci", b),
+        nvmlDeviceGetUUID=lambda g: g.uuid,
+        nvmlDeviceGetName=checked(lambda g: g.name),
+        nvmlDeviceGetTotalEnergyConsumption=lambda g: g.energy_mj(),
+        nvmlDeviceGetPowerUsage=lambda g: g.power_mw(),  # mW
+        nvmlDeviceGetClockInfo=checked(lambda g, kind: g.sm_clock_mhz),
+        nvmlDeviceGetMaxClockInfo=checked(lambda g, kind: g.max_sm_clock_mhz),
+        nvmlDeviceGetCurrentClocksEventReasons=checked(lambda g: g.throttle_reasons),
+        nvmlDeviceGetCurrentClocksThrottleReasons=checked(lambda g: g.throttle_reasons),
+        nvmlDeviceGetTemperature=checked(lambda g, sensor: g.temperature_c),
+        nvmlDeviceGetEnforcedPowerLimit=checked(lambda g: round(g.power_limit_w * 1000)),  # mW
+        nvmlDeviceGetComputeRunningProcesses=checked(lambda g: list(g.processes)),
+    )
