@@ -133,6 +133,9 @@ class EfficiencyMonitor:
         outbox_dir: where points the tracking server has not taken spill (before checkpoints and at
             the end) while it does not answer; default ``$LLMEFF_OUTBOX_DIR`` or
             ``~/.cache/mlflow_llmeff/outbox``. ``llmeff sync DIR`` sends them later.
+        report: log ``efficiency_report.json`` and figures at the end.
+        contention_meter: a :class:`~mlflow_llmeff.contention_meter.ContentionMeter` to use
+            instead of one reading this machine (tests pass one over the fake NVML).
 
     Raises:
         ValueError: for a bad argument (the message names it and what is accepted).
@@ -151,7 +154,7 @@ class EfficiencyMonitor:
                  resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
-                 report: bool = True) -> None:
+                 report: bool = True, contention_meter=None) -> None:
         from .evals.targets import parse_targets
 
         self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
@@ -182,6 +185,7 @@ class EfficiencyMonitor:
         self._meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
         self._set_up_measurement(peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                                  energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
+        self._set_up_step_timing(model, contention_meter)
         from .tracking.logger import NullLogger
 
         self._logger, self._run = NullLogger(), None
@@ -196,7 +200,11 @@ class EfficiencyMonitor:
         lifecycle.install()
         lifecycle.register(self)
         self._ledger.begin()
+        if self._devclock is not None:
+            self._devclock.restart()
         self._consumption.start_interval(self._ledger.wall_s(), self._meter.total.tokens)
+        if self._meter.warmup_end_step == self._meter.step:  # no warm-up: the steady window starts now
+            self._contention.begin(collective=self.world_size > 1)
 
     # ------------------------------------------------------------------------------ set-up
     def _read_model(self, model, model_config, precision, strategy, compile, act_ckpt) -> None:
@@ -256,6 +264,25 @@ class EfficiencyMonitor:
             enabled=measure_energy != "none")
         self._consumption = Consumption(devices=self.world_size, device_hour_usd=self._price, usd_per_kwh=usd_per_kwh)
 
+    def _set_up_step_timing(self, model, contention_meter) -> None:
+        """Per-step times (device events on CUDA), each rank's forward time, and the contention meter."""
+        from .contention_meter import ContentionMeter
+        from .steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
+
+        cuda = self._device is not None and self._device.type == "cuda"
+        self._steps, self._pending_step_s = StepTimes(), []
+        self._devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
+        self._fwd_s, self._fwd_steps, self._fwd = 0.0, 0, None
+        inner = unwrap_model(model) if model is not None else None
+        if inner is not None and hasattr(inner, "register_forward_pre_hook"):
+            self._fwd = ForwardTimer(inner, self._forward_counts, self._clock,
+                                     event=cuda_event_factory() if cuda else None)
+        self._contention = contention_meter or ContentionMeter(device=self._device)
+
+    def _forward_counts(self) -> bool:
+        """True while a forward pass is part of a steady step (not warm-up, not inside a declared pause)."""
+        return not self._ledger.paused and not self._meter.is_warmup(self.step_count + 1)
+
     def _measure_peak(self) -> None:
         """Achievable matmul TFLOP/s on this device and dtype (cached per machine: seconds, once)."""
         from . import hardware as hw
@@ -281,6 +308,7 @@ class EfficiencyMonitor:
         self._reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
         self._attempts = int(state.get("attempts", 1)) + 1
         self._consumption.resume(state.get("consumption", {}), {})
+        self._steps.load_state_dict(state.get("step_times"))
         if state.get("hfu_counted"):  # counted in an earlier attempt: not again (see counting_hardware_flops)
             self._hfu_ratio, self._hfu_note = float(state["hfu_counted"][0]), str(state["hfu_counted"][1])
             self._hfu_counted = True
@@ -408,17 +436,25 @@ class EfficiencyMonitor:
             if learning_rate is not None:
                 self._lr = float(learning_rate)
             self._tally.end_step()
+            if self._devclock is not None:
+                self._devclock.step_end()
             step = self.step_count + 1
             log_now = step % self.log_every_n_steps == 0
             at_edge = log_now or edge or step == self._meter.warmup_end_step
             if at_edge:
                 collectives.synchronize(self._device)
-            self._pending_s += self._ledger.step_done(self._meter.is_warmup(step))
+            warmup = self._meter.is_warmup(step)
+            seconds = self._ledger.step_done(warmup)
+            self._pending_s += seconds
             self._pending_steps += 1
+            if not warmup:
+                self._pending_step_s.append(seconds)
             if self._shape_tags_pending:
                 self._tag_shape()
             if at_edge:
                 self._edge()
+                if step == self._meter.warmup_end_step:  # the steady window starts after this step
+                    self._contention.begin(collective=self.world_size > 1)
                 if log_now:
                     self._log_interval(step)
         except Exception as e:  # noqa: BLE001 - never stop training
@@ -486,6 +522,8 @@ class EfficiencyMonitor:
             if sync:
                 collectives.synchronize(self._device)
             self._ledger.exit()
+            if sync and self._devclock is not None and not self._ledger.paused:  # the next step starts here
+                self._devclock.restart()
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -552,7 +590,20 @@ class EfficiencyMonitor:
         reduce = collectives.reduce_tensor if (collective and self.world_size > 1) else None
         counts = self._tally.take(self._pending_steps, reduce=reduce)
         self._meter.add(counts, self._pending_s)
+        self._time_steps(counts, self._pending_s)
         self._pending_steps, self._pending_s = 0, 0.0
+
+    def _time_steps(self, counts, window_s: float) -> None:
+        """Keep the per-step seconds (device events on CUDA) and forward time of a steady window just added."""
+        device_s = self._devclock.take(window_s) if self._devclock is not None else None
+        forward_s = self._fwd.take() if self._fwd is not None else 0.0
+        host_s, self._pending_step_s = self._pending_step_s, []
+        if counts.steps == 0 or self._meter.is_warmup(self._meter.step):
+            return
+        secs = device_s if device_s is not None and len(device_s) == len(host_s) else host_s
+        self._steps.add_window(secs, counts.tokens)
+        self._fwd_s += forward_s
+        self._fwd_steps += counts.steps
 
     def _fpt(self, s: float, convention: str = "megatron") -> float:
         from . import flops as fl
@@ -616,6 +667,7 @@ class EfficiencyMonitor:
             m.update(rates.interval_metrics(fpt, self.peak_tflops, self._ratio(rates.counts.effective_seq_len)))
             self._warn_mfu(m.get(names.TPUT_DEVICE_MFU), f"step {step}")
         m.update(self._consumption.interval(self._ledger.wall_s(), total.tokens))
+        m.update(self._contention.interval(collective))
         self._totals_step = step
         self._latest = m
         self._logger.log_metrics(m, step)
@@ -771,7 +823,7 @@ class EfficiencyMonitor:
                 "ledger": self._ledger.state_dict(), "consumption": self._consumption.state_dict(),
                 "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
                 "hfu_counted": [self._hfu_ratio, self._hfu_note] if getattr(self, "_hfu_counted", False) else None,
-                "saved_at_unix": time.time()}
+                "step_times": self._steps.state_dict(), "saved_at_unix": time.time()}
 
     def flush(self) -> None:
         """Send every buffered point and wait until the tracking server has it (rank 0)."""
@@ -797,6 +849,7 @@ class EfficiencyMonitor:
         self._finished = True
         status = status or lifecycle.status_for(None)
         collective = (collective and lifecycle.signalled() is None) or self.world_size == 1
+        self._end_status = status
         try:
             if not self._broken:
                 self._summary = self._finish(collective)
@@ -830,8 +883,13 @@ class EfficiencyMonitor:
         else:  # each key is logged once per step: the end-of-run totals are the summary's
             self._refresh_consumption(collective)
         out = self._summary_figures(seconds, collective)
+        out.update(self._stability_figures(collective))
         if self.is_main:
-            self._logger.set_tags(self._end_tags(note))
+            tags = self._end_tags(note)
+            if (self._end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
+                    and "mlflow.note.content" not in getattr(self, "_given_tags", ())):  # a failure keeps its why
+                tags["mlflow.note.content"] = self._headline(out)
+            self._logger.set_tags(tags)
             self._logger.log_metrics(out, max(step, 0))
             self._warn_mfu(out.get(names.SUM_MFU), "summary")
         return out
@@ -873,6 +931,56 @@ class EfficiencyMonitor:
         out.update(self._consumption.summary(parts["wall"], tokens, tflops))
         return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
+    def _stability_figures(self, collective: bool) -> dict[str, float]:
+        """Dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
+        their tags wait in ``_stability_tags`` for :meth:`_end_tags`."""
+        from . import stability as st
+
+        s = self._steps.analyse()
+        self._stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
+        out: dict[str, float] = {}
+        if s is not None:
+            out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s,
+                        names.SUM_STEP_TIME_CV: s.cv, names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
+            if s.ci95 is not None:
+                # centred on the mean the summary reports (the same steps; they differ by float32
+                # storage in checkpoints and device-event rounding only)
+                tps = self._steady_tps()
+                scale = tps / s.tokens_per_sec if tps and s.tokens_per_sec else 1.0
+                out[names.SUM_TPS_CI95_LOW], out[names.SUM_TPS_CI95_HIGH] = s.ci95[0] * scale, s.ci95[1] * scale
+        figures, tags = self._contention.finish(collective)
+        out.update(figures)
+        self._stability_tags.update(tags)
+        if collective and self.world_size > 1:
+            mine = [0.0] * self.world_size
+            mine[self.rank] = self._fwd_s / self._fwd_steps if self._fwd_steps else 0.0
+            per_rank = collectives.all_reduce(mine)
+            found = st.straggler(per_rank) if all(v > 0 for v in per_rank) else None
+            if found is not None:
+                out[names.SUM_STRAGGLER_RATIO] = found[0]
+                self._stability_tags[names.STRAGGLER_RANK] = (
+                    f"rank {found[1]}: mean forward {per_rank[found[1]] * 1e3:.4g} ms/step vs median "
+                    f"{st.percentile(per_rank, 50) * 1e3:.4g} ms")
+        return out
+
+    def _headline(self, out: dict[str, float]) -> str:
+        """The run's description: its steady throughput with its interval and stability, and where its
+        figures are (the runs table shows an interval metric's last window, not the run's figure)."""
+        tps, low, high = (out.get(k) for k in (names.SUM_TOKENS_PER_SEC, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH))
+        interval = f" (95% interval {low:,.0f} to {high:,.0f})" if low is not None and high is not None else ""
+        return (f"{tps:,.0f} tokens/s steady state{interval}, {self.stability or 'stability unknown'}. "
+                "The run's figures are the summary/* metrics; throughput/* are per-window rates (the runs table "
+                "shows their last window).")
+
+    def _steady_tps(self) -> float | None:
+        rates = self._meter.summary()
+        return rates.tokens_per_sec if rates is not None and rates.counts.tokens > 0 else None
+
+    @property
+    def stability(self) -> str | None:
+        """``llmeff.stability`` after :meth:`finish` (``stable`` or ``unstable: <why>``), else None."""
+        return getattr(self, "_stability_tags", {}).get(names.STABILITY)
+
     def _memory_figures(self, collective: bool) -> dict[str, float]:
         inner = unwrap_model(self._model) if self._model is not None else None
         if inner is None:
@@ -892,7 +1000,8 @@ class EfficiencyMonitor:
 
     def _end_tags(self, note: str | None) -> dict[str, str]:
         tags = {names.HFU_METHOD: self._hfu_note, **self._carbon.tags(
-            energy_source=self._energy.source if self._consumption.measured else None)}
+            energy_source=self._energy.source if self._consumption.measured else None),
+                **getattr(self, "_stability_tags", {})}
         if getattr(self, "_memory_source", None) is not None:
             tags[names.MEMORY_SOURCE] = self._memory_source
         if not self._consumption.measured and self._consumption.estimate is not None:
@@ -909,7 +1018,8 @@ class EfficiencyMonitor:
     def _close(self, status: str) -> None:
         """Stop the meters, flush and end the run (if the monitor owns it) with ``status``."""
         lifecycle.unregister(self)
-        for closer in (self._energy.close, self._carbon.stop):
+        for closer in (self._energy.close, self._carbon.stop, self._contention.close,
+                       self._fwd.close if self._fwd is not None else (lambda: None)):
             try:
                 closer()
             except Exception:  # noqa: BLE001

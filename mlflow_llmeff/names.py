@@ -76,6 +76,15 @@ EVAL_MMLU_ACC = _metric("eval/mmlu/acc", "fraction", "MMLU accuracy (lm-eval-har
 EVAL_HELLASWAG_ACC = _metric("eval/hellaswag/acc", "fraction", "HellaSwag accuracy by summed log-likelihood", I)
 EVAL_HELLASWAG_ACC_NORM = _metric("eval/hellaswag/acc_norm", "fraction", "HellaSwag accuracy by log-likelihood per byte of the ending", I)
 
+# interval: what else used the machine (docs/stability.md); MLflow's own system metrics share this section
+SYS_HOST_OTHER_CPU = _metric("system/host_other_cpu_fraction", "fraction", "share of the hosts' CPU time used by processes other than this run's over the interval (/proc/stat minus the run's process trees), all hosts together", I)
+SYS_HOST_STEAL = _metric("system/host_steal_fraction", "fraction", "share of the hosts' CPU time stolen by the hypervisor over the interval (/proc/stat steal)", I)
+SYS_DEV_SM_CLOCK = _metric("system/device/sm_clock_mhz", "MHz", "lowest SM clock sampled on any of the run's CUDA devices over the interval (NVML)", I)
+SYS_DEV_SM_CLOCK_FRAC = _metric("system/device/sm_clock_fraction", "fraction", "lowest SM clock / its maximum sampled over the interval (NVML)", I)
+SYS_DEV_TEMP = _metric("system/device/temperature_c", "degrees C", "highest GPU temperature sampled over the interval (NVML)", I)
+SYS_DEV_OTHER_PROCS = _metric("system/device/other_processes", "processes", "compute processes not of this run seen on the run's CUDA devices over the interval (NVML), all devices", I)
+SYS_DEV_THROTTLED = _metric("system/device/throttled", "0/1", "1 when NVML reported a slowdown clocks-event reason (power cap, thermal, hardware slowdown) on any device over the interval", I)
+
 # --------------------------------------------------------------------------- run summary
 S = "summary (logged once at the end, steady state = after warm-up)"
 SUM_TOKENS_PER_SEC = _metric("summary/tokens_per_sec", "tokens/s", "steady-state global non-padding tokens/s", S)
@@ -116,6 +125,17 @@ SUM_BADPUT = {c: _metric(f"summary/badput_{c}_s", "s", _BADPUT_MEANING[c], S) fo
 SUM_WALL_S = _metric("summary/wall_s", "s", "wall time of the run, all attempts, init to end: productive time plus every summary/badput_*_s, exactly (docs/time.md)", S)
 SUM_TOKENS = _metric("summary/tokens", "tokens", "total non-padding tokens trained on", S)
 SUM_STEPS = _metric("summary/steps", "steps", "optimizer steps completed", S)
+# how sure the steady-state figures are (docs/stability.md)
+SUM_STEP_TIME_P50_S = _metric("summary/step_time_p50_s", "s", "median post-warm-up optimizer-step time", S)
+SUM_STEP_TIME_P90_S = _metric("summary/step_time_p90_s", "s", "90th percentile post-warm-up optimizer-step time (linear interpolation)", S)
+SUM_STEP_TIME_CV = _metric("summary/step_time_cv", "fraction", "sample standard deviation / mean of the post-warm-up step time", S)
+SUM_TPS_CI95_LOW = _metric("summary/tokens_per_sec_ci95_low", "tokens/s", "low end of the 95% interval of summary/tokens_per_sec (block bootstrap over ~sqrt(n)-step batches; at least 10 steady steps)", S)
+SUM_TPS_CI95_HIGH = _metric("summary/tokens_per_sec_ci95_high", "tokens/s", "high end of the 95% interval of summary/tokens_per_sec", S)
+SUM_STALL_S = _metric("summary/stall_s", "s", "seconds in steps longer than 5x the median step (stalls; kept in the means)", S)
+SUM_STALLS = _metric("summary/stalls", "steps", "steps longer than 5x the median step", S)
+SUM_HOST_OTHER_CPU = _metric("summary/host_other_cpu_fraction", "fraction", "share of the host's CPU time used by other processes during the steady window (/proc/stat minus the run's processes); the most contended host", S)
+SUM_HOST_STEAL = _metric("summary/host_steal_fraction", "fraction", "share of the host's CPU time stolen by the hypervisor during the steady window; the highest host", S)
+SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean forward (compute) time per steady step / the median rank's (>= 1; 2+ ranks)", S)
 
 # --------------------------------------------------------------------------- time to quality
 TTQ_SUFFIXES = {
@@ -228,6 +248,10 @@ REPORT_WARNING = _tag("report.warning", "why the end-of-run efficiency report (e
 COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare --log-to-mlflow): the compared run ids, comma-separated")
 COMPARE_EXPERIMENT = _tag("compare.experiment", "on a comparison run: the compared experiment's name")
 COMPARE_FILTER = _tag("compare.filter", "on a comparison run: the MLflow search filter used ('' = all runs)")
+STABILITY = _tag("stability", "'stable', or 'unstable: <why>' naming each figure past its threshold (p90/p50 step time, stalls, interval width, too few steps); docs/stability.md")
+STABILITY_METHOD = _tag("stability.method", "the stall and instability thresholds and the interval method behind llmeff.stability and summary/tokens_per_sec_ci95_*")
+CONTENTION = _tag("contention", "what else used the machine during the steady window: 'quiet: ...' or 'contended: ...' with the other processes' share of host CPU (the top ones named), steal, and on CUDA other processes on the run's devices, slowdown reasons, lowest SM clock, temperature, power limit")
+STRAGGLER_RANK = _tag("straggler.rank", "the rank with the slowest mean forward time per steady step, and its host")
 TTQ_TAG_PREFIX = "llmeff.ttq."
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

@@ -1,8 +1,9 @@
 """The comparison's figures as PNG bytes (matplotlib, Agg backend: no display needed).
 
 Each ``fig_*`` function returns PNG bytes, or a string saying why the figure is left out (no run
-has the figures it needs). Pareto fronts come from :func:`mlflow_llmeff.report.calc.pareto_front`:
-front points are labelled and joined, dominated runs are grey.
+has the figures it needs). Throughput figures are per configuration (repeats averaged, 95% intervals
+drawn); Pareto fronts come from :func:`mlflow_llmeff.report.repeats.noisy_pareto_front`, so a point
+beaten only within noise stays on the front; dominated points are grey.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import io
 from typing import Callable
 
 from .. import names
-from .calc import RunRecord, carbon_per_btok, pareto_front
+from .calc import RunRecord
+from .repeats import Estimate, noisy_pareto_front, versus_best
 
 __all__ = ["draw_all", "png", "FIGURES"]
 
@@ -42,44 +44,55 @@ def _summarised(runs: list[RunRecord]) -> list[RunRecord]:
 
 
 def fig_tokens_per_device(rep, history) -> bytes | str:
-    """Bars: steady-state tokens/s per device of each run, coloured by group."""
-    runs = [r for r in _summarised(rep.runs) if names.SUM_DEVICE_TOKENS_PER_SEC in r.metrics]
-    if not runs:
+    """Bars: tokens/s per device of each configuration (mean over its repeats) with its 95% interval,
+    coloured by group; a bar within noise of the best is hatched (no ranking among those)."""
+    configs = [c for c in rep.configs if c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) is not None]
+    if not configs:
         return "tokens_per_device.png: no run has summary/device_tokens_per_sec"
     plt = _plt()
-    groups = sorted({rep.group_of(r) for r in runs})
+    groups = sorted({rep.group_of(c.runs[0]) for c in configs})
     colours = {g: plt.cm.tab10(i % 10) for i, g in enumerate(groups)}
-    runs = sorted(runs, key=lambda r: (rep.group_of(r), r.label))
+    configs = sorted(configs, key=lambda c: (rep.group_of(c.runs[0]), c.label))
+    est = [c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) for c in configs]
+    standing = versus_best(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(range(len(runs)), [r.metrics[names.SUM_DEVICE_TOKENS_PER_SEC] for r in runs],
-           color=[colours[rep.group_of(r)] for r in runs])
-    ax.set_xticks(range(len(runs)), [r.label for r in runs], rotation=30, ha="right", fontsize=7)
+    err = [[e.mean - e.low if e.has_interval else 0 for e in est], [e.high - e.mean if e.has_interval else 0 for e in est]]
+    bars = ax.bar(range(len(configs)), [e.mean for e in est], color=[colours[rep.group_of(c.runs[0])] for c in configs],
+                  yerr=err, capsize=4, ecolor="0.2")
+    for i, b in enumerate(bars):
+        if standing.get(i, "").startswith("within noise") or not est[i].has_interval:
+            b.set_hatch("//")
+    ax.set_xticks(range(len(configs)), [c.label for c in configs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per device (steady state)")
-    ax.set_title("Throughput per device by group")
+    ax.set_title("Throughput per device (95% interval; hatched: within noise of the best or no interval)", fontsize=9)
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=c, label=g) for g, c in colours.items()], fontsize=7)
     return png(fig)
 
 
-def _pareto(runs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None) -> bytes:
+def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None) -> bytes:
+    """Configurations as points with their 95% intervals; the front is :func:`noisy_pareto_front`
+    (never beaten within noise), so a point worse only within noise is drawn on it."""
     plt = _plt()
-    pts = list(zip(xs, ys))
-    front = pareto_front(pts, maximize_x=maximize_x, maximize_y=maximize_y)
+    front = noisy_pareto_front(list(zip(xs, ys)), maximize_x=maximize_x, maximize_y=maximize_y)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    s = sizes or [40] * len(pts)
-    dominated = [i for i in range(len(pts)) if i not in front]
-    if dominated:
-        ax.scatter([xs[i] for i in dominated], [ys[i] for i in dominated], s=[s[i] for i in dominated],
-                   color="0.75", label="dominated")
-        for i in dominated:
-            ax.annotate(runs[i].label, (xs[i], ys[i]), fontsize=6, color="0.55", xytext=(4, -10),
-                        textcoords="offset points")
-    ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=[s[i] for i in front], color="tab:blue",
-               label="Pareto front", zorder=3)
-    ax.plot([xs[i] for i in front], [ys[i] for i in front], color="tab:blue", lw=1)
-    for i in front:
-        ax.annotate(runs[i].label, (xs[i], ys[i]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    s = sizes or [40] * len(xs)
+
+    def err(es):
+        return [[e.mean - e.low if e.has_interval else 0 for e in es], [e.high - e.mean if e.has_interval else 0 for e in es]]
+
+    dominated = [i for i in range(len(xs)) if i not in front]
+    for idx, colour, label in ((dominated, "0.7", "dominated beyond noise"), (front, "tab:blue", "front (within noise)")):
+        if not idx:
+            continue
+        ax.errorbar([xs[i].mean for i in idx], [ys[i].mean for i in idx], xerr=err([xs[i] for i in idx]),
+                    yerr=err([ys[i] for i in idx]), fmt="none", ecolor=colour, lw=1, zorder=2)
+        ax.scatter([xs[i].mean for i in idx], [ys[i].mean for i in idx], s=[s[i] for i in idx], color=colour,
+                   label=label, zorder=3)
+        for i in idx:
+            ax.annotate(configs[i].label, (xs[i].mean, ys[i].mean), fontsize=7 if colour != "0.7" else 6,
+                        color="black" if colour != "0.7" else "0.5", xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -87,33 +100,44 @@ def _pareto(runs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, size
     return png(fig)
 
 
+def _pairs(rep, x_of) -> tuple[list, list, list]:
+    """Configurations with a tokens/s-per-device estimate and an x estimate from ``x_of(config)``."""
+    out = []
+    for c in rep.configs:
+        y = c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)
+        x = x_of(c)
+        if x is not None and y is not None:
+            out.append((c, x, y))
+    return [p[0] for p in out], [p[1] for p in out], [p[2] for p in out]
+
+
 def fig_pareto_cost(rep, history) -> bytes | str:
     """Pareto front: tokens/s per device (more is better) against USD per 1e9 tokens (less is better)."""
-    runs = [r for r in _summarised(rep.runs)
-            if names.SUM_DEVICE_TOKENS_PER_SEC in r.metrics and names.SUM_USD_PER_BTOK in r.metrics]
-    if not runs:
+    configs, xs, ys = _pairs(rep, lambda c: c.estimate(names.SUM_USD_PER_BTOK))
+    if not configs:
         return "pareto_cost.png: no run has both summary/device_tokens_per_sec and summary/usd_per_billion_tokens"
-    return _pareto(runs, [r.metrics[names.SUM_USD_PER_BTOK] for r in runs],
-                   [r.metrics[names.SUM_DEVICE_TOKENS_PER_SEC] for r in runs],
-                   xlabel="USD per billion tokens", ylabel="tokens/s per device",
+    return _pareto(configs, xs, ys, xlabel="USD per billion tokens", ylabel="tokens/s per device",
                    title="Throughput against cost", maximize_x=False, maximize_y=True)
 
 
 def fig_pareto_carbon(rep, history) -> bytes | str:
     """Pareto front: tokens/s per device against kg-CO2e per 1e9 tokens (measured, else codecarbon's estimate)."""
-    runs, xs, est = [], [], False
-    for r in _summarised(rep.runs):
-        kg, is_est = carbon_per_btok(r)
-        if kg is not None and names.SUM_DEVICE_TOKENS_PER_SEC in r.metrics:
-            runs.append(r)
-            xs.append(kg)
-            est = est or is_est
-    if not runs:
+    est = []
+
+    def carbon(c):
+        for key in (names.SUM_KG_CO2E_PER_BTOK, names.SUM_ESTIMATE_KG_CO2E_PER_BTOK):
+            e = c.estimate(key)
+            if e is not None:
+                est.append(key == names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
+                return e
+        return None
+
+    configs, xs, ys = _pairs(rep, carbon)
+    if not configs:
         return "pareto_carbon.png: no run has a kg-CO2e per billion tokens figure (measured or estimate)"
-    label = "kg CO2e per billion tokens" + (" (some are codecarbon estimates)" if est else "")
-    return _pareto(runs, xs, [r.metrics[names.SUM_DEVICE_TOKENS_PER_SEC] for r in runs], xlabel=label,
-                   ylabel="tokens/s per device", title="Throughput against carbon", maximize_x=False,
-                   maximize_y=True)
+    label = "kg CO2e per billion tokens" + (" (some are codecarbon estimates)" if any(est) else "")
+    return _pareto(configs, xs, ys, xlabel=label, ylabel="tokens/s per device", title="Throughput against carbon",
+                   maximize_x=False, maximize_y=True)
 
 
 def _quality_pairs(r: RunRecord) -> list[tuple[str, str, float, float]]:
@@ -151,6 +175,7 @@ def fig_quality_cost(rep, history) -> bytes | str:
     mem = [r.metrics.get(names.MEM_MAX_ALLOC) for r in sel]
     top = max((m for m in mem if m), default=0) or 1
     sizes = [30 + 300 * (m or 0) / top for m in mem]
+    xs, ys = ([Estimate(v, None, None, 1, "no interval") for v in vals] for vals in (xs, ys))
     return _pareto(sel, xs, ys, xlabel=xlabel, ylabel=ylabel + " (marker area: memory per device)",
                    title="Quality against cost", maximize_x=False, maximize_y=higher_better, sizes=sizes)
 

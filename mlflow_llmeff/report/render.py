@@ -16,12 +16,13 @@ import os
 from dataclasses import dataclass, field
 
 from .. import names
-from .calc import (CONDITION_TAGS, Incomparability, RunRecord, ScalingRow, comparability_warnings, differing_tags,
-                   header, metric_columns, round_sig, scaling_efficiency)
+from .calc import (CONDITION_TAGS, Incomparability, RunRecord, comparability_warnings, differing_tags, header,
+                   metric_columns, round_sig)
+from .repeats import Configuration, ScalingRow, configurations, scaling_efficiency, versus_best
 from .source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
-           "scaling_lines", "DEFAULT_GROUP_BY"]
+           "scaling_lines", "configuration_rows", "DEFAULT_GROUP_BY"]
 
 DEFAULT_GROUP_BY = "accelerator.name,parallelism.strategy,precision"
 _TAG_KEYS = {d.key for d in names.TAGS}
@@ -37,7 +38,8 @@ class Report:
         columns: ``summary/*`` and ``ttq/*`` metric keys shown.
         tag_columns: condition tags whose values differ between the runs.
         warnings: reasons the runs are not comparable.
-        scaling: scaling efficiency rows.
+        scaling: scaling efficiency rows (from configuration estimates, with intervals).
+        configs: the configurations: runs with equal condition tags are repeats of one.
         figures: PNG bytes by file name (``tokens_per_device.png``, ...), in display order.
         notes: one line per figure left out, saying why.
         ui_base: base address of the MLflow UI for run links (``""`` = relative to the server).
@@ -49,6 +51,7 @@ class Report:
     tag_columns: list[str]
     warnings: list[Incomparability]
     scaling: list[ScalingRow]
+    configs: list[Configuration] = field(default_factory=list)
     figures: dict[str, bytes] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     ui_base: str = ""
@@ -66,7 +69,11 @@ class Report:
         conditions that make it not comparable with the other rows (empty when none)."""
         if r.comparable:
             diffs = [f"{w.what} = {v}" for w in self.warnings for v, labels in w.values.items() if r.label in labels]
-            return "not comparable: " + "; ".join(diffs) if diffs else ""
+            notes = ["not comparable: " + "; ".join(diffs)] if diffs else []
+            stability = r.tags.get(names.STABILITY)
+            if stability and stability != "stable":
+                notes.append(stability)
+            return "; ".join(notes)
         why = r.tags.get(names.ERROR)
         if r.has_summary:
             return f"{r.status}: left out of scaling, fronts and plots" + (f" ({why})" if why else "")
@@ -117,7 +124,7 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     runs = selection.runs
     tag_cols = [k for k in differing_tags(runs) if k not in keys]
     rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
-                 scaling_efficiency(runs, baseline), ui_base=ui_base)
+                 scaling_efficiency(runs, baseline), configurations(runs), ui_base=ui_base)
     if plots:
         from . import plots as pl
 
@@ -144,13 +151,31 @@ def table_rows(rep: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def scaling_lines(rep: Report) -> list[str]:
-    """One line per scaling row, efficiency to 3 significant digits, naming the baseline."""
+    """One line per scaling row: efficiency to 3 significant digits with its 95% interval, the
+    baseline configuration, and a flag naming what could explain a value above 1.05."""
     out = []
     for s in rep.scaling:
-        out.append(f"{s.group}: {s.name} ({s.devices} devices) vs baseline {s.baseline_name} "
-                   f"({s.baseline_devices}): {s.kind} scaling efficiency {s.efficiency:.3g} "
-                   f"({s.tokens_per_sec:.4g} vs {s.baseline_tokens_per_sec:.4g} tokens/s)")
+        interval = f" [{s.low:.3g}, {s.high:.3g}]" if s.low is not None else " (no interval)"
+        line = (f"{s.group}: {s.name} ({s.devices} devices) vs baseline {s.baseline_name} "
+                f"({s.baseline_devices}): {s.kind} scaling efficiency {s.efficiency:.3g}{interval} "
+                f"({s.tokens_per_sec.mean:.4g} vs {s.baseline_tokens_per_sec.mean:.4g} tokens/s)")
+        if s.flags:
+            line += " FLAGGED above 1.05: " + "; ".join(s.flags)
+        out.append(line)
     return out
+
+
+def configuration_rows(rep: Report) -> tuple[list[str], list[list[str]]]:
+    """One row per configuration: repeats, tokens/s per device with its 95% interval, how it stands
+    against the best (never ranked within noise), and what to know about its repeats."""
+    head = ["configuration", "group", "repeats (stable)", "tokens/s per device [95% interval]", "vs best", "note"]
+    standing = versus_best(rep.configs, names.SUM_DEVICE_TOKENS_PER_SEC)
+    rows = []
+    for i, c in enumerate(rep.configs):
+        est = c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)
+        rows.append([c.label, rep.group_of(c.runs[0]), f"{len(c.runs)} ({len(c.stable)})",
+                     est.text(_fmt) if est else "", standing.get(i, ""), c.note()])
+    return head, rows
 
 
 def _md_cell(s: str) -> str:
@@ -171,6 +196,10 @@ def to_markdown(rep: Report) -> str:
         if rep.missing_summary(r):
             cells[0] = f"**{cells[0]} (no summary)**"
         lines.append("| " + " | ".join(cells) + " |")
+    chead, crows = configuration_rows(rep)
+    lines += ["", "## Configurations (repeats as samples; within noise = intervals overlap, not ranked)", "",
+              "| " + " | ".join(chead) + " |", "|" + " --- |" * len(chead)]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in crows]
     lines += ["", "## Scaling efficiency", ""]
     lines += [f"- {s}" for s in scaling_lines(rep)] or ["No runs that differ only in device count."]
     lines += ["", "## Figures", ""]
@@ -224,6 +253,13 @@ def to_html(rep: Report, *, extra_head: str = "") -> str:
                                                                    else " class='run'")
         cells = [f"<a href='{e(rep.url(r))}' target='_top'>{e(row[0])}</a>"] + [e(c) for c in row[1:]]
         out.append(f"<tr{cls} data-run-id='{e(r.run_id)}'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    out.append("</tbody></table>")
+    chead, crows = configuration_rows(rep)
+    out.append("<h2>Configurations</h2><p class='note'>Runs with equal condition tags are repeats of one configuration: "
+               "mean and 95% interval across repeats (one run: its own interval). Within noise = the intervals "
+               "overlap: not ranked.</p><table id='configs'><thead><tr>"
+               + "".join(f"<th>{e(h)}</th>" for h in chead) + "</tr></thead><tbody>")
+    out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in crows]
     out.append("</tbody></table>")
     out.append("<h2>Scaling efficiency</h2>")
     lines = scaling_lines(rep)
