@@ -144,15 +144,21 @@ class ForwardTimer:
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
     def _pre(self, module, args) -> None:
-        self._start = (self._event() if self._event else self._clock()) if self._active() else None
+        try:
+            self._start = (self._event() if self._event else self._clock()) if self._active() else None
+        except Exception:  # noqa: BLE001 - a timer never reaches the user's forward: it stops timing
+            self._start, self._active = None, lambda: False
 
     def _post(self, module, args, output) -> None:
         if self._start is None:
             return
-        if self._event:
-            self._events.append((self._start, self._event()))
-        else:
-            self._seconds += self._clock() - self._start
+        try:
+            if self._event:
+                self._events.append((self._start, self._event()))
+            else:
+                self._seconds += self._clock() - self._start
+        except Exception:  # noqa: BLE001
+            self._active = lambda: False
         self._start = None
 
     def take(self) -> float:

@@ -247,3 +247,14 @@ def test_a_failed_run_keeps_the_description_that_says_why(tracking_uri):
     mon.finish("FAILED")
     assert mlflow.MlflowClient().get_run(mon.run_id).data.tags["mlflow.note.content"] == \
         "Failed: loss became NaN at step 12"
+
+
+def test_a_failing_timer_never_reaches_the_forward_pass():
+    def broken():
+        raise RuntimeError("timer bug")
+
+    model = torch.nn.Linear(2, 2)
+    t = ForwardTimer(model, broken, Clock())
+    assert model(torch.zeros(1, 2)).shape == (1, 2) and model(torch.zeros(1, 2)).shape == (1, 2)
+    assert t.take() == 0.0
+    t.close()
