@@ -74,10 +74,9 @@ def test_overlapping_intervals_are_within_noise_and_not_ranked():
     cs = configurations([run("a", 1, 100.0, 90, 110), run("b", 2, 210.0, 190, 230), run("c", 4, 800.0, 780, 820)])
     standing = versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC)
     # per device: a 100 [90, 110], b 105 [95, 115], c 200 [195, 205]: c best; a and b apart from it
-    assert standing == {0: "0.5x of run-c", 1: "0.525x of run-c", 2: "best"}
+    assert standing == {0: "0.5x best", 1: "0.525x best", 2: "best"}
     cs2 = configurations([run("a", 1, 100.0, 90, 110), run("b", 2, 210.0, 190, 230)])
-    assert versus_best(cs2, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "within noise of run-b",
-                                                                 1: "best (within noise of 1)"}
+    assert versus_best(cs2, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "within noise of best", 1: "best (1 within noise)"}
 
 
 def test_two_repeats_one_stalled_and_a_two_process_configuration():

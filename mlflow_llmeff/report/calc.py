@@ -70,14 +70,17 @@ CONDITION_TAGS = (names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PAR_S
                   names.FLOPS_FORMULA, names.PEAK_SOURCE, names.EVAL_BATCH_SIZE, names.EVAL_NUM_FEWSHOT,
                   names.EVAL_DOCUMENTS, names.V_LLMEFF)
 
-#: What makes figures of two runs not comparable: (what, tag key, param fallback for older runs).
-COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None),
-                 ("peak source", names.PEAK_SOURCE, None),
-                 ("eval batch size", names.EVAL_BATCH_SIZE, None),
-                 ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot"),
-                 ("eval documents", names.EVAL_DOCUMENTS, None),
-                 ("dataset", names.DATASET, None),
-                 ("llmeff version", names.V_LLMEFF, None))
+_BENCH = (names.EVAL_MMLU_ACC, names.EVAL_HELLASWAG_ACC, names.EVAL_HELLASWAG_ACC_NORM)
+#: What makes figures of two runs not comparable: (what, tag key, param fallback for older runs, the
+#: metrics whose comparison it changes: only runs holding one of them take part; None = every run).
+#: The eval batch size is no such condition: it changes how fast an eval runs, not its score (lm-eval
+#: definitions), and is a column of the full table.
+COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None, (names.SUM_DEVICE_TFLOPS, names.SUM_MFU)),
+                 ("peak source", names.PEAK_SOURCE, None, (names.SUM_MFU, names.SUM_HFU)),
+                 ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot", (names.EVAL_MMLU_ACC,)),
+                 ("eval documents", names.EVAL_DOCUMENTS, None, _BENCH),
+                 ("dataset", names.DATASET, None, None),
+                 ("llmeff version", names.V_LLMEFF, None, None))
 
 _UNITS = {d.key: d.unit for d in names.METRICS}
 _TTQ_UNITS = {"wall_s": "s", "train_s": "s", "tokens": "tokens", "device_hours": "device-h", "kwh": "kWh",
@@ -171,16 +174,20 @@ class Incomparability:
 
 
 def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
-    """One warning per condition of :data:`COMPARABILITY` whose value differs between runs.
+    """One warning per condition of :data:`COMPARABILITY` whose value differs between the runs
+    whose compared figures it changes (those holding one of its metrics), said once for all rows.
 
     A run that lacks the condition counts as ``unknown``; a condition no run records gives no warning.
-    Only runs with ``summary/*`` figures take part (a crashed run is marked in its row instead).
+    Only runs with ``summary/*`` figures take part (a crashed run is marked in its row instead), so
+    runs that never scored a benchmark are not "unknown" eval documents beside one that did.
     """
     out = []
     compared = [r for r in runs if r.comparable] or runs
-    for what, key, param in COMPARABILITY:
+    for what, key, param, affects in COMPARABILITY:
         values: dict[str, list[str]] = {}
         for r in compared:
+            if affects is not None and not any(k in r.metrics for k in affects):
+                continue
             values.setdefault(_condition(r, key, param) or "unknown", []).append(r.label)
         if len(values) > 1:
             out.append(Incomparability(what, key, values))

@@ -1,7 +1,8 @@
 """The comparison's figures as PNG bytes (matplotlib, Agg backend: no display needed).
 
-Each ``fig_*`` function returns PNG bytes, or a string saying why the figure is left out (no run
-has the figures it needs). Throughput figures are per configuration (repeats averaged, 95% intervals
+Each ``fig_*`` function returns a matplotlib figure, or a string saying why the figure is left out
+(no run has the figures it needs); :func:`draw_all` lays each out (:func:`lay_out`: no text
+outside the image) and turns it into PNG bytes. Throughput figures are per configuration (repeats averaged, 95% intervals
 drawn); Pareto fronts come from :func:`mlflow_llmeff.report.repeats.noisy_pareto_front`, so a point
 beaten only within noise stays on the front; dominated points are grey.
 """
@@ -29,21 +30,64 @@ def _plt():
     return plt
 
 
+def lay_out(fig) -> None:
+    """Tight layout, then every annotation that would stick out of the figure turned to the other
+    side of its point (labels near the right edge point left), so no text is clipped."""
+    fig.tight_layout()
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    width = fig.bbox.width
+    for ax in fig.axes:
+        for t in ax.texts:
+            if not hasattr(t, "xyann"):
+                continue
+            bb = t.get_window_extent(r)
+            dx, dy = t.xyann
+            if bb.x1 > width:
+                t.set_horizontalalignment("right")
+                t.xyann = (-abs(dx), dy)
+            elif bb.x0 < 0:
+                t.set_horizontalalignment("left")
+                t.xyann = (abs(dx), dy)
+
+
+def clipped_texts(fig) -> list[str]:
+    """The visible texts of a laid-out figure whose box is not inside the image (empty when none is)."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    w, h = fig.bbox.width, fig.bbox.height
+    out = []
+    for t in fig.findobj(Text):
+        if not t.get_visible() or not t.get_text().strip():
+            continue
+        bb = t.get_window_extent(r)
+        if bb.x0 < -1 or bb.y0 < -1 or bb.x1 > w + 1 or bb.y1 > h + 1:
+            out.append(t.get_text())
+    return out
+
+
 def png(fig) -> bytes:
-    """The figure as PNG bytes (closed afterwards)."""
+    """The figure laid out (:func:`lay_out`) as PNG bytes (closed afterwards)."""
     plt = _plt()
     buf = io.BytesIO()
-    fig.tight_layout()
+    lay_out(fig)
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
     return buf.getvalue()
+
+
+def short(label: str, n: int = 40) -> str:
+    """``label`` cut to ``n`` characters with an ellipsis (figures keep their full names in the table)."""
+    return label if len(label) <= n else label[: n - 1] + "\u2026"
 
 
 def _summarised(runs: list[RunRecord]) -> list[RunRecord]:
     return [r for r in runs if r.comparable]
 
 
-def fig_tokens_per_device(rep, history) -> bytes | str:
+def fig_tokens_per_device(rep, history):
     """Bars: tokens/s per device of each configuration (mean over its repeats) with its 95% interval,
     coloured by group; a bar within noise of the best is hatched (no ranking among those)."""
     configs = [c for c in rep.configs if c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) is not None]
@@ -62,16 +106,16 @@ def fig_tokens_per_device(rep, history) -> bytes | str:
     for i, b in enumerate(bars):
         if standing.get(i, "").startswith("within noise") or not est[i].has_interval:
             b.set_hatch("//")
-    ax.set_xticks(range(len(configs)), [c.label for c in configs], rotation=30, ha="right", fontsize=7)
+    ax.set_xticks(range(len(configs)), [short(c.label, 32) for c in configs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per device (steady state)")
     ax.set_title("Throughput per device (95% interval; hatched: within noise of the best or no interval)", fontsize=9)
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=c, label=g) for g, c in colours.items()], fontsize=7)
-    return png(fig)
+    return fig
 
 
-def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None) -> bytes:
+def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None):
     """Configurations as points with their 95% intervals; the front is :func:`noisy_pareto_front`
     (never beaten within noise), so a point worse only within noise is drawn on it."""
     plt = _plt()
@@ -91,13 +135,13 @@ def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, s
         ax.scatter([xs[i].mean for i in idx], [ys[i].mean for i in idx], s=[s[i] for i in idx], color=colour,
                    label=label, zorder=3)
         for i in idx:
-            ax.annotate(configs[i].label, (xs[i].mean, ys[i].mean), fontsize=7 if colour != "0.7" else 6,
+            ax.annotate(short(configs[i].label, 32), (xs[i].mean, ys[i].mean), fontsize=7 if colour != "0.7" else 6,
                         color="black" if colour != "0.7" else "0.5", xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7)
-    return png(fig)
+    return fig
 
 
 def _pairs(rep, x_of) -> tuple[list, list, list]:
@@ -111,7 +155,7 @@ def _pairs(rep, x_of) -> tuple[list, list, list]:
     return [p[0] for p in out], [p[1] for p in out], [p[2] for p in out]
 
 
-def fig_pareto_cost(rep, history) -> bytes | str:
+def fig_pareto_cost(rep, history):
     """Pareto front: tokens/s per device (more is better) against USD per 1e9 tokens (less is better)."""
     configs, xs, ys = _pairs(rep, lambda c: c.estimate(names.SUM_USD_PER_BTOK))
     if not configs:
@@ -120,7 +164,7 @@ def fig_pareto_cost(rep, history) -> bytes | str:
                    title="Throughput against cost", maximize_x=False, maximize_y=True)
 
 
-def fig_pareto_carbon(rep, history) -> bytes | str:
+def fig_pareto_carbon(rep, history):
     """Pareto front: tokens/s per device against kg-CO2e per 1e9 tokens (measured, else codecarbon's estimate)."""
     est = []
 
@@ -154,7 +198,7 @@ def _quality_pairs(r: RunRecord) -> list[tuple[str, str, float, float]]:
     return out
 
 
-def fig_quality_cost(rep, history) -> bytes | str:
+def fig_quality_cost(rep, history):
     """Quality against the cost to reach it: the eval metric of a target against ``ttq/<target>_usd``
     (else final ``eval/val_loss`` against ``summary/cost_usd``); marker area by peak memory per device."""
     runs = _summarised(rep.runs)
@@ -167,8 +211,10 @@ def fig_quality_cost(rep, history) -> bytes | str:
     else:
         sel = [r for r in runs if names.EVAL_VAL_LOSS in r.metrics and names.SUM_COST_USD in r.metrics]
         if not sel:
-            return ("quality_cost.png: no run has a ttq/*_usd figure, nor eval/val_loss with summary/cost_usd "
-                    "(give targets=, or a device_hour_usd price)")
+            targets = any(k.startswith(names.TTQ_TAG_PREFIX) for r in runs for k in r.tags)
+            why = ("the runs have targets but no price: their ttq/*_usd and cost figures need device_hour_usd"
+                   if targets else "give targets= and a device_hour_usd price")
+            return f"quality_cost.png: no run has a ttq/*_usd figure, nor eval/val_loss with summary/cost_usd ({why})"
         xs, ys = [r.metrics[names.SUM_COST_USD] for r in sel], [r.metrics[names.EVAL_VAL_LOSS] for r in sel]
         eval_key, xlabel, ylabel = names.EVAL_VAL_LOSS, "run cost (summary/cost_usd)", "final eval/val_loss"
     higher_better = "loss" not in eval_key and "perplexity" not in eval_key
@@ -180,7 +226,7 @@ def fig_quality_cost(rep, history) -> bytes | str:
                    title="Quality against cost", maximize_x=False, maximize_y=higher_better, sizes=sizes)
 
 
-def fig_loss(rep, history) -> bytes | str:
+def fig_loss(rep, history):
     """Training loss against tokens and against wall time (s since the run's first logged point)."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
@@ -193,34 +239,38 @@ def fig_loss(rep, history) -> bytes | str:
         t0 = loss[0][1]
         pts = [(tokens[s], v) for s, _, v in loss if s in tokens]
         if pts:
-            a1.plot(*zip(*pts), marker=".", label=r.label)
-        a2.plot([(ts - t0) / 1000 for _, ts, _ in loss], [v for _, _, v in loss], marker=".", label=r.label)
+            a1.plot(*zip(*pts), marker=".", label=short(r.label))
+        a2.plot([(ts - t0) / 1000 for _, ts, _ in loss], [v for _, _, v in loss], marker=".", label=short(r.label))
         drawn += 1
     if not drawn:
         plt.close(fig)
         return "loss.png: no run has a train/loss history"
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     a1.set_xlabel("tokens")
+    a1.xaxis.set_major_formatter(EngFormatter(sep=""))  # 40k, 1.2M: tick labels that do not run together
     a2.set_xlabel("wall time since the first logged loss, s")
     for a in (a1, a2):
         a.set_ylabel("train/loss, nats/token")
+        a.xaxis.set_major_locator(MaxNLocator(5))
     a1.legend(fontsize=6)
     fig.suptitle("Loss against tokens and wall time")
-    return png(fig)
+    return fig
 
 
-def fig_ttq(rep, history) -> bytes | str:
+def fig_ttq(rep, history):
     """Bars: wall seconds to reach each target (``ttq/<target>_wall_s``), one bar per run and target."""
     bars = [(r.label, k[len("ttq/"):-len("_wall_s")], v) for r in _summarised(rep.runs)
             for k, v in sorted(r.metrics.items()) if k.startswith("ttq/") and k.endswith("_wall_s")]
     if not bars:
         return "ttq.png: no run reached a time-to-quality target (ttq/*_wall_s)"
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.35 * len(bars)))
+    fig, ax = plt.subplots(figsize=(7, max(2.6, 0.9 + 0.35 * len(bars))))
     ax.barh(range(len(bars)), [b[2] for b in bars], color="tab:green")
-    ax.set_yticks(range(len(bars)), [f"{b[0]}: {b[1]}" for b in bars], fontsize=7)
+    ax.set_yticks(range(len(bars)), [f"{short(b[0], 28)}: {short(b[1], 24)}" for b in bars], fontsize=7)
     ax.set_xlabel("wall seconds to the target")
     ax.set_title("Time to quality")
-    return png(fig)
+    return fig
 
 
 FIGURES = (("tokens_per_device.png", fig_tokens_per_device), ("pareto_cost.png", fig_pareto_cost),
@@ -233,8 +283,8 @@ def draw_all(rep, history: History) -> tuple[dict[str, bytes], list[str]]:
     figs, notes = {}, []
     for name, fn in FIGURES:
         out = fn(rep, history)
-        if isinstance(out, bytes):
-            figs[name] = out
-        else:
+        if isinstance(out, str):
             notes.append(out)
+        else:
+            figs[name] = png(out)
     return figs, notes

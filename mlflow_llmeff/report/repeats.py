@@ -29,7 +29,7 @@ from .. import names
 from .calc import RunRecord
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Estimate", "Configuration", "configurations", "t_quantile_975",
-           "within_noise", "versus_best", "ScalingRow", "scaling_efficiency", "noisy_pareto_front", "is_stable",
+           "within_noise", "versus_best", "best_index", "ScalingRow", "scaling_efficiency", "noisy_pareto_front", "is_stable",
            "SAME_JOB"]
 
 #: Condition tags that define a configuration (equal on every repeat). Measured conditions (what
@@ -177,7 +177,8 @@ class Configuration:
         mean = sum(vals) / n
         sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
         half = t_quantile_975(n - 1) * sd / math.sqrt(n)
-        return Estimate(mean, mean - half, mean + half, n, "repeats")
+        # every summary figure is >= 0: a t interval of few repeats may reach below, the figure cannot
+        return Estimate(mean, max(0.0, mean - half), mean + half, n, "repeats")
 
     def note(self) -> str:
         """What a reader must know about the repeats: unstable ones left out (with why), or all unstable."""
@@ -209,27 +210,35 @@ def within_noise(a: Estimate | None, b: Estimate | None) -> bool:
 
 
 def versus_best(configs: list[Configuration], key: str, *, higher_is_better: bool = True) -> dict[int, str]:
-    """Per configuration index: ``best``, ``within noise of <best>`` or ``0.62x of <best>``.
+    """Per configuration index: ``best``, ``within noise of best`` or ``0.62x best``.
 
-    The best is the best mean; a configuration is ranked below it only when their intervals do not
-    overlap. When every other one is within noise of the best, the best is ``best (within noise of N)``.
+    The best is the best mean (:func:`best_index`); a configuration is ranked below it only when their
+    intervals do not overlap. When others are within noise of it, the best is ``best (N within noise)``.
     """
+    est = [c.estimate(key) for c in configs]
+    best = best_index(configs, key, higher_is_better=higher_is_better)
+    if best is None:
+        return {}
+    out, tied = {}, 0
+    for i, e in enumerate(est):
+        if e is None or i == best:
+            continue
+        if within_noise(e, est[best]):
+            out[i] = "within noise of best"
+            tied += 1
+        else:
+            out[i] = f"{e.mean / est[best].mean:.3g}x best"
+    out[best] = f"best ({tied} within noise)" if tied else "best"
+    return out
+
+
+def best_index(configs: list[Configuration], key: str, *, higher_is_better: bool = True) -> int | None:
+    """Index of the configuration with the best mean of ``key`` (None when none has it)."""
     est = [c.estimate(key) for c in configs]
     have = [i for i, e in enumerate(est) if e is not None]
     if not have:
-        return {}
-    best = (max if higher_is_better else min)(have, key=lambda i: est[i].mean)
-    out, tied = {}, 0
-    for i in have:
-        if i == best:
-            continue
-        if within_noise(est[i], est[best]):
-            out[i] = f"within noise of {configs[best].label}"
-            tied += 1
-        else:
-            out[i] = f"{est[i].mean / est[best].mean:.3g}x of {configs[best].label}"
-    out[best] = f"best (within noise of {tied})" if tied else "best"
-    return out
+        return None
+    return (max if higher_is_better else min)(have, key=lambda i: est[i].mean)
 
 
 @dataclass(frozen=True)
