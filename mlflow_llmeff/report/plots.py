@@ -226,12 +226,21 @@ def fig_quality_cost(rep, history):
                    title="Quality against cost", maximize_x=False, maximize_y=higher_better, sizes=sizes)
 
 
+def _one_run_each(rep) -> list:
+    """One run per configuration (its first used repeat), so curves stay readable with many repeats;
+    runs that did not finish with a summary are drawn too (a crashed run's loss is worth seeing)."""
+    picked = [c.used[0] for c in rep.configs]
+    seen = {r.run_id for c in rep.configs for r in c.runs}
+    return picked + [r for r in rep.runs if r.run_id not in seen]
+
+
 def fig_loss(rep, history):
-    """Training loss against tokens and against wall time (s since the run's first logged point)."""
+    """Training loss against tokens and against wall time (s since the run's first logged point), one
+    curve per configuration (its first used repeat) and per run without a summary."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
     drawn = 0
-    for r in rep.runs:
+    for r in _one_run_each(rep):
         loss = history(r.run_id, names.TRAIN_LOSS)
         if not loss:
             continue
@@ -259,9 +268,14 @@ def fig_loss(rep, history):
 
 
 def fig_ttq(rep, history):
-    """Bars: wall seconds to reach each target (``ttq/<target>_wall_s``), one bar per run and target."""
-    bars = [(r.label, k[len("ttq/"):-len("_wall_s")], v) for r in _summarised(rep.runs)
-            for k, v in sorted(r.metrics.items()) if k.startswith("ttq/") and k.endswith("_wall_s")]
+    """Bars: wall seconds to reach each target (``ttq/<target>_wall_s``), one bar per configuration
+    and target (the mean over the repeats that reached it)."""
+    bars = []
+    for c in rep.configs:
+        keys = sorted({k for r in c.used for k in r.metrics if k.startswith("ttq/") and k.endswith("_wall_s")})
+        for k in keys:
+            vals = [r.metrics[k] for r in c.used if k in r.metrics]
+            bars.append((c.label, k[len("ttq/"):-len("_wall_s")], sum(vals) / len(vals)))
     if not bars:
         return "ttq.png: no run reached a time-to-quality target (ttq/*_wall_s)"
     plt = _plt()
