@@ -358,3 +358,17 @@ def test_reports_mask_secrets_in_tags_logged_by_anyone(tracking_uri, tmp_path, m
     assert "OSError: https://hub.example/x with ***" in r.output
     written = r.output + "".join((out / f).read_text() for f in ("report.md", "report.csv", "report.html"))
     assert not any(s in written for s in ("hunter2pass", "hunter3pass", "hf_abcdefgh123456", "alice"))
+
+
+def test_a_label_past_the_figure_edge_is_found_and_turned_inward():
+    from mlflow_llmeff.report import plots
+
+    plt = plots._plt()
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1])
+    label = "a long point label that runs past the right edge"
+    ax.annotate(label, (1, 1), xytext=(4, 4), textcoords="offset points")
+    assert plots.clipped_texts(fig) == [label]  # as drawn, with matplotlib's default margins
+    plots.lay_out(fig)
+    assert plots.clipped_texts(fig) == []
+    plt.close(fig)

@@ -52,14 +52,29 @@ def lay_out(fig) -> None:
 
 
 def clipped_texts(fig) -> list[str]:
-    """The visible texts of a laid-out figure whose box is not inside the image (empty when none is)."""
+    """The drawn texts of a laid-out figure whose box is not inside the image (empty when none is).
+
+    Tick labels count only for ticks inside the view (matplotlib keeps label objects for ticks
+    outside it that it never draws).
+    """
     from matplotlib.text import Text
 
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
     w, h = fig.bbox.width, fig.bbox.height
+    texts: list[Text] = [t for t in fig.texts]
+    for ax in fig.axes:
+        texts += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        legend = ax.get_legend()
+        if legend is not None:
+            texts += legend.get_texts()
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis._update_ticks():  # the ticks inside the view: the ones drawn
+                texts += [tick.label1, tick.label2]
+    if fig._suptitle is not None:
+        texts.append(fig._suptitle)
     out = []
-    for t in fig.findobj(Text):
+    for t in texts:
         if not t.get_visible() or not t.get_text().strip():
             continue
         bb = t.get_window_extent(r)
