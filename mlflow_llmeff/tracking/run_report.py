@@ -101,7 +101,7 @@ def _figures(client, run_id: str, summary: dict | None = None) -> dict:
             ax2 = ax.twinx()
             ax2.plot([s for s, _, _ in mfu], [v for _, _, v in mfu], marker=".", color="tab:red")
             ax2.set_ylabel("MFU (fraction)", color="tab:red")
-        ax.set_title("Throughput and MFU over steps")
+        ax.set_title("Throughput and MFU over steps" if mfu else "Throughput over steps (no MFU: no datasheet peak)")
         fig.tight_layout()
         out["efficiency/throughput_mfu.png"] = fig
     power = _history(client, run_id, names.ENERGY_DEVICE_AVG_POWER_W)
