@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from . import collectives, lifecycle, names
 from .conditions import (FLOPS_FORMULA_NOTE, condition_tags, infer_precision, infer_strategy, is_compiled,
-                         shape_tags, unwrap_model, uses_activation_checkpointing)
+                         recompute_plan, shape_tags, unwrap_model, uses_activation_checkpointing)
 from .goodput import PAUSES, TimeLedger, breakdown, goodput
 from .throughput import ThroughputMeter
 
@@ -215,19 +215,27 @@ class EfficiencyMonitor:
         self.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
         self.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
                                          else model is not None and uses_activation_checkpointing(model))
+        self._recompute = None
+        if self.activation_checkpointing:  # what the wrapper re-executes; transformers' default when unreadable
+            self._recompute = recompute_plan(model) or fl.Recompute()
         config = model_config if model_config is not None else getattr(inner, "config", None)
         self._config, self._shape, self._fpt_note = config, None, "unknown: no model config (pass model= or model_config=)"
+        self._flops_method = "none: no model config (pass model= or model_config=)"
         if config is not None:
-            try:
-                self._shape = fl.model_shape(config)
+            from .flopcount import resolve
+
+            source = resolve(config, recompute=self._recompute)  # formula, else counted on the meta device
+            self._shape, self._flops_method = source.flops, source.note
+            if source.flops is None:
+                self._fpt_note = f"unknown: {source.note}"
+            else:
                 self._fpt_note = FLOPS_FORMULA_NOTE
                 why = ("compile=true (FlopCounterMode would stop torch.compile)" if self.compiled
                        else "no FlopCounterMode step on this path")
+                recomputed = (f" + the recomputed forward of {self._recompute.describe()}, LM head and embedding "
+                              "not recomputed" if self._recompute else "")
                 self._hfu_note = (f"analytic: {why}; palm-convention FLOPs (dense attention, no causal discount)"
-                                  + (" x4/3 (activation checkpointing)" if self.activation_checkpointing else "")
-                                  + " over megatron model FLOPs")
-            except ValueError as e:
-                self._fpt_note = f"unknown: {e}"
+                                  f"{recomputed} over megatron model FLOPs")
 
     def _set_up_measurement(self, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                             energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker) -> None:
@@ -343,7 +351,8 @@ class EfficiencyMonitor:
             peak_source=self._peak_source, measured_peak_note=self._measured_peak_note,
             warmup_steps=self.warmup_steps, energy_source=self._energy.source, energy_why=self._energy.why,
             integration=self._integration, compiled=self.compiled,
-            activation_checkpointing=self.activation_checkpointing, cost_tags=self._cost_tags)
+            activation_checkpointing=self.activation_checkpointing, cost_tags=self._cost_tags,
+            flops_method=self._flops_method)
 
     # ------------------------------------------------------------------------------ failures
     def _fail(self, e: BaseException) -> None:
@@ -525,8 +534,10 @@ class EfficiencyMonitor:
         note = "FlopCounterMode on step {} of the attempt (eager attention counted)"
         attn_impl = getattr(self._config, "_attn_implementation", None)
         if attn_impl == "sdpa" and (self._device is None or self._device.type == "cpu"):
-            extra = fl.attention_flops_per_token(self._shape, s_eff, "palm") * tokens
-            counted += extra * (fl.RECOMPUTE_FACTOR if self.activation_checkpointing else 1.0)
+            # the counter cannot see CPU SDPA: its training FLOPs (palm) and its recomputation, if any
+            extra = (fl.attention_flops_per_token(self._shape, s_eff, "palm")
+                     + fl.recompute_flops_per_token(self._shape, s_eff, self._recompute, attention_only=True))
+            counted += extra * tokens
             note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
         self._hfu_ratio = counted / (fl.flops_per_token(self._shape, s_eff) * tokens)
         self._hfu_note = note.format(self.step_count + 1)
@@ -543,7 +554,7 @@ class EfficiencyMonitor:
             from . import flops as fl
 
             cache.clear()  # one batch shape at a time in practice
-            cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self.activation_checkpointing)
+            cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self._recompute)
         return cache[s_eff]
 
     # ------------------------------------------------------------------------------ window edges

@@ -183,6 +183,7 @@ GLOBAL_BATCH_TOKENS = _tag("global_batch_tokens", "seq_len x micro_batch_size x 
 ACT_CKPT = _tag("activation_checkpointing", "true / false")
 COMPILE = _tag("compile", "torch.compile used: true / false")
 FLOPS_FORMULA = _tag("flops.formula", "FLOPs-per-token convention and its source")
+FLOPS_METHOD = _tag("flops.method", "how FLOPs per token were obtained: 'formula: ...' (the config's own fields, docs/formulas.md), 'meta_count: ...' (FlopCounterMode over one forward+backward of the model built on the meta device, for a model type the formula does not know), or 'none: <why>' (no model FLOPs, TFLOP/s, MFU or HFU logged)")
 PEAK_TFLOPS = _tag("peak.tflops", "dense peak TFLOP/s per device for the compute dtype")
 PEAK_SOURCE = _tag("peak.source", "datasheet of the peak, 'user' or 'unknown' with the reason")
 PEAK_MEASURED_TFLOPS = _tag("peak.measured_tflops", "measured achievable matmul TFLOP/s (MAMF) on this device")
