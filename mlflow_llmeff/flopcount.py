@@ -81,6 +81,9 @@ def resolve(config, *, recompute: fl.Recompute | None = None, count: bool = True
         counted = count_on_meta(config, recompute=recompute)
     except ValueError as e:
         return FlopsSource(None, METHOD_NONE, f"none: the formula does not know model_type {model_type!r} and {e}")
+    except Exception as e:  # noqa: BLE001 - never a crash for a figure we cannot make
+        return FlopsSource(None, METHOD_NONE, f"none: the formula does not know model_type {model_type!r} and "
+                                              f"its meta-device count failed ({_first_line(e)})")
     return FlopsSource(counted, METHOD_META,
                        f"meta_count: model_type {model_type!r} is not in the formula; FlopCounterMode over one "
                        f"forward+backward of the transformers model built on the meta device (eager attention), fitted "

@@ -109,6 +109,99 @@ def test_energy_and_cost_from_a_fake_meter(tracking_uri):
     assert tags[names.ENERGY_SOURCE] == "fake" and tags[names.COST_DEVICE_HOUR_USD] == "3.6"
 
 
+def test_two_devices_one_unreadable_give_coverage_half_and_no_silently_partial_energy(tracking_uri):
+    # Fake NVML: GPU A draws 300 W and is read; GPU B is lost. 4 steps of 1 s, 100 tokens each.
+    from mlflow_llmeff.energy import make_meter
+    from mlflow_llmeff.nvml_fake import FakeGpu, fake_nvml
+
+    clock = Clock()
+    gpus = [FakeGpu("GPU-a", "0000:18:00.0", 300.0, clock), FakeGpu("GPU-b", "0000:3b:00.0", 400.0, clock,
+                                                                       readable=False)]
+    meter = make_meter("nvml", device_indices=[0, 1], nvml=fake_nvml(gpus), env={}, clock=clock, sampling_thread=False)
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, energy_meter=meter,
+                            measure_energy="none", measure_peak=False, device_hour_usd=3.6)
+    for _ in range(4):
+        clock.t += 1.0
+        mon.step(tokens=100, samples=1)
+    s = mon.finish()
+    assert s[names.SUM_ENERGY_COVERAGE] == 0.5
+    assert history(mon.run_id, names.ENERGY_DEVICE_AVG_POWER_W) == [(2, 300.0), (4, 300.0)]  # per measured device
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    for key in (names.ENERGY_TOTAL_KWH, names.ENERGY_J_PER_TOKEN, names.CARBON_TOTAL_KG, names.SUM_J_PER_TOKEN,
+                names.SUM_ENERGY_KWH, names.SUM_KWH_PER_BTOK):
+        assert key not in run.data.metrics   # 1200 J would be half the devices' energy, silently
+    assert run.data.tags[names.ENERGY_COVERAGE].startswith(
+        "1/2 devices measured; not measured: GPU-b (neither energy counter nor power readable (FakeNvmlError: "
+        "GPU is lost))")
+    assert s[names.SUM_COST_USD] == pytest.approx(3.6 * s[names.SUM_WALL_S] / 3600)
+
+
+def test_energy_cost_and_wall_time_cover_the_same_span_or_say_which(tracking_uri):
+    # Set-up ran 3 s (clock 0 -> 3) before the monitor and its meter started; then 4 steps of 1 s at 200 W.
+    clock = Clock()
+    clock.t = 3.0
+    late = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, started_at=0.0,
+                             energy_meter=FakeEnergyMeter(200.0, clock=clock), measure_energy="none",
+                             measure_peak=False, device_hour_usd=3.6)
+    for _ in range(4):
+        clock.t += 1.0
+        late.step(tokens=100, samples=1)
+    s = late.finish()
+    assert s[names.SUM_WALL_S] == 7.0 and s[names.SUM_COST_USD] == pytest.approx(3.6 * 7.0 / 3600)   # cost: all 7 s
+    assert s[names.SUM_ENERGY_SPAN_S] == 4.0 and s[names.SUM_ENERGY_KWH] == pytest.approx(200 * 4.0 / 3.6e6)
+    tags = mlflow.MlflowClient().get_run(late.run_id).data.tags
+    assert tags[names.ENERGY_SPAN] == ("energy/* and carbon/* cover 4.000 s of the 7.000 s of summary/wall_s: the "
+                                       "first 3.000 s (set-up before the energy meter started) are not measured; "
+                                       "cost/* covers all of summary/wall_s (devices x wall hours)")
+    # A meter the caller started at the run's start (e.g. at process start) covers the same span as wall_s and cost.
+    clock.t = 100.0
+    meter = FakeEnergyMeter(200.0, clock=clock)
+    meter.start()
+    clock.t = 103.0
+    early = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, started_at=100.0, energy_meter=meter,
+                              measure_energy="none", measure_peak=False, device_hour_usd=3.6)
+    for _ in range(4):
+        clock.t += 1.0
+        early.step(tokens=100, samples=1)
+    s = early.finish()
+    assert s[names.SUM_WALL_S] == s[names.SUM_ENERGY_SPAN_S] == 7.0
+    assert s[names.SUM_ENERGY_KWH] == pytest.approx(200 * 7.0 / 3.6e6)
+    assert s[names.SUM_COST_USD] == pytest.approx(3.6 * 7.0 / 3600)
+    tags = mlflow.MlflowClient().get_run(early.run_id).data.tags
+    assert tags[names.ENERGY_SPAN].startswith("energy/*, carbon/* and cost/* cover summary/wall_s (7.000 s")
+
+
+@pytest.mark.slow
+def test_two_ranks_on_one_gpu_count_its_energy_once(tracking_uri, tmp_path):
+    # torchrun, 2 CPU ranks (gloo), both resolving the same fake GPU UUID at 200 W, 4 steps of 1 s:
+    # 800 J (not 1600 J) for the 800 tokens of both ranks.
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent / "scripts" / "two_ranks_one_gpu.py"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(_free_port()), str(script)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    s = result["summary"]
+    assert s[names.SUM_ENERGY_KWH] == pytest.approx(800 / 3.6e6) and s[names.SUM_J_PER_TOKEN] == 1.0
+    assert s[names.SUM_ENERGY_COVERAGE] == 1.0 and s[names.SUM_TOKENS] == 800
+    tags = mlflow.MlflowClient().get_run(result["run_id"]).data.tags
+    assert tags[names.ENERGY_COVERAGE] == ("1/1 devices measured; GPU-shared is owned by ranks 0, 1 and counted "
+                                           "once (read by rank 0)")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_logs_into_the_active_run_and_leaves_it_open(tracking_uri):
     with mlflow.start_run() as run:
         with EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, measure_energy="none") as mon:
