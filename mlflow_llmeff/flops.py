@@ -76,7 +76,6 @@ FORMULA_TAGS = {
 #: the meta device (:mod:`mlflow_llmeff.flopcount`) or gets no figure.
 FORMULA_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
                  "gemma3_text", "phi3", "olmo2", "olmoe", "granite", "granitemoe", "gpt_neox", "gpt2", "deepseek_v3")
-_SUPPORTED_TYPES = FORMULA_TYPES  # the old name, kept for callers
 
 
 @dataclass(frozen=True)
