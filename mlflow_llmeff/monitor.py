@@ -101,7 +101,8 @@ class EfficiencyMonitor:
         precision: one of :data:`PRECISIONS`; default: the dtype of the model's parameters.
         strategy: ``llmeff.parallelism.strategy``; default: from the model's wrappers.
         compile: the model is compiled (warm-up excess named ``compile``); default: detected.
-        activation_checkpointing: full recomputation is on (HFU x 4/3); default: detected (HF models).
+        activation_checkpointing: activation checkpointing is on (HFU adds the recomputed forward of the
+            checkpointed layers, read off HF models: flops.Recompute); default: detected (HF models).
         run_id: MLflow run to continue (a resumed run); default: the active run, ``MLFLOW_RUN_ID``,
             else a new run (which :meth:`finish` ends). Only rank 0 touches MLflow.
         run_name: name of a new run; default ``<model>-<accelerator>-<count>x-<strategy>-<precision>``.
@@ -513,9 +514,10 @@ class EfficiencyMonitor:
         counted FLOPs to its model FLOPs then gives HFU = MFU x ratio. Not under ``torch.compile``
         (the counter stops dynamo from compiling): there the analytic ratio stays. CPU
         scaled-dot-product attention, which the counter cannot see, is added analytically
-        (``palm`` convention, x4/3 under activation checkpointing). Counted once per run: a resumed
-        attempt keeps the checkpoint's ratio, so its first step runs exactly as an uninterrupted
-        run's (the counter can change which kernels run, and so the last bits of the weights).
+        (``palm`` convention, and its recomputation in checkpointed layers). Counted once per run:
+        a resumed attempt keeps the checkpoint's ratio, so its first step runs exactly as an
+        uninterrupted run's (the counter can change which kernels run, and so the last bits of the
+        weights).
         """
         if self._off or self.compiled or self._shape is None or getattr(self, "_hfu_counted", False):
             yield
