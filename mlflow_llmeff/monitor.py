@@ -112,7 +112,9 @@ class EfficiencyMonitor:
         device_hour_usd: price per device-hour for ``cost/*``; default: the dated table.
         usd_per_kwh: energy price added to the cost (measured energy only); default: none.
         measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (``none`` also turns carbon off).
-        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests).
+        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests), or one the
+            caller started earlier (e.g. at process start) so that the energy covers the set-up too;
+            a started meter is not restarted (``llmeff.energy.span``).
         country_iso_code, cloud_provider, cloud_region: where the machines are, for codecarbon's
             grid intensity (offline).
         carbon_tracker: a :class:`~mlflow_llmeff.carbon.CarbonTracker` to use instead (tests).
