@@ -616,7 +616,10 @@ class EfficiencyMonitor:
             return self._energy_ids
         from . import energy as en
 
-        mine = {"owned": list(self._energy.owned), "unmeasured": self._energy.unmeasured}
+        owned = list(self._energy.owned)
+        if not owned and self._energy.measures:  # a meter that names no devices: the ones it reads are its own
+            owned = list(self._energy.read().per_device_j)
+        mine = {"owned": owned, "unmeasured": self._energy.unmeasured}
         ranks = collectives.all_gather_object(mine) if many else [mine]
         owners = en.device_owners([r["owned"] for r in ranks])
         unmeasured = {d: why for r in ranks for d, why in r["unmeasured"].items() if d in owners}

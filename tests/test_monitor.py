@@ -136,6 +136,26 @@ def test_two_devices_one_unreadable_give_coverage_half_and_no_silently_partial_e
     assert s[names.SUM_COST_USD] == pytest.approx(3.6 * s[names.SUM_WALL_S] / 3600)
 
 
+def test_a_meter_that_names_no_devices_still_counts_the_ones_it_reads(tracking_uri):
+    # A user's own EnergyMeter subclass from before meters named their devices (no `owned`).
+    from mlflow_llmeff.energy import EnergyMeter, EnergyReading
+
+    class Mine(EnergyMeter):
+        source, num_devices = "custom", 1
+
+        def start(self):
+            self._t0 = 0.0
+
+        def read(self):
+            return EnergyReading(50.0, 1.0, {"board": 50.0})
+
+    mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=Clock(), energy_meter=Mine(),
+                            measure_energy="none", measure_peak=False)
+    mon.step(tokens=10, samples=1)
+    s = mon.finish()
+    assert s[names.SUM_ENERGY_COVERAGE] == 1.0 and s[names.SUM_J_PER_TOKEN] == 5.0
+
+
 def test_energy_cost_and_wall_time_cover_the_same_span_or_say_which(tracking_uri):
     # Set-up ran 3 s (clock 0 -> 3) before the monitor and its meter started; then 4 steps of 1 s at 200 W.
     clock = Clock()
