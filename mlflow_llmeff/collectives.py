@@ -77,7 +77,11 @@ def reduce_tensor(t):
 
 
 def all_gather_object(obj) -> list:
-    """Every rank's picklable ``obj``, indexed by rank (``[obj]`` without a process group)."""
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` without a process group.
+
+    ``torch.distributed.all_gather_object`` (pickled through the collective device). For small,
+    rare exchanges (the devices each rank owns, once per run), not for per-step data.
+    """
     dist = process_group()
     if dist is None or dist.get_world_size() == 1:
         return [obj]

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from . import collectives, lifecycle, names
 from .conditions import (FLOPS_FORMULA_NOTE, condition_tags, infer_precision, infer_strategy, is_compiled,
-                         shape_tags, unwrap_model, uses_activation_checkpointing)
+                         recompute_plan, shape_tags, unwrap_model, uses_activation_checkpointing)
 from .goodput import PAUSES, TimeLedger, breakdown, goodput
 from .throughput import ThroughputMeter
 
@@ -101,7 +101,8 @@ class EfficiencyMonitor:
         precision: one of :data:`PRECISIONS`; default: the dtype of the model's parameters.
         strategy: ``llmeff.parallelism.strategy``; default: from the model's wrappers.
         compile: the model is compiled (warm-up excess named ``compile``); default: detected.
-        activation_checkpointing: full recomputation is on (HFU x 4/3); default: detected (HF models).
+        activation_checkpointing: activation checkpointing is on (HFU adds the recomputed forward of the
+            checkpointed layers, read off HF models: flops.Recompute); default: detected (HF models).
         run_id: MLflow run to continue (a resumed run); default: the active run, ``MLFLOW_RUN_ID``,
             else a new run (which :meth:`finish` ends). Only rank 0 touches MLflow.
         run_name: name of a new run; default ``<model>-<accelerator>-<count>x-<strategy>-<precision>``.
@@ -111,7 +112,9 @@ class EfficiencyMonitor:
         device_hour_usd: price per device-hour for ``cost/*``; default: the dated table.
         usd_per_kwh: energy price added to the cost (measured energy only); default: none.
         measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (``none`` also turns carbon off).
-        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests).
+        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests), or one the
+            caller started earlier (e.g. at process start) so that the energy covers the set-up too;
+            a started meter is not restarted (``llmeff.energy.span``).
         country_iso_code, cloud_provider, cloud_region: where the machines are, for codecarbon's
             grid intensity (offline).
         carbon_tracker: a :class:`~mlflow_llmeff.carbon.CarbonTracker` to use instead (tests).
@@ -186,6 +189,7 @@ class EfficiencyMonitor:
         self._set_up_measurement(peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                                  energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
         self._set_up_step_timing(model, contention_meter)
+        self._read_flops(model)  # after the energy meter started: a meta-device count takes seconds
         from .tracking.logger import NullLogger
 
         self._logger, self._run = NullLogger(), None
@@ -196,7 +200,7 @@ class EfficiencyMonitor:
             self._open_run(run_id, run_name, experiment_name, tags or {}, params or {}, resume_state)
         self._carbon.start()
         self._consumption.intensity_g_per_kwh = self._carbon.intensity_g_per_kwh
-        self._energy.start()
+        self._note_energy_head_gap()
         lifecycle.install()
         lifecycle.register(self)
         self._ledger.begin()
@@ -208,9 +212,7 @@ class EfficiencyMonitor:
 
     # ------------------------------------------------------------------------------ set-up
     def _read_model(self, model, model_config, precision, strategy, compile, act_ckpt) -> None:
-        """Device, precision, strategy, compile and recompute flags, and the FLOPs model, from the model."""
-        from . import flops as fl
-
+        """Device, precision, strategy, compile and activation-checkpointing flags, and the config, from the model."""
         inner = unwrap_model(model) if model is not None else None
         self._device = None
         if inner is not None:
@@ -223,19 +225,33 @@ class EfficiencyMonitor:
         self.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
         self.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
                                          else model is not None and uses_activation_checkpointing(model))
-        config = model_config if model_config is not None else getattr(inner, "config", None)
-        self._config, self._shape, self._fpt_note = config, None, "unknown: no model config (pass model= or model_config=)"
+        self._config = model_config if model_config is not None else getattr(inner, "config", None)
+
+    def _read_flops(self, model) -> None:
+        """FLOPs per token (formula, else counted on the meta device) and what checkpointing recomputes."""
+        from . import flops as fl
+
+        self._recompute = None
+        if self.activation_checkpointing:  # what the wrapper re-executes; transformers' default when unreadable
+            self._recompute = recompute_plan(model) or fl.Recompute()
+        config = self._config
+        self._shape, self._fpt_note = None, "unknown: no model config (pass model= or model_config=)"
+        self._flops_method = "none: no model config (pass model= or model_config=)"
         if config is not None:
-            try:
-                self._shape = fl.model_shape(config)
+            from .flopcount import resolve
+
+            source = resolve(config, recompute=self._recompute)  # formula, else counted on the meta device
+            self._shape, self._flops_method = source.flops, source.note
+            if source.flops is None:
+                self._fpt_note = f"unknown: {source.note}"
+            else:
                 self._fpt_note = FLOPS_FORMULA_NOTE
                 why = ("compile=true (FlopCounterMode would stop torch.compile)" if self.compiled
                        else "no FlopCounterMode step on this path")
+                recomputed = (f" + the recomputed forward of {self._recompute.describe()}, LM head and embedding "
+                              "not recomputed" if self._recompute else "")
                 self._hfu_note = (f"analytic: {why}; palm-convention FLOPs (dense attention, no causal discount)"
-                                  + (" x4/3 (activation checkpointing)" if self.activation_checkpointing else "")
-                                  + " over megatron model FLOPs")
-            except ValueError as e:
-                self._fpt_note = f"unknown: {e}"
+                                  f"{recomputed} over megatron model FLOPs")
 
     def _set_up_measurement(self, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                             energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker) -> None:
@@ -248,17 +264,19 @@ class EfficiencyMonitor:
 
         device_type = self._device.type if self._device is not None else None
         self.accelerator = hw.detect_accelerator(count=self.world_size, device_type=device_type)
+        if energy_meter is None:
+            idx = [self._device.index or 0] if device_type == "cuda" else None
+            energy_meter = (en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none"
+                            else en.NullMeter("measure_energy=none"))
+        self._energy = energy_meter
+        if not self._energy.started:  # first: the energy's span starts here (a caller may start it earlier)
+            self._energy.start()
         self.peak_tflops, self._peak_source = hw.resolve_peak(self.accelerator, self.precision, peak_tflops)
         self._measured_peak, self._measured_peak_note = None, "not measured (measure_peak=False)"
         if measure_peak:
             self._measure_peak()
         self._price, self._price_source = cost_mod.device_hour_price(self.accelerator.short, device_hour_usd)
         self._cost_tags = cost_mod.cost_tags(self._price, self._price_source, usd_per_kwh)
-        if energy_meter is None:
-            idx = [self._device.index or 0] if device_type == "cuda" else None
-            energy_meter = (en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none"
-                            else en.NullMeter("measure_energy=none"))
-        self._energy = energy_meter
         self._carbon = carbon_tracker or CarbonTracker(
             country_iso_code=country_iso_code, cloud_provider=cloud_provider, cloud_region=cloud_region,
             enabled=measure_energy != "none")
@@ -371,7 +389,8 @@ class EfficiencyMonitor:
             peak_source=self._peak_source, measured_peak_note=self._measured_peak_note,
             warmup_steps=self.warmup_steps, energy_source=self._energy.source, energy_why=self._energy.why,
             integration=self._integration, compiled=self.compiled,
-            activation_checkpointing=self.activation_checkpointing, cost_tags=self._cost_tags)
+            activation_checkpointing=self.activation_checkpointing, cost_tags=self._cost_tags,
+            flops_method=self._flops_method)
 
     # ------------------------------------------------------------------------------ failures
     def _fail(self, e: BaseException) -> None:
@@ -535,9 +554,10 @@ class EfficiencyMonitor:
         counted FLOPs to its model FLOPs then gives HFU = MFU x ratio. Not under ``torch.compile``
         (the counter stops dynamo from compiling): there the analytic ratio stays. CPU
         scaled-dot-product attention, which the counter cannot see, is added analytically
-        (``palm`` convention, x4/3 under activation checkpointing). Counted once per run: a resumed
-        attempt keeps the checkpoint's ratio, so its first step runs exactly as an uninterrupted
-        run's (the counter can change which kernels run, and so the last bits of the weights).
+        (``palm`` convention, and its recomputation in checkpointed layers). Counted once per run:
+        a resumed attempt keeps the checkpoint's ratio, so its first step runs exactly as an
+        uninterrupted run's (the counter can change which kernels run, and so the last bits of the
+        weights).
         """
         if self._off or self.compiled or self._shape is None or getattr(self, "_hfu_counted", False):
             yield
@@ -563,8 +583,10 @@ class EfficiencyMonitor:
         note = "FlopCounterMode on step {} of the attempt (eager attention counted)"
         attn_impl = getattr(self._config, "_attn_implementation", None)
         if attn_impl == "sdpa" and (self._device is None or self._device.type == "cpu"):
-            extra = fl.attention_flops_per_token(self._shape, s_eff, "palm") * tokens
-            counted += extra * (fl.RECOMPUTE_FACTOR if self.activation_checkpointing else 1.0)
+            # the counter cannot see CPU SDPA: its training FLOPs (palm) and its recomputation, if any
+            extra = (fl.attention_flops_per_token(self._shape, s_eff, "palm")
+                     + fl.recompute_flops_per_token(self._shape, s_eff, self._recompute, attention_only=True))
+            counted += extra * tokens
             note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
         self._hfu_ratio = counted / (fl.flops_per_token(self._shape, s_eff) * tokens)
         self._hfu_note = note.format(self.step_count + 1)
@@ -581,7 +603,7 @@ class EfficiencyMonitor:
             from . import flops as fl
 
             cache.clear()  # one batch shape at a time in practice
-            cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self.activation_checkpointing)
+            cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self._recompute)
         return cache[s_eff]
 
     # ------------------------------------------------------------------------------ window edges
@@ -611,16 +633,62 @@ class EfficiencyMonitor:
         return fl.flops_per_token(self._shape, s, convention)
 
     def _refresh_consumption(self, collective: bool = True, loss: tuple[float, int] = (0.0, 0)) -> tuple[float, int]:
-        """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along."""
+        """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along.
+
+        Each physical device is summed once: a rank adds only the devices it owns
+        (:func:`~mlflow_llmeff.energy.device_owners`: the lowest rank listing a device id reads it),
+        so two ranks on one GPU count it once. Without a collective on several ranks (rank 0 alone at
+        exit) the other ranks' readings cannot be had: the totals stay those of the last collective
+        reading, and ``llmeff.energy.span`` says where the energy ends.
+        """
         loss_sum, loss_n = loss
+        many = self.world_size > 1
+        if many and not collective:
+            return loss_sum, int(loss_n)
+        mine = self._energy_share(many)
         reading = self._energy.read() if self._energy.measures else None
         est = self._carbon.running_estimate()
-        local = [loss_sum, float(loss_n), reading.joules if reading else 0.0,
-                 float(self._energy.num_devices if reading else 0), est[0] if est else 0.0,
-                 est[1] if est else 0.0, 1.0 if est else 0.0]
-        g = collectives.all_reduce(local) if collective else local
-        self._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None)
+        joules, devices, domains = 0.0, 0, 0
+        if reading is not None:
+            ours = [d for d in reading.per_device_j if d in mine]
+            joules = sum(reading.per_device_j[d] for d in ours)
+            domains = len(ours)
+            devices = self._energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
+        local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
+                 est[1] if est else 0.0, 1.0 if est else 0.0, float(domains)]
+        g = collectives.all_reduce(local) if many else local
+        self._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
+                                 measured_domains=int(g[7]), wall_s=self._ledger.wall_s())
         return g[0], int(g[1])
+
+    def _energy_share(self, many: bool) -> set[str]:
+        """The device ids this rank reports (once per run: one collective gathering every rank's devices)."""
+        if getattr(self, "_energy_ids", None) is not None:
+            return self._energy_ids
+        from . import energy as en
+
+        owned = list(self._energy.owned)
+        if not owned and self._energy.measures:  # a meter that names no devices: the ones it reads are its own
+            owned = list(self._energy.read().per_device_j)
+        mine = {"owned": owned, "unmeasured": self._energy.unmeasured}
+        ranks = collectives.all_gather_object(mine) if many else [mine]
+        owners = en.device_owners([r["owned"] for r in ranks])
+        unmeasured = {d: why for r in ranks for d, why in r["unmeasured"].items() if d in owners}
+        shared = {d: [i for i, r in enumerate(ranks) if d in r["owned"]] for d in owners}
+        self._consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
+        self._energy_ids = {d for d, rank in owners.items() if rank == self.rank}
+        return self._energy_ids
+
+    def _note_energy_head_gap(self) -> None:
+        """Set-up seconds of this attempt before the energy meter started: in summary/wall_s, not in the energy."""
+        if not self._energy.measures:
+            return
+        try:
+            elapsed = self._energy.read().elapsed_s
+        except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
+            return
+        attempt = self._ledger.snapshot()["init"] - self._ledger.seconds["init"]  # still in init: this attempt so far
+        self._consumption.head_gap_s += max(0.0, attempt - elapsed)
 
     def _memory(self, collective: bool = True) -> tuple[float, float, str]:
         import torch
@@ -1001,7 +1069,7 @@ class EfficiencyMonitor:
     def _end_tags(self, note: str | None) -> dict[str, str]:
         tags = {names.HFU_METHOD: self._hfu_note, **self._carbon.tags(
             energy_source=self._energy.source if self._consumption.measured else None),
-                **getattr(self, "_stability_tags", {})}
+            **self._consumption.tags(self._ledger.wall_s()), **getattr(self, "_stability_tags", {})}
         if getattr(self, "_memory_source", None) is not None:
             tags[names.MEMORY_SOURCE] = self._memory_source
         if not self._consumption.measured and self._consumption.estimate is not None:
