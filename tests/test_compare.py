@@ -372,3 +372,15 @@ def test_a_label_past_the_figure_edge_is_found_and_turned_inward():
     plots.lay_out(fig)
     assert plots.clipped_texts(fig) == []
     plt.close(fig)
+
+
+def test_the_flops_method_is_compared_by_method_not_by_model_type():
+    formula = "formula: llama config fields (flops.flops_per_token; docs/formulas.md)"
+    same = [rec("a", 1, 1.0, **{names.FLOPS_METHOD: formula}),
+            rec("b", 1, 1.0, **{names.FLOPS_METHOD: formula.replace("llama", "qwen3")})]
+    counted = rec("c", 1, 1.0, **{names.FLOPS_METHOD: "meta_count: model_type 'bloom' is not in the formula"})
+    for r in (*same, counted):
+        r.metrics[names.SUM_MFU] = 0.3
+    assert comparability_warnings(same) == []
+    w, = comparability_warnings([*same, counted])
+    assert w.what == "FLOPs method" and w.values == {"formula": ["run-a", "run-b"], "meta_count": ["run-c"]}

@@ -71,16 +71,23 @@ CONDITION_TAGS = (names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PAR_S
                   names.EVAL_DOCUMENTS, names.V_LLMEFF)
 
 _BENCH = (names.EVAL_MMLU_ACC, names.EVAL_HELLASWAG_ACC, names.EVAL_HELLASWAG_ACC_NORM)
+def _method(v: str) -> str:
+    return v.split(":", 1)[0]
+
+
 #: What makes figures of two runs not comparable: (what, tag key, param fallback for older runs, the
-#: metrics whose comparison it changes: only runs holding one of them take part; None = every run).
+#: metrics whose comparison it changes: only runs holding one of them take part; None = every run,
+#: and how a value is compared: None = as it is).
 #: The eval batch size is no such condition: it changes how fast an eval runs, not its score (lm-eval
 #: definitions), and is a column of the full table.
-COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None, (names.SUM_DEVICE_TFLOPS, names.SUM_MFU)),
-                 ("peak source", names.PEAK_SOURCE, None, (names.SUM_MFU, names.SUM_HFU)),
-                 ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot", (names.EVAL_MMLU_ACC,)),
-                 ("eval documents", names.EVAL_DOCUMENTS, None, _BENCH),
-                 ("dataset", names.DATASET, None, None),
-                 ("llmeff version", names.V_LLMEFF, None, None))
+COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None, (names.SUM_DEVICE_TFLOPS, names.SUM_MFU), None),
+                 # formula vs a meta-device count: the method, not the model type it names
+                 ("FLOPs method", names.FLOPS_METHOD, None, (names.SUM_DEVICE_TFLOPS, names.SUM_MFU), _method),
+                 ("peak source", names.PEAK_SOURCE, None, (names.SUM_MFU, names.SUM_HFU), None),
+                 ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot", (names.EVAL_MMLU_ACC,), None),
+                 ("eval documents", names.EVAL_DOCUMENTS, None, _BENCH, None),
+                 ("dataset", names.DATASET, None, None, None),
+                 ("llmeff version", names.V_LLMEFF, None, None, None))
 
 _UNITS = {d.key: d.unit for d in names.METRICS}
 _TTQ_UNITS = {"wall_s": "s", "train_s": "s", "tokens": "tokens", "device_hours": "device-h", "kwh": "kWh",
@@ -183,12 +190,15 @@ def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
     """
     out = []
     compared = [r for r in runs if r.comparable] or runs
-    for what, key, param, affects in COMPARABILITY:
+    for what, key, param, affects, norm in COMPARABILITY:
         values: dict[str, list[str]] = {}
         for r in compared:
             if affects is not None and not any(k in r.metrics for k in affects):
                 continue
-            values.setdefault(_condition(r, key, param) or "unknown", []).append(r.label)
+            v = _condition(r, key, param)
+            if v is not None and norm is not None:
+                v = norm(v)
+            values.setdefault(v or "unknown", []).append(r.label)
         if len(values) > 1:
             out.append(Incomparability(what, key, values))
     return out
