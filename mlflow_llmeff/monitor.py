@@ -471,13 +471,24 @@ class EfficiencyMonitor:
             if self._shape_tags_pending:
                 self._tag_shape()
             if at_edge:
-                self._edge()
-                if step == self._meter.warmup_end_step:  # the steady window starts after this step
-                    self._contention.begin(collective=self.world_size > 1)
-                if log_now:
-                    self._log_interval(step)
+                self._at_edge(step, log_now)
         except Exception as e:  # noqa: BLE001 - never stop training
             self._fail(e)
+
+    def _at_edge(self, step: int, log_now: bool) -> None:
+        """The meter's own work at a window edge (reductions, rates, sampling, handing points to the
+        logger), timed as ``other`` so that it lands in no step: a step's time is the training's."""
+        self._ledger.enter("other")
+        try:
+            self._edge()
+            if step == self._meter.warmup_end_step:  # the steady window starts after this step
+                self._contention.begin(collective=self.world_size > 1)
+            if log_now:
+                self._log_interval(step)
+        finally:
+            self._ledger.exit()
+            if self._devclock is not None:
+                self._devclock.restart()
 
     @property
     def step_count(self) -> int:
