@@ -98,6 +98,12 @@ class _Job:
     def __init__(self, seq: int, kind: str, data) -> None:
         self.seq, self.kind, self.data = seq, kind, data
 
+    def entries(self) -> int:
+        """Metric points, params and tags this job carries (an eval: its metrics and its tag)."""
+        if self.kind == "batch":
+            return len(self.data)
+        return len(self.data["metrics"]) + 1 if self.kind == "eval" else 0
+
     def records(self) -> list[dict]:
         if self.kind == "batch":
             return outbox.entity_records(self.data)
@@ -182,11 +188,13 @@ class RunLogger(NullLogger):
         self._courier: threading.Thread | None = None
         self._in_flight_since: float | None = None  # monotonic start of the request in flight
         self._down_since: float | None = None  # unix time the server stopped answering (None: it answers)
+        self._down_mono: float | None = None  # the same on the monotonic clock: the start of the unanswered request
         self._down_reason = ""
+        self._outage: tuple[float, str] | None = None  # (unix start, reason) of an outage not yet in the warning tag
         self._closing = False  # the end is spilled: the delivery thread stops
         self.history_known = not resume
         if unanswered:
-            self._down_since, self._down_reason = time.time(), unanswered
+            self._down_since, self._down_mono, self._down_reason = time.time(), time.monotonic(), unanswered
         adopted = self._adopt_own_outbox() if resume or outbox.is_local_id(run_id) else []
         create = [r for r in adopted if "create" in r][:1] or [r for r in first if "create" in r][:1]
         for rec in create + [r for r in first if "create" not in r] + [r for r in adopted if "create" not in r]:
@@ -476,8 +484,7 @@ class RunLogger(NullLogger):
                     self._done = max(self._done, job.seq)
                     empty = not self._queue
                     self._cv.notify_all()
-                if empty:
-                    self._back_up()
+                self._answered(empty)
                 delay = 1.0
                 continue
             with self._cv:
@@ -536,7 +543,7 @@ class RunLogger(NullLogger):
         self.run_id = run_id
         outbox.remember_run_id(self.outbox_dir, local, run_id)
         msg = f"mlflow_llmeff: the tracking server answered: local run {local} is MLflow run {run_id}"
-        log.warning(msg)
+        log.info(msg)  # printed, not also warned: a terminal would show it twice
         print(msg, flush=True)
 
     def _log_batch(self, entries: list):
@@ -578,35 +585,43 @@ class RunLogger(NullLogger):
                     queue.extendleft(reversed(_halves(part)))
         return []
 
-    def _went_down(self, error: Exception) -> None:
+    def _went_down(self, error: Exception, since_mono: float | None = None) -> None:
+        """The server did not answer (``since_mono``: since when, on the monotonic clock; default now)."""
         if self._down_since is None:
-            self._down_since = time.time()
+            ago = time.monotonic() - since_mono if since_mono is not None else 0.0
+            self._down_since, self._down_mono = time.time() - ago, time.monotonic() - ago
             self._down_reason = _reason(error)
+            if self._outage is None:
+                self._outage = (self._down_since, self._down_reason)
             log.warning("mlflow_llmeff: the tracking server is not answering (%s); training goes on, points are "
                         "held and sent when it answers (outbox: %s)", self._down_reason, self.outbox_dir)
 
-    def _back_up(self) -> None:
-        """The queue is empty again: after an outage, note it in the warning tag."""
-        if self._down_since is not None:
-            since = time.strftime("%H:%M:%S", time.gmtime(self._down_since))
-            self._note((f"the tracking server did not answer from {since} UTC ({self._down_reason}) for "
-                        f"{time.time() - self._down_since:.0f} s; every held point was delivered after",))
-            self._down_since = None
+    def _answered(self, empty: bool) -> None:
+        """A delivery succeeded: the server answers again; once the queue is empty after an outage, the
+        outage goes into the warning tag."""
+        self._down_since = self._down_mono = None
+        if empty and self._outage is not None:
+            start, reason = self._outage
+            self._outage = None
+            since = time.strftime("%H:%M:%S", time.gmtime(start))
+            self._note((f"the tracking server did not answer from {since} UTC ({reason}) for "
+                        f"{time.time() - start:.0f} s; every held point was delivered after",))
             self._write_problems()
 
     # ------------------------------------------------------------------ waiting and the outbox file
     def held_count(self) -> int:
         """Entries (metrics, params, tags) not yet confirmed by the tracking server."""
         with self._cv:
-            return sum(len(j.data) for j in self._queue if j.kind == "batch") + len(self._buffer)
+            return sum(j.entries() for j in self._queue) + len(self._buffer)
 
     def _wait(self, *, while_down: bool, spill_after: float | None = None) -> bool:
         """Wait until every job handed over is delivered; True when it is.
 
         Gives up when a request has waited ``wait_s`` for its answer (the server is then marked
-        down), at once when the server is known down (unless ``while_down``), and when it has been
-        down for ``wait_s`` of this wait. After ``spill_after`` seconds the outbox file is written
-        (so a kill during the rest of the wait loses nothing).
+        down since that request began), at once when the server is known down (unless
+        ``while_down``: then ``wait_s`` after the server stopped answering or after this wait began,
+        whichever is earlier, so one outage costs one wait). After ``spill_after`` seconds the outbox
+        file is written (so a kill during the rest of the wait loses nothing).
         """
         start = time.monotonic()
         spilled = False
@@ -622,8 +637,10 @@ class RunLogger(NullLogger):
                 spilled = bool(self._spill())
             flight = self._in_flight_since
             if flight is not None and now - flight >= self._wait_s:
-                self._went_down(delivery.NoAnswer(f"no answer to a request within {self._wait_s:g} s ({WAIT_ENV})"))
-            if self._down_since is not None and (not while_down or now - start >= self._wait_s):
+                self._went_down(delivery.NoAnswer(f"no answer to a request within {self._wait_s:g} s ({WAIT_ENV})"),
+                                since_mono=flight)
+            down = self._down_mono
+            if down is not None and (not while_down or now - min(start, down) >= self._wait_s):
                 return False
             if self._wait_s <= 0:
                 return False
@@ -649,7 +666,7 @@ class RunLogger(NullLogger):
             return 0
         write_outbox(path, run_id, records, local_id=self._local_id)
         self.spilled_to = path
-        return sum(len(j.data) for j in jobs if j.kind == "batch") or len(records)
+        return sum(j.entries() for j in jobs)
 
     # ------------------------------------------------------------------ the warning tag
     def _note(self, problems: tuple[str, ...]) -> None:
@@ -741,12 +758,15 @@ class RunLogger(NullLogger):
         n = self._spill()
         if not self.spilled_to:
             return
-        what = f"they and its end ({status})" if status else "they"
         run = (f"local run {self.run_id} (not created on the server yet)" if outbox.is_local_id(self.run_id)
                else f"run {self.run_id}")
-        msg = (f"mlflow_llmeff: the tracking server did not take {n} entries of {run}; {what} are in "
-               f"{self.spilled_to}: run `llmeff sync {self.outbox_dir}` when it answers")
-        log.warning(msg)
+        if n:
+            left = f"{n} entries of {run}; they and its end ({status}) are" if status else f"{n} entries of {run}; they are"
+        else:
+            left = f"the end ({status}) of {run}; it is" if status else f"all of {run}; the rest is"
+        msg = (f"mlflow_llmeff: the tracking server did not take {left} in {self.spilled_to}: "
+               f"run `llmeff sync {self.outbox_dir}` when it answers")
+        log.info(msg)  # printed, not also warned: a terminal would show it twice
         print(msg, flush=True)
 
     def _say_local(self) -> None:
@@ -755,7 +775,7 @@ class RunLogger(NullLogger):
             why = f"the tracking server did not create the run ({why})"
         msg = (f"mlflow_llmeff: {why}; training goes on as local run {self.run_id}: its creation and every point "
                f"wait in {self.outbox_dir} and are sent when the server answers, or by `llmeff sync {self.outbox_dir}`")
-        log.warning(msg)
+        log.info(msg)  # printed, not also warned: a terminal would show it twice
         print(msg, flush=True)
 
 

@@ -294,6 +294,7 @@ def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> Deliver
             log_inputs(client, run_id, rec["inputs"])
         elif "eval" in rec:
             log_eval(client, run_id, rec["eval"])
+            sent += len(rec["eval"]["metrics"]) + 1
         elif "report" in rec and terminate:
             log_report(client, run_id)
         elif "end" in rec and terminate:
