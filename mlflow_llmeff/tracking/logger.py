@@ -280,6 +280,9 @@ class RunLogger(NullLogger):
             self._floor = max(self._floor, int(step))
 
     def _warn(self, e: Exception) -> None:
+        if self._closing:  # a request abandoned at the end failed late: the end's line said it all
+            log.debug("logging failure after the end was spilled", exc_info=e)
+            return
         if not self._warned:
             self._warned = True
             warnings.warn(f"mlflow_llmeff: MLflow logging failed ({type(e).__name__}: {e}); training continues", stacklevel=3)
