@@ -312,9 +312,10 @@ def test_eval_results_for_a_run_on_a_silent_server_wait_in_the_outbox_then_land_
 class Launch:
     """A process started in a thread: its output, return code and the unix time it exited."""
 
-    def __init__(self, cmd: list[str], env: dict, cwd, hold=None, proxy: "HangingProxy | None" = None) -> None:
-        self.cmd, self.env, self.cwd, self.hold, self.proxy = cmd, env, cwd, hold, proxy
-        self.out, self.rc, self.exited = "", None, None
+    def __init__(self, cmd: list[str], env: dict, cwd, hold=None, proxy: "HangingProxy | None" = None,
+                 ck=None) -> None:
+        self.cmd, self.env, self.cwd, self.hold, self.proxy, self.ck = cmd, env, cwd, hold, proxy, ck
+        self.out, self.rc, self.exited, self.beat = "", None, None, None
 
     def run(self) -> "Launch":
         proc = subprocess.Popen(self.cmd, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE,
@@ -328,6 +329,8 @@ class Launch:
             open(self.hold, "w").close()
         self.out = proc.communicate(timeout=600)[0]
         self.rc, self.exited = proc.returncode, time.time()
+        if self.ck is not None:  # the newest logged step and its time, before a next attempt rewrites it
+            self.beat = heartbeat(self.ck)
         return self
 
 
@@ -347,12 +350,13 @@ def launches(real_server, tmp_path_factory):
     proxies = {"b": HangingProxy(real_server.port), "c": HangingProxy(real_server.port)}
     mid = 15
     jobs = {
-        "a": [Launch(train_cmd(tmp / "a", "hang-a", 8), hang_env(hole.uri), tmp)],
-        "d": [Launch(train_cmd(tmp / "d", "hang-d", 8), hang_env(hole.uri, LLMEFF_FAULT_SIGTERM_AT_STEP="6"), tmp),
-              Launch(train_cmd(tmp / "d", "hang-d", 8), hang_env(hole.uri), tmp)],  # resume=auto, still hanging
+        "a": [Launch(train_cmd(tmp / "a", "hang-a", 8), hang_env(hole.uri), tmp, ck=tmp / "a")],
+        "d": [Launch(train_cmd(tmp / "d", "hang-d", 8), hang_env(hole.uri, LLMEFF_FAULT_SIGTERM_AT_STEP="6"), tmp,
+                     ck=tmp / "d"),
+              Launch(train_cmd(tmp / "d", "hang-d", 8), hang_env(hole.uri), tmp, ck=tmp / "d")],  # resume=auto
         "b": [Launch(train_cmd(tmp / "b", "hang-b", 12), hang_env(
             proxies["b"].uri, mid, LLMEFF_FAULT_HOLD_AT_STEP="6", LLMEFF_FAULT_HOLD_FILE=str(tmp / "hold_b")), tmp,
-            hold=tmp / "hold_b", proxy=proxies["b"])],
+            hold=tmp / "hold_b", proxy=proxies["b"], ck=tmp / "b")],
         "c": [Launch([sys.executable, str(REPO / "tests" / "scripts" / "hang_loop.py"), str(tmp / "hold_c")],
                      {**hang_env(proxies["c"].uri, mid), "PYTHONPATH": str(REPO), "MLFLOW_EXPERIMENT_NAME": "hang-c",
                       "LLMEFF_OUTBOX_DIR": str(tmp / "c_outbox")}, tmp, hold=tmp / "hold_c", proxy=proxies["c"])],
@@ -380,7 +384,7 @@ def test_a_server_that_never_answers_from_the_start_costs_the_wait_and_syncs_to_
     one FINISHED run with every point once (and a second sync changes nothing)."""
     [a], ck = launches["a"], launches["tmp"] / "a"
     assert a.rc == 0, a.out[-3000:]
-    assert heartbeat(ck)["step"] == 8 and exit_after(a, heartbeat(ck)["unix"], "(a)") < WAIT_S + SLACK_S
+    assert a.beat["step"] == 8 and exit_after(a, a.beat["unix"], "(a)") < WAIT_S + SLACK_S
     local = outbox.read_outbox(next(str(p) for p in (ck / "outbox").glob("local-*.jsonl")))[0]["run_id"]
     assert f"training goes on as local run {local}: its creation and every point wait in {ck / 'outbox'}" in a.out
     assert (f"of local run {local} (not created on the server yet); they and its end (FINISHED) are in "
@@ -404,10 +408,11 @@ def test_a_sigterm_while_the_server_hangs_ends_within_the_wait_and_the_local_run
     first, second = launches["d"]
     ck = launches["tmp"] / "d"
     assert first.rc == 143, first.out[-3000:]
+    assert first.beat["step"] == 6 and exit_after(first, first.beat["unix"], "(d) SIGTERM") < WAIT_S + SLACK_S
     assert "they and its end (KILLED)" in first.out
     assert second.rc == 0, second.out[-3000:]
     assert "resuming MLflow run local-" in second.out and "from checkpoint step 4" in second.out
-    assert heartbeat(ck)["step"] == 8 and exit_after(second, heartbeat(ck)["unix"], "(d) resumed") < WAIT_S + SLACK_S
+    assert second.beat["step"] == 8 and exit_after(second, second.beat["unix"], "(d) resumed") < WAIT_S + SLACK_S
     sync(ck / "outbox")
     run = only_run_of("hang-d")
     assert_complete(run, 8)  # steps 5 and 6, replayed, logged once
@@ -420,8 +425,7 @@ def test_a_server_that_stops_answering_mid_run_gets_the_rest_summary_and_end_at_
     exits within the wait after its last step, and `llmeff sync` completes the run on the server."""
     [b], ck = launches["b"], launches["tmp"] / "b"
     assert b.rc == 0, b.out[-3000:]
-    assert heartbeat(ck)["step"] == 12
-    assert exit_after(b, heartbeat(ck)["unix"], "(b)") < launches["mid_wait_s"] + SLACK_S
+    assert b.beat["step"] == 12 and exit_after(b, b.beat["unix"], "(b)") < launches["mid_wait_s"] + SLACK_S
     run = only_run_of("hang-b")
     assert run.info.status == "RUNNING" and names.SUM_WALL_S not in run.data.metrics
     assert [s for s, _ in history(run, names.TRAIN_TOKENS)] == [2, 4, 6]  # what it took before it hung
