@@ -113,7 +113,8 @@ def run_as_project() -> None:
 
 # ---- flops / peak commands (FLOPs per token, measured matmul peak)
 @main.command("flops")
-@click.option("--model", required=True, help="Preset name (llama-7b, gpt2-124m, ...) or a local HF model directory.")
+@click.option("--model", required=True,
+              help="Preset name (llama-7b, gpt2-124m, ...), a local HF model directory (config.json) or a hub id.")
 @click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sequence.")
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Sequences per micro-batch per device.")
@@ -124,28 +125,43 @@ def run_as_project() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, num_processes: int,
               as_json: bool) -> None:
-    """Parameters and training FLOPs per token / per step (megatron and palm conventions)."""
+    """Parameters and training FLOPs per token / per step (megatron and palm conventions).
+
+    The formula reads the config's own fields for the families it knows; any other causal LM
+    is counted once on the meta device (FlopCounterMode, no weights); the output says which.
+    """
     import json
 
+    from mlflow_llmeff.flopcount import resolve
     from mlflow_llmeff.flops import FORMULA_TAGS, flops_summary
     from mlflow_llmeff.train.models import load_config
 
     try:
-        s = flops_summary(load_config(model), seq_len, micro_batch_size, grad_accum, num_processes)
+        config = load_config(model)
+    except Exception as e:  # noqa: BLE001 - a bad directory or an unreachable hub: one line, no trace
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise click.ClickException(msg if isinstance(e, ValueError) else f"model {model!r}: {type(e).__name__}: {msg}")
+    source = resolve(config)
+    if source.flops is None:
+        raise click.ClickException(f"model {model!r}: no FLOPs per token ({source.note})")
+    try:
+        s = flops_summary(source.flops, seq_len, micro_batch_size, grad_accum, num_processes)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    s = {"model": model, **s}
+    s = {"model": model, "method": source.method, "method_note": source.note, **s}
     if as_json:
         click.echo(json.dumps(s, indent=1))
         return
+    active = f"{s['params_active']:,}" if s["params_active"] is not None else "unknown (MoE counted on meta)"
     click.echo(f"model {model}: {s['params_total']:,} params total, {s['params_non_embedding']:,} "
-               f"non-embedding, {s['params_active']:,} active")
+               f"non-embedding, {active} active")
     click.echo(f"seq_len {seq_len}, {s['tokens_per_step']:,} tokens/step "
                f"({micro_batch_size} x {grad_accum} x {num_processes} sequences)")
     for conv in ("megatron", "palm"):
         click.echo(f"{conv:>8}: {s[f'flops_per_token_{conv}'] / 1e9:.4f} GFLOP/token, "
                    f"{s[f'flops_per_step_{conv}'] / 1e12:.4f} TFLOP/step "
                    f"({s[f'flops_per_step_per_device_{conv}'] / 1e12:.4f} per device)")
+    click.echo(f"method: {source.note}")
     click.echo(f"formula: {FORMULA_TAGS['megatron']}")
 
 

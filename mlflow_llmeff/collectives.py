@@ -8,7 +8,7 @@ rank must make the same calls in the same order; a caller that is on one rank on
 
 from __future__ import annotations
 
-__all__ = ["process_group", "world_and_rank", "synchronize", "all_reduce"]
+__all__ = ["process_group", "world_and_rank", "synchronize", "all_reduce", "reduce_tensor", "all_gather_object"]
 
 
 def process_group():
@@ -74,3 +74,17 @@ def reduce_tensor(t):
     t = t.to(_reduce_device())
     dist.all_reduce(t)
     return t
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` without a process group.
+
+    ``torch.distributed.all_gather_object`` (pickled through the collective device). For small,
+    rare exchanges (the devices each rank owns, once per run), not for per-step data.
+    """
+    dist = process_group()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -13,7 +13,7 @@ import sys
 from . import names
 
 __all__ = ["unwrap_model", "infer_precision", "infer_strategy", "is_compiled", "uses_activation_checkpointing",
-           "model_name", "condition_tags", "FLOPS_FORMULA_NOTE", "WARMUP_NOTE"]
+           "recompute_plan", "model_name", "condition_tags", "FLOPS_FORMULA_NOTE", "WARMUP_NOTE"]
 
 FLOPS_FORMULA_NOTE = ("megatron: L*h^2*(12+12g/n+18f/h+6s/h)+6hV per token, causal attention counted once "
                       "(Megatron-LM num_floating_point_operations); palm beside it")
@@ -53,6 +53,37 @@ def uses_activation_checkpointing(model) -> bool:
         return False
     except Exception:  # noqa: BLE001
         return False
+
+
+def recompute_plan(model):
+    """What the model's activation checkpointing re-executes, read off its layers; None when it has none.
+
+    Hugging Face models checkpoint each decoder layer (``GradientCheckpointingLayer`` with
+    ``gradient_checkpointing`` set; ``every_n_layers`` marks only some) through
+    ``_gradient_checkpointing_func``, a ``functools.partial`` of ``torch.utils.checkpoint.checkpoint``
+    whose keywords say reentrant or not (transformers 5 defaults to non-reentrant) and ``early_stop``
+    (PyTorch's default: True). A model with checkpointing on but no such layers (a wrapper the
+    plugin cannot see into) gets the transformers default: every layer, early stop.
+
+    Returns:
+        A :class:`~mlflow_llmeff.flops.Recompute`, or None without activation checkpointing.
+    """
+    from .flops import Recompute
+
+    if model is None or not uses_activation_checkpointing(model):
+        return None
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in unwrap_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
+    except Exception:  # noqa: BLE001 - transformers < 4.52 or not a transformers model
+        layers = []
+    marked = [i for i, m in enumerate(layers) if getattr(m, "gradient_checkpointing", False)]
+    if not marked:
+        return Recompute()
+    kw = dict(getattr(getattr(layers[marked[0]], "_gradient_checkpointing_func", None), "keywords", None) or {})
+    early = not kw.get("use_reentrant", False) and bool(kw.get("early_stop", True))
+    return Recompute(layers=None if len(marked) == len(layers) else tuple(marked), early_stop=early)
 
 
 def infer_precision(model) -> str:
@@ -140,7 +171,8 @@ def model_tags(model, config) -> dict[str, str]:
 def condition_tags(*, accelerator, world: int, strategy: str, precision: str, model, config, flops_note: str,
                    peak_tflops: float | None, peak_source: str, measured_peak_note: str, warmup_steps: int,
                    energy_source: str, energy_why: str | None, integration: str, compiled: bool,
-                   activation_checkpointing: bool, cost_tags: dict[str, str]) -> dict[str, str]:
+                   activation_checkpointing: bool, cost_tags: dict[str, str],
+                   flops_method: str | None = None) -> dict[str, str]:
     """Every condition tag a meter knows at its start (see ``docs/metrics.md`` for each key)."""
     from .probes import software_versions
 
@@ -158,6 +190,8 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
         names.AUTOLOG_INTEGRATION: integration,
         names.COMPILE: str(bool(compiled)).lower(), names.ACT_CKPT: str(bool(activation_checkpointing)).lower(),
     })
+    if flops_method is not None:
+        tags[names.FLOPS_METHOD] = flops_method
     tags.update(model_tags(model, config))
     tags.update(cost_tags)
     return tags

@@ -14,12 +14,20 @@ Formulas (``../shared/METRICS.md``, *Cost, energy, carbon*):
 * codecarbon's CPU/RAM *estimate* is kept apart (``energy/estimate/*``, ``carbon/estimate_kg_co2e``);
 * ``cost/total_usd = device_hour_usd x devices x wall_s / 3600 (+ measured kWh x usd_per_kwh)``.
 
+Partial measurement is a state of its own: ``summary/energy_coverage`` = measured devices / devices
+of the run (each physical device once, however many ranks own it). Below 1, every run total and
+per-token figure of measured energy and carbon is omitted, not scaled (it would cover only the
+measured devices), and ``llmeff.energy.coverage`` names the unmeasured devices and why; the
+per-device figures (average power, TFLOP/s per W) stay, as averages over the measured devices.
+Energy covers the wall time from the meter's start to its last reading (``summary/energy_span_s``,
+``llmeff.energy.span``), cost all of ``summary/wall_s``.
+
 Pure: readings come in from the caller (already summed over ranks); no I/O, no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import energy as en
 from . import names
@@ -50,14 +58,40 @@ class Consumption:
     energy_devices: int = 0  # devices measured (0: nothing measured)
     cpu_kwh: float | None = None  # codecarbon estimate of this attempt, all nodes (None: no estimate)
     ram_kwh: float | None = None
+    domains: int = 0  # distinct devices of the run the energy meters own, measured or not (0: none known)
+    measured_domains: int = 0  # of those, measured (each physical device once)
+    unmeasured: dict[str, str] = field(default_factory=dict)  # device id -> why it is not measured
+    shared: dict[str, list[int]] = field(default_factory=dict)  # device id -> the ranks that own it (> 1)
+    head_gap_s: float = 0.0  # wall seconds (all attempts) before the energy meter started: not in the energy
+    read_wall_s: float | None = None  # wall time (all attempts) of the newest reading in the totals
+    prior_partial: bool = False  # an earlier attempt measured only some of its devices
     _mark: tuple[float, int, float] | None = None  # (J, tokens, wall s) at the last interval
 
     # ------------------------------------------------------------------------------ updates
-    def update(self, *, joules: float, energy_devices: int, estimate: tuple[float, float] | None = None) -> None:
-        """Set this attempt's readings (cumulative since its start, summed over ranks)."""
+    def update(self, *, joules: float, energy_devices: int, estimate: tuple[float, float] | None = None,
+               measured_domains: int | None = None, wall_s: float | None = None) -> None:
+        """Set this attempt's readings (cumulative since its start, summed over ranks, each device once).
+
+        Args:
+            joules: measured energy of this attempt, J.
+            energy_devices: devices measured (for average power per device).
+            estimate: codecarbon's (CPU, RAM) kWh of this attempt.
+            measured_domains: energy domains measured (for the coverage; default ``energy_devices``).
+            wall_s: the run's wall time (all attempts) at this reading (for the energy's span).
+        """
         self.joules, self.energy_devices = float(joules), int(energy_devices)
+        self.measured_domains = int(energy_devices if measured_domains is None else measured_domains)
+        if wall_s is not None:
+            self.read_wall_s = float(wall_s)
         if estimate is not None:
             self.cpu_kwh, self.ram_kwh = float(estimate[0]), float(estimate[1])
+
+    def set_devices(self, devices: int, unmeasured: dict[str, str] | None = None,
+                    shared: dict[str, list[int]] | None = None) -> None:
+        """The run's energy domains: how many distinct devices, which are not measured and why, which are shared."""
+        self.domains = int(devices)
+        self.unmeasured = dict(unmeasured or {})
+        self.shared = dict(shared or {})
 
     def resume(self, state: dict, last_logged: dict[str, float]) -> None:
         """Continue from a checkpoint's :meth:`state_dict` and the run's newest logged totals.
@@ -73,11 +107,14 @@ class Consumption:
                                  last_logged.get(names.ENERGY_ESTIMATE_CPU_KWH, 0.0))
         self.prior_ram_kwh = max(float(state.get("estimate_ram_kwh", 0.0)),
                                  last_logged.get(names.ENERGY_ESTIMATE_RAM_KWH, 0.0))
+        self.head_gap_s = float(state.get("energy_head_gap_s", 0.0))
+        self.prior_partial = bool(state.get("energy_partial", False))
 
     def state_dict(self) -> dict:
         """Totals of all attempts so far, for a checkpoint."""
         return {"energy_j": self.total_j, "estimate_cpu_kwh": self.prior_cpu_kwh + (self.cpu_kwh or 0.0),
-                "estimate_ram_kwh": self.prior_ram_kwh + (self.ram_kwh or 0.0)}
+                "estimate_ram_kwh": self.prior_ram_kwh + (self.ram_kwh or 0.0),
+                "energy_head_gap_s": self.head_gap_s, "energy_partial": self.measured and not self.complete}
 
     # ------------------------------------------------------------------------------ totals
     @property
@@ -86,14 +123,32 @@ class Consumption:
         return self.energy_devices > 0
 
     @property
+    def coverage(self) -> float | None:
+        """Measured devices / devices of the run (each physical device once); None when no device is known."""
+        if self.domains <= 0:
+            return None
+        return min(self.measured_domains, self.domains) / self.domains
+
+    @property
+    def complete(self) -> bool:
+        """True when every device of the run (and of every earlier attempt) is measured."""
+        cov = self.coverage
+        return self.measured and not self.prior_partial and (cov is None or cov >= 1.0)
+
+    @property
+    def span_s(self) -> float | None:
+        """Wall seconds (all attempts) the measured energy covers: up to its newest reading, less the head gap."""
+        return None if self.read_wall_s is None else max(0.0, self.read_wall_s - self.head_gap_s)
+
+    @property
     def total_j(self) -> float:
-        """Measured energy of all attempts, J."""
+        """Measured energy of all attempts, J (of the measured devices only when not :attr:`complete`)."""
         return self.prior_j + self.joules
 
     @property
     def total_kwh(self) -> float | None:
-        """Measured energy of all attempts, kWh; None when nothing is measured."""
-        return en.joules_to_kwh(self.total_j) if self.measured else None
+        """Measured energy of all attempts, kWh; None when nothing is measured or only part of the devices."""
+        return en.joules_to_kwh(self.total_j) if self.complete else None
 
     @property
     def estimate(self) -> tuple[float, float] | None:
@@ -112,6 +167,8 @@ class Consumption:
         """Cost of ``wall_s`` seconds (all attempts) on every device, plus priced measured energy."""
         if self.device_hour_usd is None:
             return None
+        if self.usd_per_kwh and self.measured and not self.complete:
+            return None  # the energy part would price only the measured devices
         return total_cost_usd(device_hour_usd=self.device_hour_usd, devices=self.devices, wall_s=wall_s,
                               kwh=self.total_kwh or 0.0, usd_per_kwh=self.usd_per_kwh)
 
@@ -142,9 +199,9 @@ class Consumption:
         j = self.total_j
         if self.measured and self._mark is not None:
             j0, tok0, t0 = self._mark
-            if wall_s > t0:
+            if wall_s > t0:  # per measured device: an average over the devices measured
                 out[names.ENERGY_DEVICE_AVG_POWER_W] = en.average_power_w(j - j0, wall_s - t0, self.energy_devices)
-            if tokens > tok0:
+            if tokens > tok0 and self.complete:
                 out[names.ENERGY_J_PER_TOKEN] = en.j_per_token(j - j0, tokens - tok0)
         self._mark = (j, tokens, wall_s)
         return out
@@ -162,6 +219,10 @@ class Consumption:
             device_tflops: steady-state achieved model TFLOP/s per device (for TFLOP/s per W).
         """
         out: dict[str, float] = {}
+        if self.coverage is not None:
+            out[names.SUM_ENERGY_COVERAGE] = self.coverage
+        if self.measured and self.span_s is not None:
+            out[names.SUM_ENERGY_SPAN_S] = self.span_s
         kwh = self.total_kwh
         usd = self.cost_usd(wall_s)
         if usd is not None:
@@ -173,18 +234,63 @@ class Consumption:
             if tokens:
                 out[names.SUM_J_PER_TOKEN] = en.j_per_token(self.total_j, tokens)
                 out[names.SUM_KWH_PER_BTOK] = en.kwh_per_billion_tokens(kwh, tokens)
-            power = en.average_power_w(self.total_j, wall_s, self.energy_devices) if wall_s > 0 else 0.0
-            if device_tflops is not None and power > 0:
-                out[names.SUM_TFLOPS_PER_W] = en.tflops_per_w(device_tflops, power)
             kg = self.kg_co2e(kwh)
             if kg is not None:
                 out[names.SUM_KG_CO2E] = kg
                 if tokens:
                     out[names.SUM_KG_CO2E_PER_BTOK] = kg * 1e9 / tokens
+        if self.measured:  # per measured device, over the span the energy covers
+            span = self.span_s if self.span_s else wall_s
+            power = en.average_power_w(self.total_j, span, self.energy_devices) if span > 0 else 0.0
+            if device_tflops is not None and power > 0:
+                out[names.SUM_TFLOPS_PER_W] = en.tflops_per_w(device_tflops, power)
         elif self.estimate is not None:
             kg = self.kg_co2e(sum(self.estimate))
             if kg is not None:
                 out[names.SUM_ESTIMATE_KG_CO2E] = kg
                 if tokens:
                     out[names.SUM_ESTIMATE_KG_CO2E_PER_BTOK] = kg * 1e9 / tokens
+        return out
+
+    # ------------------------------------------------------------------------------ tags
+    def tags(self, wall_s: float) -> dict[str, str]:
+        """``llmeff.energy.coverage`` and ``llmeff.energy.span``: how many devices, and which wall span, the energy covers.
+
+        Args:
+            wall_s: ``summary/wall_s``, s.
+        """
+        out: dict[str, str] = {}
+        if self.domains > 0:
+            text = f"{min(self.measured_domains, self.domains)}/{self.domains} devices measured"
+            if self.unmeasured:
+                text += "; not measured: " + ", ".join(f"{d} ({why})" for d, why in self.unmeasured.items())
+            if self.prior_partial:
+                text += "; an earlier attempt of this run measured only some of its devices"
+            if self.measured and not self.complete:
+                text += ("; energy/total_kwh, energy/j_per_token, carbon/total_kg_co2e and summary/energy_kwh, "
+                         "j_per_token, kwh_per_billion_tokens, kg_co2e, kg_co2e_per_billion_tokens are omitted, not "
+                         "scaled: they would cover only the measured devices; energy/device/avg_power_w and "
+                         "summary/tflops_per_w are per measured device")
+                if self.usd_per_kwh:
+                    text += "; cost/* omitted: its energy part (usd_per_kwh) would price only the measured devices"
+                out[names.CARBON_ENERGY_BASIS] = ("partial measured energy (llmeff.energy.coverage): "
+                                                  "carbon/total_kg_co2e not logged")
+            for dev, ranks in self.shared.items():
+                text += (f"; {dev} is owned by ranks {', '.join(map(str, ranks))} and counted once "
+                         f"(read by rank {ranks[0]})")
+            out[names.ENERGY_COVERAGE] = text
+        if self.measured and self.span_s is not None:
+            gap, end = self.head_gap_s, max(0.0, wall_s - (self.read_wall_s or 0.0))
+            cost = "; cost/* covers all of summary/wall_s (devices x wall hours)"
+            if gap + end <= 0.01:
+                out[names.ENERGY_SPAN] = (f"energy/*, carbon/* and cost/* cover summary/wall_s ({wall_s:.3f} s; the "
+                                          f"energy meter started {gap:.3f} s after the run's clock)")
+            else:
+                text = f"energy/* and carbon/* cover {self.span_s:.3f} s of the {wall_s:.3f} s of summary/wall_s"
+                if gap > 0.0:
+                    text += f": the first {gap:.3f} s (set-up before the energy meter started) are not measured"
+                if end > 0.0:
+                    text += (f"; the last {end:.3f} s (after the last reading every rank took part in) are "
+                             "not measured")
+                out[names.ENERGY_SPAN] = text + cost
         return out

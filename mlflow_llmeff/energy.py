@@ -18,7 +18,11 @@ Each rank measures only its own devices, found through ``CUDA_VISIBLE_DEVICES`` 
 the UUID / PCI bus id torch reports), never by assuming CUDA index == NVML index when a UUID is
 available. Readings carry per-device joules keyed by a globally unique device id (the NVML UUID,
 or ``<host>:<rapl zone>``), so :func:`sum_over_ranks` on the main process adds each device
-exactly once even if two ranks were misconfigured to measure the same one.
+exactly once even if two ranks were misconfigured to measure the same one. Every meter also names
+the devices it is responsible for, measured or not (:attr:`EnergyMeter.owned`,
+:attr:`EnergyMeter.unmeasured`), so that a run knows how many of its devices were measured
+(:func:`device_owners`, ``summary/energy_coverage``) and which physical device each rank reports
+when several ranks share one GPU.
 
 Units are converted at the boundary: NVML millijoules, NVML milliwatts and RAPL microjoules
 become joules and watts as soon as they are read. ``pynvml`` comes from the ``nvidia-ml-py``
@@ -56,6 +60,7 @@ __all__ = [
     "make_meter",
     "resolve_nvml_devices",
     "sum_over_ranks",
+    "device_owners",
     "joules_to_kwh",
     "j_per_token",
     "average_power_w",
@@ -85,7 +90,15 @@ def _warn_once(msg: str) -> None:
 
 
 class _Unavailable(Exception):
-    """A backend cannot serve this process; the message is the reason (for ``energy.why``)."""
+    """A backend cannot serve this process; the message is the reason (for ``energy.why``).
+
+    ``owned``: the device ids it would have measured, when they are known (they stay the run's
+    devices, unmeasured).
+    """
+
+    def __init__(self, msg: str, owned: Sequence[str] = ()):
+        super().__init__(msg)
+        self.owned = tuple(owned)
 
 
 # --------------------------------------------------------------------------- readings
@@ -146,6 +159,27 @@ def sum_over_ranks(readings: Iterable[EnergyReading]) -> EnergyReading:
                 merged[dev] = j
     elapsed = max((r.elapsed_s for r in readings), default=0.0)
     return EnergyReading(joules=sum(merged[k] for k in sorted(merged)), elapsed_s=elapsed, per_device_j=merged)
+
+
+def device_owners(owned_by_rank: Sequence[Iterable[str]]) -> dict[str, int]:
+    """The rank that reports each physical device: the lowest rank that owns it.
+
+    Two ranks on one GPU (same NVML UUID) both read its counter; summing their joules would count
+    the device twice. With one owner per device id, each rank sums only the devices it owns and a
+    plain sum over ranks counts every device once.
+
+    Args:
+        owned_by_rank: per rank (index = rank), the device ids it is responsible for
+            (:attr:`EnergyMeter.owned`).
+
+    Returns:
+        ``{device id: owner rank}``, in first-seen order; its length is the run's number of devices.
+    """
+    owners: dict[str, int] = {}
+    for rank, owned in enumerate(owned_by_rank):
+        for dev in owned:
+            owners.setdefault(str(dev), rank)
+    return owners
 
 
 # --------------------------------------------------------------------------- pure calculators
@@ -257,16 +291,30 @@ class EnergyMeter:
             ``fake`` (value of the ``llmeff.energy.source`` tag).
         why: why energy is absent or measured by a fallback (``llmeff.energy.why``), else None.
         num_devices: devices whose energy this process measures (GPUs; RAPL: CPU packages).
+        owned: ids of every energy domain this process is responsible for, measured or not (NVML
+            UUIDs, ``<host>:rapl:<zone>``); the measured ones are the keys of
+            :attr:`EnergyReading.per_device_j`.
     """
 
     source: str = SOURCE_NONE
     why: str | None = None
     num_devices: int = 0
+    owned: tuple[str, ...] = ()
 
     @property
     def measures(self) -> bool:
         """True when :meth:`read` returns measured energy (False for the null meter)."""
         return self.source != SOURCE_NONE
+
+    @property
+    def unmeasured(self) -> dict[str, str]:
+        """``{device id: why}`` for the owned devices this meter cannot read."""
+        return dict(getattr(self, "_unmeasured", {}))
+
+    @property
+    def started(self) -> bool:
+        """True once :meth:`start` ran (a caller may start a meter early, e.g. at process start)."""
+        return getattr(self, "_t0", None) is not None
 
     def start(self) -> None:
         raise NotImplementedError
@@ -290,12 +338,19 @@ class NullMeter(EnergyMeter):
     """No measurement: :meth:`read` reports 0 J over the elapsed time; ``why`` says why.
 
     Callers must check :attr:`measures` (False here) and log no energy metric.
+
+    Args:
+        why: why nothing is measured.
+        owned: the devices that are therefore not measured (e.g. this process's GPU by UUID), if known.
+        clock: seconds, monotonic.
     """
 
-    def __init__(self, why: str, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, why: str, *, owned: Sequence[str] = (), clock: Callable[[], float] = time.monotonic):
         self.source = SOURCE_NONE
         self.why = why
         self.num_devices = 0
+        self.owned = tuple(owned)
+        self._unmeasured = {d: why for d in self.owned}
         self._clock = clock
         self._t0: float | None = None
 
@@ -318,6 +373,8 @@ class FakeEnergyMeter(EnergyMeter):
         source: the source it claims (default ``"fake"``; set e.g. ``"nvml_counter"`` to exercise
             a caller's tagging).
         why: the ``why`` it reports.
+        unmeasured: ``{device id: why}`` of further devices it owns but cannot read (partial
+            measurement).
     """
 
     def __init__(
@@ -327,11 +384,14 @@ class FakeEnergyMeter(EnergyMeter):
         clock: Callable[[], float],
         source: str = SOURCE_FAKE,
         why: str | None = None,
+        unmeasured: Mapping[str, str] | None = None,
     ):
         self.power_w = dict(power_w) if isinstance(power_w, Mapping) else {"fake0": float(power_w)}
         self.source = source
         self.why = why
         self.num_devices = len(self.power_w)
+        self._unmeasured = dict(unmeasured or {})
+        self.owned = tuple(self.power_w) + tuple(d for d in self._unmeasured if d not in self.power_w)
         self._clock = clock
         self._t0: float | None = None
 
@@ -396,6 +456,8 @@ class NvmlMeter(EnergyMeter):
         self._last_j: dict[str, float] = {}
         self._t0: float | None = None
         self._closed = False
+        self.owned = tuple(dev for dev, _ in devices)
+        self._unmeasured: dict[str, str] = {}
         notes: list[str] = []
         for dev, h in devices:
             try:
@@ -410,8 +472,9 @@ class NvmlMeter(EnergyMeter):
                 notes.append(f"{dev}: energy counter unsupported ({_err(counter_err)}), power integrated every {sample_interval_s:g} s")
             except Exception as e:
                 notes.append(f"{dev}: neither energy counter nor power readable ({_err(e)}); not measured")
+                self._unmeasured[dev] = f"neither energy counter nor power readable ({_err(e)})"
         if not self._counter_devs and not self._power_devs:
-            raise _Unavailable("; ".join(notes) or "no NVML device to measure")
+            raise _Unavailable("; ".join(notes) or "no NVML device to measure", owned=self.owned)
         self.num_devices = len(self._counter_devs) + len(self._power_devs)
         # The weaker method names the whole reading: any integrated device makes it nvml_power.
         self.source = SOURCE_NVML_POWER if self._power_devs else SOURCE_NVML_COUNTER
@@ -431,6 +494,7 @@ class NvmlMeter(EnergyMeter):
                     except Exception as e:
                         devs.remove((dev, h))
                         self.device_methods.pop(dev, None)
+                        self._unmeasured[dev] = f"first read failed ({_err(e)})"
                         note = f"{dev}: first read failed ({_err(e)}); not measured"
                         self.why = f"{self.why}; {note}" if self.why else note
                         _warn_once(f"energy: {note}")
@@ -557,6 +621,7 @@ class RaplMeter(EnergyMeter):
         self.source = SOURCE_RAPL
         self.why = None
         self.num_devices = packages
+        self.owned = tuple(dev for dev, _, _ in self._zones)
         self._counters: dict[str, _Counter] = {}
         self._last_j: dict[str, float] = {}
         self._t0: float | None = None
@@ -804,7 +869,9 @@ def make_meter(
             raise ValueError(f"measure_energy='rapl' cannot be served: {e}") from None
 
     reasons: list[str] = []
+    owned: tuple[str, ...] = ()
     if device_indices:
+        owned = _cuda_ids(device_indices, torch_ids)
         try:
             meter: EnergyMeter = _make_nvml_meter(*nvml_args)
             if meter.why:
@@ -812,6 +879,7 @@ def make_meter(
             return meter
         except _Unavailable as e:
             reasons.append(f"nvml: {e}")
+            owned = e.owned or owned
         except Exception as e:  # a misbehaving driver must not stop training
             reasons.append(f"nvml: {_err(e)}")
         reasons.append("rapl: not used for a process on CUDA devices (CPU energy is not the GPUs' energy)")
@@ -828,4 +896,13 @@ def make_meter(
     if env.get("LOCAL_RANK", "0") == "0":  # once a machine, not once a process (the reason is the machine's)
         _warn_once(f"energy not measured here ({short}): only codecarbon's estimate is logged "
                    "(tag llmeff.energy.why and `llmeff energy-probe` say why)")
-    return NullMeter(why, clock=clock)
+    return NullMeter(why, owned=owned, clock=clock)
+
+
+def _cuda_ids(device_indices: Sequence[int], torch_ids: Sequence[Mapping[str, Any]] | None) -> tuple[str, ...]:
+    """Ids of this process's CUDA devices when NVML cannot name them: torch's UUID, else ``<host>:cuda:<i>``."""
+    out = []
+    for i in device_indices:
+        ids = torch_ids[i] if torch_ids is not None and i < len(torch_ids) else None
+        out.append(_normalize_uuid(ids["uuid"]) if ids and ids.get("uuid") else f"{socket.gethostname()}:cuda:{i}")
+    return tuple(dict.fromkeys(out))

@@ -172,6 +172,11 @@ class TimeLedger:
         self.seconds[category] += float(seconds)
 
     # ------------------------------------------------------------------------------ readings
+    @property
+    def paused(self) -> bool:
+        """True inside a declared pause other than ``data_wait`` (which stays inside its step)."""
+        return self._depth > 0 and self._state != "data_wait"
+
     def close(self) -> dict[str, float]:
         """Credit the time up to now and stop the clock; returns the final seconds.
 

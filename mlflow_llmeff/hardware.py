@@ -32,6 +32,8 @@ __all__ = [
     "PeakEntry",
     "PeakRow",
     "PEAK_TABLE",
+    "FAMILY_DEFAULT",
+    "resolve_short",
     "detect_accelerator",
     "match_row",
     "lookup_peak",
@@ -173,6 +175,40 @@ MEMORY_GB: dict[str, float] = {
     "A100-PCIe-80GB": 80, "L4": 24, "L40S": 48, "H100-SXM": 80, "H100-PCIe": 80, "H100-NVL": 94, "H200": 141,
     "H200-NVL": 141, "B100": 192, "B200": 180, "GB200": 186, "MI250X": 128, "MI300X": 192, "MI325X": 256,
 }
+
+
+#: A bare family name stands for its flagship (SXM) part: what ``nvidia-smi`` calls e.g. an "H100"
+#: in an 8-GPU HGX board. The resolution says which part it took.
+FAMILY_DEFAULT = {"H100": "H100-SXM", "A100": "A100", "V100": "V100-SXM2", "H200": "H200"}
+
+
+def resolve_short(text: str) -> tuple[str, str | None]:
+    """The table's short name for an accelerator a user typed, and a note when it was an alias.
+
+    Accepted, case-insensitive: every short name of :data:`PEAK_TABLE` and ``cpu`` (``h100-sxm``),
+    a family name (``H100`` -> ``H100-SXM``, :data:`FAMILY_DEFAULT`), or a driver-reported device
+    name that :func:`match_row` knows (``NVIDIA H100 80GB HBM3``).
+
+    Returns:
+        ``(short name, note)``; note is None for a short name (any case), else says what was taken.
+
+    Raises:
+        ValueError: for a name none of these knows (the message lists the short names).
+    """
+    want = (text or "").strip()
+    shorts = {row.short.upper(): row.short for row in PEAK_TABLE}
+    shorts["CPU"] = "cpu"
+    if want.upper() in shorts:
+        return shorts[want.upper()], None
+    if want.upper() in FAMILY_DEFAULT:
+        short = FAMILY_DEFAULT[want.upper()]
+        parts = sorted(r.short for r in PEAK_TABLE if r.short.upper().startswith(want.upper() + "-"))
+        return short, f"{want!r} taken as {short}" + (f" (also: {', '.join(p for p in parts if p != short)})"
+                                                     if len(parts) > 1 else "")
+    row = match_row(want)
+    if row is not None:
+        return row.short, f"{want!r} is {row.short}"
+    raise ValueError(f"accelerator {text!r} is not known; use one of: {', '.join(sorted(shorts.values(), key=str.lower))}")
 
 
 _TOKEN_SPLIT = re.compile(r"[\s\-_/()]+")

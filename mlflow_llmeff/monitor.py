@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from . import collectives, lifecycle, names
 from .conditions import (FLOPS_FORMULA_NOTE, condition_tags, infer_precision, infer_strategy, is_compiled,
-                         shape_tags, unwrap_model, uses_activation_checkpointing)
+                         recompute_plan, shape_tags, unwrap_model, uses_activation_checkpointing)
 from .goodput import PAUSES, TimeLedger, breakdown, goodput
 from .throughput import ThroughputMeter
 
@@ -101,7 +101,8 @@ class EfficiencyMonitor:
         precision: one of :data:`PRECISIONS`; default: the dtype of the model's parameters.
         strategy: ``llmeff.parallelism.strategy``; default: from the model's wrappers.
         compile: the model is compiled (warm-up excess named ``compile``); default: detected.
-        activation_checkpointing: full recomputation is on (HFU x 4/3); default: detected (HF models).
+        activation_checkpointing: activation checkpointing is on (HFU adds the recomputed forward of the
+            checkpointed layers, read off HF models: flops.Recompute); default: detected (HF models).
         run_id: MLflow run to continue (a resumed run); default: the active run, ``MLFLOW_RUN_ID``,
             else a new run (which :meth:`finish` ends). Only rank 0 touches MLflow.
         run_name: name of a new run; default ``<model>-<accelerator>-<count>x-<strategy>-<precision>``.
@@ -111,7 +112,9 @@ class EfficiencyMonitor:
         device_hour_usd: price per device-hour for ``cost/*``; default: the dated table.
         usd_per_kwh: energy price added to the cost (measured energy only); default: none.
         measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (``none`` also turns carbon off).
-        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests).
+        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests), or one the
+            caller started earlier (e.g. at process start) so that the energy covers the set-up too;
+            a started meter is not restarted (``llmeff.energy.span``).
         country_iso_code, cloud_provider, cloud_region: where the machines are, for codecarbon's
             grid intensity (offline).
         carbon_tracker: a :class:`~mlflow_llmeff.carbon.CarbonTracker` to use instead (tests).
@@ -133,6 +136,9 @@ class EfficiencyMonitor:
         outbox_dir: where points the tracking server has not taken spill (before checkpoints and at
             the end) while it does not answer; default ``$LLMEFF_OUTBOX_DIR`` or
             ``~/.cache/mlflow_llmeff/outbox``. ``llmeff sync DIR`` sends them later.
+        report: log ``efficiency_report.json`` and figures at the end.
+        contention_meter: a :class:`~mlflow_llmeff.contention_meter.ContentionMeter` to use
+            instead of one reading this machine (tests pass one over the fake NVML).
 
     Raises:
         ValueError: for a bad argument (the message names it and what is accepted).
@@ -151,7 +157,7 @@ class EfficiencyMonitor:
                  resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
-                 report: bool = True) -> None:
+                 report: bool = True, contention_meter=None) -> None:
         from .evals.targets import parse_targets
 
         self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
@@ -182,6 +188,8 @@ class EfficiencyMonitor:
         self._meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
         self._set_up_measurement(peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                                  energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
+        self._set_up_step_timing(model, contention_meter)
+        self._read_flops(model)  # after the energy meter started: a meta-device count takes seconds
         from .tracking.logger import NullLogger
 
         self._logger, self._run = NullLogger(), None
@@ -191,17 +199,19 @@ class EfficiencyMonitor:
             self._open_run(run_id, run_name, experiment_name, tags or {}, params or {}, resume_state)
         self._carbon.start()
         self._consumption.intensity_g_per_kwh = self._carbon.intensity_g_per_kwh
-        self._energy.start()
+        self._note_energy_head_gap()
         lifecycle.install()
         lifecycle.register(self)
         self._ledger.begin()
+        if self._devclock is not None:
+            self._devclock.restart()
         self._consumption.start_interval(self._ledger.wall_s(), self._meter.total.tokens)
+        if self._meter.warmup_end_step == self._meter.step:  # no warm-up: the steady window starts now
+            self._contention.begin(collective=self.world_size > 1)
 
     # ------------------------------------------------------------------------------ set-up
     def _read_model(self, model, model_config, precision, strategy, compile, act_ckpt) -> None:
-        """Device, precision, strategy, compile and recompute flags, and the FLOPs model, from the model."""
-        from . import flops as fl
-
+        """Device, precision, strategy, compile and activation-checkpointing flags, and the config, from the model."""
         inner = unwrap_model(model) if model is not None else None
         self._device = None
         if inner is not None:
@@ -214,19 +224,33 @@ class EfficiencyMonitor:
         self.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
         self.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
                                          else model is not None and uses_activation_checkpointing(model))
-        config = model_config if model_config is not None else getattr(inner, "config", None)
-        self._config, self._shape, self._fpt_note = config, None, "unknown: no model config (pass model= or model_config=)"
+        self._config = model_config if model_config is not None else getattr(inner, "config", None)
+
+    def _read_flops(self, model) -> None:
+        """FLOPs per token (formula, else counted on the meta device) and what checkpointing recomputes."""
+        from . import flops as fl
+
+        self._recompute = None
+        if self.activation_checkpointing:  # what the wrapper re-executes; transformers' default when unreadable
+            self._recompute = recompute_plan(model) or fl.Recompute()
+        config = self._config
+        self._shape, self._fpt_note = None, "unknown: no model config (pass model= or model_config=)"
+        self._flops_method = "none: no model config (pass model= or model_config=)"
         if config is not None:
-            try:
-                self._shape = fl.model_shape(config)
+            from .flopcount import resolve
+
+            source = resolve(config, recompute=self._recompute)  # formula, else counted on the meta device
+            self._shape, self._flops_method = source.flops, source.note
+            if source.flops is None:
+                self._fpt_note = f"unknown: {source.note}"
+            else:
                 self._fpt_note = FLOPS_FORMULA_NOTE
                 why = ("compile=true (FlopCounterMode would stop torch.compile)" if self.compiled
                        else "no FlopCounterMode step on this path")
+                recomputed = (f" + the recomputed forward of {self._recompute.describe()}, LM head and embedding "
+                              "not recomputed" if self._recompute else "")
                 self._hfu_note = (f"analytic: {why}; palm-convention FLOPs (dense attention, no causal discount)"
-                                  + (" x4/3 (activation checkpointing)" if self.activation_checkpointing else "")
-                                  + " over megatron model FLOPs")
-            except ValueError as e:
-                self._fpt_note = f"unknown: {e}"
+                                  f"{recomputed} over megatron model FLOPs")
 
     def _set_up_measurement(self, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                             energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker) -> None:
@@ -239,21 +263,42 @@ class EfficiencyMonitor:
 
         device_type = self._device.type if self._device is not None else None
         self.accelerator = hw.detect_accelerator(count=self.world_size, device_type=device_type)
+        if energy_meter is None:
+            idx = [self._device.index or 0] if device_type == "cuda" else None
+            energy_meter = (en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none"
+                            else en.NullMeter("measure_energy=none"))
+        self._energy = energy_meter
+        if not self._energy.started:  # first: the energy's span starts here (a caller may start it earlier)
+            self._energy.start()
         self.peak_tflops, self._peak_source = hw.resolve_peak(self.accelerator, self.precision, peak_tflops)
         self._measured_peak, self._measured_peak_note = None, "not measured (measure_peak=False)"
         if measure_peak:
             self._measure_peak()
         self._price, self._price_source = cost_mod.device_hour_price(self.accelerator.short, device_hour_usd)
         self._cost_tags = cost_mod.cost_tags(self._price, self._price_source, usd_per_kwh)
-        if energy_meter is None:
-            idx = [self._device.index or 0] if device_type == "cuda" else None
-            energy_meter = (en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none"
-                            else en.NullMeter("measure_energy=none"))
-        self._energy = energy_meter
         self._carbon = carbon_tracker or CarbonTracker(
             country_iso_code=country_iso_code, cloud_provider=cloud_provider, cloud_region=cloud_region,
             enabled=measure_energy != "none")
         self._consumption = Consumption(devices=self.world_size, device_hour_usd=self._price, usd_per_kwh=usd_per_kwh)
+
+    def _set_up_step_timing(self, model, contention_meter) -> None:
+        """Per-step times (device events on CUDA), each rank's forward time, and the contention meter."""
+        from .contention_meter import ContentionMeter
+        from .steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
+
+        cuda = self._device is not None and self._device.type == "cuda"
+        self._steps, self._pending_step_s = StepTimes(), []
+        self._devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
+        self._fwd_s, self._fwd_steps, self._fwd = 0.0, 0, None
+        inner = unwrap_model(model) if model is not None else None
+        if inner is not None and hasattr(inner, "register_forward_pre_hook"):
+            self._fwd = ForwardTimer(inner, self._forward_counts, self._clock,
+                                     event=cuda_event_factory() if cuda else None)
+        self._contention = contention_meter or ContentionMeter(device=self._device)
+
+    def _forward_counts(self) -> bool:
+        """True while a forward pass is part of a steady step (not warm-up, not inside a declared pause)."""
+        return not self._ledger.paused and not self._meter.is_warmup(self.step_count + 1)
 
     def _measure_peak(self) -> None:
         """Achievable matmul TFLOP/s on this device and dtype (cached per machine: seconds, once)."""
@@ -280,6 +325,7 @@ class EfficiencyMonitor:
         self._reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
         self._attempts = int(state.get("attempts", 1)) + 1
         self._consumption.resume(state.get("consumption", {}), {})
+        self._steps.load_state_dict(state.get("step_times"))
         if state.get("hfu_counted"):  # counted in an earlier attempt: not again (see counting_hardware_flops)
             self._hfu_ratio, self._hfu_note = float(state["hfu_counted"][0]), str(state["hfu_counted"][1])
             self._hfu_counted = True
@@ -346,7 +392,8 @@ class EfficiencyMonitor:
             peak_source=self._peak_source, measured_peak_note=self._measured_peak_note,
             warmup_steps=self.warmup_steps, energy_source=self._energy.source, energy_why=self._energy.why,
             integration=self._integration, compiled=self.compiled,
-            activation_checkpointing=self.activation_checkpointing, cost_tags=self._cost_tags)
+            activation_checkpointing=self.activation_checkpointing, cost_tags=self._cost_tags,
+            flops_method=self._flops_method)
 
     # ------------------------------------------------------------------------------ failures
     def _fail(self, e: BaseException) -> None:
@@ -411,17 +458,25 @@ class EfficiencyMonitor:
             if learning_rate is not None:
                 self._lr = float(learning_rate)
             self._tally.end_step()
+            if self._devclock is not None:
+                self._devclock.step_end()
             step = self.step_count + 1
             log_now = step % self.log_every_n_steps == 0
             at_edge = log_now or edge or step == self._meter.warmup_end_step
             if at_edge:
                 collectives.synchronize(self._device)
-            self._pending_s += self._ledger.step_done(self._meter.is_warmup(step))
+            warmup = self._meter.is_warmup(step)
+            seconds = self._ledger.step_done(warmup)
+            self._pending_s += seconds
             self._pending_steps += 1
+            if not warmup:
+                self._pending_step_s.append(seconds)
             if self._shape_tags_pending:
                 self._tag_shape()
             if at_edge:
                 self._edge()
+                if step == self._meter.warmup_end_step:  # the steady window starts after this step
+                    self._contention.begin(collective=self.world_size > 1)
                 if log_now:
                     self._log_interval(step)
         except Exception as e:  # noqa: BLE001 - never stop training
@@ -489,6 +544,8 @@ class EfficiencyMonitor:
             if sync:
                 collectives.synchronize(self._device)
             self._ledger.exit()
+            if sync and self._devclock is not None and not self._ledger.paused:  # the next step starts here
+                self._devclock.restart()
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -500,9 +557,10 @@ class EfficiencyMonitor:
         counted FLOPs to its model FLOPs then gives HFU = MFU x ratio. Not under ``torch.compile``
         (the counter stops dynamo from compiling): there the analytic ratio stays. CPU
         scaled-dot-product attention, which the counter cannot see, is added analytically
-        (``palm`` convention, x4/3 under activation checkpointing). Counted once per run: a resumed
-        attempt keeps the checkpoint's ratio, so its first step runs exactly as an uninterrupted
-        run's (the counter can change which kernels run, and so the last bits of the weights).
+        (``palm`` convention, and its recomputation in checkpointed layers). Counted once per run:
+        a resumed attempt keeps the checkpoint's ratio, so its first step runs exactly as an
+        uninterrupted run's (the counter can change which kernels run, and so the last bits of the
+        weights).
         """
         if self._off or self.compiled or self._shape is None or getattr(self, "_hfu_counted", False):
             yield
@@ -528,8 +586,10 @@ class EfficiencyMonitor:
         note = "FlopCounterMode on step {} of the attempt (eager attention counted)"
         attn_impl = getattr(self._config, "_attn_implementation", None)
         if attn_impl == "sdpa" and (self._device is None or self._device.type == "cpu"):
-            extra = fl.attention_flops_per_token(self._shape, s_eff, "palm") * tokens
-            counted += extra * (fl.RECOMPUTE_FACTOR if self.activation_checkpointing else 1.0)
+            # the counter cannot see CPU SDPA: its training FLOPs (palm) and its recomputation, if any
+            extra = (fl.attention_flops_per_token(self._shape, s_eff, "palm")
+                     + fl.recompute_flops_per_token(self._shape, s_eff, self._recompute, attention_only=True))
+            counted += extra * tokens
             note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
         self._hfu_ratio = counted / (fl.flops_per_token(self._shape, s_eff) * tokens)
         self._hfu_note = note.format(self.step_count + 1)
@@ -546,7 +606,7 @@ class EfficiencyMonitor:
             from . import flops as fl
 
             cache.clear()  # one batch shape at a time in practice
-            cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self.activation_checkpointing)
+            cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self._recompute)
         return cache[s_eff]
 
     # ------------------------------------------------------------------------------ window edges
@@ -555,7 +615,20 @@ class EfficiencyMonitor:
         reduce = collectives.reduce_tensor if (collective and self.world_size > 1) else None
         counts = self._tally.take(self._pending_steps, reduce=reduce)
         self._meter.add(counts, self._pending_s)
+        self._time_steps(counts, self._pending_s)
         self._pending_steps, self._pending_s = 0, 0.0
+
+    def _time_steps(self, counts, window_s: float) -> None:
+        """Keep the per-step seconds (device events on CUDA) and forward time of a steady window just added."""
+        device_s = self._devclock.take(window_s) if self._devclock is not None else None
+        forward_s = self._fwd.take() if self._fwd is not None else 0.0
+        host_s, self._pending_step_s = self._pending_step_s, []
+        if counts.steps == 0 or self._meter.is_warmup(self._meter.step):
+            return
+        secs = device_s if device_s is not None and len(device_s) == len(host_s) else host_s
+        self._steps.add_window(secs, counts.tokens)
+        self._fwd_s += forward_s
+        self._fwd_steps += counts.steps
 
     def _fpt(self, s: float, convention: str = "megatron") -> float:
         from . import flops as fl
@@ -563,16 +636,62 @@ class EfficiencyMonitor:
         return fl.flops_per_token(self._shape, s, convention)
 
     def _refresh_consumption(self, collective: bool = True, loss: tuple[float, int] = (0.0, 0)) -> tuple[float, int]:
-        """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along."""
+        """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along.
+
+        Each physical device is summed once: a rank adds only the devices it owns
+        (:func:`~mlflow_llmeff.energy.device_owners`: the lowest rank listing a device id reads it),
+        so two ranks on one GPU count it once. Without a collective on several ranks (rank 0 alone at
+        exit) the other ranks' readings cannot be had: the totals stay those of the last collective
+        reading, and ``llmeff.energy.span`` says where the energy ends.
+        """
         loss_sum, loss_n = loss
+        many = self.world_size > 1
+        if many and not collective:
+            return loss_sum, int(loss_n)
+        mine = self._energy_share(many)
         reading = self._energy.read() if self._energy.measures else None
         est = self._carbon.running_estimate()
-        local = [loss_sum, float(loss_n), reading.joules if reading else 0.0,
-                 float(self._energy.num_devices if reading else 0), est[0] if est else 0.0,
-                 est[1] if est else 0.0, 1.0 if est else 0.0]
-        g = collectives.all_reduce(local) if collective else local
-        self._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None)
+        joules, devices, domains = 0.0, 0, 0
+        if reading is not None:
+            ours = [d for d in reading.per_device_j if d in mine]
+            joules = sum(reading.per_device_j[d] for d in ours)
+            domains = len(ours)
+            devices = self._energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
+        local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
+                 est[1] if est else 0.0, 1.0 if est else 0.0, float(domains)]
+        g = collectives.all_reduce(local) if many else local
+        self._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
+                                 measured_domains=int(g[7]), wall_s=self._ledger.wall_s())
         return g[0], int(g[1])
+
+    def _energy_share(self, many: bool) -> set[str]:
+        """The device ids this rank reports (once per run: one collective gathering every rank's devices)."""
+        if getattr(self, "_energy_ids", None) is not None:
+            return self._energy_ids
+        from . import energy as en
+
+        owned = list(self._energy.owned)
+        if not owned and self._energy.measures:  # a meter that names no devices: the ones it reads are its own
+            owned = list(self._energy.read().per_device_j)
+        mine = {"owned": owned, "unmeasured": self._energy.unmeasured}
+        ranks = collectives.all_gather_object(mine) if many else [mine]
+        owners = en.device_owners([r["owned"] for r in ranks])
+        unmeasured = {d: why for r in ranks for d, why in r["unmeasured"].items() if d in owners}
+        shared = {d: [i for i, r in enumerate(ranks) if d in r["owned"]] for d in owners}
+        self._consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
+        self._energy_ids = {d for d, rank in owners.items() if rank == self.rank}
+        return self._energy_ids
+
+    def _note_energy_head_gap(self) -> None:
+        """Set-up seconds of this attempt before the energy meter started: in summary/wall_s, not in the energy."""
+        if not self._energy.measures:
+            return
+        try:
+            elapsed = self._energy.read().elapsed_s
+        except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
+            return
+        attempt = self._ledger.snapshot()["init"] - self._ledger.seconds["init"]  # still in init: this attempt so far
+        self._consumption.head_gap_s += max(0.0, attempt - elapsed)
 
     def _memory(self, collective: bool = True) -> tuple[float, float, str]:
         import torch
@@ -619,6 +738,7 @@ class EfficiencyMonitor:
             m.update(rates.interval_metrics(fpt, self.peak_tflops, self._ratio(rates.counts.effective_seq_len)))
             self._warn_mfu(m.get(names.TPUT_DEVICE_MFU), f"step {step}")
         m.update(self._consumption.interval(self._ledger.wall_s(), total.tokens))
+        m.update(self._contention.interval(collective))
         self._totals_step = step
         self._latest = m
         self._logger.log_metrics(m, step)
@@ -774,7 +894,7 @@ class EfficiencyMonitor:
                 "ledger": self._ledger.state_dict(), "consumption": self._consumption.state_dict(),
                 "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
                 "hfu_counted": [self._hfu_ratio, self._hfu_note] if getattr(self, "_hfu_counted", False) else None,
-                "saved_at_unix": time.time()}
+                "step_times": self._steps.state_dict(), "saved_at_unix": time.time()}
 
     def flush(self) -> None:
         """Send every buffered point and wait until the tracking server has it (rank 0)."""
@@ -800,6 +920,7 @@ class EfficiencyMonitor:
         self._finished = True
         status = status or lifecycle.status_for(None)
         collective = (collective and lifecycle.signalled() is None) or self.world_size == 1
+        self._end_status = status
         try:
             if not self._broken:
                 self._summary = self._finish(collective)
@@ -833,8 +954,13 @@ class EfficiencyMonitor:
         else:  # each key is logged once per step: the end-of-run totals are the summary's
             self._refresh_consumption(collective)
         out = self._summary_figures(seconds, collective)
+        out.update(self._stability_figures(collective))
         if self.is_main:
-            self._logger.set_tags(self._end_tags(note))
+            tags = self._end_tags(note)
+            if (self._end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
+                    and "mlflow.note.content" not in getattr(self, "_given_tags", ())):  # a failure keeps its why
+                tags["mlflow.note.content"] = self._headline(out)
+            self._logger.set_tags(tags)
             self._logger.log_metrics(out, max(step, 0))
             self._warn_mfu(out.get(names.SUM_MFU), "summary")
         return out
@@ -876,6 +1002,56 @@ class EfficiencyMonitor:
         out.update(self._consumption.summary(parts["wall"], tokens, tflops))
         return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
+    def _stability_figures(self, collective: bool) -> dict[str, float]:
+        """Dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
+        their tags wait in ``_stability_tags`` for :meth:`_end_tags`."""
+        from . import stability as st
+
+        s = self._steps.analyse()
+        self._stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
+        out: dict[str, float] = {}
+        if s is not None:
+            out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s,
+                        names.SUM_STEP_TIME_CV: s.cv, names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
+            if s.ci95 is not None:
+                # centred on the mean the summary reports (the same steps; they differ by float32
+                # storage in checkpoints and device-event rounding only)
+                tps = self._steady_tps()
+                scale = tps / s.tokens_per_sec if tps and s.tokens_per_sec else 1.0
+                out[names.SUM_TPS_CI95_LOW], out[names.SUM_TPS_CI95_HIGH] = s.ci95[0] * scale, s.ci95[1] * scale
+        figures, tags = self._contention.finish(collective)
+        out.update(figures)
+        self._stability_tags.update(tags)
+        if collective and self.world_size > 1:
+            mine = [0.0] * self.world_size
+            mine[self.rank] = self._fwd_s / self._fwd_steps if self._fwd_steps else 0.0
+            per_rank = collectives.all_reduce(mine)
+            found = st.straggler(per_rank) if all(v > 0 for v in per_rank) else None
+            if found is not None:
+                out[names.SUM_STRAGGLER_RATIO] = found[0]
+                self._stability_tags[names.STRAGGLER_RANK] = (
+                    f"rank {found[1]}: mean forward {per_rank[found[1]] * 1e3:.4g} ms/step vs median "
+                    f"{st.percentile(per_rank, 50) * 1e3:.4g} ms")
+        return out
+
+    def _headline(self, out: dict[str, float]) -> str:
+        """The run's description: its steady throughput with its interval and stability, and where its
+        figures are (the runs table shows an interval metric's last window, not the run's figure)."""
+        tps, low, high = (out.get(k) for k in (names.SUM_TOKENS_PER_SEC, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH))
+        interval = f" (95% interval {low:,.0f} to {high:,.0f})" if low is not None and high is not None else ""
+        return (f"{tps:,.0f} tokens/s steady state{interval}, {self.stability or 'stability unknown'}. "
+                "The run's figures are the summary/* metrics; throughput/* are per-window rates (the runs table "
+                "shows their last window).")
+
+    def _steady_tps(self) -> float | None:
+        rates = self._meter.summary()
+        return rates.tokens_per_sec if rates is not None and rates.counts.tokens > 0 else None
+
+    @property
+    def stability(self) -> str | None:
+        """``llmeff.stability`` after :meth:`finish` (``stable`` or ``unstable: <why>``), else None."""
+        return getattr(self, "_stability_tags", {}).get(names.STABILITY)
+
     def _memory_figures(self, collective: bool) -> dict[str, float]:
         inner = unwrap_model(self._model) if self._model is not None else None
         if inner is None:
@@ -895,7 +1071,8 @@ class EfficiencyMonitor:
 
     def _end_tags(self, note: str | None) -> dict[str, str]:
         tags = {names.HFU_METHOD: self._hfu_note, **self._carbon.tags(
-            energy_source=self._energy.source if self._consumption.measured else None)}
+            energy_source=self._energy.source if self._consumption.measured else None),
+            **self._consumption.tags(self._ledger.wall_s()), **getattr(self, "_stability_tags", {})}
         if getattr(self, "_memory_source", None) is not None:
             tags[names.MEMORY_SOURCE] = self._memory_source
         if not self._consumption.measured and self._consumption.estimate is not None:
@@ -913,7 +1090,8 @@ class EfficiencyMonitor:
         """Stop the meters; deliver the points, the report and (if the monitor owns the run) its end with
         ``status``, waiting at most the delivery wait without an answer; what is left waits in the outbox."""
         lifecycle.unregister(self)
-        for closer in (self._energy.close, self._carbon.stop):
+        for closer in (self._energy.close, self._carbon.stop, self._contention.close,
+                       self._fwd.close if self._fwd is not None else (lambda: None)):
             try:
                 closer()
             except Exception:  # noqa: BLE001

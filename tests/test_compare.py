@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import (RunRecord, comparability_warnings, header, metric_columns, pareto_front,
-                                       round_sig, scaling_efficiency)
+                                       round_sig)
+from mlflow_llmeff.report.repeats import scaling_efficiency
 
 BASE_TAGS = {names.ACCEL_SHORT: "cpu", names.ACCEL_NAME: "Test CPU", names.PRECISION: "fp32",
              names.MODEL_NAME: "llama-tiny", names.SEQ_LEN: "128", names.MICRO_BATCH_SIZE: "8",
@@ -113,14 +114,23 @@ def test_pareto_front_hand_example():
     assert pareto_front(pts, maximize_x=False, maximize_y=True) == [1, 3, 0, 4]
 
 
-@pytest.mark.parametrize("tag, what", [(names.EVAL_BATCH_SIZE, "eval batch size"),
-                                       (names.FLOPS_FORMULA, "FLOPs convention"),
-                                       (names.PEAK_SOURCE, "peak source")])
-def test_runs_differing_in_a_measurement_condition_are_not_comparable(tag, what):
+@pytest.mark.parametrize("tag, what, figure", [(names.FLOPS_FORMULA, "FLOPs convention", names.SUM_DEVICE_TFLOPS),
+                                               (names.PEAK_SOURCE, "peak source", names.SUM_MFU),
+                                               (names.DATASET, "dataset", None)])
+def test_runs_differing_in_a_measurement_condition_are_not_comparable(tag, what, figure):
     a, b = rec("a", 1, 1000.0, **{tag: "8"}), rec("b", 1, 1000.0, **{tag: "16"})
+    for r in (a, b):
+        if figure:
+            r.metrics[figure] = 0.5
     warns = comparability_warnings([a, b])
     assert [w.what for w in warns] == [what]
     assert warns[0].text() == f"not comparable: {what} ({tag}) differs: 8 (run-a); 16 (run-b)"
+
+
+def test_a_condition_that_changes_no_figure_the_runs_have_is_no_warning():
+    # a peak source matters where MFU against it is compared; CPU runs without a datasheet MFU: no warning
+    a, b = rec("a", 1, 1000.0, **{names.PEAK_SOURCE: "x"}), rec("b", 1, 1000.0, **{names.PEAK_SOURCE: "y"})
+    assert comparability_warnings([a, b]) == []
 
 
 def test_like_runs_give_no_warning():
@@ -225,25 +235,43 @@ def test_log_to_mlflow_makes_one_comparison_run(tracking_uri, tmp_path):
 
 
 @pytest.mark.parametrize("what, tag, values", [
-    ("eval batch size", names.EVAL_BATCH_SIZE, {"bs8": "8", "bs16": "16"}),
     # the trial: 20 seeded documents against all of them look equally authoritative in the table
     ("eval documents", names.EVAL_DOCUMENTS, {"d20": "20 drawn with seed 0", "dall": "all"}),
+    ("few-shot count", names.EVAL_NUM_FEWSHOT, {"k0": "0", "k5": "5"}),
 ])
-def test_eval_condition_difference_is_warned_in_output_html_and_rows(tracking_uri, tmp_path, what, tag, values):
+def test_eval_condition_difference_is_warned_once_in_output_html_and_md(tracking_uri, tmp_path, what, tag, values):
     import mlflow
 
     client = mlflow.MlflowClient()
     exp = f"mixed-{tag}"
     exp_id = client.create_experiment(exp)
     for name, value in values.items():
-        log_run(client, exp_id, name, 1, 1000.0, **{tag: value})
+        rid = log_run(client, exp_id, name, 1, 1000.0, **{tag: value})
+        client.log_metric(rid, names.EVAL_MMLU_ACC, 0.25, step=10)
+    log_run(client, exp_id, "no-evals", 1, 1000.0)  # never scored a benchmark: not an "unknown" beside them
     r = invoke("compare", "--experiment", exp, "--out", str(tmp_path / "o"))
-    assert f"WARNING: not comparable: {what} ({tag}) differs" in r.output
-    assert f"class='warn'>WARNING: not comparable: {what}" in (tmp_path / "o" / "report.html").read_text()
+    line = next(ln for ln in r.output.splitlines() if ln.startswith(f"WARNING: not comparable: {what} ({tag}) differs: "))
+    assert all(f"{v} ({n})" in line for n, v in values.items()) and "unknown" not in r.output
+    html = (tmp_path / "o" / "report.html").read_text()
+    assert html.count(f"class='warn'>WARNING: not comparable: {what}") == 1
     assert f"**WARNING** not comparable: {what}" in (tmp_path / "o" / "report.md").read_text()
     rows = list(csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text())))
-    assert {row["run"]: row["note"] for row in rows} == {n: f"not comparable: {what} = {v}" for n, v in values.items()}
-    assert {row["run"]: row[tag] for row in rows} == values
+    assert {row["run"]: row["note"] for row in rows} == {"no-evals": "", **{n: "" for n in values}}  # said once
+    assert {row["run"]: row[tag] for row in rows} == {"no-evals": "", **values}
+
+
+def test_an_eval_batch_size_that_differs_is_a_column_not_a_warning(tracking_uri, tmp_path):
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    exp_id = client.create_experiment("mixed-eval-bs")
+    for name, bs in (("bs8", "8"), ("bs16", "16")):
+        rid = log_run(client, exp_id, name, 1, 1000.0, **{names.EVAL_BATCH_SIZE: bs})
+        client.log_metric(rid, names.EVAL_MMLU_ACC, 0.25, step=10)
+    r = invoke("compare", "--experiment", "mixed-eval-bs", "--out", str(tmp_path / "o"))
+    assert "WARNING" not in r.output
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text())))
+    assert {row["run"]: row[names.EVAL_BATCH_SIZE] for row in rows} == {"bs8": "8", "bs16": "16"}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -330,3 +358,29 @@ def test_reports_mask_secrets_in_tags_logged_by_anyone(tracking_uri, tmp_path, m
     assert "OSError: https://hub.example/x with ***" in r.output
     written = r.output + "".join((out / f).read_text() for f in ("report.md", "report.csv", "report.html"))
     assert not any(s in written for s in ("hunter2pass", "hunter3pass", "hf_abcdefgh123456", "alice"))
+
+
+def test_a_label_past_the_figure_edge_is_found_and_turned_inward():
+    from mlflow_llmeff.report import plots
+
+    plt = plots._plt()
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1])
+    label = "a long point label that runs past the right edge"
+    ax.annotate(label, (1, 1), xytext=(4, 4), textcoords="offset points")
+    assert plots.clipped_texts(fig) == [label]  # as drawn, with matplotlib's default margins
+    plots.lay_out(fig)
+    assert plots.clipped_texts(fig) == []
+    plt.close(fig)
+
+
+def test_the_flops_method_is_compared_by_method_not_by_model_type():
+    formula = "formula: llama config fields (flops.flops_per_token; docs/formulas.md)"
+    same = [rec("a", 1, 1.0, **{names.FLOPS_METHOD: formula}),
+            rec("b", 1, 1.0, **{names.FLOPS_METHOD: formula.replace("llama", "qwen3")})]
+    counted = rec("c", 1, 1.0, **{names.FLOPS_METHOD: "meta_count: model_type 'bloom' is not in the formula"})
+    for r in (*same, counted):
+        r.metrics[names.SUM_MFU] = 0.3
+    assert comparability_warnings(same) == []
+    w, = comparability_warnings([*same, counted])
+    assert w.what == "FLOPs method" and w.values == {"formula": ["run-a", "run-b"], "meta_count": ["run-c"]}

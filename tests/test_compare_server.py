@@ -133,7 +133,7 @@ def _chromium():
 
 def _open(page, url: str) -> tuple[list, int]:
     page.goto(url, wait_until="load")
-    page.wait_for_function("Array.from(document.images).every(i => i.complete)")
+    page.wait_for_function("Array.from(document.images).every(i => i.complete)", timeout=180_000)
     images = page.evaluate("Array.from(document.images).map(i => [i.alt, i.complete && i.naturalWidth > 0])")
     return images, page.locator("table#runs tbody tr").count()
 
@@ -153,9 +153,10 @@ def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path)
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            for name, url in (("report", (out / "report.html").as_uri()),
-                              ("server", f"{server}/llmeff/experiments/{exp_id}")):
-                images, rows = _open(page, url)
+            page_url = f"{server}/llmeff/experiments/{exp_id}"
+            _open(page, page_url)  # the first view starts the drawing; every image waits for it
+            for name, url in (("report", (out / "report.html").as_uri()), ("server", page_url)):
+                images, rows = _open(page, url)  # the second view of the page: the figures drawn, from the cache
                 page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
                 assert len(images) == len(pngs) >= 5, (name, images, pngs)
                 assert all(ok for _, ok in images), (name, images)
@@ -194,3 +195,82 @@ def test_server_page_unknown_experiment_is_404(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"{server}/llmeff/experiments/98765", timeout=30)
     assert e.value.code == 404 and "experiment id '98765' not found" in e.value.read().decode()
+
+
+# --------------------------------------------------------------------------- the five-run set (issue 21)
+@pytest.fixture(scope="module")
+def five(server):
+    """The UI trial's five standard runs, logged into the server; yields the experiment id."""
+    import mlflow
+
+    from five_runs import log_five_runs
+
+    exp_id, _ = log_five_runs(mlflow.MlflowClient(server), "five")
+    return exp_id
+
+
+def _first_screen_checks(page, where: str) -> dict:
+    box = page.locator("table#headline").bounding_box()
+    assert box is not None, where
+    assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= 1600 and box["y"] + box["height"] <= 1000, \
+        (where, box)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1600, where  # no horizontal scroll
+    assert page.locator(".warn").count() == 0, where  # all five runs are comparable: no warning
+    heads = page.locator("table#headline th").all_inner_texts()
+    return {"heads": [h.replace("\u2195", "").strip() for h in heads],
+            "rows": page.locator("table#headline tbody tr").count()}
+
+
+def test_page_and_report_lead_with_the_answer_in_the_first_1600x1000(server, five, tmp_path):
+    sync_playwright = _chromium()
+    out = tmp_path / "rep"
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "compare", "--experiment", "five", "--out", str(out)],
+                       env=_env(server), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "WARNING" not in r.stdout
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            for where, url in (("report", (out / "report.html").as_uri()),
+                               ("server", f"{server}/llmeff/experiments/{five}")):
+                _open(page, url)
+                got = _first_screen_checks(page, where)
+                assert got["heads"][:4] == ["configuration", "devices", "tokens/s per device [95%]", "vs best"]
+                assert {"MFU", "USD / 1e9 tokens", "kg CO2e / 1e9 tokens", "goodput", "quality reached"} <= set(got["heads"])
+                assert got["rows"] == 4  # five runs, four configurations: the evals run repeats the default
+                # sortable by any column: goodput ascending after one click
+                page.locator("table#headline th", has_text="goodput").click()
+                col = got["heads"].index("goodput")
+                vals = page.evaluate(f"Array.from(document.querySelectorAll('#headline tbody tr')).map(r => "
+                                     f"parseFloat(r.cells[{col}].dataset.v))")
+                assert vals == sorted(vals), vals
+                # the full table is one click away
+                assert not page.locator("table#runs").is_visible()
+                page.locator("details#all-runs summary").click()
+                assert page.locator("table#runs").is_visible()
+                assert page.evaluate("document.documentElement.scrollWidth") <= 1600, where
+        finally:
+            browser.close()
+
+
+def test_figures_keep_every_text_inside_their_images(tmp_path):
+    import mlflow
+
+    from five_runs import log_five_runs
+    from mlflow_llmeff.report import plots
+    from mlflow_llmeff.report.render import build_report
+    from mlflow_llmeff.report.source import metric_history, select_runs
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    log_five_runs(client, "five")
+    rep = build_report(client, select_runs(client, "five"), plots=False)
+    drawn = 0
+    for name, fn in plots.FIGURES:
+        fig = fn(rep, lambda run_id, key: metric_history(client, run_id, key))
+        if isinstance(fig, str):
+            continue
+        plots.lay_out(fig)
+        assert plots.clipped_texts(fig) == [], name
+        drawn += 1
+    assert drawn >= 4

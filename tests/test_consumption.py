@@ -55,4 +55,49 @@ def test_resume_continues_from_the_later_of_checkpoint_and_last_logged_point():
     c.update(joules=1.8e6, energy_devices=1, estimate=(1e-5, 2e-5))
     assert c.total_kwh == 2.0  # 1.5 kWh up to the crash + 0.5 kWh now
     assert c.estimate == pytest.approx((1.1e-4, 2.2e-4))  # the checkpoint's estimate was the later one
-    assert c.state_dict() == pytest.approx({"energy_j": 7.2e6, "estimate_cpu_kwh": 1.1e-4, "estimate_ram_kwh": 2.2e-4})
+    state = c.state_dict()
+    assert (state.pop("energy_partial"), state.pop("energy_head_gap_s")) == (False, 0.0)
+    assert state == pytest.approx({"energy_j": 7.2e6, "estimate_cpu_kwh": 1.1e-4, "estimate_ram_kwh": 2.2e-4})
+
+
+def test_partial_measurement_omits_run_totals_and_per_token_energy_and_names_the_unmeasured():
+    # 2 devices of the run, one measured (3.6 MJ = 1 kWh over 1000 s): coverage 0.5, nothing silently partial.
+    c = Consumption(devices=2, device_hour_usd=3.6, intensity_g_per_kwh=400.0)
+    c.set_devices(2, {"GPU-b": "GPU is lost"})
+    c.start_interval(wall_s=0.0, tokens=0)
+    c.update(joules=3.6e6, energy_devices=1, measured_domains=1, wall_s=1000.0)
+    assert (c.coverage, c.complete, c.total_kwh) == (0.5, False, None)
+    interval = c.interval(wall_s=1000.0, tokens=10_000)
+    assert interval == {names.COST_TOTAL_USD: pytest.approx(2.0), names.ENERGY_DEVICE_AVG_POWER_W: 3600.0}
+    s = c.summary(1000.0, tokens=10_000, device_tflops=36.0)
+    assert s[names.SUM_ENERGY_COVERAGE] == 0.5 and s[names.SUM_TFLOPS_PER_W] == 0.01   # 36 / 3600 W measured
+    for key in (names.SUM_ENERGY_KWH, names.SUM_J_PER_TOKEN, names.SUM_KWH_PER_BTOK, names.SUM_KG_CO2E,
+                names.SUM_KG_CO2E_PER_BTOK, names.SUM_ESTIMATE_KG_CO2E):
+        assert key not in s
+    assert s[names.SUM_COST_USD] == pytest.approx(2.0)   # device-hours: complete without an energy price
+    tag = c.tags(1000.0)[names.ENERGY_COVERAGE]
+    assert tag.startswith("1/2 devices measured; not measured: GPU-b (GPU is lost); energy/total_kwh")
+    assert "omitted, not scaled" in tag
+
+
+def test_partial_measurement_drops_a_cost_that_would_price_partial_energy():
+    c = Consumption(devices=2, device_hour_usd=3.6, usd_per_kwh=0.2)
+    c.set_devices(2, {"GPU-b": "GPU is lost"})
+    c.update(joules=3.6e6, energy_devices=1, measured_domains=1, wall_s=1000.0)
+    assert c.cost_usd(1000.0) is None and "cost/* omitted" in c.tags(1000.0)[names.ENERGY_COVERAGE]
+
+
+def test_a_device_two_ranks_own_is_named_in_the_coverage_tag():
+    c = Consumption(devices=2)
+    c.set_devices(1, shared={"GPU-a": [0, 1]})
+    c.update(joules=100.0, energy_devices=1, measured_domains=1, wall_s=1.0)
+    assert c.coverage == 1.0 and c.total_kwh == pytest.approx(100 / 3.6e6)
+    assert c.tags(1.0)[names.ENERGY_COVERAGE] == "1/1 devices measured; GPU-a is owned by ranks 0, 1 and counted once (read by rank 0)"
+
+
+def test_an_earlier_partial_attempt_keeps_the_run_partial():
+    c = Consumption(devices=1)
+    c.resume({"energy_j": 10.0, "energy_partial": True}, {})
+    c.set_devices(1)
+    c.update(joules=5.0, energy_devices=1, measured_domains=1, wall_s=2.0)
+    assert c.coverage == 1.0 and not c.complete and c.total_kwh is None

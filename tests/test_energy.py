@@ -11,6 +11,7 @@ from mlflow_llmeff.nvml_fake import FakeGpu, FakeNvmlError, fake_nvml  # noqa: F
 from mlflow_llmeff.energy import (
     EnergyReading,
     FakeEnergyMeter,
+    device_owners,
     make_meter,
     sum_over_ranks,
 )
@@ -66,6 +67,30 @@ def test_same_device_reported_by_two_ranks_is_counted_once():
     total = sum_over_ranks([r, r])
     assert total.joules == 30_000.0
     assert total.per_device_j == {UUID_A: 30_000.0}
+
+
+def test_each_device_has_one_owner_rank_however_many_ranks_own_it():
+    # ranks 0 and 1 share GPU A (two processes on one device), rank 2 has B: A is read by rank 0 only
+    owners = device_owners([[UUID_A], [UUID_A], [UUID_B]])
+    assert owners == {UUID_A: 0, UUID_B: 2}
+
+
+def test_an_unreadable_device_stays_owned_and_says_why():
+    clock = FakeClock(0.0)
+    a, b = two_gpus(clock, readable=False)
+    m = make_meter("nvml", device_indices=[0, 1], nvml=fake_nvml([a, b]), env={}, clock=clock, sampling_thread=False)
+    m.start()
+    clock.t = 10.0
+    assert m.read().per_device_j == {UUID_A: 3_000.0} and m.num_devices == 1
+    assert m.owned == (UUID_A, UUID_B)
+    assert m.unmeasured == {UUID_B: "neither energy counter nor power readable (FakeNvmlError: GPU is lost)"}
+
+
+def test_a_gpu_process_without_nvml_owns_its_gpu_unmeasured(tmp_path):
+    broken = types.SimpleNamespace(nvmlInit=lambda: (_ for _ in ()).throw(FakeNvmlError("Driver Not Loaded")))
+    m = make_meter("auto", device_indices=[0], nvml=broken, env={}, torch_ids=[{"uuid": UUID_A[4:]}],
+                   rapl_root=str(tmp_path))
+    assert m.source == "none" and m.owned == (UUID_A,) and "nvmlInit failed" in m.unmeasured[UUID_A]
 
 
 def test_counter_reset_keeps_energy_before_and_after():

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, MixtralConfig,
-                          Qwen2Config)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, GPT2Config, LlamaConfig,
+                          MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config)
 
-from mlflow_llmeff.flops import (attention_flops_per_token, effective_seq_len, flops_per_token,
-                                 flops_summary, mean_attended_keys, measure_step_flops, mfu_warning,
-                                 model_shape, param_counts, utilization)
+from mlflow_llmeff.flops import (Recompute, attention_flops_per_token, effective_seq_len, flops_per_token,
+                                 flops_summary, hardware_model_ratio, mean_attended_keys, measure_step_flops,
+                                 mfu_warning, model_shape, param_counts, recompute_flops_per_token, utilization)
 
 
 def llama(L, h, n, g, f, V, **kw):
@@ -166,15 +166,104 @@ def test_param_counts_match_the_built_model(name):
     assert param_counts(config)["total"] == sum(p.numel() for p in model.parameters())
 
 
+# --------------------------------------------------------------------------- families beyond Llama
+def qwen3_06b(tied=True):
+    # Qwen/Qwen3-0.6B config.json: head_dim 128 with 16 heads, so n*d = 2048 != hidden 1024; tied embeddings.
+    return Qwen3Config(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=tied)
+
+
+def test_qwen3_flops_use_head_dim_apart_from_hidden_over_heads():
+    L, h, n, g, d, f, V, s = 28, 1024, 16, 8, 128, 3072, 151936, 4096
+    attn_proj = h * n * d + 2 * h * g * d + n * d * h     # Q, K, V, O: 6,291,456 (h*h*(2 + 2g/n) would be 3,145,728)
+    mlp = 3 * h * f                                        # 9,437,184
+    head = h * V                                           # 155,582,464: the LM head, tied or not
+    weights = 6 * (L * (attn_proj + mlp) + head)           # 3,575,906,304
+    attention = L * 12 * n * d                             # per attended key: 688,128
+    assert weights + attention * s // 2 == 4_985_192_448
+    assert flops_per_token(qwen3_06b(), s) == 4_985_192_448              # megatron: s/2 keys
+    assert flops_per_token(qwen3_06b(), s, "palm") == weights + attention * s == 6_394_478_592
+
+
+def test_qwen3_tied_and_untied_embeddings_give_the_same_flops():
+    tied, untied = qwen3_06b(True), qwen3_06b(False)
+    for conv in ("megatron", "palm"):
+        assert flops_per_token(tied, 4096, conv) == flops_per_token(untied, 4096, conv)
+    # parameters: the tied LM head is the embedding, counted once (published: 0.6B, 0.44B non-embedding)
+    assert param_counts(tied) == {"total": 596_049_920, "non_embedding": 440_467_456, "active": 596_049_920}
+    assert param_counts(untied)["total"] - param_counts(tied)["total"] == 151936 * 1024
+
+
+def test_gemma2_flops_window_every_other_layer_and_head_dim_256():
+    # google/gemma-2-2b config.json: 26 layers, h 2304, 8 heads of 256 (n*d = 2048), 4 KV heads, f 9216,
+    # V 256000, tied; layer_types alternate sliding (window 4096) and full attention.
+    g2 = Gemma2Config(num_hidden_layers=26, hidden_size=2304, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, intermediate_size=9216, vocab_size=256000, sliding_window=4096)
+    L, h, n, g, d, f, V, s, w = 26, 2304, 8, 4, 256, 9216, 256000, 8192, 4096
+    assert model_shape(g2).windows == (w, None) * 13
+    weights = 6 * (L * (2 * h * n * d + 2 * h * g * d + 3 * h * f) + h * V)      # 15,684,599,808
+    per_key = 12 * n * d                                                          # 24,576 per layer
+    sliding_keys = w - w * w / (2 * s)                                            # 3,072 (megatron band)
+    assert flops_per_token(g2, s) == weights + 13 * per_key * (s / 2 + sliding_keys) == 17_974_689_792
+    assert flops_per_token(g2, s, "palm") == weights + 13 * per_key * (s + w) == 19_610_468_352
+    assert param_counts(g2)["total"] == 2_614_341_888  # published 2.61B (four norms per layer)
+
+
+def deepseek_v3():
+    # deepseek-ai/DeepSeek-V3 config.json (the multi-token-prediction layer, not in transformers' model, left out)
+    return DeepseekV3Config(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+                            q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                            v_head_dim=128, first_k_dense_replace=3, intermediate_size=18432,
+                            moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+                            n_shared_experts=1, vocab_size=129280)
+
+
+def test_deepseek_v3_flops_mla_dense_layers_then_moe_with_a_shared_expert():
+    L, h, n, V, s = 61, 7168, 128, 129280, 4096
+    mla = (h * 1536 + 1536 * n * (128 + 64)        # q_a, q_b (low-rank query)
+           + h * (512 + 64) + 512 * n * (128 + 128)  # kv_a (latent + shared rope key), kv_b (keys and values)
+           + n * 128 * h)                           # o: 187,105,280
+    dense = 3 * h * 18432                          # the first 3 layers: 396,361,728
+    moe = 8 * 3 * h * 2048 + 1 * 3 * h * 2048 + h * 256   # 8 routed + 1 shared expert + router: 398,196,736
+    weights = 3 * (mla + dense) + 58 * (mla + moe) + h * V
+    assert weights == 36_624_596_992                 # the "37B activated" of the DeepSeek-V3 report
+    per_key = 6 * n * (192 + 128)                    # QK^T over 192-wide heads, scores @ V over 128
+    assert flops_per_token(deepseek_v3(), s) == 6 * weights + L * per_key * s / 2 == 250_449_887_232
+    assert flops_per_token(deepseek_v3(), s, "palm") == 6 * weights + L * per_key * s == 281_152_192_512
+    p = param_counts(deepseek_v3())
+    assert p["total"] == 671_026_404_352 and p["active"] == 37_552_282_624   # published: 671B total, 37B active
+
+
+def test_chunked_attention_keys_per_query_stay_in_the_chunk():
+    # 10 tokens in chunks of 4: chunks of 4, 4, 2 -> causal pairs 8 + 8 + 2 = 18 (megatron), 16 + 16 + 4 = 36 (palm)
+    assert mean_attended_keys(10, chunk=4) == 1.8
+    assert mean_attended_keys(10, chunk=4, convention="palm") == 3.6
+    assert mean_attended_keys(8, chunk=8) == mean_attended_keys(8) == 4.0   # a chunk as long as the sequence
+
+
+# --------------------------------------------------------------------------- recomputation (HFU)
+def test_recompute_is_each_layers_forward_less_the_early_stopped_down_projection():
+    config, s = TINY["llama"], 64                   # L2 h64 n4 g2 d16 f176 V259
+    layer_fwd = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 64 * 176) + 2 * 128 * s   # 108,544 per token
+    down = 2 * 64 * 176                             # 22,528: its output only feeds the residual add
+    assert recompute_flops_per_token(config, s, Recompute(early_stop=False)) == 2 * layer_fwd
+    assert recompute_flops_per_token(config, s, Recompute()) == 2 * (layer_fwd - down) == 172_032
+    assert recompute_flops_per_token(config, s, Recompute(layers=(0,))) == layer_fwd - down
+    assert recompute_flops_per_token(config, s, None) == 0
+    # HFU / MFU: palm plus the recomputation over megatron; the LM head (6*64*259) is in neither's recompute
+    assert hardware_model_ratio(config, s, recompute=True) == pytest.approx(
+        (flops_per_token(config, s, "palm") + 172_032) / flops_per_token(config, s))
+
+
 # --------------------------------------------------------------------------- errors
 def test_unknown_convention_is_rejected():
     with pytest.raises(ValueError, match="convention 'chinchilla'.*megatron, palm"):
         flops_per_token(LLAMA2_7B, 4096, "chinchilla")
 
 
-def test_unsupported_model_type_is_rejected():
-    with pytest.raises(ValueError, match="model_type 'bert'.*llama"):
-        flops_per_token(SimpleNamespace(model_type="bert"), 128)
+def test_a_model_type_the_formula_does_not_know_is_rejected_by_the_formula():
+    with pytest.raises(ValueError, match="model_type 'bloom'.*llama.*meta device"):
+        flops_per_token(SimpleNamespace(model_type="bloom"), 128)
 
 
 @pytest.mark.parametrize("bad", [0, -5, [], [3, -1]])
@@ -244,6 +333,28 @@ def test_activation_checkpointing_raises_hardware_flops_by_a_third_of_the_layers
     mfu = utilization(model_flops / seconds / 1e12, peak)
     hfu = utilization(ckpt / seconds / 1e12, peak)
     assert hfu / mfu == pytest.approx(ckpt / model_flops, rel=1e-12)
+
+
+def test_hf_activation_checkpointing_reruns_exactly_the_recompute_the_formula_gives():
+    # transformers 5 default (activation_checkpointing_enable()): every decoder layer, non-reentrant,
+    # early stop. Counted on a real step it adds 172,032 FLOPs per token (hand-computed in
+    # test_recompute_is_each_layers_forward_less_the_early_stopped_down_projection): each layer's
+    # forward less its down projection; no LM head (6*64*259 = 99,456 per token) and no embedding.
+    from mlflow_llmeff.conditions import recompute_plan
+
+    tokens = 2 * 64
+    plain = measure_step_flops(_step(_model("llama")))
+    m = _model("llama")
+    m.activation_checkpointing_enable()
+    assert recompute_plan(m) == Recompute(layers=None, early_stop=True)
+    ckpt = measure_step_flops(_step(m))
+    assert ckpt - plain == 172_032 * tokens
+    assert (plain + recompute_flops_per_token(TINY["llama"], 64, recompute_plan(m)) * tokens) / plain \
+        == pytest.approx(ckpt / plain, rel=1e-12)
+    every_other = _model("llama")
+    every_other.activation_checkpointing_enable(every_n_layers=2)   # layer 0 only
+    assert recompute_plan(every_other) == Recompute(layers=(0,), early_stop=True)
+    assert measure_step_flops(_step(every_other)) - plain == 172_032 // 2 * tokens
 
 
 # --------------------------------------------------------------------------- MFU arithmetic

@@ -208,3 +208,21 @@ def test_measured_peak_accepts_a_ddp_rank_cpu_device(tmp_path):
     from mlflow_llmeff.hardware import measure_matmul_peak
 
     assert measure_matmul_peak("fp32", "cpu:1", cache_dir=tmp_path, sizes=[64], min_time_s=0.01) > 0
+
+
+@pytest.mark.parametrize("typed, short, note", [
+    ("H100", "H100-SXM", "'H100' taken as H100-SXM (also: H100-NVL, H100-PCIe)"),  # the trial: refused before
+    ("h100-sxm", "H100-SXM", None), ("H200", "H200", None), ("a100", "A100", None), ("CPU", "cpu", None),
+    ("mi300x", "MI300X", None), ("NVIDIA H100 80GB HBM3", "H100-SXM", "'NVIDIA H100 80GB HBM3' is H100-SXM"),
+])
+def test_every_short_name_and_family_is_accepted_case_insensitively(typed, short, note):
+    from mlflow_llmeff.hardware import resolve_short
+
+    assert resolve_short(typed) == (short, note)
+
+
+def test_an_unknown_accelerator_is_one_line_listing_the_short_names():
+    from mlflow_llmeff.hardware import resolve_short
+
+    with pytest.raises(ValueError, match=r"accelerator 'H20' is not known; use one of: A10, A100, .*H100-SXM"):
+        resolve_short("H20")

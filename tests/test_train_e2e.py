@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -115,6 +116,13 @@ def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_pat
         steps = [s for s, _ in history(run, key)]
         assert len(steps) == len(set(steps))
     assert run.info.run_name == "llama-tiny-cpu-2x-ddp-fp32-s64-gbt512"  # 64 x 4 x 1 x 2
+    # per rank: the slower rank's forward time over the median's (2 ranks: over their mean), and who it was
+    ratio = run.data.metrics[names.SUM_STRAGGLER_RATIO]
+    assert 1.0 <= ratio < 2.0
+    assert re.match(r"rank [01]: mean forward [0-9.]+ ms/step vs median [0-9.]+ ms", run.data.tags[names.STRAGGLER_RANK])
+    # both ranks' processes are ours: the host figure is there, whatever else this machine runs
+    assert 0.0 <= run.data.metrics[names.SUM_HOST_OTHER_CPU] <= 1.0
+    assert run.data.tags[names.CONTENTION].startswith(("quiet: ", "contended: "))
     assert "step/s" not in r.stderr and "s/step" not in r.stderr  # no progress bar when not a terminal
 
 

@@ -1,4 +1,5 @@
-"""Pure calculators for comparing runs: the table's columns, comparability, scaling efficiency, Pareto fronts.
+"""Pure calculators for comparing runs: the table's columns, comparability, Pareto fronts (repeats,
+intervals and scaling efficiency: :mod:`mlflow_llmeff.report.repeats`).
 
 Nothing here reads MLflow or draws: inputs are :class:`RunRecord` values (what a run holds), outputs
 are plain data that :mod:`mlflow_llmeff.report.render` turns into Markdown, CSV, HTML and PNGs.
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 
 from .. import names
 
-__all__ = ["RunRecord", "Incomparability", "ScalingRow", "round_sig", "unit_of", "header", "metric_columns",
-           "differing_tags", "comparability_warnings", "scaling_efficiency", "pareto_front", "carbon_per_btok",
+__all__ = ["RunRecord", "Incomparability", "round_sig", "unit_of", "header", "metric_columns",
+           "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok",
            "CONDITION_TAGS", "COMPARABILITY"]
 
 
@@ -69,14 +70,24 @@ CONDITION_TAGS = (names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PAR_S
                   names.FLOPS_FORMULA, names.PEAK_SOURCE, names.EVAL_BATCH_SIZE, names.EVAL_NUM_FEWSHOT,
                   names.EVAL_DOCUMENTS, names.V_LLMEFF)
 
-#: What makes figures of two runs not comparable: (what, tag key, param fallback for older runs).
-COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None),
-                 ("peak source", names.PEAK_SOURCE, None),
-                 ("eval batch size", names.EVAL_BATCH_SIZE, None),
-                 ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot"),
-                 ("eval documents", names.EVAL_DOCUMENTS, None),
-                 ("dataset", names.DATASET, None),
-                 ("llmeff version", names.V_LLMEFF, None))
+_BENCH = (names.EVAL_MMLU_ACC, names.EVAL_HELLASWAG_ACC, names.EVAL_HELLASWAG_ACC_NORM)
+def _method(v: str) -> str:
+    return v.split(":", 1)[0]
+
+
+#: What makes figures of two runs not comparable: (what, tag key, param fallback for older runs, the
+#: metrics whose comparison it changes: only runs holding one of them take part; None = every run,
+#: and how a value is compared: None = as it is).
+#: The eval batch size is no such condition: it changes how fast an eval runs, not its score (lm-eval
+#: definitions), and is a column of the full table.
+COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None, (names.SUM_DEVICE_TFLOPS, names.SUM_MFU), None),
+                 # formula vs a meta-device count: the method, not the model type it names
+                 ("FLOPs method", names.FLOPS_METHOD, None, (names.SUM_DEVICE_TFLOPS, names.SUM_MFU), _method),
+                 ("peak source", names.PEAK_SOURCE, None, (names.SUM_MFU, names.SUM_HFU), None),
+                 ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot", (names.EVAL_MMLU_ACC,), None),
+                 ("eval documents", names.EVAL_DOCUMENTS, None, _BENCH, None),
+                 ("dataset", names.DATASET, None, None, None),
+                 ("llmeff version", names.V_LLMEFF, None, None, None))
 
 _UNITS = {d.key: d.unit for d in names.METRICS}
 _TTQ_UNITS = {"wall_s": "s", "train_s": "s", "tokens": "tokens", "device_hours": "device-h", "kwh": "kWh",
@@ -170,128 +181,27 @@ class Incomparability:
 
 
 def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
-    """One warning per condition of :data:`COMPARABILITY` whose value differs between runs.
+    """One warning per condition of :data:`COMPARABILITY` whose value differs between the runs
+    whose compared figures it changes (those holding one of its metrics), said once for all rows.
 
     A run that lacks the condition counts as ``unknown``; a condition no run records gives no warning.
-    Only runs with ``summary/*`` figures take part (a crashed run is marked in its row instead).
+    Only runs with ``summary/*`` figures take part (a crashed run is marked in its row instead), so
+    runs that never scored a benchmark are not "unknown" eval documents beside one that did.
     """
     out = []
     compared = [r for r in runs if r.comparable] or runs
-    for what, key, param in COMPARABILITY:
+    for what, key, param, affects, norm in COMPARABILITY:
         values: dict[str, list[str]] = {}
         for r in compared:
-            values.setdefault(_condition(r, key, param) or "unknown", []).append(r.label)
+            if affects is not None and not any(k in r.metrics for k in affects):
+                continue
+            v = _condition(r, key, param)
+            if v is not None and norm is not None:
+                v = norm(v)
+            values.setdefault(v or "unknown", []).append(r.label)
         if len(values) > 1:
             out.append(Incomparability(what, key, values))
     return out
-
-
-@dataclass(frozen=True)
-class ScalingRow:
-    """Scaling efficiency of one run against its group's baseline run.
-
-    Attributes:
-        group: what the runs of the group share, e.g. ``llama-tiny cpu fp32 seq 128``.
-        run_id, name: the run.
-        baseline_id, baseline_name: the baseline run (N0 devices).
-        devices, baseline_devices: N and N0.
-        tokens_per_sec, baseline_tokens_per_sec: ``summary/tokens_per_sec`` of each (global, tokens/s).
-        efficiency: ``tokens_per_sec(N) / (tokens_per_sec(N0) * N / N0)``, a fraction (1 = linear).
-        kind: ``strong`` (same global batch tokens), ``weak`` (same batch tokens per device) or
-            ``batch differs`` (neither: the ratio mixes scaling with a batch-size effect).
-    """
-
-    group: str
-    run_id: str
-    name: str
-    baseline_id: str
-    baseline_name: str
-    devices: int
-    baseline_devices: int
-    tokens_per_sec: float
-    baseline_tokens_per_sec: float
-    efficiency: float
-    kind: str
-
-
-# Conditions two runs must share to be compared as the same job at different device counts.
-_SAME_JOB = (names.ACCEL_SHORT, names.PRECISION, names.MODEL_NAME, names.SEQ_LEN, names.ACT_CKPT, names.COMPILE,
-             names.DATASET, names.FLOPS_FORMULA)
-
-
-def _batch_per_device(r: RunRecord) -> str | None:
-    try:
-        return str(int(r.tags[names.SEQ_LEN]) * int(r.tags[names.MICRO_BATCH_SIZE]) * int(r.tags[names.GRAD_ACCUM]))
-    except (KeyError, ValueError):
-        return None
-
-
-def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None) -> list[ScalingRow]:
-    """Scaling efficiency of runs that differ only in device count.
-
-    Runs are grouped by :data:`_SAME_JOB` conditions and parallelism strategy (``single`` joins any
-    data-parallel group). In each group with at least two device counts, the baseline is ``baseline``
-    when it is in the group, else the run with the fewest devices (the earliest-listed among equals),
-    and every other run gets::
-
-        efficiency = tokens_per_sec(N) / (tokens_per_sec(N0) * N / N0)
-
-    With the same global batch (strong scaling) this is the speed-up over the ideal N/N0; with the same
-    batch per device (weak scaling) it equals per-device throughput over the baseline's per-device
-    throughput (Gustafson's scaled speed-up divided by N/N0). See ``docs/compare.md``.
-
-    Args:
-        runs: the compared runs; those without ``summary/tokens_per_sec`` or a device count are left out.
-        baseline: run id of the baseline for its group.
-
-    Returns:
-        One :class:`ScalingRow` per non-baseline run of a group, ordered by group then device count.
-
-    Raises:
-        ValueError: when ``baseline`` is not one of ``runs`` or has no ``summary/tokens_per_sec``.
-    """
-    usable = [r for r in runs if r.comparable and r.devices and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
-    if baseline is not None and baseline not in {r.run_id for r in usable}:
-        known = {r.run_id for r in runs}
-        why = "has no summary/tokens_per_sec or device count" if baseline in known else "is not among the compared runs"
-        raise ValueError(f"--baseline {baseline!r} {why}")
-    groups: dict[tuple, list[RunRecord]] = {}
-    for r in usable:
-        groups.setdefault(tuple(r.tags.get(k) for k in _SAME_JOB), []).append(r)
-    out: list[ScalingRow] = []
-    for key, members in groups.items():
-        strategies = {r.tags.get(names.PAR_STRATEGY) for r in members} - {"single"}
-        for strategy in sorted(strategies, key=str) or ["single"]:
-            sub = [r for r in members if r.tags.get(names.PAR_STRATEGY) in ("single", strategy)]
-            out += _scale_group(sub, baseline, _group_label(key, strategy))
-    return out
-
-
-def _group_label(key: tuple, strategy: str | None) -> str:
-    model, short, precision, seq = key[2], key[0], key[1], key[3]
-    return f"{model} {short} {precision} seq {seq} {strategy}"
-
-
-def _scale_group(members: list[RunRecord], baseline: str | None, label: str) -> list[ScalingRow]:
-    if len({r.devices for r in members}) < 2:
-        return []
-    base = next((r for r in members if r.run_id == baseline), None) or min(members, key=lambda r: r.devices)
-    n0, t0 = base.devices, base.metrics[names.SUM_TOKENS_PER_SEC]
-    rows = []
-    for r in sorted(members, key=lambda r: r.devices):
-        if r.run_id == base.run_id or r.devices == base.devices:  # same device count: no scaling to measure
-            continue
-        n, t = r.devices, r.metrics[names.SUM_TOKENS_PER_SEC]
-        if r.tags.get(names.GLOBAL_BATCH_TOKENS) and r.tags.get(names.GLOBAL_BATCH_TOKENS) == base.tags.get(
-                names.GLOBAL_BATCH_TOKENS):
-            kind = "strong"
-        elif _batch_per_device(r) is not None and _batch_per_device(r) == _batch_per_device(base):
-            kind = "weak"
-        else:
-            kind = "batch differs"
-        rows.append(ScalingRow(label, r.run_id, r.label, base.run_id, base.label, n, n0, t, t0,
-                               t / (t0 * n / n0), kind))
-    return rows
 
 
 def pareto_front(points: list[tuple[float, float]], *, maximize_x: bool, maximize_y: bool) -> list[int]:

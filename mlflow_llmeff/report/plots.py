@@ -1,8 +1,10 @@
 """The comparison's figures as PNG bytes (matplotlib, Agg backend: no display needed).
 
-Each ``fig_*`` function returns PNG bytes, or a string saying why the figure is left out (no run
-has the figures it needs). Pareto fronts come from :func:`mlflow_llmeff.report.calc.pareto_front`:
-front points are labelled and joined, dominated runs are grey.
+Each ``fig_*`` function returns a matplotlib figure, or a string saying why the figure is left out
+(no run has the figures it needs); :func:`draw_all` lays each out (:func:`lay_out`: no text
+outside the image) and turns it into PNG bytes. Throughput figures are per configuration (repeats averaged, 95% intervals
+drawn); Pareto fronts come from :func:`mlflow_llmeff.report.repeats.noisy_pareto_front`, so a point
+beaten only within noise stays on the front; dominated points are grey.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import io
 from typing import Callable
 
 from .. import names
-from .calc import RunRecord, carbon_per_btok, pareto_front
+from .calc import RunRecord
+from .repeats import Estimate, noisy_pareto_front, versus_best
 
 __all__ = ["draw_all", "png", "FIGURES"]
 
@@ -27,93 +30,173 @@ def _plt():
     return plt
 
 
+def lay_out(fig) -> None:
+    """Tight layout, then every annotation that would stick out of the figure turned to the other
+    side of its point (labels near the right edge point left), so no text is clipped."""
+    fig.tight_layout()
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    width = fig.bbox.width
+    for ax in fig.axes:
+        for t in ax.texts:
+            if not hasattr(t, "xyann"):
+                continue
+            bb = t.get_window_extent(r)
+            dx, dy = t.xyann
+            if bb.x1 > width:
+                t.set_horizontalalignment("right")
+                t.xyann = (-abs(dx), dy)
+            elif bb.x0 < 0:
+                t.set_horizontalalignment("left")
+                t.xyann = (abs(dx), dy)
+
+
+def clipped_texts(fig) -> list[str]:
+    """The drawn texts of a laid-out figure whose box is not inside the image (empty when none is).
+
+    Tick labels count only for ticks inside the view (matplotlib keeps label objects for ticks
+    outside it that it never draws).
+    """
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    w, h = fig.bbox.width, fig.bbox.height
+    texts: list[Text] = [t for t in fig.texts]
+    for ax in fig.axes:
+        texts += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        legend = ax.get_legend()
+        if legend is not None:
+            texts += legend.get_texts()
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in axis._update_ticks():  # the ticks inside the view: the ones drawn
+                texts += [tick.label1, tick.label2]
+    if fig._suptitle is not None:
+        texts.append(fig._suptitle)
+    out = []
+    for t in texts:
+        if not t.get_visible() or not t.get_text().strip():
+            continue
+        bb = t.get_window_extent(r)
+        if bb.x0 < -1 or bb.y0 < -1 or bb.x1 > w + 1 or bb.y1 > h + 1:
+            out.append(t.get_text())
+    return out
+
+
 def png(fig) -> bytes:
-    """The figure as PNG bytes (closed afterwards)."""
+    """The figure laid out (:func:`lay_out`) as PNG bytes (closed afterwards)."""
     plt = _plt()
     buf = io.BytesIO()
-    fig.tight_layout()
+    lay_out(fig)
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
     return buf.getvalue()
+
+
+def short(label: str, n: int = 40) -> str:
+    """``label`` cut to ``n`` characters with an ellipsis (figures keep their full names in the table)."""
+    return label if len(label) <= n else label[: n - 1] + "\u2026"
 
 
 def _summarised(runs: list[RunRecord]) -> list[RunRecord]:
     return [r for r in runs if r.comparable]
 
 
-def fig_tokens_per_device(rep, history) -> bytes | str:
-    """Bars: steady-state tokens/s per device of each run, coloured by group."""
-    runs = [r for r in _summarised(rep.runs) if names.SUM_DEVICE_TOKENS_PER_SEC in r.metrics]
-    if not runs:
+def fig_tokens_per_device(rep, history):
+    """Bars: tokens/s per device of each configuration (mean over its repeats) with its 95% interval,
+    coloured by group; a bar within noise of the best is hatched (no ranking among those)."""
+    configs = [c for c in rep.configs if c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) is not None]
+    if not configs:
         return "tokens_per_device.png: no run has summary/device_tokens_per_sec"
     plt = _plt()
-    groups = sorted({rep.group_of(r) for r in runs})
+    groups = sorted({rep.group_of(c.runs[0]) for c in configs})
     colours = {g: plt.cm.tab10(i % 10) for i, g in enumerate(groups)}
-    runs = sorted(runs, key=lambda r: (rep.group_of(r), r.label))
+    configs = sorted(configs, key=lambda c: (rep.group_of(c.runs[0]), c.label))
+    est = [c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) for c in configs]
+    standing = versus_best(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(range(len(runs)), [r.metrics[names.SUM_DEVICE_TOKENS_PER_SEC] for r in runs],
-           color=[colours[rep.group_of(r)] for r in runs])
-    ax.set_xticks(range(len(runs)), [r.label for r in runs], rotation=30, ha="right", fontsize=7)
+    err = [[e.mean - e.low if e.has_interval else 0 for e in est], [e.high - e.mean if e.has_interval else 0 for e in est]]
+    bars = ax.bar(range(len(configs)), [e.mean for e in est], color=[colours[rep.group_of(c.runs[0])] for c in configs],
+                  yerr=err, capsize=4, ecolor="0.2")
+    for i, b in enumerate(bars):
+        if standing.get(i, "").startswith("within noise") or not est[i].has_interval:
+            b.set_hatch("//")
+    ax.set_xticks(range(len(configs)), [short(c.label, 32) for c in configs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per device (steady state)")
-    ax.set_title("Throughput per device by group")
+    ax.set_title("Throughput per device (95% interval; hatched: within noise of the best or no interval)", fontsize=9)
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=c, label=g) for g, c in colours.items()], fontsize=7)
-    return png(fig)
+    return fig
 
 
-def _pareto(runs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None) -> bytes:
+def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None):
+    """Configurations as points with their 95% intervals; the front is :func:`noisy_pareto_front`
+    (never beaten within noise), so a point worse only within noise is drawn on it."""
     plt = _plt()
-    pts = list(zip(xs, ys))
-    front = pareto_front(pts, maximize_x=maximize_x, maximize_y=maximize_y)
+    front = noisy_pareto_front(list(zip(xs, ys)), maximize_x=maximize_x, maximize_y=maximize_y)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    s = sizes or [40] * len(pts)
-    dominated = [i for i in range(len(pts)) if i not in front]
-    if dominated:
-        ax.scatter([xs[i] for i in dominated], [ys[i] for i in dominated], s=[s[i] for i in dominated],
-                   color="0.75", label="dominated")
-        for i in dominated:
-            ax.annotate(runs[i].label, (xs[i], ys[i]), fontsize=6, color="0.55", xytext=(4, -10),
-                        textcoords="offset points")
-    ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=[s[i] for i in front], color="tab:blue",
-               label="Pareto front", zorder=3)
-    ax.plot([xs[i] for i in front], [ys[i] for i in front], color="tab:blue", lw=1)
-    for i in front:
-        ax.annotate(runs[i].label, (xs[i], ys[i]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    s = sizes or [40] * len(xs)
+
+    def err(es):
+        return [[e.mean - e.low if e.has_interval else 0 for e in es], [e.high - e.mean if e.has_interval else 0 for e in es]]
+
+    dominated = [i for i in range(len(xs)) if i not in front]
+    for idx, colour, label in ((dominated, "0.7", "dominated beyond noise"), (front, "tab:blue", "front (within noise)")):
+        if not idx:
+            continue
+        ax.errorbar([xs[i].mean for i in idx], [ys[i].mean for i in idx], xerr=err([xs[i] for i in idx]),
+                    yerr=err([ys[i] for i in idx]), fmt="none", ecolor=colour, lw=1, zorder=2)
+        ax.scatter([xs[i].mean for i in idx], [ys[i].mean for i in idx], s=[s[i] for i in idx], color=colour,
+                   label=label, zorder=3)
+        for i in idx:
+            ax.annotate(short(configs[i].label, 32), (xs[i].mean, ys[i].mean), fontsize=7 if colour != "0.7" else 6,
+                        color="black" if colour != "0.7" else "0.5", xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7)
-    return png(fig)
+    return fig
 
 
-def fig_pareto_cost(rep, history) -> bytes | str:
+def _pairs(rep, x_of) -> tuple[list, list, list]:
+    """Configurations with a tokens/s-per-device estimate and an x estimate from ``x_of(config)``."""
+    out = []
+    for c in rep.configs:
+        y = c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)
+        x = x_of(c)
+        if x is not None and y is not None:
+            out.append((c, x, y))
+    return [p[0] for p in out], [p[1] for p in out], [p[2] for p in out]
+
+
+def fig_pareto_cost(rep, history):
     """Pareto front: tokens/s per device (more is better) against USD per 1e9 tokens (less is better)."""
-    runs = [r for r in _summarised(rep.runs)
-            if names.SUM_DEVICE_TOKENS_PER_SEC in r.metrics and names.SUM_USD_PER_BTOK in r.metrics]
-    if not runs:
+    configs, xs, ys = _pairs(rep, lambda c: c.estimate(names.SUM_USD_PER_BTOK))
+    if not configs:
         return "pareto_cost.png: no run has both summary/device_tokens_per_sec and summary/usd_per_billion_tokens"
-    return _pareto(runs, [r.metrics[names.SUM_USD_PER_BTOK] for r in runs],
-                   [r.metrics[names.SUM_DEVICE_TOKENS_PER_SEC] for r in runs],
-                   xlabel="USD per billion tokens", ylabel="tokens/s per device",
+    return _pareto(configs, xs, ys, xlabel="USD per billion tokens", ylabel="tokens/s per device",
                    title="Throughput against cost", maximize_x=False, maximize_y=True)
 
 
-def fig_pareto_carbon(rep, history) -> bytes | str:
+def fig_pareto_carbon(rep, history):
     """Pareto front: tokens/s per device against kg-CO2e per 1e9 tokens (measured, else codecarbon's estimate)."""
-    runs, xs, est = [], [], False
-    for r in _summarised(rep.runs):
-        kg, is_est = carbon_per_btok(r)
-        if kg is not None and names.SUM_DEVICE_TOKENS_PER_SEC in r.metrics:
-            runs.append(r)
-            xs.append(kg)
-            est = est or is_est
-    if not runs:
+    est = []
+
+    def carbon(c):
+        for key in (names.SUM_KG_CO2E_PER_BTOK, names.SUM_ESTIMATE_KG_CO2E_PER_BTOK):
+            e = c.estimate(key)
+            if e is not None:
+                est.append(key == names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
+                return e
+        return None
+
+    configs, xs, ys = _pairs(rep, carbon)
+    if not configs:
         return "pareto_carbon.png: no run has a kg-CO2e per billion tokens figure (measured or estimate)"
-    label = "kg CO2e per billion tokens" + (" (some are codecarbon estimates)" if est else "")
-    return _pareto(runs, xs, [r.metrics[names.SUM_DEVICE_TOKENS_PER_SEC] for r in runs], xlabel=label,
-                   ylabel="tokens/s per device", title="Throughput against carbon", maximize_x=False,
-                   maximize_y=True)
+    label = "kg CO2e per billion tokens" + (" (some are codecarbon estimates)" if any(est) else "")
+    return _pareto(configs, xs, ys, xlabel=label, ylabel="tokens/s per device", title="Throughput against carbon",
+                   maximize_x=False, maximize_y=True)
 
 
 def _quality_pairs(r: RunRecord) -> list[tuple[str, str, float, float]]:
@@ -130,7 +213,7 @@ def _quality_pairs(r: RunRecord) -> list[tuple[str, str, float, float]]:
     return out
 
 
-def fig_quality_cost(rep, history) -> bytes | str:
+def fig_quality_cost(rep, history):
     """Quality against the cost to reach it: the eval metric of a target against ``ttq/<target>_usd``
     (else final ``eval/val_loss`` against ``summary/cost_usd``); marker area by peak memory per device."""
     runs = _summarised(rep.runs)
@@ -143,24 +226,36 @@ def fig_quality_cost(rep, history) -> bytes | str:
     else:
         sel = [r for r in runs if names.EVAL_VAL_LOSS in r.metrics and names.SUM_COST_USD in r.metrics]
         if not sel:
-            return ("quality_cost.png: no run has a ttq/*_usd figure, nor eval/val_loss with summary/cost_usd "
-                    "(give targets=, or a device_hour_usd price)")
+            targets = any(k.startswith(names.TTQ_TAG_PREFIX) for r in runs for k in r.tags)
+            why = ("the runs have targets but no price: their ttq/*_usd and cost figures need device_hour_usd"
+                   if targets else "give targets= and a device_hour_usd price")
+            return f"quality_cost.png: no run has a ttq/*_usd figure, nor eval/val_loss with summary/cost_usd ({why})"
         xs, ys = [r.metrics[names.SUM_COST_USD] for r in sel], [r.metrics[names.EVAL_VAL_LOSS] for r in sel]
         eval_key, xlabel, ylabel = names.EVAL_VAL_LOSS, "run cost (summary/cost_usd)", "final eval/val_loss"
     higher_better = "loss" not in eval_key and "perplexity" not in eval_key
     mem = [r.metrics.get(names.MEM_MAX_ALLOC) for r in sel]
     top = max((m for m in mem if m), default=0) or 1
     sizes = [30 + 300 * (m or 0) / top for m in mem]
+    xs, ys = ([Estimate(v, None, None, 1, "no interval") for v in vals] for vals in (xs, ys))
     return _pareto(sel, xs, ys, xlabel=xlabel, ylabel=ylabel + " (marker area: memory per device)",
                    title="Quality against cost", maximize_x=False, maximize_y=higher_better, sizes=sizes)
 
 
-def fig_loss(rep, history) -> bytes | str:
-    """Training loss against tokens and against wall time (s since the run's first logged point)."""
+def _one_run_each(rep) -> list:
+    """One run per configuration (its first used repeat), so curves stay readable with many repeats;
+    runs that did not finish with a summary are drawn too (a crashed run's loss is worth seeing)."""
+    picked = [c.used[0] for c in rep.configs]
+    seen = {r.run_id for c in rep.configs for r in c.runs}
+    return picked + [r for r in rep.runs if r.run_id not in seen]
+
+
+def fig_loss(rep, history):
+    """Training loss against tokens and against wall time (s since the run's first logged point), one
+    curve per configuration (its first used repeat) and per run without a summary."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
     drawn = 0
-    for r in rep.runs:
+    for r in _one_run_each(rep):
         loss = history(r.run_id, names.TRAIN_LOSS)
         if not loss:
             continue
@@ -168,34 +263,43 @@ def fig_loss(rep, history) -> bytes | str:
         t0 = loss[0][1]
         pts = [(tokens[s], v) for s, _, v in loss if s in tokens]
         if pts:
-            a1.plot(*zip(*pts), marker=".", label=r.label)
-        a2.plot([(ts - t0) / 1000 for _, ts, _ in loss], [v for _, _, v in loss], marker=".", label=r.label)
+            a1.plot(*zip(*pts), marker=".", label=short(r.label))
+        a2.plot([(ts - t0) / 1000 for _, ts, _ in loss], [v for _, _, v in loss], marker=".", label=short(r.label))
         drawn += 1
     if not drawn:
         plt.close(fig)
         return "loss.png: no run has a train/loss history"
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     a1.set_xlabel("tokens")
+    a1.xaxis.set_major_formatter(EngFormatter(sep=""))  # 40k, 1.2M: tick labels that do not run together
     a2.set_xlabel("wall time since the first logged loss, s")
     for a in (a1, a2):
         a.set_ylabel("train/loss, nats/token")
+        a.xaxis.set_major_locator(MaxNLocator(5))
     a1.legend(fontsize=6)
     fig.suptitle("Loss against tokens and wall time")
-    return png(fig)
+    return fig
 
 
-def fig_ttq(rep, history) -> bytes | str:
-    """Bars: wall seconds to reach each target (``ttq/<target>_wall_s``), one bar per run and target."""
-    bars = [(r.label, k[len("ttq/"):-len("_wall_s")], v) for r in _summarised(rep.runs)
-            for k, v in sorted(r.metrics.items()) if k.startswith("ttq/") and k.endswith("_wall_s")]
+def fig_ttq(rep, history):
+    """Bars: wall seconds to reach each target (``ttq/<target>_wall_s``), one bar per configuration
+    and target (the mean over the repeats that reached it)."""
+    bars = []
+    for c in rep.configs:
+        keys = sorted({k for r in c.used for k in r.metrics if k.startswith("ttq/") and k.endswith("_wall_s")})
+        for k in keys:
+            vals = [r.metrics[k] for r in c.used if k in r.metrics]
+            bars.append((c.label, k[len("ttq/"):-len("_wall_s")], sum(vals) / len(vals)))
     if not bars:
         return "ttq.png: no run reached a time-to-quality target (ttq/*_wall_s)"
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.35 * len(bars)))
+    fig, ax = plt.subplots(figsize=(7, max(2.6, 0.9 + 0.35 * len(bars))))
     ax.barh(range(len(bars)), [b[2] for b in bars], color="tab:green")
-    ax.set_yticks(range(len(bars)), [f"{b[0]}: {b[1]}" for b in bars], fontsize=7)
+    ax.set_yticks(range(len(bars)), [f"{short(b[0], 28)}: {short(b[1], 24)}" for b in bars], fontsize=7)
     ax.set_xlabel("wall seconds to the target")
     ax.set_title("Time to quality")
-    return png(fig)
+    return fig
 
 
 FIGURES = (("tokens_per_device.png", fig_tokens_per_device), ("pareto_cost.png", fig_pareto_cost),
@@ -208,8 +312,8 @@ def draw_all(rep, history: History) -> tuple[dict[str, bytes], list[str]]:
     figs, notes = {}, []
     for name, fn in FIGURES:
         out = fn(rep, history)
-        if isinstance(out, bytes):
-            figs[name] = out
-        else:
+        if isinstance(out, str):
             notes.append(out)
+        else:
+            figs[name] = png(out)
     return figs, notes

@@ -16,8 +16,9 @@ import os
 from dataclasses import dataclass, field
 
 from .. import names
-from .calc import (CONDITION_TAGS, Incomparability, RunRecord, ScalingRow, comparability_warnings, differing_tags,
-                   header, metric_columns, round_sig, scaling_efficiency)
+from .calc import (CONDITION_TAGS, Incomparability, RunRecord, comparability_warnings, differing_tags, header,
+                   metric_columns, round_sig)
+from .repeats import Configuration, ScalingRow, configurations, scaling_efficiency
 from .source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
@@ -37,7 +38,8 @@ class Report:
         columns: ``summary/*`` and ``ttq/*`` metric keys shown.
         tag_columns: condition tags whose values differ between the runs.
         warnings: reasons the runs are not comparable.
-        scaling: scaling efficiency rows.
+        scaling: scaling efficiency rows (from configuration estimates, with intervals).
+        configs: the configurations: runs with equal condition tags are repeats of one.
         figures: PNG bytes by file name (``tokens_per_device.png``, ...), in display order.
         notes: one line per figure left out, saying why.
         ui_base: base address of the MLflow UI for run links (``""`` = relative to the server).
@@ -49,6 +51,7 @@ class Report:
     tag_columns: list[str]
     warnings: list[Incomparability]
     scaling: list[ScalingRow]
+    configs: list[Configuration] = field(default_factory=list)
     figures: dict[str, bytes] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     ui_base: str = ""
@@ -62,11 +65,11 @@ class Report:
         return " / ".join(r.tags.get(k, "?") for k in self.group_by)
 
     def row_note(self, r: RunRecord) -> str:
-        """Why a row needs care: no summary figures (status and ``llmeff.error``), else the
-        conditions that make it not comparable with the other rows (empty when none)."""
-        if r.comparable:
-            diffs = [f"{w.what} = {v}" for w in self.warnings for v, labels in w.values.items() if r.label in labels]
-            return "not comparable: " + "; ".join(diffs) if diffs else ""
+        """Why a row needs care: no summary figures (status and ``llmeff.error``), else an unstable
+        run's ``llmeff.stability`` (empty when none)."""
+        if r.comparable:  # conditions that differ are warned once above the table, not on every row
+            stability = r.tags.get(names.STABILITY)
+            return stability if stability and stability != "stable" else ""
         why = r.tags.get(names.ERROR)
         if r.has_summary:
             return f"{r.status}: left out of scaling, fronts and plots" + (f" ({why})" if why else "")
@@ -117,7 +120,7 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     runs = selection.runs
     tag_cols = [k for k in differing_tags(runs) if k not in keys]
     rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
-                 scaling_efficiency(runs, baseline), ui_base=ui_base)
+                 scaling_efficiency(runs, baseline), configurations(runs), ui_base=ui_base)
     if plots:
         from . import plots as pl
 
@@ -144,12 +147,17 @@ def table_rows(rep: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def scaling_lines(rep: Report) -> list[str]:
-    """One line per scaling row, efficiency to 3 significant digits, naming the baseline."""
+    """One line per scaling row: efficiency to 3 significant digits with its 95% interval, the
+    baseline configuration, and a flag naming what could explain a value above 1.05."""
     out = []
     for s in rep.scaling:
-        out.append(f"{s.group}: {s.name} ({s.devices} devices) vs baseline {s.baseline_name} "
-                   f"({s.baseline_devices}): {s.kind} scaling efficiency {s.efficiency:.3g} "
-                   f"({s.tokens_per_sec:.4g} vs {s.baseline_tokens_per_sec:.4g} tokens/s)")
+        interval = f" [{s.low:.3g}, {s.high:.3g}]" if s.low is not None else " (no interval)"
+        line = (f"{s.group}: {s.name} ({s.devices} devices) vs baseline {s.baseline_name} "
+                f"({s.baseline_devices}): {s.kind} scaling efficiency {s.efficiency:.3g}{interval} "
+                f"({s.tokens_per_sec.mean:.4g} vs {s.baseline_tokens_per_sec.mean:.4g} tokens/s)")
+        if s.flags:
+            line += " FLAGGED above 1.05: " + "; ".join(s.flags)
+        out.append(line)
     return out
 
 
@@ -163,6 +171,13 @@ def to_markdown(rep: Report) -> str:
     lines = [f"# Efficiency comparison: {sel.experiment_name}", ""]
     if sel.filter_string:
         lines += [f"Filter: `{sel.filter_string}`", ""]
+    h = _headline(rep)
+    if h.rows:
+        lines += ["## Configurations (repeats as samples; within noise = intervals overlap, not ranked)", "",
+                  "| " + " | ".join(h.columns) + " |", "|" + " --- |" * len(h.columns)]
+        lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in h.rows]
+        lines += [""] + [f"- {n}" for n in h.footnotes] + ([""] if h.footnotes else [])
+        lines += ["## All runs", ""]
     lines += [f"> **WARNING** {w.text()}" for w in rep.warnings] + ([""] if rep.warnings else [])
     head, rows = table_rows(rep)
     lines += ["| " + " | ".join(_md_cell(h) for h in head) + " |", "|" + " --- |" * len(head)]
@@ -189,21 +204,100 @@ def to_csv(rep: Report) -> str:
     return buf.getvalue()
 
 
-_CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+_CSS = """body{font-family:system-ui,sans-serif;margin:12px 20px;color:#222;max-width:1560px}
+h1{font-size:20px;margin:4px 0 6px}h2{font-size:16px;margin:14px 0 6px}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}
-th{background:#f3f3f3;position:sticky;top:0;max-width:9em;min-width:4.5em;white-space:normal;font-size:12px}td:first-child{white-space:nowrap}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}
-tr.nosummary td{background:#fde2e2;color:#700}
-tr.notcomparable td:last-child{background:#fff3cd;font-weight:600}.warn{background:#fff3cd;border:2px solid #d39e00;
-padding:6px 10px;margin:6px 0;font-weight:600}.figs img{max-width:46%;margin:6px;border:1px solid #ddd}
-.note{color:#555}form.filters{margin:8px 0}form.filters input{width:38em}"""
+th{background:#f3f3f3;font-size:12px;white-space:normal}
+td.t,th.t{text-align:left}
+table.sortable th{cursor:pointer}table.sortable th:after{content:" \\2195";color:#999;font-size:10px}
+#headline td{white-space:nowrap}#headline td.q{white-space:normal;max-width:16em;text-align:left;font-size:12px}
+#headline td:first-child{max-width:24em;overflow:hidden;text-overflow:ellipsis}
+#headline tr.unstable td.s{background:#fff3cd}
+.scroll{overflow-x:auto;max-width:100%}
+#runs th{max-width:9em;min-width:4.5em}#runs td:first-child{white-space:nowrap}
+#runs td:first-child,#runs td:nth-child(2),#runs td:nth-child(3){text-align:left}
+tr.nosummary td{background:#fde2e2;color:#700}tr.notcomparable td:last-child{background:#fff3cd;font-weight:600}
+.warn{background:#fff3cd;border:2px solid #d39e00;padding:4px 10px;margin:6px 0;font-weight:600;font-size:13px}
+.figs{display:flex;flex-wrap:wrap;gap:8px}.figs img{width:calc(50% - 8px);max-width:760px;border:1px solid #ddd}
+.note{color:#555;font-size:12px;margin:4px 0}form.filters{margin:4px 0;font-size:13px}form.filters input{width:30em}
+#chooser{font-size:12px;margin:6px 0}#chooser label{margin-right:10px;white-space:nowrap}
+details summary{cursor:pointer;font-weight:600;margin:10px 0 4px}"""
+
+_JS = """document.querySelectorAll('table.sortable th').forEach(function(th,i){th.addEventListener('click',function(){
+var tb=th.closest('table').tBodies[0],rows=Array.from(tb.rows),dir=th.dataset.dir==='asc'?'desc':'asc';th.dataset.dir=dir;
+rows.sort(function(a,b){var x=a.cells[i].dataset.v,y=b.cells[i].dataset.v;if(x===undefined||x==='')return 1;
+if(y===undefined||y==='')return -1;var nx=parseFloat(x),ny=parseFloat(y),c=(isNaN(nx)||isNaN(ny))?x.localeCompare(y):nx-ny;
+return dir==='asc'?c:-c});rows.forEach(function(r){tb.appendChild(r)})})});
+document.querySelectorAll('#chooser input').forEach(function(cb){cb.addEventListener('change',function(){
+var i=+cb.dataset.col;document.querySelectorAll('#runs tr').forEach(function(tr){var c=tr.children[i];
+if(c)c.style.display=cb.checked?'':'none'})})});"""
 
 
-def to_html(rep: Report, *, extra_head: str = "") -> str:
-    """The report as one self-contained HTML page (CSS inline, every figure a base64 PNG).
+def _headline(rep: Report):
+    from .headline import headline
+
+    links = [rep.url(c.used[0]) for c in rep.configs]
+    return headline(rep.configs, links)
+
+
+def _headline_html(rep: Report) -> str:
+    e = html.escape
+    h = _headline(rep)
+    if not h.rows:
+        return "<p class='note'>No finished run with summary figures to compare.</p>"
+    out = ["<table id='headline' class='sortable'><thead><tr>"
+           + "".join(f"<th class='{'t' if i in (0, 3, 8, 9) else ''}'>{e(c)}</th>" for i, c in enumerate(h.columns))
+           + "</tr></thead><tbody>"]
+    for c, row in zip(h.configs, h.rows):
+        cls = " class='unstable'" if c.unstable else ""
+        cells = []
+        for i, cell in enumerate(row):
+            v = "" if cell.sort is None else e(str(cell.sort))
+            text = (f"<a href='{e(cell.link)}' target='_top'>{e(cell.text)}</a>" if cell.link else e(cell.text))
+            klass = "t" if i in (0, 3) else ("q" if i == 8 else ("s t" if i == 9 else ""))
+            title = f" title='{e(cell.title)}'" if cell.title else ""
+            cells.append(f"<td class='{klass}' data-v='{v}'{title}>{text}</td>")
+        out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
+    out.append("</tbody></table>")
+    notes = ["Runs with equal condition tags are repeats of one configuration: mean and 95% interval across "
+             "repeats (one run: its own interval); unstable repeats are left out while a stable one exists. "
+             "'within noise' = the intervals overlap: not ranked. Click a header to sort."] + h.footnotes
+    out += [f"<p class='note'>{e(n)}</p>" for n in notes]
+    return "\n".join(out)
+
+
+def _runs_table_html(rep: Report) -> str:
+    e = html.escape
+    head, rows = table_rows(rep)
+
+    def breakable(h: str) -> str:  # headers wrap after '/' and '_' rather than inside words
+        return e(h).replace("/", "/<wbr>").replace("_", "_<wbr>").replace(".", ".<wbr>")
+
+    chooser = "".join(f"<label><input type='checkbox' checked data-col='{i}'>{e(h.split(' [')[0])}</label>"
+                      for i, h in enumerate(head) if i > 0)
+    out = [f"<details id='all-runs'><summary>All runs: {len(rows)} runs x {len(head)} columns (summary figures, "
+           "conditions that differ, final evals, time to quality)</summary>",
+           f"<div id='chooser'>Columns: {chooser}</div><div class='scroll'>",
+           "<table id='runs'><thead><tr>" + "".join(f"<th>{breakable(h)}</th>" for h in head) + "</tr></thead><tbody>"]
+    for r, row in zip(rep.runs, rows):
+        cls = " class='nosummary'" if rep.missing_summary(r) else (" class='run notcomparable'" if rep.row_note(r)
+                                                                   else " class='run'")
+        cells = [f"<a href='{e(rep.url(r))}' target='_top'>{e(row[0])}</a>"] + [e(c) for c in row[1:]]
+        out.append(f"<tr{cls} data-run-id='{e(r.run_id)}'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    out.append("</tbody></table></div></details>")
+    return "\n".join(out)
+
+
+def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | None = None) -> str:
+    """The report as one HTML page that leads with the answer: the headline table of configurations
+    (sortable), the warnings that change it, then every run (one click away, with a column chooser),
+    scaling efficiency and the figures.
 
     Args:
         rep: the report.
-        extra_head: HTML placed above the warnings (the server page's filter form).
+        extra_head: HTML placed under the title (the server page's filter form).
+        figure_urls: figure name -> URL to load it from (the server page); default: every figure
+            inlined as a base64 PNG, so the file opens anywhere without its folder.
     """
     e = html.escape
     sel = rep.selection
@@ -211,31 +305,24 @@ def to_html(rep: Report, *, extra_head: str = "") -> str:
            f"<title>llmeff: {e(sel.experiment_name)}</title><style>{_CSS}</style></head><body>",
            f"<h1>Efficiency comparison: {e(sel.experiment_name)}</h1>", extra_head]
     if sel.filter_string:
-        out.append(f"<p>Filter: <code>{e(sel.filter_string)}</code></p>")
+        out.append(f"<p class='note'>Filter: <code>{e(sel.filter_string)}</code></p>")
+    out.append(_headline_html(rep))
     out += [f"<div class='warn'>WARNING: {e(w.text())}</div>" for w in rep.warnings]
-    head, rows = table_rows(rep)
-    def breakable(h: str) -> str:  # headers wrap after '/' and '_' rather than inside words
-        return e(h).replace("/", "/<wbr>").replace("_", "_<wbr>").replace(".", ".<wbr>")
-
-    out.append("<table id='runs'><thead><tr>" + "".join(f"<th>{breakable(h)}</th>" for h in head)
-               + "</tr></thead><tbody>")
-    for r, row in zip(rep.runs, rows):
-        cls = " class='nosummary'" if rep.missing_summary(r) else (" class='run notcomparable'" if rep.row_note(r)
-                                                                   else " class='run'")
-        cells = [f"<a href='{e(rep.url(r))}' target='_top'>{e(row[0])}</a>"] + [e(c) for c in row[1:]]
-        out.append(f"<tr{cls} data-run-id='{e(r.run_id)}'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    out.append("</tbody></table>")
+    out.append(_runs_table_html(rep))
     out.append("<h2>Scaling efficiency</h2>")
     lines = scaling_lines(rep)
     out.append("<ul id='scaling'>" + "".join(f"<li>{e(s)}</li>" for s in lines) + "</ul>" if lines
-               else "<p>No runs that differ only in device count.</p>")
+               else "<p class='note'>No configurations that differ only in device count.</p>")
     out.append("<h2>Figures</h2><div class='figs'>")
-    for name, png in rep.figures.items():
-        out.append(f"<img alt='{e(name)}' title='{e(name)}' src='data:image/png;base64,"
-                   f"{base64.b64encode(png).decode()}'>")
+    names_ = list(figure_urls) if figure_urls is not None else list(rep.figures)
+    for name in names_:
+        src = (figure_urls[name] if figure_urls is not None
+               else "data:image/png;base64," + base64.b64encode(rep.figures[name]).decode())
+        out.append(f"<img alt='{e(name)}' title='{e(name)}' src='{e(src)}'>")
     out.append("</div>" + "".join(f"<p class='note'>{e(n)}</p>" for n in rep.notes))
-    out.append("<p class='note'>Formulas and what is comparable: docs/compare.md of mlflow_llmeff. "
-               f"Conditions shown when they differ: {e(', '.join(CONDITION_TAGS))}.</p></body></html>")
+    out.append("<p class='note'>Formulas and what is comparable: docs/compare.md and docs/stability.md of "
+               f"mlflow_llmeff. Conditions shown when they differ: {e(', '.join(CONDITION_TAGS))}.</p>")
+    out.append(f"<script>{_JS}</script></body></html>")
     return "\n".join(out)
 
 

@@ -12,11 +12,22 @@ under uvicorn, MLflow's FastAPI wrapper of it). Pages:
 
 Bad input (unknown experiment, a filter MLflow cannot parse, no runs) is a one-line page with
 status 400/404, never a stack trace.
+
+Figures are drawn once per run set, in the background: they are cached by a digest of the compared
+runs (ids, status, latest metric values, tags) and the page's grouping and baseline, and served
+from ``/llmeff/figures/<digest>/<name>``. A page whose run set has no figures yet is served at once
+and starts the drawing; each figure request waits for it (a figure left out is an image saying
+why). So the page never waits for matplotlib, and a page whose runs did not change draws nothing
+(bench/page.py measures both). matplotlib is imported in the background when the app starts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
+import json
+import threading
+from collections import OrderedDict
 
 from .. import names
 
@@ -25,6 +36,90 @@ __all__ = ["create_app", "register", "FILTER_TAGS"]
 #: Condition tags offered as filters on the page (query parameter = the name without ``llmeff.``).
 FILTER_TAGS = (names.ACCEL_SHORT, names.ACCEL_COUNT, names.PAR_STRATEGY, names.PRECISION, names.MODEL_NAME)
 PREFIX = "/llmeff"
+#: Run sets whose figures are kept (least recently used dropped first).
+FIGURE_CACHE_SIZE = 32
+_figures: "OrderedDict[str, tuple[dict[str, bytes], list[str]]]" = OrderedDict()
+_lock = threading.Lock()
+
+
+def run_set_digest(runs, group_by: str, baseline: str) -> str:
+    """A digest of what the figures are drawn from: every run's id, status, latest metrics and tags,
+    and the page's grouping and baseline (a new point or a finished run changes it)."""
+    h = hashlib.sha1()
+    h.update(json.dumps([group_by, baseline]).encode())
+    for r in sorted(runs, key=lambda r: r.run_id):
+        h.update(json.dumps([r.run_id, r.status, sorted(r.metrics.items()), sorted(r.tags.items())],
+                            default=str).encode())
+    return h.hexdigest()[:20]
+
+
+_drawing: dict[str, threading.Event] = {}
+#: Seconds a figure request waits for its run set's drawing.
+FIGURE_WAIT_S = 120.0
+
+
+def _cached(digest: str) -> tuple[dict[str, bytes], list[str]] | None:
+    with _lock:
+        hit = _figures.get(digest)
+        if hit is not None:
+            _figures.move_to_end(digest)
+        return hit
+
+
+def _start_drawing(store, rep, digest: str) -> None:
+    """Draw the figures of ``rep`` into the cache in a background thread (once per digest)."""
+    with _lock:
+        if digest in _figures or digest in _drawing:
+            return
+        done = _drawing[digest] = threading.Event()
+
+    def work() -> None:
+        from . import plots as pl
+        from .source import metric_history
+
+        try:
+            drawn = pl.draw_all(rep, lambda run_id, key: metric_history(store, run_id, key))
+        except Exception as e:  # noqa: BLE001 - a figure that cannot be drawn says so, the page stays
+            drawn = ({}, [f"figures not drawn: {type(e).__name__}: {e}"])
+        with _lock:
+            _figures[digest] = drawn
+            while len(_figures) > FIGURE_CACHE_SIZE:
+                _figures.popitem(last=False)
+            _drawing.pop(digest, None)
+        done.set()
+
+    threading.Thread(target=work, name=f"llmeff-figures-{digest}", daemon=True).start()
+
+
+def _note_png(text: str) -> bytes:
+    """A small image carrying ``text``: a figure left out says why where it would have been."""
+    import textwrap
+
+    from . import plots as pl
+
+    plt = pl._plt()
+    fig = plt.figure(figsize=(7, 1.0))
+    fig.text(0.01, 0.5, "\n".join(textwrap.wrap(text, 110)), fontsize=8, va="center", color="0.35")
+    return pl.png(fig)
+
+
+def figure(digest: str, name: str):
+    """``/llmeff/figures/<digest>/<name>``: one figure of a run set (waits for its drawing; 404 once
+    it left the cache)."""
+    from flask import Response
+
+    with _lock:
+        pending = _drawing.get(digest)
+    if pending is not None:
+        pending.wait(FIGURE_WAIT_S)
+    hit = _cached(digest)
+    if hit is None:
+        return _page("llmeff: not found", "<p class='error'>figure not cached any more: reload the page</p>", 404)
+    png = hit[0].get(name)
+    if png is None:
+        why = next((n for n in hit[1] if n.startswith(name)), f"{name}: not drawn")
+        png = _note_png(why)
+    return Response(png, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
 
 
 def _store():
@@ -104,15 +199,26 @@ def experiment_page(experiment_id: str):
     try:
         every = select_runs(store, exp.experiment_id, "").runs
         sel = select_runs(store, exp.experiment_id, filter_string(args))
-        rep = build_report(store, sel, group_by=args.get("group_by") or DEFAULT_GROUP_BY,
-                           baseline=args.get("baseline") or None, ui_base="")
+        group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
+        rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base="", plots=False)
     except ValueError as e:
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
                                       f"<p><a href='{PREFIX}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
                      400)
     from flask import Response
 
-    return Response(to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every)), mimetype="text/html")
+    from .plots import FIGURES
+
+    digest = run_set_digest(sel.runs, group_by, baseline or "")
+    hit = _cached(digest)
+    if hit is None:  # drawn in the background; the page does not wait (each image does)
+        _start_drawing(store, rep, digest)
+        shown = [name for name, _ in FIGURES]
+    else:
+        shown, rep.notes = list(hit[0]), list(hit[1])
+    urls = {name: f"{PREFIX}/figures/{digest}/{name}" for name in shown}
+    return Response(to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figure_urls=urls),
+                    mimetype="text/html")
 
 
 def register(app) -> None:
@@ -121,6 +227,20 @@ def register(app) -> None:
         return
     app.add_url_rule(f"{PREFIX}/", "llmeff_experiments", experiments_page, methods=["GET"])
     app.add_url_rule(f"{PREFIX}/experiments/<experiment_id>", "llmeff_experiment", experiment_page, methods=["GET"])
+    app.add_url_rule(f"{PREFIX}/figures/<digest>/<name>", "llmeff_figure", figure, methods=["GET"])
+    threading.Thread(target=_warm_matplotlib, name="llmeff-warm-matplotlib", daemon=True).start()
+
+
+def _warm_matplotlib() -> None:
+    """Import matplotlib (and build its font cache on a fresh machine) before the first page needs it."""
+    try:
+        from . import plots as pl
+
+        plt = pl._plt()
+        fig, _ = plt.subplots()
+        pl.png(fig)
+    except Exception:  # noqa: BLE001 - a page draws without it, only slower
+        pass
 
 
 def create_app(app=None):

@@ -27,6 +27,9 @@ FORMULAS = {
                     "Korthikanti et al. 2022, Reducing Activation Recomputation, Sec. 6"),
     names.SUM_MFU_MEASURED_PEAK: ("as summary/mfu against the measured achievable matmul peak (MAMF)",
                                   "Bekman, ML Engineering, 'Maximum Achievable Matmul FLOPS'"),
+    names.SUM_TPS_CI95_LOW: ("2.5th percentile of the throughput of block-bootstrap resamples of ~sqrt(n)-step "
+                             "batches of the steady steps", "Carlstein 1986; Kunsch 1989; docs/stability.md"),
+    names.SUM_STEP_TIME_P90_S: ("90th percentile step time, linear interpolation", "Hyndman & Fan 1996, def. 7"),
     names.SUM_GOODPUT: ("productive step time / wall time", "docs/time.md"),
     names.SUM_COST_USD: ("device_hour_usd * devices * wall hours (+ kWh * usd_per_kwh)", "docs/energy_carbon_cost.md"),
     names.SUM_USD_PER_BTOK: ("summary/cost_usd * 1e9 / summary/tokens", "docs/energy_carbon_cost.md"),
@@ -57,6 +60,11 @@ def build_report_dict(run_id: str, metrics: dict[str, float], tags: dict[str, st
             "summary": summary,
             "time_to_quality": {k: v for k, v in sorted(metrics.items()) if k.startswith("ttq/")},
             "conditions": {k: v for k, v in sorted(tags.items()) if k.startswith("llmeff.")},
+            "stability": {"verdict": tags.get(names.STABILITY, "unknown: not measured"),
+                          "tokens_per_sec": [metrics.get(k) for k in (names.SUM_TPS_CI95_LOW, names.SUM_TOKENS_PER_SEC,
+                                                                      names.SUM_TPS_CI95_HIGH)],
+                          "contention": tags.get(names.CONTENTION), "method": tags.get(names.STABILITY_METHOD),
+                          "note": "throughput/* metrics are per-window rates; the run's figure is summary/*"},
             "formulas": {k: {"formula": f, "source": s} for k, (f, s) in FORMULAS.items() if k in metrics},
             "docs": "docs/metrics.md (keys), docs/formulas.md (derivations), docs/compare.md (comparing runs)"}
 
@@ -65,8 +73,10 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, int, float]]:
     return sorted((int(m.step), int(m.timestamp), float(m.value)) for m in client.get_metric_history(run_id, key))
 
 
-def _figures(client, run_id: str) -> dict:
-    """``{file name: matplotlib figure}`` for the histories the run has (none drawn for an empty one)."""
+def _figures(client, run_id: str, summary: dict | None = None) -> dict:
+    """``{file name: matplotlib figure}`` for the histories the run has (none drawn for an empty one);
+    ``summary`` (the run's latest metrics) adds the run's mean throughput and its interval."""
+    summary = summary or {}
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -77,14 +87,21 @@ def _figures(client, run_id: str) -> dict:
     if tps:
         fig = Figure(figsize=(6, 3.5))
         ax = fig.subplots()
-        ax.plot([s for s, _, _ in tps], [v for _, _, v in tps], marker=".", color="tab:blue")
+        ax.plot([s for s, _, _ in tps], [v for _, _, v in tps], marker=".", color="tab:blue", label="per window")
+        mean, low, high = (summary.get(k) for k in (names.SUM_TOKENS_PER_SEC, names.SUM_TPS_CI95_LOW,
+                                                     names.SUM_TPS_CI95_HIGH))
+        if mean is not None:  # the run's figure beside the windows, so the last window is not read as it
+            ax.axhline(mean, color="tab:blue", ls="--", lw=1, label="run (summary/tokens_per_sec)")
+            if low is not None and high is not None:
+                ax.axhspan(low, high, color="tab:blue", alpha=0.12, label="95% interval")
+            ax.legend(fontsize=7, loc="lower right")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("tokens/s (global)", color="tab:blue")
         if mfu:
             ax2 = ax.twinx()
             ax2.plot([s for s, _, _ in mfu], [v for _, _, v in mfu], marker=".", color="tab:red")
             ax2.set_ylabel("MFU (fraction)", color="tab:red")
-        ax.set_title("Throughput and MFU over steps")
+        ax.set_title("Throughput and MFU over steps" if mfu else "Throughput over steps (no MFU: no datasheet peak)")
         fig.tight_layout()
         out["efficiency/throughput_mfu.png"] = fig
     power = _history(client, run_id, names.ENERGY_DEVICE_AVG_POWER_W)
@@ -133,7 +150,7 @@ def log_run_report(client, run_id: str) -> str | None:
             client.log_table(run_id, data={"key": [k for k, _ in rows], "value": [d["value"] for _, d in rows],
                                            "unit": [d["unit"] for _, d in rows]},
                              artifact_file="efficiency_summary.json")
-        for path, fig in _figures(client, run_id).items():
+        for path, fig in _figures(client, run_id, dict(run.data.metrics)).items():
             client.log_figure(run_id, fig, path)
         return None
     except Exception as e:  # noqa: BLE001 - a report must never stop or fail the run

@@ -372,10 +372,14 @@ def _save_model(path: str, t) -> None:
 
 def _print_summary(monitor, summary: dict) -> None:
     tps = summary.get(names.SUM_TOKENS_PER_SEC)
+    low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
+    interval = f" [95% interval {low:,.0f}-{high:,.0f}]" if low is not None and high is not None else ""
     print(f"llmeff: run {monitor.run_id}: {int(summary.get(names.SUM_STEPS, 0))} steps, "
           f"{int(summary.get(names.SUM_TOKENS, 0)):,} tokens, "
-          + (f"{tps:,.0f} tokens/s steady state, " if tps else "")
+          + (f"{tps:,.0f} tokens/s steady state{interval}, " if tps else "")
           + f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s, goodput {summary.get(names.SUM_GOODPUT, 0.0):.2f}")
+    if monitor.stability:
+        print(f"llmeff: {monitor.stability}")
     if monitor.spilled_to:  # the server has not taken the run: the outbox line said how to send it
         return
     try:

@@ -1,0 +1,255 @@
+"""The monitor's view of what else used the machine: samples of :mod:`mlflow_llmeff.contention` taken
+at the monitor's window edges and reduced over ranks.
+
+The steady window starts at the end of warm-up (:meth:`ContentionMeter.begin`) and ends at the
+run's end (:meth:`ContentionMeter.finish`); :meth:`ContentionMeter.interval` gives the
+``system/*`` interval metrics between logged steps. Every rank samples its own process tree (and
+its own CUDA devices); the host's ``/proc/stat`` and the list of every process on it are read by
+local rank 0 only; the calls with ``collective=True`` are collectives (every rank, same order).
+Nothing here raises into training: a source that cannot be read leaves its figure out and the tag
+says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable, Mapping
+
+from . import collectives
+from . import contention as ct
+
+__all__ = ["ContentionMeter"]
+
+log = logging.getLogger(__name__)
+
+
+class ContentionMeter:
+    """Host CPU and CUDA-device conditions over a run's steady window.
+
+    Args:
+        device: the run's torch device (CUDA devices are read through NVML), or None.
+        env: environment (``LOCAL_RANK``); default ``os.environ``.
+        nvml: a ``pynvml`` module to use (tests pass :func:`mlflow_llmeff.nvml_fake.fake_nvml`);
+            default: imported when the device is CUDA.
+        gpu_devices: ``(uuid, handle)`` of this process's devices (default: resolved like the
+            energy meter: by UUID / PCI bus id through ``CUDA_VISIBLE_DEVICES``).
+        proc_stat: path of ``/proc/stat``.
+        clock: monotonic seconds (window lengths for the top-process shares).
+        gpu_period_s: seconds between background NVML samples (None: at edges only).
+        pid: the process whose tree is ours (default: this one).
+        host: host name (default ``socket.gethostname()``).
+    """
+
+    def __init__(self, *, device=None, env: Mapping[str, str] | None = None, nvml: Any = None,
+                 gpu_devices: list[tuple[str, Any]] | None = None, proc_stat: str = "/proc/stat",
+                 clock: Callable[[], float] = time.monotonic, gpu_period_s: float | None = 1.0,
+                 pid: int | None = None, host: str | None = None) -> None:
+        env = os.environ if env is None else env
+        self._lr0 = (env.get("LOCAL_RANK", "0") or "0") == "0"
+        self._host = host or socket.gethostname()
+        self._proc_stat, self._clock, self._pid = proc_stat, clock, pid
+        self._begun = False
+        self._gpu: ct.GpuConditions | None = None
+        self.gpu_why: str | None = None
+        if nvml is not None or (device is not None and getattr(device, "type", None) == "cuda"):
+            self._gpu = self._open_gpu(device, env, nvml, gpu_devices, gpu_period_s)
+
+    def _open_gpu(self, device, env, nvml, gpu_devices, period) -> ct.GpuConditions | None:
+        try:
+            if nvml is None:
+                import pynvml as nvml  # nvidia-ml-py
+
+                nvml.nvmlInit()
+            if gpu_devices is None:
+                from .energy import _torch_cuda_ids, resolve_nvml_devices
+
+                idx = [device.index or 0] if device is not None and device.index is not None else [0]
+                _, ids = _torch_cuda_ids(env)
+                gpu_devices = resolve_nvml_devices(nvml, idx, visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                                                   torch_ids=ids)
+            return ct.GpuConditions(nvml, gpu_devices, period_s=period)
+        except Exception as e:  # noqa: BLE001 - no NVML: the tag says so, training goes on
+            self.gpu_why = f"device conditions not read: {type(e).__name__}: {e}"
+            return None
+
+    # ------------------------------------------------------------------------------ readings
+    def _host_reading(self) -> ct.HostCpu | None:
+        return ct.read_host_cpu(self._proc_stat) if self._lr0 else None
+
+    def _own_s(self) -> float:
+        try:
+            return ct.own_tree_cpu_s(self._pid)
+        except Exception:  # noqa: BLE001
+            return 0.0
+
+    def _pids(self) -> list[int]:
+        try:
+            return ct.own_tree_pids(self._pid)
+        except Exception:  # noqa: BLE001
+            return [self._pid or os.getpid()]
+
+    def begin(self, collective: bool = True) -> None:
+        """The steady window starts now (a collective with ``collective``)."""
+        try:
+            self._t0 = self._clock()
+            self._host0 = self._last_host = self._host_reading()
+            self._own0 = self._last_own = self._own_s()
+            self._procs0 = ct.process_cpu_snapshot() if self._lr0 else {}
+            mine = (self._host, self._pids())
+            everyone = collectives.all_gather_object(mine) if collective else [mine]
+            self._pids0 = {p for h, pids in everyone if h == self._host for p in pids}
+            if self._gpu is not None:
+                self._gpu.own_pids = set(self._pids0)
+                self._gpu.begin()
+            self._begun = True
+        except Exception as e:  # noqa: BLE001
+            log.debug("contention window not started: %s", e)
+
+    def interval(self, collective: bool = True) -> dict[str, float]:
+        """The ``system/*`` metrics since the last call (a collective with ``collective``)."""
+        from . import names
+
+        if not self._begun:
+            return {}
+        host, own = self._host_reading(), self._own_s()
+        d_own = own - self._last_own
+        h0 = self._last_host
+        self._last_host, self._last_own = host, own
+        d = [host.busy - h0.busy, host.total - h0.total, host.steal - h0.steal] if host and h0 else [0, 0, 0]
+        gpu = self._gpu_interval()
+        local = [d_own, *map(float, d), gpu[0], gpu[1], gpu[2], gpu[3], gpu[4], gpu[5]]
+        if collective:
+            sums = collectives.all_reduce(local[:4])
+            maxes = collectives.all_reduce(local[4:], op="max")
+            local = sums + maxes
+        out: dict[str, float] = {}
+        d_own, busy, total, steal = local[:4]
+        if total > 0:
+            hz = float(os.sysconf("SC_CLK_TCK"))
+            out[names.SYS_HOST_OTHER_CPU] = min(1.0, max(0.0, (busy - d_own * hz) / total))
+            out[names.SYS_HOST_STEAL] = min(1.0, max(0.0, steal / total))
+        if self._gpu is not None or collective:
+            samples, neg_clock, neg_frac, temp, others, throttled = local[4:]
+            if samples > 0:
+                if neg_clock > -1e17:
+                    out[names.SYS_DEV_SM_CLOCK] = -neg_clock
+                if neg_frac > -1e17:
+                    out[names.SYS_DEV_SM_CLOCK_FRAC] = -neg_frac
+                if temp > -1e17:
+                    out[names.SYS_DEV_TEMP] = temp
+                out[names.SYS_DEV_OTHER_PROCS] = others
+                out[names.SYS_DEV_THROTTLED] = throttled
+        return out
+
+    def _gpu_interval(self) -> list[float]:
+        """``[samples, -min clock, -min clock fraction, max temperature, other processes, throttled]``
+        (negated minima so that one max-reduction serves all; -1e18 = unknown)."""
+        none = -1e18
+        if self._gpu is None:
+            return [0.0, none, none, none, 0.0, 0.0]
+        try:
+            self._gpu.sample()
+            a = self._gpu.take_interval()
+        except Exception:  # noqa: BLE001
+            return [0.0, none, none, none, 0.0, 0.0]
+        return [float(a["samples"]), -a["min_clock_mhz"] if a["min_clock_mhz"] is not None else none,
+                -a["min_clock_frac"] if a["min_clock_frac"] is not None else none,
+                a["max_temp_c"] if a["max_temp_c"] is not None else none, float(len(a["others"])),
+                1.0 if a["throttle"] & ~ct.BENIGN_THROTTLE else 0.0]
+
+    # ------------------------------------------------------------------------------ the end
+    def finish(self, collective: bool = True) -> tuple[dict[str, float], dict[str, str]]:
+        """``(summary metrics, tags)`` of the steady window (a collective with ``collective``).
+
+        Rank 0's return is the run's; other ranks get ``({}, {})``.
+        """
+        from . import names
+
+        if not self._begun:
+            return {}, {names.CONTENTION: "unknown: no steady-state window (all steps were warm-up)"}
+        rec = {"host": self._host, "lr0": self._lr0, "own_s": self._own_s() - self._own0,
+               "pids": self._pids(), "window_s": self._clock() - self._t0}
+        if self._lr0:
+            rec["h0"], rec["h1"] = self._host0, self._host_reading()
+            try:
+                rec["procs0"], rec["procs1"] = self._procs0, ct.process_cpu_snapshot()
+            except Exception:  # noqa: BLE001
+                rec["procs0"] = rec["procs1"] = {}
+        if self._gpu is not None:
+            try:
+                self._gpu.sample()
+                rec["gpu"] = self._gpu.window()
+            except Exception:  # noqa: BLE001
+                rec["gpu"] = None
+            self._gpu.close()
+        everyone = collectives.all_gather_object(rec) if collective else [rec]
+        if collectives.world_and_rank()[1] != 0:
+            return {}, {}
+        return self._combine(everyone, alone=not collective and collectives.world_and_rank()[0] > 1)
+
+    def _combine(self, recs: list[dict], alone: bool) -> tuple[dict[str, float], dict[str, str]]:
+        from . import names
+
+        hosts: dict[str, list[dict]] = {}
+        for r in recs:
+            hosts.setdefault(r["host"], []).append(r)
+        texts, other_max, steal_max, contended = [], None, None, False
+        for host, rs in hosts.items():
+            lead = next((r for r in rs if r.get("lr0") and r.get("h0") and r.get("h1")), None)
+            if lead is None:
+                texts.append(f"{host}: host CPU not read (/proc/stat unreadable)")
+                continue
+            own = sum(r["own_s"] for r in rs)
+            fr = ct.host_fractions(lead["h0"], lead["h1"], own)
+            if fr is None:
+                continue
+            other, steal = fr
+            ours = {p for r in rs for p in r["pids"]} | self._pids0
+            cpus = os.cpu_count() or 1
+            top = ct.top_others(lead.get("procs0", {}), lead.get("procs1", {}), lead["window_s"], cpus,
+                                exclude=ours)
+            texts.append(ct.host_text(other, steal, top, host if len(hosts) > 1 else None))
+            other_max = other if other_max is None else max(other_max, other)
+            steal_max = steal if steal_max is None else max(steal_max, steal)
+            contended |= other > ct.CONTENDED_CPU_FRACTION or steal > ct.CONTENDED_STEAL_FRACTION
+        gpus = [r["gpu"] for r in recs if r.get("gpu")]
+        if gpus:
+            merged = _merge_gpu(gpus)
+            texts.append(ct.gpu_text(merged))
+            contended |= ct.gpu_contended(merged)
+        elif self.gpu_why:
+            texts.append(self.gpu_why)
+        if alone:
+            texts.append("rank 0 alone at the end: the other ranks' CPU counts as other")
+        summary = {}
+        if other_max is not None:
+            summary[names.SUM_HOST_OTHER_CPU] = other_max
+            summary[names.SUM_HOST_STEAL] = steal_max
+        word = "contended" if contended else "quiet"
+        return summary, {names.CONTENTION: f"{word}: " + "; ".join(texts)}
+
+    def close(self) -> None:
+        if self._gpu is not None:
+            self._gpu.close()
+
+
+def _merge_gpu(windows: list[dict]) -> dict:
+    """One aggregate from every rank's :meth:`GpuConditions.window` (minima, maxima, unions)."""
+    def pick(key, fn):
+        vals = [w[key] for w in windows if w.get(key) is not None]
+        return fn(vals) if vals else None
+
+    others: dict[int, int] = {}
+    for w in windows:
+        for pid, mem in (w.get("others") or {}).items():
+            others[pid] = max(mem, others.get(pid, 0))
+    throttle = 0
+    for w in windows:
+        throttle |= int(w.get("throttle", 0))
+    return {"samples": sum(w.get("samples", 0) for w in windows), "min_clock_mhz": pick("min_clock_mhz", min),
+            "min_clock_frac": pick("min_clock_frac", min), "max_temp_c": pick("max_temp_c", max),
+            "min_power_limit_w": pick("min_power_limit_w", min), "throttle": throttle, "others": others,
+            "pids_visible": all(w.get("pids_visible", True) for w in windows)}

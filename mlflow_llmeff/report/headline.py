@@ -1,0 +1,142 @@
+"""The comparison's first screen: one row per configuration with the figures that answer the question.
+
+Which configuration gives the most tokens per second per device, at what MFU, for how many dollars
+and kilograms of CO2e per billion tokens, with what goodput, reaching what quality, and how sure
+each of those is. A pure calculator over :class:`~mlflow_llmeff.report.repeats.Configuration`
+values: cells carry a display text and a sort value; footnotes say why a figure is absent (a CPU
+has no datasheet peak and no default price) instead of leaving a silent gap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import names
+from .repeats import Configuration, Estimate, best_index, versus_best
+
+__all__ = ["Cell", "Headline", "headline", "QUALITY_KEYS"]
+
+#: Quality figures shown (the final eval value each run holds), in this order.
+QUALITY_KEYS = ((names.EVAL_HELLASWAG_ACC_NORM, "HellaSwag"), (names.EVAL_MMLU_ACC, "MMLU"),
+                (names.EVAL_VAL_LOSS, "val loss"))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell: what is shown and what it sorts by (None sorts last)."""
+
+    text: str
+    sort: float | str | None = None
+    title: str = ""
+    link: str = ""
+
+
+@dataclass
+class Headline:
+    """The headline table: column names, one row of cells per configuration, footnotes."""
+
+    columns: list[str]
+    rows: list[list[Cell]]
+    configs: list[Configuration]
+    footnotes: list[str] = field(default_factory=list)
+
+
+def _g(v: float) -> str:
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1e5:
+        return f"{v:,.0f}"
+    if a >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def _est_cell(e: Estimate | None, *, pct: bool = False) -> Cell:
+    if e is None:
+        return Cell("", None)
+    fmt = (lambda v: f"{v:.1%}") if pct else _g
+    if not e.has_interval:
+        return Cell(fmt(e.mean), e.mean, "no interval")
+    how = f"mean of {e.n} repeats, 95% t interval" if e.method == "repeats" else "the run's own 95% interval"
+    return Cell(f"{fmt(e.mean)} [{fmt(e.low)}, {fmt(e.high)}]", e.mean, how)
+
+
+def _mean(c: Configuration, key: str) -> float | None:
+    vals = [r.metrics[key] for r in c.used if r.metrics.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _quality(c: Configuration) -> Cell:
+    parts, sort = [], None
+    for key, label in QUALITY_KEYS:
+        v = _mean(c, key)
+        if v is not None:
+            parts.append(f"{label} {v:.3g}")
+            sort = v if sort is None else sort
+    targets = sorted({k for r in c.used for k in r.tags if k.startswith(names.TTQ_TAG_PREFIX)})
+    if targets:
+        reached = [k for k in targets if all(r.tags.get(k, "").startswith("reached") for r in c.used if k in r.tags)]
+        parts.append(f"{len(reached)}/{len(targets)} targets")
+    title = "HellaSwag acc_norm, MMLU acc, final eval/val_loss (means over the repeats); time-to-quality targets reached"
+    return Cell(", ".join(parts), sort, title if parts else "")
+
+
+def _stability(c: Configuration) -> Cell:
+    n, s = len(c.runs), len(c.stable)
+    if s == n:
+        return Cell("stable" if n == 1 else f"stable ({n} repeats)", 1.0)
+    why = c.unstable[0].tags.get(names.STABILITY, "no stability tag (older run)")
+    text = "unstable" if n == 1 else f"{n - s} of {n} unstable"
+    return Cell(text, s / n, why)
+
+
+def headline(configs: list[Configuration], links: list[str] | None = None) -> Headline:
+    """The headline table of ``configs`` (``links``: one URL per configuration's first used run).
+
+    Columns: configuration, repeats, tokens/s per device [95% interval], vs best (never a ranking
+    within noise), MFU (against the datasheet peak, else against the measured matmul peak, marked),
+    USD and kg CO2e per 1e9 tokens, goodput, quality reached, stability.
+    """
+    cols = ["configuration", "devices", "tokens/s per device [95%]", "vs best", "MFU", "USD / 1e9 tokens",
+            "kg CO2e / 1e9 tokens", "goodput", "quality reached", "stability"]
+    standing = versus_best(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
+    best = best_index(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
+    best_title = f"best: {configs[best].label}" if best is not None else ""
+    rows, notes = [], set()
+    for i, c in enumerate(configs):
+        mfu = c.estimate(names.SUM_MFU)
+        if mfu is not None:
+            mfu_cell = _est_cell(mfu, pct=True)
+        else:
+            mp = c.estimate(names.SUM_MFU_MEASURED_PEAK)
+            mfu_cell = _est_cell(mp, pct=True)
+            if mp is not None:
+                mfu_cell = Cell(mfu_cell.text + " *", mfu_cell.sort, "against the measured matmul peak")
+                notes.add("* MFU against the measured matmul peak of the device (no datasheet peak: "
+                          "llmeff.peak.source says why)")
+            else:
+                notes.add("an empty MFU: neither a datasheet peak nor a measured peak (see llmeff.peak.source)")
+        usd = c.estimate(names.SUM_USD_PER_BTOK)
+        if usd is None:
+            notes.add("an empty USD cell: no price per device-hour (there is no default price for "
+                      f"{c.tag(names.ACCEL_SHORT) or 'this device'}; give device_hour_usd)")
+        carbon = c.estimate(names.SUM_KG_CO2E_PER_BTOK)
+        carbon_cell = _est_cell(carbon)
+        if carbon is None:
+            est = c.estimate(names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
+            carbon_cell = _est_cell(est)
+            if est is not None:
+                carbon_cell = Cell(carbon_cell.text + " est.", carbon_cell.sort, "codecarbon's CPU+RAM estimate")
+                notes.add("est.: kg CO2e from codecarbon's CPU+RAM estimate (no measured energy)")
+        good = _mean(c, names.SUM_GOODPUT)
+        stand = standing.get(i, "")
+        rows.append([
+            Cell(c.label, c.label, f"{len(c.runs)} run(s)", links[i] if links else ""),
+            Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices or 0)),
+            _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
+            Cell(stand, 0.0 if stand.startswith("best") else (1.0 if "within noise" in stand else 2.0), best_title),
+            mfu_cell, _est_cell(usd), carbon_cell,
+            Cell(f"{good:.2f}" if good is not None else "", good),
+            _quality(c), _stability(c)])
+    return Headline(cols, rows, configs, sorted(notes))

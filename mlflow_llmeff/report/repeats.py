@@ -1,0 +1,425 @@
+"""Repeats, intervals and noise: runs of one configuration as samples, comparisons that do not rank
+noise, and scaling efficiency with its interval (``../shared/METRICS.md``, "Uncertainty and stability").
+
+A pure calculator over :class:`~mlflow_llmeff.report.calc.RunRecord` values (no MLflow, no drawing):
+
+* A **configuration** is the set of finished runs whose :data:`CONFIG_TAGS` are all equal: they
+  are repeats, samples of one configuration's figure.
+* Its **estimate** of a figure (:class:`Estimate`) is the mean over its repeats with a 95%
+  Student-t interval across them (two or more repeats), or a single run's own interval (its
+  ``summary/tokens_per_sec_ci95_*``, scaled for the per-device and per-token figures that are
+  proportional to it), or a point without an interval. The repeats used are the stable ones when
+  any repeat is stable (``llmeff.stability``); unstable repeats are listed, never averaged in
+  beside a stable one, so a stalled run is never a configuration's figure, nor a baseline.
+* Two estimates whose intervals overlap are **within noise**: neither is ranked above the other;
+  an estimate without an interval cannot be ranked either.
+* **Scaling efficiency** is computed from configuration estimates (interval arithmetic on the two
+  intervals, Moore 1966: the lowest and highest ratio the two intervals allow), and a value above
+  :data:`SUPERLINEAR` is flagged with what could explain it.
+
+Formulas and sources: ``docs/stability.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .. import names
+from .calc import RunRecord
+
+__all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Estimate", "Configuration", "configurations", "t_quantile_975",
+           "within_noise", "versus_best", "best_index", "ScalingRow", "scaling_efficiency", "noisy_pareto_front", "is_stable",
+           "SAME_JOB"]
+
+#: Condition tags that define a configuration (equal on every repeat). Measured conditions (what
+#: else used the machine, stability) and provenance that does not change the work (git commit,
+#: run name) are not among them.
+CONFIG_TAGS = (names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PROCS_PER_NODE,
+               names.PAR_STRATEGY, names.PAR_DP, names.PAR_TP, names.PAR_PP, names.PAR_CP, names.PRECISION,
+               names.MODEL_NAME, names.MODEL_PARAMS, names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM,
+               names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.DATASET, names.FLOPS_FORMULA,
+               names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
+               names.V_LLMEFF)
+
+#: Scaling efficiency above this is flagged (METRICS.md).
+SUPERLINEAR = 1.05
+
+# Two-sided 95% Student-t quantiles t_{0.975, df}, df = 1..30 (any statistics table, e.g. NIST/SEMATECH
+# e-Handbook of Statistical Methods, 1.3.6.7.2); beyond 30 the normal 1.96 is within 2%.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+# Figures proportional to a run's throughput (their interval is its interval, scaled) and inversely
+# proportional ones (per-token costs of time-priced resources).
+_WITH_TPS = (names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TOKENS_PER_SEC, names.SUM_DEVICE_TFLOPS, names.SUM_MFU,
+             names.SUM_MFU_PALM, names.SUM_HFU, names.SUM_MFU_MEASURED_PEAK)
+_AGAINST_TPS = (names.SUM_STEP_TIME_S, names.SUM_USD_PER_BTOK)
+
+
+def t_quantile_975(df: int) -> float:
+    """``t_{0.975}`` of Student's t with ``df`` degrees of freedom (1.96 beyond 30).
+
+    Raises:
+        ValueError: for ``df < 1``.
+    """
+    if df < 1:
+        raise ValueError(f"df={df!r} is not accepted; give >= 1 degrees of freedom")
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def is_stable(r: RunRecord) -> bool:
+    """True when the run's ``llmeff.stability`` tag says ``stable``."""
+    return r.tags.get(names.STABILITY, "") == "stable"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A configuration's figure: its mean and 95% interval.
+
+    Attributes:
+        mean: the figure (mean over the repeats used).
+        low, high: the 95% interval, None when there is none.
+        n: repeats used.
+        method: ``repeats`` (t interval across n >= 2 runs), ``run interval`` (one run's own
+            interval) or ``no interval``.
+    """
+
+    mean: float
+    low: float | None
+    high: float | None
+    n: int
+    method: str
+
+    @property
+    def has_interval(self) -> bool:
+        return self.low is not None and self.high is not None
+
+    @property
+    def half_width(self) -> float | None:
+        """Half the interval's width as a fraction of the mean."""
+        if not self.has_interval or not self.mean:
+            return None
+        return (self.high - self.low) / 2 / abs(self.mean)
+
+    def text(self, fmt=lambda v: f"{v:.4g}") -> str:
+        """``1.23e+04 [1.2e+04, 1.26e+04] (3 repeats)`` / ``... (run's interval)`` / ``... (no interval)``."""
+        if not self.has_interval:
+            return f"{fmt(self.mean)} (no interval)"
+        how = f"{self.n} repeats" if self.method == "repeats" else "run's interval"
+        return f"{fmt(self.mean)} [{fmt(self.low)}, {fmt(self.high)}] ({how})"
+
+
+def _run_estimate(r: RunRecord, key: str) -> Estimate | None:
+    """One run's figure with its own interval where the figure follows its throughput interval."""
+    v = r.metrics.get(key)
+    if v is None or not math.isfinite(v):
+        return None
+    tps = r.metrics.get(names.SUM_TOKENS_PER_SEC)
+    lo, hi = r.metrics.get(names.SUM_TPS_CI95_LOW), r.metrics.get(names.SUM_TPS_CI95_HIGH)
+    if tps and lo is not None and hi is not None and lo > 0:
+        if key in _WITH_TPS:
+            return Estimate(v, v * lo / tps, v * hi / tps, 1, "run interval")
+        if key in _AGAINST_TPS:
+            return Estimate(v, v * tps / hi, v * tps / lo, 1, "run interval")
+    return Estimate(v, None, None, 1, "no interval")
+
+
+@dataclass
+class Configuration:
+    """Finished runs with equal :data:`CONFIG_TAGS`: repeats of one configuration.
+
+    Attributes:
+        key: the values of :data:`CONFIG_TAGS`.
+        runs: every finished repeat with a summary, in the order given.
+        label: the first used repeat's run name (and the repeat count).
+    """
+
+    key: tuple
+    runs: list[RunRecord] = field(default_factory=list)
+
+    @property
+    def stable(self) -> list[RunRecord]:
+        return [r for r in self.runs if is_stable(r)]
+
+    @property
+    def used(self) -> list[RunRecord]:
+        """The repeats the figures use: the stable ones when any is stable, else all."""
+        return self.stable or list(self.runs)
+
+    @property
+    def unstable(self) -> list[RunRecord]:
+        """Repeats tagged unstable (shown as such; left out of the figures while a stable one exists)."""
+        return [r for r in self.runs if not is_stable(r)]
+
+    @property
+    def label(self) -> str:
+        first = self.used[0].label
+        return first if len(self.runs) == 1 else f"{first} (+{len(self.runs) - 1} repeat{'s' if len(self.runs) > 2 else ''})"
+
+    @property
+    def devices(self) -> int | None:
+        return self.runs[0].devices
+
+    def tag(self, key: str) -> str | None:
+        return self.runs[0].tags.get(key)
+
+    def estimate(self, key: str) -> Estimate | None:
+        """Mean and 95% interval of summary figure ``key`` over the repeats used (see the module docstring)."""
+        vals = [r.metrics[key] for r in self.used if r.metrics.get(key) is not None and math.isfinite(r.metrics[key])]
+        if not vals:
+            return None
+        if len(vals) == 1:
+            run = next(r for r in self.used if r.metrics.get(key) is not None)
+            return _run_estimate(run, key)
+        n = len(vals)
+        mean = sum(vals) / n
+        sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+        half = t_quantile_975(n - 1) * sd / math.sqrt(n)
+        # every summary figure is >= 0: a t interval of few repeats may reach below, the figure cannot
+        return Estimate(mean, max(0.0, mean - half), mean + half, n, "repeats")
+
+    def note(self) -> str:
+        """What a reader must know about the repeats: unstable ones left out (with why), or all unstable."""
+        bad = self.unstable
+        if not bad:
+            return ""
+        why = "; ".join(f"{r.label}: {r.tags.get(names.STABILITY, 'no stability tag (older run)')}" for r in bad)
+        if len(bad) == len(self.runs):
+            return f"no stable repeat, figures from unstable runs: {why}"
+        return f"{len(bad)} unstable repeat{'s' if len(bad) > 1 else ''} left out: {why}"
+
+
+def configurations(runs: list[RunRecord]) -> list[Configuration]:
+    """The configurations of the finished runs with a summary, in order of first appearance."""
+    out: dict[tuple, Configuration] = {}
+    for r in runs:
+        if not r.comparable:
+            continue
+        key = tuple(r.tags.get(k) for k in CONFIG_TAGS)
+        out.setdefault(key, Configuration(key)).runs.append(r)
+    return list(out.values())
+
+
+def within_noise(a: Estimate | None, b: Estimate | None) -> bool:
+    """True when the two figures cannot be told apart: their intervals overlap, or one has none."""
+    if a is None or b is None or not a.has_interval or not b.has_interval:
+        return True
+    return a.low <= b.high and b.low <= a.high
+
+
+def versus_best(configs: list[Configuration], key: str, *, higher_is_better: bool = True) -> dict[int, str]:
+    """Per configuration index: ``best``, ``within noise of best`` or ``0.62x best``.
+
+    The best is the best mean (:func:`best_index`); a configuration is ranked below it only when their
+    intervals do not overlap. When others are within noise of it, the best is ``best (N within noise)``.
+    """
+    est = [c.estimate(key) for c in configs]
+    best = best_index(configs, key, higher_is_better=higher_is_better)
+    if best is None:
+        return {}
+    out, tied = {}, 0
+    for i, e in enumerate(est):
+        if e is None or i == best:
+            continue
+        if within_noise(e, est[best]):
+            out[i] = "within noise of best"
+            tied += 1
+        else:
+            out[i] = f"{e.mean / est[best].mean:.3g}x best"
+    out[best] = f"best ({tied} within noise)" if tied else "best"
+    return out
+
+
+def best_index(configs: list[Configuration], key: str, *, higher_is_better: bool = True) -> int | None:
+    """Index of the configuration with the best mean of ``key`` (None when none has it)."""
+    est = [c.estimate(key) for c in configs]
+    have = [i for i, e in enumerate(est) if e is not None]
+    if not have:
+        return None
+    return (max if higher_is_better else min)(have, key=lambda i: est[i].mean)
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    """Scaling efficiency of one configuration against its group's baseline configuration.
+
+    Attributes:
+        group: what the configurations share, e.g. ``llama-tiny cpu fp32 seq 128 ddp``.
+        name, baseline_name: the configurations' labels.
+        run_ids, baseline_run_ids: the repeats used on each side.
+        devices, baseline_devices: N and N0.
+        tokens_per_sec, baseline_tokens_per_sec: the global throughput estimates.
+        efficiency: ``T(N) / (T(N0) * N / N0)``, 1 = linear.
+        low, high: its interval (None without intervals on both sides).
+        kind: ``strong`` (same global batch tokens), ``weak`` (same batch per device) or ``batch differs``.
+        flags: why a value above :data:`SUPERLINEAR` may not be real (empty otherwise).
+    """
+
+    group: str
+    name: str
+    baseline_name: str
+    run_ids: tuple[str, ...]
+    baseline_run_ids: tuple[str, ...]
+    devices: int
+    baseline_devices: int
+    tokens_per_sec: Estimate
+    baseline_tokens_per_sec: Estimate
+    efficiency: float
+    low: float | None
+    high: float | None
+    kind: str
+    flags: tuple[str, ...] = ()
+
+    @property
+    def run_id(self) -> str:
+        return self.run_ids[0]
+
+    @property
+    def baseline_id(self) -> str:
+        return self.baseline_run_ids[0]
+
+
+#: Conditions configurations must share to be the same job at different device counts.
+SAME_JOB = (names.ACCEL_SHORT, names.PRECISION, names.MODEL_NAME, names.SEQ_LEN, names.ACT_CKPT, names.COMPILE,
+            names.DATASET, names.FLOPS_FORMULA)
+
+
+def _batch_per_device(c: Configuration) -> str | None:
+    try:
+        return str(int(c.tag(names.SEQ_LEN)) * int(c.tag(names.MICRO_BATCH_SIZE)) * int(c.tag(names.GRAD_ACCUM)))
+    except (TypeError, ValueError):
+        return None
+
+
+def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None) -> list[ScalingRow]:
+    """Scaling efficiency of configurations that differ only in device count, with its interval.
+
+    Configurations (:func:`configurations`) are grouped by :data:`SAME_JOB` and parallelism
+    strategy (``single`` joins any data-parallel group). The baseline of a group is the
+    configuration holding run ``baseline`` when given, else the one with the fewest devices (among
+    equals: one with a stable repeat, then the first listed). For every other device count::
+
+        efficiency = T(N) / (T(N0) * N / N0),   interval [T_low(N) / T_high(N0), T_high(N) / T_low(N0)] * N0 / N
+
+    where ``T`` is the configuration's global tokens/s estimate. Strong scaling (same global
+    batch): speed-up over the ideal N/N0; weak (same batch per device): per-device throughput over
+    the baseline's. See ``docs/compare.md`` and ``docs/stability.md``.
+
+    Args:
+        runs: the compared runs; those without ``summary/tokens_per_sec`` or a device count are left out.
+        baseline: run id whose configuration is the baseline of its group.
+
+    Returns:
+        One :class:`ScalingRow` per non-baseline configuration of a group, by group then device count.
+
+    Raises:
+        ValueError: when ``baseline`` is not one of ``runs`` or has no ``summary/tokens_per_sec``.
+    """
+    usable = [r for r in runs if r.comparable and r.devices and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
+    if baseline is not None and baseline not in {r.run_id for r in usable}:
+        known = {r.run_id for r in runs}
+        why = "has no summary/tokens_per_sec or device count" if baseline in known else "is not among the compared runs"
+        raise ValueError(f"--baseline {baseline!r} {why}")
+    groups: dict[tuple, list[Configuration]] = {}
+    for c in configurations(usable):
+        groups.setdefault(tuple(c.tag(k) for k in SAME_JOB), []).append(c)
+    out: list[ScalingRow] = []
+    for key, members in groups.items():
+        strategies = {c.tag(names.PAR_STRATEGY) for c in members} - {"single"}
+        for strategy in sorted(strategies, key=str) or ["single"]:
+            sub = [c for c in members if c.tag(names.PAR_STRATEGY) in ("single", strategy)]
+            out += _scale_group(sub, baseline, f"{key[2]} {key[0]} {key[1]} seq {key[3]} {strategy}")
+    return out
+
+
+def _pick_baseline(members: list[Configuration], baseline: str | None) -> Configuration:
+    chosen = next((c for c in members if baseline in {r.run_id for r in c.runs}), None)
+    if chosen is not None:
+        return chosen
+    fewest = min(c.devices for c in members)
+    at = [c for c in members if c.devices == fewest]
+    return next((c for c in at if c.stable), at[0])
+
+
+def _scale_group(members: list[Configuration], baseline: str | None, label: str) -> list[ScalingRow]:
+    if len({c.devices for c in members}) < 2:
+        return []
+    base = _pick_baseline(members, baseline)
+    t0 = base.estimate(names.SUM_TOKENS_PER_SEC)
+    n0 = base.devices
+    rows = []
+    for c in sorted(members, key=lambda c: c.devices):
+        if c is base or c.devices == n0:  # same device count: no scaling to measure
+            continue
+        t, n = c.estimate(names.SUM_TOKENS_PER_SEC), c.devices
+        eff = t.mean / (t0.mean * n / n0)
+        low = high = None
+        if t.has_interval and t0.has_interval and t0.low > 0:
+            low, high = t.low / t0.high * n0 / n, t.high / t0.low * n0 / n
+        kind = _kind(c, base)
+        rows.append(ScalingRow(label, c.label, base.label, tuple(r.run_id for r in c.used),
+                               tuple(r.run_id for r in base.used), n, n0, t, t0, eff, low, high, kind,
+                               tuple(_superlinear_flags(c, base, eff, low, kind))))
+    return rows
+
+
+def _kind(c: Configuration, base: Configuration) -> str:
+    gbt, gbt0 = c.tag(names.GLOBAL_BATCH_TOKENS), base.tag(names.GLOBAL_BATCH_TOKENS)
+    if gbt and gbt == gbt0:
+        return "strong"
+    if _batch_per_device(c) is not None and _batch_per_device(c) == _batch_per_device(base):
+        return "weak"
+    return "batch differs"
+
+
+def _mean_metric(c: Configuration, key: str) -> float | None:
+    vals = [r.metrics[key] for r in c.used if r.metrics.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _superlinear_flags(c: Configuration, base: Configuration, eff: float, low: float | None, kind: str) -> list[str]:
+    """What could explain an efficiency above :data:`SUPERLINEAR` (empty when it is not above)."""
+    if eff <= SUPERLINEAR:
+        return []
+    flags = []
+    if low is None:
+        flags.append("no interval on one side: cannot tell it from noise")
+    elif low <= 1.0:
+        flags.append(f"its interval reaches {low:.3g}: within noise of linear scaling")
+    if not base.stable:
+        flags.append(f"baseline {base.label} has no stable repeat ({base.used[0].tags.get(names.STABILITY, 'no stability tag')})")
+    o0, o = _mean_metric(base, names.SUM_HOST_OTHER_CPU), _mean_metric(c, names.SUM_HOST_OTHER_CPU)
+    if o0 is not None and o is not None and o0 > o + 0.05:
+        flags.append(f"the baseline shared its host more (other processes {o0:.0%} vs {o:.0%} of host CPU)")
+    if c.tag(names.DATASET) != base.tag(names.DATASET):
+        flags.append("different data")
+    if kind == "strong":
+        flags.append(f"strong scaling: each device holds 1/{c.devices // max(1, base.devices)} of the baseline's batch "
+                     "(a smaller working set fits caches better)")
+    if kind == "batch differs":
+        flags.append("the batch differs: the ratio mixes scaling with a batch-size effect")
+    return flags
+
+
+def noisy_pareto_front(points: list[tuple[Estimate, Estimate]], *, maximize_x: bool, maximize_y: bool) -> list[int]:
+    """Indices of the points no other point beats beyond noise, sorted by x mean.
+
+    Point ``j`` dominates ``i`` when it is at least as good on both axes' means and better beyond
+    noise (intervals apart, :func:`within_noise` false) on at least one. So a point that is worse
+    only within noise stays on the front: it is never drawn as beaten.
+    """
+    sx, sy = (1 if maximize_x else -1), (1 if maximize_y else -1)
+
+    def better(a: Estimate, b: Estimate, s: int) -> bool:  # a beats b beyond noise
+        return s * a.mean > s * b.mean and not within_noise(a, b)
+
+    front = []
+    for i, (xi, yi) in enumerate(points):
+        dominated = any(sx * xj.mean >= sx * xi.mean and sy * yj.mean >= sy * yi.mean
+                        and (better(xj, xi, sx) or better(yj, yi, sy))
+                        for j, (xj, yj) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0].mean)

@@ -1,0 +1,39 @@
+"""A fixed amount of CPU work per step, measured by EfficiencyMonitor: the real run of the contention tests.
+
+``--progress FILE`` is rewritten with the step number after every step, so the test can start and
+stop other processes at chosen steps. Prints ``run_id=<id>`` at the end.
+"""
+
+import argparse
+import os
+
+import torch
+
+from mlflow_llmeff import EfficiencyMonitor
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=150)
+p.add_argument("--size", type=int, default=192, help="matrix side: the step's work")
+p.add_argument("--progress", default=None)
+p.add_argument("--nice", type=int, default=0)
+args = p.parse_args()
+if args.nice:
+    os.nice(args.nice)
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = torch.nn.Linear(args.size, args.size)
+x = torch.randn(args.size, args.size)
+mon = EfficiencyMonitor(model=model, log_every_n_steps=10, warmup_steps=3, measure_energy="none",
+                        measure_peak=False, report=False)
+for step in range(1, args.steps + 1):
+    y = x
+    for _ in range(4):
+        y = model(y)
+    y.sum().backward()
+    mon.step(tokens=1024, samples=8)
+    if args.progress:
+        with open(args.progress + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(args.progress + ".tmp", args.progress)
+mon.finish()
+print(f"run_id={mon.run_id}")

@@ -1,0 +1,236 @@
+"""What else used the machine: /proc/stat arithmetic, NVML device conditions (fake NVML), and real
+runs on this machine with and without other processes taking the CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import mlflow
+import psutil
+import pytest
+
+from mlflow_llmeff import contention as ct
+from mlflow_llmeff import names
+from mlflow_llmeff.contention_meter import ContentionMeter
+from mlflow_llmeff.monitor import EfficiencyMonitor
+from mlflow_llmeff.nvml_fake import THROTTLE_BITS, FakeGpu, FakeProcess, fake_nvml
+
+from conftest import REPO, use_store
+
+
+@pytest.fixture
+def tracking_uri(module_store, monkeypatch):
+    yield from use_store(module_store, monkeypatch)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ------------------------------------------------------------------------------------------- host
+def test_proc_stat_busy_total_and_steal_hand_computed():
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    text = "cpu  100 5 20 800 10 1 4 30 7 0\ncpu0 50 2 10 400 5 0 2 15 3 0\nintr 1 2 3\n"
+    h = ct.parse_proc_stat(text)
+    assert h == ct.HostCpu(total=100 + 5 + 20 + 1 + 4 + 800 + 10 + 30, busy=130, steal=30)
+    with pytest.raises(ValueError, match="no aggregate 'cpu' line"):
+        ct.parse_proc_stat("intr 1 2\n")
+
+
+def test_other_processes_share_is_busy_minus_ours_over_total():
+    before, after = ct.HostCpu(total=1000, busy=500, steal=0), ct.HostCpu(total=1400, busy=800, steal=20)
+    # 300 busy ticks, 100 of them ours (1.0 s at 100 ticks/s), of 400 ticks: 0.5 other, 0.05 steal
+    assert ct.host_fractions(before, after, own_cpu_s=1.0, ticks_per_s=100) == (0.5, 0.05)
+    assert ct.host_fractions(before, before, 0.0, 100) is None
+
+
+def test_top_other_processes_by_their_share_of_the_host():
+    before = {1: ("sshd", 5.0), 2: ("stress", 10.0), 3: ("ours", 1.0)}
+    after = {1: ("sshd", 5.01), 2: ("stress", 19.0), 3: ("ours", 9.0), 4: ("late", 2.0)}
+    # 10 s on 2 CPUs = 20 CPU-s: stress 9/20, late (started inside the window) 2/20; sshd below 0.5%
+    got = ct.top_others(before, after, window_s=10.0, cpus=2, exclude={3})
+    assert got == [("stress", 2, pytest.approx(0.45)), ("late", 4, pytest.approx(0.1))]
+    assert ct.host_text(0.55, 0.0, got) == "other processes 55.0% of host CPU (stress 2: 45%, late 4: 10%), steal 0.0%"
+
+
+def test_a_window_of_a_fake_proc_stat_through_the_meter(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  0 0 0 0 0 0 0 0\n")
+    m = ContentionMeter(proc_stat=str(stat), env={}, pid=os.getpid())
+    m.begin(collective=False)
+    own = ct.own_tree_cpu_s()
+    stat.write_text("cpu  400 0 0 600 0 0 0 0\n")  # 1,000 ticks, 400 busy
+    got = m.interval(collective=False)
+    ours = ct.own_tree_cpu_s() - own  # this process's CPU in between (about 0 here)
+    assert got[names.SYS_HOST_OTHER_CPU] == pytest.approx((400 - ours * os.sysconf("SC_CLK_TCK")) / 1000, abs=0.02)
+    assert got[names.SYS_HOST_STEAL] == 0.0
+
+
+# ------------------------------------------------------------------------------------------- NVML
+UUID = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
+
+
+def fake_gpu(clock, **kw) -> FakeGpu:
+    return FakeGpu(UUID, "00000000:18:00.0", 500.0, clock, **kw)
+
+
+def test_a_throttle_reason_and_another_process_appear_in_the_contention_tag(tracking_uri):
+    clock = Clock()
+    gpu = fake_gpu(clock, sm_clock_mhz=1410, max_sm_clock_mhz=1980, temperature_c=83, power_limit_w=700,
+                   throttle_reasons=THROTTLE_BITS["sw_thermal_slowdown"] | THROTTLE_BITS["gpu_idle"],
+                   processes=[FakeProcess(os.getpid(), 30 * 2**30), FakeProcess(4242, 2 * 2**30)])
+    nvml = fake_nvml([gpu])
+    meter = ContentionMeter(nvml=nvml, gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
+    mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=1, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False, contention_meter=meter)
+    for _ in range(11):
+        clock.t += 0.1
+        mon.step(tokens=100)
+    mon.finish()
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    tag = run.data.tags[names.CONTENTION]
+    assert tag.startswith("contended: ")
+    assert "GPU: 1 other process (pid 4242, 2.0 GiB)" in tag
+    assert "throttle: sw_thermal_slowdown" in tag and "gpu_idle" not in tag  # idle is not a slowdown
+    assert "SM clock >= 1410 MHz (71% of max)" in tag and "<= 83 C" in tag and "power limit 700 W" in tag
+    hist = run.data.metrics  # latest values
+    assert hist[names.SYS_DEV_SM_CLOCK] == 1410.0 and hist[names.SYS_DEV_TEMP] == 83.0
+    assert hist[names.SYS_DEV_OTHER_PROCS] == 1.0 and hist[names.SYS_DEV_THROTTLED] == 1.0
+    assert hist[names.SYS_DEV_SM_CLOCK_FRAC] == pytest.approx(1410 / 1980)
+
+
+def test_a_quiet_device_says_so():
+    clock = Clock()
+    gpu = fake_gpu(clock, processes=[FakeProcess(os.getpid(), 2**30)], throttle_reasons=THROTTLE_BITS["gpu_idle"])
+    meter = ContentionMeter(nvml=fake_nvml([gpu]), gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
+    meter.begin(collective=False)
+    _, tags = meter.finish(collective=False)
+    assert "GPU: no other process; throttle: none; SM clock >= 1980 MHz (100% of max)" in tags[names.CONTENTION]
+
+
+def test_nvml_pids_from_another_namespace_are_not_called_other_processes():
+    # in a container NVML lists host pids: none is ours, so none can be told apart
+    clock = Clock()
+    gpu = fake_gpu(clock, processes=[FakeProcess(99901, 2**30), FakeProcess(99902, 2**30)])
+    meter = ContentionMeter(nvml=fake_nvml([gpu]), gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
+    meter.begin(collective=False)
+    _, tags = meter.finish(collective=False)
+    assert "other processes unknown (NVML pids are from another PID namespace)" in tags[names.CONTENTION]
+
+
+def test_an_unreadable_device_leaves_its_fields_out_without_failing():
+    clock = Clock()
+    gpu = fake_gpu(clock, readable=False)
+    s = ct.read_device(fake_nvml([gpu]), UUID, gpu, own_pids=[os.getpid()])
+    assert s.sm_clock_mhz is None and s.temperature_c is None and s.other_pids is None and s.throttle == 0
+
+
+# --------------------------------------------------------------------------------- real runs here
+BURN = "while :; do :; done"
+
+
+def burners(n: int = 2) -> list[subprocess.Popen]:
+    """``n`` shell loops that each take a CPU (siblings of the measured run, not its children)."""
+    return [subprocess.Popen(["sh", "-c", BURN]) for _ in range(n)]
+
+
+def stop(procs) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def cpu_s(procs) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = psutil.Process(p.pid).cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def start_loop(tmp_path, *args) -> tuple[subprocess.Popen, str]:
+    progress = str(tmp_path / "progress")
+    p = subprocess.Popen([sys.executable, str(REPO / "tests" / "scripts" / "steady_loop.py"), "--progress",
+                          progress, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return p, progress
+
+
+def wait_step(progress: str, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(progress) as f:
+                if int(f.read() or 0) >= step:
+                    return
+        except (OSError, ValueError):
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"loop ended early: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def finish(proc: subprocess.Popen):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    run_id = [ln.split("=", 1)[1] for ln in out.splitlines() if ln.startswith("run_id=")][0]
+    return mlflow.MlflowClient().get_run(run_id)
+
+
+@pytest.mark.slow
+def test_a_run_beside_processes_that_take_the_cpu_reports_their_share(tracking_uri, tmp_path):
+    burn = burners(2)
+    try:
+        t0, c0, h0 = time.monotonic(), cpu_s(burn), ct.read_host_cpu()
+        proc, progress = start_loop(tmp_path, "--steps", "150")
+        loop = psutil.Process(proc.pid)
+        wait_step(progress, 150, proc)
+        loop_s = sum(loop.cpu_times()[:2])
+        h1, c1, t1 = ct.read_host_cpu(), cpu_s(burn), time.monotonic()
+        run = finish(proc)
+    finally:
+        stop(burn)
+    hz, cpus = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    share = (c1 - c0) / ((t1 - t0) * cpus)  # the burners' share of the host over the loop's life
+    # whatever else ran meanwhile (on a shared machine: other jobs), measured here over the same life
+    rest = max(0.0, ((h1.busy - h0.busy) - (loop_s + c1 - c0) * hz) / (h1.total - h0.total))
+    frac = run.data.metrics[names.SUM_HOST_OTHER_CPU]
+    tag = run.data.tags[names.CONTENTION]
+    assert abs(frac - (share + rest)) < 0.15, (frac, share, rest, tag)
+    assert frac > 0.3
+    assert tag.startswith("contended: ") and all(f"sh {p.pid}: " in tag for p in burn), tag
+
+
+@pytest.mark.slow
+def test_processes_that_interrupt_the_steady_window_make_the_run_unstable(tracking_uri, tmp_path):
+    # the loop runs at nice 19: while two burners run, it gets ~1.5% of a CPU and its steps stall
+    proc, progress = start_loop(tmp_path, "--steps", "120", "--nice", "19")
+    wait_step(progress, 50, proc)
+    burn = burners(2)
+    try:
+        wait_step(progress, 54, proc)
+    finally:
+        stop(burn)
+    run = finish(proc)
+    assert run.data.tags[names.STABILITY].startswith("unstable: "), run.data.tags[names.STABILITY]
+    assert run.data.metrics[names.SUM_STALLS] >= 1, (run.data.tags[names.STABILITY], run.data.metrics)
+
+
+@pytest.mark.slow
+def test_a_quiet_run_is_stable_with_a_small_other_share(tracking_uri, tmp_path):
+    proc, _ = start_loop(tmp_path, "--steps", "150")
+    run = finish(proc)
+    assert run.data.metrics[names.SUM_HOST_OTHER_CPU] < 0.15, run.data.tags[names.CONTENTION]
+    assert run.data.tags[names.STABILITY] == "stable", run.data.metrics
+    assert run.data.tags[names.CONTENTION].startswith("quiet: ")

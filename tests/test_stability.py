@@ -1,0 +1,260 @@
+"""Stability of the steady state: percentiles, stalls, the block-bootstrap interval, the verdict,
+stragglers; and the monitor's summary figures and tags with a fake clock (hand-computed values)."""
+
+from __future__ import annotations
+
+import math
+
+import mlflow
+import pytest
+import torch
+
+from mlflow_llmeff import names
+from mlflow_llmeff import stability as st
+from mlflow_llmeff.monitor import EfficiencyMonitor
+from mlflow_llmeff.steptimes import DeviceStepClock, ForwardTimer, StepTimes
+
+from conftest import use_store
+
+
+@pytest.fixture
+def tracking_uri(module_store, monkeypatch):
+    yield from use_store(module_store, monkeypatch)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def stalled(n: int = 100, stalls: tuple[int, ...] = (30, 70)) -> list[float]:
+    """``n`` steps of 10 ms with 1.7 s stalls at the given indices."""
+    return [1.7 if i in stalls else 0.010 for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ pure
+@pytest.mark.parametrize("q, expected", [(0, 1.0), (50, 2.5), (90, 3.7), (100, 4.0)])
+def test_percentile_interpolates_linearly_between_order_statistics(q, expected):
+    assert st.percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected, abs=1e-12)
+
+
+def test_percentile_refuses_no_values_and_a_bad_q():
+    with pytest.raises(ValueError, match="no values"):
+        st.percentile([], 50)
+    with pytest.raises(ValueError, match="q=101"):
+        st.percentile([1.0], 101)
+
+
+def test_batches_are_about_sqrt_n_steps_and_cover_every_step():
+    # n = 97: b = floor(sqrt(97)) = 9, k = 97 // 9 = 10 batches; 97 = 10 x 9 + 7: seven of 10, three of 9
+    bounds = st.batch_bounds(97)
+    assert [e - s for s, e in bounds] == [10] * 7 + [9] * 3
+    assert bounds[0][0] == 0 and bounds[-1][1] == 97
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    with pytest.raises(ValueError, match="n=0"):
+        st.batch_bounds(0)
+
+
+def test_two_stalls_in_100_steps_hand_computed():
+    s = st.analyse(stalled(), [1000.0] * 100)
+    assert s.p50_step_s == pytest.approx(0.010, abs=1e-15)
+    assert s.p90_step_s == pytest.approx(0.010, abs=1e-15)
+    assert s.stalls == 2 and s.stall_s == pytest.approx(3.4, abs=1e-12)
+    # 98 x 0.010 + 2 x 1.7 = 4.38 s for 100,000 tokens: stalls stay in the mean
+    assert s.total_s == pytest.approx(4.38, abs=1e-12)
+    assert s.tokens_per_sec == pytest.approx(100_000 / 4.38, rel=1e-12)
+    # cv: mean 0.0438; sum of squares 98 x 0.0338^2 + 2 x 1.6562^2 = 5.597956; / 99; sqrt; / mean
+    assert s.cv == pytest.approx(math.sqrt(5.597956 / 99) / 0.0438, rel=1e-6)
+    low, high = s.ci95
+    assert low < s.tokens_per_sec < high
+    assert high == pytest.approx(100_000.0, rel=1e-9)  # a resample without the stalled batches: 10 ms steps
+    assert low > 0
+    v = st.verdict(s)
+    assert v.startswith("unstable: ") and "2 stalls = 3.4 s of 4.38 s step time" in v
+
+
+def test_the_same_run_without_stalls_is_stable_with_a_narrow_interval():
+    # 100 steps of 10 ms +- 0.3 ms (a deterministic wobble): the interval is real but within 2% of the mean
+    secs = [0.010 + 0.0003 * math.sin(1.7 * i) for i in range(100)]
+    s = st.analyse(secs, [1000.0] * 100)
+    low, high = s.ci95
+    assert low < s.tokens_per_sec < high
+    assert 0 < (high - low) / 2 / s.tokens_per_sec < 0.02
+    assert s.stalls == 0 and s.stall_s == 0.0
+    assert st.verdict(s) == "stable"
+
+
+def test_equal_steps_give_an_interval_of_zero_width_at_the_mean():
+    s = st.analyse([0.01] * 50, [500.0] * 50)
+    assert s.ci95 == (s.tokens_per_sec, s.tokens_per_sec)
+
+
+def test_the_interval_is_the_same_for_the_same_steps():
+    secs = stalled(60, (5, 6, 40))
+    assert st.throughput_interval(secs, [1.0] * 60) == st.throughput_interval(secs, [1.0] * 60)
+
+
+def test_the_interval_weights_uneven_tokens_as_the_mean_does():
+    # the first half carries 3x the tokens per second: the interval brackets the ratio of sums, not a mean of rates
+    secs = [1.0] * 16
+    toks = [300.0] * 8 + [100.0] * 8
+    low, high = st.throughput_interval(secs, toks)
+    assert low <= 200.0 <= high and 100.0 <= low and high <= 300.0
+
+
+def test_too_few_steady_steps_have_no_interval_and_are_not_called_stable():
+    s = st.analyse([0.01] * 5, [10.0] * 5)
+    assert s.ci95 is None
+    assert st.verdict(s) == "unstable: only 5 steady steps (fewer than 10: no interval)"
+    assert st.verdict(None).startswith("unstable: no steady-state step")
+
+
+def test_a_wide_spread_without_stalls_is_unstable_by_p90_over_p50():
+    secs = [0.010] * 80 + [0.030] * 20  # p50 10 ms, p90 30 ms: ratio 3 (no stall: 30 ms < 5 x 10 ms)
+    v = st.verdict(st.analyse(secs, [1.0] * 100))
+    assert "p90/p50 step time 3 (> 1.5)" in v and "stall" not in v
+
+
+def test_a_short_stall_in_a_long_run_does_not_make_it_unstable():
+    secs = [0.010] * 1000
+    secs[500] = 0.2  # one GC pause: 0.2 s of 10.19 s, under 5%
+    s = st.analyse(secs, [1.0] * 1000)
+    assert s.stalls == 1 and s.stall_s == pytest.approx(0.2)
+    assert st.verdict(s) == "stable"
+
+
+@pytest.mark.parametrize("per_rank, ratio, rank", [([1.0, 1.0, 1.2, 1.0], 1.2, 2), ([2.0, 3.0], 1.2, 1),
+                                                   ([1.0, 1.0], 1.0, 0)])
+def test_straggler_ratio_is_the_slowest_over_the_median(per_rank, ratio, rank):
+    got = st.straggler(per_rank)
+    assert got[0] == pytest.approx(ratio) and got[1] == rank
+    assert st.straggler([1.0]) is None
+
+
+# ------------------------------------------------------------------------------------ step timing
+class FakeEvent:
+    def __init__(self, clock):
+        self.t = clock()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1000.0  # ms, as CUDA events report
+
+
+def test_device_step_clock_splits_the_window_by_event_times():
+    clock = Clock()
+    dc = DeviceStepClock(lambda: FakeEvent(clock))
+    dc.restart()
+    for dt in (0.1, 0.3):
+        clock.t += dt
+        dc.step_end()
+    # the events say 0.1 and 0.3 s; the synchronized window held 0.5 s: the split is kept, the total is the window's
+    assert dc.take(window_s=0.5) == pytest.approx([0.125, 0.375])
+    assert dc.take() is None  # nothing pending
+
+
+def test_forward_timer_counts_active_forwards_only():
+    clock = Clock()
+    active = [True]
+    model = torch.nn.Linear(2, 2)
+
+    def slow_forward(module, args):
+        clock.t += 0.25
+
+    t = ForwardTimer(model, lambda: active[0], clock)
+    h = model.register_forward_pre_hook(slow_forward)  # after the timer's: runs inside the timed span
+    model(torch.zeros(1, 2))
+    active[0] = False
+    model(torch.zeros(1, 2))  # an eval inside a pause: not counted
+    assert t.take() == pytest.approx(0.25)
+    t.close(), h.remove()
+
+
+def test_step_times_survive_a_checkpoint_in_float32():
+    a = StepTimes()
+    a.add_window([0.5, 0.25], 300)
+    b = StepTimes()
+    b.load_state_dict(a.state_dict())
+    assert list(b.seconds) == [0.5, 0.25] and list(b.tokens) == [150.0, 150.0]
+
+
+# ------------------------------------------------------------------------------ through the monitor
+def run_monitor(step_seconds: list[float], warmup_steps: int = 3, log_every: int = 10) -> EfficiencyMonitor:
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=log_every, warmup_steps=warmup_steps, clock=clock,
+                            measure_energy="none", measure_peak=False, report=False)
+    for dt in [0.010] * warmup_steps + step_seconds:
+        clock.t += dt
+        mon.step(tokens=1000, samples=4)
+    mon.finish()
+    return mon
+
+
+def test_monitor_logs_the_stalled_runs_dispersion_and_calls_it_unstable(tracking_uri):
+    mon = run_monitor(stalled())
+    s = mon.summary
+    assert s[names.SUM_STEP_TIME_P50_S] == pytest.approx(0.010, abs=1e-12)
+    assert s[names.SUM_STEP_TIME_P90_S] == pytest.approx(0.010, abs=1e-12)
+    assert s[names.SUM_STALL_S] == pytest.approx(3.4, abs=1e-9) and s[names.SUM_STALLS] == 2.0
+    mean = s[names.SUM_TOKENS_PER_SEC]
+    assert mean == pytest.approx(100_000 / 4.38, rel=1e-9)  # tokens / time: the stalls stay in the mean
+    assert s[names.SUM_TPS_CI95_LOW] < mean < s[names.SUM_TPS_CI95_HIGH]
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert tags[names.STABILITY].startswith("unstable: ") and "2 stalls = 3.4 s" in tags[names.STABILITY]
+    assert "5x median" in tags[names.STABILITY_METHOD]
+
+
+def test_monitor_calls_the_same_run_without_stalls_stable(tracking_uri):
+    mon = run_monitor([0.010 + 0.0003 * math.sin(1.7 * i) for i in range(100)])
+    s = mon.summary
+    mean = s[names.SUM_TOKENS_PER_SEC]
+    assert s[names.SUM_TPS_CI95_LOW] <= mean <= s[names.SUM_TPS_CI95_HIGH]
+    assert (s[names.SUM_TPS_CI95_HIGH] - s[names.SUM_TPS_CI95_LOW]) / 2 / mean < 0.02
+    assert s[names.SUM_STALL_S] == 0.0
+    assert mlflow.MlflowClient().get_run(mon.run_id).data.tags[names.STABILITY] == "stable"
+
+
+def test_warm_up_steps_are_not_in_the_step_time_figures(tracking_uri):
+    # 3 warm-up steps of 10 s each would be stalls if counted
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=3, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False)
+    for dt in [10.0] * 3 + [0.02] * 20:
+        clock.t += dt
+        mon.step(tokens=10)
+    s = mon.finish()
+    assert s[names.SUM_STEP_TIME_P90_S] == pytest.approx(0.02) and s[names.SUM_STALLS] == 0.0
+
+
+def test_the_runs_description_leads_with_the_run_figure_and_its_interval(tracking_uri):
+    # the runs table shows an interval metric's last window: the description says where the run's figure is
+    mon = run_monitor([0.010] * 20)
+    note = mlflow.MlflowClient().get_run(mon.run_id).data.tags["mlflow.note.content"]
+    assert note.startswith("100,000 tokens/s steady state (95% interval 100,000 to 100,000), stable. ")
+    assert "throughput/* are per-window rates" in note
+
+
+def test_a_failed_run_keeps_the_description_that_says_why(tracking_uri):
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=1, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False)
+    for _ in range(12):
+        clock.t += 0.01
+        mon.step(tokens=10)
+    mon.set_tags({"mlflow.note.content": "Failed: loss became NaN at step 12"})
+    mon.finish("FAILED")
+    assert mlflow.MlflowClient().get_run(mon.run_id).data.tags["mlflow.note.content"] == \
+        "Failed: loss became NaN at step 12"
+
+
+def test_a_failing_timer_never_reaches_the_forward_pass():
+    def broken():
+        raise RuntimeError("timer bug")
+
+    model = torch.nn.Linear(2, 2)
+    t = ForwardTimer(model, broken, Clock())
+    assert model(torch.zeros(1, 2)).shape == (1, 2) and model(torch.zeros(1, 2)).shape == (1, 2)
+    assert t.take() == 0.0
+    t.close()
