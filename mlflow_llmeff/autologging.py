@@ -439,8 +439,16 @@ def _patched_end_run(original, *args, **kwargs):
         import mlflow
 
         active = mlflow.active_run()
+        mon = s.monitor
         if active is not None:
             s.finish(collective=False, run_id=active.info.run_id, status=status)
+            if mon.run_id == active.info.run_id and mon.end_run_later(status):
+                # the server did not take the run's points: its end waits in the outbox with them,
+                # instead of a request that would wait on the server again
+                from .tracking.runs import RunHandle, release
+
+                release(RunHandle(active.info.run_id, owned=False, fluent=True, resumed=False))
+                return None
     return original(status, *args[1:], **kwargs)
 
 

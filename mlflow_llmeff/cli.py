@@ -261,11 +261,15 @@ def models_cmd(seq_len: int, as_json: bool) -> None:
 @main.command("sync")
 @click.argument("folder", type=click.Path(file_okay=False))
 def sync_cmd(folder: str) -> None:
-    """Send what a run could not deliver while its tracking server was down (an outbox FOLDER:
-    <checkpoint_dir>/outbox for llmeff train, ~/.cache/mlflow_llmeff/outbox otherwise), and end
-    those runs with the status and end time they recorded."""
-    from .tracking.logger import deliver_outbox
+    """Send what a run could not deliver while its tracking server was down or did not answer (an
+    outbox FOLDER: <checkpoint_dir>/outbox for llmeff train, $LLMEFF_OUTBOX_DIR or
+    ~/.cache/mlflow_llmeff/outbox otherwise): create the runs it never created, send their points
+    with their original timestamps, log their efficiency report, and end them with the status and
+    end time they recorded."""
+    from .tracking.delivery import apply_request_settings
+    from .tracking.outbox import deliver_outbox
 
+    apply_request_settings()
     try:
         delivered = deliver_outbox(folder)
     except ValueError as e:
@@ -275,8 +279,9 @@ def sync_cmd(folder: str) -> None:
                                    f"{str(e).splitlines()[0] if str(e) else ''}); the files are kept") from None
     if not delivered:
         click.echo(f"nothing to send in {folder}")
-    for run_id, n, status in delivered:
-        click.echo(f"run {run_id}: {n} entries sent" + (f", ended {status}" if status else ""))
+    for d in delivered:
+        was = f" (local run {d.local_id} until now)" if d.local_id else ""
+        click.echo(f"run {d.run_id}{was}: {d.entries} entries sent" + (f", ended {d.status}" if d.status else ""))
 
 
 @main.command("prices")
@@ -327,8 +332,7 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
         raise click.UsageError(f"--subset-seed {subset_seed} needs --limit N (the subset's size per task); "
                                f"without --limit every document is scored")
     try:  # the run, names, few-shot and data files are checked before any model is loaded
-        if run_id:
-            check_run(run_id)
+        found = check_run(run_id) if run_id else None
         check_inputs(tasks, data_dir=data_dir, num_fewshot=num_fewshot)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -346,6 +350,9 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     except Exception as e:  # noqa: BLE001
         raise click.UsageError(f"--model {model_dir!r} is not a loadable causal LM directory or hub id "
                                f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    if found is False:
+        click.echo(f"llmeff: the tracking server did not answer when run {run_id} was looked up; scoring goes on, "
+                   "and the results wait in the outbox if it still does not answer")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         result = evaluate(model, tok, tasks, data_dir=data_dir, num_fewshot=num_fewshot, limit=limit,
@@ -360,10 +367,11 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     if run_id:
         note = f"llmeff eval: {tasks}, documents {eval_documents(limit, subset_seed)}, {num_fewshot}-shot"
         try:
-            step = log_to_run(result, run_id, note)
+            step = log_to_run(result, run_id, note, found=found)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
-        click.echo(f"logged to run {run_id} at step {step} (its last train/tokens step)")
+        if step is not None:
+            click.echo(f"logged to run {run_id} at step {step} (its last train/tokens step)")
     elif log_to_mlflow(result):
         click.echo("logged to the active MLflow run")
     else:

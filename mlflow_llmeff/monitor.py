@@ -193,7 +193,6 @@ class EfficiencyMonitor:
         from .tracking.logger import NullLogger
 
         self._logger, self._run = NullLogger(), None
-        self.run_id: str | None = None
         if resume_state:
             self._load(resume_state)
         if self.is_main:
@@ -344,11 +343,12 @@ class EfficiencyMonitor:
                                             seq_len=extra_tags.get(names.SEQ_LEN),
                                             global_batch_tokens=extra_tags.get(names.GLOBAL_BATCH_TOKENS))
         self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
-                             unique_name=run_name is None)
-        self.run_id = self._run.run_id
+                             unique_name=run_name is None, outbox_dir=self._outbox_dir)
         if self._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
             self._ledger.start_earlier(self._clock() - max(0.0, time.time() - self._run.fresh_since_unix))
-        self._logger = RunLogger(self.run_id, client, resume=self._run.resumed, outbox_dir=self._outbox_dir)
+        self._logger = RunLogger(self._run.run_id, client, resume=self._run.resumed, outbox_dir=self._outbox_dir,
+                                 first=self._run.pending, unanswered=self._run.unanswered,
+                                 local_id=self._run.local_id)
         if resume_state:
             self._account_crashed_tail(resume_state)
         self._given_tags = set(extra_tags)
@@ -373,6 +373,9 @@ class EfficiencyMonitor:
         if beat is not None and float(beat["unix"]) > (newest or 0.0):  # newer than what reached the server
             newest = float(beat["unix"])
             last.update({k: float(v) for k, v in beat.get("totals", {}).items()})
+        # the server did not answer: the steps the crashed attempt logged (at least the checkpoint's) are
+        # not logged again, so a replayed step never has two points
+        self._logger.assume_logged_through(max(int(state.get("step", 0)), int(beat["step"]) if beat else 0))
         self._consumption.resume(state.get("consumption", {}), last)
         if newest is not None and saved is not None:
             self._ledger.add("lost_progress", max(0.0, float(newest) - float(saved)))
@@ -778,7 +781,7 @@ class EfficiencyMonitor:
                 beat = json.load(f)
         except (OSError, ValueError):
             return None
-        return beat if beat.get("run_id") == self.run_id else None
+        return beat if beat.get("run_id") in (self.run_id, self._run.local_id if self._run else None) else None
 
     @property
     def nonfinite_loss(self) -> tuple[int, float] | None:
@@ -1095,7 +1098,8 @@ class EfficiencyMonitor:
         return tags
 
     def _close(self, status: str) -> None:
-        """Stop the meters, flush and end the run (if the monitor owns it) with ``status``."""
+        """Stop the meters; deliver the points, the report and (if the monitor owns the run) its end with
+        ``status``, waiting at most the delivery wait without an answer; what is left waits in the outbox."""
         lifecycle.unregister(self)
         for closer in (self._energy.close, self._carbon.stop, self._contention.close,
                        self._fwd.close if self._fwd is not None else (lambda: None)):
@@ -1105,30 +1109,45 @@ class EfficiencyMonitor:
                 pass
         if not self.is_main or self._run is None:
             return
-        try:
-            from .tracking.runs import end_run
+        from .tracking.runs import release
 
-            self._logger.flush()
-            if not self._logger.settle(status):  # the server is away: the ending waits in the outbox
-                return
+        try:
             self._log_report()
-            end_run(self._logger.client, self._run, status)
+            self._logger.close(status if self._run.owned else None, urgent=status == "KILLED")  # a signal: spill first
         except Exception as e:  # noqa: BLE001
-            if hasattr(self._logger, "ending_failed"):
-                self._logger.ending_failed(status, int(time.time() * 1000), e)
             self._fail(e)
+        finally:
+            release(self._run)  # no longer MLflow's active run; its end is delivered or in the outbox
 
     def _log_report(self) -> None:
-        """Rank 0, points flushed: ``efficiency_report.json`` and figures (``report=True``); a failure is a tag."""
-        if not (self._report and self._summary):
-            return
-        from .tracking.run_report import log_run_report
+        """Rank 0: ``efficiency_report.json`` and figures (``report=True``), built once every point before it
+        is delivered (by ``llmeff sync`` when the server does not answer); a failure is a tag."""
+        if self._report and self._summary:
+            self._logger.queue_report()
 
-        problem = log_run_report(self._logger.client, self.run_id)
-        if problem:
-            log.warning("mlflow_llmeff: %s", problem)
-            self._logger.set_tags({names.REPORT_WARNING: problem})
-            self._logger.flush()
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id (rank 0; None elsewhere), or ``local-...`` while the server has not created the run."""
+        return self._logger.run_id
+
+    @property
+    def spilled_to(self) -> str | None:
+        """The outbox file holding what the tracking server has not taken (None when it has everything)."""
+        return self._logger.spilled_to
+
+    def log_input(self, datasets: list, context: str = "training") -> None:
+        """Log ``mlflow.data`` datasets as the run's inputs (rank 0; delivered in order with the points)."""
+        if not self._broken and self.is_main:
+            self._logger.log_inputs(datasets, context)
+
+    def end_run_later(self, status: str) -> bool:
+        """For a run the monitor does not own (the user's, the Trainer's) whose entries wait in the outbox:
+        its end (``status``, now) waits there too, True. False when the server has everything (end it
+        as usual) or the monitor owns the run (it ended it already)."""
+        if self._run is None or self._run.owned or not self.spilled_to:
+            return False
+        self._logger.close(status)
+        return True
 
     @property
     def summary(self) -> dict[str, float]:

@@ -19,6 +19,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # a logger closing against a failing store waits this long for it before spilling to its outbox (30 s by
 # default); tests that stop a real server set their own
 os.environ.setdefault("LLMEFF_DELIVERY_WAIT_S", "3")
+# what a logger spills without a checkpoint folder goes to a fresh folder, not the user's ~/.cache
+os.environ.setdefault("LLMEFF_OUTBOX_DIR", tempfile.mkdtemp(prefix="llmeff_test_outbox_"))
 # Token caches of the tests' runs go to a fresh folder, not the user's ~/.cache.
 os.environ.setdefault("LLMEFF_CACHE_DIR", tempfile.mkdtemp(prefix="llmeff_test_tokens_"))
 # The product has no default data folder beside the repository: tests point it at the shared data.

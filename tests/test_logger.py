@@ -1,5 +1,6 @@
 import math
 import sys
+import threading
 
 import mlflow
 import pytest
@@ -26,16 +27,17 @@ def steps(client, run_id, key):
 
 
 def test_metrics_are_buffered_then_sent_in_one_batch(tracking_uri):
-    client = mlflow.MlflowClient()
-    run_id = client.create_run("0").info.run_id
+    client = RecordingClient()
+    run_id = new_run(client)
     clock = FakeClock()
     log = RunLogger(run_id, client, send_interval_s=5.0, clock=clock)
     log.log_metrics({"train/loss": 1.0}, 1)
     log.log_metrics({"train/loss": 0.9, "train/learning_rate": 1e-3}, 2)
-    assert log._pending == [] and len(log._buffer) == 3  # nothing sent within the interval
+    assert len(log._buffer) == 3 and log.flush(send=False) and client.calls == []  # nothing sent within the interval
     clock.t = 5.0
     log.log_metrics({"train/loss": 0.8}, 3)
-    assert log._buffer == [] and len(log._pending) == 1
+    assert log._buffer == [] and log.flush(send=False)
+    assert client.calls == [(4, 0, 0, True)]  # one batch
     log.log_metrics({"train/loss": 0.7}, 4)
     log.close()
     assert steps(client, run_id, "train/loss") == [1, 2, 3, 4]
@@ -227,16 +229,15 @@ def test_a_rejected_sync_batch_is_retried_entry_by_entry(tracking_uri):
                                               "Invalid value 'llmeff.poisoned' for parameter 'key')")
 
 
-def test_a_failed_async_metric_batch_is_retried_at_flush(tracking_uri):
+def test_a_rejected_metric_batch_is_sent_again_in_halves(tracking_uri):
     client = RecordingClient(poison={"train/poisoned"})
     run_id = new_run(client)
     log = RunLogger(run_id, client, send_interval_s=0.0)
     log.log_metrics({"train/loss": 1.5, "train/poisoned": 1.0, "train/tokens": 512}, 1)
-    assert len(log._pending) == 1
     log.close()
     assert mlflow.MlflowClient().get_run(run_id).data.metrics == {"train/loss": 1.5, "train/tokens": 512.0}
     assert "metric 'train/poisoned' at step 1 rejected by MLflow" in warnings_tag(run_id)
-    assert client.calls[1] == (3, 0, 0, True)  # the whole batch again, synchronously, then halves
+    assert client.calls[:3] == [(3, 0, 0, True), (1, 0, 0, True), (2, 0, 0, True)]  # the batch, then its halves
 
 
 def test_the_real_store_rejecting_a_key_loses_only_that_key(tracking_uri, monkeypatch):
@@ -281,17 +282,23 @@ def test_tags_over_100_in_one_call_are_sent_in_batches_of_100(tracking_uri):
     assert {k: logged[k] for k in tags} == tags
 
 
-def test_set_synchronous_makes_every_send_synchronous(tracking_uri):
+def test_every_call_is_made_by_the_delivery_thread(tracking_uri):
     client = RecordingClient()
     run_id = new_run(client)
+    threads = []
+    real = client.log_batch
+
+    def log_batch(*a, **kw):
+        threads.append(threading.current_thread())
+        return real(*a, **kw)
+
+    client.log_batch = log_batch
     log = RunLogger(run_id, client, send_interval_s=0.0)
-    log.set_synchronous(True)
+    log.set_tags({"user.note": "x"})
     log.log_metrics({"train/loss": 1.0}, 1)
-    log.log_metrics({"train/loss": 0.5}, 2)
-    assert log._pending == []
     log.close()
-    assert [c[3] for c in client.calls] == [True, True]
-    assert steps(client, run_id, "train/loss") == [1, 2]
+    assert len(threads) == 2 and all(t.name == "llmeff-delivery" for t in threads)  # the tag, then the metric
+    assert steps(client, run_id, "train/loss") == [1]
 
 
 def test_last_point_after_resume_is_the_newest_point_per_key(tracking_uri):

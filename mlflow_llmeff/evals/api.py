@@ -282,37 +282,58 @@ def mlflow_metrics(result: EvalResult) -> dict[str, float]:
     return {_STANDARD_KEYS.get(k, f"eval/{k}"): v for k, v in result.metrics.items()}
 
 
-def check_run(run_id: str) -> None:
-    """Raise ValueError (one line naming the id and the tracking store) when ``run_id`` is no run."""
+def check_run(run_id: str) -> bool:
+    """Raise ValueError (one line naming the id and the tracking store) when ``run_id`` is no run.
+
+    Waits at most the delivery wait (``LLMEFF_DELIVERY_WAIT_S``) for a tracking server; one that does
+    not answer (or is unreachable) is not a missing run: False, and the results will wait in the
+    outbox. True when the run was found.
+    """
     import mlflow
 
+    from ..tracking import delivery
+
+    delivery.apply_request_settings()
+    client = mlflow.MlflowClient()
+    wait = delivery.delivery_wait_s() if delivery.is_server(mlflow.get_tracking_uri()) else None
     try:
-        mlflow.MlflowClient().get_run(run_id)
+        if wait is None:
+            client.get_run(run_id)
+        else:
+            delivery.bounded(lambda: client.get_run(run_id), wait, "looking up the run")
+        return True
+    except delivery.NoAnswer:
+        return False
     except Exception as e:  # noqa: BLE001 - one line instead of the store's stack trace
+        if wait is not None and getattr(e, "error_code", None) not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return False  # the server is away, not the run
         raise ValueError(f"--run-id {run_id!r}: no such run in the tracking store {mlflow.get_tracking_uri()!r} "
                          f"({type(e).__name__})") from None
 
 
-def log_to_run(result: EvalResult, run_id: str, note: str) -> int:
+def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None = None) -> int | None:
     """Log a finished run's evaluation (``llmeff eval --run-id``) as its last eval points.
 
     The metrics go in at the run's last ``train/tokens`` step (0 without one), so MLflow's latest
     value (and ``llmeff compare``'s column) is this evaluation; the run's status is not touched. The
-    tag ``llmeff.eval.last`` gets ``note`` (what was scored) and the step. Returns the step.
+    tag ``llmeff.eval.last`` gets ``note`` (what was scored) and the step. Delivered by the logger's
+    delivery thread, waiting at most the delivery wait without an answer; when the server does not
+    take them, they wait in the outbox (a line says how to send them: ``llmeff sync``).
+
+    ``found``: what :func:`check_run` said already (None: it is called here).
+
+    Returns:
+        The step, or None when the results wait in the outbox.
 
     Raises:
         ValueError: ``run_id`` names no run of the tracking store (one line).
     """
-    import mlflow
-    from mlflow.entities import Metric, RunTag
+    from ..tracking.logger import RunLogger
 
-    check_run(run_id)
-    client = mlflow.MlflowClient()
-    step = max((m.step for m in client.get_metric_history(run_id, names.TRAIN_TOKENS)), default=0)
-    now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in mlflow_metrics(result).items()],
-                     tags=[RunTag(names.EVAL_LAST, f"{note}; logged at step {step}")])
-    return step
+    found = check_run(run_id) if found is None else found
+    logger = RunLogger(run_id, unanswered=None if found else "it did not answer when the run was looked up")
+    logger.log_eval(mlflow_metrics(result), note)
+    return logger.eval_step if logger.close(None) else None
 
 
 def log_to_mlflow(result: EvalResult, step: int | None = None) -> bool:

@@ -1,12 +1,17 @@
-"""Rank-0 MLflow logger: batched, asynchronous, resume-aware, and never fatal to training.
+"""Rank-0 MLflow logger: batched, delivered by a background thread, resume-aware, never fatal to training.
 
-Only the main process constructs an active logger (others get :class:`NullLogger`). Metrics are
-buffered in memory and sent at most every ``send_interval_s`` seconds as one
-``MlflowClient.log_batch(..., synchronous=False)`` call, MLflow's own async queue, so neither a
-slow tracking server nor the store's per-call cost (several ms of Python under the GIL for a
-sqlite store) lands on a training step; :meth:`RunLogger.flush` sends and waits (the training
-loop calls it before every checkpoint, so a checkpoint never outruns its metrics) and
-:meth:`RunLogger.close` flushes. On resume the logger learns the last point of each key and drops
+Only the main process constructs an active logger (others get :class:`NullLogger`). Nothing the
+training thread calls waits on a request: metrics are buffered in memory and handed, at most every
+``send_interval_s`` seconds, to the logger's delivery thread, which makes every MLflow call of the
+run in order (the run's creation when the server did not answer at the start, params, tags,
+metric batches, dataset inputs, the efficiency report, the end of the run). The process waits for
+that thread only at stated points, and at each for at most the delivery wait ``wait_s``
+(``LLMEFF_DELIVERY_WAIT_S``, default 30 s) without an answer (:mod:`mlflow_llmeff.tracking.delivery`):
+a synchronous :meth:`RunLogger.set_tags` or :meth:`RunLogger.log_params`, :meth:`RunLogger.flush`
+(before every checkpoint, so a checkpoint never outruns its metrics) and :meth:`RunLogger.close`
+(the end). Whatever the server has not taken by then is written to the outbox file
+(:mod:`mlflow_llmeff.tracking.outbox`), which the thread keeps sending from, and which
+``llmeff sync`` delivers later. On resume the logger learns the last point of each key and drops
 points at or before its step, so a replayed step is never logged twice.
 
 Nothing is lost to one bad entry. Every metric, tag and param is checked against MLflow's own rules
@@ -21,7 +26,6 @@ and training goes on (accelerate's tracker does the same).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -30,15 +34,17 @@ import warnings
 from collections import deque
 
 from .. import names
-from . import keys, redact
+from . import delivery, keys, outbox, redact
+from .delivery import WAIT_ENV  # noqa: F401 - re-exported
+from .outbox import default_outbox_dir, deliver_outbox, deliver_outbox_file, write_outbox  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
 # MLflow error codes that blame an entry of the request; any other failure (store unreachable, run
-# deleted, ...) is not retried entry by entry: MLflow's HTTP client already retried the request with
-# backoff, and splitting it would only multiply that wait.
+# deleted, ...) is not retried entry by entry: it means the server is not taking anything now.
 _ENTRY_ERRORS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST"})
 _MAX_PROBLEMS = 1000  # problems remembered for the warning tag; later new ones are only counted
+_SPILL_AFTER_S = 1.0  # at the end, the outbox file is written once delivery has taken this long
 
 
 class NullLogger:
@@ -46,6 +52,7 @@ class NullLogger:
 
     run_id: str | None = None
     last_timestamp_s: float | None = None
+    spilled_to: str | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:  # noqa: D102
         pass
@@ -56,6 +63,9 @@ class NullLogger:
     def log_params(self, params: dict[str, str]) -> dict[str, tuple[str, str]]:  # noqa: D102
         return {}
 
+    def log_inputs(self, datasets: list, context: str = "training") -> None:  # noqa: D102
+        pass
+
     def set_synchronous(self, synchronous: bool = True) -> None:  # noqa: D102
         pass
 
@@ -65,100 +75,225 @@ class NullLogger:
     def last_point(self, key: str) -> tuple[int, float, int] | None:  # noqa: D102
         return None
 
-    def flush(self) -> None:  # noqa: D102
+    def assume_logged_through(self, step: int) -> None:  # noqa: D102
         pass
 
-    def close(self, status: str = "FINISHED") -> None:  # noqa: D102
+    def queue_report(self) -> None:  # noqa: D102
         pass
 
-    def settle(self, status: str) -> bool:  # noqa: D102
+    def flush(self) -> bool:  # noqa: D102
         return True
+
+    def close(self, status: str | None = "FINISHED", *, report: bool = False,  # noqa: D102
+              urgent: bool = False) -> bool:
+        return True
+
+
+class _Job:
+    """One unit of delivery, in order: ``batch`` (Metric/Param/RunTag entities), ``create``,
+    ``attach``, ``inputs``, ``eval`` (dicts as in the outbox records), ``report`` or ``end``."""
+
+    __slots__ = ("seq", "kind", "data")
+
+    def __init__(self, seq: int, kind: str, data) -> None:
+        self.seq, self.kind, self.data = seq, kind, data
+
+    def entries(self) -> int:
+        """Metric points, params and tags this job carries (an eval: its metrics and its tag)."""
+        if self.kind == "batch":
+            return len(self.data)
+        return len(self.data["metrics"]) + 1 if self.kind == "eval" else 0
+
+    def records(self) -> list[dict]:
+        if self.kind == "batch":
+            return outbox.entity_records(self.data)
+        if self.kind == "report":
+            return [{"report": True}]
+        return [{self.kind: list(self.data) if self.kind == "end" else self.data}]
+
+
+class _Tracked:
+    """The client, with every call timed: the logger knows how long the current request has waited."""
+
+    def __init__(self, client, owner: "RunLogger") -> None:
+        self._client, self._owner = client, owner
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self._owner._in_flight_since = time.monotonic()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._owner._in_flight_since = None
+
+        return call
 
 
 class RunLogger(NullLogger):
     """Logs to one MLflow run from the main process.
 
     Args:
-        run_id: the MLflow run to log into (it must exist).
+        run_id: the MLflow run to log into, or a local id (``local-...``) for a run the server has
+            not created yet (then ``first`` holds its ``create`` record).
         client: an ``mlflow.MlflowClient``; a new one (current tracking URI) when None.
         resume: True when continuing a run; then points at or before each key's last logged step
-            are dropped, and :meth:`last_point` gives each key's newest point.
-        send_interval_s: the least time between two sends of the metric buffer, in seconds.
+            (on the server, or in this run's outbox file) are dropped, and :meth:`last_point` gives
+            each key's newest point.
+        send_interval_s: the least time between two hand-overs of the metric buffer, in seconds.
         clock: monotonic clock in seconds (injected by tests).
+        outbox_dir: where undelivered entries spill (default :func:`~mlflow_llmeff.tracking.outbox.default_outbox_dir`).
+        wait_s: the delivery wait, seconds (default ``LLMEFF_DELIVERY_WAIT_S``, 30).
+        first: outbox records to deliver before anything else (``create``, ``attach``; from
+            :func:`mlflow_llmeff.tracking.runs.open_run`).
+        unanswered: why the server is already known not to answer (it did not at the start), or None.
+        local_id: the local id the run had before the server created it (a resumed run), else None.
     """
 
     def __init__(self, run_id: str, client=None, *, resume: bool = False, send_interval_s: float = 5.0,
-                 clock=time.monotonic, outbox_dir: str | None = None, wait_s: float | None = None) -> None:
+                 clock=time.monotonic, outbox_dir: str | None = None, wait_s: float | None = None,
+                 first: list[dict] | tuple = (), unanswered: str | None = None, local_id: str | None = None) -> None:
         from mlflow import MlflowClient
 
+        delivery.apply_request_settings()
         self.run_id = run_id
         self.client = client or MlflowClient()
+        self._c = _Tracked(self.client, self)
         self._warned = False
-        self._synchronous = False
+        self._resumed = resume
         self._last_step: dict[str, int] = {}
         self._last_point: dict[str, tuple[int, float, int]] = {}
-        self._pending: list[tuple[object, list]] = []  # (RunOperations, the entries it carries)
-        self._buffer: list = []  # mlflow.entities.Metric not yet sent
+        self._floor = -1  # with the run's history unknown: steps at or below this were logged before
+        self._buffer: list = []  # mlflow.entities.Metric not yet handed to the delivery thread
         self._ok_keys: set[str] = set()  # metric keys already checked and accepted unchanged
         self._problems: dict[str, None] = {}  # ordered set of problem lines for the warning tag
         self._problems_unlisted = 0  # new problems beyond _MAX_PROBLEMS
         self._problems_dirty = False  # the warning tag is behind _problems
-        self._outage = False  # a failure that blamed no entry happened since the tag was last due
         self._clock = clock
         self._send_interval_s = send_interval_s
         self._last_send = clock()
         self.last_timestamp_s: float | None = None  # newest metric point before this attempt (unix s)
-        # The outbox: entries the server has not confirmed, sent again by a background thread.
         self.outbox_dir = outbox_dir or default_outbox_dir()
-        self._wait_s = float(os.environ.get(WAIT_ENV, "30")) if wait_s is None else float(wait_s)
-        self._held: list[tuple[object, list]] = []  # (async operation still in flight or None, entries)
-        self._lock = threading.Lock()
-        self._down_since: float | None = None  # unix time the server stopped answering (None: up)
-        self._prober: threading.Thread | None = None
-        self._closing = False
-        if resume:
-            self._deliver_own_outbox()
+        self._wait_s = delivery.delivery_wait_s() if wait_s is None else float(wait_s)
+        self._local_id = local_id or (run_id if outbox.is_local_id(run_id) else None)
+        self.spilled_to: str | None = None  # the outbox file holding what the server has not taken
+        self.eval_step: int | None = None  # the step an ``eval`` record was logged at, once delivered
+        # The delivery queue: jobs in order; the first may be in flight. _done is the last delivered seq.
+        self._cv = threading.Condition()
+        self._queue: list[_Job] = []
+        self._seq = self._done = 0
+        self._courier: threading.Thread | None = None
+        self._in_flight_since: float | None = None  # monotonic start of the request in flight
+        self._down_since: float | None = None  # unix time the server stopped answering (None: it answers)
+        self._down_mono: float | None = None  # the same on the monotonic clock: the start of the unanswered request
+        self._down_reason = ""
+        self._outage: tuple[float, str] | None = None  # (unix start, reason) of an outage not yet in the warning tag
+        self._closing = False  # the end is spilled: the delivery thread stops
+        self.history_known = not resume
+        if unanswered:
+            self._down_since, self._down_mono, self._down_reason = time.time(), time.monotonic(), unanswered
+        adopted = self._adopt_own_outbox() if resume or outbox.is_local_id(run_id) else []
+        create = [r for r in adopted if "create" in r][:1] or [r for r in first if "create" in r][:1]
+        for rec in create + [r for r in first if "create" not in r] + [r for r in adopted if "create" not in r]:
+            self._enqueue_record(rec)
+        if resume and not outbox.is_local_id(run_id):
             self._learn_history()
+        if outbox.is_local_id(run_id):
+            self._say_local()
 
+    # ------------------------------------------------------------------ resume
     def _learn_history(self) -> None:
-        """Remember each key's newest point (largest step, then latest timestamp) before this attempt."""
-        try:
+        """Remember each key's newest point (largest step, then latest timestamp) before this attempt.
+
+        Waits at most ``wait_s`` for a tracking server (none when it is known not to answer); without
+        an answer the history stays unknown (:meth:`assume_logged_through` then drops replayed steps).
+        """
+        if self._down_since is not None:
+            return
+
+        def read():
             run_metrics = self.client.get_run(self.run_id).data.metrics
+            return {key: self.client.get_metric_history(self.run_id, key) for key in run_metrics}
+
+        try:
+            histories = self._read(read, "the run's metric history")
         except Exception as e:  # noqa: BLE001
             self._warn(e)
             return
-        for key in run_metrics:
-            try:
-                hist = self.client.get_metric_history(self.run_id, key)
-            except Exception as e:  # noqa: BLE001
-                self._warn(e)
-                continue
+        self.history_known = True
+        for key, hist in histories.items():
             if not hist:
-                self._last_step[key] = -1
+                self._last_step[key] = max(self._last_step.get(key, -1), -1)
                 continue
             newest = max(hist, key=lambda m: (m.step, m.timestamp))
-            self._last_step[key] = newest.step
-            self._last_point[key] = (newest.step, newest.value, newest.timestamp)
-            latest_s = max(m.timestamp for m in hist) / 1000
-            self.last_timestamp_s = max(self.last_timestamp_s or 0.0, latest_s)
+            self._remember(key, newest.step, newest.value, newest.timestamp)
+            self.last_timestamp_s = max(self.last_timestamp_s, max(m.timestamp for m in hist) / 1000)
+
+    def _remember(self, key: str, step: int, value: float, timestamp: int) -> None:
+        old = self._last_point.get(key)
+        if old is None or (step, timestamp) > (old[0], old[2]):
+            self._last_point[key] = (step, value, timestamp)
+        self._last_step[key] = max(self._last_step.get(key, -1), step)
+        self.last_timestamp_s = max(self.last_timestamp_s or 0.0, timestamp / 1000)
+
+    def _read(self, fn, what: str):
+        """``fn()`` now: within ``wait_s`` for a tracking server (the server is marked down when it
+        does not answer, so later waits are skipped), directly for a local store."""
+        if not delivery.is_server(_tracking_uri(self.client)):
+            return fn()
+        try:
+            return delivery.bounded(fn, self._wait_s, what)
+        except delivery.NoAnswer as e:
+            self._went_down(e)
+            raise
+
+    def _adopt_own_outbox(self) -> list[dict]:
+        """What an earlier attempt of this run left in the outbox, as records to deliver first (its
+        ``end`` and ``report`` dropped: this attempt makes its own); its points count as logged."""
+        out = []
+        for rid in dict.fromkeys([self.run_id, self._local_id]):
+            path = os.path.join(self.outbox_dir, f"{rid}.jsonl") if rid else None
+            if not path or not os.path.exists(path):
+                continue
+            try:
+                header, records = outbox.read_outbox(path)
+            except Exception as e:  # noqa: BLE001 - kept for llmeff sync
+                self._warn(e)
+                continue
+            for rec in records:
+                if "end" in rec or "report" in rec:
+                    continue
+                if "m" in rec:
+                    k, v, ts, step = rec["m"]
+                    self._remember(k, int(step), float(v), int(ts))
+                out.append(rec)
+            log.info("mlflow_llmeff: %d records an earlier attempt left in %s are sent first", len(out), path)
+        return out
+
+    def assume_logged_through(self, step: int) -> None:
+        """With the run's history unknown (the server did not answer at the start): treat steps up to
+        ``step`` (e.g. the crashed attempt's last logged step) as logged, so replayed steps are dropped."""
+        if not self.history_known:
+            self._floor = max(self._floor, int(step))
 
     def _warn(self, e: Exception) -> None:
+        if self._closing:  # a request abandoned at the end failed late: the end's line said it all
+            log.debug("logging failure after the end was spilled", exc_info=e)
+            return
         if not self._warned:
             self._warned = True
             warnings.warn(f"mlflow_llmeff: MLflow logging failed ({type(e).__name__}: {e}); training continues", stacklevel=3)
         log.debug("logging failure", exc_info=e)
 
     def set_synchronous(self, synchronous: bool = True) -> None:
-        """From now on send every batch with ``synchronous=True`` (or go back to async with False).
-
-        Needed when finishing at interpreter exit: MLflow ends open runs in an ``atexit`` handler,
-        when its asynchronous logging thread pool may already be shut down.
-        """
-        self._synchronous = synchronous
+        """Kept for callers of earlier versions: every call is made by the delivery thread now."""
 
     def last_logged_step(self, key: str) -> int:
         """Last step ``key`` was logged at before this attempt (-1 when never)."""
-        return self._last_step.get(key, -1)
+        return max(self._last_step.get(key, -1), self._floor)
 
     def last_point(self, key: str) -> tuple[int, float, int] | None:
         """Newest point of ``key`` before this attempt (resume only), else None.
@@ -171,7 +306,7 @@ class RunLogger(NullLogger):
 
     # ------------------------------------------------------------------ metrics
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Queue metrics at ``step``; send the buffer when ``send_interval_s`` has passed.
+        """Queue metrics at ``step``; hand the buffer over when ``send_interval_s`` has passed.
 
         Keys MLflow refuses are mapped (:func:`~mlflow_llmeff.tracking.keys.safe_key`), values that
         are not real numbers are dropped, both noted in ``llmeff.logging.warnings``. NaN and +/-inf
@@ -181,18 +316,18 @@ class RunLogger(NullLogger):
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        ok = self._ok_keys
+        ok, last, floor = self._ok_keys, self._last_step, self._floor
         try:
             for k, v in metrics.items():
                 if k in ok and type(v) in (float, int) and type(step) is int:  # fast path: a key checked before
-                    if step > self._last_step.get(k, -1):
+                    if step > last.get(k, -1) and step > floor:
                         self._buffer.append(Metric(k, float(v), ts, step))
                     continue
                 checked = keys.check_metric(k, v, step)
                 self._note(checked.problems)
                 if checked.key is not None and not checked.problems and checked.key == k:
                     ok.add(k)
-                if checked.key is not None and int(step) > self._last_step.get(checked.key, -1):
+                if checked.key is not None and int(step) > max(last.get(checked.key, -1), floor):
                     self._buffer.append(Metric(checked.key, checked.value, ts, int(step)))
         except Exception as e:  # noqa: BLE001 - e.g. metrics not a mapping: never fatal
             self._warn(e)
@@ -200,22 +335,22 @@ class RunLogger(NullLogger):
             self._send()
 
     def _send(self) -> None:
-        """Send the buffered metrics (batches of at most ``MAX_METRICS_PER_BATCH``) and new problems."""
+        """Hand the buffered metrics (batches of at most ``MAX_METRICS_PER_BATCH``) and new problems over."""
         from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
         self._last_send = self._clock()
-        self._reap()
         buf, self._buffer = self._buffer, []
         for i in range(0, len(buf), MAX_METRICS_PER_BATCH):
-            self._submit(buf[i:i + MAX_METRICS_PER_BATCH], synchronous=self._synchronous)
+            self._enqueue("batch", buf[i:i + MAX_METRICS_PER_BATCH])
         self._write_problems()
 
-    # ------------------------------------------------------------------ tags and params
+    # ------------------------------------------------------------------ tags, params, inputs
     def set_tags(self, tags: dict[str, str], *, synchronous: bool = True) -> None:
         """Set tags (values converted with ``str``), in batches of at most 100.
 
-        ``synchronous=False`` queues them with MLflow's asynchronous logging (for tags set from
-        inside a training step); :meth:`flush` waits for them.
+        ``synchronous=True`` waits (at most ``wait_s`` without an answer, not at all while the server
+        is known not to answer) until they are delivered, else spills them to the outbox file;
+        ``synchronous=False`` only hands them over (for tags set from inside a training step).
 
         A key MLflow refuses is mapped, a value over ``MAX_TAG_VAL_LENGTH`` (8000 characters) is
         shortened, both noted in ``llmeff.logging.warnings``; every other tag lands unchanged.
@@ -234,14 +369,19 @@ class RunLogger(NullLogger):
         except Exception as e:  # noqa: BLE001
             self._warn(e)
             return
-        self._submit_chunked(list(entries.values()), synchronous=synchronous or self._synchronous)
+        self._enqueue_chunked(list(entries.values()))
         self._write_problems()
+        if synchronous:
+            self.flush(send=False)
 
     def log_params(self, params: dict[str, str]) -> dict[str, tuple[str, str]]:
         """Log params not yet on the run; never re-log one with a new value.
 
         Keys and values are checked like tags (value limit ``MAX_PARAM_VAL_LENGTH``, 6000 characters)
-        and sent in batches of at most 100.
+        and sent in batches of at most 100, waited for as a synchronous :meth:`set_tags`. The params
+        already logged are read first (at most ``wait_s``); when the server does not answer, all are
+        sent, and one logged before with another value is rejected by MLflow and named in
+        ``llmeff.logging.warnings``.
 
         Returns:
             ``{name: (logged value, new value)}`` for params that already had another value (they
@@ -249,8 +389,13 @@ class RunLogger(NullLogger):
         """
         from mlflow.entities import Param
 
+        existing: dict[str, str] = {}
+        if self._down_since is None and not outbox.is_local_id(self.run_id):
+            try:
+                existing = self._read(lambda: self.client.get_run(self.run_id).data.params, "the run's params")
+            except Exception as e:  # noqa: BLE001
+                self._warn(e)
         try:
-            existing = self.client.get_run(self.run_id).data.params
             changed, entries = {}, {}
             secrets = redact.environment_secrets()
             for k, v in params.items():
@@ -267,212 +412,264 @@ class RunLogger(NullLogger):
         except Exception as e:  # noqa: BLE001
             self._warn(e)
             return {}
-        self._submit_chunked(list(entries.values()))
+        self._enqueue_chunked(list(entries.values()))
         self._write_problems()
+        self.flush(send=False)
         return changed
+
+    def log_inputs(self, datasets: list, context: str = "training") -> None:
+        """Log ``mlflow.data`` datasets as the run's inputs (``mlflow.log_input``), delivered in order."""
+        try:
+            self._enqueue("inputs", outbox.dataset_records(datasets, context))
+        except Exception as e:  # noqa: BLE001 - a missing Dataset column must not stop training
+            self._warn(e)
+
+    def queue_report(self) -> None:
+        """Build and log the run's efficiency report once everything handed over before is delivered
+        (:func:`mlflow_llmeff.tracking.outbox.log_report`; by ``llmeff sync`` when it waits in the outbox)."""
+        self._send()  # the buffered points (the summary) first: the report reads them from the server
+        self._enqueue("report", None)
+
+    def log_eval(self, metrics: dict[str, float], note: str) -> None:
+        """Log evaluation ``metrics`` at the run's last ``train/tokens`` step, found when delivered
+        (``llmeff eval --run-id``); :attr:`eval_step` is that step once delivered."""
+        self._enqueue("eval", {"metrics": {k: float(v) for k, v in metrics.items()},
+                               "timestamp": int(time.time() * 1000), "note": note})
 
     def _note_collision(self, kind: str, given, key: str, entries: dict) -> None:
         if key in entries:
             self._note((f"{kind} {given!r} and another {kind} both map to {key!r}; the last one given is kept",))
 
-    def _submit_chunked(self, entries: list, synchronous: bool = True) -> None:
-        """Send tags or params, ``MAX_PARAMS_TAGS_PER_BATCH`` (100) per call."""
+    def _enqueue_chunked(self, entries: list) -> None:
+        """Hand tags or params over, ``MAX_PARAMS_TAGS_PER_BATCH`` (100) per call."""
         from mlflow.utils.validation import MAX_PARAMS_TAGS_PER_BATCH
 
         for i in range(0, len(entries), MAX_PARAMS_TAGS_PER_BATCH):
-            self._submit(entries[i:i + MAX_PARAMS_TAGS_PER_BATCH], synchronous=synchronous)
+            self._enqueue("batch", entries[i:i + MAX_PARAMS_TAGS_PER_BATCH])
 
-    # ------------------------------------------------------------------ sending and recovery
-    def _log_batch(self, entries: list, synchronous: bool):
-        """One ``log_batch`` call carrying ``entries`` (Metric, Param and RunTag mixed)."""
-        from mlflow.entities import Metric, Param
-
-        return self.client.log_batch(
-            self.run_id,
-            metrics=[e for e in entries if isinstance(e, Metric)],
-            params=[e for e in entries if isinstance(e, Param)],
-            tags=[e for e in entries if not isinstance(e, (Metric, Param))],
-            synchronous=synchronous)
-
-    def _submit(self, entries: list, *, synchronous: bool) -> None:
-        """Send ``entries`` in one call; remember an async operation with its entries for :meth:`flush`.
-
-        While the tracking server is down, entries go straight to the outbox (no call, no wait).
-        """
-        if not entries:
+    # ------------------------------------------------------------------ the delivery thread
+    def _enqueue(self, kind: str, data) -> None:
+        if kind == "batch" and not data:
             return
-        if self._down_since is not None:
-            self._hold(None, entries)
-            return
-        try:
-            op = self._log_batch(entries, synchronous)
-        except Exception as e:  # noqa: BLE001
-            # an async call that fails at once (its thread pool is shut down) is retried whole first
-            self._recover(entries, e, resend_whole=not synchronous)
-            return
-        if not synchronous and op is not None:
-            self._pending.append((op, entries))
+        with self._cv:
+            self._seq += 1
+            self._queue.append(_Job(self._seq, kind, data))
+            closing = self._closing
+            if not closing and (self._courier is None or not self._courier.is_alive()):
+                try:
+                    self._courier = threading.Thread(target=self._deliver_all, name="llmeff-delivery", daemon=True)
+                    self._courier.start()
+                except RuntimeError:  # the interpreter is shutting down: the outbox file keeps it
+                    self._courier = None
+        if closing:  # the end was spilled: what comes after it goes straight to the file
+            self._spill()
 
-    def _reap(self) -> None:
-        """Forget async operations that have finished (retrying failed ones), so memory stays bounded.
-
-        Looks at ``RunOperations._operation_futures`` (MLflow 3 internals); without it, operations
-        are kept until :meth:`flush`.
-        """
-        still = []
-        for op, entries in self._pending:
-            futures = getattr(op, "_operation_futures", None)
-            if futures is None or not all(f.done() for f in futures):
-                still.append((op, entries))
-                continue
-            try:
-                op.wait()  # finished: returns or raises at once
-            except Exception:  # noqa: BLE001 - resent whole (then in halves) by the outbox thread
-                self._hold(None, entries)
-        self._pending = still
-
-    def _recover(self, entries: list, error: Exception, *, resend_whole: bool) -> None:
-        """Deliver what can be delivered of a batch that failed with ``error``.
-
-        The batch is sent again synchronously in halves, down to single entries; an entry that
-        fails alone is named in ``llmeff.logging.warnings``. ``resend_whole`` first resends the
-        whole batch (an async failure reaches us wrapped, without MLflow's error code). A failure
-        that does not blame an entry stops the retry: the rest goes to the outbox.
-        """
-        if self._down_since is not None and not _blames_entry(error):
-            self._hold(None, entries)
-            return
-        if resend_whole:
-            queue = deque([entries])
-        elif _blames_entry(error):
-            queue = deque(_halves(entries)) if len(entries) > 1 else deque()
-            if len(entries) == 1:
-                self._note((f"{_describe(entries[0])} rejected by MLflow ({_reason(error)})",))
+    def _enqueue_record(self, rec: dict) -> None:
+        if any(k in rec for k in ("m", "p", "t")):
+            self._enqueue("batch", [outbox._entity(rec)])
         else:
-            self._lost(entries, error)
-            return
-        while queue:
-            part = queue.popleft()
-            try:
-                self._log_batch(part, synchronous=True)
-            except Exception as e:  # noqa: BLE001
-                if not _blames_entry(e):
-                    self._lost([x for p in (part, *queue) for x in p], e)
-                    return
-                if len(part) == 1:
-                    self._note((f"{_describe(part[0])} rejected by MLflow ({_reason(e)})",))
-                else:
-                    queue.extendleft(reversed(_halves(part)))
+            kind = next(iter(rec))
+            self._enqueue(kind, None if kind == "report" else rec[kind])
 
-    def _lost(self, entries: list, error: Exception) -> None:
-        """The store failed without blaming an entry: the server is down; hold ``entries`` in the outbox."""
-        self._warn(error)
-        self._outage = True  # the store is failing: leave the warning tag for the next send
-        self._went_down(error)
-        self._hold(None, entries)
-
-    # ------------------------------------------------------------------ the outbox
-    def _went_down(self, error: Exception) -> None:
-        if self._down_since is None:
-            self._down_since = time.time()
-            self._down_reason = _reason(error)
-            log.warning("mlflow_llmeff: the tracking server is not answering (%s); training goes on, points are "
-                        "held and sent when it answers (outbox: %s)", self._down_reason, self.outbox_dir)
-
-    def _hold(self, op, entries: list) -> None:
-        """Keep ``entries`` (and the async ``op`` that may still deliver them) for the outbox thread."""
-        with self._lock:
-            self._held.append((op, entries))
-            if self._prober is None or not self._prober.is_alive():
-                self._prober = threading.Thread(target=self._probe, name="llmeff-outbox", daemon=True)
-                self._prober.start()
-
-    def _probe(self) -> None:
-        """Outbox thread: deliver held entries in order, backing off 1, 2, 4, 8, 10 s while the server is down."""
+    def _deliver_all(self) -> None:
+        """Delivery thread: deliver jobs in order, backing off 1, 2, 4, 8, 10 s while the server does not answer."""
         delay = 1.0
         while True:
-            with self._lock:
-                if not self._held:
-                    self._prober = None
-                    self._back_up()
+            with self._cv:
+                if not self._queue or self._closing:
+                    self._courier = None
                     return
-                op, entries = self._held[0]
-            if self._deliver(op, entries):
-                with self._lock:
-                    self._held.pop(0)
+                job = self._queue[0]
+            if self._deliver(job):
+                with self._cv:
+                    if self._queue and self._queue[0] is job:
+                        self._queue.pop(0)
+                    self._done = max(self._done, job.seq)
+                    empty = not self._queue
+                    self._cv.notify_all()
+                self._answered(empty)
                 delay = 1.0
                 continue
-            if self._closing:
-                return  # close() spills what is left
-            time.sleep(delay)
+            with self._cv:
+                self._cv.wait(delay)  # woken early only to stop
             delay = min(10.0, delay * 2)
 
-    def _deliver(self, op, entries: list) -> bool:
-        """One delivery attempt: wait for ``op`` if it is still in flight, else send ``entries`` synchronously.
-
-        Returns False when the server did not answer (the entries stay held).
-        """
-        if op is not None:
-            try:
-                op.wait()
-                return True
-            except Exception:  # noqa: BLE001 - failed in flight: send ourselves
-                pass
+    def _deliver(self, job: _Job) -> bool:
+        """One delivery attempt of ``job``; False when the server did not take it (it stays first in line)."""
         try:
-            self._log_batch(entries, synchronous=True)
+            if job.kind == "batch":
+                return self._deliver_batch(job)
+            if job.kind == "create":
+                if outbox.is_local_id(self.run_id):
+                    self._created(outbox.create_run(self._c, job.data, self._local_id))
+            elif outbox.is_local_id(self.run_id):
+                raise RuntimeError(f"run {self.run_id} has no creation record")  # pragma: no cover - never queued so
+            elif job.kind == "attach":
+                outbox.attach_run(self._c, self.run_id, job.data)
+            elif job.kind == "inputs":
+                outbox.log_inputs(self._c, self.run_id, job.data)
+            elif job.kind == "eval":
+                self.eval_step = outbox.log_eval(self._c, self.run_id, job.data)
+            elif job.kind == "report":
+                outbox.log_report(self._c, self.run_id)
+            elif job.kind == "end":
+                self._c.set_terminated(self.run_id, job.data[0], end_time=int(job.data[1]))
             return True
         except Exception as e:  # noqa: BLE001
-            if _blames_entry(e):
-                self._recover(entries, e, resend_whole=False)  # halves; a later outage re-holds the rest
+            if _blames_entry(e):  # refused for what it says, not for an outage: sending it again will not help
+                self._note((f"{job.kind} rejected by MLflow ({_reason(e)})",))
                 return True
             self._warn(e)
             self._went_down(e)
             return False
 
-    def _back_up(self) -> None:
-        """Called with the lock held when the outbox is empty again."""
-        if self._down_since is not None:
-            since = time.strftime("%H:%M:%S", time.gmtime(self._down_since))
-            self._note((f"the tracking server did not answer from {since} UTC ({self._down_reason}) for "
-                        f"{time.time() - self._down_since:.0f} s; every held point was delivered after",))
-            self._down_since = None
+    def _deliver_batch(self, job: _Job) -> bool:
+        try:
+            self._log_batch(job.data)
+            return True
+        except Exception as e:  # noqa: BLE001
+            error = e
+        if not _blames_entry(error):
+            self._warn(error)
+            self._went_down(error)
+            return False
+        rest = self._recover(job.data, error)
+        if rest:
+            job.data = rest  # an outage in the middle: the rest waits
+            return False
+        self._write_problems()
+        return True
 
-    def outbox_path(self) -> str:
+    def _created(self, run_id: str) -> None:
+        """The server created the local run: log into ``run_id`` from now on, and say so."""
+        local = self._local_id
+        self.run_id = run_id
+        outbox.remember_run_id(self.outbox_dir, local, run_id)
+        msg = f"mlflow_llmeff: the tracking server answered: local run {local} is MLflow run {run_id}"
+        log.info(msg)  # printed, not also warned: a terminal would show it twice
+        print(msg, flush=True)
+
+    def _log_batch(self, entries: list):
+        """One ``log_batch`` call carrying ``entries`` (Metric, Param and RunTag mixed)."""
+        from mlflow.entities import Metric, Param
+
+        return self._c.log_batch(
+            self.run_id,
+            metrics=[e for e in entries if isinstance(e, Metric)],
+            params=[e for e in entries if isinstance(e, Param)],
+            tags=[e for e in entries if not isinstance(e, (Metric, Param))],
+            synchronous=True)
+
+    def _recover(self, entries: list, error: Exception) -> list:
+        """Deliver what can be delivered of a batch that MLflow rejected with ``error`` (blaming an entry).
+
+        The batch is sent again in halves, down to single entries; an entry that fails alone is
+        named in ``llmeff.logging.warnings``. Returns the entries not sent because the server
+        stopped answering in the middle (empty when done).
+        """
+        if len(entries) == 1:
+            self._note((f"{_describe(entries[0])} rejected by MLflow ({_reason(error)})",))
+            return []
+        queue = deque(_halves(entries))
+        while queue:
+            part = queue.popleft()
+            if not part:
+                continue
+            try:
+                self._log_batch(part)
+            except Exception as e:  # noqa: BLE001
+                if not _blames_entry(e):
+                    self._warn(e)
+                    self._went_down(e)
+                    return [x for p in (part, *queue) for x in p]
+                if len(part) == 1:
+                    self._note((f"{_describe(part[0])} rejected by MLflow ({_reason(e)})",))
+                else:
+                    queue.extendleft(reversed(_halves(part)))
+        return []
+
+    def _went_down(self, error: Exception, since_mono: float | None = None) -> None:
+        """The server did not answer (``since_mono``: since when, on the monotonic clock; default now)."""
+        if self._down_since is None:
+            ago = time.monotonic() - since_mono if since_mono is not None else 0.0
+            self._down_since, self._down_mono = time.time() - ago, time.monotonic() - ago
+            self._down_reason = _reason(error)
+            if self._outage is None:
+                self._outage = (self._down_since, self._down_reason)
+            log.warning("mlflow_llmeff: the tracking server is not answering (%s); training goes on, points are "
+                        "held and sent when it answers (outbox: %s)", self._down_reason, self.outbox_dir)
+
+    def _answered(self, empty: bool) -> None:
+        """A delivery succeeded: the server answers again; once the queue is empty after an outage, the
+        outage goes into the warning tag."""
+        self._down_since = self._down_mono = None
+        if empty and self._outage is not None:
+            start, reason = self._outage
+            self._outage = None
+            since = time.strftime("%H:%M:%S", time.gmtime(start))
+            self._note((f"the tracking server did not answer from {since} UTC ({reason}) for "
+                        f"{time.time() - start:.0f} s; every held point was delivered after",))
+            self._write_problems()
+
+    # ------------------------------------------------------------------ waiting and the outbox file
+    def held_count(self) -> int:
+        """Entries (metrics, params, tags) not yet confirmed by the tracking server."""
+        with self._cv:
+            return sum(j.entries() for j in self._queue) + len(self._buffer)
+
+    def _wait(self, *, while_down: bool, spill_after: float | None = None) -> bool:
+        """Wait until every job handed over is delivered; True when it is.
+
+        Gives up when a request has waited ``wait_s`` for its answer (the server is then marked
+        down since that request began), at once when the server is known down (unless
+        ``while_down``: then ``wait_s`` after the server stopped answering or after this wait began,
+        whichever is earlier, so one outage costs one wait). After ``spill_after`` seconds the outbox
+        file is written (so a kill during the rest of the wait loses nothing).
+        """
+        start = time.monotonic()
+        spilled = False
+        while True:
+            with self._cv:
+                if self._done >= self._seq:
+                    return True
+                if self._courier is None:  # it could not start (interpreter shutdown) or stopped
+                    return False
+                self._cv.wait(0.05)
+            now = time.monotonic()
+            if spill_after is not None and not spilled and now - start >= spill_after:
+                spilled = bool(self._spill())
+            flight = self._in_flight_since
+            if flight is not None and now - flight >= self._wait_s:
+                self._went_down(delivery.NoAnswer(f"no answer to a request within {self._wait_s:g} s ({WAIT_ENV})"),
+                                since_mono=flight)
+            down = self._down_mono
+            if down is not None and (not while_down or now - min(start, down) >= self._wait_s):
+                return False
+            if self._wait_s <= 0:
+                return False
+
+    def outbox_path(self, run_id: str | None = None) -> str:
         """The file this run's undelivered entries spill to: ``<outbox_dir>/<run_id>.jsonl``."""
-        return os.path.join(self.outbox_dir, f"{self.run_id}.jsonl")
+        return os.path.join(self.outbox_dir, f"{run_id or self.run_id}.jsonl")
 
-    def _spill(self, end: tuple[str, int] | None = None) -> int:
-        """Write every held entry (and ``end`` = (status, end time ms)) to :meth:`outbox_path`, replacing
-        it; remove the file when nothing is held. Returns the entries written."""
-        with self._lock:
-            entries = [e for _, batch in self._held for e in batch]
-        path = self.outbox_path()
-        if not entries and end is None:
+    def _spill(self) -> int:
+        """Write every job not yet delivered to :meth:`outbox_path`, replacing it; remove the file when
+        nothing is left. Returns the entries (metrics, params, tags) written."""
+        with self._cv:
+            jobs = list(self._queue)
+            run_id = self.run_id
+        records = [r for j in jobs for r in j.records()]
+        path = self.outbox_path(run_id)
+        if self._local_id and run_id != self._local_id and os.path.exists(self.outbox_path(self._local_id)):
+            os.remove(self.outbox_path(self._local_id))  # spilled before the run had its id
+        if not records:
             if os.path.exists(path):
                 os.remove(path)
+            self.spilled_to = None
             return 0
-        write_outbox(path, self.run_id, entries, end)
-        return len(entries)
-
-    def _deliver_own_outbox(self) -> None:
-        """On resume: send what an earlier attempt of this run left in the outbox (not its end record)."""
-        path = self.outbox_path()
-        if os.path.exists(path):
-            try:
-                n, _ = deliver_outbox_file(path, self.client, terminate=False)
-                log.info("mlflow_llmeff: delivered %d entries an earlier attempt left in %s", n, path)
-            except Exception as e:  # noqa: BLE001 - kept for llmeff sync
-                self._warn(e)
-
-    def held_count(self) -> int:
-        """Entries waiting in the outbox (not yet confirmed by the tracking server)."""
-        with self._lock:
-            return sum(len(b) for _, b in self._held)
-
-    def _wait_for_outbox(self, deadline: float, *, while_down: bool = False) -> None:
-        """Wait until the outbox is empty or ``deadline``; stop early when the server is down unless ``while_down``."""
-        while self.held_count() and (while_down or self._down_since is None) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        write_outbox(path, run_id, records, local_id=self._local_id)
+        self.spilled_to = path
+        return sum(j.entries() for j in jobs)
 
     # ------------------------------------------------------------------ the warning tag
     def _note(self, problems: tuple[str, ...]) -> None:
@@ -503,193 +700,94 @@ class RunLogger(NullLogger):
         return ""  # pragma: no cover - the note alone always fits
 
     def _write_problems(self) -> None:
-        """Set ``llmeff.logging.warnings`` when a problem was found since it was last set."""
-        if self._outage or self._down_since is not None:  # no second failing call (each may wait out HTTP retries)
-            self._outage = False
-            return
+        """Hand ``llmeff.logging.warnings`` over when a problem was found since it was last set."""
         if not self._problems_dirty:
             return
         from mlflow.entities import RunTag
 
         self._problems_dirty = False
-        try:
-            self._log_batch([RunTag(names.LOGGING_WARNINGS, self.warnings_text())], synchronous=True)
-        except Exception as e:  # noqa: BLE001
-            self._warn(e)
-            self._problems_dirty = self._outage = True  # try again at the send after next
+        self._enqueue("batch", [RunTag(names.LOGGING_WARNINGS, self.warnings_text())])
 
     # ------------------------------------------------------------------ flush and close
-    def flush(self) -> None:
-        """Send the buffer and wait until the tracking server has every entry, or spill them to the outbox.
+    def flush(self, *, send: bool = True) -> bool:
+        """Hand the buffer over and wait until the tracking server has every entry, or spill them.
 
-        Waits at most ``wait_s`` (``LLMEFF_DELIVERY_WAIT_S``, default 30 s), and not at all once the
-        server is known to be down: then every entry not yet confirmed is written to
-        :meth:`outbox_path` (the training loop calls this before every checkpoint, so a checkpoint
-        never outruns its metrics: they are on the server or in the outbox file beside it).
+        Waits at most ``wait_s`` (``LLMEFF_DELIVERY_WAIT_S``, default 30 s) for an unanswered
+        request, and not at all once the server is known not to answer: then every entry not yet
+        confirmed is written to :meth:`outbox_path` (the training loop calls this before every
+        checkpoint, so a checkpoint never outruns its metrics: they are on the server or in the
+        outbox file beside it). Returns True when everything is delivered.
+        """
+        if send:
+            self._send()
+        ok = self._wait(while_down=False)
+        self._spill()
+        return ok
+
+    def close(self, status: str | None = "FINISHED", *, report: bool = False, urgent: bool = False) -> bool:
+        """Deliver everything, then (``report``) the run's efficiency report, then (``status``) the end
+        of the run with this end time; wait at most ``wait_s`` without an answer (also while the
+        server is known not to answer: it may come back).
+
+        When the server does not take everything, nothing is lost: what is left (the end included)
+        is in :meth:`outbox_path`, a line says how to send it (``llmeff sync <outbox dir>``), and
+        False is returned. A ``KeyboardInterrupt`` or ``SystemExit`` (SIGINT, SIGTERM) during the
+        wait stops it: the file is written, the line printed, and the exception goes on. ``urgent``
+        (a signal is ending the process) writes the file before waiting at all.
         """
         self._send()
-        deadline = time.monotonic() + self._wait_s
-        pending, self._pending = self._pending, []
-        for op, entries in pending:
-            if not self._wait_op(op, deadline):
-                self._hold(op, entries)  # still in flight: the outbox thread waits for it
-                continue
-            try:
-                op.wait()
-            except Exception:  # noqa: BLE001 - resent whole, then in halves, by the outbox thread
-                self._hold(None, entries)
-        self._wait_for_outbox(deadline)
-        self._spill()
-        self._write_problems()
-
-    def _wait_op(self, op, deadline: float) -> bool:
-        """Wait for an async operation until ``deadline`` (or until the server is known down); True when done."""
-        futures = getattr(op, "_operation_futures", None)
-        if futures is None:
-            return True  # no way to wait with a timeout: op.wait() blocks
-        for f in futures:
-            while not f.done():
-                if self._down_since is not None or time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.02)
-        return True
-
-    def close(self, status: str = "FINISHED") -> None:
-        """Flush and mark the run terminated with ``status`` once every entry is delivered.
-
-        When the server does not take everything within ``wait_s``, nothing is lost: the entries and
-        the status with this end time are written to :meth:`outbox_path`, and
-        ``llmeff sync <outbox dir>`` (or resuming the run) delivers them and ends the run.
-        """
-        self.flush()
-        if not self.settle(status):
-            return
-        end_ms = int(time.time() * 1000)
+        if report:
+            self.queue_report()
+        if status:
+            self._enqueue("end", (status, int(time.time() * 1000)))
+        if self._closing:  # already spilled at an earlier close: the server is not answering
+            self._spill()
+            return False
         try:
-            self.client.set_terminated(self.run_id, status, end_time=end_ms)
-        except Exception as e:  # noqa: BLE001
-            self.ending_failed(status, end_ms, e)
-
-    def settle(self, status: str) -> bool:
-        """Before ending the run with ``status``: wait up to ``wait_s`` for the outbox to empty (the server
-        may come back). True when everything is delivered (end the run now); otherwise the entries and
-        the ending are written to :meth:`outbox_path`, a line says how to send them, and False."""
-        self._wait_for_outbox(time.monotonic() + self._wait_s, while_down=True)
-        if not self.held_count():
-            self._spill()  # an earlier spill is delivered now: remove its file
-            self._write_problems()  # e.g. the outage note made when the server came back
+            ok = self._wait(while_down=True, spill_after=0.0 if urgent else _SPILL_AFTER_S)
+        except BaseException:
+            self._stop_and_say(status)
+            raise
+        if ok:
+            self._spill()  # removes a file an earlier spill left
             return True
-        self._closing = True
-        n = self._spill(end=(status, int(time.time() * 1000)))
-        msg = (f"mlflow_llmeff: the tracking server did not take {n} entries of run {self.run_id}; they and its "
-               f"end ({status}) are in {self.outbox_path()}: run `llmeff sync {self.outbox_dir}` when it answers")
-        log.warning(msg)
-        print(msg, flush=True)
+        self._stop_and_say(status)
         return False
 
-    def ending_failed(self, status: str, end_ms: int, error: Exception) -> None:
-        """Ending the run failed (the server went away at the last moment): keep the ending in the outbox."""
-        self._warn(error)
-        write_outbox(self.outbox_path(), self.run_id, [], (status, end_ms))
+    def _stop_and_say(self, status: str | None) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        n = self._spill()
+        if not self.spilled_to:
+            return
+        run = (f"local run {self.run_id} (not created on the server yet)" if outbox.is_local_id(self.run_id)
+               else f"run {self.run_id}")
+        if n:
+            left = f"{n} entries of {run}; they and its end ({status}) are" if status else f"{n} entries of {run}; they are"
+        else:
+            left = f"the end ({status}) of {run}; it is" if status else f"all of {run}; the rest is"
+        msg = (f"mlflow_llmeff: the tracking server did not take {left} in {self.spilled_to}: "
+               f"run `llmeff sync {self.outbox_dir}` when it answers")
+        log.info(msg)  # printed, not also warned: a terminal would show it twice
+        print(msg, flush=True)
+
+    def _say_local(self) -> None:
+        why = self._down_reason or "the tracking server has not created this run yet"
+        if not why.startswith("the tracking server"):
+            why = f"the tracking server did not create the run ({why})"
+        msg = (f"mlflow_llmeff: {why}; training goes on as local run {self.run_id}: its creation and every point "
+               f"wait in {self.outbox_dir} and are sent when the server answers, or by `llmeff sync {self.outbox_dir}`")
+        log.info(msg)  # printed, not also warned: a terminal would show it twice
+        print(msg, flush=True)
 
 
-def default_outbox_dir() -> str:
-    """Where undelivered entries spill without a checkpoint folder: ``$LLMEFF_OUTBOX_DIR`` or
-    ``~/.cache/mlflow_llmeff/outbox``."""
-    return os.environ.get("LLMEFF_OUTBOX_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mlflow_llmeff",
-                                                               "outbox")
+def _tracking_uri(client) -> str | None:
+    """The tracking URI ``client`` talks to (MLflow's current one when it does not say)."""
+    import mlflow
 
-
-WAIT_ENV = "LLMEFF_DELIVERY_WAIT_S"
-
-
-def write_outbox(path: str, run_id: str, entries: list, end: tuple[str, int] | None = None) -> None:
-    """Write an outbox file atomically: one JSON object per line (``m``: metric key, value, timestamp
-    ms, step; ``p``/``t``: param/tag key, value; ``end``: status, end time ms), the run id first."""
-    from mlflow.entities import Metric, Param
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"run_id": run_id}) + "\n")
-        for e in entries:
-            if isinstance(e, Metric):
-                rec = {"m": [e.key, e.value, e.timestamp, e.step]}
-            else:
-                rec = {"p" if isinstance(e, Param) else "t": [e.key, e.value]}
-            f.write(json.dumps(rec) + "\n")
-        if end is not None:
-            f.write(json.dumps({"end": list(end)}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> tuple[int, str | None]:
-    """Send an outbox file's entries to its run and, with ``terminate``, end the run with the recorded
-    status and end time; then delete the file.
-
-    Sending again what the server already has is harmless: a metric point is the same
-    (key, value, timestamp, step), which MLflow's SQL stores keep once, and tags and params are set to
-    the same values.
-
-    Returns:
-        ``(entries sent, status set or None)``.
-
-    Raises:
-        ValueError: for a file that is not an outbox file (its first line names no run).
-        mlflow.exceptions.MlflowException: when the server refuses or does not answer (the file stays).
-    """
-    from mlflow.entities import Metric, Param, RunTag
-    from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
-
-    with open(path, encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    if not lines or "run_id" not in lines[0]:
-        raise ValueError(f"{path} is not an mlflow_llmeff outbox file (no run id on its first line)")
-    run_id, metrics, others, end = lines[0]["run_id"], [], [], None
-    for rec in lines[1:]:
-        if "m" in rec:
-            k, v, ts, step = rec["m"]
-            metrics.append(Metric(k, float(v), int(ts), int(step)))
-        elif "p" in rec:
-            others.append(Param(*rec["p"]))
-        elif "t" in rec:
-            others.append(RunTag(*rec["t"]))
-        elif "end" in rec:
-            end = rec["end"]
-    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
-    for i in range(0, len(others), MAX_PARAMS_TAGS_PER_BATCH):
-        part = others[i:i + MAX_PARAMS_TAGS_PER_BATCH]
-        client.log_batch(run_id, params=[e for e in part if isinstance(e, Param)],
-                         tags=[e for e in part if isinstance(e, RunTag)])
-    status = None
-    if terminate and end is not None:
-        status = str(end[0])
-        client.set_terminated(run_id, status, end_time=int(end[1]))
-    os.remove(path)
-    return len(metrics) + len(others), status
-
-
-def deliver_outbox(folder: str, client=None) -> list[tuple[str, int, str | None]]:
-    """Deliver every outbox file (``*.jsonl``) in ``folder``: ``[(run id, entries sent, status set)]``.
-
-    Raises:
-        ValueError: when ``folder`` is not a directory.
-    """
-    from mlflow import MlflowClient
-
-    if not os.path.isdir(folder):
-        raise ValueError(f"outbox folder {folder!r} does not exist (llmeff train spills to <checkpoint_dir>/outbox, "
-                         f"autolog and monitors to {default_outbox_dir()})")
-    client = client or MlflowClient()
-    out = []
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".jsonl"):
-            n, status = deliver_outbox_file(os.path.join(folder, name), client)
-            out.append((name[:-len(".jsonl")], n, status))
-    return out
+    uri = getattr(getattr(client, "_tracking_client", None), "tracking_uri", None)
+    return uri if isinstance(uri, str) else mlflow.get_tracking_uri()
 
 
 def _halves(entries: list) -> list[list]:

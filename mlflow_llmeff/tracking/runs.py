@@ -6,16 +6,29 @@ it has no metrics yet); otherwise a new run
 in ``experiment_name`` (or MLflow's current experiment), named as ``../shared/METRICS.md`` says.
 A run the meter opened or resumed is the meter's to end; an active run the user started stays
 open for the user.
+
+With a tracking server (an ``http(s)`` URI), nothing here waits longer than the delivery wait
+(``LLMEFF_DELIVERY_WAIT_S``, :mod:`mlflow_llmeff.tracking.delivery`): the calls that resume or
+re-open a known run are handed to the logger's delivery thread (``attach`` records), and a new
+run's creation is waited for at most that long; without an answer the run gets a local id and its
+creation waits in the outbox with everything else (:mod:`mlflow_llmeff.tracking.outbox`). A local
+store (sqlite, a folder) is called directly.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from .. import names
 
-__all__ = ["RunHandle", "open_run", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
+__all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
+
+# MLflow error codes that say the request is wrong, not that the server is away: raised, never
+# turned into a local run.
+_REFUSALS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                       "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS"})
 
 
 @dataclass
@@ -23,12 +36,15 @@ class RunHandle:
     """The run a meter logs into.
 
     Attributes:
-        run_id: MLflow run id.
+        run_id: MLflow run id, or a local id (``local-...``) while the server has not created it.
         owned: True when the meter ends the run (it created or resumed it).
         fluent: True when the run is MLflow's active run started by the meter (``mlflow.start_run``).
         resumed: True when an existing run was continued.
         fresh_since_unix: for a launcher's run with nothing logged yet (``mlflow run``), its start
             time (unix seconds): the run's wall time starts there. None otherwise.
+        pending: outbox records the logger delivers before anything else (``create``, ``attach``).
+        unanswered: why the tracking server is known not to answer (it did not at the start), or None.
+        local_id: the local id the run had before the server created it, else None.
     """
 
     run_id: str
@@ -36,6 +52,9 @@ class RunHandle:
     fluent: bool
     resumed: bool
     fresh_since_unix: float | None = None
+    pending: list = field(default_factory=list)
+    unanswered: str | None = None
+    local_id: str | None = None
 
 
 def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str | None = None) -> str:
@@ -63,37 +82,138 @@ def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str |
 
 
 def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str | None = None,
-             unique_name: bool = False) -> RunHandle:
+             unique_name: bool = False, outbox_dir: str | None = None) -> RunHandle:
     """Open (or continue) the run to log into; see the module docstring for the order of choice.
 
     Under ``mlflow run`` a resumed checkpoint's run can differ from the launcher's
     ``MLFLOW_RUN_ID``: the launcher's run then gets ``llmeff.resume.continued_in_run``. With
     ``unique_name`` a new (or fresh launcher's) run gets :func:`unique_run_name` of ``run_name``.
+    A local id (a checkpoint of a run the server had not created) is looked up in ``outbox_dir``
+    (where the training process or ``llmeff sync`` recorded its MLflow id) and on the server.
+
+    Raises:
+        mlflow.exceptions.MlflowException: when a local store fails, or a server refuses the
+            request itself (e.g. permission denied); a server that does not answer never raises.
     """
     import mlflow
 
-    from .logger import ensure_experiment_kind
+    from . import delivery, outbox
 
+    delivery.apply_request_settings()
     env_run = os.environ.get("MLFLOW_RUN_ID") or None
+    wait = delivery.delivery_wait_s() if delivery.is_server(_uri(client)) else None
     if run_id is not None:
-        client.update_run(run_id, status="RUNNING")
-        if env_run and env_run != run_id:
-            client.set_tag(env_run, names.RESUME_CONTINUED_IN, run_id)
-        return RunHandle(run_id, owned=True, fluent=False, resumed=True)
+        local_id = run_id if outbox.is_local_id(run_id) else None
+        if local_id:
+            run_id, unanswered = outbox.known_run_id(outbox_dir, local_id), None
+            if run_id is None:
+                run_id, unanswered = _find_local(client, local_id, wait)
+            if run_id is None:  # still not on the server: its outbox file holds the creation
+                return RunHandle(local_id, owned=True, fluent=False, resumed=True, local_id=local_id,
+                                 unanswered=unanswered,
+                                 pending=[{"create": _create_spec(run_name, experiment_name, unique_name)}])
+        continued = env_run if env_run and env_run != run_id else None
+        return RunHandle(run_id, owned=True, fluent=False, resumed=True, local_id=local_id,
+                         pending=[{"attach": {"continued_from": continued}}])
     active = mlflow.active_run()
     if active is not None:
         return RunHandle(active.info.run_id, owned=False, fluent=False, resumed=False)
     if env_run:
-        client.update_run(env_run, status="RUNNING")
-        run = client.get_run(env_run)
-        fresh = not run.data.metrics
-        if fresh:  # the launcher's fresh run: give it the standard name
-            if unique_name:
-                run_name = unique_run_name(client, run.info.experiment_id, run_name, exclude_run_id=env_run)
-            client.set_tag(env_run, "mlflow.runName", run_name)
-        ensure_experiment_kind(client, run.info.experiment_id)
-        return RunHandle(env_run, owned=True, fluent=False, resumed=True,
-                         fresh_since_unix=run.info.start_time / 1000 if fresh and run.info.start_time else None)
+        try:
+            return _call(lambda: _claim_env_run(client, env_run, run_name, unique_name), wait,
+                         "re-opening the launcher's run")
+        except _Unanswered as e:
+            return RunHandle(env_run, owned=True, fluent=False, resumed=True, unanswered=str(e),
+                             pending=[{"attach": {"run_name": run_name, "unique": unique_name}}])
+    if wait is None:  # a local store: MLflow's own start_run
+        return _start_run(client, run_name, experiment_name, unique_name)
+    spec = _create_spec(run_name, experiment_name, unique_name)
+    try:
+        run = _call(lambda: _create(client, spec), wait, "creating the run")
+    except _Unanswered as e:
+        local_id = outbox.new_local_id()
+        return RunHandle(local_id, owned=True, fluent=False, resumed=False, pending=[{"create": spec}],
+                         unanswered=str(e), local_id=local_id)
+    return RunHandle(run.info.run_id, owned=True, fluent=_activate(run), resumed=False)
+
+
+class _Unanswered(Exception):
+    """The tracking server did not answer (in time, or at all)."""
+
+
+def _call(fn, wait: float | None, what: str):
+    """``fn()`` directly (``wait`` None: a local store) or within ``wait`` seconds; a server that does not
+    answer, or fails without refusing the request itself, raises :class:`_Unanswered`."""
+    from . import delivery
+
+    if wait is None:
+        return fn()
+    try:
+        return delivery.bounded(fn, wait, what)
+    except delivery.NoAnswer as e:
+        raise _Unanswered(str(e)) from None
+    except Exception as e:  # noqa: BLE001
+        if getattr(e, "error_code", None) in _REFUSALS:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise _Unanswered(f"{type(e).__name__}: {first}") from None
+
+
+def _uri(client) -> str:
+    import mlflow
+
+    uri = getattr(getattr(client, "_tracking_client", None), "tracking_uri", None)
+    return uri if isinstance(uri, str) else mlflow.get_tracking_uri()
+
+
+def _claim_env_run(client, env_run: str, run_name: str, unique_name: bool) -> RunHandle:
+    from .logger import ensure_experiment_kind
+
+    client.update_run(env_run, status="RUNNING")
+    run = client.get_run(env_run)
+    fresh = not run.data.metrics
+    if fresh:  # the launcher's fresh run: give it the standard name
+        if unique_name:
+            run_name = unique_run_name(client, run.info.experiment_id, run_name, exclude_run_id=env_run)
+        client.set_tag(env_run, "mlflow.runName", run_name)
+    ensure_experiment_kind(client, run.info.experiment_id)
+    return RunHandle(env_run, owned=True, fluent=False, resumed=True,
+                     fresh_since_unix=run.info.start_time / 1000 if fresh and run.info.start_time else None)
+
+
+def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool) -> dict:
+    """A ``create`` record: the experiment as this process names it, the name, the start time now, and
+    the context tags ``mlflow.start_run`` would set (source, user, git, our condition tags)."""
+    from mlflow.tracking import context
+    from mlflow.tracking import fluent
+
+    try:
+        tags = {k: str(v) for k, v in context.registry.resolve_tags({}).items()}
+    except Exception:  # noqa: BLE001 - context tags are cosmetic
+        tags = {}
+    exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID") or getattr(fluent, "_active_experiment_id", None)
+    return {"experiment_name": experiment_name or (None if exp_id else os.environ.get("MLFLOW_EXPERIMENT_NAME")),
+            "experiment_id": None if experiment_name else exp_id, "run_name": run_name, "unique": unique_name,
+            "start_ms": int(time.time() * 1000), "tags": tags}
+
+
+def _create(client, spec: dict):
+    """Create a new run from a ``create`` spec (the experiment made if named and missing); the Run."""
+    from .logger import ensure_experiment_kind
+    from .outbox import _experiment_id
+
+    exp_id = _experiment_id(client, spec)
+    name = unique_run_name(client, exp_id, spec["run_name"]) if spec["unique"] else spec["run_name"]
+    run = client.create_run(exp_id, start_time=spec["start_ms"], tags=spec["tags"], run_name=name)
+    ensure_experiment_kind(client, exp_id)
+    return run
+
+
+def _start_run(client, run_name: str, experiment_name: str | None, unique_name: bool) -> RunHandle:
+    import mlflow
+
+    from .logger import ensure_experiment_kind
+
     if experiment_name:
         exp = client.get_experiment_by_name(experiment_name)
         exp_id = exp.experiment_id if exp else client.create_experiment(experiment_name)
@@ -108,17 +228,63 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     return RunHandle(run.info.run_id, owned=True, fluent=True, resumed=False)
 
 
+def _find_local(client, local_id: str, wait: float | None) -> tuple[str | None, str | None]:
+    """``(the MLflow run created for local_id or None, why the server did not answer or None)``; the run
+    carries the tag ``llmeff.outbox.local_run_id``."""
+    def find():
+        exp_ids = [e.experiment_id for e in client.search_experiments()]
+        found = client.search_runs(exp_ids, f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=1)
+        return found[0].info.run_id if found else None
+
+    try:
+        return _call(find, wait, "finding the run of a local id"), None
+    except _Unanswered as e:  # the outbox file creates it when the server answers
+        return None, str(e)
+
+
+def _activate(run) -> bool:
+    """Make ``run`` MLflow's active run of this thread without another request (what ``mlflow.start_run``
+    ends with), so the user's ``mlflow.log_*`` calls land in it; False when MLflow has no such stack."""
+    try:
+        from mlflow.tracking import fluent
+
+        fluent._active_run_stack.get().append(fluent.ActiveRun(run))
+        return True
+    except Exception:  # noqa: BLE001 - then it is simply not the active run
+        return False
+
+
+def release(handle: RunHandle) -> None:
+    """Stop ``handle``'s run being MLflow's active run, without a request (its end is the logger's:
+    delivered, or waiting in the outbox), so MLflow's exit hook never ends it again."""
+    if not handle.fluent:
+        return
+    try:
+        from mlflow.tracking import fluent
+
+        stack = fluent._active_run_stack.get()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i].info.run_id == handle.run_id:
+                del stack[i]
+                fluent._last_active_run_id.set(handle.run_id)
+                break
+        monitor = getattr(fluent, "run_id_to_system_metrics_monitor", {}).pop(handle.run_id, None)
+        if monitor is not None:
+            monitor.finish()
+    except Exception:  # noqa: BLE001 - MLflow internals moved: end it the documented way
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == handle.run_id:
+            mlflow.end_run()
+
+
 def end_run(client, handle: RunHandle, status: str) -> None:
-    """End a run the meter owns with ``status`` (and an end time); leaves a user's active run open."""
+    """End a run the meter owns with ``status`` (and an end time) now; leaves a user's active run open."""
     if not handle.owned:
         return
-    import mlflow
-
-    active = mlflow.active_run()
-    if handle.fluent and active is not None and active.info.run_id == handle.run_id:
-        mlflow.end_run(status)
-    else:
-        client.set_terminated(handle.run_id, status)
+    release(handle)
+    client.set_terminated(handle.run_id, status)
 
 
 def error_line(exc: BaseException) -> str:
@@ -145,6 +311,7 @@ def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str
 
         logger = RunLogger(run_id, MlflowClient())
         logger.set_tags({**(tags or {}), names.ERROR: message, "mlflow.note.content": f"Failed: {message}"})
+        logger.close(None)  # delivered, or in the outbox with how to send it
         return True
     except Exception:  # noqa: BLE001 - reporting a failure must not hide it
         return False

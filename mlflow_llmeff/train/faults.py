@@ -15,6 +15,10 @@ leaves a correct record and a resumable checkpoint:
 ``LLMEFF_FAULT_SIGTERM_AT_STEP``  SIGTERM to itself after the step (a scheduler's kill)
 ``LLMEFF_FAULT_OOM_AT_STEP``      ``torch.OutOfMemoryError`` from a forward hook in that step
 ``LLMEFF_FAULT_DATA_AT_STEP``     OSError while fetching that step's first micro-batch
+``LLMEFF_FAULT_HOLD_AT_STEP``     after the step (metrics flushed first), write
+                                  ``$LLMEFF_FAULT_HOLD_FILE.reached`` and wait (at most 300 s)
+                                  until ``$LLMEFF_FAULT_HOLD_FILE`` exists: the test changes the
+                                  world meanwhile (e.g. the tracking server stops answering)
 ================================  ===========================================================
 """
 
@@ -33,7 +37,9 @@ ENV = {
     "sigterm_at_step": "LLMEFF_FAULT_SIGTERM_AT_STEP",
     "oom_at_step": "LLMEFF_FAULT_OOM_AT_STEP",
     "data_at_step": "LLMEFF_FAULT_DATA_AT_STEP",
+    "hold_at_step": "LLMEFF_FAULT_HOLD_AT_STEP",
 }
+HOLD_FILE_ENV = "LLMEFF_FAULT_HOLD_FILE"
 
 
 def fault_step(point: str) -> int:
@@ -49,7 +55,7 @@ def fires(point: str, step: int) -> bool:
 
 
 def maybe_fault(point: str, step: int) -> None:
-    """Fire ``point`` if it is set for ``step``: SIGKILL, an exception, or SIGTERM.
+    """Fire ``point`` if it is set for ``step``: SIGKILL, an exception, SIGTERM, or a hold.
 
     Raises:
         RuntimeError, torch.OutOfMemoryError or OSError: as the table above says.
@@ -68,6 +74,14 @@ def maybe_fault(point: str, step: int) -> None:
         import torch
 
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({ENV[point]}={step}: injected)")
+    if point == "hold_at_step":
+        path = os.environ[HOLD_FILE_ENV]
+        with open(path + ".reached", "w", encoding="utf-8") as f:
+            f.write(str(step))
+        deadline = time.monotonic() + 300
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return
     if point == "data_at_step":
         raise OSError(f"[Errno 5] Input/output error: 'shard-00007.jsonl' ({ENV[point]}={step}: injected)")
 

@@ -159,12 +159,9 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
 def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
     """The training data as the run's MLflow dataset input (rank 0; a failure is a warning, never fatal)."""
     try:
-        import mlflow
+        from .dataset_input import training_dataset
 
-        from .dataset_input import log_training_input, training_dataset
-
-        log_training_input(mlflow.MlflowClient(), monitor.run_id,
-                           training_dataset(cfg.dataset, t.data, cfg.seq_len, cfg.packing))
+        monitor.log_input([training_dataset(cfg.dataset, t.data, cfg.seq_len, cfg.packing)])  # delivered in order
     except Exception as e:  # noqa: BLE001 - a missing Dataset column must not stop training
         import warnings
 
@@ -313,10 +310,11 @@ def _progress(bar, monitor) -> None:
 
 
 def _inject_faults(step: int, monitor) -> None:
-    """The after-step test hooks (train/faults.py); the kill flushes the metrics first, on rank 0."""
-    if faults.fires("kill_at_step", step) and monitor.is_main:
-        monitor.flush()
-        faults.maybe_fault("kill_at_step", step)
+    """The after-step test hooks (train/faults.py); the kill and the hold flush the metrics first, on rank 0."""
+    for point in ("kill_at_step", "hold_at_step"):
+        if faults.fires(point, step) and monitor.is_main:
+            monitor.flush()
+            faults.maybe_fault(point, step)
     faults.maybe_fault("raise_at_step", step)
     faults.maybe_fault("sigterm_at_step", step)
 
@@ -382,12 +380,17 @@ def _print_summary(monitor, summary: dict) -> None:
           + f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s, goodput {summary.get(names.SUM_GOODPUT, 0.0):.2f}")
     if monitor.stability:
         print(f"llmeff: {monitor.stability}")
+    if monitor.spilled_to:  # the server has not taken the run: the outbox line said how to send it
+        return
     try:
         import mlflow
 
+        from ..tracking import delivery
         from ..tracking.runs import run_url_line
 
-        exp_id = mlflow.MlflowClient().get_run(monitor.run_id).info.experiment_id
+        client = mlflow.MlflowClient()
+        exp_id = delivery.bounded(lambda: client.get_run(monitor.run_id).info.experiment_id,
+                                  min(5.0, delivery.delivery_wait_s()), "reading the run's experiment")
         print(f"llmeff: {run_url_line(mlflow.get_tracking_uri(), exp_id, monitor.run_id)}")
     except Exception:  # noqa: BLE001 - a printed link is cosmetic
         pass

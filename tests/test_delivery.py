@@ -1,0 +1,453 @@
+"""A tracking server that accepts connections and never answers: training never waits on it longer
+than the delivery wait, and ``llmeff sync`` delivers the whole run later (mlflow#20575's fault)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import mlflow
+import pytest
+from click.testing import CliRunner
+
+from mlflow_llmeff import names
+from mlflow_llmeff.cli import main
+from mlflow_llmeff.tracking import delivery, outbox
+from mlflow_llmeff.tracking.logger import RunLogger
+
+from conftest import REPO, LoopbackServer, use_store
+from test_train_e2e import env_for
+
+WAIT_S = 5  # LLMEFF_DELIVERY_WAIT_S of the training processes here
+SLACK_S = 30  # the exit bound is WAIT_S + SLACK_S after the last step: a hang detector, not a timing
+TRAIN = ["--log-every-n-steps", "2", "--seq-len", "32", "--micro-batch-size", "2", "--measure-energy", "none",
+         "--warmup-steps", "1"]
+TOKENS_PER_STEP = 2 * 32
+
+
+# ------------------------------------------------------------------ servers that do not answer
+class BlackHole:
+    """A TCP server on 127.0.0.1 that accepts every connection, reads what it is sent, and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.uri = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=_drain, args=(conn,), daemon=True).start()
+
+    def close(self) -> None:
+        for s in [self.sock, *self.conns]:
+            s.close()
+
+
+def _drain(conn: socket.socket) -> None:
+    try:
+        while conn.recv(65536):
+            pass
+    except OSError:
+        pass
+
+
+class HangingProxy(BlackHole):
+    """Forwards to a real server until :meth:`hang`; from then on it reads and never answers, on open
+    connections (responses are dropped) and new ones alike."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.hanging = port, False
+        super().__init__()
+
+    def hang(self) -> None:
+        self.hanging = True
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.hanging:
+                threading.Thread(target=_drain, args=(conn,), daemon=True).start()
+                continue
+            up = socket.create_connection(("127.0.0.1", self.port))
+            self.conns.append(up)
+            for src, dst in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if not self.hanging:
+                    dst.sendall(data)
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def tracking_uri(module_store, monkeypatch):
+    """This module's sqlite store, shared by its tests (creating one costs seconds)."""
+    yield from use_store(module_store, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """One real ``mlflow server`` on loopback for the module (the sync target, and behind the proxy)."""
+    root = tmp_path_factory.mktemp("server")
+    server = LoopbackServer(root)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def on_server(real_server, monkeypatch):
+    """This process talks to the real server (``llmeff sync``, the checks)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", real_server.uri)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(real_server.uri)
+    yield real_server
+    mlflow.set_tracking_uri(None)
+
+
+def hang_env(uri: str, wait_s: float = WAIT_S, **extra) -> dict:
+    return {**env_for(uri), delivery.WAIT_ENV: str(wait_s), **extra}
+
+
+def only_run_of(experiment: str):
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, experiment
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return runs[0]
+
+
+def history(run, key) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, key))
+
+
+def sync(folder) -> str:
+    """``llmeff sync FOLDER``'s own lines (MLflow prints "View run" and "View experiment" lines of its own)."""
+    r = CliRunner().invoke(main, ["sync", str(folder)])
+    assert r.exit_code == 0, r.output
+    return "\n".join(line for line in r.output.splitlines() if line.startswith(("run ", "nothing to send")))
+
+
+def heartbeat(ck) -> dict:
+    return json.loads((ck / "heartbeat.json").read_text())
+
+
+def assert_complete(run, steps: int, status: str = "FINISHED") -> None:
+    """One run, every point once, the summary, the report, the end."""
+    assert run.info.status == status and run.info.end_time
+    assert history(run, names.TRAIN_TOKENS) == [(s, float(TOKENS_PER_STEP * s)) for s in range(2, steps + 1, 2)]
+    assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(2, steps + 1, 2))
+    m = run.data.metrics
+    assert m[names.SUM_STEPS] == steps and m[names.SUM_TOKENS] == TOKENS_PER_STEP * steps and names.SUM_WALL_S in m
+    assert run.data.params["max_steps"] == str(steps)
+    assert run.data.tags[names.PRECISION] == "fp32"
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["python-docs"]
+    artifacts = {f.path for f in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"efficiency_report.json", "efficiency_summary.json"} <= artifacts
+
+
+# ------------------------------------------------------------------ the bounds (fast)
+def test_the_request_bound_follows_mlflows_settings():
+    # 3 attempts x (connect 10 s + read 10 s) + sleep 0 before retry 1, 1 x 2^1 + jitter 1 before retry 2
+    assert delivery.request_bound_s({"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                                     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                                     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "1"}) == 63.0
+    # MLflow's defaults: 8 x 240 s + sleeps (2 x 2^(k-1) capped at 120, + 1) for k = 2..7
+    assert delivery.request_bound_s({"MLFLOW_HTTP_REQUEST_TIMEOUT": "120", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7",
+                                     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
+                                     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "1"}) == 8 * 240 + (4 + 8 + 16 + 32 + 64 + 120) + 6
+
+
+def test_request_settings_are_set_unless_the_user_set_them(monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "42")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", raising=False)
+    got = delivery.apply_request_settings()
+    assert (got["MLFLOW_HTTP_REQUEST_TIMEOUT"], got["MLFLOW_HTTP_REQUEST_MAX_RETRIES"],
+            got["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"]) == ("42", "2", "1")
+
+
+def test_a_bad_delivery_wait_is_one_line(monkeypatch):
+    monkeypatch.setenv(delivery.WAIT_ENV, "soon")
+    with pytest.raises(ValueError, match=r"^LLMEFF_DELIVERY_WAIT_S='soon' is not accepted; give seconds >= 0 \(default 30\)$"):
+        delivery.delivery_wait_s()
+
+
+def test_mlflow_reads_its_request_settings_at_every_request(monkeypatch):
+    # set after import, as apply_request_settings does: the next request uses them
+    hole = BlackHole()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(Exception, match="Read timed out|ReadTimeout"):
+        delivery.bounded(lambda: mlflow.MlflowClient(hole.uri).get_experiment("0"), 60, "a test read")
+    hole.close()
+
+
+class SilentClient:
+    """A client whose every call blocks until released: a server that accepted and never answers."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def __getattr__(self, name):
+        def call(*a, **kw):
+            self.calls += 1
+            self.release.wait()
+            raise ConnectionError("the server hung up")
+
+        return call
+
+
+def test_a_step_never_waits_and_the_end_spills_after_the_wait(tmp_path, capsys):
+    silent = SilentClient()
+    log = RunLogger("f" * 32, silent, send_interval_s=0.0, outbox_dir=str(tmp_path), wait_s=0.3)
+    for step in (1, 2, 3):  # each hands its points to the delivery thread, which is stuck on the first
+        log.log_metrics({"train/tokens": 64.0 * step}, step)
+    assert not log.flush() and silent.calls == 1  # a checkpoint's flush gives up after the wait
+    assert log.flush() is False  # the server is known not to answer now: no wait at all
+    log.set_tags({"llmeff.user.note": "kept"})
+    assert log.close("FINISHED") is False
+    header, records = outbox.read_outbox(str(tmp_path / f"{'f' * 32}.jsonl"))
+    assert header == {"run_id": "f" * 32}
+    assert [r for r in records if "m" in r][0]["m"][:2] == ["train/tokens", 64.0]
+    assert [list(r) for r in records] == [["m"], ["m"], ["m"], ["t"], ["end"]] and records[-1]["end"][0] == "FINISHED"
+    out = capsys.readouterr().out
+    assert f"did not take 4 entries of run {'f' * 32}; they and its end (FINISHED) are in {tmp_path}" in out
+    assert f"run `llmeff sync {tmp_path}` when it answers" in out
+    silent.release.set()
+
+
+def test_a_new_run_on_a_silent_server_is_a_local_run_after_the_wait(monkeypatch):
+    from mlflow_llmeff.tracking.runs import open_run
+
+    hole = BlackHole()
+    monkeypatch.setenv(delivery.WAIT_ENV, "0.5")
+    handle = open_run(mlflow.MlflowClient(hole.uri), run_id=None, run_name="llama-tiny-cpu-1x", experiment_name="e")
+    assert outbox.is_local_id(handle.run_id) and len(handle.run_id) == len("local-") + 32
+    assert (handle.owned, handle.fluent, handle.local_id) == (True, False, handle.run_id)
+    assert handle.unanswered == "the tracking server did not answer creating the run within 0.5 s (LLMEFF_DELIVERY_WAIT_S)"
+    [create] = [r["create"] for r in handle.pending]
+    assert (create["experiment_name"], create["run_name"]) == ("e", "llama-tiny-cpu-1x")
+    hole.close()
+
+
+class DownClient:
+    """Every call fails as a server that went away fails."""
+
+    def __getattr__(self, name):
+        from mlflow.exceptions import MlflowException
+
+        def call(*a, **kw):
+            raise MlflowException("Connection refused", error_code="TEMPORARILY_UNAVAILABLE")
+
+        return call
+
+
+def test_sync_creates_a_local_run_once_with_its_original_start_time(tracking_uri, tmp_path):
+    local = "local-" + "a" * 32
+    spec = {"experiment_name": "late", "experiment_id": None, "run_name": "tiny", "unique": False,
+            "start_ms": 1_700_000_000_000, "tags": {"mlflow.user": "me"}}
+    log = RunLogger(local, DownClient(), first=[{"create": spec}], send_interval_s=0.0, outbox_dir=str(tmp_path),
+                    wait_s=0.2)
+    log.log_metrics({"train/tokens": 64.0}, 1)
+    assert log.close("FINISHED") is False
+    spilled = (tmp_path / f"{local}.jsonl").read_text()
+    assert sync(tmp_path).startswith("run ") and outbox.known_run_id(str(tmp_path), local) is not None
+    run = only_run_of("late")
+    assert (run.info.run_name, run.info.start_time, run.info.status) == ("tiny", 1_700_000_000_000, "FINISHED")
+    assert (run.data.tags[names.OUTBOX_LOCAL_ID], run.data.tags["mlflow.user"]) == (local, "me")
+    (tmp_path / f"{local}.jsonl").write_text(spilled)  # delivered again (e.g. a copy): the same run, not a second
+    (tmp_path / f"{local}.run_id").unlink()  # even without the id file: the tag finds it
+    sync(tmp_path)
+    assert only_run_of("late").info.run_id == run.info.run_id
+    assert history(run, names.TRAIN_TOKENS) == [(1, 64.0)]
+
+
+def test_eval_results_for_a_run_on_a_silent_server_wait_in_the_outbox_then_land_at_its_last_step(
+        tracking_uri, tmp_path, monkeypatch):
+    from mlflow.entities import Metric
+
+    from mlflow_llmeff.evals.api import EvalResult, check_run, log_to_run
+
+    client = mlflow.MlflowClient()  # the store the server will have when it answers again
+    run_id = client.create_run(client.create_experiment("evals-later")).info.run_id
+    client.log_batch(run_id, metrics=[Metric(names.TRAIN_TOKENS, 640.0, 1_000, 10)])
+    hole = BlackHole()
+    monkeypatch.setenv(delivery.WAIT_ENV, "0.5")
+    monkeypatch.setenv("LLMEFF_OUTBOX_DIR", str(tmp_path))
+    mlflow.set_tracking_uri(hole.uri)
+    result = EvalResult(metrics={"hellaswag/acc": 0.25}, examples=[], counts={"hellaswag": 4})
+    assert check_run(run_id) is False  # no answer is not "no such run"
+    assert log_to_run(result, run_id, "llmeff eval: hellaswag", found=False) is None  # waits in the outbox
+    mlflow.set_tracking_uri(tracking_uri)
+    assert sync(tmp_path) == f"run {run_id}: 2 entries sent"  # the metric and llmeff.eval.last
+    assert history(client.get_run(run_id), names.EVAL_HELLASWAG_ACC) == [(10, 0.25)]  # at its last train/tokens step
+    assert client.get_run(run_id).data.tags[names.EVAL_LAST] == "llmeff eval: hellaswag; logged at step 10"
+    hole.close()
+
+
+# ------------------------------------------------------------------ end to end
+class Launch:
+    """A process started in a thread: its output, return code and the unix time it exited."""
+
+    def __init__(self, cmd: list[str], env: dict, cwd, hold=None, proxy: "HangingProxy | None" = None,
+                 ck=None) -> None:
+        self.cmd, self.env, self.cwd, self.hold, self.proxy, self.ck = cmd, env, cwd, hold, proxy, ck
+        self.out, self.rc, self.exited, self.beat = "", None, None, None
+
+    def run(self) -> "Launch":
+        proc = subprocess.Popen(self.cmd, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        if self.hold is not None:  # the server answers until the process reaches its hold, then never
+            reached = f"{self.hold}.reached"
+            deadline = time.monotonic() + 300
+            while not os.path.exists(reached) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.proxy.hang()
+            open(self.hold, "w").close()
+        self.out = proc.communicate(timeout=600)[0]
+        self.rc, self.exited = proc.returncode, time.time()
+        if self.ck is not None:  # the newest logged step and its time, before a next attempt rewrites it
+            self.beat = heartbeat(self.ck)
+        return self
+
+
+def train_cmd(ck, experiment: str, steps: int) -> list[str]:
+    return [sys.executable, "-m", "mlflow_llmeff", "train", *TRAIN, "--max-steps", str(steps), "--checkpoint-dir",
+            str(ck), "--checkpoint-every", "4", "--experiment-name", experiment]
+
+
+@pytest.fixture(scope="module")
+def launches(real_server, tmp_path_factory):
+    """Every process of this module's end-to-end tests, run at once (they are independent; the waits
+    overlap): (a) a run whose server never answers; (d) the same stopped by SIGTERM at step 6, then
+    resumed; (b) ``llmeff train`` and (c) an autolog loop whose server stops answering after step 6.
+    The mid-run cases wait longer (15 s) so that a busy server still creates their run in time."""
+    tmp = tmp_path_factory.mktemp("hang")
+    hole = BlackHole()
+    proxies = {"b": HangingProxy(real_server.port), "c": HangingProxy(real_server.port)}
+    mid = 15
+    jobs = {
+        "a": [Launch(train_cmd(tmp / "a", "hang-a", 8), hang_env(hole.uri), tmp, ck=tmp / "a")],
+        "d": [Launch(train_cmd(tmp / "d", "hang-d", 8), hang_env(hole.uri, LLMEFF_FAULT_SIGTERM_AT_STEP="6"), tmp,
+                     ck=tmp / "d"),
+              Launch(train_cmd(tmp / "d", "hang-d", 8), hang_env(hole.uri), tmp, ck=tmp / "d")],  # resume=auto
+        "b": [Launch(train_cmd(tmp / "b", "hang-b", 12), hang_env(
+            proxies["b"].uri, mid, LLMEFF_FAULT_HOLD_AT_STEP="6", LLMEFF_FAULT_HOLD_FILE=str(tmp / "hold_b")), tmp,
+            hold=tmp / "hold_b", proxy=proxies["b"], ck=tmp / "b")],
+        "c": [Launch([sys.executable, str(REPO / "tests" / "scripts" / "hang_loop.py"), str(tmp / "hold_c")],
+                     {**hang_env(proxies["c"].uri, mid), "PYTHONPATH": str(REPO), "MLFLOW_EXPERIMENT_NAME": "hang-c",
+                      "LLMEFF_OUTBOX_DIR": str(tmp / "c_outbox")}, tmp, hold=tmp / "hold_c", proxy=proxies["c"])],
+    }
+    threads = [threading.Thread(target=lambda chain=chain: [j.run() for j in chain]) for chain in jobs.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    yield {"tmp": tmp, "mid_wait_s": mid, **jobs}
+    hole.close()
+    for p in proxies.values():
+        p.close()
+
+
+def exit_after(launch: Launch, last_step_unix: float, what: str) -> float:
+    seconds = launch.exited - last_step_unix
+    print(f"{what}: exit {seconds:.1f} s after the last step")
+    return seconds
+
+
+@pytest.mark.slow
+def test_a_server_that_never_answers_from_the_start_costs_the_wait_and_syncs_to_one_finished_run(launches, on_server):
+    """(a) every step runs, the process exits within the wait after its last step, `llmeff sync` gives
+    one FINISHED run with every point once (and a second sync changes nothing)."""
+    [a], ck = launches["a"], launches["tmp"] / "a"
+    assert a.rc == 0, a.out[-3000:]
+    assert a.beat["step"] == 8 and exit_after(a, a.beat["unix"], "(a)") < WAIT_S + SLACK_S
+    local = outbox.read_outbox(next(str(p) for p in (ck / "outbox").glob("local-*.jsonl")))[0]["run_id"]
+    assert f"training goes on as local run {local}: its creation and every point wait in {ck / 'outbox'}" in a.out
+    assert (f"of local run {local} (not created on the server yet); they and its end (FINISHED) are in "
+            f"{ck / 'outbox' / local}.jsonl: run `llmeff sync {ck / 'outbox'}` when it answers") in a.out
+    before_sync = time.time() * 1000
+    got = sync(ck / "outbox")
+    run = only_run_of("hang-a")
+    assert got.startswith(f"run {run.info.run_id} (local run {local} until now): ")
+    assert got.endswith(" entries sent, ended FINISHED")
+    assert_complete(run, 8)
+    assert run.data.tags[names.OUTBOX_LOCAL_ID] == local
+    assert run.info.start_time < run.info.end_time < before_sync  # the run's own times, not the sync's
+    assert sync(ck / "outbox") == f"nothing to send in {ck / 'outbox'}"
+    assert history(run, names.TRAIN_TOKENS) == [(s, float(TOKENS_PER_STEP * s)) for s in (2, 4, 6, 8)]
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_server_hangs_ends_within_the_wait_and_the_local_run_resumes(launches, on_server):
+    """(d) SIGTERM at step 6 ends the process within the same bound (KILLED, spilled); the next attempt
+    finds its checkpoint (step 4) and continues the same local run; sync gives one FINISHED run."""
+    first, second = launches["d"]
+    ck = launches["tmp"] / "d"
+    assert first.rc == 143, first.out[-3000:]
+    assert first.beat["step"] == 6 and exit_after(first, first.beat["unix"], "(d) SIGTERM") < WAIT_S + SLACK_S
+    assert "they and its end (KILLED)" in first.out
+    assert second.rc == 0, second.out[-3000:]
+    assert "resuming MLflow run local-" in second.out and "from checkpoint step 4" in second.out
+    assert second.beat["step"] == 8 and exit_after(second, second.beat["unix"], "(d) resumed") < WAIT_S + SLACK_S
+    sync(ck / "outbox")
+    run = only_run_of("hang-d")
+    assert_complete(run, 8)  # steps 5 and 6, replayed, logged once
+    assert (run.data.tags[names.RESUMED_FROM], run.data.tags[names.RESUME_ATTEMPTS]) == ("4", "2")
+
+
+@pytest.mark.slow
+def test_a_server_that_stops_answering_mid_run_gets_the_rest_summary_and_end_at_sync(launches, on_server):
+    """(b) the server answers until step 6, then accepts and never answers: every step runs, the process
+    exits within the wait after its last step, and `llmeff sync` completes the run on the server."""
+    [b], ck = launches["b"], launches["tmp"] / "b"
+    assert b.rc == 0, b.out[-3000:]
+    assert b.beat["step"] == 12 and exit_after(b, b.beat["unix"], "(b)") < launches["mid_wait_s"] + SLACK_S
+    run = only_run_of("hang-b")
+    assert run.info.status == "RUNNING" and names.SUM_WALL_S not in run.data.metrics
+    assert [s for s, _ in history(run, names.TRAIN_TOKENS)] == [2, 4, 6]  # what it took before it hung
+    assert (f"of run {run.info.run_id}; they and its end (FINISHED) are in "
+            f"{ck / 'outbox' / run.info.run_id}.jsonl") in b.out
+    assert sync(ck / "outbox").endswith(" entries sent, ended FINISHED")
+    assert_complete(only_run_of("hang-b"), 12)
+
+
+@pytest.mark.slow
+def test_an_autolog_run_whose_server_stops_answering_ends_within_the_wait_and_syncs(launches, on_server):
+    """(c) the answer-then-hang case for a plain PyTorch loop under autolog()."""
+    [c] = launches["c"]
+    assert c.rc == 0, c.out[-3000:]
+    last = float(next(line.split()[1] for line in c.out.splitlines() if line.startswith("LAST_STEP_UNIX")))
+    assert exit_after(c, last, "(c)") < launches["mid_wait_s"] + SLACK_S
+    run = only_run_of("hang-c")
+    assert run.info.status == "RUNNING" and [s for s, _ in history(run, names.TRAIN_TOKENS)] == [2, 4, 6]
+    assert "they and its end (FINISHED) are in" in c.out and "llmeff sync" in c.out
+    sync(launches["tmp"] / "c_outbox")
+    run = only_run_of("hang-c")
+    assert run.info.status == "FINISHED" and run.info.end_time
+    assert history(run, names.TRAIN_TOKENS) == [(s, 8.0 * s) for s in range(2, 13, 2)]  # every point once
+    assert run.data.metrics[names.SUM_STEPS] == 12.0 and names.SUM_WALL_S in run.data.metrics
+    assert "efficiency_report.json" in {f.path for f in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
