@@ -41,7 +41,7 @@ P90_P50_LIMIT = 1.5
 #: Unstable when stalls take more than this share of the steady step time.
 STALL_SHARE_LIMIT = 0.05
 #: Unstable when the 95% interval's half width is more than this share of the mean throughput.
-CI_HALF_WIDTH_LIMIT = 0.05
+CI_HALF_WIDTH_LIMIT = 0.10
 #: Fewer steady steps than this give no interval and an ``unstable`` verdict (too few to tell).
 MIN_STEPS = 10
 #: Block-bootstrap resamples for the interval.
