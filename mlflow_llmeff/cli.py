@@ -55,7 +55,7 @@ def train_cmd(**kwargs) -> None:
         # unexpected: say why on the run, then show the traceback
         from .tracking.runs import error_line, record_failure
 
-        record_failure(error_line(e), known_conditions(kwargs))
+        record_failure(error_line(e), known_conditions(kwargs), run_name=failed_run_name(kwargs))
         raise
     raise SystemExit(code)
 
@@ -80,6 +80,16 @@ def known_conditions(params: dict) -> dict[str, str]:
     return tags
 
 
+def failed_run_name(params: dict) -> str:
+    """The name of a run that failed before training: the user's ``run_name``, else the standard
+    name's parts from the conditions known (fixed order: nothing more is read from the server)."""
+    from .naming import parts_from_tags, study_name
+
+    if params.get("run_name"):
+        return str(params["run_name"])
+    return study_name(parts_from_tags(known_conditions(params), params.get("eval_tasks"))) or "failed-run"
+
+
 def fail(message: str, params: dict | None = None):
     """Stop with one line. Under ``mlflow run`` the line also goes onto the launcher's run
     (``llmeff.error``, its description, the known conditions) and speaks of ``-P name=value``."""
@@ -89,7 +99,7 @@ def fail(message: str, params: dict | None = None):
         raise click.UsageError(message)
     from .tracking.runs import record_failure
 
-    record_failure(message, known_conditions(params or {}))
+    record_failure(message, known_conditions(params or {}), run_name=failed_run_name(params or {}))
     click.echo(f"Error: {message}", err=True)
     raise SystemExit(2)
 

@@ -334,16 +334,17 @@ class EfficiencyMonitor:
         """Rank 0: open or continue the MLflow run, tag the conditions, account a crashed attempt's tail."""
         import mlflow
 
-        from .tracking.logger import RunLogger, default_run_name
+        from .naming import parts_from_tags, study_name
+        from .tracking.logger import RunLogger
         from .tracking.runs import open_run
 
         client = mlflow.MlflowClient()
-        name = run_name or default_run_name(extra_tags.get(names.MODEL_NAME) or self._model_name(),
-                                            self.accelerator.short, self.world_size, self.strategy, self.precision,
-                                            seq_len=extra_tags.get(names.SEQ_LEN),
-                                            global_batch_tokens=extra_tags.get(names.GLOBAL_BATCH_TOKENS))
+        parts = parts_from_tags({**self._condition_tags(), names.MODEL_NAME: self._model_name(), **extra_tags},
+                                params.get("eval_tasks"))
+        name = run_name or study_name(parts)  # the fixed order, until the experiment's runs are read
         self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
-                             unique_name=run_name is None, outbox_dir=self._outbox_dir)
+                             unique_name=run_name is None, outbox_dir=self._outbox_dir,
+                             name_parts=parts if run_name is None else None)
         if self._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
             self._ledger.start_earlier(self._clock() - max(0.0, time.time() - self._run.fresh_since_unix))
         self._logger = RunLogger(self._run.run_id, client, resume=self._run.resumed, outbox_dir=self._outbox_dir,

@@ -71,6 +71,7 @@ def parts_from_tags(tags: Mapping[str, str], eval_tasks: str | None = None) -> d
             tasks named by its ``llmeff.eval.documents``-era tags are unknown, so none).
     """
     out = {}
+    tags = {k: v for k, v in tags.items() if v not in (None, "", "auto")}  # "auto": not decided yet
     if tags.get(names.MODEL_NAME):
         out["model"] = _model(tags[names.MODEL_NAME])
     if tags.get(names.PAR_STRATEGY):

@@ -207,7 +207,7 @@ def test_compare_writes_table_html_and_plots(experiment, tmp_path):
     assert {row["eval/val_loss [nats/token]"] for row in rows} == {"2.9", "2.8"}  # 3.0 - 0.1 x devices
     html = (out / "report.html").read_text()
     assert html.count("<tr class='run'") == 2 and html.count("data:image/png;base64,") == 5
-    assert "#/experiments/" in html and "/runs/" in html
+    assert "#/experiments/" in html and "/runs/" in html and "?workflowType=machine_learning" in html
 
 
 def test_crashed_run_is_a_marked_row(tracking_uri, tmp_path):

@@ -106,6 +106,7 @@ def test_the_headline_command_on_this_machine_refuses_in_seconds_and_the_failed_
     assert run.data.tags[names.ERROR] == errors[0][len("Error: "):]
     assert run.data.tags["mlflow.note.content"].startswith("Failed: does not fit")
     assert run.data.tags[names.MODEL_NAME] == "llama-7b" and run.data.tags[names.ACCEL_SHORT] == "cpu"
+    assert run.info.run_name == "7b-s128-cpu"  # named like the runs that train: the parts known (auto: not yet)
 
 
 @pytest.mark.slow

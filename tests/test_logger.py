@@ -356,3 +356,16 @@ def test_close_sets_the_status_after_flushing(tracking_uri, status):
     log.log_metrics({"train/loss": 1.0}, 1)
     log.close(status)
     assert (client.get_run(run_id).info.status, steps(client, run_id, "train/loss")) == (status, [1])
+
+
+@pytest.mark.parametrize("logged, given, same", [
+    ("'my run'", "my run", True),  # MLflow Projects logs -P run_name='my run' shell-quoted
+    ("''", "", True), ('""', "", True),
+    ("'val_loss<=1.9,hellaswag/acc_norm>=0.30'", "val_loss<=1.9,hellaswag/acc_norm>=0.30", True),
+    ("llama-tiny", "llama-tiny", True),
+    ("'my run'", "my other run", False), ("it's", "it's", True), ("a b", "a", False),
+])
+def test_params_compare_through_mlflow_projects_shell_quoting(logged, given, same):
+    from mlflow_llmeff.tracking.logger import _same_param
+
+    assert (_same_param(logged) == _same_param(given)) is same

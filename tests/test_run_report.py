@@ -76,9 +76,10 @@ def test_report_failure_is_a_warning_tag_not_an_error(tracking_uri, monkeypatch)
 
 
 @pytest.mark.parametrize("uri, expected", [
-    ("http://127.0.0.1:5000", "view run at http://127.0.0.1:5000/#/experiments/3/runs/abc"),
+    # workflowType=machine_learning: a fresh browser opens the run as a training run, not under GenAI "Evaluations"
+    ("http://127.0.0.1:5000", "view run at http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
     ("sqlite:///m.db", "view run: mlflow ui --backend-store-uri sqlite:///m.db then open "
-                       "http://127.0.0.1:5000/#/experiments/3/runs/abc"),
+                       "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
 ])
 def test_run_link_opens_the_training_runs_view(uri, expected):
     assert run_url_line(uri, "3", "abc") == expected
@@ -94,8 +95,8 @@ def test_training_run_has_a_dataset_input_distinct_names_and_the_run_link(tracki
     second = run_training(TrainConfig(**cfg))
     client = mlflow.MlflowClient()
     r1, r2 = client.get_run(first["run_id"]), client.get_run(second["run_id"])
-    assert r1.info.run_name == "llama-tiny-cpu-1x-single-fp32-s32-gbt64"
-    assert r2.info.run_name == "llama-tiny-cpu-1x-single-fp32-s32-gbt64-2"
+    assert r1.info.run_name == "tiny-single-fp32-gbt64-s32-cpu"
+    assert r2.info.run_name == "tiny-single-fp32-gbt64-s32-cpu-2"  # everything else equal: a repeat index
     (inp,) = r1.inputs.dataset_inputs
     assert inp.dataset.name == "python-docs" and len(inp.dataset.digest) == 16
     assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == "training"
@@ -104,7 +105,7 @@ def test_training_run_has_a_dataset_input_distinct_names_and_the_run_link(tracki
     assert profile["train_tokens"] == profile["train_blocks"] * 32  # packed: no padding
     assert r2.inputs.dataset_inputs[0].dataset.digest == inp.dataset.digest  # same data, same digest
     out = capsys.readouterr().out
-    assert f"/#/experiments/{r1.info.experiment_id}/runs/{first['run_id']}" in out
+    assert f"/#/experiments/{r1.info.experiment_id}/runs/{first['run_id']}?workflowType=machine_learning" in out
     assert r1.data.tags[names.EVAL_BATCH_SIZE] == "2"
     assert "efficiency_report.json" in _artifacts(client, first["run_id"])
 

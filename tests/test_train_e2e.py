@@ -67,7 +67,7 @@ def test_readme_command_gives_one_finished_run_with_every_key(tracking_uri, tmp_
     assert run.data.tags[names.ACCEL_SHORT] == "cpu"
     assert names.SUM_BYTES_PER_PARAM not in run.data.metrics  # CPU: no allocator statistics, never from RSS
     assert run.data.tags[names.PAR_STRATEGY] == "single"
-    assert run.info.run_name == "llama-tiny-cpu-1x-single-fp32-s128-gbt1024"  # 128 x 8 x 1 x 1
+    assert run.info.run_name == "tiny-single-fp32-gbt1k-s128-cpu"  # 128 x 8 x 1 x 1 = 1k tokens a step
     # 50 steps x 8 sequences x 128 packed tokens, no padding
     assert run.data.metrics[names.TRAIN_TOKENS] == 50 * 8 * 128 == run.data.metrics[names.SUM_TOKENS]
     assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(5, 51, 5))
@@ -115,7 +115,7 @@ def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_pat
     for key in (names.TRAIN_LOSS, names.TPUT_TOKENS):
         steps = [s for s, _ in history(run, key)]
         assert len(steps) == len(set(steps))
-    assert run.info.run_name == "llama-tiny-cpu-2x-ddp-fp32-s64-gbt512"  # 64 x 4 x 1 x 2
+    assert run.info.run_name == "tiny-ddp2-fp32-gbt512-s64-cpu"  # 64 x 4 x 1 x 2
     # per rank: the slower rank's forward time over the median's (2 ranks: over their mean), and who it was
     ratio = run.data.metrics[names.SUM_STRAGGLER_RATIO]
     assert 1.0 <= ratio < 2.0

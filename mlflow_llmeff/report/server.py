@@ -30,6 +30,7 @@ import threading
 from collections import OrderedDict
 
 from .. import names
+from ..tracking.runs import ui_experiment_url
 
 __all__ = ["create_app", "register", "FILTER_TAGS"]
 
@@ -142,7 +143,7 @@ def experiments_page():
 
     exps = _store().search_experiments(view_type=ViewType.ACTIVE_ONLY, max_results=1000)
     items = "".join(f"<li><a href='{PREFIX}/experiments/{html.escape(e.experiment_id)}'>{html.escape(e.name)}</a>"
-                    f" &middot; <a href='/#/experiments/{html.escape(e.experiment_id)}/runs'>runs in MLflow</a></li>"
+                    f" &middot; <a href='{html.escape(ui_experiment_url('', e.experiment_id))}'>runs in MLflow</a></li>"
                     for e in exps)
     return _page("llmeff: experiments", f"<h1>Efficiency pages</h1><ul id='experiments'>{items}</ul>")
 
@@ -176,7 +177,7 @@ def _filter_form(exp_id: str, args, runs) -> str:
             + f"<br><label>MLflow filter <input name='filter' value='{e(args.get('filter', ''))}'></label>"
             f"<input type='hidden' name='group_by' value='{e(args.get('group_by', ''))}'>"
             "<button type='submit'>apply</button></form>"
-            f"<p><a href='/#/experiments/{e(exp_id)}/runs'>this experiment's runs in MLflow</a> &middot; "
+            f"<p><a href='{e(ui_experiment_url('', exp_id))}'>this experiment's runs in MLflow</a> &middot; "
             f"<a href='{PREFIX}/'>all efficiency pages</a></p>")
 
 

@@ -816,8 +816,18 @@ def _reason(error: Exception) -> str:
 
 
 def _same_param(value: str) -> str:
-    """Normal form for comparing param values: MLflow Projects logs an empty string as ``''``."""
-    return "" if value in ("''", '""') else value
+    """Normal form for comparing param values: MLflow Projects logs a ``-P`` string value shell-quoted
+    (``shlex.quote``: ``'my run'``, ``''``, ``'val_loss<=1.9'``), the entrypoint gets it unquoted, so
+    a value that is exactly one shell-quoted word compares as that word."""
+    import shlex
+
+    if value in ('""',):
+        return ""
+    try:
+        words = shlex.split(value)
+    except ValueError:  # an unbalanced quote: not shell quoting
+        return value
+    return words[0] if len(words) == 1 and shlex.quote(words[0]) == value else value
 
 
 def default_run_name(model: str, accel_short: str, count: int, strategy: str, precision: str, *,

@@ -151,8 +151,9 @@ def create_run(client, spec: dict, local_id: str) -> str:
     """Create the run of a ``create`` record (or find the one already created for ``local_id``); its id.
 
     ``spec``: ``experiment_id`` or ``experiment_name`` (neither: MLflow's current experiment),
-    ``run_name``, ``unique`` (add ``-2``, ``-3``, ... to a name the experiment has), ``start_ms``
-    (the run's original start time), ``tags``.
+    ``run_name``, ``unique`` (add ``-2``, ``-3``, ... to a name the experiment has; with
+    ``name_parts`` the parts are ordered among the experiment's runs first), ``start_ms`` (the run's
+    original start time), ``tags``.
     """
     from .logger import ensure_experiment_kind
     from .runs import unique_run_name
@@ -163,7 +164,7 @@ def create_run(client, spec: dict, local_id: str) -> str:
         return found[0].info.run_id
     name = spec.get("run_name") or None
     if name and spec.get("unique"):
-        name = unique_run_name(client, exp_id, name)
+        name = unique_run_name(client, exp_id, name, parts=spec.get("name_parts"))
     tags = {**(spec.get("tags") or {}), names.OUTBOX_LOCAL_ID: local_id}
     tags.pop("mlflow.runName", None)  # the name is run_name (MLflow refuses the two when they differ)
     run = client.create_run(exp_id, start_time=spec.get("start_ms"), tags=tags, run_name=name)
@@ -186,7 +187,8 @@ def attach_run(client, run_id: str, spec: dict) -> None:
         if not run.data.metrics:
             name = spec["run_name"]
             if spec.get("unique"):
-                name = unique_run_name(client, run.info.experiment_id, name, exclude_run_id=run_id)
+                name = unique_run_name(client, run.info.experiment_id, name, exclude_run_id=run_id,
+                                       parts=spec.get("name_parts"))
             client.set_tag(run_id, "mlflow.runName", name)
         ensure_experiment_kind(client, run.info.experiment_id)
 

@@ -57,15 +57,39 @@ class RunHandle:
     local_id: str | None = None
 
 
-def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str | None = None) -> str:
+#: Most runs of the experiment read to order a new run's name parts (newest first).
+NAMING_RUNS = 200
+
+
+def study_run_name(client, experiment_id: str, parts: dict, exclude_run_id: str | None = None) -> str:
+    """The name of a new run with name parts ``parts`` (:func:`mlflow_llmeff.naming.parts_from_tags`)
+    among the experiment's runs: the parts that vary most among them first (:func:`naming.study_name`).
+    Without the other runs (a store that fails) the parts keep their fixed order. Never raises."""
+    from .. import naming
+
+    try:
+        others = [naming.parts_from_tags(r.data.tags, r.data.params.get("eval_tasks"))
+                  for r in client.search_runs([experiment_id], "", max_results=NAMING_RUNS,
+                                              order_by=["attributes.start_time DESC"])
+                  if r.info.run_id != exclude_run_id and names.COMPARE_RUN_IDS not in r.data.tags]
+    except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
+        others = []
+    return naming.study_name(parts, [o for o in others if o])
+
+
+def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str | None = None,
+                    parts: dict | None = None) -> str:
     """``name``, or ``name-2``, ``name-3``, ... when runs of the experiment already have it (never raises).
 
     Args:
         client: ``MlflowClient``.
         experiment_id: the experiment the run is in.
-        name: the wanted name.
+        name: the wanted name (used when ``parts`` is None).
         exclude_run_id: a run whose own name does not count (the launcher's run being renamed).
+        parts: name parts: the name is then :func:`study_run_name` among the experiment's runs.
     """
+    if parts:
+        name = study_run_name(client, experiment_id, parts, exclude_run_id)
     try:
         quoted = name.replace("'", "")
         taken = {r.info.run_name for r in client.search_runs(
@@ -82,12 +106,13 @@ def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str |
 
 
 def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str | None = None,
-             unique_name: bool = False, outbox_dir: str | None = None) -> RunHandle:
+             unique_name: bool = False, outbox_dir: str | None = None, name_parts: dict | None = None) -> RunHandle:
     """Open (or continue) the run to log into; see the module docstring for the order of choice.
 
     Under ``mlflow run`` a resumed checkpoint's run can differ from the launcher's
     ``MLFLOW_RUN_ID``: the launcher's run then gets ``llmeff.resume.continued_in_run``. With
-    ``unique_name`` a new (or fresh launcher's) run gets :func:`unique_run_name` of ``run_name``.
+    ``unique_name`` a new (or fresh launcher's) run gets :func:`unique_run_name` of ``run_name``, or
+    with ``name_parts`` (the conditions' short forms) the study-ordered name of :func:`study_run_name`.
     A local id (a checkpoint of a run the server had not created) is looked up in ``outbox_dir``
     (where the training process or ``llmeff sync`` recorded its MLflow id) and on the server.
 
@@ -111,7 +136,7 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
             if run_id is None:  # still not on the server: its outbox file holds the creation
                 return RunHandle(local_id, owned=True, fluent=False, resumed=True, local_id=local_id,
                                  unanswered=unanswered,
-                                 pending=[{"create": _create_spec(run_name, experiment_name, unique_name)}])
+                                 pending=[{"create": _create_spec(run_name, experiment_name, unique_name, name_parts)}])
         continued = env_run if env_run and env_run != run_id else None
         return RunHandle(run_id, owned=True, fluent=False, resumed=True, local_id=local_id,
                          pending=[{"attach": {"continued_from": continued}}])
@@ -120,14 +145,15 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
         return RunHandle(active.info.run_id, owned=False, fluent=False, resumed=False)
     if env_run:
         try:
-            return _call(lambda: _claim_env_run(client, env_run, run_name, unique_name), wait,
+            return _call(lambda: _claim_env_run(client, env_run, run_name, unique_name, name_parts), wait,
                          "re-opening the launcher's run")
         except _Unanswered as e:
             return RunHandle(env_run, owned=True, fluent=False, resumed=True, unanswered=str(e),
-                             pending=[{"attach": {"run_name": run_name, "unique": unique_name}}])
+                             pending=[{"attach": {"run_name": run_name, "unique": unique_name,
+                                                  "name_parts": name_parts}}])
     if wait is None:  # a local store: MLflow's own start_run
-        return _start_run(client, run_name, experiment_name, unique_name)
-    spec = _create_spec(run_name, experiment_name, unique_name)
+        return _start_run(client, run_name, experiment_name, unique_name, name_parts)
+    spec = _create_spec(run_name, experiment_name, unique_name, name_parts)
     try:
         run = _call(lambda: _create(client, spec), wait, "creating the run")
     except _Unanswered as e:
@@ -166,7 +192,7 @@ def _uri(client) -> str:
     return uri if isinstance(uri, str) else mlflow.get_tracking_uri()
 
 
-def _claim_env_run(client, env_run: str, run_name: str, unique_name: bool) -> RunHandle:
+def _claim_env_run(client, env_run: str, run_name: str, unique_name: bool, name_parts: dict | None = None) -> RunHandle:
     from .logger import ensure_experiment_kind
 
     client.update_run(env_run, status="RUNNING")
@@ -174,14 +200,15 @@ def _claim_env_run(client, env_run: str, run_name: str, unique_name: bool) -> Ru
     fresh = not run.data.metrics
     if fresh:  # the launcher's fresh run: give it the standard name
         if unique_name:
-            run_name = unique_run_name(client, run.info.experiment_id, run_name, exclude_run_id=env_run)
+            run_name = unique_run_name(client, run.info.experiment_id, run_name, exclude_run_id=env_run,
+                                       parts=name_parts)
         client.set_tag(env_run, "mlflow.runName", run_name)
     ensure_experiment_kind(client, run.info.experiment_id)
     return RunHandle(env_run, owned=True, fluent=False, resumed=True,
                      fresh_since_unix=run.info.start_time / 1000 if fresh and run.info.start_time else None)
 
 
-def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool) -> dict:
+def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool, name_parts: dict | None = None) -> dict:
     """A ``create`` record: the experiment as this process names it, the name, the start time now, and
     the context tags ``mlflow.start_run`` would set (source, user, git, our condition tags)."""
     from mlflow.tracking import context
@@ -194,7 +221,7 @@ def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool) 
     exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID") or getattr(fluent, "_active_experiment_id", None)
     return {"experiment_name": experiment_name or (None if exp_id else os.environ.get("MLFLOW_EXPERIMENT_NAME")),
             "experiment_id": None if experiment_name else exp_id, "run_name": run_name, "unique": unique_name,
-            "start_ms": int(time.time() * 1000), "tags": tags}
+            "name_parts": name_parts, "start_ms": int(time.time() * 1000), "tags": tags}
 
 
 def _create(client, spec: dict):
@@ -203,13 +230,15 @@ def _create(client, spec: dict):
     from .outbox import _experiment_id
 
     exp_id = _experiment_id(client, spec)
-    name = unique_run_name(client, exp_id, spec["run_name"]) if spec["unique"] else spec["run_name"]
+    name = (unique_run_name(client, exp_id, spec["run_name"], parts=spec.get("name_parts")) if spec["unique"]
+            else spec["run_name"])
     run = client.create_run(exp_id, start_time=spec["start_ms"], tags=spec["tags"], run_name=name)
     ensure_experiment_kind(client, exp_id)
     return run
 
 
-def _start_run(client, run_name: str, experiment_name: str | None, unique_name: bool) -> RunHandle:
+def _start_run(client, run_name: str, experiment_name: str | None, unique_name: bool,
+               name_parts: dict | None = None) -> RunHandle:
     import mlflow
 
     from .logger import ensure_experiment_kind
@@ -222,7 +251,7 @@ def _start_run(client, run_name: str, experiment_name: str | None, unique_name: 
 
         exp_id = _get_experiment_id()
     if unique_name:
-        run_name = unique_run_name(client, exp_id, run_name)
+        run_name = unique_run_name(client, exp_id, run_name, parts=name_parts)
     run = mlflow.start_run(experiment_id=exp_id, run_name=run_name)
     ensure_experiment_kind(client, run.info.experiment_id)
     return RunHandle(run.info.run_id, owned=True, fluent=True, resumed=False)
@@ -295,8 +324,10 @@ def error_line(exc: BaseException) -> str:
     return line[:2000]
 
 
-def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str | None = None) -> bool:
-    """Write why a run failed onto it: ``llmeff.error``, the run's description, and ``tags``.
+def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str | None = None,
+                   run_name: str | None = None) -> bool:
+    """Write why a run failed onto it: ``llmeff.error``, the run's description, ``tags``, and (when
+    given) its name, so a run that failed before training is named like the others.
 
     For the launcher's run under ``mlflow run`` (``MLFLOW_RUN_ID``) when ``run_id`` is None. Never
     raises; returns True when something was written.
@@ -310,20 +341,31 @@ def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str
         from .logger import RunLogger
 
         logger = RunLogger(run_id, MlflowClient())
-        logger.set_tags({**(tags or {}), names.ERROR: message, "mlflow.note.content": f"Failed: {message}"})
+        named = {"mlflow.runName": run_name} if run_name else {}
+        logger.set_tags({**(tags or {}), **named, names.ERROR: message, "mlflow.note.content": f"Failed: {message}"})
         logger.close(None)  # delivered, or in the outbox with how to send it
         return True
     except Exception:  # noqa: BLE001 - reporting a failure must not hide it
         return False
 
 
-def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:
-    """The MLflow 3 UI address of a run in the training-runs view (``#/experiments/<id>/runs/<run id>``).
+#: The query that makes MLflow 3's UI open a page as model training, not GenAI (checked on 3.17.2: a
+#: fresh browser otherwise shows a run under "Evaluations").
+TRAINING_VIEW = "workflowType=machine_learning"
 
-    A bare ``#/experiments/<id>`` opens the GenAI overview in a fresh browser; this address does not.
+
+def ui_run_url(base: str, experiment_id: str, run_id: str) -> str:
+    """The MLflow 3 UI address of a run opened as a training run
+    (``#/experiments/<id>/runs/<run id>?workflowType=machine_learning``).
+
     ``base`` is the server's address (``http://host:port``) or ``""`` for a link relative to the server.
     """
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
+
+
+def ui_experiment_url(base: str, experiment_id: str) -> str:
+    """The MLflow 3 UI address of an experiment's runs opened as model training."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?{TRAINING_VIEW}"
 
 
 def run_url_line(tracking_uri: str, experiment_id: str, run_id: str) -> str:
