@@ -165,6 +165,8 @@ class EfficiencyMonitor:
                     device_hour_usd, usd_per_kwh)
         self._targets = parse_targets(targets, any_metric=True)
         self._ledger = TimeLedger(clock, started_at)
+        # unix time of this attempt's start: MLflow's Duration starts at the run's creation instead
+        self._attempt_start_unix = time.time() - (clock() - started_at if started_at is not None else 0.0)
         self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
         self._clock, self._optimizer, self._model, self._integration = clock, optimizer, model, integration
         self._report = report
@@ -345,8 +347,10 @@ class EfficiencyMonitor:
         self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
                              unique_name=run_name is None, outbox_dir=self._outbox_dir,
                              name_parts=parts if run_name is None else None)
+        self._run_created_unix = None if self._run.resumed and self._run.fresh_since_unix is None else time.time()
         if self._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
             self._ledger.start_earlier(self._clock() - max(0.0, time.time() - self._run.fresh_since_unix))
+            self._run_created_unix = self._attempt_start_unix = self._run.fresh_since_unix
         self._logger = RunLogger(self._run.run_id, client, resume=self._run.resumed, outbox_dir=self._outbox_dir,
                                  first=self._run.pending, unanswered=self._run.unanswered,
                                  local_id=self._run.local_id)
@@ -1096,7 +1100,19 @@ class EfficiencyMonitor:
                 tags[t.not_reached_tag] = "not_reached"
         if note:
             tags[names.AUTOLOG_NOTE] = note
+        tags[names.WALL_VS_DURATION] = self._wall_vs_duration()
         return tags
+
+    def _wall_vs_duration(self) -> str:
+        """Why MLflow's Duration and ``summary/wall_s`` differ (both are shown on the run's page)."""
+        created = getattr(self, "_run_created_unix", None)
+        head = ("summary/wall_s runs from each attempt's start (process start for llmeff train: imports and "
+                "set-up included; all attempts of a resumed run added) to the last summary figure")
+        if created is None:
+            return head + "; this attempt continued a run MLflow created earlier, whose Duration counts from then"
+        before = max(0.0, created - self._attempt_start_unix)
+        return (head + f"; MLflow created the run {before:.1f} s after this attempt started, and its Duration runs "
+                "from then to the run's end, after the end-of-run report was logged")
 
     def _close(self, status: str) -> None:
         """Stop the meters; deliver the points, the report and (if the monitor owns the run) its end with

@@ -254,6 +254,7 @@ OUTBOX_LOCAL_ID = _tag("outbox.local_run_id", "on a run created late from the ou
 COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare --log-to-mlflow): the compared run ids, comma-separated")
 COMPARE_EXPERIMENT = _tag("compare.experiment", "on a comparison run: the compared experiment's name")
 COMPARE_FILTER = _tag("compare.filter", "on a comparison run: the MLflow search filter used ('' = all runs)")
+WALL_VS_DURATION = _tag("wall.vs_duration", "why MLflow's Duration and summary/wall_s differ: where each starts and ends (set-up before the run's creation, the end-of-run report, attempts of a resumed run)")
 STABILITY = _tag("stability", "'stable', or 'unstable: <why>' naming each figure past its threshold (p90/p50 step time, stalls, interval width, too few steps); docs/stability.md")
 STABILITY_METHOD = _tag("stability.method", "the stall and instability thresholds and the interval method behind llmeff.stability and summary/tokens_per_sec_ci95_*")
 CONTENTION = _tag("contention", "what else used the machine during the steady window: 'quiet: ...' or 'contended: ...' with the other processes' share of host CPU (the top ones named), steal, and on CUDA other processes on the run's devices, slowdown reasons, lowest SM clock, temperature, power limit")

@@ -534,3 +534,16 @@ def test_a_launchers_fresh_run_starts_the_wall_time(tracking_uri, monkeypatch):
     s = mon.finish()
     assert 10.0 <= s[names.SUM_BADPUT["init"]] < 70.0
     assert s[names.SUM_WALL_S] >= 10.0 and mon.run_id == run_id
+
+
+def test_the_run_says_why_mlflow_duration_and_wall_s_differ(tracking_uri):
+    clock = Clock()
+    clock.t = 5.0  # the attempt started 5 s before the monitor (imports, model build): wall_s counts them
+    mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=clock, started_at=0.0,
+                            measure_energy="none", measure_peak=False, report=False)
+    clock.t += 1.0
+    mon.step(tokens=10)
+    s = mon.finish()
+    assert s[names.SUM_WALL_S] == 6.0
+    tag = mlflow.MlflowClient().get_run(mon.run_id).data.tags[names.WALL_VS_DURATION]
+    assert "MLflow created the run 5.0 s after this attempt started" in tag and "summary/wall_s runs from" in tag

@@ -306,3 +306,17 @@ def test_saved_model_is_the_trained_weights_and_llmeff_eval_scores_it(tracking_u
                                     "--data-dir", eval_fixture_dir()])
     assert res.exit_code == 0, res.output
     assert "3 documents" in res.output
+
+
+@pytest.mark.slow
+def test_a_fresh_mlflow_run_with_quoted_string_params_has_no_changed_params(tracking_uri, tmp_path):
+    # MLflow Projects logs -P string values shell-quoted ('my run'); the entrypoint gets them unquoted
+    r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO), "--env-manager", "local",
+                        "-P", "run_name=my run", "-P", "targets=val_loss<=99", "-P", "max_steps=6",
+                        "-P", "log_every_n_steps=3", "-P", "eval_every=3", "-P", "val_blocks=2"],
+                       cwd=tmp_path, env=env_for(tracking_uri), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = only_run()
+    assert run.data.params["run_name"] == "'my run'" and run.info.run_name == "my run"
+    assert names.RESUME_CHANGED not in run.data.tags, run.data.tags.get(names.RESUME_CHANGED)
+    assert run.data.tags[names.TTQ_TAG_PREFIX + "val_loss_le_99"].startswith("reached_at_step_")
