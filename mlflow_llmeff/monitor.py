@@ -165,8 +165,8 @@ class EfficiencyMonitor:
                     device_hour_usd, usd_per_kwh)
         self._targets = parse_targets(targets, any_metric=True)
         self._ledger = TimeLedger(clock, started_at)
-        # unix time of this attempt's start: MLflow's Duration starts at the run's creation instead
-        self._attempt_start_unix = time.time() - (clock() - started_at if started_at is not None else 0.0)
+        # this attempt's start on the meter's clock: MLflow's Duration starts at the run's creation instead
+        self._attempt_start = clock() if started_at is None else float(started_at)
         self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
         self._clock, self._optimizer, self._model, self._integration = clock, optimizer, model, integration
         self._report = report
@@ -347,10 +347,12 @@ class EfficiencyMonitor:
         self._run = open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
                              unique_name=run_name is None, outbox_dir=self._outbox_dir,
                              name_parts=parts if run_name is None else None)
-        self._run_created_unix = None if self._run.resumed and self._run.fresh_since_unix is None else time.time()
+        # seconds from this attempt's start to the run's creation (None: a run created by an earlier attempt)
+        self._created_after_s = None if self._run.resumed and self._run.fresh_since_unix is None else \
+            self._clock() - self._attempt_start
         if self._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
             self._ledger.start_earlier(self._clock() - max(0.0, time.time() - self._run.fresh_since_unix))
-            self._run_created_unix = self._attempt_start_unix = self._run.fresh_since_unix
+            self._created_after_s = 0.0  # the launcher created it; the wall time starts there too
         self._logger = RunLogger(self._run.run_id, client, resume=self._run.resumed, outbox_dir=self._outbox_dir,
                                  first=self._run.pending, unanswered=self._run.unanswered,
                                  local_id=self._run.local_id)
@@ -1105,12 +1107,12 @@ class EfficiencyMonitor:
 
     def _wall_vs_duration(self) -> str:
         """Why MLflow's Duration and ``summary/wall_s`` differ (both are shown on the run's page)."""
-        created = getattr(self, "_run_created_unix", None)
+        before = getattr(self, "_created_after_s", None)
         head = ("summary/wall_s runs from each attempt's start (process start for llmeff train: imports and "
                 "set-up included; all attempts of a resumed run added) to the last summary figure")
-        if created is None:
+        if before is None:
             return head + "; this attempt continued a run MLflow created earlier, whose Duration counts from then"
-        before = max(0.0, created - self._attempt_start_unix)
+        before = max(0.0, before)
         return (head + f"; MLflow created the run {before:.1f} s after this attempt started, and its Duration runs "
                 "from then to the run's end, after the end-of-run report was logged")
 
