@@ -326,9 +326,12 @@ def prices_cmd() -> None:
 @click.option("--run-id", default=None,
               help="Log into this run (e.g. the training run whose --save-model this is), at its last step, "
                    "so comparisons show this evaluation; tag llmeff.eval.last says what was scored.")
+@click.option("--subject-metrics/--no-subject-metrics", default=False, show_default=True,
+              help="Also log the 57 per-subject MMLU scores as metrics; by default they are one table artifact "
+                   "(eval/mmlu_subjects/...) beside the aggregate eval/mmlu/acc.")
 def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot: int, limit: int | None,
              subset_seed: int | None, data_dir: str | None, batch_size: int, device: str | None,
-             output_json: str | None, run_id: str | None) -> None:
+             output_json: str | None, run_id: str | None, subject_metrics: bool) -> None:
     """Score MMLU / HellaSwag with lm-evaluation-harness 0.4.x definitions; log to the active MLflow run, if any."""
     import json
 
@@ -377,12 +380,12 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
     if run_id:
         note = f"llmeff eval: {tasks}, documents {eval_documents(limit, subset_seed)}, {num_fewshot}-shot"
         try:
-            step = log_to_run(result, run_id, note, found=found)
+            step = log_to_run(result, run_id, note, found=found, subject_metrics=subject_metrics)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
         if step is not None:
             click.echo(f"logged to run {run_id} at step {step} (its last train/tokens step)")
-    elif log_to_mlflow(result):
+    elif log_to_mlflow(result, subject_metrics=subject_metrics):
         click.echo("logged to the active MLflow run")
     else:
         click.echo("not logged to MLflow: no active run (--run-id ID logs into a run; under `mlflow run . -e eval` "

@@ -139,6 +139,8 @@ class EfficiencyMonitor:
         report: log ``efficiency_report.json`` and figures at the end.
         contention_meter: a :class:`~mlflow_llmeff.contention_meter.ContentionMeter` to use
             instead of one reading this machine (tests pass one over the fake NVML).
+        eval_subject_metrics: also log per-subject MMLU scores as metrics (``eval/mmlu_<subject>/acc``);
+            by default they are one table artifact per eval (``eval/mmlu_subjects/step_<step>.json``).
 
     Raises:
         ValueError: for a bad argument (the message names it and what is accepted).
@@ -157,7 +159,7 @@ class EfficiencyMonitor:
                  resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
-                 report: bool = True, contention_meter=None) -> None:
+                 report: bool = True, contention_meter=None, eval_subject_metrics: bool = False) -> None:
         from .evals.targets import parse_targets
 
         self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
@@ -170,6 +172,7 @@ class EfficiencyMonitor:
         self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
         self._clock, self._optimizer, self._model, self._integration = clock, optimizer, model, integration
         self._report = report
+        self._subject_metrics = bool(eval_subject_metrics)
         self._broken = self._finished = False
         self._summary: dict[str, float] = {}
         self._lr: float | None = None
@@ -861,7 +864,13 @@ class EfficiencyMonitor:
             if "val_loss" in clean and "val_perplexity" not in clean:  # one definition on every path
                 clean["val_perplexity"] = math.exp(min(clean["val_loss"], 700.0))
             if self.is_main:
-                self._logger.log_metrics({f"eval/{k}": v for k, v in clean.items()}, step)
+                from .evals.api import SUBJECT_TABLE, split_subjects
+
+                shown, table = split_subjects(clean)
+                if table is not None:  # one table per eval; per-subject metrics only when asked
+                    self._logger.log_table(table, SUBJECT_TABLE.format(step=step))
+                self._logger.log_metrics({f"eval/{k}": v for k, v in (clean if self._subject_metrics else shown).items()},
+                                         step)
             newly = [t for t in self._targets if t.key not in self._reached and t.reached(clean.get(t.metric))]
             if newly:
                 self._log_ttq(newly, step)

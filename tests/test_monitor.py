@@ -547,3 +547,25 @@ def test_the_run_says_why_mlflow_duration_and_wall_s_differ(tracking_uri):
     assert s[names.SUM_WALL_S] == 6.0
     tag = mlflow.MlflowClient().get_run(mon.run_id).data.tags[names.WALL_VS_DURATION]
     assert "MLflow created the run 5.0 s after this attempt started" in tag and "summary/wall_s runs from" in tag
+
+
+@pytest.mark.parametrize("subject_metrics", [False, True])
+def test_per_subject_mmlu_scores_are_one_table_per_eval_and_metrics_only_when_asked(tracking_uri, subject_metrics):
+    import json
+
+    clock = Clock()
+    mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=0, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False, eval_subject_metrics=subject_metrics)
+    for _ in range(5):
+        clock.t += 1.0
+        mon.step(tokens=10)
+    mon.log_eval({"mmlu/acc": 0.3, "mmlu_anatomy/acc": 0.2, "mmlu_virology/acc": 0.4, "hellaswag/acc_norm": 0.26})
+    mon.finish()
+    client = mlflow.MlflowClient()
+    keys = set(client.get_run(mon.run_id).data.metrics)
+    subjects = {k for k in keys if k.startswith("eval/mmlu_")}
+    assert {names.EVAL_MMLU_ACC, names.EVAL_HELLASWAG_ACC_NORM} <= keys
+    assert subjects == ({"eval/mmlu_anatomy/acc", "eval/mmlu_virology/acc"} if subject_metrics else set())
+    path = client.download_artifacts(mon.run_id, "eval/mmlu_subjects/step_0000005.json")
+    table = json.load(open(path))
+    assert table["columns"] == ["subject", "acc"] and table["data"] == [["anatomy", 0.2], ["virology", 0.4]]

@@ -277,6 +277,29 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
     return EvalResult(metrics, examples, counts, config, seconds)
 
 
+#: Where a run keeps each eval's per-subject MMLU scores (``{step}``: the eval's MLflow step).
+SUBJECT_TABLE = "eval/mmlu_subjects/step_{step:07d}.json"
+
+
+def split_subjects(metrics: dict[str, float], prefix: str = "") -> tuple[dict[str, float], dict[str, list] | None]:
+    """``(the metrics without per-subject MMLU scores, their table or None)``.
+
+    57 per-subject metrics made 57 one-chart sections in MLflow's UI ahead of everything else; a
+    run logs them as one table artifact per eval (:data:`SUBJECT_TABLE`, columns ``subject``,
+    ``acc``) and the aggregate ``mmlu/acc`` as a metric.
+
+    Args:
+        metrics: by key, e.g. ``mmlu_anatomy/acc`` (after ``prefix``, e.g. ``eval/``).
+        prefix: what precedes ``mmlu_`` in the keys.
+    """
+    head, tail = prefix + "mmlu_", "/acc"
+    subjects = sorted(k for k in metrics if k.startswith(head) and k.endswith(tail))
+    rest = {k: v for k, v in metrics.items() if k not in subjects}
+    if not subjects:
+        return rest, None
+    return rest, {"subject": [k[len(head):-len(tail)] for k in subjects], "acc": [float(metrics[k]) for k in subjects]}
+
+
 def mlflow_metrics(result: EvalResult) -> dict[str, float]:
     """MLflow keys of a result: ``eval/mmlu/acc`` etc. (names.py), ``eval/mmlu_<subject>/acc``."""
     return {_STANDARD_KEYS.get(k, f"eval/{k}"): v for k, v in result.metrics.items()}
@@ -311,7 +334,8 @@ def check_run(run_id: str) -> bool:
                          f"({type(e).__name__})") from None
 
 
-def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None = None) -> int | None:
+def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None = None,
+               subject_metrics: bool = False) -> int | None:
     """Log a finished run's evaluation (``llmeff eval --run-id``) as its last eval points.
 
     The metrics go in at the run's last ``train/tokens`` step (0 without one), so MLflow's latest
@@ -320,7 +344,8 @@ def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None
     delivery thread, waiting at most the delivery wait without an answer; when the server does not
     take them, they wait in the outbox (a line says how to send them: ``llmeff sync``).
 
-    ``found``: what :func:`check_run` said already (None: it is called here).
+    ``found``: what :func:`check_run` said already (None: it is called here). Per-subject MMLU
+    scores are the table ``eval/mmlu_subjects/llmeff_eval.json``, and metrics too with ``subject_metrics``.
 
     Returns:
         The step, or None when the results wait in the outbox.
@@ -332,23 +357,35 @@ def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None
 
     found = check_run(run_id) if found is None else found
     logger = RunLogger(run_id, unanswered=None if found else "it did not answer when the run was looked up")
-    logger.log_eval(mlflow_metrics(result), note)
+    metrics, table = split_subjects(mlflow_metrics(result), "eval/")
+    if table is not None:
+        logger.log_table(table, "eval/mmlu_subjects/llmeff_eval.json")
+    logger.log_eval(mlflow_metrics(result) if subject_metrics else metrics, note)
     return logger.eval_step if logger.close(None) else None
 
 
-def log_to_mlflow(result: EvalResult, step: int | None = None) -> bool:
-    """Log the metrics to the active MLflow run (or ``$MLFLOW_RUN_ID``); False when there is none."""
+def log_to_mlflow(result: EvalResult, step: int | None = None, *, subject_metrics: bool = False) -> bool:
+    """Log the metrics to the active MLflow run (or ``$MLFLOW_RUN_ID``); False when there is none.
+
+    Per-subject MMLU scores are one table artifact (``eval/mmlu_subjects/llmeff_eval.json``), and
+    metrics too with ``subject_metrics``.
+    """
     import os
 
     import mlflow
 
-    run = mlflow.active_run()
-    if run is not None:
-        mlflow.log_metrics(mlflow_metrics(result), step=step)
+    def log() -> None:
+        metrics, table = split_subjects(mlflow_metrics(result), "eval/")
+        mlflow.log_metrics(mlflow_metrics(result) if subject_metrics else metrics, step=step)
+        if table is not None:
+            mlflow.log_table(data=table, artifact_file="eval/mmlu_subjects/llmeff_eval.json")
+
+    if mlflow.active_run() is not None:
+        log()
         return True
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if run_id:
         with mlflow.start_run(run_id=run_id):
-            mlflow.log_metrics(mlflow_metrics(result), step=step)
+            log()
         return True
     return False

@@ -60,6 +60,9 @@ class NullLogger:
     def set_tags(self, tags: dict[str, str], *, synchronous: bool = True) -> None:  # noqa: D102
         pass
 
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None:  # noqa: D102
+        pass
+
     def log_params(self, params: dict[str, str]) -> dict[str, tuple[str, str]]:  # noqa: D102
         return {}
 
@@ -430,6 +433,14 @@ class RunLogger(NullLogger):
         self._send()  # the buffered points (the summary) first: the report reads them from the server
         self._enqueue("report", None)
 
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
+        """Log ``data`` (column -> values, equal lengths) as an MLflow table artifact (``log_table``:
+        the artifact viewer shows it as a table), delivered in order like every call."""
+        try:
+            self._enqueue("table", {"data": {k: list(v) for k, v in data.items()}, "artifact_file": artifact_file})
+        except Exception as e:  # noqa: BLE001 - a table must not stop training
+            self._warn(e)
+
     def log_eval(self, metrics: dict[str, float], note: str) -> None:
         """Log evaluation ``metrics`` at the run's last ``train/tokens`` step, found when delivered
         (``llmeff eval --run-id``); :attr:`eval_step` is that step once delivered."""
@@ -510,6 +521,8 @@ class RunLogger(NullLogger):
                 outbox.log_inputs(self._c, self.run_id, job.data)
             elif job.kind == "eval":
                 self.eval_step = outbox.log_eval(self._c, self.run_id, job.data)
+            elif job.kind == "table":
+                outbox.log_table(self._c, self.run_id, job.data)
             elif job.kind == "report":
                 outbox.log_report(self._c, self.run_id)
             elif job.kind == "end":

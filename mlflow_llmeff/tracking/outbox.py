@@ -12,6 +12,8 @@ order the run made them:
   metric points, params, tags;
 * ``{"inputs": [...]}``: the run's dataset inputs (MLflow ``Dataset`` fields and the context);
 * ``{"eval": {...}}``: ``llmeff eval --run-id`` results, logged at the run's last ``train/tokens`` step;
+* ``{"table": {"data": {...}, "artifact_file": ...}}``: a table artifact (``MlflowClient.log_table``),
+  e.g. the per-subject MMLU scores of an eval;
 * ``{"report": true}``: the end-of-run efficiency report (``efficiency_report.json``, the summary
   table, the figures), built from the run as the server holds it once everything before it is
   delivered (:func:`mlflow_llmeff.tracking.run_report.log_run_report`);
@@ -35,7 +37,7 @@ from typing import NamedTuple
 from .. import names
 
 __all__ = ["LOCAL_PREFIX", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
-           "entity_records", "write_outbox", "read_outbox", "create_run", "attach_run", "log_inputs", "log_eval",
+           "entity_records", "write_outbox", "read_outbox", "create_run", "attach_run", "log_inputs", "log_eval", "log_table",
            "log_report", "deliver_outbox_file", "deliver_outbox", "Delivered"]
 
 log = logging.getLogger(__name__)
@@ -226,6 +228,11 @@ def log_eval(client, run_id: str, spec: dict) -> int:
     return step
 
 
+def log_table(client, run_id: str, spec: dict) -> None:
+    """Log a ``table`` record (``data``: column -> values; ``artifact_file``) as the run's table artifact."""
+    client.log_table(run_id, data=spec["data"], artifact_file=spec["artifact_file"])
+
+
 def log_report(client, run_id: str) -> None:
     """The efficiency report of a run whose points are delivered; a failure becomes ``llmeff.report.warning``."""
     from .run_report import log_run_report
@@ -297,6 +304,8 @@ def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> Deliver
         elif "eval" in rec:
             log_eval(client, run_id, rec["eval"])
             sent += len(rec["eval"]["metrics"]) + 1
+        elif "table" in rec:
+            log_table(client, run_id, rec["table"])
         elif "report" in rec and terminate:
             log_report(client, run_id)
         elif "end" in rec and terminate:
