@@ -128,7 +128,7 @@ def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, 
     import json
 
     from mlflow_llmeff.flops import FORMULA_TAGS, flops_summary
-    from mlflow_llmeff.train.models import load_config
+    from mlflow_llmeff.presets import load_config
 
     try:
         s = flops_summary(load_config(model), seq_len, micro_batch_size, grad_accum, num_processes)

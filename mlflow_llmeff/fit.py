@@ -203,7 +203,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
         cpu: the processes share host memory (and cannot shard).
         bf16_ok: bf16 is possible there (offered as a cheaper configuration).
     """
-    from .train.models import PRESETS, load_config
+    from .presets import PRESETS, load_config
 
     config = load_config(cfg.model)
     est = _estimate(config, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision, strategy=strategy,

@@ -179,7 +179,7 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, cli
         client: an ``MlflowClient`` for predictions from history (None: no prediction).
         device_hour_usd: price per device-hour (None: no cost prediction).
     """
-    from .train.models import load_config
+    from .presets import load_config
 
     config = load_config(cfg.model)
     dp = cfg.num_processes
@@ -241,7 +241,7 @@ def models_table(seq_len: int = 2048) -> list[dict]:
     ``train_memory_gib``: one device, bf16 mixed precision, AdamW (16 B/param of model state),
     activations of one sequence of ``min(seq_len, positions)`` tokens (:func:`estimate_memory`).
     """
-    from .train.models import PRESETS, load_config, max_positions
+    from .presets import PRESETS, load_config, max_positions
 
     rows = []
     for name, (_, _, source) in PRESETS.items():
