@@ -126,8 +126,16 @@ class Verdict:
 
 
 def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt) -> float:
+    from .parallel import get
+
+    try:  # tensor / shard degrees of the strategy over these devices (None: all data-parallel)
+        degrees = get(strategy).degrees(devices * cfg.num_machines, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
+                                        processes_per_node=devices)
+    except ValueError:
+        degrees = None
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, strategy=strategy,
-                          dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager")
+                          dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager",
+                          degrees=degrees)
     return mem.total(ckpt)
 
 
