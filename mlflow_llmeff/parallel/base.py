@@ -138,6 +138,9 @@ class Strategy:
         """The module benchmark evals run on, on every rank with the same documents."""
         return accelerator.unwrap_model(model)
 
+    def after_eval(self, model) -> None:
+        """Undo what evaluation left behind (default: nothing)."""
+
 
 class MeshStrategy(Strategy):
     """FSDP2 / HSDP / tensor / 2-D parallelism with torch's own APIs on a device mesh.
@@ -168,6 +171,11 @@ class MeshStrategy(Strategy):
         return Layout(degrees, dp_rank=accelerator.process_index // degrees.model_parallel, mesh=mesh)
 
     def parallelize(self, model, layout: Layout, cfg, precision: str, device):
+        import logging
+
+        # torch advises at every gradient-norm reduction over a 2-D mesh that one flattened all-reduce
+        # would beat two; a performance note about clip_grad_norm_, not about the run
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         model = model.to(device)
         if self.tp_dim is not None:
             model = self.apply_tp(model, layout.mesh[self.tp_dim])
@@ -214,6 +222,15 @@ class MeshStrategy(Strategy):
 
     def eval_model(self, accelerator, model):
         return model  # sharded: every rank runs every forward, as in training
+
+    def after_eval(self, model) -> None:
+        """Reshard every FSDP module: a forward without a backward leaves the parameters of modules
+        that keep them between forward and backward (the root) gathered."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def _inner(optimizer):

@@ -57,6 +57,11 @@ class ZeRO(Strategy):
                                         "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world})
         if self.stage == 3:  # save_pretrained needs the whole weights on the main process
             plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        import warnings
+
+        # DeepSpeed 0.19 calls the collectives torch 2.13 renamed (*_single) at every step
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
         kwargs = {"deepspeed_plugin": plugin, "cpu": False}
         if not cuda:
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
@@ -72,6 +77,11 @@ class ZeRO(Strategy):
     def eval_model(self, accelerator, model):
         # ZeRO-3 gathers each layer's weights in its forward on every rank; the engine's module runs it
         return model.module if self.stage == 3 else accelerator.unwrap_model(model)
+
+    def after_eval(self, model) -> None:
+        """ZeRO-3: release the parameters the eval forwards gathered (``empty_partition_cache``)."""
+        if self.stage == 3 and hasattr(model, "empty_partition_cache"):
+            model.empty_partition_cache()
 
 
 @contextlib.contextmanager

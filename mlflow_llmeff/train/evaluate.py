@@ -62,6 +62,14 @@ def evaluate(cfg, t) -> dict[str, float]:
         vl = validation_loss(t.accelerator, t.model, t.data.val, cfg.micro_batch_size, t.dp_world, t.dp_rank,
                              blocks=cfg.val_blocks)
         values.update({"val_loss": vl, "val_perplexity": math.exp(min(vl, 700))})
+    try:
+        _benchmarks(cfg, t, values)
+    finally:
+        t.parallel.after_eval(t.model)
+    return values
+
+
+def _benchmarks(cfg, t, values: dict) -> None:
     if cfg.eval_tasks:
         from ..evals.api import evaluate as run_tasks
 
@@ -71,4 +79,3 @@ def evaluate(cfg, t) -> dict[str, float]:
                         batch_size=cfg.micro_batch_size, device=t.device, subset_seed=cfg.seed,
                         progress=t.accelerator.is_main_process)
         values.update(res.metrics)
-    return values
