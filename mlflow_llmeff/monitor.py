@@ -927,7 +927,7 @@ class EfficiencyMonitor:
         alloc, _, _ = self._memory(collective)
         out: dict[str, float] = {}
         if self._device is not None and self._device.type == "cuda":  # allocator statistics, never process RSS
-            nparams = sum(p.numel() for p in inner.parameters())
+            nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in inner.parameters())  # ZeRO-3: whole
             out[names.SUM_BYTES_PER_PARAM] = alloc * 2**30 / max(1, nparams)
         if self._optimizer is not None:
             state_bytes, model_params = model_state_bytes(inner, self._optimizer)

@@ -23,14 +23,20 @@ def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict
     from .config import get_strategy
 
     strategy = get_strategy(cfg)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--num_processes", str(cfg.num_processes * cfg.num_machines),
-           "--num_machines", str(cfg.num_machines), "--dynamo_backend", "no", "--mixed_precision", "no"]
-    if cfg.num_machines > 1:
-        cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip,
-                "--main_process_port", str(cfg.main_process_port)]
-    cmd += strategy.launcher_args(cuda=cuda)
-    cmd += ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
+    flags = strategy.launcher_args(cuda=cuda)
+    script = ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
+    if cfg.num_processes * cfg.num_machines == 1 and "--multi_gpu" in flags:
+        # one process that needs a process group (FSDP2 on one GPU): accelerate launch refuses
+        # --multi_gpu below 2 processes; its multi-GPU launcher is torchrun, so run that directly
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *script]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               "--num_processes", str(cfg.num_processes * cfg.num_machines),
+               "--num_machines", str(cfg.num_machines), "--dynamo_backend", "no", "--mixed_precision", "no"]
+        if cfg.num_machines > 1:
+            cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip,
+                    "--main_process_port", str(cfg.main_process_port)]
+        cmd += flags + script
     env = dict(os.environ)
     env.update(strategy.launcher_env(cuda=cuda))
     return cmd, env
