@@ -244,10 +244,13 @@ def predict_bus_bytes(strategy: str, *, params: int, layer_params: int, tp_param
       all-reduce the two row-parallel outputs in the forward and the five column-parallel inputs'
       gradients (q, k, v, gate, up) in the backward, ``tokens x hidden`` activations each (bf16: 2
       bytes under autocast); activation checkpointing repeats the forward's two.
-    * ZeRO-1/2 (per step): a reduce-scatter of the gradients and an all-gather of the updated
-      parameters (Rajbhandari et al. 2020, Sec. 7: the same 2 x parameters as DDP); ZeRO-3 (per
-      micro-batch) all-gathers the parameters in the forward and the backward and reduce-scatters
-      the gradients (3 x parameters). 16-bit runs move 2-byte weights and gradients.
+    * DeepSpeed ZeRO, as DeepSpeed 0.19 runs it with its defaults (counted; the ZeRO paper's
+      volumes, Rajbhandari et al. 2020 Sec. 7, assume reduce-scatters): ZeRO-1 all-reduces the
+      whole gradients once per step and all-gathers the updated weights; ZeRO-2 the same, its
+      gradient all-reduce per micro-batch (its buckets span several ranks, which DeepSpeed
+      all-reduces); ZeRO-3 all-gathers the weights once and reduce-scatters the gradients per
+      micro-batch (gathered weights stay for the backward while they fit its live-parameter
+      budget, ``stage3_max_live_parameters``). 16-bit runs move 2-byte weights and gradients.
 
     Args:
         strategy: a strategy name (``single`` gives nothing).
@@ -286,10 +289,11 @@ def predict_bus_bytes(strategy: str, *, params: int, layer_params: int, tp_param
     elif strategy.startswith("deepspeed_zero"):
         n, b = degrees.dp_shard, (2 if half else 4)
         if strategy == "deepspeed_zero3":
-            parts["parameter all-gather"] = bus_factor("all_gather", n) * b * 2 * P * ga
+            parts["parameter all-gather"] = bus_factor("all_gather", n) * b * P * ga
             parts["gradient reduce-scatter"] = bus_factor("reduce_scatter", n) * b * P * ga
         else:
-            parts["gradient reduce-scatter"] = bus_factor("reduce_scatter", n) * b * P
+            per = ga if strategy == "deepspeed_zero2" else 1
+            parts["gradient all-reduce"] = bus_factor("all_reduce", n) * b * P * per
             parts["parameter all-gather"] = bus_factor("all_gather", n) * b * P
     elif strategy != "tp":
         raise ValueError(f"strategy={strategy!r} is not accepted for a communication estimate")

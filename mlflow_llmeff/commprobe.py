@@ -7,10 +7,11 @@
 * :func:`detect_link` names the link those collectives cross and its datasheet peak (NVML's
   NVLink and PCIe figures, the InfiniBand/RoCE adapters in ``/sys/class/infiniband``).
 * :class:`StepSampler` looks at a few warm-up steps of each attempt (never a steady-state one, so
-  the steady-state figures carry no sampling overhead): the first is counted by
-  :class:`CommCounter` (every collective's size and ranks, through a ``TorchDispatchMode``, on
-  the step ``FlopCounterMode`` already counts), the later ones are profiled with
-  ``torch.profiler`` for the collective time not overlapped with compute.
+  the steady-state figures carry no sampling overhead): the second is counted by
+  :class:`CommCounter` (every collective's size and ranks, through a ``TorchDispatchMode``), the
+  third and fourth are profiled with ``torch.profiler`` for the collective time not overlapped
+  with compute. The first is left alone: ``FlopCounterMode`` counts it, and some engines run
+  other collectives in it (DeepSpeed ZeRO-3 traces the module order there, gathering more).
 
 Every function that takes part in a collective must be called on every rank in the same order.
 """
@@ -251,16 +252,17 @@ def _nbytes(x) -> int:
 
 
 def _group_size(pg_or_name) -> int:
+    """Ranks of a c10d op's group: a group name (functional collectives) or the ``ScriptObject`` the
+    dispatcher passes for a ``ProcessGroup`` (``ProcessGroup.unbox`` turns it back into one)."""
     import torch.distributed as dist
 
     if isinstance(pg_or_name, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         return _resolve_process_group(pg_or_name).size()
-    try:
-        return int(pg_or_name.size())
-    except Exception:  # noqa: BLE001
-        return dist.get_world_size()
+    if isinstance(pg_or_name, dist.ProcessGroup):
+        return pg_or_name.size()
+    return dist.ProcessGroup.unbox(pg_or_name).size()
 
 
 def _collective(name: str, args) -> tuple[str, int, int] | None:
@@ -369,8 +371,9 @@ class StepSampler:
 
     Args:
         world: processes of the run (nothing is sampled for one).
-        warmup_steps: warm-up steps of each attempt; step ``start_step + 1`` is counted, steps
-            ``start_step + 2 .. start_step + warmup_steps`` (at most two) are profiled.
+        warmup_steps: warm-up steps of each attempt; step ``start_step + 2`` is counted (with
+            ``warmup_steps >= 2``), steps ``start_step + 3`` and ``+ 4`` are profiled (as far as
+            they are warm-up steps).
         start_step: optimizer steps done before this attempt.
         device: the training device (synchronized around profiled steps).
         enabled: ``measure_comm``.
@@ -391,27 +394,22 @@ class StepSampler:
 
     @property
     def active(self) -> bool:
-        return self.enabled and self.world > 1 and self.warmup_steps > 0
+        return self.enabled and self.world > 1 and self.warmup_steps >= 2
 
     def _last(self) -> int:
-        return self.start_step + self.warmup_steps
+        return self.start_step + min(self.warmup_steps, 4)
 
     @contextlib.contextmanager
     def around(self, step: int):
         """Wrap one optimizer step (its micro-batches and optimizer step)."""
-        if not self.active or step > self._last():
+        k = step - self.start_step  # the attempt's k-th step
+        if not self.active or k < 2 or step > self._last() or (k == 2 and self.compiled):
             yield
             return
-        if step == self.start_step + 1:
-            if self.compiled:
-                yield
-                return
+        if k == 2:
             with self._counter.counting():
                 yield
             self._counted = step
-            return
-        if step < self._last() - 1:
-            yield
             return
         with self._profiling(step):
             yield
@@ -448,8 +446,8 @@ class StepSampler:
             notes.append(f"exposed communication profiled on step(s) {', '.join(map(str, self._profiled))} "
                          "(torch.profiler, warm-up, under the profiler)")
         else:
-            notes.append("exposed communication not profiled: needs warmup_steps >= 2 (the first warm-up step "
-                         "counts bytes and FLOPs)")
+            notes.append("exposed communication not profiled: needs warmup_steps >= 3 (warm-up step 1 counts "
+                         "FLOPs, step 2 bytes)")
         if g[3] == self.world:
             out[names.SUM_COMM_BYTES] = g[2] / self.world
             notes.append(f"bytes counted on step {self._counted} (every collective's size and ranks)")
@@ -462,5 +460,5 @@ class StepSampler:
     def inactive_tag(world: int, enabled: bool, warmup_steps: int) -> dict[str, str]:
         """The ``llmeff.comm.sampled`` tag of a run whose steps are not sampled."""
         why = ("measure_comm=false" if not enabled else "one process: no collectives" if world < 2
-               else "warmup_steps=0: only warm-up steps are sampled")
+               else f"warmup_steps={warmup_steps}: only warm-up steps after the first are sampled (give >= 2)")
         return {names.COMM_SAMPLED: f"none: {why}"}

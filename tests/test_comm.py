@@ -99,8 +99,8 @@ P, LAYERS, TP_PARAMS = 125_632, 92_416, 92_160  # llama-tiny: all, inside the de
     ("hsdp", Degrees(dp_replicate=2, dp_shard=2), "fp32",
      0.5 * 4 * (P + LAYERS) + 0.5 * 4 * P + 1.0 * 4 * P / 2),                        # + replicas' all-reduce of a shard
     ("tp", Degrees(tp=2), "fp32", 1.0 * 7 * 2 * 256 * 64 * 4),                        # 7 all-reduces/layer of 256x64 fp32
-    ("deepspeed_zero2", Degrees(dp_shard=2), "fp32", 0.5 * 4 * P + 0.5 * 4 * P),     # RS gradients + AG parameters
-    ("deepspeed_zero3", Degrees(dp_shard=2), "bf16", 0.5 * 2 * 2 * P + 0.5 * 2 * P),
+    ("deepspeed_zero1", Degrees(dp_shard=2), "fp32", 1.0 * 4 * P + 0.5 * 4 * P),     # AR gradients + AG parameters
+    ("deepspeed_zero3", Degrees(dp_shard=2), "bf16", 0.5 * 2 * P + 0.5 * 2 * P),     # AG parameters + RS gradients
 ])
 def test_predicted_bus_bytes_per_step_hand_computed(strategy, degrees, precision, expected):
     est = comm.predict_bus_bytes(strategy, params=P, layer_params=LAYERS, tp_params=TP_PARAMS, degrees=degrees,
@@ -114,6 +114,10 @@ def test_predicted_bytes_scale_with_accumulation_where_the_collectives_run_per_m
     ddp = [comm.predict_bus_bytes("ddp", degrees=Degrees(dp_replicate=2), grad_accum=g, **kw).total for g in (1, 4)]
     fsdp = [comm.predict_bus_bytes("fsdp", degrees=Degrees(dp_shard=2), grad_accum=g, **kw).total for g in (1, 4)]
     assert ddp[1] == ddp[0] and fsdp[1] == 4 * fsdp[0]  # DDP syncs once per step (no_sync), FSDP2 each micro-batch
+    z = {s: [comm.predict_bus_bytes(s, degrees=Degrees(dp_shard=2), grad_accum=g, **kw).total for g in (1, 2)]
+         for s in ("deepspeed_zero1", "deepspeed_zero2")}
+    # as counted on DeepSpeed 0.19.8 over gloo: ZeRO-1 6P either way, ZeRO-2 6P then 10P (its all-reduce per micro-batch)
+    assert z == {"deepspeed_zero1": [6.0 * P, 6.0 * P], "deepspeed_zero2": [6.0 * P, 10.0 * P]}
 
 
 def test_probe_figures_without_a_peak_say_why():

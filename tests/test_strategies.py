@@ -21,7 +21,7 @@ import mlflow
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.plan import model_state_bytes, parameter_split
+from mlflow_llmeff.plan import make_plan, model_state_bytes, parameter_split
 from mlflow_llmeff.presets import load_config
 from mlflow_llmeff.train.config import TrainConfig
 from mlflow_llmeff.train.loop import KILL_AT_STEP_ENV
@@ -34,7 +34,7 @@ P = 125_632  # llama-tiny parameters
 REL = 1e-5   # relative tolerance of losses and scores (fp32, different reduction orders)
 SEQ, GLOBAL_SEQS, STEPS = 32, 8, 6
 BASE = dict(model="llama-tiny", dataset="synthetic", seq_len=SEQ, max_steps=STEPS, log_every_n_steps=1,
-            warmup_steps=2, measure_energy="none", val_blocks=8, eval_tasks="mmlu_anatomy,hellaswag",
+            warmup_steps=3, measure_energy="none", val_blocks=8, eval_tasks="mmlu_anatomy,hellaswag",
             eval_limit=1, precision="fp32", seed=0)  # one document a task: a TP forward is 14 gloo all-reduces
 EVAL_KEYS = ("eval/val_loss", "eval/mmlu_anatomy/acc", "eval/hellaswag/acc", "eval/hellaswag/acc_norm")
 
@@ -75,8 +75,10 @@ def store(template_db, folder, name: str) -> str:
 
 
 def config(strategy: str, **kw) -> TrainConfig:
+    from conftest import free_port
+
     return TrainConfig(**{**BASE, "eval_data_dir": eval_fixture_dir(), "parallelism": strategy,
-                          "experiment_name": f"strategy-{strategy}", **kw})
+                          "experiment_name": f"strategy-{strategy}", "main_process_port": free_port(), **kw})
 
 
 def the_run(uri: str, experiment: str):
@@ -219,6 +221,10 @@ def expected_state_bytes_per_param(strategy: str, world: int, **kw) -> float:
                                  **kw)) / P
 
 
+def run_config(launched, name) -> TrainConfig:
+    return launched[1][name][2]
+
+
 def finished(launched, name):
     reference, done, _ = launched
     r, uri, cfg = done[name]
@@ -245,7 +251,10 @@ def test_strategy_trains_like_one_process(strategy, launched):
     elif strategy in ("hsdp", "fsdp_tp"):
         kw = dict(dp_shard=2, tp=degrees[3])
         assert bpp == pytest.approx(expected_state_bytes_per_param(strategy, degrees[0], **kw), rel=0.01)  # + padding
-    else:  # DeepSpeed in fp32: a 4-byte working copy and 12 B of fp32 master weights and moments, / 2
+    if strategy in ("hsdp", "fsdp_tp") or strategy.startswith("deepspeed"):  # counted = the plan's prediction
+        plan = make_plan(run_config(launched, strategy), accelerator_short="cpu", precision="fp32", strategy=strategy)
+        assert bytes_per_step == pytest.approx(plan["comm_bytes_per_step"], rel=0.01)  # FSDP2 pads uneven shards
+    if strategy.startswith("deepspeed"):  # in fp32: a 4-byte working copy and 12 B of fp32 master weights and moments, / 2
         want = {"deepspeed_zero1": 4 + 4 + 6.0, "deepspeed_zero2": 4 + 2 + 6.0, "deepspeed_zero3": 2 + 2 + 6.0}
         assert want[strategy] == expected_state_bytes_per_param(strategy, 2)  # the plan's estimate
         # measured: within the few norm weights ZeRO-3 keeps whole (Accelerate's "auto"
@@ -267,3 +276,7 @@ def test_fsdp_killed_between_checkpoints_resumes_into_the_same_run(launched):
     # FSDP2 over 2 ranks: every dim-0 shard holds half the rows, rank 0 one more of the 259-row
     # embedding and LM head (16 B each for 64 columns): (125,632 + 2 x 64) / 2 parameters x 16 B
     assert run.data.metrics[names.SUM_MODEL_STATE_BYTES_PER_PARAM] == pytest.approx(16 * (P + 128) / 2 / P)
+    # counted on the resumed attempt's second step: forward gather, backward re-gather of the layers, fp32
+    # reduce-scatter, (n-1)/n each: the plan's prediction within the padding of the 259-row shards
+    plan = make_plan(run_config(launched, "fsdp"), accelerator_short="cpu", precision="fp32", strategy="fsdp")
+    assert run.data.metrics[names.SUM_COMM_BYTES] == pytest.approx(plan["comm_bytes_per_step"], rel=0.01)

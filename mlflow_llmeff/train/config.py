@@ -47,7 +47,7 @@ class TrainConfig:
     num_machines: int = field(default=1, metadata={"help": "machines (nodes) in the job; > 1 launches through accelerate launch on each, with machine_rank and main_process_ip"})
     machine_rank: int = field(default=0, metadata={"help": "this machine's rank in 0..num_machines-1 (0 logs to MLflow)"})
     main_process_ip: str = field(default="", metadata={"help": "address of machine 0 for the rendezvous (with num_machines > 1)"})
-    main_process_port: int = field(default=29500, metadata={"help": "TCP port of the rendezvous on machine 0"})
+    main_process_port: int = field(default=29500, metadata={"help": "TCP port of the rendezvous of the processes (on machine 0 with several machines)"})
     parallelism: str = field(default="auto", metadata={"help": "auto (single or ddp), single, ddp, fsdp, hsdp, tp, fsdp_tp, deepspeed_zero1/2/3 (cp: refused on CPU, see docs/parallelism.md)"})
     tp_size: int = field(default=0, metadata={"help": "tensor-parallel degree for tp (0 = every process) and fsdp_tp (> 1, dividing the processes)"})
     dp_shard: int = field(default=0, metadata={"help": "hsdp: ranks each replica shards the model state over (0 = the processes of one machine)"})

@@ -34,8 +34,8 @@ def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict
                "--num_processes", str(cfg.num_processes * cfg.num_machines),
                "--num_machines", str(cfg.num_machines), "--dynamo_backend", "no", "--mixed_precision", "no"]
         if cfg.num_machines > 1:
-            cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip,
-                    "--main_process_port", str(cfg.main_process_port)]
+            cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip]
+        cmd += ["--main_process_port", str(cfg.main_process_port)]  # the rendezvous port (default 29500)
         cmd += flags + script
     env = dict(os.environ)
     env.update(strategy.launcher_env(cuda=cuda))
