@@ -144,7 +144,7 @@ def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, 
 
     from mlflow_llmeff.flopcount import resolve
     from mlflow_llmeff.flops import FORMULA_TAGS, flops_summary
-    from mlflow_llmeff.train.models import load_config
+    from mlflow_llmeff.presets import load_config
 
     try:
         config = load_config(model)

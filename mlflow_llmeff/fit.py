@@ -126,8 +126,16 @@ class Verdict:
 
 
 def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt) -> float:
+    from .parallel import get
+
+    try:  # tensor / shard degrees of the strategy over these devices (None: all data-parallel)
+        degrees = get(strategy).degrees(devices * cfg.num_machines, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
+                                        processes_per_node=devices)
+    except ValueError:
+        degrees = None
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, strategy=strategy,
-                          dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager")
+                          dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager",
+                          degrees=degrees)
     return mem.total(ckpt)
 
 
@@ -203,7 +211,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
         cpu: the processes share host memory (and cannot shard).
         bf16_ok: bf16 is possible there (offered as a cheaper configuration).
     """
-    from .train.models import PRESETS, load_config
+    from .presets import PRESETS, load_config
 
     config = load_config(cfg.model)
     est = _estimate(config, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision, strategy=strategy,

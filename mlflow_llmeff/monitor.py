@@ -133,6 +133,11 @@ class EfficiencyMonitor:
             every logged step with the time, step and consumption totals. After a SIGKILL the
             resumed attempt reads it for the lost progress and the energy so far, even when the
             last points never reached the tracking server.
+        data_parallel_size: ranks that see different data (default: every rank). With tensor,
+            context or pipeline parallelism the ``world / data_parallel_size`` ranks of a
+            model-parallel group count the same tokens: the counts summed over all ranks are
+            divided by that factor, so tokens count once per data-parallel rank; per-device
+            figures still divide by the world size, and HFU scales each rank's counted FLOPs by it.
         outbox_dir: where points the tracking server has not taken spill (before checkpoints and at
             the end) while it does not answer; default ``$LLMEFF_OUTBOX_DIR`` or
             ``~/.cache/mlflow_llmeff/outbox``. ``llmeff sync DIR`` sends them later.
@@ -159,7 +164,8 @@ class EfficiencyMonitor:
                  resume_state: dict | None = None, started_at: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
-                 report: bool = True, contention_meter=None, eval_subject_metrics: bool = False) -> None:
+                 report: bool = True, contention_meter=None, eval_subject_metrics: bool = False,
+                 data_parallel_size: int | None = None) -> None:
         from .evals.targets import parse_targets
 
         self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
@@ -186,6 +192,8 @@ class EfficiencyMonitor:
         self._shape_tags_pending = True
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
+        self._model_parallel = self._replication(data_parallel_size)
+        self._extra_summary: dict[str, float] = {}
         from .counting import StepTally
 
         self._tally = StepTally()
@@ -215,6 +223,21 @@ class EfficiencyMonitor:
             self._contention.begin(collective=self.world_size > 1)
 
     # ------------------------------------------------------------------------------ set-up
+    def _replication(self, data_parallel_size: int | None) -> int:
+        """Ranks counting the same tokens (``world / data_parallel_size``; 1 without model parallelism)."""
+        if data_parallel_size is None:
+            return 1
+        dp = data_parallel_size
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or self.world_size % dp:
+            raise ValueError(f"data_parallel_size={dp!r} is not accepted; give an int >= 1 dividing the world "
+                             f"size {self.world_size}")
+        return self.world_size // dp
+
+    def add_summary(self, metrics: dict[str, float]) -> None:
+        """Figures measured outside the meter (e.g. ``summary/comm_*``) to log with the ``summary/*`` at
+        :meth:`finish`; call it on rank 0 at least (other ranks' calls are ignored)."""
+        self._extra_summary.update({k: float(v) for k, v in metrics.items()})
+
     def _read_model(self, model, model_config, precision, strategy, compile, act_ckpt) -> None:
         """Device, precision, strategy, compile and activation-checkpointing flags, and the config, from the model."""
         inner = unwrap_model(model) if model is not None else None
@@ -396,6 +419,11 @@ class EfficiencyMonitor:
         return model_name(self._model, self._config)
 
     def _condition_tags(self) -> dict[str, str]:
+        tags = self._conditions()
+        tags[names.PAR_DP] = str(self.world_size // self._model_parallel)
+        return tags
+
+    def _conditions(self) -> dict[str, str]:
         return condition_tags(
             accelerator=self.accelerator, world=self.world_size, strategy=self.strategy, precision=self.precision,
             model=self._model, config=self._config, flops_note=self._fpt_note, peak_tflops=self.peak_tflops,
@@ -513,7 +541,8 @@ class EfficiencyMonitor:
         if self._tally.first_shape is not None and self.is_main:
             b, s, ga = self._tally.first_shape
             given = getattr(self, "_given_tags", set())
-            tags = {k: v for k, v in shape_tags(b, s, max(1, ga), self.world_size).items() if k not in given}
+            tags = {k: v for k, v in shape_tags(b, s, max(1, ga), self.world_size // self._model_parallel).items()
+                    if k not in given}
             if tags:
                 self._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
 
@@ -606,13 +635,17 @@ class EfficiencyMonitor:
         s_eff = sq / tokens
         note = "FlopCounterMode on step {} of the attempt (eager attention counted)"
         attn_impl = getattr(self._config, "_attn_implementation", None)
+        r = self._model_parallel  # a model-parallel rank executes about 1/r of its tokens' FLOPs
         if attn_impl == "sdpa" and (self._device is None or self._device.type == "cpu"):
-            # the counter cannot see CPU SDPA: its training FLOPs (palm) and its recomputation, if any
+            # the counter cannot see CPU SDPA: its training FLOPs (palm) and its recomputation, if any;
+            # a model-parallel rank executes 1/r of them
             extra = (fl.attention_flops_per_token(self._shape, s_eff, "palm")
                      + fl.recompute_flops_per_token(self._shape, s_eff, self._recompute, attention_only=True))
-            counted += extra * tokens
+            counted += extra * tokens / r
             note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
-        self._hfu_ratio = counted / (fl.flops_per_token(self._shape, s_eff) * tokens)
+        if r > 1:
+            note += f"; this rank's FLOPs x {r} ranks sharing its tokens"
+        self._hfu_ratio = counted * r / (fl.flops_per_token(self._shape, s_eff) * tokens)
         self._hfu_note = note.format(self.step_count + 1)
         self._hfu_counted = True
 
@@ -633,7 +666,7 @@ class EfficiencyMonitor:
     # ------------------------------------------------------------------------------ window edges
     def _edge(self, collective: bool = True) -> None:
         """Account the pending steps: counts summed over ranks, with their step seconds."""
-        reduce = collectives.reduce_tensor if (collective and self.world_size > 1) else None
+        reduce = self._reduce_counts if (collective and self.world_size > 1) else None
         counts = self._tally.take(self._pending_steps, reduce=reduce)
         self._meter.add(counts, self._pending_s)
         self._time_steps(counts, self._pending_s)
@@ -650,6 +683,19 @@ class EfficiencyMonitor:
         self._steps.add_window(secs, counts.tokens)
         self._fwd_s += forward_s
         self._fwd_steps += counts.steps
+
+    def _reduce_counts(self, t):
+        """Counts summed over every rank, then divided by the ranks of a model-parallel group
+        (they counted the same tokens): once per data-parallel rank."""
+        t = collectives.reduce_tensor(t)
+        r = self._model_parallel
+        if r > 1:
+            if bool((t % r).any()) and not getattr(self, "_replica_warned", False):
+                self._replica_warned = True
+                warnings.warn(f"mlflow_llmeff: token counts summed over ranks are not a multiple of the {r} ranks of "
+                              "a model-parallel group: its ranks counted different batches", stacklevel=3)
+            t = t // r
+        return t
 
     def _fpt(self, s: float, convention: str = "megatron") -> float:
         from . import flops as fl
@@ -1027,6 +1073,7 @@ class EfficiencyMonitor:
                     out[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(tflops, self._measured_peak)
         out.update(self._memory_figures(collective))
         out.update(self._consumption.summary(parts["wall"], tokens, tflops))
+        out.update(self._extra_summary)
         return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
     def _stability_figures(self, collective: bool) -> dict[str, float]:
@@ -1088,11 +1135,11 @@ class EfficiencyMonitor:
         alloc, _, _ = self._memory(collective)
         out: dict[str, float] = {}
         if self._device is not None and self._device.type == "cuda":  # allocator statistics, never process RSS
-            nparams = sum(p.numel() for p in inner.parameters())
+            nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in inner.parameters())  # ZeRO-3: whole
             out[names.SUM_BYTES_PER_PARAM] = alloc * 2**30 / max(1, nparams)
         if self._optimizer is not None:
-            state_bytes, local_params = model_state_bytes(inner, self._optimizer)
-            bpp = state_bytes / max(1, local_params)
+            state_bytes, model_params = model_state_bytes(inner, self._optimizer)
+            bpp = state_bytes / max(1, model_params)
             out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = collectives.all_reduce([bpp], "max")[0] if collective else bpp
         return out
 

@@ -1,13 +1,16 @@
-"""Plan a run before paying for it: parameters, FLOPs, memory per device, and predictions.
+"""Plan a run before paying for it: parameters, FLOPs, memory and communication per device (pure estimates).
 
 Memory per device (bytes) is estimated from the model shape, not measured:
 
 * Model state, mixed precision as Accelerate/torch AMP runs it (fp32 master weights 4 B, fp32
-  gradients 4 B, AdamW's two fp32 moments 8 B: 16 B/param), divided over data-parallel ranks by
-  the sharding strategy. DeepSpeed ZeRO keeps 16-bit weights and gradients (2 + 2 B) plus K = 12 B
-  of fp32 master weights and moments per parameter; stage 1 shards the 12, stage 2 also the
-  gradients, stage 3 everything (Rajbhandari et al. 2020, "ZeRO", Sec. 5, Fig. 1). FSDP full
-  shard divides all 16 B.
+  gradients 4 B, AdamW's two fp32 moments 8 B: 16 B/param), divided by the sharding strategy.
+  FSDP full shard divides all 16 B over the data-parallel ranks, HSDP over its shard group.
+  DeepSpeed ZeRO keeps its working weights and gradients in the run's precision (2 + 2 B in
+  16-bit, 4 + 4 B in fp32) plus K = 12 B of fp32 master weights and moments per parameter; stage 1
+  shards the 12, stage 2 also the gradients, stage 3 everything (Rajbhandari et al. 2020, "ZeRO",
+  Sec. 5, Fig. 1). Tensor parallelism splits the parameters of the layer matrices its plan names
+  over ``tp`` ranks (embeddings, norms and the LM head stay whole); 2-D (fsdp_tp) then shards each
+  rank's part over ``dp_shard``.
 * Activations kept for the backward pass, per layer and token (16-bit activations; x2 for fp32),
   following the accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
   Large Transformer Models", Sec. 4.1) without dropout masks and generalised to GQA and gated
@@ -17,17 +20,20 @@ Memory per device (bytes) is estimated from the model shape, not measured:
   shapes this gives 32h per token where Korthikanti's eq. 1 gives 34h (its two dropout masks).
   Full activation checkpointing keeps only each layer's input (``2h``) plus one layer's full
   activations during recomputation. The fp32 logits (``4V`` per token) are added in both cases.
+  Tensor parallelism divides what lies inside the attention and MLP blocks (Q, K, V, attention
+  output, the MLP's inner widths, the softmax) by ``tp``; the layer inputs and norms stay whole
+  (Korthikanti et al. 2022, eq. 2, without sequence parallelism). Context parallelism divides all
+  of it by ``cp``.
 
-Predictions use earlier runs on the same accelerator in the tracking server: their measured
-achieved model TFLOP/s per device (MFU x peak), median, preferring runs of the same model.
+Communication per device and step: :func:`mlflow_llmeff.comm.predict_bus_bytes` (nccl-tests bus
+bytes of every collective the strategy runs). Predictions from earlier runs (time, cost, energy)
+read the tracking server and live in :mod:`mlflow_llmeff.report.predict`.
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
-from . import names
 from .flops import flops_per_token, model_shape, param_counts
 
 GIB = 2**30
@@ -48,8 +54,18 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer + act
 
 
-def model_state_bytes(params: int, strategy: str, dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per device for ``params`` parameters.
+def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | None = None, tp: int = 1,
+                      tp_params: int = 0, precision: str = "bf16") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per device for ``params`` parameters (see the module docstring).
+
+    Args:
+        params: model parameters.
+        strategy: a strategy name (``auto`` counts as replicated).
+        dp: data-parallel ranks.
+        dp_shard: ranks the state is sharded over (HSDP's shard group; default ``dp``).
+        tp: tensor-parallel degree.
+        tp_params: parameters the tensor-parallel plan splits.
+        precision: the run's precision (DeepSpeed keeps its working weights and gradients in it).
 
     Raises:
         ValueError: for an unknown strategy or ``dp < 1``.
@@ -57,29 +73,49 @@ def model_state_bytes(params: int, strategy: str, dp: int) -> tuple[float, float
     if dp < 1:
         raise ValueError(f"dp={dp} must be >= 1")
     p = float(params)
-    if strategy in ("single", "ddp", "auto"):
+    shard = float(dp_shard or dp)
+    local = p - tp_params + tp_params / tp if tp > 1 else p  # one tensor-parallel rank's parameters
+    if strategy in ("single", "ddp", "auto", "cp"):
         return 4 * p, 4 * p, 8 * p
-    if strategy == "fsdp":
-        return 4 * p / dp, 4 * p / dp, 8 * p / dp
+    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
+        return 4 * local / shard, 4 * local / shard, 8 * local / shard
+    if strategy == "tp":
+        return 4 * local, 4 * local, 8 * local
+    b = 2.0 if precision in ("bf16", "fp16") else 4.0
     if strategy == "deepspeed_zero1":
-        return 2 * p, 2 * p, 12 * p / dp
+        return b * p, b * p, 12 * p / dp
     if strategy == "deepspeed_zero2":
-        return 2 * p, 2 * p / dp, 12 * p / dp
+        return b * p, b * p / dp, 12 * p / dp
     if strategy == "deepspeed_zero3":
-        return 2 * p / dp, 2 * p / dp, 12 * p / dp
-    raise ValueError(f"strategy={strategy!r} is not accepted; use one of: single, ddp, fsdp, deepspeed_zero1/2/3")
+        return b * p / dp, b * p / dp, 12 * p / dp
+    raise ValueError(f"strategy={strategy!r} is not accepted; use one of: single, ddp, fsdp, hsdp, tp, fsdp_tp, "
+                     "deepspeed_zero1/2/3")
+
+
+def parameter_split(config) -> dict[str, int]:
+    """``total`` parameters, those inside the decoder ``layers`` (the rest is embeddings, final norm,
+    LM head: FSDP's root) and those the ``tensor_parallel`` plan splits (the attention and MLP
+    weight matrices of every layer)."""
+    s = model_shape(config)
+    total = param_counts(config)["total"]
+    norm = (2 * s.hidden) if s.layer_norm else s.hidden
+    outside = s.vocab * s.hidden + s.learned_positions * s.hidden + norm + (0 if s.tied_embeddings else s.vocab * s.hidden)
+    tp = s.layers * (s.attention_weight_params() + s.expert_weight_params() * (s.experts or 1))
+    return {"total": total, "layers": total - outside, "tensor_parallel": tp}
 
 
 def activation_bytes(config, seq_len: int, micro_batch_size: int, *, precision: str = "bf16",
-                     eager_attention: bool = False) -> tuple[float, float]:
-    """(without, with full checkpointing) activation bytes per device for one micro-batch."""
+                     eager_attention: bool = False, tp: int = 1, cp: int = 1) -> tuple[float, float]:
+    """(without, with full checkpointing) activation bytes per device for one micro-batch (``tp``:
+    tensor-parallel degree, ``cp``: context-parallel degree; see the module docstring)."""
     sh = model_shape(config)
     h, hq, hk, f, n, L, V = sh.hidden, sh.q_width, sh.kv_width, sh.ffn, sh.heads, sh.layers, sh.vocab
     f_active = f * max(1, sh.top_k) if sh.experts else f
-    mlp = 2 * h + (6 * f_active if sh.gated_mlp else 4 * f_active)
-    per_token_layer = (2 * h + 2 * hq + 4 * hk + 2 * hq) + mlp + 4 * h + (2 * n * seq_len if eager_attention else 0)
+    inner = (2 * hq + 4 * hk + 2 * hq) + (6 * f_active if sh.gated_mlp else 4 * f_active) \
+        + (2 * n * seq_len if eager_attention else 0)
+    per_token_layer = 2 * h + 2 * h + inner / tp + 4 * h  # attention and MLP inputs, their insides, two norms
     scale = 2.0 if precision == "fp32" else 1.0
-    tokens = seq_len * micro_batch_size
+    tokens = seq_len * micro_batch_size / cp
     logits = 4.0 * V * tokens
     full = per_token_layer * scale * tokens * L + logits
     ckpt = 2 * h * scale * tokens * L + per_token_layer * scale * tokens + logits
@@ -87,75 +123,22 @@ def activation_bytes(config, seq_len: int, micro_batch_size: int, *, precision: 
 
 
 def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: str, dp: int,
-                    precision: str = "bf16", eager_attention: bool = False) -> MemoryEstimate:
-    """Bytes per device for the model state and activations (see the module docstring)."""
-    params = param_counts(config)["total"]
-    w, g, o = model_state_bytes(params, strategy, dp)
-    a, ac = activation_bytes(config, seq_len, micro_batch_size, precision=precision, eager_attention=eager_attention)
-    return MemoryEstimate(w, g, o, a, ac)
-
-
-def history_tflops(client, accelerator_short: str, model: str, strategy: str | None = None,
-                   devices: int | None = None, shape: dict[str, str] | None = None, seq_len: int | None = None,
-                   micro_batch_size: int | None = None) -> tuple[float | None, int, str]:
-    """Median achieved model TFLOP/s per device of earlier runs on ``accelerator_short``.
+                    precision: str = "bf16", eager_attention: bool = False, degrees=None) -> MemoryEstimate:
+    """Bytes per device for the model state and activations (see the module docstring).
 
     Args:
-        shape: ``{tag: value}`` of the planned model's shape (``llmeff.model.params``, ``.layers``,
-            ``.hidden``); a run with the same values (or the same model name) has the same shape.
-        seq_len / micro_batch_size: the planned run's; achieved TFLOP/s changes with both (matrix
-            sizes, attention's share of the FLOPs).
-
-    Returns:
-        ``(tflops or None, runs used, basis)``. Preferred, in order: runs of the same shape with the
-        same strategy, device count, sequence length and micro batch size; the same without the
-        last two; runs of the same shape; runs of other models, whose TFLOP/s are scaled by this
-        model's FLOPs per token, and the basis says so.
+        degrees: the run's :class:`~mlflow_llmeff.parallel.degrees.Degrees` (tensor, context and
+            shard degrees); without it every rank is a data-parallel rank (``dp``).
     """
-    try:
-        exps = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}' and attributes.status = 'FINISHED'",
-                                  max_results=500)
-    except Exception:  # noqa: BLE001 - no tracking server: no prediction
-        return None, 0, "no tracking server reachable"
-    runs = [r for r in runs if r.data.metrics.get(names.SUM_DEVICE_TFLOPS, 0) > 0]
-
-    def same_shape(r) -> bool:
-        if r.data.tags.get(names.MODEL_NAME) == model:
-            return True
-        return bool(shape) and all(r.data.tags.get(k) == v for k, v in shape.items())
-
-    same = [r for r in runs if same_shape(r)]
-    alike = [r for r in same if r.data.tags.get(names.PAR_STRATEGY) == strategy
-             and r.data.tags.get(names.ACCEL_COUNT) == str(devices)]
-    exact = [r for r in alike if r.data.tags.get(names.SEQ_LEN) == str(seq_len)
-             and r.data.tags.get(names.MICRO_BATCH_SIZE) == str(micro_batch_size)]
-    on = f"{strategy} on {devices} device{'s' if devices != 1 else ''}"
-    for use, which in ((exact, f"runs of {model}'s shape with {on}, seq_len {seq_len}, micro batch {micro_batch_size}"),
-                       (alike, f"runs of {model}'s shape with {on} (other sequence lengths or micro batches)"),
-                       (same, f"runs of {model}'s shape")):
-        if use:
-            return statistics.median(r.data.metrics[names.SUM_DEVICE_TFLOPS] for r in use), len(use), which
-    if runs:
-        big = max(runs, key=lambda r: int(r.data.tags.get(names.MODEL_PARAMS, "0") or 0))
-        which = (f"runs of other models on {accelerator_short}, scaled by FLOPs per token (largest: "
-                 f"{big.data.tags.get(names.MODEL_NAME, '?')}, {int(big.data.tags.get(names.MODEL_PARAMS, '0') or 0):,} "
-                 "params); models of another size reach other TFLOP/s, so this is a rough guess")
-        return statistics.median(r.data.metrics[names.SUM_DEVICE_TFLOPS] for r in runs), len(runs), which
-    return None, 0, f"no earlier run on {accelerator_short}"
-
-
-def history_power_w(client, accelerator_short: str) -> float | None:
-    """Median measured average power per device (W) of earlier runs on the accelerator."""
-    try:
-        exps = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}' and attributes.status = 'FINISHED'",
-                                  max_results=500)
-    except Exception:  # noqa: BLE001
-        return None
-    w = [r.data.metrics[names.SUM_DEVICE_TFLOPS] / r.data.metrics[names.SUM_TFLOPS_PER_W] for r in runs
-         if r.data.metrics.get(names.SUM_TFLOPS_PER_W, 0) > 0 and names.SUM_DEVICE_TFLOPS in r.data.metrics]
-    return statistics.median(w) if w else None
+    split = parameter_split(config)
+    tp = degrees.tp if degrees is not None else 1
+    cp = degrees.cp if degrees is not None else 1
+    shard = degrees.dp_shard if degrees is not None and degrees.dp_shard > 1 else None
+    w, g, o = model_state_bytes(split["total"], strategy, degrees.dp if degrees is not None else dp, dp_shard=shard,
+                                tp=tp, tp_params=split["tensor_parallel"], precision=precision)
+    a, ac = activation_bytes(config, seq_len, micro_batch_size, precision=precision, eager_attention=eager_attention,
+                             tp=tp, cp=cp)
+    return MemoryEstimate(w, g, o, a, ac)
 
 
 def meta_param_count(config) -> int:
@@ -168,56 +151,81 @@ def meta_param_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, client=None,
-              device_hour_usd: float | None = None) -> dict:
-    """Everything ``llmeff plan`` prints, as a dict (numbers in bytes, FLOPs, seconds, USD, kWh).
+def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str) -> dict:
+    """Everything ``llmeff plan`` prints before predictions, as a dict (bytes, FLOPs, degrees).
+
+    Pure estimates from the model's shape (the model is built on the meta device for its exact
+    parameter count); :func:`mlflow_llmeff.report.predict.add_predictions` adds what earlier runs
+    predict.
 
     Args:
         cfg: a :class:`~mlflow_llmeff.train.config.TrainConfig`.
-        accelerator_short: accelerator to plan for (history and price are looked up by it).
+        accelerator_short: accelerator planned for.
         precision / strategy: resolved precision and parallelism strategy.
-        client: an ``MlflowClient`` for predictions from history (None: no prediction).
-        device_hour_usd: price per device-hour (None: no cost prediction).
+
+    Raises:
+        ValueError: for degrees that do not fit the processes.
     """
-    from .train.models import load_config
+    from .comm import predict_bus_bytes
+    from .parallel import get
+    from .presets import load_config
 
     config = load_config(cfg.model)
-    dp = cfg.num_processes
+    world = cfg.num_processes * cfg.num_machines
+    degrees = get(strategy).degrees(world, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
+                                    processes_per_node=cfg.num_processes)
     counts = param_counts(config)
     counts["total"] = meta_param_count(config)  # the built model's own count (tied weights once)
-    tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * dp
+    split = parameter_split(config)
+    tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * degrees.dp
     fpt = flops_per_token(config, cfg.seq_len, "megatron")
-    mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, strategy=strategy, dp=dp,
-                          precision=precision, eager_attention=cfg.attn_implementation == "eager")
+    mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, strategy=strategy,
+                          dp=degrees.dp, precision=precision, eager_attention=cfg.attn_implementation == "eager",
+                          degrees=degrees)
+    shape = model_shape(config)
+    comm = predict_bus_bytes(strategy, params=counts["total"], layer_params=split["layers"],
+                             tp_params=split["tensor_parallel"], degrees=degrees, grad_accum=cfg.grad_accum,
+                             tokens_per_micro_batch=cfg.seq_len * cfg.micro_batch_size, hidden=shape.hidden,
+                             layers=shape.layers, precision=precision,
+                             reshard_after_forward=cfg.reshard_after_forward,
+                             activation_checkpointing=cfg.activation_checkpointing)
     out = {
-        "model": cfg.model, "accelerator": accelerator_short, "devices": dp, "strategy": strategy,
-        "precision": precision, "params_total": counts["total"], "params_non_embedding": counts["non_embedding"],
-        "params_active": counts["active"], "tokens_per_step": tokens_per_step,
+        "model": cfg.model, "accelerator": accelerator_short, "devices": world, "strategy": strategy,
+        "degrees": degrees.describe(), "precision": precision, "params_total": counts["total"],
+        "params_non_embedding": counts["non_embedding"],
+        "params_active": counts["active"], "layers": shape.layers, "hidden": shape.hidden,
+        "tokens_per_step": tokens_per_step,
         "flops_per_token_megatron": fpt, "flops_per_token_palm": flops_per_token(config, cfg.seq_len, "palm"),
         "flops_per_step": fpt * tokens_per_step,
         "memory_weights_gib": mem.weights / GIB, "memory_gradients_gib": mem.gradients / GIB,
         "memory_optimizer_gib": mem.optimizer / GIB, "memory_activations_gib": mem.activations / GIB,
         "memory_activations_ckpt_gib": mem.activations_ckpt / GIB,
         "memory_total_gib": mem.total(False) / GIB, "memory_total_ckpt_gib": mem.total(True) / GIB,
+        "comm_bytes_per_step": comm.total,
     }
-    if client is not None:
-        shape = {names.MODEL_PARAMS: str(counts["total"]), names.MODEL_LAYERS: str(model_shape(config).layers),
-                 names.MODEL_HIDDEN: str(model_shape(config).hidden)}
-        tflops, n, which = history_tflops(client, accelerator_short, cfg.model, strategy, dp, shape,
-                                          cfg.seq_len, cfg.micro_batch_size)
-        out["prediction_basis"] = f"median of {n} {which}" if tflops else which
-        if tflops:
-            tps = tflops * 1e12 * dp / fpt
-            wall = cfg.max_steps * tokens_per_step / tps
-            out.update({"predicted_tokens_per_sec": tps, "predicted_wall_s": wall,
-                        "predicted_wall_covers": f"{cfg.max_steps} steps at the steady-state rate; start-up "
-                                                 "(imports, model build, data set-up), warm-up and evals excluded"})
-            if device_hour_usd is not None:
-                out["predicted_usd"] = device_hour_usd * dp * wall / 3600
-            power = history_power_w(client, accelerator_short)
-            if power:
-                out["predicted_kwh"] = power * dp * wall / 3.6e6
+    for part, v in comm.parts.items():
+        out[f"comm_bytes_per_step_{part.split(' (')[0].replace(' ', '_').replace('-', '_')}"] = v
     return out
+
+
+def strategy_table(cfg, *, precision: str) -> list[dict]:
+    """Memory and communication per device of ``cfg`` under every strategy its processes allow
+    (one row each; strategies whose degrees do not fit are left out with the reason)."""
+    import dataclasses
+
+    from .parallel import all_strategies
+
+    rows = []
+    for s in all_strategies():
+        try:
+            plan = make_plan(dataclasses.replace(cfg, parallelism=s.name), accelerator_short="-",
+                             precision=precision, strategy=s.name)
+        except ValueError as e:
+            rows.append({"strategy": s.name, "why_not": str(e)})
+            continue
+        rows.append({"strategy": s.name, "degrees": plan["degrees"], "memory_total_gib": plan["memory_total_gib"],
+                     "comm_bytes_per_step": plan["comm_bytes_per_step"]})
+    return rows
 
 
 def format_plan(plan: dict) -> str:
@@ -241,7 +249,7 @@ def models_table(seq_len: int = 2048) -> list[dict]:
     ``train_memory_gib``: one device, bf16 mixed precision, AdamW (16 B/param of model state),
     activations of one sequence of ``min(seq_len, positions)`` tokens (:func:`estimate_memory`).
     """
-    from .train.models import PRESETS, load_config, max_positions
+    from .presets import PRESETS, load_config, max_positions
 
     rows = []
     for name, (_, _, source) in PRESETS.items():

@@ -50,27 +50,76 @@ def param_counts(model) -> tuple[int, int]:
 
 
 def model_state_bytes(model, optimizer) -> tuple[int, int]:
-    """(bytes of weights + gradients + optimizer state, parameters) held by this device."""
+    """(bytes of weights + gradients + optimizer state held by this device, the model's parameters).
+
+    The bytes are this device's own: a ``DTensor`` parameter (FSDP2, tensor parallelism) counts its
+    local shard, a DeepSpeed ZeRO-3 parameter its partition, DeepSpeed's fp32 master partitions
+    count as optimizer state and its gradient partitions as gradients. Gradients count at their
+    size during the step even where they are freed between steps. The parameters are the whole
+    model's (global shapes), so the ratio shows the sharding: 16 bytes per parameter for fp32 AdamW
+    replicated, 16 / n fully sharded over n ranks.
+    """
     import torch
 
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
+    inner_opt = getattr(optimizer, "optimizer", optimizer)
+    if hasattr(inner_opt, "optimizer") and _is_deepspeed_zero(inner_opt):
+        return _deepspeed_state_bytes(model, inner_opt)
     nbytes, nparams = 0, 0
     for p in model.parameters():
         lp = local(p)
-        nparams += lp.numel()
+        nparams += p.numel()
         nbytes += lp.numel() * lp.element_size()
         if p.requires_grad:  # gradients live through every step (freed only between steps)
             g = local(p.grad) if p.grad is not None else lp
             nbytes += g.numel() * g.element_size()
-    opt = getattr(optimizer, "optimizer", optimizer)
-    for st in opt.state.values():
+    for st in inner_opt.state.values():
         for v in st.values():
             if torch.is_tensor(v) and v.dim() > 0:
                 lv = local(v)
                 nbytes += lv.numel() * lv.element_size()
     return nbytes, nparams
+
+
+def _is_deepspeed_zero(opt) -> bool:
+    return type(opt).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+
+
+def _deepspeed_state_bytes(model, zero) -> tuple[int, int]:
+    """:func:`model_state_bytes` of a DeepSpeed ZeRO run (DeepSpeed 0.19's optimizer attributes).
+
+    Weights: the module's parameters (ZeRO-3: each one's ``ds_tensor`` partition, and the whole
+    tensor where DeepSpeed keeps it). Optimizer: the
+    torch optimizer's state on the flat partitions plus the fp32 master partitions
+    (``single_partition_of_fp32_groups``, ZeRO-3 ``fp32_partitioned_groups_flat``). Gradients:
+    ZeRO-1 keeps whole gradients (reduced at the step), ZeRO-2 and 3 a partition of the master
+    partition's size in the weights' dtype.
+    """
+    import torch
+
+    def size(x) -> int:
+        if torch.is_tensor(x):
+            return x.numel() * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(size(y) for y in x)
+        return 0
+
+    params = list(model.parameters())
+    stage3 = type(zero).__name__.endswith("Stage3")
+    nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in params)
+    # ZeRO-3 keeps its partition (ds_tensor) and, for parameters under stage3_param_persistence_threshold
+    # (1e5 elements by default) or still gathered, the whole tensor too: both are held
+    weights = sum(size(p.data) + (size(p.ds_tensor) if stage3 and hasattr(p, "ds_tensor") else 0) for p in params)
+    master = zero.fp32_partitioned_groups_flat if stage3 else zero.single_partition_of_fp32_groups
+    master_bytes, master_numel = size(master), sum(t.numel() for t in master)
+    moments = sum(size(v) for st in zero.optimizer.state.values() for v in st.values()
+                  if torch.is_tensor(v) and v.dim() > 0)
+    elem = params[0].element_size() if params else 4
+    stage = 3 if stage3 else int(getattr(zero, "partition_gradients", False)) + 1
+    grads = sum(p.numel() for p in params) * elem if stage == 1 else master_numel * elem
+    return weights + grads + master_bytes + moments, nparams
 
 
 def peak_memory_gib(device) -> tuple[float, float, str]:

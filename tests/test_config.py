@@ -22,7 +22,15 @@ def check(**kw):
     (dict(precision="fp64"), r"precision='fp64' is not accepted; use one of: auto, fp32, bf16, fp16"),
     (dict(parallelism="zero"), r"parallelism='zero' is not accepted; use one of: auto, single, ddp, fsdp"),
     (dict(precision="fp16"), r"precision='fp16' needs a CUDA device .*accepted on CPU: fp32, bf16"),
-    (dict(parallelism="fsdp"), r"parallelism='fsdp' needs CUDA devices \(FSDP does not run on CPU\)"),
+    (dict(parallelism="cp", num_processes=2), r"parallelism='cp' cannot run on CPU: torch 2.13's context_parallel "
+                                              r"has no sharding rule for the CPU attention kernel"),
+    (dict(parallelism="tp", num_processes=4), r"tensor parallelism over 4 ranks needs num_key_value_heads divisible "
+                                              r"by 4; the model has 2"),
+    (dict(parallelism="tp", num_processes=4, tp_size=2), r"parallelism='tp' uses every process .*use fsdp_tp"),
+    (dict(parallelism="fsdp_tp", num_processes=4), r"parallelism='fsdp_tp' needs tp_size > 1 dividing the 4 processes"),
+    (dict(parallelism="hsdp", num_processes=4), r"parallelism='hsdp' with dp_shard=4 of 4 processes replicates nothing"),
+    (dict(parallelism="hsdp", num_processes=4, dp_shard=3), r"parallelism='hsdp': dp_shard=3 must divide the 4 processes"),
+    (dict(parallelism="fsdp", num_processes=2, precision="bf16", tp_size=-1), r"tp_size=-1 must be >= 0"),
     (dict(resume="yes"), r"resume='yes' is not accepted; use one of: auto, never"),
     (dict(measure_energy="ipmi"), r"measure_energy='ipmi' is not accepted; use one of: auto, nvml, rapl, none"),
     (dict(device_hour_usd=-1.0), r"device_hour_usd=-1.0 must be >= 0 USD"),
@@ -31,6 +39,15 @@ def test_bad_settings_raise_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         check(**kw)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(parallelism="fsdp", num_processes=2), dict(parallelism="fsdp", num_processes=1),
+    dict(parallelism="hsdp", num_processes=4, dp_shard=2), dict(parallelism="tp", num_processes=2),
+    dict(parallelism="fsdp_tp", num_processes=4, tp_size=2), dict(parallelism="ddp", num_processes=2),
+])
+def test_sharded_and_tensor_parallel_strategies_validate_on_cpu(kw):
+    check(**kw)  # FSDP2, HSDP, TP and 2-D run on CPU over gloo (tests/test_strategies.py trains each)
 
 
 def test_bf16_unsupported_device_is_rejected():

@@ -129,6 +129,15 @@ def test_each_rank_gets_a_disjoint_shard_and_together_all_blocks(tok):
     assert len(set(seen[0])) == 10 and not set(seen[0]) & set(seen[1])
 
 
+def test_data_parallel_ranks_split_the_batches_of_one_process(tok):
+    # the global batch, not the layout, decides the data: 2 ranks of 2 read one process's 4 (train/batches.py)
+    d = D.prepare_data("synthetic", tok, 8, synthetic_blocks=40, vocab_size=50, val_fraction=0.0)
+    one = BatchStream(d, 4, 1, 0, 5, 0, "cpu")
+    two = [BatchStream(d, 2, 2, rank, 5, 0, "cpu") for rank in (0, 1)]
+    for _ in range(12):  # crosses the epoch boundary (10 global micro-batches of 4 per epoch)
+        assert torch.equal(next(one)["input_ids"], torch.cat([next(s)["input_ids"] for s in two]))
+
+
 def test_resumed_stream_sees_the_same_batches_as_an_uninterrupted_one(tok):
     d = D.prepare_data("synthetic", tok, 8, synthetic_blocks=40, vocab_size=50, val_fraction=0.0)
     full = BatchStream(d, 4, 1, 0, 7, 0, "cpu")

@@ -35,8 +35,43 @@ def test_activation_bytes_hand_computed():
 
 
 def test_unknown_strategy_rejected():
-    with pytest.raises(ValueError, match="strategy='tp' is not accepted"):
-        model_state_bytes(1, "tp", 1)
+    with pytest.raises(ValueError, match="strategy='pp' is not accepted"):
+        model_state_bytes(1, "pp", 1)
+
+
+@pytest.mark.parametrize("strategy, kw, per_param", [
+    ("ddp", dict(dp=2), 16.0),                                 # fp32 AdamW: 4 + 4 + 8, replicated
+    ("fsdp", dict(dp=2), 8.0),                                 # all of it / 2
+    ("hsdp", dict(dp=4, dp_shard=2), 8.0),                     # / the shard group, not / dp
+    ("deepspeed_zero1", dict(dp=2, precision="fp32"), 4 + 4 + 6.0),   # fp32 working copy + 12 B / 2
+    ("deepspeed_zero2", dict(dp=2, precision="fp32"), 4 + 2 + 6.0),
+    ("deepspeed_zero3", dict(dp=2, precision="fp32"), 2 + 2 + 6.0),
+])
+def test_model_state_bytes_per_parameter_by_sharding(strategy, kw, per_param):
+    assert sum(model_state_bytes(1000, strategy, **kw)) / 1000 == per_param
+
+
+def test_tensor_parallel_splits_only_the_planned_matrices():
+    # 1000 parameters, 600 of them in the planned layer matrices: a TP rank of 2 holds 400 + 300
+    assert model_state_bytes(1000, "tp", 1, tp=2, tp_params=600) == (4 * 700, 4 * 700, 8 * 700)
+    assert model_state_bytes(1000, "fsdp_tp", 2, tp=2, tp_params=600) == (4 * 350, 4 * 350, 8 * 350)
+
+
+def test_llama_tiny_parameter_split_matches_the_model():
+    from mlflow_llmeff.plan import parameter_split
+    from mlflow_llmeff.presets import load_config
+
+    split = parameter_split(load_config("llama-tiny"))
+    # per layer: q 64x64, k 64x32, v 64x32, o 64x64, gate/up/down 3 x 64x176 = 46,080 planned; + 2 norms of 64
+    assert split == {"total": 125_632, "layers": 2 * (46_080 + 128), "tensor_parallel": 2 * 46_080}
+
+
+def test_tensor_parallel_activations_divide_the_block_insides():
+    shape = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10)
+    full1, _ = activation_bytes(shape, 4, 2, precision="bf16")
+    full2, _ = activation_bytes(shape, 4, 2, precision="bf16", tp=2)
+    # per token per layer 208 B of which 2h + 2h + 4h = 64 stay whole and 144 (Q, K, V, attention out, MLP) halve
+    assert full1 - full2 == (144 / 2) * 8 * 2
 
 
 @pytest.mark.slow
@@ -69,7 +104,7 @@ def test_plan_prefers_runs_of_the_same_sequence_length_and_micro_batch(tracking_
     import mlflow
 
     from mlflow_llmeff import names
-    from mlflow_llmeff.plan import history_tflops
+    from mlflow_llmeff.report.predict import history_tflops
 
     client = mlflow.MlflowClient()
     exp = client.create_experiment("plan-seq")
@@ -91,6 +126,7 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
 
     from mlflow_llmeff import names
     from mlflow_llmeff.plan import make_plan
+    from mlflow_llmeff.report.predict import add_predictions
     from mlflow_llmeff.train.config import TrainConfig
 
     client = mlflow.MlflowClient()
@@ -106,8 +142,8 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
     client.log_metric(diverged, names.SUM_DEVICE_TFLOPS, 9000.0)  # a FAILED run never feeds a prediction
     client.set_terminated(diverged, "FAILED")
     cfg = TrainConfig(model="llama-7b", seq_len=4096, micro_batch_size=1, grad_accum=4, num_processes=8, max_steps=1000)
-    plan = make_plan(cfg, accelerator_short="H100-SXM", precision="bf16", strategy="ddp", client=client,
-                     device_hour_usd=2.0)
+    plan = add_predictions(make_plan(cfg, accelerator_short="H100-SXM", precision="bf16", strategy="ddp"), cfg,
+                           client=client, accelerator_short="H100-SXM", strategy="ddp", device_hour_usd=2.0)
     fpt = 42.8637e9  # Llama-2-7B at 4096, METRICS.md
     tps = 400e12 * 8 / fpt
     assert plan["prediction_basis"] == "median of 3 runs of llama-7b's shape"
@@ -133,6 +169,7 @@ def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri)
 
     from mlflow_llmeff import names
     from mlflow_llmeff.plan import make_plan
+    from mlflow_llmeff.report.predict import add_predictions
     from mlflow_llmeff.train.config import TrainConfig
 
     client = mlflow.MlflowClient()
@@ -140,8 +177,9 @@ def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri)
                                        names.MODEL_PARAMS: "125632"}).info.run_id
     client.log_metric(rid, names.SUM_DEVICE_TFLOPS, 0.02)
     client.set_terminated(rid, "FINISHED")
-    plan = make_plan(TrainConfig(model="llama-7b"), accelerator_short="cpu", precision="fp32", strategy="single",
-                     client=client, device_hour_usd=1.0)
+    cfg = TrainConfig(model="llama-7b")
+    plan = add_predictions(make_plan(cfg, accelerator_short="cpu", precision="fp32", strategy="single"), cfg,
+                           client=client, accelerator_short="cpu", strategy="single", device_hour_usd=1.0)
     assert plan["prediction_basis"].startswith("median of 1 runs of other models on cpu, scaled by FLOPs per token")
     assert "llama-tiny, 125,632 params" in plan["prediction_basis"] and "rough guess" in plan["prediction_basis"]
     assert plan["predicted_tokens_per_sec"] == pytest.approx(0.02e12 / plan["flops_per_token_megatron"])

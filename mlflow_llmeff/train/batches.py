@@ -1,9 +1,15 @@
 """Which blocks each rank trains on, step by step, so a resume continues the data order exactly.
 
-Each rank reads only its shard of the training blocks (contiguous, disjoint, split as
-``datasets.distributed.split_dataset_by_node`` splits a map-style dataset) through a torch ``DataLoader`` (worker processes,
-pinned memory on CUDA, prefetching); the order inside a shard is a fresh seeded permutation per
-epoch, so it depends only on ``(seed, world, rank, micro-step)``.
+The order is one global sequence of micro-batches of the whole data-parallel group, as Megatron-LM's
+``MegatronPretrainingSampler`` draws them: every epoch is a fresh seeded permutation of all the
+training blocks, global micro-step ``k`` takes the ``micro_batch_size x world`` blocks at slice
+``k`` of it, and data-parallel rank ``r`` the ``r``-th ``micro_batch_size`` of those. The blocks a
+step trains on therefore depend only on ``(seed, global batch, micro-step)``, not on how the
+ranks split them: 2 data-parallel ranks of 4 sequences see the same 8 blocks as one process of
+8, so runs of different strategies with the same global batch train on the same tokens in the
+same order (and a tensor-parallel group, one data-parallel rank, reads one stream). Each rank
+reads its blocks through a torch ``DataLoader`` (worker processes, pinned memory on CUDA,
+prefetching).
 """
 
 from __future__ import annotations
@@ -13,34 +19,39 @@ import itertools
 from .data import epoch_permutation
 
 
-def micro_batches(n: int, micro_batch_size: int, seed: int, start: int, per_epoch: int | None = None):
-    """Yield index lists (into this rank's shard of ``n`` blocks) of micro-batches from micro-step ``start`` on.
+def micro_batches(n: int, micro_batch_size: int, seed: int, start: int, per_epoch: int | None = None,
+                  world: int = 1, rank: int = 0):
+    """Yield index lists (into the ``n`` training blocks) of this rank's micro-batches from micro-step ``start`` on.
 
-    Every epoch is a fresh seeded permutation of the shard; micro-step ``k`` takes slice
-    ``k mod per_epoch`` of it, so the order depends only on ``(seed, k)`` and resuming at a step
-    boundary continues it exactly.
+    Every epoch is a fresh seeded permutation of all ``n`` blocks; global micro-step ``k`` takes
+    slice ``k mod per_epoch`` of ``micro_batch_size x world`` blocks of it, and rank ``rank`` its
+    ``rank``-th part, so the order depends only on ``(seed, k)`` and the global batch, and resuming
+    at a step boundary continues it exactly.
 
     Args:
-        n: blocks in this rank's shard.
-        micro_batch_size: blocks per micro-batch.
+        n: training blocks.
+        micro_batch_size: blocks per micro-batch per rank.
         seed: data-order seed.
         start: the global micro-step to start at (0 for a new run).
-        per_epoch: micro-batches per epoch, the same on every rank (default ``n // micro_batch_size``;
-            pass the smallest shard's so ranks with one block more stay in step).
+        per_epoch: global micro-batches per epoch (default ``n // (micro_batch_size x world)``).
+        world, rank: data-parallel ranks and this one's index.
 
     Raises:
-        ValueError: when there are fewer blocks than one micro-batch.
+        ValueError: when there are fewer blocks than one global micro-batch.
     """
-    per_epoch = n // micro_batch_size if per_epoch is None else per_epoch
+    width = micro_batch_size * world
+    per_epoch = n // width if per_epoch is None else per_epoch
     if per_epoch < 1:
-        raise ValueError(f"{n} training blocks on this rank are fewer than one micro-batch "
-                         f"(micro_batch_size={micro_batch_size}); use more text or smaller batches")
+        raise ValueError(f"{n} training blocks are fewer than one global micro-batch "
+                         f"(micro_batch_size={micro_batch_size} x {world} data-parallel ranks); use more text or "
+                         "smaller batches")
     k, cached = start, (None, None)
+    lo = rank * micro_batch_size
     while True:
         epoch, off = divmod(k, per_epoch)
         if cached[0] != epoch:
             cached = (epoch, epoch_permutation(n, epoch, seed))
-        yield cached[1][off * micro_batch_size: (off + 1) * micro_batch_size].tolist()
+        yield cached[1][off * width + lo: off * width + lo + micro_batch_size].tolist()
         k += 1
 
 
@@ -72,7 +83,8 @@ class BatchStream:
     Args:
         data: the :class:`~mlflow_llmeff.train.data.PreparedData` (its ``train`` blocks, or stream).
         micro_batch_size: blocks per micro-batch.
-        world, rank: data-parallel processes and this one's index.
+        world, rank: data-parallel ranks and this one's data-parallel index (tensor-parallel
+            peers share it and read the same batches).
         seed: data-order seed.
         start: global micro-step to start at (a resume passes ``step * grad_accum``).
         device: where batches go (copied with ``non_blocking`` from pinned memory on CUDA).
@@ -91,15 +103,9 @@ class BatchStream:
             self._it = _stream_batches(data.train, TokenBlocks, data.seq_len, data.pad_id, micro_batch_size, start)
             return
         train = data.train
-        shard = train.shard(world, rank)
-        per_epoch = (len(train) // world) // micro_batch_size  # the smallest shard's, the same on every rank
-        if per_epoch < 1:
-            raise ValueError(f"{len(train)} training blocks are fewer than one global micro-batch "
-                             f"(micro_batch_size={micro_batch_size} x {world} processes); use more text or "
-                             f"smaller batches")
-        sampler = micro_batches(len(shard), micro_batch_size, seed, start, per_epoch)
+        sampler = micro_batches(len(train), micro_batch_size, seed, start, world=world, rank=rank)
         loader = torch.utils.data.DataLoader(
-            shard, batch_sampler=sampler, collate_fn=_as_is, num_workers=num_workers, pin_memory=cuda,
+            train, batch_sampler=sampler, collate_fn=_as_is, num_workers=num_workers, pin_memory=cuda,
             prefetch_factor=4 if num_workers else None, persistent_workers=num_workers > 0)
         self._it = iter(loader)
 

@@ -1,7 +1,9 @@
 """Checkpoints: ``accelerate.save_state`` plus our counters, so a killed run resumes exactly.
 
-Layout: ``<checkpoint_dir>/step_<NNNNNNNN>/`` holds Accelerate's state (model, optimizer, RNG,
-registered scheduler) and ``llmeff_state.json`` (step, MLflow run id, token and time counters).
+Layout: ``<checkpoint_dir>/step_<NNNNNNNN>/`` holds the strategy's training state (Accelerate's
+``save_state``: model, optimizer, RNG, registered scheduler; DeepSpeed's partitioned files; for the
+device-mesh strategies also ``dcp/``, every rank's shards written by ``torch.distributed.checkpoint``)
+and ``llmeff_state.json`` (step, MLflow run id, token and time counters).
 
 Writes are atomic: everything goes into ``step_<NNNNNNNN>.partial/`` first, every file is
 fsynced, the JSON is written last, and only then is the folder renamed to its final name (and the
@@ -116,12 +118,13 @@ def prune(checkpoint_dir: str, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def find_resume(checkpoint_dir: str, resume: str, world: int) -> tuple[str, dict] | None:
+def find_resume(checkpoint_dir: str, resume: str, world: int, strategy: str | None = None) -> tuple[str, dict] | None:
     """The checkpoint a run resumes from (``resume=auto``), or None.
 
     Raises:
-        ValueError: when the checkpoint was written by another number of processes, or by a
-            version of mlflow_llmeff whose counters this one cannot continue.
+        ValueError: when the checkpoint was written by another number of processes or another
+            parallelism strategy (its sharded state is that strategy's), or by a version of
+            mlflow_llmeff whose counters this one cannot continue.
     """
     if not checkpoint_dir or resume != "auto":
         return None
@@ -132,13 +135,17 @@ def find_resume(checkpoint_dir: str, resume: str, world: int) -> tuple[str, dict
     if state.get("world_size") != world:
         raise ValueError(f"checkpoint {path} was written by {state.get('world_size')} processes, this run has "
                          f"{world}; resume with num_processes={state.get('world_size')} or resume=never")
+    written = state.get("params", {}).get("parallelism")
+    if strategy is not None and written not in (None, strategy) and not {written, strategy} <= {"auto", "single", "ddp"}:
+        raise ValueError(f"checkpoint {path} was written with parallelism={written!r}, this run has {strategy!r}; "
+                         f"resume with parallelism={written} or resume=never")
     if "monitor" not in state:
         raise ValueError(f"checkpoint {path} was written by an older mlflow_llmeff without meter state; "
                          "resume=never starts a new run")
     return path, state
 
 
-def save(accelerator, cfg, step: int, monitor, extra: dict) -> None:
+def save(accelerator, cfg, step: int, monitor, extra: dict, strategy=None, model=None, optimizer=None) -> None:
     """Write Accelerate's state, then the meter's state, atomically (a collective: every rank calls it).
 
     Everything is written into ``step_<N>.partial/``; the meter's state is taken after the weights
@@ -152,7 +159,10 @@ def save(accelerator, cfg, step: int, monitor, extra: dict) -> None:
     if accelerator.is_main_process and os.path.isdir(path):
         shutil.rmtree(path)  # left by an earlier attempt killed at this very step
     accelerator.wait_for_everyone()
-    accelerator.save_state(path)
+    if strategy is None:
+        accelerator.save_state(path)
+    else:  # the strategy's sharded state (torch.distributed.checkpoint, DeepSpeed's own files, save_state)
+        strategy.save(accelerator, model, optimizer, path)
     state = monitor.state_dict()
     accelerator.wait_for_everyone()  # every rank's shard is on disk
     if accelerator.is_main_process:

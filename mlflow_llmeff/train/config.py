@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass, field
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-PARALLELISMS = ("auto", "single", "ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+from ..parallel import NAMES as _STRATEGY_NAMES
+
+PARALLELISMS = ("auto",) + _STRATEGY_NAMES  # docs/parallelism.md
 RESUME_MODES = ("auto", "never")
 NAN_POLICIES = ("fail", "skip_step")
 ATTN_IMPLS = ("sdpa", "eager")
@@ -45,8 +47,12 @@ class TrainConfig:
     num_machines: int = field(default=1, metadata={"help": "machines (nodes) in the job; > 1 launches through accelerate launch on each, with machine_rank and main_process_ip"})
     machine_rank: int = field(default=0, metadata={"help": "this machine's rank in 0..num_machines-1 (0 logs to MLflow)"})
     main_process_ip: str = field(default="", metadata={"help": "address of machine 0 for the rendezvous (with num_machines > 1)"})
-    main_process_port: int = field(default=29500, metadata={"help": "TCP port of the rendezvous on machine 0"})
-    parallelism: str = field(default="auto", metadata={"help": "auto (single or ddp), single, ddp, fsdp, deepspeed_zero1/2/3"})
+    main_process_port: int = field(default=29500, metadata={"help": "TCP port of the rendezvous of the processes (on machine 0 with several machines)"})
+    parallelism: str = field(default="auto", metadata={"help": "auto (single or ddp), single, ddp, fsdp, hsdp, tp, fsdp_tp, deepspeed_zero1/2/3 (cp: refused on CPU, see docs/parallelism.md)"})
+    tp_size: int = field(default=0, metadata={"help": "tensor-parallel degree for tp (0 = every process) and fsdp_tp (> 1, dividing the processes)"})
+    dp_shard: int = field(default=0, metadata={"help": "hsdp: ranks each replica shards the model state over (0 = the processes of one machine)"})
+    reshard_after_forward: bool = field(default=True, metadata={"help": "FSDP2 (fsdp, hsdp, fsdp_tp): free gathered layer weights after their forward and gather again for the backward (false: keep them, one all-gather fewer, more memory)"})
+    measure_comm: bool = field(default=True, metadata={"help": "with several processes: time all-reduce/all-gather/reduce-scatter at start (cached per machine) and profile warm-up steps for exposed communication and bytes per step"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in the backward pass"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (compile time falls in warm-up)"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager"})
@@ -130,7 +136,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
 
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum", "num_processes", "log_every_n_steps"):
         _positive(name, getattr(cfg, name))
-    for name in ("warmup_steps", "eval_every", "checkpoint_every", "val_blocks", "tokenize_workers"):
+    for name in ("warmup_steps", "eval_every", "checkpoint_every", "val_blocks", "tokenize_workers", "tp_size", "dp_shard"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
     _positive("checkpoint_keep", cfg.checkpoint_keep)
@@ -171,15 +177,6 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
         raise ValueError("precision='fp16' needs a CUDA device (fp16 mixed precision is GPU-only); accepted on CPU: fp32, bf16")
     if cfg.precision == "bf16" and not bf16_supported:
         raise ValueError("precision='bf16' is not supported by this device; accepted here: fp32, fp16")
-    if cfg.parallelism == "fsdp" and not cuda_available:
-        raise ValueError("parallelism='fsdp' needs CUDA devices (FSDP does not run on CPU); accepted on CPU: auto, single, ddp")
-    if cfg.parallelism.startswith("deepspeed"):
-        if not cuda_available:
-            raise ValueError(f"parallelism={cfg.parallelism!r} needs CUDA devices; accepted on CPU: auto, single, ddp")
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise ValueError(f"parallelism={cfg.parallelism!r} needs the deepspeed package (pip install deepspeed)") from None
     if cfg.num_machines < 1 or not 0 <= cfg.machine_rank < cfg.num_machines:
         raise ValueError(f"machine_rank={cfg.machine_rank} with num_machines={cfg.num_machines}; "
                          f"machine_rank must be in 0..{max(0, cfg.num_machines - 1)}")
@@ -187,10 +184,10 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
         raise ValueError(f"num_machines={cfg.num_machines} needs main_process_ip (the address of machine 0)")
     if not 0 < cfg.main_process_port < 65536:
         raise ValueError(f"main_process_port={cfg.main_process_port} must be a TCP port in 1..65535")
-    if cfg.parallelism == "single" and cfg.num_processes * cfg.num_machines > 1:
-        raise ValueError(f"parallelism='single' with num_processes={cfg.num_processes}; use ddp, fsdp or deepspeed_zero*")
-    if cfg.num_processes > 1 and cfg.parallelism in ("ddp", "auto") and not cuda_available:
-        pass  # CPU DDP over gloo works through the multi-process launcher
+    strategy = get_strategy(cfg)
+    strategy.check(cuda=cuda_available, precision=resolve_precision(cfg, cuda_available=cuda_available,
+                                                                   bf16_supported=bf16_supported))
+    degrees = resolve_degrees(cfg)  # raises when the degrees do not fit the processes
     if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
         raise ValueError(f"checkpoint_dir={cfg.checkpoint_dir!r} exists and is not a directory")
 
@@ -222,6 +219,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     limit = max_positions(config)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len={cfg.seq_len} exceeds the {limit} positions of model {cfg.model!r}; use seq_len <= {limit}")
+    strategy.check_model(config, degrees)
     dataset_kind(cfg.dataset)
 
 
@@ -237,6 +235,23 @@ def resolve_strategy(cfg: TrainConfig, world_size: int) -> str:
     if cfg.parallelism == "auto":
         return "single" if world_size == 1 else "ddp"
     return cfg.parallelism
+
+
+def get_strategy(cfg: TrainConfig):
+    """The :class:`~mlflow_llmeff.parallel.base.Strategy` of ``cfg`` (``auto`` resolved)."""
+    from .. import parallel
+
+    return parallel.get(resolve_strategy(cfg, cfg.num_processes * cfg.num_machines))
+
+
+def resolve_degrees(cfg: TrainConfig):
+    """The run's :class:`~mlflow_llmeff.parallel.degrees.Degrees` (world = processes x machines).
+
+    Raises:
+        ValueError: when ``tp_size`` / ``dp_shard`` do not fit the processes (one line).
+    """
+    return get_strategy(cfg).degrees(cfg.num_processes * cfg.num_machines, tp_size=cfg.tp_size,
+                                     dp_shard=cfg.dp_shard, processes_per_node=cfg.num_processes)
 
 
 def render_mlproject() -> str:

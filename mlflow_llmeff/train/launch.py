@@ -1,8 +1,8 @@
 """Start training: in this process for one device, through ``accelerate launch`` for several.
 
-On a machine without CUDA, several processes run CPU DDP over gloo; Accelerate's multi-process
-launcher needs ``ACCELERATE_USE_CPU=1`` for that (with ``--cpu`` alone it silently starts one
-process), so we set it.
+On a machine without CUDA, several processes train over gloo; each strategy
+(:mod:`mlflow_llmeff.parallel`) gives the launcher flags and environment it needs there (DDP,
+FSDP2 and tensor parallelism ``ACCELERATE_USE_CPU=1``, DeepSpeed ``DS_ACCELERATOR=cpu``).
 """
 
 from __future__ import annotations
@@ -18,19 +18,27 @@ from .config import TrainConfig, validate
 
 def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict[str, str]]:
     """The ``accelerate launch`` command line and environment for ``cfg.num_processes`` processes on
-    each of ``cfg.num_machines`` machines (Accelerate counts processes over all machines)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--num_processes", str(cfg.num_processes * cfg.num_machines),
-           "--num_machines", str(cfg.num_machines), "--dynamo_backend", "no", "--mixed_precision", "no"]
-    if cfg.num_machines > 1:
-        cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip,
-                "--main_process_port", str(cfg.main_process_port)]
-    if cfg.parallelism not in ("fsdp",) and not cfg.parallelism.startswith("deepspeed"):
-        cmd.append("--multi_gpu")
-    cmd += ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
+    each of ``cfg.num_machines`` machines (Accelerate counts processes over all machines); the
+    strategy adds its flags (``--multi_gpu``, ``--use_deepspeed --zero_stage N``) and environment."""
+    from .config import get_strategy
+
+    strategy = get_strategy(cfg)
+    flags = strategy.launcher_args(cuda=cuda)
+    script = ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
+    if cfg.num_processes * cfg.num_machines == 1 and "--multi_gpu" in flags:
+        # one process that needs a process group (FSDP2 on one GPU): accelerate launch refuses
+        # --multi_gpu below 2 processes; its multi-GPU launcher is torchrun, so run that directly
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *script]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               "--num_processes", str(cfg.num_processes * cfg.num_machines),
+               "--num_machines", str(cfg.num_machines), "--dynamo_backend", "no", "--mixed_precision", "no"]
+        if cfg.num_machines > 1:
+            cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip]
+        cmd += ["--main_process_port", str(cfg.main_process_port)]  # the rendezvous port (default 29500)
+        cmd += flags + script
     env = dict(os.environ)
-    if not cuda:
-        env["ACCELERATE_USE_CPU"] = "1"
+    env.update(strategy.launcher_env(cuda=cuda))
     return cmd, env
 
 
@@ -83,7 +91,9 @@ def launch(cfg: TrainConfig) -> int:
     verdict = fit_here(cfg)
     if verdict.fits is False and not cfg.force:
         raise FitError(verdict.line(message_style()))
-    if cfg.num_processes == 1 and cfg.num_machines == 1:
+    from .config import get_strategy
+
+    if cfg.num_processes == 1 and cfg.num_machines == 1 and not get_strategy(cfg).needs_launcher:
         from ..probes import process_start_perf_counter
         from .loop import run_training
 
@@ -112,6 +122,7 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     from .. import names
     from ..cost import device_hour_price
     from ..plan import format_plan, make_plan
+    from ..report.predict import add_predictions
     from .config import resolve_precision, resolve_strategy
 
     here = accelerator_short is None
@@ -130,8 +141,9 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
     strategy = resolve_strategy(cfg, cfg.num_processes)
     price, _ = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
-    plan = make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy,
-                     client=mlflow.MlflowClient(), device_hour_usd=price)
+    plan = add_predictions(make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy),
+                           cfg, client=mlflow.MlflowClient(), accelerator_short=accelerator_short, strategy=strategy,
+                           device_hour_usd=price)
     if here:
         verdict = fit_here(cfg)
     else:

@@ -92,16 +92,18 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
         for name in ckpt.clean_partial(cfg.checkpoint_dir):
             print(f"llmeff: removed the half-written checkpoint {name} left by an interrupted save")
     t.accelerator.wait_for_everyone()
-    found = ckpt.find_resume(cfg.checkpoint_dir, cfg.resume, t.world)
+    found = ckpt.find_resume(cfg.checkpoint_dir, cfg.resume, t.world, cfg.parallelism)
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
     monitor = _open_monitor(cfg, t, found, started, carbon)
     holder["monitor"] = monitor
     if monitor.is_main and monitor.run_id and not found:
         _log_dataset(cfg, t, monitor)
+    if not found:
+        _probe_comm(cfg, t, monitor)
     if found:
         with monitor.pause("checkpoint_load"):
-            t.accelerator.load_state(found[0])
+            t.parallel.load(t.accelerator, t.model, t.optimizer, found[0])
     _train(cfg, t, monitor, start_step=monitor.step_count,
            skipped=int(found[1].get("skipped_steps", 0)) if found else 0)
     summary = monitor.finish()
@@ -133,7 +135,8 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
         print(f"llmeff: resuming MLflow run {state['run_id']} from checkpoint step {state['step']}")
     tags = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),
             names.MICRO_BATCH_SIZE: str(cfg.micro_batch_size), names.GRAD_ACCUM: str(cfg.grad_accum),
-            names.GLOBAL_BATCH_TOKENS: str(cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * t.world),
+            names.GLOBAL_BATCH_TOKENS: str(cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * t.dp_world),
+            **t.layout.degrees.tags(),
             names.DATASET: cfg.dataset, names.DATASET_KIND: t.data.kind, names.TOKENIZER: tokenizer_name(cfg.model),
             names.EVAL_BATCH_SIZE: str(cfg.micro_batch_size),  # evaluate.py scores micro_batch_size sequences a pass
             names.GIT_COMMIT: git_commit(os.path.dirname(os.path.abspath(__file__)))}
@@ -153,7 +156,35 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
         run_name=cfg.run_name or None, experiment_name=cfg.experiment_name or None, tags=tags,
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
         integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir),
-        outbox_dir=os.path.join(cfg.checkpoint_dir, "outbox") if cfg.checkpoint_dir else None)
+        outbox_dir=os.path.join(cfg.checkpoint_dir, "outbox") if cfg.checkpoint_dir else None,
+        data_parallel_size=t.dp_world)
+
+
+def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
+    """Bus bandwidth of the run's process group and its link's peak, at step 0 (every rank; cached
+    per machine, so seconds once). Never stops training."""
+    from .. import commprobe
+    from ..conditions import nodes
+
+    if t.world < 2 or not cfg.measure_comm:
+        why = "none: measure_comm=false" if t.world > 1 else "none: one process, no collectives"
+        monitor.set_tags({names.COMM_PROBE: why})
+        return
+    try:
+        with monitor.pause("init"):
+            result = commprobe.measure(t.device, nodes=nodes(t.world), device_name=monitor.accelerator.name)
+            backend = str(__import__("torch").distributed.get_backend())
+            peak, why = commprobe.detect_link(t.device, backend=backend, nodes=nodes(t.world),
+                                              devices_per_node=cfg.num_processes)
+        metrics, tags = commprobe.probe_figures(result, peak, why)
+        monitor.log_metrics(metrics, 0)
+        monitor.set_tags(tags)
+        if t.accelerator.is_main_process and result is not None:
+            bw = ", ".join(f"{k.split('/')[1].split('_busbw')[0]} {v:.3g}" for k, v in metrics.items()
+                           if k.endswith("_gbps"))
+            print(f"llmeff: communication busbw GB/s ({result.describe().split(':')[0]}): {bw}")
+    except Exception as e:  # noqa: BLE001 - a failed probe is a tag, never the end of training
+        monitor.set_tags({names.COMM_PROBE: f"failed: {type(e).__name__}: {str(e)[:300]}"})
 
 
 def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
@@ -175,8 +206,14 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
 
     from .batches import BatchStream
 
-    batches = BatchStream(t.data, cfg.micro_batch_size, t.world, t.rank, cfg.seed,
+    from ..commprobe import StepSampler
+
+    batches = BatchStream(t.data, cfg.micro_batch_size, t.dp_world, t.dp_rank, cfg.seed,
                           start_step * cfg.grad_accum, t.device, num_workers=cfg.resolved_data_workers(t.world))
+    sampler = StepSampler(world=t.world, warmup_steps=cfg.warmup_steps, start_step=start_step, device=t.device,
+                          enabled=cfg.measure_comm, compiled=cfg.compile)
+    if not sampler.active:
+        monitor.set_tags(StepSampler.inactive_tag(t.world, cfg.measure_comm, cfg.warmup_steps))
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if t.accelerator.is_main_process else True,
                unit="step", dynamic_ncols=True)
     now = {"step": start_step + 1}
@@ -188,7 +225,7 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
         lr = t.scheduler.get_last_lr()[0]  # the rate this step uses
         first = step == start_step + 1 and cfg.warmup_steps > 0
         bad_step = False  # a micro-batch of this step had a non-finite loss (skip_step only)
-        with monitor.counting_hardware_flops() if first else nullcontext():
+        with sampler.around(step), (monitor.counting_hardware_flops() if first else nullcontext()):
             for i in range(cfg.grad_accum):
                 with monitor.pause("data_wait"):
                     batch = _next_batch(batches, step, first_micro=i == 0)
@@ -196,6 +233,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
                 bad_step = bad_step or bad
                 monitor.count(batch, loss=None if bad else loss)
         t.scheduler.step()
+        if sampler.due(step):
+            _sampled_comm(sampler, monitor)
         eval_now = _due(step, cfg.eval_every, cfg.max_steps) and (t.data.val is not None or bool(cfg.eval_tasks))
         ckpt_now = bool(cfg.checkpoint_dir) and _due(step, cfg.checkpoint_every, cfg.max_steps)
         monitor.step(learning_rate=lr, edge=eval_now or ckpt_now)
@@ -210,7 +249,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
         stop = cfg.stop_at_targets and monitor.targets_reached
         if ckpt_now or (stop and cfg.checkpoint_dir):
             with monitor.pause("checkpoint_save"):
-                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped})
+                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped},
+                          t.parallel, t.model, t.optimizer)
         _progress(bar, monitor)
         _inject_faults(step, monitor)
         if stop:
@@ -220,6 +260,16 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
     if oom is not None:
         oom.remove()
     bar.close()
+
+
+def _sampled_comm(sampler, monitor) -> None:
+    """The sampled steps' ``summary/comm_*`` figures (a collective), kept for the summary."""
+    try:
+        metrics, tags = sampler.figures()
+        monitor.add_summary(metrics)
+        monitor.set_tags(tags)
+    except Exception as e:  # noqa: BLE001 - measurement never stops training
+        monitor.set_tags({names.COMM_SAMPLED: f"failed: {type(e).__name__}: {str(e)[:300]}"})
 
 
 def _next_batch(batches, step: int, first_micro: bool) -> dict:
@@ -248,9 +298,9 @@ def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_befor
         if t.accelerator.sync_gradients and (bad or bad_before):
             t.optimizer.zero_grad(set_to_none=True)  # skip: these gradients come from a non-finite loss
         else:
-            if t.accelerator.sync_gradients and cfg.max_grad_norm > 0 and not cfg.parallelism.startswith("deepspeed"):
+            if t.accelerator.sync_gradients and cfg.max_grad_norm > 0 and not t.parallel.clips_in_engine:
                 t.accelerator.clip_grad_norm_(t.model.parameters(), cfg.max_grad_norm)
-            t.optimizer.step()
+            t.optimizer.step()  # Accelerate's optimizer wrapper steps at the accumulation boundary only
             t.optimizer.zero_grad(set_to_none=True)
     return loss, bad
 
@@ -362,7 +412,7 @@ def _save_model(path: str, t) -> None:
     Every rank takes part in gathering the weights (sharded under FSDP/DeepSpeed); the main process
     writes them.
     """
-    state = t.accelerator.get_state_dict(t.model)
+    state = t.parallel.full_state_dict(t.accelerator, t.model)
     if t.accelerator.is_main_process:
         t.accelerator.unwrap_model(t.model).save_pretrained(path, state_dict=state)
         t.tokenizer.save_pretrained(path)

@@ -24,6 +24,9 @@ class Training:
         model_config: the model's Hugging Face config.
         strategy: the ``llmeff.parallelism.strategy`` tag.
         precision: ``fp32``, ``bf16`` or ``fp16``.
+        parallel: the :class:`~mlflow_llmeff.parallel.base.Strategy` applied.
+        layout: this rank's :class:`~mlflow_llmeff.parallel.base.Layout` (degrees, data-parallel
+            rank, device mesh).
     """
 
     accelerator: Any
@@ -35,10 +38,22 @@ class Training:
     model_config: Any
     strategy: str
     precision: str
+    parallel: Any = None
+    layout: Any = None
 
     @property
     def world(self) -> int:
         return self.accelerator.num_processes
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks (ranks reading different batches)."""
+        return self.layout.degrees.dp if self.layout is not None else self.world
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index (the ranks of a tensor-parallel group share it)."""
+        return self.layout.dp_rank if self.layout is not None else self.rank
 
     @property
     def rank(self) -> int:
@@ -49,25 +64,15 @@ class Training:
         return self.accelerator.device
 
 
-def build_accelerator(cfg: TrainConfig, precision: str, cuda: bool):
-    """An ``Accelerator`` for ``cfg``: mixed precision, gradient accumulation, FSDP or DeepSpeed plugin."""
+def build_accelerator(cfg: TrainConfig, precision: str, cuda: bool, strategy=None):
+    """An ``Accelerator`` for ``cfg``: mixed precision, gradient accumulation and the strategy's plugin."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import GradientAccumulationPlugin
 
-    kwargs = {}
-    if cfg.parallelism == "fsdp":
-        from accelerate import FullyShardedDataParallelPlugin
+    from .config import get_strategy
 
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            auto_wrap_policy="transformer_based_wrap", activation_checkpointing=cfg.activation_checkpointing,
-            state_dict_type="SHARDED_STATE_DICT")
-    elif cfg.parallelism.startswith("deepspeed_zero"):
-        from accelerate.utils import DeepSpeedPlugin
-
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=int(cfg.parallelism[-1]),
-                                                     gradient_accumulation_steps=cfg.grad_accum,
-                                                     gradient_clipping=cfg.max_grad_norm or None)
+    strategy = strategy or get_strategy(cfg)
     # AcceleratorState is process-wide and keeps the first run's settings (precision, ...): a second
     # run in the same process (a notebook, a sweep, tests) would silently inherit them. The
     # distributed PartialState is kept.
@@ -76,21 +81,26 @@ def build_accelerator(cfg: TrainConfig, precision: str, cuda: bool):
     return Accelerator(
         mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision],
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
-        cpu=not cuda, **kwargs)
+        **strategy.accelerator_kwargs(cfg, cuda=cuda))
 
 
 def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
-    """Build every rank's accelerator, data, model (compiled if asked), AdamW and cosine schedule."""
+    """Build every rank's accelerator, layout (device mesh), data, model, AdamW and cosine schedule,
+    and apply the parallelism strategy (:mod:`mlflow_llmeff.parallel`) to the model before the
+    optimizer is made (sharded parameters are the optimizer's)."""
     import torch
     from accelerate.utils import set_seed
     from transformers import get_cosine_schedule_with_warmup
 
-    from .config import resolve_strategy
+    from .config import get_strategy, resolve_degrees, resolve_strategy
     from .data import prepare_data
     from .models import build_model, load_config, load_tokenizer
 
-    accelerator = build_accelerator(cfg, precision, cuda)
+    strategy = get_strategy(cfg)
+    accelerator = build_accelerator(cfg, precision, cuda, strategy)
     world = accelerator.num_processes
+    layout = strategy.layout(accelerator, resolve_degrees(cfg))
+    dp = layout.degrees.dp
     set_seed(cfg.seed)
     model_config = load_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
@@ -99,20 +109,22 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     with accelerator.main_process_first():
         data = prepare_data(cfg.dataset, tokenizer, cfg.seq_len, packing=cfg.packing, val_fraction=cfg.val_fraction,
                             seed=cfg.seed, text_field=cfg.text_field,
-                            synthetic_blocks=max(64, 2 * cfg.micro_batch_size * world * cfg.grad_accum),
+                            synthetic_blocks=max(64, 2 * cfg.micro_batch_size * dp * cfg.grad_accum),
                             vocab_size=min(len(tokenizer), model_config.vocab_size),
                             cache_dir=cfg.data_cache_dir or None, num_proc=cfg.tokenize_workers,
-                            streaming=cfg.streaming, world=world, rank=accelerator.process_index,
+                            streaming=cfg.streaming, world=dp, rank=layout.dp_rank,
                             stream_val_blocks=cfg.val_blocks or 32)
     if accelerator.is_main_process and data.cache is not None:
         c = data.cache
         print(f"llmeff: data: {c.tokens:,} tokens in {c.blocks:,} blocks of {cfg.seq_len} "
               f"({'from the cache' if c.hit else 'tokenized'}; data set-up {time.perf_counter() - t_data:.2f} s: {c.path})")
-    model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
-    if cfg.activation_checkpointing and cfg.parallelism != "fsdp":
+    with strategy.building(accelerator):
+        model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    model = strategy.parallelize(model, layout, cfg, precision, accelerator.device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -121,12 +133,12 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.resolved_lr_warmup_steps(), cfg.max_steps)
     if cfg.compile:  # compiled here rather than through Accelerate's dynamo plugin (see build_accelerator)
         model = torch.compile(model)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = strategy.prepare(accelerator, model, optimizer)
     # The scheduler is stepped by the loop once per optimizer step (Accelerate's wrapper would step
     # it num_processes times per call), and registered so save_state/load_state carry it.
     accelerator.register_for_checkpointing(scheduler)
     return Training(accelerator, model, optimizer, scheduler, tokenizer, data, model_config,
-                    resolve_strategy(cfg, world), precision)
+                    resolve_strategy(cfg, world), precision, strategy, layout)
 
 
 def teardown(t: Training) -> None:

@@ -1,0 +1,50 @@
+"""Parallelism strategies: one small module each (``ddp.py``, ``fsdp.py``, ``tp.py``,
+``fsdp_tp.py``, ``deepspeed.py``, ``cp.py``), found here by name.
+
+A module holds ``STRATEGIES``, a tuple of :class:`~mlflow_llmeff.parallel.base.Strategy` objects;
+adding a strategy is adding (or extending) one module. Importing this package imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .base import Layout, MeshStrategy, Strategy
+from .degrees import Degrees
+
+__all__ = ["Degrees", "Layout", "MeshStrategy", "Strategy", "NAMES", "get", "all_strategies"]
+
+_INFRA = {"base", "degrees"}
+
+
+def _discover() -> dict[str, Strategy]:
+    found: dict[str, Strategy] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name in _INFRA or info.name.startswith("_"):
+            continue
+        for s in getattr(importlib.import_module(f"{__name__}.{info.name}"), "STRATEGIES", ()):
+            found[s.name] = s
+    return found
+
+
+_REGISTRY = _discover()
+_ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "cp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
+#: Every strategy name, in the order the docs list them (new ones at the end).
+NAMES: tuple[str, ...] = tuple([n for n in _ORDER if n in _REGISTRY] + sorted(set(_REGISTRY) - set(_ORDER)))
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name``.
+
+    Raises:
+        ValueError: for an unknown name (lists the accepted ones).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"parallelism={name!r} is not accepted; use one of: auto, {', '.join(NAMES)}")
+    return _REGISTRY[name]
+
+
+def all_strategies() -> list[Strategy]:
+    """Every strategy, in :data:`NAMES` order."""
+    return [_REGISTRY[n] for n in NAMES]

@@ -1,0 +1,286 @@
+"""What every parallelism strategy provides, and the shared machinery of the device-mesh ones.
+
+A strategy is one small module of this package (``ddp.py``, ``fsdp.py``, ``tp.py``, ...) holding a
+:class:`Strategy` object; the training entrypoint applies it step by step, as torchtitan's
+``parallelize_*`` functions are applied:
+
+1. :meth:`Strategy.degrees` (pure): how the world splits, from the settings;
+2. :meth:`Strategy.check` / :meth:`Strategy.check_model`: a one-line refusal of what cannot run;
+3. :meth:`Strategy.launcher_args` / :meth:`Strategy.launcher_env`: the ``accelerate launch`` flags;
+4. on every rank: :meth:`Strategy.accelerator_kwargs`, :meth:`Strategy.layout` (device mesh,
+   data-parallel rank), :meth:`Strategy.building` (around the model build),
+   :meth:`Strategy.parallelize` (before the optimizer exists), :meth:`Strategy.prepare`;
+5. then :meth:`Strategy.save` / :meth:`Strategy.load` for checkpoints, :meth:`Strategy.eval_model`
+   for benchmarks and :meth:`Strategy.full_state_dict` for ``save_pretrained``.
+
+The defaults are Accelerate's own path (``accelerator.prepare``, ``save_state``), which DDP and
+DeepSpeed use. :class:`MeshStrategy` is the path of FSDP2, HSDP, tensor and 2-D parallelism:
+torch's ``fully_shard`` / ``parallelize_module`` on a device mesh that Accelerate's
+``ParallelismConfig`` builds, sharded checkpoints with ``torch.distributed.checkpoint``. It is
+used on CUDA too, so the path the CPU tests exercise is the one GPU runs take. Accelerate 1.15
+cannot drive these on CPU: its FSDP plugin is silently ignored under ``MULTI_CPU`` (the run trains
+plain DDP and ``save_state`` writes one ``model.safetensors``), and a ``ParallelismConfig`` with
+``tp_size > 1`` is refused there ("only compatible with FSDP2, Multi-device or DeepSpeed"),
+both measured with torch 2.13 over gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .degrees import Degrees
+
+__all__ = ["Strategy", "MeshStrategy", "Layout"]
+
+
+@dataclass
+class Layout:
+    """Where this rank sits, once the process group exists.
+
+    Attributes:
+        degrees: the run's :class:`~mlflow_llmeff.parallel.degrees.Degrees`.
+        dp_rank: this rank's index among the data-parallel ranks (``0..dp-1``); the ranks of one
+            model-parallel group share it, so they read the same batches.
+        mesh: the torch ``DeviceMesh`` (dimensions ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``
+            as far as they are > 1, plus the flattened ``dp``), or None for strategies without one.
+    """
+
+    degrees: Degrees
+    dp_rank: int = 0
+    mesh: Any = None
+
+
+class Strategy:
+    """One parallelism strategy (see the module docstring for the order of the calls).
+
+    Attributes:
+        name: the ``parallelism`` value and the ``llmeff.parallelism.strategy`` tag.
+        summary: one line for ``--help`` and the docs.
+        needs_launcher: True when even one process runs under ``accelerate launch`` (a process
+            group is needed); False runs one process in the calling process.
+    """
+
+    name = ""
+    summary = ""
+    needs_launcher = True
+
+    # ------------------------------------------------------------------ pure: degrees and checks
+    def degrees(self, world: int, *, tp_size: int = 0, dp_shard: int = 0, processes_per_node: int = 0) -> Degrees:
+        """The degrees of ``world`` processes (default: every rank a data-parallel replica).
+
+        Args:
+            world: processes in all (``num_processes x num_machines``).
+            tp_size: the ``tp_size`` setting (0 = the strategy's default).
+            dp_shard: the ``dp_shard`` setting (0 = the strategy's default).
+            processes_per_node: processes on each machine.
+
+        Raises:
+            ValueError: for degrees that do not fit ``world`` (one line naming the values).
+        """
+        return Degrees(dp_replicate=world)
+
+    def check(self, *, cuda: bool, precision: str) -> None:
+        """Raise ``ValueError`` (one line, the measured reason) when this strategy cannot run here."""
+
+    def check_model(self, config, degrees: Degrees) -> None:
+        """Raise ``ValueError`` when the model's shape does not divide over ``degrees``."""
+
+    # ------------------------------------------------------------------ launch
+    def launcher_args(self, *, cuda: bool) -> list[str]:
+        """``accelerate launch`` flags (before the script)."""
+        return ["--multi_gpu"]
+
+    def launcher_env(self, *, cuda: bool) -> dict[str, str]:
+        """Environment of the launcher. On CPU, Accelerate's multi-process launcher needs
+        ``ACCELERATE_USE_CPU=1`` (with ``--cpu`` alone it silently starts one process)."""
+        return {} if cuda else {"ACCELERATE_USE_CPU": "1"}
+
+    # ------------------------------------------------------------------ set-up, every rank
+    def accelerator_kwargs(self, cfg, *, cuda: bool) -> dict:
+        """Extra ``Accelerator`` arguments (plugins); ``cpu`` says which device."""
+        return {"cpu": not cuda}
+
+    def layout(self, accelerator, degrees: Degrees) -> Layout:
+        """This rank's :class:`Layout` (no mesh: the data-parallel rank is the process index)."""
+        return Layout(degrees, dp_rank=accelerator.process_index if degrees.dp > 1 else 0)
+
+    def building(self, accelerator):
+        """A context for building the model (default: nothing)."""
+        return contextlib.nullcontext()
+
+    def parallelize(self, model, layout: Layout, cfg, precision: str, device):
+        """Apply the strategy to ``model`` before the optimizer is made; returns the model."""
+        return model
+
+    def prepare(self, accelerator, model, optimizer):
+        """``(model, optimizer)`` ready to train (default: ``accelerator.prepare``)."""
+        return accelerator.prepare(model, optimizer)
+
+    clips_in_engine = False  # True: gradient clipping happens inside the strategy's engine (DeepSpeed)
+
+    # ------------------------------------------------------------------ state
+    def save(self, accelerator, model, optimizer, path: str) -> None:
+        """Write the training state into ``path`` (a collective: every rank calls it)."""
+        accelerator.save_state(path)
+
+    def load(self, accelerator, model, optimizer, path: str) -> None:
+        """Read what :meth:`save` wrote (a collective)."""
+        accelerator.load_state(path)
+
+    def full_state_dict(self, accelerator, model) -> dict:
+        """The whole model's state dict on the main process (a collective), for ``save_pretrained``."""
+        return accelerator.get_state_dict(model)
+
+    def eval_model(self, accelerator, model):
+        """The module benchmark evals run on, on every rank with the same documents."""
+        return accelerator.unwrap_model(model)
+
+    def after_eval(self, model) -> None:
+        """Undo what evaluation left behind (default: nothing)."""
+
+
+class MeshStrategy(Strategy):
+    """FSDP2 / HSDP / tensor / 2-D parallelism with torch's own APIs on a device mesh.
+
+    The model goes to the device, is tensor-parallelized (:meth:`apply_tp`) and then fully sharded
+    (:meth:`apply_fsdp`) as a subclass says; the optimizer is wrapped in Accelerate's
+    ``AcceleratedOptimizer`` (it skips the steps inside gradient accumulation) but not registered,
+    so ``save_state`` keeps the RNG and scheduler state while the model and optimizer go through
+    ``torch.distributed.checkpoint`` (each rank writes its own shards, any layout reads them back).
+    """
+
+    fsdp_dims: tuple[str, ...] = ()  # mesh dimensions fully_shard uses ((): no FSDP)
+    tp_dim: str | None = None  # mesh dimension of tensor parallelism (None: no TP)
+
+    def check(self, *, cuda: bool, precision: str) -> None:
+        if precision == "fp16":
+            raise ValueError(f"parallelism={self.name!r} with precision='fp16' is not supported (its loss scaler "
+                             "would need sharded gradients: torch's ShardedGradScaler); use bf16")
+
+    def layout(self, accelerator, degrees: Degrees) -> Layout:
+        from accelerate import ParallelismConfig
+
+        pc = ParallelismConfig(dp_replicate_size=degrees.dp_replicate, dp_shard_size=degrees.dp_shard,
+                               tp_size=degrees.tp, cp_size=degrees.cp)
+        mesh = pc.build_device_mesh(accelerator.device.type)
+        # the mesh is (dp_replicate, dp_shard, cp, tp), row-major: a model-parallel group is
+        # model_parallel consecutive ranks, and its data-parallel index the quotient
+        return Layout(degrees, dp_rank=accelerator.process_index // degrees.model_parallel, mesh=mesh)
+
+    def parallelize(self, model, layout: Layout, cfg, precision: str, device):
+        import logging
+
+        # torch advises at every gradient-norm reduction over a 2-D mesh that one flattened all-reduce
+        # would beat two; a performance note about clip_grad_norm_, not about the run
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        model = model.to(device)
+        if self.tp_dim is not None:
+            model = self.apply_tp(model, layout.mesh[self.tp_dim])
+        if self.fsdp_dims:
+            dims = tuple(d for d in self.fsdp_dims if getattr(layout.degrees, d) > 1)
+            mesh = layout.mesh[dims] if len(dims) > 1 else layout.mesh[dims[0]] if dims else None
+            model = apply_fsdp(model, mesh, precision=precision, reshard_after_forward=cfg.reshard_after_forward)
+        elif precision in ("bf16", "fp16"):
+            model = _autocast_forward(model, device, precision)
+        return model
+
+    def apply_tp(self, model, tp_mesh):
+        from .tp import apply_tp
+
+        return apply_tp(model, tp_mesh)
+
+    def prepare(self, accelerator, model, optimizer):
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        return model, AcceleratedOptimizer(optimizer, device_placement=False, scaler=accelerator.scaler)
+
+    def save(self, accelerator, model, optimizer, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        accelerator.save_state(path)  # RNG states of every rank, the registered scheduler
+        msd, osd = get_state_dict(model, _inner(optimizer))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
+
+    def load(self, accelerator, model, optimizer, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        accelerator.load_state(path)
+        msd, osd = get_state_dict(model, _inner(optimizer))
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def full_state_dict(self, accelerator, model) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def eval_model(self, accelerator, model):
+        return model  # sharded: every rank runs every forward, as in training
+
+    def after_eval(self, model) -> None:
+        """Reshard every FSDP module: a forward without a backward leaves the parameters of modules
+        that keep them between forward and backward (the root) gathered."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def _inner(optimizer):
+    """The torch optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def decoder_layers(model):
+    """The decoder's layers (``model.model.layers`` for Llama/Mistral, ``transformer.h`` for GPT-2)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None) if decoder is not None else None
+    if layers is None:
+        layers = getattr(getattr(model, "transformer", None), "h", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them one by one")
+    return layers
+
+
+def apply_fsdp(model, mesh, *, precision: str, reshard_after_forward: bool):
+    """torch's FSDP2 ``fully_shard`` on each decoder layer, then on the whole model (the root: the
+    embeddings, final norm and LM head), over ``mesh`` (2-D ``(replicate, shard)``: HSDP).
+
+    bf16 runs all-gather bf16 parameters and reduce-scatter fp32 gradients
+    (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, as Accelerate's FSDP2 plugin
+    sets it); the sharded master parameters and optimizer state stay fp32. The root keeps its
+    parameters unsharded between forward and backward.
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if precision == "bf16" else MixedPrecisionPolicy())
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # the root's parameters (embeddings, final norm, LM head) are used at the end of the forward and
+    # the start of the backward: resharding them in between would gather them twice for nothing
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return model
+
+
+def _autocast_forward(model, device, precision: str):
+    """Run ``model.forward`` under ``torch.autocast`` (what ``accelerator.prepare`` does for a model it wraps)."""
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    model.forward = torch.autocast(device_type=device.type, dtype=dtype)(model.forward)
+    return model
+
+
+def divides(name: str, value: int, by: int, what: str) -> None:
+    """Raise a one-line ``ValueError`` unless ``by`` divides ``value``."""
+    if value % by:
+        raise ValueError(f"{what}: {name}={value} is not divisible by {by}")

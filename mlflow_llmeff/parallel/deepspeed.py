@@ -1,0 +1,98 @@
+"""``deepspeed_zero1/2/3``: DeepSpeed's ZeRO through Accelerate's DeepSpeed plugin.
+
+ZeRO partitions over every data-parallel rank: stage 1 the optimizer state (with its fp32 master
+weights), stage 2 also the gradients, stage 3 also the weights (Rajbhandari et al. 2020, "ZeRO",
+Sec. 5). On CPU it runs with DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) over gloo:
+Accelerate makes a DeepSpeed state only when not told ``cpu=True``, so the ``Accelerator`` gets
+``cpu=False`` and gloo as its process-group backend there (measured with DeepSpeed 0.19.8,
+Accelerate 1.15, torch 2.13). DeepSpeed needs the batch sizes in its config when no DataLoader
+goes through ``prepare``; they are written from the settings. The model is built whole on every
+rank (not under ``deepspeed.zero.Init``) so that every strategy starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .base import Strategy
+from .degrees import Degrees
+
+
+class ZeRO(Strategy):
+    summary = ""
+    clips_in_engine = True  # DeepSpeed clips (gradient_clipping in its config) inside engine.step
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.name = f"deepspeed_zero{stage}"
+        self.summary = {1: "DeepSpeed ZeRO-1: optimizer state (and fp32 master weights) partitioned",
+                        2: "DeepSpeed ZeRO-2: optimizer state and gradients partitioned",
+                        3: "DeepSpeed ZeRO-3: weights, gradients and optimizer state partitioned"}[stage]
+
+    def degrees(self, world: int, *, tp_size: int = 0, dp_shard: int = 0, processes_per_node: int = 0) -> Degrees:
+        if dp_shard not in (0, world):
+            raise ValueError(f"parallelism={self.name!r} partitions over all {world} processes (dp_shard={dp_shard} given)")
+        return Degrees(dp_shard=world)
+
+    def check(self, *, cuda: bool, precision: str) -> None:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ValueError(f"parallelism={self.name!r} needs the deepspeed package: install it after torch "
+                             "(pip install 'mlflow-llmeff[deepspeed]')") from None
+
+    def launcher_args(self, *, cuda: bool) -> list[str]:
+        return ["--use_deepspeed", "--zero_stage", str(self.stage)]
+
+    def launcher_env(self, *, cuda: bool) -> dict[str, str]:
+        return {} if cuda else {"DS_ACCELERATOR": "cpu"}
+
+    def accelerator_kwargs(self, cfg, *, cuda: bool) -> dict:
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+        plugin = DeepSpeedPlugin(zero_stage=self.stage, gradient_accumulation_steps=cfg.grad_accum,
+                                 gradient_clipping=float(cfg.max_grad_norm), zero3_init_flag=False)
+        world = cfg.num_processes * cfg.num_machines
+        plugin.deepspeed_config.update({"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+                                        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world})
+        if self.stage == 3:  # save_pretrained needs the whole weights on the main process
+            plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        import warnings
+
+        # DeepSpeed 0.19 calls the collectives torch 2.13 renamed (*_single) at every step
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+        kwargs = {"deepspeed_plugin": plugin, "cpu": False}
+        if not cuda:
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        return kwargs
+
+    def building(self, accelerator):
+        """Build the whole model on every rank: transformers would build under ``deepspeed.zero.Init``
+        (partitioned, from other random draws) while Accelerate's DeepSpeed config is registered."""
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        return _without_hf_deepspeed_config(accelerator)
+
+    def eval_model(self, accelerator, model):
+        # ZeRO-3 gathers each layer's weights in its forward on every rank; the engine's module runs it
+        return model.module if self.stage == 3 else accelerator.unwrap_model(model)
+
+    def after_eval(self, model) -> None:
+        """ZeRO-3: release the parameters the eval forwards gathered (``empty_partition_cache``)."""
+        if self.stage == 3 and hasattr(model, "empty_partition_cache"):
+            model.empty_partition_cache()
+
+
+@contextlib.contextmanager
+def _without_hf_deepspeed_config(accelerator):
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+STRATEGIES = (ZeRO(1), ZeRO(2), ZeRO(3))

@@ -1,0 +1,80 @@
+"""``tp``: tensor parallelism (Megatron-LM's column/row split of each layer's matrices) over every
+rank, with the model's own tensor-parallel plan (transformers' ``base_model_tp_plan``, e.g.
+Llama's ``q/k/v/gate/up_proj: colwise``, ``o/down_proj: rowwise``) applied with torch's
+``parallelize_module`` (``ColwiseParallel`` / ``RowwiseParallel``).
+
+Per layer and micro-batch the forward all-reduces the attention and MLP outputs and the backward
+the gradients of their inputs (Shoeybi et al. 2019, "Megatron-LM", Sec. 3, Fig. 3). Embeddings,
+norms and the LM head stay replicated (the base plan shards the decoder layers only). Every rank
+sees the same batch: the data-parallel degree is 1 and tokens count once.
+"""
+
+from __future__ import annotations
+
+from .base import MeshStrategy, decoder_layers
+from .degrees import Degrees
+
+
+def tp_plan(config) -> dict[str, str]:
+    """The model's tensor-parallel plan (``{"layers.*.self_attn.q_proj": "colwise", ...}``).
+
+    Raises:
+        ValueError: when the model has none (its config lacks ``base_model_tp_plan``).
+    """
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"model type {getattr(config, 'model_type', '?')!r} has no tensor-parallel plan "
+                         "(transformers' base_model_tp_plan); tp and fsdp_tp need one (Llama, Mistral have it)")
+    bad = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise")}
+    if bad:
+        raise ValueError(f"tensor-parallel plan entries {bad} are not colwise/rowwise; only those are applied")
+    return dict(plan)
+
+
+def check_shape(config, tp: int) -> None:
+    """Heads, key-value heads and the MLP width must divide over ``tp`` ranks.
+
+    Raises:
+        ValueError: one line naming the value that does not divide.
+    """
+    tp_plan(config)
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v % tp:
+            raise ValueError(f"tensor parallelism over {tp} ranks needs {name} divisible by {tp}; the model has {v}")
+
+
+def apply_tp(model, tp_mesh):
+    """Shard ``model``'s decoder layers over ``tp_mesh`` with its plan (see the module docstring)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    layers = decoder_layers(model)
+    plan = {}
+    for key, style in tp_plan(model.config).items():
+        prefix, _, rest = key.partition("*.")
+        if not rest:
+            raise ValueError(f"tensor-parallel plan key {key!r} is not per layer ('layers.*.<module>')")
+        for i in range(len(layers)):
+            plan[f"{i}.{rest}"] = styles[style]()
+    parallelize_module(layers, tp_mesh, plan)
+    return model
+
+
+class TP(MeshStrategy):
+    name = "tp"
+    summary = "tensor parallel over every rank (tp_size = processes): the model's colwise/rowwise plan"
+    tp_dim = "tp"
+
+    def degrees(self, world: int, *, tp_size: int = 0, dp_shard: int = 0, processes_per_node: int = 0) -> Degrees:
+        tp = tp_size or world
+        if tp != world:
+            raise ValueError(f"parallelism='tp' uses every process (tp_size={tp}, {world} processes); "
+                             "use fsdp_tp to shard data-parallel groups of tensor-parallel ranks")
+        return Degrees(tp=tp)
+
+    def check_model(self, config, degrees: Degrees) -> None:
+        check_shape(config, degrees.tp)
+
+
+STRATEGIES = (TP(),)
