@@ -164,6 +164,20 @@ def test_plan_rejects_an_unknown_accelerator(tracking_uri):
         dry_run(TrainConfig(model="llama-7b"), accelerator_short="TPUv5")
 
 
+def test_plan_takes_a_family_name_as_its_table_row_and_says_so(tracking_uri, capsys):
+    # a user typed "--accelerator H100": planned as the H100-SXM row (80 GiB), with a note, not refused
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import dry_run
+
+    assert dry_run(TrainConfig(model="llama-7b", seq_len=4096, micro_batch_size=1), accelerator_short="h100",
+                   as_json=True) == 0
+    out = capsys.readouterr().out
+    note, body = out.split("\n", 1)
+    assert note == "mlflow_llmeff: accelerator 'h100' taken as H100-SXM (also: H100-NVL, H100-PCIe)"
+    plan = json.loads(body)
+    assert plan["precision"] == "bf16" and plan["memory_available_gib"] == 80
+
+
 def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri):
     import mlflow
 

@@ -133,9 +133,9 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
         accelerator_short = hw.detect_accelerator(count=cfg.num_processes).short
         bf16 = torch.cuda.is_bf16_supported() if cuda else True
     else:
-        known = sorted({row.short for row in hw.PEAK_TABLE} | {"cpu"})
-        if accelerator_short not in known:
-            raise ValueError(f"accelerator {accelerator_short!r} is not known; use one of: {', '.join(known)}")
+        accelerator_short, alias = hw.resolve_short(accelerator_short)  # H100 -> H100-SXM, with a note
+        if alias:
+            print(f"mlflow_llmeff: accelerator {alias}")
         cuda, bf16 = accelerator_short.lower() != "cpu", True
     validate(cfg, cuda_available=cuda, bf16_supported=bf16)
     precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
