@@ -90,3 +90,13 @@ def test_mlproject_parameters_match_train_config():
     assert list(main["parameters"]) == TrainConfig.field_names()
     for name in TrainConfig.field_names():
         assert "{" + name + "}" in main["command"]
+
+
+def test_per_subject_mmlu_metrics_when_asked_or_when_the_tasks_name_subjects():
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.loop import _subject_metrics
+
+    assert _subject_metrics(TrainConfig(eval_tasks="mmlu,hellaswag")) is False  # 57 subjects: the table only
+    assert _subject_metrics(TrainConfig(eval_tasks="mmlu", eval_subject_metrics=True)) is True
+    assert _subject_metrics(TrainConfig(eval_tasks="mmlu_anatomy, hellaswag")) is True  # named: a few charts
+    assert TrainConfig(eval_subject_metrics=True).to_params()["eval_subject_metrics"] == "true"

@@ -63,6 +63,7 @@ class TrainConfig:
     eval_limit: int = field(default=100, metadata={"help": "documents per benchmark task at each eval: a fixed subset drawn once with seed (0 = all)"})
     eval_num_fewshot: int = field(default=0, metadata={"help": "MMLU few-shot examples (0-5)"})
     eval_data_dir: str = field(default="", metadata={"help": "directory with mmlu/ and hellaswag/ ('' = $LLMEFF_DATA_DIR, else the hub datasets cais/mmlu and Rowan/hellaswag)"})
+    eval_subject_metrics: bool = field(default=False, metadata={"help": "also log each MMLU subject's accuracy as a metric (eval/mmlu_<subject>/acc); the per-subject table artifact is logged either way"})
     targets: str = field(default="", metadata={"help": "time-to-quality targets, e.g. 'val_loss<=1.9,hellaswag/acc_norm>=0.30'"})
     stop_at_targets: bool = field(default=False, metadata={"help": "stop training once every target is reached"})
     checkpoint_dir: str = field(default="", metadata={"help": "directory for accelerate.save_state checkpoints ('' disables)"})

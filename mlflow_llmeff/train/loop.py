@@ -157,7 +157,14 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
         integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir),
         outbox_dir=os.path.join(cfg.checkpoint_dir, "outbox") if cfg.checkpoint_dir else None,
-        data_parallel_size=t.dp_world)
+        data_parallel_size=t.dp_world, eval_subject_metrics=_subject_metrics(cfg))
+
+
+def _subject_metrics(cfg: TrainConfig) -> bool:
+    """Per-subject MMLU scores as metrics: when asked, or when the tasks name subjects, not all of MMLU
+    (a few named subjects are a few charts; all 57 are the table artifact, docs/evals.md)."""
+    tasks = [x.strip() for x in cfg.eval_tasks.split(",") if x.strip()]
+    return cfg.eval_subject_metrics or "mmlu" not in tasks
 
 
 def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
