@@ -61,7 +61,8 @@ def log_five_runs(client, experiment_name: str = "five") -> tuple[str, list[str]
              names.SUM_GOODPUT: good, names.SUM_WALL_S: 10.1 + i, names.SUM_TOKENS: 51_200.0 * devices,
              names.SUM_STEPS: 50.0, names.SUM_ESTIMATE_KG_CO2E: 2e-6 * (i + 1),
              names.SUM_ESTIMATE_KG_CO2E_PER_BTOK: 0.04 * (i + 1), names.SUM_MODEL_STATE_BYTES_PER_PARAM: 16.0,
-             names.SUM_BADPUT["init"]: 8.7, names.SUM_BADPUT["warmup"]: 0.2, names.SUM_BADPUT["other"]: 0.1}
+             names.SUM_BADPUT["init"]: 8.7, names.SUM_BADPUT["warmup"]: 0.2, names.SUM_BADPUT["other"]: 0.1,
+             names.MEM_MAX_ALLOC: 0.6 + 0.3 * (tags[names.MODEL_NAME] == "llama-160m") + 0.05 * devices}
         if devices == 2:
             m[names.SUM_STRAGGLER_RATIO] = 1.03
         if names.EVAL_DOCUMENTS in tags:
@@ -77,7 +78,10 @@ def log_five_runs(client, experiment_name: str = "five") -> tuple[str, list[str]
             points += [Metric(names.TRAIN_LOSS, 5.6 - 0.05 * step - 0.1 * i, ts + 200 * step, step),
                        Metric(names.TRAIN_TOKENS, 1024.0 * devices * step, ts + 200 * step, step),
                        Metric(names.TPUT_TOKENS, tps * (1.0 + 0.03 * ((step // 5) % 3 - 1)), ts + 200 * step, step)]
-        client.log_batch(rid, metrics=points, tags=[RunTag(k, v) for k, v in {**COMMON, **tags}.items()],
+        degrees = {names.PAR_DP: str(devices), names.PAR_DP_SHARD: "1", names.PAR_DP_REPLICATE: str(devices),
+                   names.PAR_TP: "1", names.PAR_PP: "1", names.PAR_CP: "1",
+                   names.MEMORY_SOURCE: "cpu: peak process RSS (getrusage ru_maxrss) for both allocated and reserved"}
+        client.log_batch(rid, metrics=points, tags=[RunTag(k, v) for k, v in {**COMMON, **degrees, **tags}.items()],
                          params=[Param("model", tags[names.MODEL_NAME])])
         client.set_terminated(rid, "FINISHED", end_time=ts + 12_000)
         ids.append(rid)

@@ -236,7 +236,7 @@ def test_page_and_report_lead_with_the_answer_in_the_first_1600x1000(server, fiv
                                ("server", f"{server}/llmeff/experiments/{five}")):
                 _open(page, url)
                 got = _first_screen_checks(page, where)
-                assert got["heads"][:4] == ["configuration", "devices", "tokens/s per device [95%]", "vs best"]
+                assert got["heads"][:5] == ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best"]
                 assert {"MFU", "USD / 1e9 tokens", "kg CO2e / 1e9 tokens", "goodput", "quality reached"} <= set(got["heads"])
                 assert got["rows"] == 4  # five runs, four configurations: the evals run repeats the default
                 # sortable by any column: goodput ascending after one click

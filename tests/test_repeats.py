@@ -118,3 +118,51 @@ def test_a_point_beaten_only_within_noise_stays_on_the_front():
     pts = [(e(10, 0.5), e(100, 5)), (e(10.2, 0.5), e(98, 5)), (e(20, 1), e(50, 2))]
     # 1 is worse than 0 on both means but within noise on both: kept; 2 is beaten beyond noise
     assert noisy_pareto_front(pts, maximize_x=False, maximize_y=True) == [0, 1]
+
+
+def _layout(strategy, dp, shard, tp):
+    return {names.PAR_STRATEGY: strategy, names.PAR_DP: str(dp), names.PAR_DP_SHARD: str(shard),
+            names.PAR_DP_REPLICATE: str(dp // shard), names.PAR_TP: str(tp), names.PAR_PP: "1", names.PAR_CP: "1"}
+
+
+def test_the_layout_column_gives_the_strategy_and_its_degrees_above_one():
+    from mlflow_llmeff.report.headline import headline, layout_cell
+
+    cs = configurations([run("d", 2, 100.0, **_layout("ddp", 2, 1, 1)), run("f", 2, 90.0, **_layout("fsdp", 2, 2, 1)),
+                         run("h", 4, 150.0, **_layout("hsdp", 4, 2, 1)), run("t", 4, 120.0, **_layout("fsdp_tp", 2, 2, 2)),
+                         run("s", 1, 60.0, **_layout("single", 1, 1, 1))])
+    assert [layout_cell(c).text for c in cs] == ["ddp dp2", "fsdp dp2 shard2", "hsdp dp4 shard2", "fsdp_tp dp2 shard2 tp2",
+                                                  "single"]
+    assert layout_cell(cs[3]).title == "dp 2, dp_shard 2, tp 2, pp 1, cp 1"
+    h = headline(cs)
+    assert h.columns[:3] == ["configuration", "devices", "layout"]
+    assert [row[2].text for row in h.rows][:2] == ["ddp dp2", "fsdp dp2 shard2"]
+    # a shard degree alone makes another configuration: ddp and fsdp over 2 ranks are not repeats
+    assert len(configurations([run("a", 2, 1.0, **_layout("fsdp", 2, 2, 1)),
+                               run("b", 2, 1.0, **{**_layout("fsdp", 2, 2, 1), names.PAR_DP_SHARD: "1"})])) == 2
+
+
+def test_the_memory_pareto_keeps_what_sharding_buys_and_drops_what_is_beaten_on_both():
+    from mlflow_llmeff.report import plots
+
+    def with_mem(r, gib):
+        r.metrics[names.MEM_MAX_ALLOC] = gib
+        return r
+
+    # ddp: fastest, most memory; fsdp: 8% slower (beyond noise), half the memory: both on the front;
+    # zero3: slower than fsdp beyond noise and no less memory: beaten
+    cs = configurations([with_mem(run("d", 2, 1000.0, 980.0, 1020.0, **_layout("ddp", 2, 1, 1)), 2.0),
+                         with_mem(run("f", 2, 920.0, 900.0, 940.0, **_layout("fsdp", 2, 2, 1)), 1.0),
+                         with_mem(run("z", 2, 700.0, 690.0, 710.0, **_layout("deepspeed_zero3", 2, 2, 1)), 1.0)])
+    mems = [plots._memory(c) for c in cs]
+    assert [(m.mean, m.low, m.high, m.method) for m in mems] == [(2.0, 2.0, 2.0, "measured peak"),
+                                                               (1.0, 1.0, 1.0, "measured peak"),
+                                                               (1.0, 1.0, 1.0, "measured peak")]
+    tps = [c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) for c in cs]
+    assert noisy_pareto_front(list(zip(mems, tps)), maximize_x=False, maximize_y=True) == [1, 0]
+
+    class Rep:
+        configs = cs
+    fig = plots.fig_pareto_memory(Rep(), None)
+    assert fig.axes[0].get_xlabel() == "peak memory per device, GiB"
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["run-d", "run-f", "run-z"]

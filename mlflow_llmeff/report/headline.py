@@ -82,6 +82,28 @@ def _quality(c: Configuration) -> Cell:
     return Cell(", ".join(parts), sort, title if parts else "")
 
 
+#: Degrees shown beside the strategy, in this order, where above 1.
+_DEGREES = (("dp", names.PAR_DP), ("shard", names.PAR_DP_SHARD), ("tp", names.PAR_TP), ("pp", names.PAR_PP),
+            ("cp", names.PAR_CP))
+
+
+def layout_cell(c: Configuration) -> Cell:
+    """The strategy and its degrees above 1, e.g. ``fsdp_tp dp2 shard2 tp2`` (dp: ranks that see
+    different data; shard: data-parallel ranks the model state is sharded over; docs/parallelism.md)."""
+    strategy = c.tag(names.PAR_STRATEGY) or ""
+    parts = []
+    for short_name, key in _DEGREES:
+        v = c.tag(key)
+        try:
+            if v is not None and int(v) > 1:
+                parts.append(f"{short_name}{int(v)}")
+        except ValueError:
+            continue
+    text = " ".join([strategy] + parts).strip()
+    title = ", ".join(f"{k.split('.')[-1]} {c.tag(k)}" for _, k in _DEGREES if c.tag(k) is not None)
+    return Cell(text, text, title)
+
+
 def _stability(c: Configuration) -> Cell:
     n, s = len(c.runs), len(c.stable)
     if s == n:
@@ -94,11 +116,11 @@ def _stability(c: Configuration) -> Cell:
 def headline(configs: list[Configuration], links: list[str] | None = None) -> Headline:
     """The headline table of ``configs`` (``links``: one URL per configuration's first used run).
 
-    Columns: configuration, repeats, tokens/s per device [95% interval], vs best (never a ranking
+    Columns: configuration, devices, layout (strategy and degrees), tokens/s per device [95% interval], vs best (never a ranking
     within noise), MFU (against the datasheet peak, else against the measured matmul peak, marked),
     USD and kg CO2e per 1e9 tokens, goodput, quality reached, stability.
     """
-    cols = ["configuration", "devices", "tokens/s per device [95%]", "vs best", "MFU", "USD / 1e9 tokens",
+    cols = ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best", "MFU", "USD / 1e9 tokens",
             "kg CO2e / 1e9 tokens", "goodput", "quality reached", "stability"]
     standing = versus_best(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
     best = best_index(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
@@ -134,6 +156,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
         rows.append([
             Cell(c.label, c.label, f"{len(c.runs)} run(s)", links[i] if links else ""),
             Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices or 0)),
+            layout_cell(c),
             _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
             Cell(stand, 0.0 if stand.startswith("best") else (1.0 if "within noise" in stand else 2.0), best_title),
             mfu_cell, _est_cell(usd), carbon_cell,

@@ -199,6 +199,28 @@ def fig_pareto_carbon(rep, history):
                    maximize_x=False, maximize_y=True)
 
 
+def _memory(c) -> Estimate | None:
+    """Peak memory per device of a configuration (``memory/device/max_allocated_gib``, the max over
+    its devices): the t interval across repeats, and one run's peak as a point (a peak is read, not
+    sampled: it has no sampling interval, so any difference counts)."""
+    e = c.estimate(names.MEM_MAX_ALLOC)
+    if e is None or e.has_interval:
+        return e
+    return Estimate(e.mean, e.mean, e.mean, e.n, "measured peak")
+
+
+def fig_pareto_memory(rep, history):
+    """Pareto front: tokens/s per device (more is better) against peak memory per device (less is
+    better): what a sharded strategy buys in memory and costs in throughput (docs/parallelism.md)."""
+    configs, xs, ys = _pairs(rep, _memory)
+    if not configs:
+        return "pareto_memory.png: no run has both summary/device_tokens_per_sec and memory/device/max_allocated_gib"
+    cpu = any(c.tag(names.MEMORY_SOURCE) and "RSS" in c.tag(names.MEMORY_SOURCE) for c in configs)
+    label = "peak memory per device, GiB" + (" (CPU: process RSS)" if cpu else "")
+    return _pareto(configs, xs, ys, xlabel=label, ylabel="tokens/s per device", title="Throughput against memory",
+                   maximize_x=False, maximize_y=True)
+
+
 def _quality_pairs(r: RunRecord) -> list[tuple[str, str, float, float]]:
     """``(eval key, ttq key, quality, usd)`` for each reached target of the run with a cost figure."""
     out = []
@@ -303,7 +325,8 @@ def fig_ttq(rep, history):
 
 
 FIGURES = (("tokens_per_device.png", fig_tokens_per_device), ("pareto_cost.png", fig_pareto_cost),
-           ("pareto_carbon.png", fig_pareto_carbon), ("quality_cost.png", fig_quality_cost),
+           ("pareto_carbon.png", fig_pareto_carbon), ("pareto_memory.png", fig_pareto_memory),
+           ("quality_cost.png", fig_quality_cost),
            ("loss.png", fig_loss), ("ttq.png", fig_ttq))
 
 

@@ -36,7 +36,7 @@ __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Estimate", "Configuration", "configura
 #: else used the machine, stability) and provenance that does not change the work (git commit,
 #: run name) are not among them.
 CONFIG_TAGS = (names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PROCS_PER_NODE,
-               names.PAR_STRATEGY, names.PAR_DP, names.PAR_TP, names.PAR_PP, names.PAR_CP, names.PRECISION,
+               names.PAR_STRATEGY, names.PAR_DP, names.PAR_DP_SHARD, names.PAR_DP_REPLICATE, names.PAR_TP, names.PAR_PP, names.PAR_CP, names.PRECISION,
                names.MODEL_NAME, names.MODEL_PARAMS, names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM,
                names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.DATASET, names.FLOPS_FORMULA,
                names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
