@@ -75,6 +75,11 @@ def _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, ener
             raise ValueError(f"{name}={v!r} is not accepted; give a price >= 0 in USD or None")
 
 
+
+#: Strategy name prefixes whose data-parallel ranks shard model state (FSDP; every ZeRO stage shards at
+#: least the optimizer state), as parallel/ gives their degrees and a user's loop names them.
+_SHARDED_STRATEGIES = ("fsdp", "deepspeed", "zero")
+
 class EfficiencyMonitor:
     """Standard throughput, MFU/HFU, energy, carbon, cost, goodput and time-to-quality for any loop.
 
@@ -420,7 +425,14 @@ class EfficiencyMonitor:
 
     def _condition_tags(self) -> dict[str, str]:
         tags = self._conditions()
-        tags[names.PAR_DP] = str(self.world_size // self._model_parallel)
+        dp = self.world_size // self._model_parallel
+        # a user's loop: its data-parallel ranks hold sharded state under FSDP and ZeRO-3 (llmeff train
+        # passes its layout's own degrees as tags, which win)
+        shard = dp if str(self.strategy or "").startswith(_SHARDED_STRATEGIES) else 1
+        tags.update({names.PAR_DP: str(dp), names.PAR_DP_SHARD: str(shard), names.PAR_DP_REPLICATE: str(dp // shard)})
+        # communication is measured by llmeff train (docs/parallelism.md), which sets these again
+        why = "none: measured by llmeff train only (a collective probe at its start, sampled warm-up steps)"
+        tags.update({names.COMM_PROBE: why, names.COMM_SAMPLED: why})
         return tags
 
     def _conditions(self) -> dict[str, str]:

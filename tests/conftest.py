@@ -150,3 +150,34 @@ def mlflow_server(tmp_path, monkeypatch):
     yield server
     mlflow.set_tracking_uri(None)
     server.stop()
+
+
+# ----------------------------------------------------------------------------- two workers, one gate
+# The suite runs on two pytest-xdist workers (pyproject addopts, --dist loadfile: a file's tests and
+# its module fixtures stay on one worker). Tests marked ``serial`` measure what else uses the
+# machine (contention, launches of several processes) and run alone: every test holds a shared
+# lock on one file while it runs, a serial test an exclusive one. A turnstile lock in front gives a
+# waiting serial test precedence over the next shared holder (else the other worker could starve it).
+_GATE = pathlib.Path(tempfile.gettempdir()) / f"llmeff-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'solo')}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Hold the gate over a test's whole protocol: the module fixtures its setup starts and the
+    teardown it triggers run under the same lock as the test."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    import fcntl
+
+    serial = item.get_closest_marker("serial") is not None
+    with open(f"{_GATE}.turn", "a+") as turn, open(f"{_GATE}.gate", "a+") as gate:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)

@@ -265,6 +265,37 @@ class DownClient:
         return call
 
 
+def test_a_creation_the_server_carries_out_after_the_wait_is_found_not_made_twice(tracking_uri, monkeypatch):
+    # the trial: a busy server created the run 3 s after the wait ran out; the outbox's replay then
+    # created a second one (two runs, one of them empty). The run carries the id given first.
+    from mlflow_llmeff.tracking.runs import open_run
+
+    class SlowCreate:
+        def __init__(self, client):
+            self._c = client
+
+        def create_run(self, *a, **kw):
+            time.sleep(0.8)  # answers after the 0.1 s wait
+            return self._c.create_run(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self._c, name)
+
+    monkeypatch.setattr(delivery, "is_server", lambda uri: True)
+    monkeypatch.setattr(delivery, "delivery_wait_s", lambda: 0.1)
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("slow")
+    handle = open_run(SlowCreate(client), run_id=None, run_name="tiny", experiment_name="slow", unique_name=True)
+    assert outbox.is_local_id(handle.run_id) and handle.pending[0]["create"]["run_name"] == "tiny"
+    deadline = time.monotonic() + 30
+    while not client.search_runs([exp]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    late, = client.search_runs([exp])  # the server did create it, after the wait
+    assert late.data.tags[names.OUTBOX_LOCAL_ID] == handle.local_id
+    assert outbox.create_run(client, handle.pending[0]["create"], handle.local_id) == late.info.run_id
+    assert [r.info.run_id for r in client.search_runs([exp])] == [late.info.run_id]
+
+
 def test_sync_creates_a_local_run_once_with_its_original_start_time(tracking_uri, tmp_path):
     local = "local-" + "a" * 32
     spec = {"experiment_name": "late", "experiment_id": None, "run_name": "tiny", "unique": False,

@@ -154,10 +154,12 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     if wait is None:  # a local store: MLflow's own start_run
         return _start_run(client, run_name, experiment_name, unique_name, name_parts)
     spec = _create_spec(run_name, experiment_name, unique_name, name_parts)
+    # the id is given first and the run created with it as a tag: a create the server carries out
+    # after the wait ran out is found by the outbox's replay, not created twice
+    local_id = outbox.new_local_id()
     try:
-        run = _call(lambda: _create(client, spec), wait, "creating the run")
+        run = _call(lambda: _create(client, spec, local_id), wait, "creating the run")
     except _Unanswered as e:
-        local_id = outbox.new_local_id()
         return RunHandle(local_id, owned=True, fluent=False, resumed=False, pending=[{"create": spec}],
                          unanswered=str(e), local_id=local_id)
     return RunHandle(run.info.run_id, owned=True, fluent=_activate(run), resumed=False)
@@ -224,15 +226,17 @@ def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool, 
             "name_parts": name_parts, "start_ms": int(time.time() * 1000), "tags": tags}
 
 
-def _create(client, spec: dict):
-    """Create a new run from a ``create`` spec (the experiment made if named and missing); the Run."""
+def _create(client, spec: dict, local_id: str):
+    """Create a new run from a ``create`` spec (the experiment made if named and missing), tagged with
+    ``local_id`` (``llmeff.outbox.local_run_id``); the Run."""
     from .logger import ensure_experiment_kind
     from .outbox import _experiment_id
 
     exp_id = _experiment_id(client, spec)
     name = (unique_run_name(client, exp_id, spec["run_name"], parts=spec.get("name_parts")) if spec["unique"]
             else spec["run_name"])
-    run = client.create_run(exp_id, start_time=spec["start_ms"], tags=spec["tags"], run_name=name)
+    run = client.create_run(exp_id, start_time=spec["start_ms"], tags={**spec["tags"], names.OUTBOX_LOCAL_ID: local_id},
+                            run_name=name)
     ensure_experiment_kind(client, exp_id)
     return run
 
