@@ -189,6 +189,7 @@ def finish(proc: subprocess.Popen):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_run_beside_processes_that_take_the_cpu_reports_their_share(tracking_uri, tmp_path):
     burn = burners(2)
     try:
@@ -213,6 +214,7 @@ def test_a_run_beside_processes_that_take_the_cpu_reports_their_share(tracking_u
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_processes_that_interrupt_the_steady_window_make_the_run_unstable(tracking_uri, tmp_path):
     # the loop runs at nice 19: while two burners run, it gets ~1.5% of a CPU and its steps stall
     proc, progress = start_loop(tmp_path, "--steps", "120", "--nice", "19")
@@ -231,6 +233,7 @@ def test_processes_that_interrupt_the_steady_window_make_the_run_unstable(tracki
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_quiet_run_is_stable_with_a_small_other_share(tracking_uri, tmp_path):
     # the loop at nice -10: other jobs of a shared machine yield to it. Hidden noise of a shared VM
     # (another guest on the core: no counter here shows it) can still widen one run's interval, so

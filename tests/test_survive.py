@@ -286,6 +286,7 @@ def test_two_nodes_on_loopback_give_one_run_with_tokens_from_both(mlflow_server,
 
 # ------------------------------------------------------------------ a tracking server that goes away
 @pytest.mark.slow
+@pytest.mark.serial  # compares step times during and outside the outage
 def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_steps(mlflow_server, tmp_path):
     import statistics
     import time
