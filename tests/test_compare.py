@@ -200,13 +200,13 @@ def test_compare_writes_table_html_and_plots(experiment, tmp_path):
     assert "weak scaling efficiency 0.9 " in r.output  # 1800 / (1000 * 2)
     names_written = sorted(p.name for p in out.iterdir())
     assert {"report.md", "report.csv", "report.html", "tokens_per_device.png", "pareto_cost.png",
-            "pareto_carbon.png", "quality_cost.png", "loss.png"} <= set(names_written)
+            "pareto_carbon.png", "pareto_memory.png", "quality_cost.png", "loss.png"} <= set(names_written)
     rows = list(csv.DictReader(io.StringIO((out / "report.csv").read_text())))
     assert sorted(row["run"] for row in rows) == ["one", "two"]
     assert {row["summary/tokens_per_sec [tokens/s]"] for row in rows} == {"1000", "1800"}
     assert {row["eval/val_loss [nats/token]"] for row in rows} == {"2.9", "2.8"}  # 3.0 - 0.1 x devices
     html = (out / "report.html").read_text()
-    assert html.count("<tr class='run'") == 2 and html.count("data:image/png;base64,") == 5
+    assert html.count("<tr class='run'") == 2 and html.count("data:image/png;base64,") == 6
     assert "#/experiments/" in html and "/runs/" in html and "?workflowType=machine_learning" in html
 
 

@@ -245,6 +245,10 @@ def test_a_quiet_run_is_stable_with_a_small_other_share(tracking_uri, tmp_path):
         assert run.data.metrics[names.SUM_HOST_OTHER_CPU] < 0.15, run.data.tags[names.CONTENTION]
         verdicts.append(run.data.tags[names.STABILITY])
         if verdicts[-1] == "stable":
-            assert run.data.tags[names.CONTENTION].startswith("quiet: "), run.data.tags[names.CONTENTION]
+            tag = run.data.tags[names.CONTENTION]
+            # quiet, or contended by steal alone (another guest of this shared VM: no process here to blame)
+            steal = run.data.metrics[names.SUM_HOST_STEAL]
+            assert tag.startswith("quiet: ") or (steal > ct.CONTENDED_STEAL_FRACTION and tag.startswith("contended: ")
+                                                 and f"steal {steal:.1%}" in tag), tag
             break
     assert verdicts[-1] == "stable", verdicts

@@ -245,8 +245,11 @@ def _headline_html(rep: Report) -> str:
     h = _headline(rep)
     if not h.rows:
         return "<p class='note'>No finished run with summary figures to compare.</p>"
+    # text-sorted columns ('t'), the wrapping quality column ('q'), the stability column ('s')
+    klasses = [{"configuration": "t", "layout": "t", "vs best": "t", "quality reached": "q t",
+                "stability": "s t"}.get(c, "") for c in h.columns]
     out = ["<table id='headline' class='sortable'><thead><tr>"
-           + "".join(f"<th class='{'t' if i in (0, 3, 8, 9) else ''}'>{e(c)}</th>" for i, c in enumerate(h.columns))
+           + "".join(f"<th class='{'t' if 't' in k.split() else ''}'>{e(c)}</th>" for k, c in zip(klasses, h.columns))
            + "</tr></thead><tbody>"]
     for c, row in zip(h.configs, h.rows):
         cls = " class='unstable'" if c.unstable else ""
@@ -254,7 +257,7 @@ def _headline_html(rep: Report) -> str:
         for i, cell in enumerate(row):
             v = "" if cell.sort is None else e(str(cell.sort))
             text = (f"<a href='{e(cell.link)}' target='_top'>{e(cell.text)}</a>" if cell.link else e(cell.text))
-            klass = "t" if i in (0, 3) else ("q" if i == 8 else ("s t" if i == 9 else ""))
+            klass = klasses[i]
             title = f" title='{e(cell.title)}'" if cell.title else ""
             cells.append(f"<td class='{klass}' data-v='{v}'{title}>{text}</td>")
         out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
