@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["HostCpu", "parse_proc_stat", "read_host_cpu", "own_tree_cpu_s", "own_tree_pids", "host_fractions",
+__all__ = ["HostCpu", "parse_proc_stat", "read_host_cpu", "own_tree_cpu_s", "own_tree_pids", "own_tree", "host_fractions",
            "process_cpu_snapshot", "top_others", "DeviceSample", "read_device", "GpuConditions", "throttle_names",
            "host_text", "gpu_text", "gpu_contended", "CONTENDED_CPU_FRACTION", "CONTENDED_STEAL_FRACTION", "THROTTLE_REASONS",
            "BENIGN_THROTTLE"]
@@ -101,12 +101,19 @@ def _tree(pid: int | None = None):
     return [p, *kids]
 
 
-def own_tree_cpu_s(pid: int | None = None) -> float:
-    """User + system CPU seconds of process ``pid`` (default: this one) and its live descendants."""
+def own_tree(pid: int | None = None) -> list:
+    """``psutil.Process`` objects of process ``pid`` (default: this one) and its live descendants
+    (finding the descendants reads every process's ``/proc/<pid>/stat``: milliseconds on a busy host)."""
+    return _tree(pid)
+
+
+def own_tree_cpu_s(pid: int | None = None, procs: list | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (default: this one) and its live descendants,
+    or of the processes ``procs`` (an earlier :func:`own_tree`; one ``/proc`` read each)."""
     import psutil
 
     total = 0.0
-    for p in _tree(pid):
+    for p in (_tree(pid) if procs is None else procs):
         try:
             t = p.cpu_times()
             total += t.user + t.system

@@ -21,6 +21,9 @@ from typing import Any, Callable, Mapping
 from . import collectives
 from . import contention as ct
 
+#: Seconds between scans for our process tree's members (DataLoader workers, compile workers).
+TREE_REFRESH_S = 10.0
+
 __all__ = ["ContentionMeter"]
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class ContentionMeter:
         self._host = host or socket.gethostname()
         self._proc_stat, self._clock, self._pid = proc_stat, clock, pid
         self._begun = False
+        self._procs: list = []
+        self._tree_at: float | None = None
         self._gpu: ct.GpuConditions | None = None
         self.gpu_why: str | None = None
         if nvml is not None or (device is not None and getattr(device, "type", None) == "cuda"):
@@ -79,9 +84,17 @@ class ContentionMeter:
     def _host_reading(self) -> ct.HostCpu | None:
         return ct.read_host_cpu(self._proc_stat) if self._lr0 else None
 
-    def _own_s(self) -> float:
+    def _own_s(self, fresh: bool = False) -> float:
+        """CPU seconds of our process tree. The tree itself (a scan of every process on the host,
+        ~7 ms on a busy one: a third of a small model's step) is found again at most every
+        :data:`TREE_REFRESH_S` and at the window's start and end (``fresh``); in between, the known
+        processes are read. A worker started meanwhile joins at the next scan with all its CPU
+        time, so the window's figures are whole and only an interval's split can lag."""
         try:
-            return ct.own_tree_cpu_s(self._pid)
+            now = self._clock()
+            if fresh or self._tree_at is None or now - self._tree_at >= TREE_REFRESH_S:
+                self._procs, self._tree_at = ct.own_tree(self._pid), now
+            return ct.own_tree_cpu_s(procs=self._procs)
         except Exception:  # noqa: BLE001
             return 0.0
 
@@ -96,7 +109,7 @@ class ContentionMeter:
         try:
             self._t0 = self._clock()
             self._host0 = self._last_host = self._host_reading()
-            self._own0 = self._last_own = self._own_s()
+            self._own0 = self._last_own = self._own_s(fresh=True)
             self._procs0 = ct.process_cpu_snapshot() if self._lr0 else {}
             mine = (self._host, self._pids())
             everyone = collectives.all_gather_object(mine) if collective else [mine]
@@ -170,7 +183,7 @@ class ContentionMeter:
 
         if not self._begun:
             return {}, {names.CONTENTION: "unknown: no steady-state window (all steps were warm-up)"}
-        rec = {"host": self._host, "lr0": self._lr0, "own_s": self._own_s() - self._own0,
+        rec = {"host": self._host, "lr0": self._lr0, "own_s": self._own_s(fresh=True) - self._own0,
                "pids": self._pids(), "window_s": self._clock() - self._t0}
         if self._lr0:
             rec["h0"], rec["h1"] = self._host0, self._host_reading()
