@@ -274,3 +274,45 @@ def test_figures_keep_every_text_inside_their_images(tmp_path):
         assert plots.clipped_texts(fig) == [], name
         drawn += 1
     assert drawn >= 4
+
+
+def test_a_figure_is_served_by_any_worker_of_the_server(tmp_path, monkeypatch):
+    # the trial: mlflow server runs 4 uvicorn workers; the page came from one, its images from the
+    # others, whose memory had no figures: 404 at random. Other workers read the drawn figures from
+    # disk, or draw them from the experiment and query the image URL carries.
+    import html as _html
+    import re
+    import tempfile
+
+    import mlflow
+    from flask import Flask
+
+    from five_runs import log_five_runs
+    from mlflow_llmeff.report import plots
+    from mlflow_llmeff.report import server as srv
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp_id, _ = log_five_runs(client, "five")
+    monkeypatch.setattr(srv, "_store", lambda: client)
+    app = Flask("t")
+    srv.register(app)
+    web = app.test_client()
+    page = web.get(f"/llmeff/experiments/{exp_id}?precision=fp32").get_data(as_text=True)
+    urls = [_html.unescape(u) for u in re.findall(r"src='(/llmeff/figures/[^']+)'", page)]
+    assert len(urls) == len(plots.FIGURES)
+    url = next(u for u in urls if "/tokens_per_device.png?" in u)
+    assert f"experiment={exp_id}" in url and "precision=fp32" in url
+    first = web.get(url)  # this worker: waits for its own drawing
+    assert first.status_code == 200 and first.mimetype == "image/png"
+    digest = url.split("/")[3]
+    srv._figures.clear()  # another worker: nothing in its memory, the drawing on disk
+    again = web.get(url)
+    assert again.status_code == 200 and again.get_data() == first.get_data()
+    srv._figures.clear()
+    os.remove(srv._disk(digest))  # nor on disk: drawn again from the URL's experiment and query
+    drawn = web.get(url)
+    assert drawn.status_code == 200 and drawn.mimetype == "image/png"
+    srv._figures.clear()
+    os.remove(srv._disk(digest))
+    assert web.get(url.split("?")[0]).status_code == 404  # a bare URL of figures gone: reload the page

@@ -19,6 +19,9 @@ from ``/llmeff/figures/<digest>/<name>``. A page whose run set has no figures ye
 and starts the drawing; each figure request waits for it (a figure left out is an image saying
 why). So the page never waits for matplotlib, and a page whose runs did not change draws nothing
 (bench/page.py measures both). matplotlib is imported in the background when the app starts.
+``mlflow server`` runs several uvicorn workers, each with its own memory: drawn figures are also kept
+on disk (the temporary folder, ``llmeff-figures-<uid>/<digest>.pkl``) for the other workers, and an
+image URL carries the experiment and the page's query, so a worker that finds neither draws it.
 """
 
 from __future__ import annotations
@@ -59,12 +62,51 @@ _drawing: dict[str, threading.Event] = {}
 FIGURE_WAIT_S = 120.0
 
 
+def _disk(digest: str) -> str:
+    """Where a run set's drawn figures are kept for every worker of the server (``mlflow server``
+    starts several uvicorn workers, each with its own memory: a page served by one and an image
+    requested from another must not miss)."""
+    import os
+    import tempfile
+
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    return os.path.join(tempfile.gettempdir(), f"llmeff-figures-{uid}", f"{digest}.pkl")
+
+
 def _cached(digest: str) -> tuple[dict[str, bytes], list[str]] | None:
+    import pickle
+
     with _lock:
         hit = _figures.get(digest)
         if hit is not None:
             _figures.move_to_end(digest)
-        return hit
+            return hit
+    try:
+        with open(_disk(digest), "rb") as f:
+            hit = pickle.load(f)  # written by this server's own workers (_store_drawn)
+    except (OSError, pickle.PickleError, EOFError, ValueError):
+        return None
+    with _lock:
+        _figures[digest] = hit
+        while len(_figures) > FIGURE_CACHE_SIZE:
+            _figures.popitem(last=False)
+    return hit
+
+
+def _store_drawn(digest: str, drawn) -> None:
+    """Keep ``drawn`` on disk for the other workers (atomically: a reader never sees half a file)."""
+    import os
+    import pickle
+
+    path = _disk(digest)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.partial"
+        with open(tmp, "wb") as f:
+            pickle.dump(drawn, f)
+        os.replace(tmp, path)
+    except OSError:  # no shared cache: each worker draws its own
+        pass
 
 
 def _start_drawing(store, rep, digest: str) -> None:
@@ -82,6 +124,7 @@ def _start_drawing(store, rep, digest: str) -> None:
             drawn = pl.draw_all(rep, lambda run_id, key: metric_history(store, run_id, key))
         except Exception as e:  # noqa: BLE001 - a figure that cannot be drawn says so, the page stays
             drawn = ({}, [f"figures not drawn: {type(e).__name__}: {e}"])
+        _store_drawn(digest, drawn)
         with _lock:
             _figures[digest] = drawn
             while len(_figures) > FIGURE_CACHE_SIZE:
@@ -105,12 +148,17 @@ def _note_png(text: str) -> bytes:
 
 
 def figure(digest: str, name: str):
-    """``/llmeff/figures/<digest>/<name>``: one figure of a run set (waits for its drawing; 404 once
-    it left the cache)."""
-    from flask import Response
+    """``/llmeff/figures/<digest>/<name>?experiment=<id>&<the page's query>``: one figure of a run set.
+
+    Waits for its drawing; a worker that has neither drawn it nor finds it on disk (another worker
+    served the page) draws it from the experiment and query the URL carries. 404 only for a URL
+    without them whose figures are gone."""
+    from flask import Response, request
 
     with _lock:
         pending = _drawing.get(digest)
+    if pending is None and _cached(digest) is None and request.args.get("experiment"):
+        pending = _draw_again(digest, request.args)
     if pending is not None:
         pending.wait(FIGURE_WAIT_S)
     hit = _cached(digest)
@@ -181,6 +229,24 @@ def _filter_form(exp_id: str, args, runs) -> str:
             f"<a href='{PREFIX}/'>all efficiency pages</a></p>")
 
 
+def _draw_again(digest: str, args):
+    """Start drawing the run set of the page ``args`` describe (``experiment`` and its query) under
+    ``digest``; the event to wait on, or None when the experiment cannot be read."""
+    from .render import DEFAULT_GROUP_BY, build_report
+    from .source import select_runs
+
+    store = _store()
+    try:
+        sel = select_runs(store, args["experiment"], filter_string(args))
+        group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
+        rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base="", plots=False)
+    except Exception:  # noqa: BLE001 - then the 404 page says to reload
+        return None
+    _start_drawing(store, rep, digest)
+    with _lock:
+        return _drawing.get(digest)
+
+
 def experiment_page(experiment_id: str):
     """``/llmeff/experiments/<id>``: the comparison report of one experiment, live from the store."""
     from flask import request
@@ -217,7 +283,11 @@ def experiment_page(experiment_id: str):
         shown = [name for name, _ in FIGURES]
     else:
         shown, rep.notes = list(hit[0]), list(hit[1])
-    urls = {name: f"{PREFIX}/figures/{digest}/{name}" for name in shown}
+    from urllib.parse import urlencode
+
+    query = urlencode([("experiment", exp.experiment_id)] + [(k, v) for k, v in args.items(multi=True)
+                                                             if k != "experiment"])
+    urls = {name: f"{PREFIX}/figures/{digest}/{name}?{query}" for name in shown}
     return Response(to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figure_urls=urls),
                     mimetype="text/html")
 
