@@ -163,6 +163,16 @@ def test_the_memory_pareto_keeps_what_sharding_buys_and_drops_what_is_beaten_on_
 
     class Rep:
         configs = cs
+    # on CPU one run's peak is process RSS, within +-5%: a 4 MiB difference of 640 MiB workers is noise
+    rss = configurations([with_mem(run("d", 2, 1000.0, 980.0, 1020.0, **_layout("ddp", 2, 1, 1),
+                                       **{names.MEMORY_SOURCE: "cpu: peak process RSS"}), 0.6376),
+                          with_mem(run("f", 2, 1000.0, 980.0, 1020.0, **_layout("fsdp", 2, 2, 1),
+                                       **{names.MEMORY_SOURCE: "cpu: peak process RSS"}), 0.6417)])
+    m = [plots._memory(c) for c in rss]
+    assert (m[0].low, m[0].high, m[0].method) == (pytest.approx(0.6376 * 0.95), pytest.approx(0.6376 * 1.05),
+                                                  "process RSS +-5%")
+    assert noisy_pareto_front(list(zip(m, [c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) for c in rss])),
+                              maximize_x=False, maximize_y=True) == [0, 1]
     fig = plots.fig_pareto_memory(Rep(), None)
     assert fig.axes[0].get_xlabel() == "peak memory per device, GiB"
     assert sorted(t.get_text() for t in fig.axes[0].texts) == ["run-d", "run-f", "run-z"]

@@ -135,7 +135,7 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     else:
         accelerator_short, alias = hw.resolve_short(accelerator_short)  # H100 -> H100-SXM, with a note
         if alias:
-            print(f"mlflow_llmeff: accelerator {alias}")
+            print(f"llmeff: accelerator {alias}", file=sys.stderr)  # stdout stays the plan (--json parses)
         cuda, bf16 = accelerator_short.lower() != "cpu", True
     validate(cfg, cuda_available=cuda, bf16_supported=bf16)
     precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
