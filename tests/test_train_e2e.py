@@ -249,6 +249,7 @@ def parts_add_up(m: dict) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a throughput ratio of two runs: the other test worker's load would swing it
 def test_evals_during_training_stay_out_of_tokens_per_sec(tracking_uri):
     # The case: llama-tiny, seq_len=64, micro_batch_size=4, 12 steps logged every 4; B evaluates
     # every 4 steps. Before: B 79 tokens/s against A's 1,312, and B's parts summed to 82.4 s of a 57.8 s wall.
@@ -256,7 +257,9 @@ def test_evals_during_training_stay_out_of_tokens_per_sec(tracking_uri):
     a = run_training(TrainConfig(**common))["summary"]
     b = run_training(TrainConfig(**common, eval_every=4, targets="val_loss<=+9.5"))["summary"]
     ratio = b[names.SUM_TOKENS_PER_SEC] / a[names.SUM_TOKENS_PER_SEC]
-    assert 0.25 < ratio < 4.0, ratio  # within this shared machine's noise (the fault gave 0.06)
+    # within this shared machine's noise (the fault gave 0.06; 0.22 was seen once with the machine
+    # loaded by other jobs besides the suite)
+    assert 0.15 < ratio < 6.0, ratio
     assert b[names.SUM_BADPUT["eval"]] > a[names.SUM_BADPUT["eval"]] > 0  # A evaluates once, at the end
     for s in (a, b):
         assert parts_add_up(s) == pytest.approx(s[names.SUM_WALL_S], rel=1e-9)
