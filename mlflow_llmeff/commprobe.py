@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import collectives, comm, names
+from .probes import tensor_bytes
 
 __all__ = ["ProbeResult", "measure", "detect_link", "probe_figures", "CommCounter", "StepSampler"]
 
@@ -241,16 +242,6 @@ def probe_figures(result: ProbeResult | None, peak: comm.LinkPeak | None, why: s
 
 
 # --------------------------------------------------------------------------- bytes of a step
-def _nbytes(x) -> int:
-    import torch
-
-    if torch.is_tensor(x):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
-
-
 def _group_size(pg_or_name) -> int:
     """Ranks of a c10d op's group: a group name (functional collectives) or the ``ScriptObject`` the
     dispatcher passes for a ``ProcessGroup`` (``ProcessGroup.unbox`` turns it back into one)."""
@@ -282,20 +273,20 @@ def _collective(name: str, args) -> tuple[str, int, int] | None:
         if op not in table:
             return None
         kind, ti, gi = table[op]
-        return kind, _nbytes(args[ti]), _group_size(args[gi])
+        return kind, tensor_bytes(args[ti]), _group_size(args[gi])
     if ns == "_c10d_functional":
         if op in ("all_reduce", "all_reduce_"):
-            return "all_reduce", _nbytes(args[0]), _group_size(args[2])
+            return "all_reduce", tensor_bytes(args[0]), _group_size(args[2])
         if op == "all_reduce_coalesced":
-            return "all_reduce", _nbytes(args[0]), _group_size(args[2])
+            return "all_reduce", tensor_bytes(args[0]), _group_size(args[2])
         if op == "all_gather_into_tensor":
-            return "all_gather", _nbytes(args[0]) * int(args[1]), int(args[1])
+            return "all_gather", tensor_bytes(args[0]) * int(args[1]), int(args[1])
         if op == "reduce_scatter_tensor":
-            return "reduce_scatter", _nbytes(args[0]), int(args[2])
+            return "reduce_scatter", tensor_bytes(args[0]), int(args[2])
         if op == "all_to_all_single":
-            return "all_to_all", _nbytes(args[0]), _group_size(args[3])
+            return "all_to_all", tensor_bytes(args[0]), _group_size(args[3])
         if op == "broadcast":
-            return "broadcast", _nbytes(args[0]), _group_size(args[2])
+            return "broadcast", tensor_bytes(args[0]), _group_size(args[2])
     return None
 
 

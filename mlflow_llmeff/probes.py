@@ -71,20 +71,30 @@ def model_state_bytes(model, optimizer) -> tuple[int, int]:
     for p in model.parameters():
         lp = local(p)
         nparams += p.numel()
-        nbytes += lp.numel() * lp.element_size()
+        nbytes += tensor_bytes(lp)
         if p.requires_grad:  # gradients live through every step (freed only between steps)
             g = local(p.grad) if p.grad is not None else lp
-            nbytes += g.numel() * g.element_size()
+            nbytes += tensor_bytes(g)
     for st in inner_opt.state.values():
         for v in st.values():
             if torch.is_tensor(v) and v.dim() > 0:
-                lv = local(v)
-                nbytes += lv.numel() * lv.element_size()
+                nbytes += tensor_bytes(local(v))
     return nbytes, nparams
 
 
 def _is_deepspeed_zero(opt) -> bool:
     return type(opt).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+
+
+def tensor_bytes(x) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list or tuple; 0 for anything else."""
+    import torch
+
+    if torch.is_tensor(x):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(tensor_bytes(y) for y in x)
+    return 0
 
 
 def _deepspeed_state_bytes(model, zero) -> tuple[int, int]:
@@ -99,22 +109,16 @@ def _deepspeed_state_bytes(model, zero) -> tuple[int, int]:
     """
     import torch
 
-    def size(x) -> int:
-        if torch.is_tensor(x):
-            return x.numel() * x.element_size()
-        if isinstance(x, (list, tuple)):
-            return sum(size(y) for y in x)
-        return 0
-
     params = list(model.parameters())
     stage3 = type(zero).__name__.endswith("Stage3")
     nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in params)
     # ZeRO-3 keeps its partition (ds_tensor) and, for parameters under stage3_param_persistence_threshold
     # (1e5 elements by default) or still gathered, the whole tensor too: both are held
-    weights = sum(size(p.data) + (size(p.ds_tensor) if stage3 and hasattr(p, "ds_tensor") else 0) for p in params)
+    weights = sum(tensor_bytes(p.data) + (tensor_bytes(p.ds_tensor) if stage3 and hasattr(p, "ds_tensor") else 0)
+                  for p in params)
     master = zero.fp32_partitioned_groups_flat if stage3 else zero.single_partition_of_fp32_groups
-    master_bytes, master_numel = size(master), sum(t.numel() for t in master)
-    moments = sum(size(v) for st in zero.optimizer.state.values() for v in st.values()
+    master_bytes, master_numel = tensor_bytes(master), sum(t.numel() for t in master)
+    moments = sum(tensor_bytes(v) for st in zero.optimizer.state.values() for v in st.values()
                   if torch.is_tensor(v) and v.dim() > 0)
     elem = params[0].element_size() if params else 4
     stage = 3 if stage3 else int(getattr(zero, "partition_gradients", False)) + 1

@@ -229,17 +229,27 @@ def _filter_form(exp_id: str, args, runs) -> str:
             f"<a href='{PREFIX}/'>all efficiency pages</a></p>")
 
 
-def _draw_again(digest: str, args):
-    """Start drawing the run set of the page ``args`` describe (``experiment`` and its query) under
-    ``digest``; the event to wait on, or None when the experiment cannot be read."""
+def _page_report(store, experiment_id: str, args):
+    """``(selection, report, group_by, baseline)`` of the page of ``experiment_id`` with query ``args``.
+
+    Raises:
+        ValueError: a filter MLflow cannot parse or that matches no run (from ``select_runs``).
+    """
     from .render import DEFAULT_GROUP_BY, build_report
     from .source import select_runs
 
+    sel = select_runs(store, experiment_id, filter_string(args))
+    group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
+    rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base="", plots=False)
+    return sel, rep, group_by, baseline
+
+
+def _draw_again(digest: str, args):
+    """Start drawing the run set of the page ``args`` describe (``experiment`` and its query) under
+    ``digest``; the event to wait on, or None when the experiment cannot be read."""
     store = _store()
     try:
-        sel = select_runs(store, args["experiment"], filter_string(args))
-        group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
-        rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base="", plots=False)
+        _, rep, _, _ = _page_report(store, args["experiment"], args)
     except Exception:  # noqa: BLE001 - then the 404 page says to reload
         return None
     _start_drawing(store, rep, digest)
@@ -251,7 +261,7 @@ def experiment_page(experiment_id: str):
     """``/llmeff/experiments/<id>``: the comparison report of one experiment, live from the store."""
     from flask import request
 
-    from .render import DEFAULT_GROUP_BY, build_report, to_html
+    from .render import to_html
     from .source import select_runs
 
     store = _store()
@@ -265,9 +275,7 @@ def experiment_page(experiment_id: str):
                                           "found</p>", 404)
     try:
         every = select_runs(store, exp.experiment_id, "").runs
-        sel = select_runs(store, exp.experiment_id, filter_string(args))
-        group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
-        rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base="", plots=False)
+        sel, rep, group_by, baseline = _page_report(store, exp.experiment_id, args)
     except ValueError as e:
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
                                       f"<p><a href='{PREFIX}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
