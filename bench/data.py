@@ -16,7 +16,7 @@ Steps, side by side on the same corpus, tokenizer (the presets' byte-level ByT5)
      nothing else) against :func:`mlflow_llmeff.train.data.tokenize_to_cache` (tokenize, pack,
      write the cache), both from the same warm Arrow copy of the corpus, same ``num_proc``.
      For the ByT5 tokenizer ``tokenize_to_cache`` computes the same ids without its Python code
-     (UTF-8 bytes + 3 with numpy, :mod:`mlflow_llmeff.bytetok`; equality is a test).
+     (UTF-8 bytes + 3 with numpy, :mod:`mlflow_llmeff.models.bytetok`; equality is a test).
 Targets (issue 13): peak RSS of the training process < 3 GB (the process tree with its
 tokenizing workers is printed beside it); tokenization >= 0.7x the bare map; second
 set-up < 10% of the first.
@@ -136,7 +136,7 @@ def throughput(corpus: str, workers: int, seq_len: int, cache: str, tok=None) ->
     import datasets
 
     from mlflow_llmeff.train.data import load_text, tokenize_to_cache
-    from mlflow_llmeff.train.models import load_tokenizer
+    from mlflow_llmeff.models.build import load_tokenizer
 
     tok = tok if tok is not None else load_tokenizer("llama-tiny")
     raw, _, _ = load_text(corpus)  # the Arrow copy is warm (the training runs made it)

@@ -43,7 +43,7 @@ def main() -> None:
     import mlflow
     import torch
 
-    from mlflow_llmeff.train.models import build_model, load_config
+    from mlflow_llmeff.models.build import build_model, load_config
 
     torch.manual_seed(0)
     cfg = load_config("llama-tiny")
@@ -64,7 +64,7 @@ def main() -> None:
     client = mlflow.MlflowClient()
 
     import mlflow_llmeff
-    from mlflow_llmeff.monitor import EfficiencyMonitor
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 
     train_run, mon_run = client.create_run("0").info.run_id, client.create_run("0").info.run_id
     # Direct measure, finer than the noisy ratios: seconds spent inside our calls / contender wall time.

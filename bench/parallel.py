@@ -122,7 +122,7 @@ def run_one(model: str, strategy: str, procs: int, settings: dict, steps: int, u
 
 
 def predicted_bytes(cfg) -> float:
-    from mlflow_llmeff.plan import make_plan
+    from mlflow_llmeff.planning.plan import make_plan
 
     return make_plan(cfg, accelerator_short="cpu", precision="fp32", strategy=cfg.parallelism)["comm_bytes_per_step"]
 

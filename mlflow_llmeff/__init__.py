@@ -8,7 +8,59 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "autolog", "EfficiencyMonitor", "active_monitor", "pause"]
 _LAZY = {"autolog": "autologging", "active_monitor": "autologging", "pause": "autologging",
-         "EfficiencyMonitor": "monitor"}
+         "EfficiencyMonitor": "monitor.meter"}
+
+#: Where the modules of the first, flat layout live now (docs/architecture.md): ``import
+#: mlflow_llmeff.flops`` and ``from mlflow_llmeff.plan import make_plan`` in users' scripts keep working,
+#: served by the module at its new path (the same module object, so patching it patches the real one).
+MOVED = {
+    "flops": "calc.flops", "throughput": "calc.throughput", "stability": "calc.stability",
+    "goodput": "calc.goodput", "comm": "calc.comm", "cost": "calc.cost",
+    "energy": "meters.energy", "hardware": "meters.hardware", "carbon": "meters.carbon",
+    "contention": "meters.contention", "commprobe": "meters.commprobe", "collectives": "meters.collectives",
+    "probes": "meters.probes", "flopcount": "meters.flopcount",
+    "counting": "monitor.counting", "steptimes": "monitor.steptimes", "consumption": "monitor.consumption",
+    "conditions": "monitor.conditions", "contention_meter": "monitor.contention", "lifecycle": "monitor.lifecycle",
+    "plan": "planning.plan", "fit": "planning.fit", "report.predict": "planning.predict",
+    "presets": "models.presets", "bytetok": "models.bytetok", "train.models": "models.build",
+    "naming": "tracking.naming", "nvml_fake": "testing",
+}
+
+
+class _MovedFinder:
+    """A ``sys.meta_path`` finder that serves an old module path with the module at its new one."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):  # noqa: ARG004 - the finder protocol
+        new = MOVED.get(fullname[len(__name__) + 1:]) if fullname.startswith(__name__ + ".") else None
+        if new is None:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, _MovedLoader(f"{__name__}.{new}"))
+
+
+class _MovedLoader:
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec):  # noqa: ARG002
+        import importlib
+
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module):  # the module ran at its new path already
+        pass
+
+
+def _install_finder():
+    import sys
+
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())
+
+
+_install_finder()
 
 
 def __getattr__(name):

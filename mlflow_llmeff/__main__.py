@@ -1,5 +1,5 @@
 """``python -m mlflow_llmeff ...`` runs the ``llmeff`` command line (used by the MLproject)."""
 
-from .cli import run_as_project
+from mlflow_llmeff.cli import run_as_project
 
 run_as_project()

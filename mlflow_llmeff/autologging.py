@@ -52,7 +52,7 @@ from mlflow.utils.autologging_utils import (
     safe_patch,
 )
 
-from . import names
+from mlflow_llmeff import names
 
 __all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor", "pause", "HIDDEN_FROM_AUTOLOG",
            "HIDDEN_FROM_MONITOR"]
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 #: The name under which MLflow's autologging utilities know this integration.
 INTEGRATION = "mlflow_llmeff"
 
-#: What ``llmeff train`` logs that an explicit :class:`~mlflow_llmeff.monitor.EfficiencyMonitor`
+#: What ``llmeff train`` logs that an explicit :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`
 #: cannot know unless the caller passes it (``tags=``, ``params=``): key (or ``params``) -> why.
 HIDDEN_FROM_MONITOR = {
     "llmeff.dataset": "the loop's data source is the loop's own (pass tags={'llmeff.dataset': ...})",
@@ -100,7 +100,7 @@ class _Settings:
     tags: tuple[tuple[str, str], ...]
 
     def monitor_kwargs(self) -> dict:
-        """Keyword arguments of :class:`~mlflow_llmeff.monitor.EfficiencyMonitor` from these settings."""
+        """Keyword arguments of :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` from these settings."""
         return dict(log_every_n_steps=self.log_every_n_steps, warmup_steps=self.warmup_steps,
                     device_hour_usd=self.device_hour_usd, usd_per_kwh=self.usd_per_kwh,
                     measure_energy=self.measure_energy, peak_tflops=self.peak_tflops,
@@ -188,7 +188,7 @@ class _Session:
             if key not in self.positional:
                 import inspect
 
-                from .monitor import unwrap_model
+                from mlflow_llmeff.monitor.meter import unwrap_model
 
                 try:
                     params = tuple(inspect.signature(unwrap_model(module).forward).parameters)
@@ -266,7 +266,7 @@ class _Session:
         """Create the monitor (and, on rank 0, the run) at the first counted forward of a loop."""
         if self.trainer_active:
             return None  # the Trainer callback owns the monitor
-        from .monitor import EfficiencyMonitor, infer_precision, unwrap_model
+        from mlflow_llmeff.monitor.meter import EfficiencyMonitor, infer_precision, unwrap_model
 
         acc = self.accelerator() if self.accelerator is not None else None
         precision, strategy, owner = None, None, "pytorch"
@@ -325,7 +325,7 @@ class _Session:
 
     def teardown(self) -> None:
         try:
-            from . import lifecycle
+            from mlflow_llmeff.monitor import lifecycle
 
             self.finish(collective=False, status=lifecycle.exit_status())
         except Exception as e:  # noqa: BLE001
@@ -348,7 +348,7 @@ def is_enabled() -> bool:
 
 
 def active_monitor():
-    """The :class:`~mlflow_llmeff.monitor.EfficiencyMonitor` of the training in progress, or None."""
+    """The :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` of the training in progress, or None."""
     return _SESSION.monitor if _SESSION is not None else None
 
 
@@ -357,12 +357,12 @@ def pause(category: str):
     """Declare non-step work to autolog's meter: ``with mlflow_llmeff.pause("checkpoint_save"): ...``.
 
     A no-op while no training is being followed. Categories as
-    :meth:`~mlflow_llmeff.monitor.EfficiencyMonitor.pause`.
+    :meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.pause`.
 
     Raises:
         ValueError: for an unknown category (also when no training is followed).
     """
-    from .goodput import PAUSES
+    from mlflow_llmeff.calc.goodput import PAUSES
 
     if category not in PAUSES:
         raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
@@ -429,7 +429,7 @@ def _patched_destroy_process_group(original, *args, **kwargs):
 
 
 def _patched_end_run(original, *args, **kwargs):
-    from . import lifecycle
+    from mlflow_llmeff.monitor import lifecycle
 
     s = _session()
     status = str(kwargs.pop("status", args[0] if args else "FINISHED"))
@@ -445,7 +445,7 @@ def _patched_end_run(original, *args, **kwargs):
             if mon.run_id == active.info.run_id and mon.end_run_later(status):
                 # the server did not take the run's points: its end waits in the outbox with them,
                 # instead of a request that would wait on the server again
-                from .tracking.runs import RunHandle, release
+                from mlflow_llmeff.tracking.runs import RunHandle, release
 
                 release(RunHandle(active.info.run_id, owned=False, fluent=True, resumed=False))
                 return None
@@ -498,14 +498,14 @@ def _trainer_callbacks():
     from mlflow.utils.autologging_utils import ExceptionSafeClass
     from transformers import TrainerCallback
 
-    from . import names
+    from mlflow_llmeff import names
 
     class LlmeffTrainerCallback(TrainerCallback, metaclass=ExceptionSafeClass):
         """Standard efficiency metrics for ``Trainer.train()`` (added by ``mlflow_llmeff.autolog``)."""
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            from .conditions import infer_precision
-            from .monitor import EfficiencyMonitor
+            from mlflow_llmeff.monitor.conditions import infer_precision
+            from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 
             s = _session()
             if s is None:
@@ -624,8 +624,8 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
     """
     from mlflow.utils.autologging_utils import AUTOLOGGING_INTEGRATIONS
 
-    from .evals.targets import parse_targets
-    from .monitor import _check_args
+    from mlflow_llmeff.evals.targets import parse_targets
+    from mlflow_llmeff.monitor.meter import _check_args
 
     try:
         _check_args(log_every_n_steps, warmup_steps, None, measure_energy, None, peak_tflops, device_hour_usd,
@@ -654,7 +654,7 @@ def _install(session: _Session) -> None:
     import mlflow.tracking.fluent as fluent
     from mlflow.utils.import_hooks import register_post_import_hook
 
-    from . import lifecycle
+    from mlflow_llmeff.monitor import lifecycle
 
     _SESSION = session
 
@@ -679,5 +679,5 @@ def _install(session: _Session) -> None:
         if name in sys.modules:
             fn(sys.modules[name])
     # A loop nobody ends (no end_run, end_training, destroy_process_group) is finished at exit with
-    # the status the process ends with (FINISHED, FAILED, KILLED): see mlflow_llmeff.lifecycle.
+    # the status the process ends with (FINISHED, FAILED, KILLED): see mlflow_llmeff.monitor.lifecycle.
     lifecycle.install()

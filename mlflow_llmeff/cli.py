@@ -21,7 +21,7 @@ def _train_options(f):
     """Add one click option per TrainConfig field (same names as the MLproject parameters)."""
     import dataclasses
 
-    from .train.config import TrainConfig
+    from mlflow_llmeff.train.config import TrainConfig
 
     for fld in reversed(dataclasses.fields(TrainConfig)):
         opt = "--" + fld.name.replace("_", "-")
@@ -36,8 +36,8 @@ def _train_options(f):
 @_train_options
 def train_cmd(**kwargs) -> None:
     """Train a decoder-only LLM with Accelerate and log standard efficiency metrics to MLflow."""
-    from .train.config import TrainConfig
-    from .train.launch import launch
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import launch
 
     try:
         code = launch(TrainConfig(**kwargs))
@@ -46,14 +46,14 @@ def train_cmd(**kwargs) -> None:
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
-        from .train.loop import stopped_with_one_line
+        from mlflow_llmeff.train.loop import stopped_with_one_line
 
         line = stopped_with_one_line(e)
         if line:  # a known ending (diverged loss, OOM, data error): the run already says why
             click.echo(f"Error: {line}", err=True)
             raise SystemExit(1) from None
         # unexpected: say why on the run, then show the traceback
-        from .tracking.runs import error_line, record_failure
+        from mlflow_llmeff.tracking.runs import error_line, record_failure
 
         record_failure(error_line(e), known_conditions(kwargs), run_name=failed_run_name(kwargs))
         raise
@@ -62,12 +62,12 @@ def train_cmd(**kwargs) -> None:
 
 def known_conditions(params: dict) -> dict[str, str]:
     """The condition tags known before anything is built (for a run that fails early)."""
-    from . import names
-    from .probes import software_versions
+    from mlflow_llmeff import names
+    from mlflow_llmeff.meters.probes import software_versions
 
     tags = dict(software_versions())
     try:
-        from .hardware import detect_accelerator
+        from mlflow_llmeff.meters.hardware import detect_accelerator
 
         tags.update(detect_accelerator(count=int(params.get("num_processes") or 1)).tags())
     except Exception:  # noqa: BLE001
@@ -83,7 +83,7 @@ def known_conditions(params: dict) -> dict[str, str]:
 def failed_run_name(params: dict) -> str:
     """The name of a run that failed before training: the user's ``run_name``, else the standard
     name's parts from the conditions known (fixed order: nothing more is read from the server)."""
-    from .naming import parts_from_tags, study_name
+    from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
 
     if params.get("run_name"):
         return str(params["run_name"])
@@ -97,7 +97,7 @@ def fail(message: str, params: dict | None = None):
 
     if not os.environ.get("MLFLOW_RUN_ID"):
         raise click.UsageError(message)
-    from .tracking.runs import record_failure
+    from mlflow_llmeff.tracking.runs import record_failure
 
     record_failure(message, known_conditions(params or {}), run_name=failed_run_name(params or {}))
     click.echo(f"Error: {message}", err=True)
@@ -142,9 +142,9 @@ def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, 
     """
     import json
 
-    from mlflow_llmeff.flopcount import resolve
-    from mlflow_llmeff.flops import FORMULA_TAGS, flops_summary
-    from mlflow_llmeff.presets import load_config
+    from mlflow_llmeff.meters.flopcount import resolve
+    from mlflow_llmeff.calc.flops import FORMULA_TAGS, flops_summary
+    from mlflow_llmeff.models.presets import load_config
 
     try:
         config = load_config(model)
@@ -185,7 +185,7 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
     """Measure (or read the cache of) the achievable matmul TFLOP/s, next to the datasheet peak."""
     import json
 
-    from mlflow_llmeff.hardware import default_cache_dir, detect_accelerator, measure_matmul_peak, resolve_peak
+    from mlflow_llmeff.meters.hardware import default_cache_dir, detect_accelerator, measure_matmul_peak, resolve_peak
 
     info = detect_accelerator(device_type=None if device is None else device.split(":")[0])
     device = device or info.device_type
@@ -223,8 +223,8 @@ def energy_probe_cmd(measure_energy: str, country_iso_code: str, cloud_provider:
     """Say how this process would measure energy and which grid intensity carbon would use."""
     import torch  # noqa: F401  (imported first so the meter sees this process's CUDA devices)
 
-    from mlflow_llmeff.carbon import grid_intensity_g_per_kwh
-    from mlflow_llmeff.energy import make_meter
+    from mlflow_llmeff.meters.carbon import grid_intensity_g_per_kwh
+    from mlflow_llmeff.meters.energy import make_meter
 
     try:
         meter = make_meter(measure_energy, sampling_thread=False)
@@ -252,7 +252,7 @@ def models_cmd(seq_len: int, as_json: bool) -> None:
     """List the model presets: shape, parameters, FLOPs per token and training memory."""
     import json
 
-    from .plan import models_table
+    from mlflow_llmeff.planning.plan import models_table
 
     rows = models_table(seq_len)
     if as_json:
@@ -276,8 +276,8 @@ def sync_cmd(folder: str) -> None:
     ~/.cache/mlflow_llmeff/outbox otherwise): create the runs it never created, send their points
     with their original timestamps, log their efficiency report, and end them with the status and
     end time they recorded."""
-    from .tracking.delivery import apply_request_settings
-    from .tracking.outbox import deliver_outbox
+    from mlflow_llmeff.tracking.delivery import apply_request_settings
+    from mlflow_llmeff.tracking.outbox import deliver_outbox
 
     apply_request_settings()
     try:
@@ -297,7 +297,7 @@ def sync_cmd(folder: str) -> None:
 @main.command("prices")
 def prices_cmd() -> None:
     """Print the dated default device-hour price table (pass device_hour_usd to override)."""
-    from mlflow_llmeff.cost import DEFAULT_DEVICE_HOUR_USD
+    from mlflow_llmeff.calc.cost import DEFAULT_DEVICE_HOUR_USD
 
     for short, row in DEFAULT_DEVICE_HOUR_USD.items():
         click.echo(f"{short:<16} ${row.usd:>5.2f}/device-hour  {row.offer}; {row.source} "
@@ -400,8 +400,8 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
     """Plan a run without training: parameters, FLOPs/step, memory per device, predicted time and cost."""
-    from .train.config import TrainConfig
-    from .train.launch import dry_run
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import dry_run
 
     try:
         raise SystemExit(dry_run(TrainConfig(**kwargs), accelerator_short=accelerator_short, as_json=as_json))
@@ -425,8 +425,8 @@ def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
                    "else http://127.0.0.1:5000].")
 def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_mlflow, ui_url) -> None:
     """Compare runs on efficiency: table, scaling efficiency, Pareto fronts (reads any tracking URI)."""
-    from .report.compare import compare
-    from .report.render import scaling_lines
+    from mlflow_llmeff.report.compare import compare
+    from mlflow_llmeff.report.render import scaling_lines
 
     try:
         rep, paths, run_id = compare(experiment, filter_string=filter_string, group_by=group_by,
@@ -471,8 +471,8 @@ def prepare_data_cmd(dataset: str, model: str, seq_len: int, packing: bool, text
     """
     import json
 
-    from .train.data import tokenize_to_cache
-    from .train.models import load_tokenizer
+    from mlflow_llmeff.train.data import tokenize_to_cache
+    from mlflow_llmeff.models.build import load_tokenizer
 
     if dataset == "synthetic":
         raise click.UsageError("dataset 'synthetic' is generated at start-up; there is nothing to prepare")

@@ -28,7 +28,7 @@ def tracking_uri(module_store, monkeypatch):
 def tiny_model():
     from transformers import LlamaForCausalLM
 
-    from mlflow_llmeff.train.models import load_config
+    from mlflow_llmeff.models.build import load_config
 
     torch.manual_seed(0)
     return LlamaForCausalLM(load_config("llama-tiny"))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.carbon import CarbonTracker, grid_intensity_g_per_kwh
+from mlflow_llmeff.meters.carbon import CarbonTracker, grid_intensity_g_per_kwh
 
 # codecarbon 3.3's global_energy_mix.json: USA carbon_intensity 369.473 g/kWh (2023 data),
 # FRA 56.039; cloud/impact.csv: gcp us-central1 430 g/kWh (Google region data).

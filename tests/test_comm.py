@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from mlflow_llmeff import comm, names
+from mlflow_llmeff.calc import comm
+from mlflow_llmeff import names
 from mlflow_llmeff.parallel import Degrees
 
 
@@ -121,7 +122,7 @@ def test_predicted_bytes_scale_with_accumulation_where_the_collectives_run_per_m
 
 
 def test_probe_figures_without_a_peak_say_why():
-    from mlflow_llmeff.commprobe import ProbeResult, probe_figures
+    from mlflow_llmeff.meters.commprobe import ProbeResult, probe_figures
 
     r = ProbeResult({"all_reduce": 2.0, "all_gather": 1.5, "reduce_scatter": 1.0}, 2, "gloo", 4 * 2**20, 3, False)
     metrics, tags = probe_figures(r, None, "unknown: gloo")
@@ -136,7 +137,7 @@ def _probe_worker(rank: int, port: int, cache: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from mlflow_llmeff import commprobe
+    from mlflow_llmeff.meters import commprobe
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

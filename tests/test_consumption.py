@@ -3,7 +3,7 @@
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.consumption import Consumption
+from mlflow_llmeff.monitor.consumption import Consumption
 
 
 def test_measured_energy_carbon_and_cost_hand_computed():

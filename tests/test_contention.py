@@ -12,11 +12,11 @@ import mlflow
 import psutil
 import pytest
 
-from mlflow_llmeff import contention as ct
+from mlflow_llmeff.meters import contention as ct
 from mlflow_llmeff import names
-from mlflow_llmeff.contention_meter import ContentionMeter
-from mlflow_llmeff.monitor import EfficiencyMonitor
-from mlflow_llmeff.nvml_fake import THROTTLE_BITS, FakeGpu, FakeProcess, fake_nvml
+from mlflow_llmeff.monitor.contention import ContentionMeter
+from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+from mlflow_llmeff.testing import THROTTLE_BITS, FakeGpu, FakeProcess, fake_nvml
 
 from conftest import REPO, use_store
 
@@ -76,7 +76,7 @@ def test_a_window_of_a_fake_proc_stat_through_the_meter(tmp_path):
 def test_the_process_tree_is_scanned_at_the_window_edges_and_at_most_every_refresh_period(tmp_path, monkeypatch):
     # the scan reads every process's /proc/<pid>/stat: ~7 ms on a busy host, a third of a small
     # model's step when it ran at every logged step (bench/overhead.py measured 3.2% inside our calls)
-    from mlflow_llmeff import contention_meter
+    from mlflow_llmeff.monitor import contention as contention_meter
 
     stat = tmp_path / "stat"
     stat.write_text("cpu  0 0 0 0 0 0 0 0\n")

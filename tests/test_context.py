@@ -53,7 +53,7 @@ def test_in_context_is_false_without_autolog():
 
 def test_lookups_are_cached_and_failures_give_no_tags(monkeypatch):
     calls = []
-    import mlflow_llmeff.hardware as hw
+    import mlflow_llmeff.meters.hardware as hw
 
     real = hw.detect_accelerator
     monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: calls.append(kw) or real(**kw))

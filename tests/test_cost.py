@@ -7,7 +7,7 @@ import re
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.cost import (
+from mlflow_llmeff.calc.cost import (
     DEFAULT_DEVICE_HOUR_USD,
     cost_tags,
     device_hour_price,
@@ -84,7 +84,7 @@ def test_tags_carry_the_assumptions():
 
 
 def test_table_keys_are_short_names_that_hardware_detection_produces():
-    from mlflow_llmeff.hardware import PEAK_TABLE
+    from mlflow_llmeff.meters.hardware import PEAK_TABLE
 
     shorts = {row.short for row in PEAK_TABLE}
     assert set(DEFAULT_DEVICE_HOUR_USD) <= shorts
@@ -94,7 +94,7 @@ def test_prices_command_lists_every_default_with_its_source():
     from click.testing import CliRunner
 
     from mlflow_llmeff.cli import main
-    from mlflow_llmeff.cost import DEFAULT_DEVICE_HOUR_USD
+    from mlflow_llmeff.calc.cost import DEFAULT_DEVICE_HOUR_USD
 
     out = CliRunner().invoke(main, ["prices"]).output
     for short, price in DEFAULT_DEVICE_HOUR_USD.items():

@@ -1,6 +1,6 @@
 import torch
 
-from mlflow_llmeff.counting import BatchCounter
+from mlflow_llmeff.monitor.counting import BatchCounter
 
 
 def test_counts_non_padding_padded_and_loss_tokens():

@@ -6,7 +6,7 @@ import torch
 
 from mlflow_llmeff.train import data as D
 from mlflow_llmeff.train.batches import BatchStream
-from mlflow_llmeff.train.models import load_tokenizer
+from mlflow_llmeff.models.build import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_validation_scores_a_fixed_subset_of_blocks(cache):
     from transformers import LlamaForCausalLM
 
     from mlflow_llmeff.train.evaluate import validation_loss
-    from mlflow_llmeff.train.models import load_config
+    from mlflow_llmeff.models.build import load_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(load_config("llama-tiny"))

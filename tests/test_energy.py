@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from mlflow_llmeff import energy
-from mlflow_llmeff.nvml_fake import FakeGpu, FakeNvmlError, fake_nvml  # noqa: F401
-from mlflow_llmeff.energy import (
+from mlflow_llmeff.meters import energy
+from mlflow_llmeff.testing import FakeGpu, FakeNvmlError, fake_nvml  # noqa: F401
+from mlflow_llmeff.meters.energy import (
     EnergyReading,
     FakeEnergyMeter,
     device_owners,
@@ -302,7 +302,7 @@ def test_energy_probe_command_says_how_energy_would_be_measured():
 def test_energy_not_measured_note_is_said_once_a_machine_not_once_a_process(tmp_path, monkeypatch, caplog):
     import logging
 
-    from mlflow_llmeff import energy
+    from mlflow_llmeff.meters import energy
 
     monkeypatch.setattr(energy, "_warned", set())
     missing = str(tmp_path / "missing")

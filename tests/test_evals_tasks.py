@@ -263,7 +263,7 @@ def test_a_progress_bar_counts_the_documents(capsys):
     from transformers import LlamaForCausalLM
 
     from mlflow_llmeff.evals.api import evaluate
-    from mlflow_llmeff.train.models import load_config, load_tokenizer
+    from mlflow_llmeff.models.build import load_config, load_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(load_config("llama-tiny"))
@@ -279,7 +279,7 @@ def test_progress_counts_documents_when_long_ones_are_scored_choice_by_choice(ca
     from transformers import LlamaForCausalLM
 
     from mlflow_llmeff.evals.api import evaluate
-    from mlflow_llmeff.train.models import load_config, load_tokenizer
+    from mlflow_llmeff.models.build import load_config, load_tokenizer
 
     torch.manual_seed(0)
     cfg = load_config("llama-tiny")

@@ -11,10 +11,11 @@ import time
 import mlflow
 import pytest
 
-from mlflow_llmeff import fit, names
-from mlflow_llmeff.plan import GIB, estimate_memory
+from mlflow_llmeff.planning import fit
+from mlflow_llmeff import names
+from mlflow_llmeff.planning.plan import GIB, estimate_memory
 from mlflow_llmeff.train.config import TrainConfig
-from mlflow_llmeff.train.models import load_config
+from mlflow_llmeff.models.build import load_config
 
 from conftest import REPO
 
@@ -139,8 +140,8 @@ def test_an_unknown_country_is_refused_before_training(tracking_uri):
 
 
 def test_models_lists_presets_with_shape_flops_and_memory():
-    from mlflow_llmeff.flops import flops_per_token
-    from mlflow_llmeff.plan import models_table
+    from mlflow_llmeff.calc.flops import flops_per_token
+    from mlflow_llmeff.planning.plan import models_table
 
     rows = {r["preset"]: r for r in models_table(4096)}
     seven = rows["llama-7b"]

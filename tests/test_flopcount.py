@@ -1,4 +1,4 @@
-"""Tests for mlflow_llmeff.flopcount: formula or meta-device count for any causal LM, and the cross-check."""
+"""Tests for mlflow_llmeff.meters.flopcount: formula or meta-device count for any causal LM, and the cross-check."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from transformers import CONFIG_MAPPING
 
-from mlflow_llmeff import flops as fl
-from mlflow_llmeff.flopcount import count_on_meta, resolve
+from mlflow_llmeff.calc import flops as fl
+from mlflow_llmeff.meters.flopcount import count_on_meta, resolve
 
 # Tiny configs (2 layers, h 64) of every family the formula reads, built from the real transformers
 # config classes: odd head widths, GQA, MoE with shared experts and dense layers, MLA, windows.

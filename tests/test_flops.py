@@ -1,4 +1,4 @@
-"""Tests for mlflow_llmeff.flops: reference FLOPs, hand-computed shapes, the flop counter, MFU/HFU."""
+"""Tests for mlflow_llmeff.calc.flops: reference FLOPs, hand-computed shapes, the flop counter, MFU/HFU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, GPT2Config, LlamaConfig,
                           MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config)
 
-from mlflow_llmeff.flops import (Recompute, attention_flops_per_token, effective_seq_len, flops_per_token,
+from mlflow_llmeff.calc.flops import (Recompute, attention_flops_per_token, effective_seq_len, flops_per_token,
                                  flops_summary, hardware_model_ratio, mean_attended_keys, measure_step_flops,
                                  mfu_warning, model_shape, param_counts, recompute_flops_per_token, utilization)
 
@@ -340,7 +340,7 @@ def test_hf_activation_checkpointing_reruns_exactly_the_recompute_the_formula_gi
     # early stop. Counted on a real step it adds 172,032 FLOPs per token (hand-computed in
     # test_recompute_is_each_layers_forward_less_the_early_stopped_down_projection): each layer's
     # forward less its down projection; no LM head (6*64*259 = 99,456 per token) and no embedding.
-    from mlflow_llmeff.conditions import recompute_plan
+    from mlflow_llmeff.monitor.conditions import recompute_plan
 
     tokens = 2 * 64
     plain = measure_step_flops(_step(_model("llama")))

@@ -3,7 +3,7 @@
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.goodput import TimeLedger, breakdown, goodput
+from mlflow_llmeff.calc.goodput import TimeLedger, breakdown, goodput
 
 
 class FakeClock:

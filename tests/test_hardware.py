@@ -1,4 +1,4 @@
-"""Tests for mlflow_llmeff.hardware: peak table look-ups, detection, resolution, measured peak."""
+"""Tests for mlflow_llmeff.meters.hardware: peak table look-ups, detection, resolution, measured peak."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from mlflow_llmeff import names
-from mlflow_llmeff.hardware import (DTYPES, PEAK_TABLE, AcceleratorInfo, detect_accelerator, lookup_peak,
+from mlflow_llmeff.meters.hardware import (DTYPES, PEAK_TABLE, AcceleratorInfo, detect_accelerator, lookup_peak,
                                     match_row, measure_matmul_peak, resolve_peak)
 
 
@@ -205,7 +205,7 @@ def test_gpu_detection_and_measured_bf16_peak_below_datasheet(tmp_path):
 
 
 def test_measured_peak_accepts_a_ddp_rank_cpu_device(tmp_path):
-    from mlflow_llmeff.hardware import measure_matmul_peak
+    from mlflow_llmeff.meters.hardware import measure_matmul_peak
 
     assert measure_matmul_peak("fp32", "cpu:1", cache_dir=tmp_path, sizes=[64], min_time_s=0.01) > 0
 
@@ -216,13 +216,13 @@ def test_measured_peak_accepts_a_ddp_rank_cpu_device(tmp_path):
     ("mi300x", "MI300X", None), ("NVIDIA H100 80GB HBM3", "H100-SXM", "'NVIDIA H100 80GB HBM3' is H100-SXM"),
 ])
 def test_every_short_name_and_family_is_accepted_case_insensitively(typed, short, note):
-    from mlflow_llmeff.hardware import resolve_short
+    from mlflow_llmeff.meters.hardware import resolve_short
 
     assert resolve_short(typed) == (short, note)
 
 
 def test_an_unknown_accelerator_is_one_line_listing_the_short_names():
-    from mlflow_llmeff.hardware import resolve_short
+    from mlflow_llmeff.meters.hardware import resolve_short
 
     with pytest.raises(ValueError, match=r"accelerator 'H20' is not known; use one of: A10, A100, .*H100-SXM"):
         resolve_short("H20")

@@ -9,7 +9,8 @@ import sys
 import mlflow
 import pytest
 
-from mlflow_llmeff import lifecycle, names
+from mlflow_llmeff.monitor import lifecycle
+from mlflow_llmeff import names
 
 from conftest import REPO
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mlflow_llmeff.train import models as M
+from mlflow_llmeff.models import build as M
 
 
 def meta_params(name):

@@ -9,11 +9,12 @@ import mlflow
 import pytest
 import torch
 
-from mlflow_llmeff import lifecycle, names
-from mlflow_llmeff.energy import FakeEnergyMeter
-from mlflow_llmeff.flops import flops_per_token
-from mlflow_llmeff.monitor import EfficiencyMonitor
-from mlflow_llmeff.train.models import load_config
+from mlflow_llmeff.monitor import lifecycle
+from mlflow_llmeff import names
+from mlflow_llmeff.meters.energy import FakeEnergyMeter
+from mlflow_llmeff.calc.flops import flops_per_token
+from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+from mlflow_llmeff.models.build import load_config
 
 from conftest import use_store
 
@@ -111,8 +112,8 @@ def test_energy_and_cost_from_a_fake_meter(tracking_uri):
 
 def test_two_devices_one_unreadable_give_coverage_half_and_no_silently_partial_energy(tracking_uri):
     # Fake NVML: GPU A draws 300 W and is read; GPU B is lost. 4 steps of 1 s, 100 tokens each.
-    from mlflow_llmeff.energy import make_meter
-    from mlflow_llmeff.nvml_fake import FakeGpu, fake_nvml
+    from mlflow_llmeff.meters.energy import make_meter
+    from mlflow_llmeff.testing import FakeGpu, fake_nvml
 
     clock = Clock()
     gpus = [FakeGpu("GPU-a", "0000:18:00.0", 300.0, clock), FakeGpu("GPU-b", "0000:3b:00.0", 400.0, clock,
@@ -138,7 +139,7 @@ def test_two_devices_one_unreadable_give_coverage_half_and_no_silently_partial_e
 
 def test_a_meter_that_names_no_devices_still_counts_the_ones_it_reads(tracking_uri):
     # A user's own EnergyMeter subclass from before meters named their devices (no `owned`).
-    from mlflow_llmeff.energy import EnergyMeter, EnergyReading
+    from mlflow_llmeff.meters.energy import EnergyMeter, EnergyReading
 
     class Mine(EnergyMeter):
         source, num_devices = "custom", 1
@@ -465,7 +466,7 @@ def test_every_ending_gets_its_status_after_the_points_are_flushed(tracking_uri,
 def test_consumption_continues_from_the_crashed_attempts_last_point(tracking_uri):
     # The case: checkpoint at step 20, killed at 25, resumed. codecarbon's RAM estimate must
     # cover both attempts (2.0e-4 kWh up to the crash + 1.26e-4 after = 3.26e-4), not the second only.
-    from mlflow_llmeff.carbon import FakeCarbonTracker
+    from mlflow_llmeff.meters.carbon import FakeCarbonTracker
 
     clock = Clock()
     carbon = FakeCarbonTracker(intensity_g_per_kwh=500.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.naming import human_count, parts_from_tags, study_name
+from mlflow_llmeff.tracking.naming import human_count, parts_from_tags, study_name
 
 BASE = {names.MODEL_NAME: "llama-tiny", names.PAR_STRATEGY: "single", names.ACCEL_COUNT: "1",
         names.PRECISION: "fp32", names.GLOBAL_BATCH_TOKENS: "1024", names.SEQ_LEN: "128", names.ACCEL_SHORT: "cpu"}

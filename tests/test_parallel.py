@@ -62,7 +62,7 @@ def test_degree_tags_multiply_to_the_world_size():
 
 def test_a_model_without_a_tensor_parallel_plan_is_refused_for_tp():
     from mlflow_llmeff.parallel.tp import check_shape
-    from mlflow_llmeff.presets import load_config
+    from mlflow_llmeff.models.presets import load_config
 
     with pytest.raises(ValueError, match=r"model type 'gpt2' has no tensor-parallel plan"):
         check_shape(load_config("gpt2-124m"), 2)
@@ -85,8 +85,8 @@ def test_tokens_count_once_per_data_parallel_rank(monkeypatch, tracking_uri):
     """Two tensor-parallel ranks counted the same 2 x 8 batch: the sum over ranks is halved."""
     import torch
 
-    from mlflow_llmeff import collectives
-    from mlflow_llmeff.monitor import EfficiencyMonitor
+    from mlflow_llmeff.meters import collectives
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 
     monkeypatch.setattr(collectives, "world_and_rank", lambda: (2, 0))
     monkeypatch.setattr(collectives, "reduce_tensor", lambda t: t * 2)  # the other rank counted the same

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from mlflow_llmeff.flops import ModelShape
-from mlflow_llmeff.plan import activation_bytes, model_state_bytes
+from mlflow_llmeff.calc.flops import ModelShape
+from mlflow_llmeff.planning.plan import activation_bytes, model_state_bytes
 
 from conftest import REPO
 
@@ -58,8 +58,8 @@ def test_tensor_parallel_splits_only_the_planned_matrices():
 
 
 def test_llama_tiny_parameter_split_matches_the_model():
-    from mlflow_llmeff.plan import parameter_split
-    from mlflow_llmeff.presets import load_config
+    from mlflow_llmeff.planning.plan import parameter_split
+    from mlflow_llmeff.models.presets import load_config
 
     split = parameter_split(load_config("llama-tiny"))
     # per layer: q 64x64, k 64x32, v 64x32, o 64x64, gate/up/down 3 x 64x176 = 46,080 planned; + 2 norms of 64
@@ -104,7 +104,7 @@ def test_plan_prefers_runs_of_the_same_sequence_length_and_micro_batch(tracking_
     import mlflow
 
     from mlflow_llmeff import names
-    from mlflow_llmeff.report.predict import history_tflops
+    from mlflow_llmeff.planning.predict import history_tflops
 
     client = mlflow.MlflowClient()
     exp = client.create_experiment("plan-seq")
@@ -125,8 +125,8 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
     import mlflow
 
     from mlflow_llmeff import names
-    from mlflow_llmeff.plan import make_plan
-    from mlflow_llmeff.report.predict import add_predictions
+    from mlflow_llmeff.planning.plan import make_plan
+    from mlflow_llmeff.planning.predict import add_predictions
     from mlflow_llmeff.train.config import TrainConfig
 
     client = mlflow.MlflowClient()
@@ -181,8 +181,8 @@ def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri)
     import mlflow
 
     from mlflow_llmeff import names
-    from mlflow_llmeff.plan import make_plan
-    from mlflow_llmeff.report.predict import add_predictions
+    from mlflow_llmeff.planning.plan import make_plan
+    from mlflow_llmeff.planning.predict import add_predictions
     from mlflow_llmeff.train.config import TrainConfig
 
     client = mlflow.MlflowClient()

@@ -8,7 +8,7 @@ import mlflow
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.monitor import EfficiencyMonitor
+from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 from mlflow_llmeff.tracking.runs import run_url_line
 
 
@@ -45,7 +45,7 @@ def test_monitor_logs_the_efficiency_report_at_the_end(tracking_uri):
 
 
 def test_measured_power_gets_its_figure(tracking_uri):
-    from mlflow_llmeff.energy import FakeEnergyMeter
+    from mlflow_llmeff.meters.energy import FakeEnergyMeter
 
     clock = FakeClock()
     with EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, energy_meter=FakeEnergyMeter(300.0, clock=clock),

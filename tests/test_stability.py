@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mlflow_llmeff import names
-from mlflow_llmeff import stability as st
-from mlflow_llmeff.monitor import EfficiencyMonitor
-from mlflow_llmeff.steptimes import DeviceStepClock, ForwardTimer, StepTimes
+from mlflow_llmeff.calc import stability as st
+from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes
 
 from conftest import use_store
 

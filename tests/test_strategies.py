@@ -21,8 +21,8 @@ import mlflow
 import pytest
 
 from mlflow_llmeff import names
-from mlflow_llmeff.plan import make_plan, model_state_bytes, parameter_split
-from mlflow_llmeff.presets import load_config
+from mlflow_llmeff.planning.plan import make_plan, model_state_bytes, parameter_split
+from mlflow_llmeff.models.presets import load_config
 from mlflow_llmeff.train.config import TrainConfig
 from mlflow_llmeff.train.loop import KILL_AT_STEP_ENV
 

@@ -1,6 +1,6 @@
 import pytest
 
-from mlflow_llmeff.throughput import Counts, ThroughputMeter
+from mlflow_llmeff.calc.throughput import Counts, ThroughputMeter
 
 
 def step_counts(micro=4, batch=8, seq=512, pad_frac=0.0, steps=1):

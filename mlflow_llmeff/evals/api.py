@@ -314,7 +314,7 @@ def check_run(run_id: str) -> bool:
     """
     import mlflow
 
-    from ..tracking import delivery
+    from mlflow_llmeff.tracking import delivery
 
     delivery.apply_request_settings()
     client = mlflow.MlflowClient()
@@ -353,7 +353,7 @@ def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None
     Raises:
         ValueError: ``run_id`` names no run of the tracking store (one line).
     """
-    from ..tracking.logger import RunLogger
+    from mlflow_llmeff.tracking.logger import RunLogger
 
     found = check_run(run_id) if found is None else found
     logger = RunLogger(run_id, unanswered=None if found else "it did not answer when the run was looked up")

@@ -58,7 +58,7 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from mlflow_llmeff.bytetok import byte_offset, special_strings
+from mlflow_llmeff.models.bytetok import byte_offset, special_strings
 
 __all__ = ["Encoded", "LoglikelihoodScorer", "encode_pair", "resolve_max_length"]
 

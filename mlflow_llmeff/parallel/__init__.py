@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Layout, MeshStrategy, Strategy
-from .degrees import Degrees
+from mlflow_llmeff.parallel.base import Layout, MeshStrategy, Strategy
+from mlflow_llmeff.parallel.degrees import Degrees
 
 __all__ = ["Degrees", "Layout", "MeshStrategy", "Strategy", "NAMES", "get", "all_strategies"]
 

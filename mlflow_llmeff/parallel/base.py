@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .degrees import Degrees
+from mlflow_llmeff.parallel.degrees import Degrees
 
 __all__ = ["Strategy", "MeshStrategy", "Layout"]
 
@@ -188,7 +188,7 @@ class MeshStrategy(Strategy):
         return model
 
     def apply_tp(self, model, tp_mesh):
-        from .tp import apply_tp
+        from mlflow_llmeff.parallel.tp import apply_tp
 
         return apply_tp(model, tp_mesh)
 

@@ -11,8 +11,8 @@ no GPU has checked that path; the refusal says so rather than run an unchecked n
 
 from __future__ import annotations
 
-from .base import Strategy
-from .degrees import Degrees
+from mlflow_llmeff.parallel.base import Strategy
+from mlflow_llmeff.parallel.degrees import Degrees
 
 CPU_REASON = ("torch 2.13's context_parallel has no sharding rule for the CPU attention kernel "
               "(aten._scaled_dot_product_flash_attention_for_cpu), measured over gloo; it covers the CUDA "

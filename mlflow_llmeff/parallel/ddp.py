@@ -3,8 +3,8 @@ all-reduced), through Accelerate's own ``prepare`` (``DistributedDataParallel``)
 
 from __future__ import annotations
 
-from .base import Strategy
-from .degrees import Degrees
+from mlflow_llmeff.parallel.base import Strategy
+from mlflow_llmeff.parallel.degrees import Degrees
 
 
 class Single(Strategy):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .base import Strategy
-from .degrees import Degrees
+from mlflow_llmeff.parallel.base import Strategy
+from mlflow_llmeff.parallel.degrees import Degrees
 
 
 class ZeRO(Strategy):

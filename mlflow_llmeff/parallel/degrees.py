@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import names
+from mlflow_llmeff import names
 
 __all__ = ["Degrees"]
 

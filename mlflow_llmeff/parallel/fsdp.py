@@ -9,8 +9,8 @@ memory).
 
 from __future__ import annotations
 
-from .base import MeshStrategy
-from .degrees import Degrees
+from mlflow_llmeff.parallel.base import MeshStrategy
+from mlflow_llmeff.parallel.degrees import Degrees
 
 
 class FSDP(MeshStrategy):

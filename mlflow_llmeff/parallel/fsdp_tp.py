@@ -5,9 +5,9 @@ matrices are split by the tensor-parallel plan, then each rank's part is fully s
 
 from __future__ import annotations
 
-from .base import MeshStrategy
-from .degrees import Degrees
-from .tp import check_shape
+from mlflow_llmeff.parallel.base import MeshStrategy
+from mlflow_llmeff.parallel.degrees import Degrees
+from mlflow_llmeff.parallel.tp import check_shape
 
 
 class FSDPTP(MeshStrategy):

@@ -11,8 +11,8 @@ sees the same batch: the data-parallel degree is 1 and tokens count once.
 
 from __future__ import annotations
 
-from .base import MeshStrategy, decoder_layers
-from .degrees import Degrees
+from mlflow_llmeff.parallel.base import MeshStrategy, decoder_layers
+from mlflow_llmeff.parallel.degrees import Degrees
 
 
 def tp_plan(config) -> dict[str, str]:

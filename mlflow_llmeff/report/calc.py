@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .. import names
+from mlflow_llmeff import names
 
 __all__ = ["RunRecord", "Incomparability", "round_sig", "unit_of", "header", "metric_columns",
            "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from .. import names
-from .render import DEFAULT_GROUP_BY, Report, build_report, write_report
-from .source import Selection, select_runs
+from mlflow_llmeff import names
+from mlflow_llmeff.report.render import DEFAULT_GROUP_BY, Report, build_report, write_report
+from mlflow_llmeff.report.source import Selection, select_runs
 
 __all__ = ["compare", "default_ui_base", "log_report"]
 

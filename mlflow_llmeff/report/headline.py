@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import names
-from .repeats import Configuration, Estimate, best_index, versus_best
+from mlflow_llmeff import names
+from mlflow_llmeff.report.repeats import Configuration, Estimate, best_index, versus_best
 
 __all__ = ["Cell", "Headline", "headline", "QUALITY_KEYS"]
 

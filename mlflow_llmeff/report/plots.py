@@ -12,9 +12,9 @@ from __future__ import annotations
 import io
 from typing import Callable
 
-from .. import names
-from .calc import RunRecord
-from .repeats import Estimate, noisy_pareto_front, versus_best
+from mlflow_llmeff import names
+from mlflow_llmeff.report.calc import RunRecord
+from mlflow_llmeff.report.repeats import Estimate, noisy_pareto_front, versus_best
 
 __all__ = ["draw_all", "png", "FIGURES"]
 

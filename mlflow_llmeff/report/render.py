@@ -15,11 +15,11 @@ import io
 import os
 from dataclasses import dataclass, field
 
-from .. import names
-from .calc import (CONDITION_TAGS, Incomparability, RunRecord, comparability_warnings, differing_tags, header,
+from mlflow_llmeff import names
+from mlflow_llmeff.report.calc import (CONDITION_TAGS, Incomparability, RunRecord, comparability_warnings, differing_tags, header,
                    metric_columns, round_sig)
-from .repeats import Configuration, ScalingRow, configurations, scaling_efficiency
-from .source import Selection, metric_history, ui_run_url
+from mlflow_llmeff.report.repeats import Configuration, ScalingRow, configurations, scaling_efficiency
+from mlflow_llmeff.report.source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
            "scaling_lines", "DEFAULT_GROUP_BY"]
@@ -122,7 +122,7 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
                  scaling_efficiency(runs, baseline), configurations(runs), ui_base=ui_base)
     if plots:
-        from . import plots as pl
+        from mlflow_llmeff.report import plots as pl
 
         rep.figures, rep.notes = pl.draw_all(rep, lambda run_id, key: metric_history(client, run_id, key))
     return rep
@@ -234,7 +234,7 @@ if(c)c.style.display=cb.checked?'':'none'})})});"""
 
 
 def _headline(rep: Report):
-    from .headline import headline
+    from mlflow_llmeff.report.headline import headline
 
     links = [rep.url(c.used[0]) for c in rep.configs]
     return headline(rep.configs, links)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .. import names
-from .calc import RunRecord
+from mlflow_llmeff import names
+from mlflow_llmeff.report.calc import RunRecord
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Estimate", "Configuration", "configurations", "t_quantile_975",
            "within_noise", "versus_best", "best_index", "ScalingRow", "scaling_efficiency", "noisy_pareto_front", "is_stable",

@@ -32,8 +32,8 @@ import json
 import threading
 from collections import OrderedDict
 
-from .. import names
-from ..tracking.runs import ui_experiment_url
+from mlflow_llmeff import names
+from mlflow_llmeff.tracking.runs import ui_experiment_url
 
 __all__ = ["create_app", "register", "FILTER_TAGS"]
 
@@ -117,8 +117,8 @@ def _start_drawing(store, rep, digest: str) -> None:
         done = _drawing[digest] = threading.Event()
 
     def work() -> None:
-        from . import plots as pl
-        from .source import metric_history
+        from mlflow_llmeff.report import plots as pl
+        from mlflow_llmeff.report.source import metric_history
 
         try:
             drawn = pl.draw_all(rep, lambda run_id, key: metric_history(store, run_id, key))
@@ -139,7 +139,7 @@ def _note_png(text: str) -> bytes:
     """A small image carrying ``text``: a figure left out says why where it would have been."""
     import textwrap
 
-    from . import plots as pl
+    from mlflow_llmeff.report import plots as pl
 
     plt = pl._plt()
     fig = plt.figure(figsize=(7, 1.0))
@@ -235,8 +235,8 @@ def _page_report(store, experiment_id: str, args):
     Raises:
         ValueError: a filter MLflow cannot parse or that matches no run (from ``select_runs``).
     """
-    from .render import DEFAULT_GROUP_BY, build_report
-    from .source import select_runs
+    from mlflow_llmeff.report.render import DEFAULT_GROUP_BY, build_report
+    from mlflow_llmeff.report.source import select_runs
 
     sel = select_runs(store, experiment_id, filter_string(args))
     group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
@@ -261,8 +261,8 @@ def experiment_page(experiment_id: str):
     """``/llmeff/experiments/<id>``: the comparison report of one experiment, live from the store."""
     from flask import request
 
-    from .render import to_html
-    from .source import select_runs
+    from mlflow_llmeff.report.render import to_html
+    from mlflow_llmeff.report.source import select_runs
 
     store = _store()
     args = request.args
@@ -282,7 +282,7 @@ def experiment_page(experiment_id: str):
                      400)
     from flask import Response
 
-    from .plots import FIGURES
+    from mlflow_llmeff.report.plots import FIGURES
 
     digest = run_set_digest(sel.runs, group_by, baseline or "")
     hit = _cached(digest)
@@ -313,7 +313,7 @@ def register(app) -> None:
 def _warm_matplotlib() -> None:
     """Import matplotlib (and build its font cache on a fresh machine) before the first page needs it."""
     try:
-        from . import plots as pl
+        from mlflow_llmeff.report import plots as pl
 
         plt = pl._plt()
         fig, _ = plt.subplots()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import names
-from ..tracking.redact import clean, environment_secrets
-from ..tracking.runs import ui_run_url
-from .calc import RunRecord
+from mlflow_llmeff import names
+from mlflow_llmeff.tracking.redact import clean, environment_secrets
+from mlflow_llmeff.tracking.runs import ui_run_url
+from mlflow_llmeff.report.calc import RunRecord
 
 __all__ = ["Selection", "select_runs", "metric_history", "ui_run_url"]
 

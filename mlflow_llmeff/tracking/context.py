@@ -37,14 +37,14 @@ def _strategy(world: int) -> str:
 
 def condition_tags() -> dict[str, str]:
     """Accelerator, count, versions and parallelism tags of this process (cached)."""
-    from .. import names
+    from mlflow_llmeff import names
 
     world = _world()
     strategy = _strategy(world)
     key = (world, strategy)
     if key not in _CACHE:
-        from ..hardware import detect_accelerator
-        from ..probes import software_versions
+        from mlflow_llmeff.meters.hardware import detect_accelerator
+        from mlflow_llmeff.meters.probes import software_versions
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
         tags = {**detect_accelerator(count=world).tags(), **software_versions()}

@@ -33,10 +33,10 @@ import time
 import warnings
 from collections import deque
 
-from .. import names
-from . import delivery, keys, outbox, redact
-from .delivery import WAIT_ENV  # noqa: F401 - re-exported
-from .outbox import default_outbox_dir, deliver_outbox, deliver_outbox_file, write_outbox  # noqa: F401 - re-exported
+from mlflow_llmeff import names
+from mlflow_llmeff.tracking import delivery, keys, outbox, redact
+from mlflow_llmeff.tracking.delivery import WAIT_ENV  # noqa: F401 - re-exported
+from mlflow_llmeff.tracking.outbox import default_outbox_dir, deliver_outbox, deliver_outbox_file, write_outbox  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 

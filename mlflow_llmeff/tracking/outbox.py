@@ -34,7 +34,7 @@ import os
 import uuid
 from typing import NamedTuple
 
-from .. import names
+from mlflow_llmeff import names
 
 __all__ = ["LOCAL_PREFIX", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
            "entity_records", "write_outbox", "read_outbox", "create_run", "attach_run", "log_inputs", "log_eval", "log_table",
@@ -157,8 +157,8 @@ def create_run(client, spec: dict, local_id: str) -> str:
     ``name_parts`` the parts are ordered among the experiment's runs first), ``start_ms`` (the run's
     original start time), ``tags``.
     """
-    from .logger import ensure_experiment_kind
-    from .runs import unique_run_name
+    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
+    from mlflow_llmeff.tracking.runs import unique_run_name
 
     exp_id = _experiment_id(client, spec)
     found = client.search_runs([exp_id], f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=1)
@@ -178,8 +178,8 @@ def attach_run(client, run_id: str, spec: dict) -> None:
     """Mark an existing run RUNNING (an ``attach`` record): ``continued_from`` (a launcher's run that a
     resume redirected: tagged ``llmeff.resume.continued_in_run``); ``run_name`` (named so if it has
     no metrics yet, ``unique`` as in :func:`create_run`)."""
-    from .logger import ensure_experiment_kind
-    from .runs import unique_run_name
+    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
+    from mlflow_llmeff.tracking.runs import unique_run_name
 
     client.update_run(run_id, status="RUNNING")
     if spec.get("continued_from"):
@@ -235,7 +235,7 @@ def log_table(client, run_id: str, spec: dict) -> None:
 
 def log_report(client, run_id: str) -> None:
     """The efficiency report of a run whose points are delivered; a failure becomes ``llmeff.report.warning``."""
-    from .run_report import log_run_report
+    from mlflow_llmeff.tracking.run_report import log_run_report
 
     problem = log_run_report(client, run_id)
     if problem:

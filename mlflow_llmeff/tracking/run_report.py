@@ -10,7 +10,7 @@ summary figure, shown as a table in the artifact viewer) and ``log_figure`` (``e
 
 from __future__ import annotations
 
-from .. import names
+from mlflow_llmeff import names
 
 __all__ = ["FORMULAS", "build_report_dict", "log_run_report"]
 
@@ -141,7 +141,7 @@ def log_run_report(client, run_id: str) -> str | None:
     """
     try:
         run = client.get_run(run_id)
-        from .redact import clean_obj
+        from mlflow_llmeff.tracking.redact import clean_obj
 
         report = clean_obj(build_report_dict(run_id, dict(run.data.metrics), dict(run.data.tags)))  # no secrets
         client.log_dict(run_id, report, "efficiency_report.json")

@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .. import names
+from mlflow_llmeff import names
 
 __all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
 
@@ -62,10 +62,10 @@ NAMING_RUNS = 200
 
 
 def study_run_name(client, experiment_id: str, parts: dict, exclude_run_id: str | None = None) -> str:
-    """The name of a new run with name parts ``parts`` (:func:`mlflow_llmeff.naming.parts_from_tags`)
+    """The name of a new run with name parts ``parts`` (:func:`mlflow_llmeff.tracking.naming.parts_from_tags`)
     among the experiment's runs: the parts that vary most among them first (:func:`naming.study_name`).
     Without the other runs (a store that fails) the parts keep their fixed order. Never raises."""
-    from .. import naming
+    from mlflow_llmeff.tracking import naming
 
     try:
         others = [naming.parts_from_tags(r.data.tags, r.data.params.get("eval_tasks"))
@@ -122,7 +122,7 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     """
     import mlflow
 
-    from . import delivery, outbox
+    from mlflow_llmeff.tracking import delivery, outbox
 
     delivery.apply_request_settings()
     env_run = os.environ.get("MLFLOW_RUN_ID") or None
@@ -172,7 +172,7 @@ class _Unanswered(Exception):
 def _call(fn, wait: float | None, what: str):
     """``fn()`` directly (``wait`` None: a local store) or within ``wait`` seconds; a server that does not
     answer, or fails without refusing the request itself, raises :class:`_Unanswered`."""
-    from . import delivery
+    from mlflow_llmeff.tracking import delivery
 
     if wait is None:
         return fn()
@@ -195,7 +195,7 @@ def _uri(client) -> str:
 
 
 def _claim_env_run(client, env_run: str, run_name: str, unique_name: bool, name_parts: dict | None = None) -> RunHandle:
-    from .logger import ensure_experiment_kind
+    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
 
     client.update_run(env_run, status="RUNNING")
     run = client.get_run(env_run)
@@ -229,8 +229,8 @@ def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool, 
 def _create(client, spec: dict, local_id: str):
     """Create a new run from a ``create`` spec (the experiment made if named and missing), tagged with
     ``local_id`` (``llmeff.outbox.local_run_id``); the Run."""
-    from .logger import ensure_experiment_kind
-    from .outbox import _experiment_id
+    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
+    from mlflow_llmeff.tracking.outbox import _experiment_id
 
     exp_id = _experiment_id(client, spec)
     name = (unique_run_name(client, exp_id, spec["run_name"], parts=spec.get("name_parts")) if spec["unique"]
@@ -245,7 +245,7 @@ def _start_run(client, run_name: str, experiment_name: str | None, unique_name: 
                name_parts: dict | None = None) -> RunHandle:
     import mlflow
 
-    from .logger import ensure_experiment_kind
+    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
 
     if experiment_name:
         exp = client.get_experiment_by_name(experiment_name)
@@ -342,7 +342,7 @@ def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str
     try:
         from mlflow import MlflowClient
 
-        from .logger import RunLogger
+        from mlflow_llmeff.tracking.logger import RunLogger
 
         logger = RunLogger(run_id, MlflowClient())
         named = {"mlflow.runName": run_name} if run_name else {}

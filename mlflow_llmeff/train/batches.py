@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 
-from .data import epoch_permutation
+from mlflow_llmeff.train.data import epoch_permutation
 
 
 def micro_batches(n: int, micro_batch_size: int, seed: int, start: int, per_epoch: int | None = None,
@@ -95,7 +95,7 @@ class BatchStream:
                  num_workers: int = 0) -> None:
         import torch
 
-        from .data import TokenBlocks
+        from mlflow_llmeff.train.data import TokenBlocks
 
         self._device = device
         cuda = getattr(device, "type", str(device)) == "cuda"

@@ -166,7 +166,7 @@ def save(accelerator, cfg, step: int, monitor, extra: dict, strategy=None, model
     state = monitor.state_dict()
     accelerator.wait_for_everyone()  # every rank's shard is on disk
     if accelerator.is_main_process:
-        from .faults import maybe_fault
+        from mlflow_llmeff.train.faults import maybe_fault
 
         maybe_fault("kill_in_save", step)
         monitor.flush()

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-from ..parallel import NAMES as _STRATEGY_NAMES
+from mlflow_llmeff.parallel import NAMES as _STRATEGY_NAMES
 
 PARALLELISMS = ("auto",) + _STRATEGY_NAMES  # docs/parallelism.md
 RESUME_MODES = ("auto", "never")
@@ -132,8 +132,8 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     Raises:
         ValueError: one line naming the bad value and the accepted ones.
     """
-    from .data import dataset_kind
-    from .models import is_preset, load_config, load_tokenizer, max_positions
+    from mlflow_llmeff.train.data import dataset_kind
+    from mlflow_llmeff.models.build import is_preset, load_config, load_tokenizer, max_positions
 
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum", "num_processes", "log_every_n_steps"):
         _positive(name, getattr(cfg, name))
@@ -163,7 +163,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     if cfg.cloud_region and not cfg.cloud_provider:
         raise ValueError(f"cloud_region={cfg.cloud_region!r} needs cloud_provider (codecarbon's cloud table has gcp)")
     if cfg.measure_energy != "none":
-        from ..carbon import check_location
+        from mlflow_llmeff.meters.carbon import check_location
 
         check_location(country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
                        cloud_region=cfg.cloud_region or None)
@@ -195,10 +195,10 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     if cfg.eval_limit < 0:
         raise ValueError(f"eval_limit={cfg.eval_limit} must be >= 0 (0 = all documents)")
     if cfg.eval_tasks:
-        from ..evals.api import check_inputs
+        from mlflow_llmeff.evals.api import check_inputs
 
         check_inputs(cfg.eval_tasks, data_dir=cfg.eval_data_dir or None, num_fewshot=cfg.eval_num_fewshot)
-    from ..evals.targets import parse_targets
+    from mlflow_llmeff.evals.targets import parse_targets
 
     for t in parse_targets(cfg.targets):
         task = t.metric.split("/")[0]
@@ -240,7 +240,7 @@ def resolve_strategy(cfg: TrainConfig, world_size: int) -> str:
 
 def get_strategy(cfg: TrainConfig):
     """The :class:`~mlflow_llmeff.parallel.base.Strategy` of ``cfg`` (``auto`` resolved)."""
-    from .. import parallel
+    from mlflow_llmeff import parallel
 
     return parallel.get(resolve_strategy(cfg, cfg.num_processes * cfg.num_machines))
 

@@ -171,7 +171,7 @@ class Packer:
     """
 
     def __init__(self, tokenizer, seq_len: int, packing: bool) -> None:
-        from mlflow_llmeff.bytetok import byte_offset, special_strings
+        from mlflow_llmeff.models.bytetok import byte_offset, special_strings
 
         self.tokenizer, self.seq_len, self.packing = tokenizer, seq_len, packing
         self.eos = tokenizer.eos_token_id

@@ -71,7 +71,7 @@ def evaluate(cfg, t) -> dict[str, float]:
 
 def _benchmarks(cfg, t, values: dict) -> None:
     if cfg.eval_tasks:
-        from ..evals.api import evaluate as run_tasks
+        from mlflow_llmeff.evals.api import evaluate as run_tasks
 
         eval_model = t.parallel.eval_model(t.accelerator, t.model)
         res = run_tasks(eval_model, t.tokenizer, cfg.eval_tasks, data_dir=cfg.eval_data_dir or None,

@@ -13,14 +13,14 @@ import os
 import subprocess
 import sys
 
-from .config import TrainConfig, validate
+from mlflow_llmeff.train.config import TrainConfig, validate
 
 
 def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict[str, str]]:
     """The ``accelerate launch`` command line and environment for ``cfg.num_processes`` processes on
     each of ``cfg.num_machines`` machines (Accelerate counts processes over all machines); the
     strategy adds its flags (``--multi_gpu``, ``--use_deepspeed --zero_stage N``) and environment."""
-    from .config import get_strategy
+    from mlflow_llmeff.train.config import get_strategy
 
     strategy = get_strategy(cfg)
     flags = strategy.launcher_args(cuda=cuda)
@@ -52,11 +52,11 @@ def message_style() -> str:
 
 
 def fit_here(cfg: TrainConfig):
-    """The memory verdict of ``cfg`` on this machine's devices (:func:`mlflow_llmeff.fit.verdict`)."""
+    """The memory verdict of ``cfg`` on this machine's devices (:func:`mlflow_llmeff.planning.fit.verdict`)."""
     import torch
 
-    from .. import fit
-    from .config import resolve_precision, resolve_strategy
+    from mlflow_llmeff.planning import fit
+    from mlflow_llmeff.train.config import resolve_precision, resolve_strategy
 
     cuda = torch.cuda.is_available()
     bf16 = torch.cuda.is_bf16_supported() if cuda else True
@@ -91,11 +91,11 @@ def launch(cfg: TrainConfig) -> int:
     verdict = fit_here(cfg)
     if verdict.fits is False and not cfg.force:
         raise FitError(verdict.line(message_style()))
-    from .config import get_strategy
+    from mlflow_llmeff.train.config import get_strategy
 
     if cfg.num_processes == 1 and cfg.num_machines == 1 and not get_strategy(cfg).needs_launcher:
-        from ..probes import process_start_perf_counter
-        from .loop import run_training
+        from mlflow_llmeff.meters.probes import process_start_perf_counter
+        from mlflow_llmeff.train.loop import run_training
 
         run_training(cfg, started_at=process_start_perf_counter())
         return 0
@@ -117,13 +117,13 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
 
     import mlflow
 
-    from .. import fit
-    from .. import hardware as hw
-    from .. import names
-    from ..cost import device_hour_price
-    from ..plan import format_plan, make_plan
-    from ..report.predict import add_predictions
-    from .config import resolve_precision, resolve_strategy
+    from mlflow_llmeff.planning import fit
+    from mlflow_llmeff.meters import hardware as hw
+    from mlflow_llmeff import names
+    from mlflow_llmeff.calc.cost import device_hour_price
+    from mlflow_llmeff.planning.plan import format_plan, make_plan
+    from mlflow_llmeff.planning.predict import add_predictions
+    from mlflow_llmeff.train.config import resolve_precision, resolve_strategy
 
     here = accelerator_short is None
     if here:
@@ -167,8 +167,8 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
 def _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision) -> None:
     import mlflow
 
-    from .. import names
-    from ..tracking.logger import default_run_name
+    from mlflow_llmeff import names
+    from mlflow_llmeff.tracking.logger import default_run_name
 
     client = mlflow.MlflowClient()
     client.set_tag(run_id, names.DRY_RUN, "true")

@@ -1,7 +1,7 @@
 """The training entrypoint's loop: set up, train step by step, evaluate and checkpoint, finish.
 
 It measures nothing itself. Every figure comes from the same
-:class:`~mlflow_llmeff.monitor.EfficiencyMonitor` a user's loop uses: the loop counts each
+:class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` a user's loop uses: the loop counts each
 micro-batch, ends each step, and declares what is not a step (``data_wait``, ``eval``,
 ``checkpoint_save``, ``checkpoint_load``). Every rank runs this; only rank 0 logs.
 """
@@ -15,10 +15,11 @@ import threading
 import time
 from contextlib import nullcontext
 
-from .. import lifecycle, names
-from . import checkpoint as ckpt
-from . import faults
-from .config import TrainConfig, resolve_precision, validate
+from mlflow_llmeff.monitor import lifecycle
+from mlflow_llmeff import names
+from mlflow_llmeff.train import checkpoint as ckpt
+from mlflow_llmeff.train import faults
+from mlflow_llmeff.train.config import TrainConfig, resolve_precision, validate
 
 # test hooks: see train/faults.py
 KILL_AT_STEP_ENV, RAISE_AT_STEP_ENV = faults.ENV["kill_at_step"], faults.ENV["raise_at_step"]
@@ -80,7 +81,7 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
 def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None:
     import torch
 
-    from .setup import build, teardown
+    from mlflow_llmeff.train.setup import build, teardown
 
     cuda = torch.cuda.is_available()
     validate(cfg)
@@ -116,7 +117,7 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
 
 
 def _carbon_tracker(cfg: TrainConfig):
-    from ..carbon import CarbonTracker
+    from mlflow_llmeff.meters.carbon import CarbonTracker
 
     tracker = CarbonTracker(country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
                             cloud_region=cfg.cloud_region or None, enabled=cfg.measure_energy != "none")
@@ -126,9 +127,9 @@ def _carbon_tracker(cfg: TrainConfig):
 
 def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
     """The run's meter: conditions as tags, settings as params, the checkpoint's counters continued."""
-    from ..monitor import EfficiencyMonitor
-    from ..probes import git_commit
-    from .models import tokenizer_name
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+    from mlflow_llmeff.meters.probes import git_commit
+    from mlflow_llmeff.models.build import tokenizer_name
 
     state = found[1] if found else None
     if state and t.accelerator.is_main_process:
@@ -142,7 +143,7 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
             names.GIT_COMMIT: git_commit(os.path.dirname(os.path.abspath(__file__)))}
     if cfg.eval_tasks:
         tags[names.EVAL_NUM_FEWSHOT] = str(cfg.eval_num_fewshot)
-        from ..evals.api import eval_documents
+        from mlflow_llmeff.evals.api import eval_documents
 
         tags[names.EVAL_DOCUMENTS] = eval_documents(cfg.eval_limit, cfg.seed)
     return EfficiencyMonitor(
@@ -170,8 +171,8 @@ def _subject_metrics(cfg: TrainConfig) -> bool:
 def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
     """Bus bandwidth of the run's process group and its link's peak, at step 0 (every rank; cached
     per machine, so seconds once). Never stops training."""
-    from .. import commprobe
-    from ..conditions import nodes
+    from mlflow_llmeff.meters import commprobe
+    from mlflow_llmeff.monitor.conditions import nodes
 
     if t.world < 2 or not cfg.measure_comm:
         why = "none: measure_comm=false" if t.world > 1 else "none: one process, no collectives"
@@ -197,7 +198,7 @@ def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
 def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
     """The training data as the run's MLflow dataset input (rank 0; a failure is a warning, never fatal)."""
     try:
-        from .dataset_input import training_dataset
+        from mlflow_llmeff.train.dataset_input import training_dataset
 
         monitor.log_input([training_dataset(cfg.dataset, t.data, cfg.seq_len, cfg.packing)])  # delivered in order
     except Exception as e:  # noqa: BLE001 - a missing Dataset column must not stop training
@@ -211,9 +212,9 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
     """The step loop: micro-batches, optimizer step, then evals and checkpoints when due."""
     from tqdm.auto import tqdm
 
-    from .batches import BatchStream
+    from mlflow_llmeff.train.batches import BatchStream
 
-    from ..commprobe import StepSampler
+    from mlflow_llmeff.meters.commprobe import StepSampler
 
     batches = BatchStream(t.data, cfg.micro_batch_size, t.dp_world, t.dp_rank, cfg.seed,
                           start_step * cfg.grad_accum, t.device, num_workers=cfg.resolved_data_workers(t.world))
@@ -316,7 +317,7 @@ def _not_finite(loss, world: int) -> bool:
     """True when ``loss`` is NaN or infinite on any rank (synchronizes the device)."""
     import torch
 
-    from .. import collectives
+    from mlflow_llmeff.meters import collectives
 
     bad = 0.0 if bool(torch.isfinite(loss).item()) else 1.0
     if world > 1:
@@ -333,7 +334,7 @@ def _check_loss(cfg: TrainConfig, monitor, edge: bool) -> None:
     bad = monitor.check_loss() if edge else monitor.nonfinite_loss
     if bad is not None:
         at, value = bad
-        from .launch import message_style
+        from mlflow_llmeff.train.launch import message_style
 
         opt = "-P " if message_style() == "mlflow" else "--"
         name = (lambda n: n) if opt == "-P " else (lambda n: n.replace("_", "-"))
@@ -350,7 +351,7 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def _evaluate(cfg: TrainConfig, t, monitor, step: int) -> None:
-    from .evaluate import evaluate
+    from mlflow_llmeff.train.evaluate import evaluate
 
     with monitor.pause("eval"):
         values = evaluate(cfg, t)
@@ -392,7 +393,7 @@ def stopped_with_one_line(e: BaseException) -> str | None:
 
 def _why(e: BaseException, step: int) -> str:
     """The one line a failed run carries: our own errors as they are, OOM with what to try."""
-    from ..tracking.runs import error_line
+    from mlflow_llmeff.tracking.runs import error_line
 
     import torch
 
@@ -442,8 +443,8 @@ def _print_summary(monitor, summary: dict) -> None:
     try:
         import mlflow
 
-        from ..tracking import delivery
-        from ..tracking.runs import run_url_line
+        from mlflow_llmeff.tracking import delivery
+        from mlflow_llmeff.tracking.runs import run_url_line
 
         client = mlflow.MlflowClient()
         exp_id = delivery.bounded(lambda: client.get_run(monitor.run_id).info.experiment_id,
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = TrainConfig(**json.loads(args.config_json))
     try:
-        from ..probes import process_start_perf_counter
+        from mlflow_llmeff.meters.probes import process_start_perf_counter
 
         run_training(cfg, started_at=process_start_perf_counter())
     except ValueError as e:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .config import TrainConfig
+from mlflow_llmeff.train.config import TrainConfig
 
 
 @dataclass
@@ -70,7 +70,7 @@ def build_accelerator(cfg: TrainConfig, precision: str, cuda: bool, strategy=Non
     from accelerate.state import AcceleratorState
     from accelerate.utils import GradientAccumulationPlugin
 
-    from .config import get_strategy
+    from mlflow_llmeff.train.config import get_strategy
 
     strategy = strategy or get_strategy(cfg)
     # AcceleratorState is process-wide and keeps the first run's settings (precision, ...): a second
@@ -92,9 +92,9 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     from accelerate.utils import set_seed
     from transformers import get_cosine_schedule_with_warmup
 
-    from .config import get_strategy, resolve_degrees, resolve_strategy
-    from .data import prepare_data
-    from .models import build_model, load_config, load_tokenizer
+    from mlflow_llmeff.train.config import get_strategy, resolve_degrees, resolve_strategy
+    from mlflow_llmeff.train.data import prepare_data
+    from mlflow_llmeff.models.build import build_model, load_config, load_tokenizer
 
     strategy = get_strategy(cfg)
     accelerator = build_accelerator(cfg, precision, cuda, strategy)

@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import mlflow_llmeff
-from mlflow_llmeff.train.models import load_config
+from mlflow_llmeff.models.build import load_config
 
 p = argparse.ArgumentParser()
 p.add_argument("--meter", choices=["autolog", "monitor"], required=True)

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import mlflow_llmeff
-from mlflow_llmeff.train.models import load_config
+from mlflow_llmeff.models.build import load_config
 
 hold = sys.argv[1]
 mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none")

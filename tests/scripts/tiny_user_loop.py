@@ -12,7 +12,7 @@ import torch
 
 import mlflow_llmeff
 from mlflow_llmeff.train.data import prepare_data
-from mlflow_llmeff.train.models import build_model, load_config, load_tokenizer
+from mlflow_llmeff.models.build import build_model, load_config, load_tokenizer
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=["autolog", "monitor"], required=True)

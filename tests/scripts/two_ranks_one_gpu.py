@@ -9,9 +9,9 @@ import json
 
 import torch.distributed as dist
 
-from mlflow_llmeff.energy import make_meter
-from mlflow_llmeff.monitor import EfficiencyMonitor
-from mlflow_llmeff.nvml_fake import FakeGpu, fake_nvml
+from mlflow_llmeff.meters.energy import make_meter
+from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+from mlflow_llmeff.testing import FakeGpu, fake_nvml
 
 
 class Clock:

@@ -25,16 +25,16 @@ Memory per device (bytes) is estimated from the model shape, not measured:
   (Korthikanti et al. 2022, eq. 2, without sequence parallelism). Context parallelism divides all
   of it by ``cp``.
 
-Communication per device and step: :func:`mlflow_llmeff.comm.predict_bus_bytes` (nccl-tests bus
+Communication per device and step: :func:`mlflow_llmeff.calc.comm.predict_bus_bytes` (nccl-tests bus
 bytes of every collective the strategy runs). Predictions from earlier runs (time, cost, energy)
-read the tracking server and live in :mod:`mlflow_llmeff.report.predict`.
+read the tracking server and live in :mod:`mlflow_llmeff.planning.predict`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .flops import flops_per_token, model_shape, param_counts
+from mlflow_llmeff.calc.flops import flops_per_token, model_shape, param_counts
 
 GIB = 2**30
 
@@ -155,7 +155,7 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str) -> 
     """Everything ``llmeff plan`` prints before predictions, as a dict (bytes, FLOPs, degrees).
 
     Pure estimates from the model's shape (the model is built on the meta device for its exact
-    parameter count); :func:`mlflow_llmeff.report.predict.add_predictions` adds what earlier runs
+    parameter count); :func:`mlflow_llmeff.planning.predict.add_predictions` adds what earlier runs
     predict.
 
     Args:
@@ -166,9 +166,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str) -> 
     Raises:
         ValueError: for degrees that do not fit the processes.
     """
-    from .comm import predict_bus_bytes
-    from .parallel import get
-    from .presets import load_config
+    from mlflow_llmeff.calc.comm import predict_bus_bytes
+    from mlflow_llmeff.parallel import get
+    from mlflow_llmeff.models.presets import load_config
 
     config = load_config(cfg.model)
     world = cfg.num_processes * cfg.num_machines
@@ -213,7 +213,7 @@ def strategy_table(cfg, *, precision: str) -> list[dict]:
     (one row each; strategies whose degrees do not fit are left out with the reason)."""
     import dataclasses
 
-    from .parallel import all_strategies
+    from mlflow_llmeff.parallel import all_strategies
 
     rows = []
     for s in all_strategies():
@@ -249,7 +249,7 @@ def models_table(seq_len: int = 2048) -> list[dict]:
     ``train_memory_gib``: one device, bf16 mixed precision, AdamW (16 B/param of model state),
     activations of one sequence of ``min(seq_len, positions)`` tokens (:func:`estimate_memory`).
     """
-    from .presets import PRESETS, load_config, max_positions
+    from mlflow_llmeff.models.presets import PRESETS, load_config, max_positions
 
     rows = []
     for name, (_, _, source) in PRESETS.items():

@@ -7,7 +7,7 @@ window edge.
 
 from __future__ import annotations
 
-from .throughput import Counts
+from mlflow_llmeff.calc.throughput import Counts
 
 # Positions in the on-device accumulator; padded positions and samples are shapes, kept as ints.
 _TOKENS, _LOSS, _SUM_LEN_SQ = range(3)

@@ -1,6 +1,6 @@
 """How a process ends, so every run gets its status: FINISHED, FAILED or KILLED, with an end time.
 
-The rule, for ``llmeff train``, :class:`~mlflow_llmeff.monitor.EfficiencyMonitor` and every autolog
+The rule, for ``llmeff train``, :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` and every autolog
 integration alike (:func:`status_for`):
 
 * the code returned normally, or ``sys.exit(0)`` / ``sys.exit()``: ``FINISHED``;

@@ -3,7 +3,7 @@ clock of each step on CUDA, and each rank's forward time for the straggler ratio
 
 * :class:`StepTimes` keeps one ``(seconds, tokens)`` pair per steady-state optimizer step, all
   attempts (it travels in checkpoints compactly), and hands them to
-  :func:`mlflow_llmeff.stability.analyse`. Tokens are summed over ranks at window edges only (the
+  :func:`mlflow_llmeff.calc.stability.analyse`. Tokens are summed over ranks at window edges only (the
   meter synchronizes nowhere else), so a window's tokens are spread evenly over its steps: exact
   for packed sequences, and the window totals stay exact in any case.
 * :class:`DeviceStepClock` times each step on the device with CUDA events recorded at step
@@ -69,8 +69,8 @@ class StepTimes:
         self.tokens.extend([each] * len(seconds))
 
     def analyse(self):
-        """:class:`mlflow_llmeff.stability.Stability` of the steps (None without a step)."""
-        from .stability import analyse
+        """:class:`mlflow_llmeff.calc.stability.Stability` of the steps (None without a step)."""
+        from mlflow_llmeff.calc.stability import analyse
 
         return analyse(self.seconds, self.tokens)
 

@@ -1,6 +1,6 @@
 """Will it fit? Memory per device against what the device has, before a model is built.
 
-The need comes from :func:`mlflow_llmeff.plan.estimate_memory` (the estimator ``llmeff plan``
+The need comes from :func:`mlflow_llmeff.planning.plan.estimate_memory` (the estimator ``llmeff plan``
 prints: weights, gradients and optimizer state under the chosen sharding, activations with or
 without checkpointing), plus a stated allocator margin: :data:`MARGIN_FRACTION` of the estimate
 (PyTorch's caching allocator fragments; PyTorch's own memory docs and the FSDP/ZeRO papers report
@@ -10,7 +10,7 @@ cuBLAS workspaces and NCCL buffers; on a CPU the interpreter and its libraries).
 What the device has: on CUDA the free memory of every local device (``torch.cuda.mem_get_info``,
 the smallest); on a CPU the host memory available to this process (``MemAvailable``, bounded by a
 cgroup limit where one is set), shared by all the processes of the run. Planning for a named
-accelerator uses its datasheet capacity (:data:`mlflow_llmeff.hardware.MEMORY_GB`).
+accelerator uses its datasheet capacity (:data:`mlflow_llmeff.meters.hardware.MEMORY_GB`).
 
 When it does not fit, :func:`verdict` lists the cheapest configurations that do: the same compute
 first (bf16 activations, a smaller micro-batch with more accumulation so the global batch stays,
@@ -24,7 +24,7 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
-from .plan import GIB, estimate_memory
+from mlflow_llmeff.planning.plan import GIB, estimate_memory
 
 __all__ = ["MARGIN_FRACTION", "MARGIN_FIXED_GIB", "Candidate", "Verdict", "needed_bytes", "verdict",
            "host_available_bytes", "cuda_free_bytes"]
@@ -126,7 +126,7 @@ class Verdict:
 
 
 def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt) -> float:
-    from .parallel import get
+    from mlflow_llmeff.parallel import get
 
     try:  # tensor / shard degrees of the strategy over these devices (None: all data-parallel)
         degrees = get(strategy).degrees(devices * cfg.num_machines, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
@@ -211,7 +211,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
         cpu: the processes share host memory (and cannot shard).
         bf16_ok: bf16 is possible there (offered as a cheaper configuration).
     """
-    from .presets import PRESETS, load_config
+    from mlflow_llmeff.models.presets import PRESETS, load_config
 
     config = load_config(cfg.model)
     est = _estimate(config, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision, strategy=strategy,

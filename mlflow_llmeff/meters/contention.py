@@ -3,7 +3,7 @@ CUDA devices other processes, clock-throttle reasons, SM clock against its maxim
 the power limit (``../shared/METRICS.md``, "Uncertainty and stability").
 
 Readers take their sources as arguments (``/proc/stat`` text, a ``pynvml`` module such as
-:func:`mlflow_llmeff.nvml_fake.fake_nvml`), so every path runs in tests without the hardware; the
+:func:`mlflow_llmeff.testing.fake_nvml`), so every path runs in tests without the hardware; the
 arithmetic is in pure functions. Collectives over ranks are the monitor's job: this module only
 samples one process's view and turns numbers into figures and tag text.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import names
+from mlflow_llmeff import names
 
 __all__ = ["unwrap_model", "infer_precision", "infer_strategy", "is_compiled", "uses_activation_checkpointing",
            "recompute_plan", "model_name", "condition_tags", "FLOPS_FORMULA_NOTE", "WARMUP_NOTE"]
@@ -66,9 +66,9 @@ def recompute_plan(model):
     plugin cannot see into) gets the transformers default: every layer, early stop.
 
     Returns:
-        A :class:`~mlflow_llmeff.flops.Recompute`, or None without activation checkpointing.
+        A :class:`~mlflow_llmeff.calc.flops.Recompute`, or None without activation checkpointing.
     """
-    from .flops import Recompute
+    from mlflow_llmeff.calc.flops import Recompute
 
     if model is None or not uses_activation_checkpointing(model):
         return None
@@ -132,7 +132,7 @@ def model_name(model, config) -> str:
 
 def script_git_commit() -> str:
     """Git commit of the directory holding the running script (``sys.argv[0]``), where known."""
-    from .probes import git_commit
+    from mlflow_llmeff.meters.probes import git_commit
 
     here = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else os.getcwd()
     return git_commit(here)
@@ -152,7 +152,7 @@ def nodes(world: int) -> int:
 
 def model_tags(model, config) -> dict[str, str]:
     """``llmeff.model.*`` tags: name, parameters (total, non-embedding), layers, hidden size."""
-    from .probes import param_counts
+    from mlflow_llmeff.meters.probes import param_counts
 
     tags = {names.MODEL_NAME: model_name(model, config)}
     inner = unwrap_model(model)
@@ -174,7 +174,7 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
                    activation_checkpointing: bool, cost_tags: dict[str, str],
                    flops_method: str | None = None) -> dict[str, str]:
     """Every condition tag a meter knows at its start (see ``docs/metrics.md`` for each key)."""
-    from .probes import software_versions
+    from mlflow_llmeff.meters.probes import software_versions
 
     tags = {**accelerator.tags(), **software_versions()}
     tags.update({

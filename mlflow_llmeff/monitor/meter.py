@@ -7,10 +7,10 @@ integrations drive the same object, so every figure means the same on every path
 (``../shared/METRICS.md``):
 
 * tokens are non-padding input tokens (``attention_mask.sum()``), counted on the device
-  (:class:`~mlflow_llmeff.counting.StepTally`), summed over ranks at window edges (end of warm-up,
+  (:class:`~mlflow_llmeff.monitor.counting.StepTally`), summed over ranks at window edges (end of warm-up,
   every ``log_every_n_steps``-th step, steps the caller marks, the end), where the device is
   synchronized;
-* the clock is explicit (:class:`~mlflow_llmeff.goodput.TimeLedger`): non-step work is declared
+* the clock is explicit (:class:`~mlflow_llmeff.calc.goodput.TimeLedger`): non-step work is declared
   with :meth:`EfficiencyMonitor.pause` and never lands in a step; throughput, step time and MFU
   use step time only, and wall time is productive time plus the badput categories, exactly;
 * the first ``warmup_steps`` steps of every attempt are excluded from steady-state figures;
@@ -18,7 +18,7 @@ integrations drive the same object, so every figure means the same on every path
   resumes (:meth:`EfficiencyMonitor.state_dict`, ``resume_state=``);
 * only rank 0 logs, through the batched asynchronous, validating
   :class:`~mlflow_llmeff.tracking.logger.RunLogger`; every ending gets its status
-  (:mod:`mlflow_llmeff.lifecycle`).
+  (:mod:`mlflow_llmeff.monitor.lifecycle`).
 
 Collectives: :meth:`step` at window edges, :meth:`log_eval`, :meth:`state_dict` and :meth:`finish`
 (with ``collective=True``) must be called on every rank in the same order. A failure inside the
@@ -36,11 +36,13 @@ import warnings
 from contextlib import contextmanager
 from typing import Any, Callable
 
-from . import collectives, lifecycle, names
-from .conditions import (FLOPS_FORMULA_NOTE, condition_tags, infer_precision, infer_strategy, is_compiled,
+from mlflow_llmeff.meters import collectives
+from mlflow_llmeff.monitor import lifecycle
+from mlflow_llmeff import names
+from mlflow_llmeff.monitor.conditions import (FLOPS_FORMULA_NOTE, condition_tags, infer_precision, infer_strategy, is_compiled,
                          recompute_plan, shape_tags, unwrap_model, uses_activation_checkpointing)
-from .goodput import PAUSES, TimeLedger, breakdown, goodput
-from .throughput import ThroughputMeter
+from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger, breakdown, goodput
+from mlflow_llmeff.calc.throughput import ThroughputMeter
 
 __all__ = ["EfficiencyMonitor", "PRECISIONS", "unwrap_model", "infer_precision", "infer_strategy"]
 
@@ -55,7 +57,7 @@ _TOTAL_KEYS = (names.ENERGY_TOTAL_KWH, names.CARBON_TOTAL_KG, names.COST_TOTAL_U
 
 def _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
                 device_hour_usd, usd_per_kwh) -> None:
-    from . import energy as en
+    from mlflow_llmeff.meters import energy as en
 
     def bad_int(v, lo):
         return not isinstance(v, int) or isinstance(v, bool) or v < lo
@@ -99,7 +101,7 @@ class EfficiencyMonitor:
         warmup_steps: first optimizer steps of every attempt excluded from steady-state figures (>= 0).
         model: the model being trained (wrappers are looked through): its ``config`` gives FLOPs
             per token; its parameters the device, precision and ``llmeff.model.*`` tags.
-        model_config: a Hugging Face config (or :class:`~mlflow_llmeff.flops.ModelShape`) when
+        model_config: a Hugging Face config (or :class:`~mlflow_llmeff.calc.flops.ModelShape`) when
             ``model`` has none; without either, TFLOP/s, MFU and HFU are omitted.
         optimizer: read for ``train/learning_rate`` and ``summary/model_state_bytes_per_param``.
         peak_tflops: dense peak TFLOP/s per device; default: the datasheet table, else no MFU.
@@ -117,12 +119,12 @@ class EfficiencyMonitor:
         device_hour_usd: price per device-hour for ``cost/*``; default: the dated table.
         usd_per_kwh: energy price added to the cost (measured energy only); default: none.
         measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (``none`` also turns carbon off).
-        energy_meter: an :class:`~mlflow_llmeff.energy.EnergyMeter` to use instead (tests), or one the
+        energy_meter: an :class:`~mlflow_llmeff.meters.energy.EnergyMeter` to use instead (tests), or one the
             caller started earlier (e.g. at process start) so that the energy covers the set-up too;
             a started meter is not restarted (``llmeff.energy.span``).
         country_iso_code, cloud_provider, cloud_region: where the machines are, for codecarbon's
             grid intensity (offline).
-        carbon_tracker: a :class:`~mlflow_llmeff.carbon.CarbonTracker` to use instead (tests).
+        carbon_tracker: a :class:`~mlflow_llmeff.meters.carbon.CarbonTracker` to use instead (tests).
         measure_peak: measure the achievable matmul peak (cached per device and dtype) for
             ``summary/mfu_measured_peak``.
         targets: time-to-quality targets, e.g. ``"val_loss<=1.9,hellaswag/acc_norm>=0.30"``.
@@ -147,7 +149,7 @@ class EfficiencyMonitor:
             the end) while it does not answer; default ``$LLMEFF_OUTBOX_DIR`` or
             ``~/.cache/mlflow_llmeff/outbox``. ``llmeff sync DIR`` sends them later.
         report: log ``efficiency_report.json`` and figures at the end.
-        contention_meter: a :class:`~mlflow_llmeff.contention_meter.ContentionMeter` to use
+        contention_meter: a :class:`~mlflow_llmeff.monitor.contention.ContentionMeter` to use
             instead of one reading this machine (tests pass one over the fake NVML).
         eval_subject_metrics: also log per-subject MMLU scores as metrics (``eval/mmlu_<subject>/acc``);
             by default they are one table artifact per eval (``eval/mmlu_subjects/step_<step>.json``).
@@ -171,7 +173,7 @@ class EfficiencyMonitor:
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
                  report: bool = True, contention_meter=None, eval_subject_metrics: bool = False,
                  data_parallel_size: int | None = None) -> None:
-        from .evals.targets import parse_targets
+        from mlflow_llmeff.evals.targets import parse_targets
 
         self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
         _check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
@@ -199,7 +201,7 @@ class EfficiencyMonitor:
         self.is_main = self.rank == 0
         self._model_parallel = self._replication(data_parallel_size)
         self._extra_summary: dict[str, float] = {}
-        from .counting import StepTally
+        from mlflow_llmeff.monitor.counting import StepTally
 
         self._tally = StepTally()
         self._read_model(model, model_config, precision, strategy, compile, activation_checkpointing)
@@ -208,7 +210,7 @@ class EfficiencyMonitor:
                                  energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
         self._set_up_step_timing(model, contention_meter)
         self._read_flops(model)  # after the energy meter started: a meta-device count takes seconds
-        from .tracking.logger import NullLogger
+        from mlflow_llmeff.tracking.logger import NullLogger
 
         self._logger, self._run = NullLogger(), None
         if resume_state:
@@ -261,7 +263,7 @@ class EfficiencyMonitor:
 
     def _read_flops(self, model) -> None:
         """FLOPs per token (formula, else counted on the meta device) and what checkpointing recomputes."""
-        from . import flops as fl
+        from mlflow_llmeff.calc import flops as fl
 
         self._recompute = None
         if self.activation_checkpointing:  # what the wrapper re-executes; transformers' default when unreadable
@@ -270,7 +272,7 @@ class EfficiencyMonitor:
         self._shape, self._fpt_note = None, "unknown: no model config (pass model= or model_config=)"
         self._flops_method = "none: no model config (pass model= or model_config=)"
         if config is not None:
-            from .flopcount import resolve
+            from mlflow_llmeff.meters.flopcount import resolve
 
             source = resolve(config, recompute=self._recompute)  # formula, else counted on the meta device
             self._shape, self._flops_method = source.flops, source.note
@@ -288,11 +290,11 @@ class EfficiencyMonitor:
     def _set_up_measurement(self, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                             energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker) -> None:
         """Peaks (datasheet and measured), price, energy meter and carbon tracker."""
-        from . import cost as cost_mod
-        from . import energy as en
-        from . import hardware as hw
-        from .carbon import CarbonTracker
-        from .consumption import Consumption
+        from mlflow_llmeff.calc import cost as cost_mod
+        from mlflow_llmeff.meters import energy as en
+        from mlflow_llmeff.meters import hardware as hw
+        from mlflow_llmeff.meters.carbon import CarbonTracker
+        from mlflow_llmeff.monitor.consumption import Consumption
 
         device_type = self._device.type if self._device is not None else None
         self.accelerator = hw.detect_accelerator(count=self.world_size, device_type=device_type)
@@ -316,8 +318,8 @@ class EfficiencyMonitor:
 
     def _set_up_step_timing(self, model, contention_meter) -> None:
         """Per-step times (device events on CUDA), each rank's forward time, and the contention meter."""
-        from .contention_meter import ContentionMeter
-        from .steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
+        from mlflow_llmeff.monitor.contention import ContentionMeter
+        from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
 
         cuda = self._device is not None and self._device.type == "cuda"
         self._steps, self._pending_step_s = StepTimes(), []
@@ -335,7 +337,7 @@ class EfficiencyMonitor:
 
     def _measure_peak(self) -> None:
         """Achievable matmul TFLOP/s on this device and dtype (cached per machine: seconds, once)."""
-        from . import hardware as hw
+        from mlflow_llmeff.meters import hardware as hw
 
         dev = self._device
         where = "cpu" if dev is None or dev.type == "cpu" else str(dev)
@@ -367,9 +369,9 @@ class EfficiencyMonitor:
         """Rank 0: open or continue the MLflow run, tag the conditions, account a crashed attempt's tail."""
         import mlflow
 
-        from .naming import parts_from_tags, study_name
-        from .tracking.logger import RunLogger
-        from .tracking.runs import open_run
+        from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
+        from mlflow_llmeff.tracking.logger import RunLogger
+        from mlflow_llmeff.tracking.runs import open_run
 
         client = mlflow.MlflowClient()
         parts = parts_from_tags({**self._condition_tags(), names.MODEL_NAME: self._model_name(), **extra_tags},
@@ -419,7 +421,7 @@ class EfficiencyMonitor:
             self._ledger.add("lost_progress", max(0.0, float(newest) - float(saved)))
 
     def _model_name(self) -> str:
-        from .conditions import model_name
+        from mlflow_llmeff.monitor.conditions import model_name
 
         return model_name(self._model, self._config)
 
@@ -570,7 +572,7 @@ class EfficiencyMonitor:
         pause on one rank only is fine. Nested pauses count in the outermost.
 
         Raises:
-            ValueError: for a category not in :data:`~mlflow_llmeff.goodput.PAUSES`.
+            ValueError: for a category not in :data:`~mlflow_llmeff.calc.goodput.PAUSES`.
         """
         self.enter_pause(category)
         try:
@@ -582,7 +584,7 @@ class EfficiencyMonitor:
         """Start a pause (for hooks that cannot use ``with``); pair with :meth:`exit_pause`.
 
         Raises:
-            ValueError: for a category not in :data:`~mlflow_llmeff.goodput.PAUSES`.
+            ValueError: for a category not in :data:`~mlflow_llmeff.calc.goodput.PAUSES`.
         """
         if category not in PAUSES:
             raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
@@ -639,7 +641,7 @@ class EfficiencyMonitor:
             self._fail(e)
 
     def _set_counted_ratio(self, counted: float, before: tuple[int, int]) -> None:
-        from . import flops as fl
+        from mlflow_llmeff.calc import flops as fl
 
         tokens, sq = (a - b for a, b in zip(self._tally.peek_tokens(), before))
         if tokens <= 0 or counted <= 0:
@@ -669,7 +671,7 @@ class EfficiencyMonitor:
             return None
         cache = self.__dict__.setdefault("_ratio_cache", {})
         if s_eff not in cache:
-            from . import flops as fl
+            from mlflow_llmeff.calc import flops as fl
 
             cache.clear()  # one batch shape at a time in practice
             cache[s_eff] = fl.hardware_model_ratio(self._shape, s_eff, recompute=self._recompute)
@@ -710,7 +712,7 @@ class EfficiencyMonitor:
         return t
 
     def _fpt(self, s: float, convention: str = "megatron") -> float:
-        from . import flops as fl
+        from mlflow_llmeff.calc import flops as fl
 
         return fl.flops_per_token(self._shape, s, convention)
 
@@ -718,7 +720,7 @@ class EfficiencyMonitor:
         """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along.
 
         Each physical device is summed once: a rank adds only the devices it owns
-        (:func:`~mlflow_llmeff.energy.device_owners`: the lowest rank listing a device id reads it),
+        (:func:`~mlflow_llmeff.meters.energy.device_owners`: the lowest rank listing a device id reads it),
         so two ranks on one GPU count it once. Without a collective on several ranks (rank 0 alone at
         exit) the other ranks' readings cannot be had: the totals stay those of the last collective
         reading, and ``llmeff.energy.span`` says where the energy ends.
@@ -747,7 +749,7 @@ class EfficiencyMonitor:
         """The device ids this rank reports (once per run: one collective gathering every rank's devices)."""
         if getattr(self, "_energy_ids", None) is not None:
             return self._energy_ids
-        from . import energy as en
+        from mlflow_llmeff.meters import energy as en
 
         owned = list(self._energy.owned)
         if not owned and self._energy.measures:  # a meter that names no devices: the ones it reads are its own
@@ -775,7 +777,7 @@ class EfficiencyMonitor:
     def _memory(self, collective: bool = True) -> tuple[float, float, str]:
         import torch
 
-        from .probes import peak_memory_gib
+        from mlflow_llmeff.meters.probes import peak_memory_gib
 
         dev = self._device if self._device is not None else torch.device("cpu")
         alloc, reserved, source = peak_memory_gib(dev)
@@ -895,7 +897,7 @@ class EfficiencyMonitor:
         self._logger.set_tags({names.AUTOLOG_NOTE: msg}, synchronous=False)
 
     def _warn_mfu(self, mfu: float | None, where: str) -> None:
-        from . import flops as fl
+        from mlflow_llmeff.calc import flops as fl
 
         warn = fl.mfu_warning(mfu)
         if warn and not getattr(self, "_mfu_warned", False):  # reported, never clipped
@@ -922,7 +924,7 @@ class EfficiencyMonitor:
             if "val_loss" in clean and "val_perplexity" not in clean:  # one definition on every path
                 clean["val_perplexity"] = math.exp(min(clean["val_loss"], 700.0))
             if self.is_main:
-                from .evals.api import SUBJECT_TABLE, split_subjects
+                from mlflow_llmeff.evals.api import SUBJECT_TABLE, split_subjects
 
                 shown, table = split_subjects(clean)
                 if table is not None:  # one table per eval; per-subject metrics only when asked
@@ -1016,7 +1018,7 @@ class EfficiencyMonitor:
         return self._summary
 
     def end_at_exit(self, status: str) -> None:
-        """Finish at interpreter exit (rank 0 alone, synchronous logging; see :mod:`mlflow_llmeff.lifecycle`)."""
+        """Finish at interpreter exit (rank 0 alone, synchronous logging; see :mod:`mlflow_llmeff.monitor.lifecycle`)."""
         if not self._finished:
             self._logger.set_synchronous(True)
             self.finish(status, collective=False)
@@ -1052,7 +1054,7 @@ class EfficiencyMonitor:
 
     def _summary_figures(self, seconds: dict[str, float], collective: bool) -> dict[str, float]:
         """Every ``summary/*`` figure of the run (all attempts)."""
-        from . import flops as fl
+        from mlflow_llmeff.calc import flops as fl
 
         parts = breakdown(seconds, self._ledger.warmup_steps, self._ledger.steady_steps, compiled=self.compiled)
         tokens = self._meter.total.tokens
@@ -1091,7 +1093,7 @@ class EfficiencyMonitor:
     def _stability_figures(self, collective: bool) -> dict[str, float]:
         """Dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
         their tags wait in ``_stability_tags`` for :meth:`_end_tags`."""
-        from . import stability as st
+        from mlflow_llmeff.calc import stability as st
 
         s = self._steps.analyse()
         self._stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
@@ -1142,7 +1144,7 @@ class EfficiencyMonitor:
         inner = unwrap_model(self._model) if self._model is not None else None
         if inner is None:
             return {}
-        from .probes import model_state_bytes
+        from mlflow_llmeff.meters.probes import model_state_bytes
 
         alloc, _, _ = self._memory(collective)
         out: dict[str, float] = {}
@@ -1196,7 +1198,7 @@ class EfficiencyMonitor:
                 pass
         if not self.is_main or self._run is None:
             return
-        from .tracking.runs import release
+        from mlflow_llmeff.tracking.runs import release
 
         try:
             self._log_report()

@@ -5,7 +5,7 @@ resumed run loads, because the work after it is redone; resources spent after th
 spent all the same, so after a resume every consumption total continues from the newest figure the
 run recorded: the crashed attempt's last logged point, or its checkpoint, whichever is later
 (:meth:`Consumption.resume`). Cost follows the wall time, which already holds the crashed
-attempt's lost progress (:mod:`mlflow_llmeff.goodput`).
+attempt's lost progress (:mod:`mlflow_llmeff.calc.goodput`).
 
 Formulas (``../shared/METRICS.md``, *Cost, energy, carbon*):
 
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import energy as en
-from . import names
-from .cost import total_cost_usd, usd_per_billion_tokens
+from mlflow_llmeff.meters import energy as en
+from mlflow_llmeff import names
+from mlflow_llmeff.calc.cost import total_cost_usd, usd_per_billion_tokens
 
 __all__ = ["Consumption"]
 

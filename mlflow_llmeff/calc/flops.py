@@ -27,7 +27,7 @@ chunked attention per layer. What is counted: every weight matmul (the LM head a
 tied to the input embedding) and the two attention matmuls. What is not: the input embedding
 lookup and learned positions (a gather, no FLOPs), norms, activations, softmax, residual adds,
 biases and RoPE (O(h) per token against O(h^2), well under 1% for real models). A model type the
-formula does not know is counted once on the meta device (:mod:`mlflow_llmeff.flopcount`), which
+formula does not know is counted once on the meta device (:mod:`mlflow_llmeff.meters.flopcount`), which
 yields a :class:`CountedFlops` that every function here accepts in place of a config.
 """
 
@@ -73,7 +73,7 @@ FORMULA_TAGS = {
 #: Hugging Face ``model_type`` values whose config fields the formula reads. Each is checked
 #: against a FlopCounterMode count of the real transformers model on the meta device (tests,
 #: within 1%; exact today), parameters against ``sum(p.numel())``. Any other type is counted on
-#: the meta device (:mod:`mlflow_llmeff.flopcount`) or gets no figure.
+#: the meta device (:mod:`mlflow_llmeff.meters.flopcount`) or gets no figure.
 FORMULA_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
                  "gemma3_text", "phi3", "olmo2", "olmoe", "granite", "granitemoe", "gpt_neox", "gpt2", "deepseek_v3")
 
@@ -234,7 +234,7 @@ class CountedFlops:
     lengths, so per layer the counted training FLOPs per token are ``a_l + b_l * s``: ``b_l`` is the
     attention matmuls' cost per attended key. Model FLOPs then take each layer's attended keys
     from :func:`mean_attended_keys` (causal discount, windows and chunks from the config), exactly
-    as the formula does. Built by :func:`mlflow_llmeff.flopcount.count_on_meta`.
+    as the formula does. Built by :func:`mlflow_llmeff.meters.flopcount.count_on_meta`.
 
     Attributes:
         model_type: the config's ``model_type``.
@@ -367,7 +367,7 @@ def model_shape(config) -> ModelShape:
     if model_type not in FORMULA_TYPES + ("shape",):
         raise ValueError(f"model_type {model_type!r} is not supported by the FLOPs formula; accepted: "
                          f"{', '.join(FORMULA_TYPES)}, or a shape object with Llama attribute names "
-                         "(other types are counted on the meta device: mlflow_llmeff.flopcount)")
+                         "(other types are counted on the meta device: mlflow_llmeff.meters.flopcount)")
     layers = _get(config, "num_hidden_layers", "n_layer")
     hidden = _get(config, "hidden_size", "n_embd")
     heads = _get(config, "num_attention_heads", "n_head")

@@ -1,6 +1,6 @@
 """Predictions of a planned run from earlier runs in the tracking server (time, cost, energy).
 
-``llmeff plan`` first estimates from the model's shape (:mod:`mlflow_llmeff.plan`, pure); this
+``llmeff plan`` first estimates from the model's shape (:mod:`mlflow_llmeff.planning.plan`, pure); this
 module reads MLflow for what only measurement gives: the achieved model TFLOP/s per device of
 earlier runs on the same accelerator (median, preferring runs of the same shape and layout) and
 their measured power.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from .. import names
+from mlflow_llmeff import names
 
 __all__ = ["history_tflops", "history_power_w", "add_predictions"]
 
@@ -81,7 +81,7 @@ def history_power_w(client, accelerator_short: str) -> float | None:
 def add_predictions(plan: dict, cfg, *, client, accelerator_short: str, strategy: str,
                     device_hour_usd: float | None = None) -> dict:
     """Add ``prediction_basis`` and, where earlier runs allow, predicted tokens/s, wall time, cost
-    and energy to ``plan`` (:func:`mlflow_llmeff.plan.make_plan`'s dict, changed in place and returned).
+    and energy to ``plan`` (:func:`mlflow_llmeff.planning.plan.make_plan`'s dict, changed in place and returned).
 
     Args:
         plan: the pure plan.

@@ -1,6 +1,6 @@
 """Communication arithmetic: bus bandwidth, link peaks, exposed time and bytes per step (pure).
 
-No torch, no I/O: the probe and the step sampler (:mod:`mlflow_llmeff.commprobe`) measure, this
+No torch, no I/O: the probe and the step sampler (:mod:`mlflow_llmeff.meters.commprobe`) measure, this
 module turns their timings and sizes into the figures of ``../shared/METRICS.md`` ("Parallelism
 and communication"), and ``llmeff plan`` predicts the same bytes per step from the model shape.
 

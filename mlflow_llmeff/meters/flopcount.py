@@ -2,8 +2,8 @@
 
 :func:`resolve` is the one entry point (the monitor and ``llmeff flops`` use it):
 
-1. ``formula``: the config's ``model_type`` is one of :data:`mlflow_llmeff.flops.FORMULA_TYPES`
-   (or the config is a plain shape object): :func:`mlflow_llmeff.flops.model_shape` reads its fields.
+1. ``formula``: the config's ``model_type`` is one of :data:`mlflow_llmeff.calc.flops.FORMULA_TYPES`
+   (or the config is a plain shape object): :func:`mlflow_llmeff.calc.flops.model_shape` reads its fields.
 2. ``meta_count``: any other type transformers can build. :func:`count_on_meta` builds the model from
    its config under ``torch.device("meta")`` (no weight is allocated, nothing is downloaded) with
    eager attention and the data-independent ``batched_mm`` expert kernel, and counts one forward
@@ -11,7 +11,7 @@
    two sequence lengths. Per token the count is ``a + b*s`` (eager attention computes every
    query-key pair), so ``a`` is every matmul outside the attention scores (LM head included) and
    ``b`` the attention matmuls' cost per attended key; model FLOPs then apply the causal discount,
-   windows and chunks of the config exactly as the formula does (:class:`~mlflow_llmeff.flops.CountedFlops`).
+   windows and chunks of the config exactly as the formula does (:class:`~mlflow_llmeff.calc.flops.CountedFlops`).
    A third length checks that the count is affine in ``s``. For a mixture of experts the count is
    repeated with one expert more per token: if it does not change, the implementation runs every
    expert on every token (e.g. Llama-4 in transformers 5), the count is hardware FLOPs and not the
@@ -28,7 +28,7 @@ import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import flops as fl
+from mlflow_llmeff.calc import flops as fl
 
 __all__ = ["METHOD_FORMULA", "METHOD_META", "METHOD_NONE", "FlopsSource", "resolve", "count_on_meta"]
 
@@ -46,9 +46,9 @@ class FlopsSource:
     """Where a model's FLOPs per token come from.
 
     Attributes:
-        flops: a :class:`~mlflow_llmeff.flops.ModelShape` (formula) or
-            :class:`~mlflow_llmeff.flops.CountedFlops` (meta count), which every function of
-            :mod:`mlflow_llmeff.flops` accepts; None when neither can count the model.
+        flops: a :class:`~mlflow_llmeff.calc.flops.ModelShape` (formula) or
+            :class:`~mlflow_llmeff.calc.flops.CountedFlops` (meta count), which every function of
+            :mod:`mlflow_llmeff.calc.flops` accepts; None when neither can count the model.
         method: ``formula``, ``meta_count`` or ``none``.
         note: one line for the ``llmeff.flops.method`` tag and ``llmeff flops``: the method and
             its source, or why there is no figure.
@@ -63,9 +63,9 @@ def resolve(config, *, recompute: fl.Recompute | None = None, count: bool = True
     """The FLOPs of the model ``config`` describes: formula, else meta-device count, else none (never raises).
 
     Args:
-        config: a Hugging Face config, a :class:`~mlflow_llmeff.flops.ModelShape` or a shape object.
+        config: a Hugging Face config, a :class:`~mlflow_llmeff.calc.flops.ModelShape` or a shape object.
         recompute: the activation checkpointing of the run, so that a meta count also counts what it
-            re-executes (the formula computes it for any :class:`~mlflow_llmeff.flops.Recompute`).
+            re-executes (the formula computes it for any :class:`~mlflow_llmeff.calc.flops.Recompute`).
         count: allow the meta-device count (False: formula or none).
     """
     model_type = getattr(config, "model_type", None) or "shape"
@@ -104,7 +104,7 @@ def count_on_meta(config, *, recompute: fl.Recompute | None = None, lengths=LENG
         lengths: three increasing sequence lengths (two to fit ``a + b*s``, one to check it).
 
     Returns:
-        The :class:`~mlflow_llmeff.flops.CountedFlops`.
+        The :class:`~mlflow_llmeff.calc.flops.CountedFlops`.
 
     Raises:
         ValueError: one line saying why it cannot be counted (transformers cannot build or run it on

@@ -92,10 +92,10 @@ class Rates:
 
         Achieved TFLOP/s needs ``flops_per_token`` (and tokens); MFU also needs ``peak_tflops``
         (never clipped); HFU is MFU x ``hfu_ratio`` (hardware FLOPs per model FLOP,
-        :func:`mlflow_llmeff.flops.hardware_model_ratio` or a counted step).
+        :func:`mlflow_llmeff.calc.flops.hardware_model_ratio` or a counted step).
         """
-        from . import names
-        from .flops import utilization
+        from mlflow_llmeff import names
+        from mlflow_llmeff.calc.flops import utilization
 
         m = {names.TRAIN_STEP_TIME_S: self.step_time_s, names.TPUT_TOKENS: self.tokens_per_sec,
              names.TPUT_SAMPLES: self.samples_per_sec, names.TPUT_DEVICE_TOKENS: self.device_tokens_per_sec}
@@ -115,7 +115,7 @@ class ThroughputMeter:
     """Cumulative counters and steady-state windows over optimizer steps.
 
     Usage: :meth:`add` the global counts of the steps since the previous call together with their
-    step seconds (from :class:`~mlflow_llmeff.goodput.TimeLedger`: declared pauses such as evals
+    step seconds (from :class:`~mlflow_llmeff.calc.goodput.TimeLedger`: declared pauses such as evals
     and checkpoints are not in them), at least at the end of warm-up and at every logged step;
     :meth:`interval` takes the steady-state rates since the last interval. No clock here: the
     caller synchronizes the device before reading the seconds at each edge.

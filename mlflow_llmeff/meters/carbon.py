@@ -3,7 +3,7 @@
 Two figures, kept apart:
 
 * **Carbon of the measured energy**: ``kg_co2e = kWh x I / 1000``, where ``kWh`` is the energy
-  our meters measured (``energy/total_kwh``: NVML or RAPL, see :mod:`mlflow_llmeff.energy`) and
+  our meters measured (``energy/total_kwh``: NVML or RAPL, see :mod:`mlflow_llmeff.meters.energy`) and
   ``I`` (g CO2e/kWh) is the grid intensity codecarbon would use for the configured country or
   cloud region (asked of codecarbon's own emissions engine for 1 kWh, so the two agree exactly).
   Logged as ``carbon/total_kg_co2e``.

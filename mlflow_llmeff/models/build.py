@@ -1,13 +1,13 @@
-"""Building the models of ``mlflow_llmeff.presets`` (random init) or of Hugging Face ids and directories,
+"""Building the models of ``mlflow_llmeff.models.presets`` (random init) or of Hugging Face ids and directories,
 and their tokenizers.
 
-The catalog itself (:data:`~mlflow_llmeff.presets.PRESETS`, :func:`~mlflow_llmeff.presets.load_config`)
-lives in :mod:`mlflow_llmeff.presets`, beside the pure calculators that read it; it is re-exported here.
+The catalog itself (:data:`~mlflow_llmeff.models.presets.PRESETS`, :func:`~mlflow_llmeff.models.presets.load_config`)
+lives in :mod:`mlflow_llmeff.models.presets`, beside the pure calculators that read it; it is re-exported here.
 """
 
 from __future__ import annotations
 
-from ..presets import PRESETS, is_preset, load_config, max_positions
+from mlflow_llmeff.models.presets import PRESETS, is_preset, load_config, max_positions
 
 __all__ = ["PRESETS", "is_preset", "load_config", "max_positions", "build_model", "load_tokenizer", "tokenizer_name"]
 

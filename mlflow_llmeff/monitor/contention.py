@@ -1,4 +1,4 @@
-"""The monitor's view of what else used the machine: samples of :mod:`mlflow_llmeff.contention` taken
+"""The monitor's view of what else used the machine: samples of :mod:`mlflow_llmeff.meters.contention` taken
 at the monitor's window edges and reduced over ranks.
 
 The steady window starts at the end of warm-up (:meth:`ContentionMeter.begin`) and ends at the
@@ -18,8 +18,8 @@ import socket
 import time
 from typing import Any, Callable, Mapping
 
-from . import collectives
-from . import contention as ct
+from mlflow_llmeff.meters import collectives
+from mlflow_llmeff.meters import contention as ct
 
 #: Seconds between scans for our process tree's members (DataLoader workers, compile workers).
 TREE_REFRESH_S = 10.0
@@ -35,7 +35,7 @@ class ContentionMeter:
     Args:
         device: the run's torch device (CUDA devices are read through NVML), or None.
         env: environment (``LOCAL_RANK``); default ``os.environ``.
-        nvml: a ``pynvml`` module to use (tests pass :func:`mlflow_llmeff.nvml_fake.fake_nvml`);
+        nvml: a ``pynvml`` module to use (tests pass :func:`mlflow_llmeff.testing.fake_nvml`);
             default: imported when the device is CUDA.
         gpu_devices: ``(uuid, handle)`` of this process's devices (default: resolved like the
             energy meter: by UUID / PCI bus id through ``CUDA_VISIBLE_DEVICES``).
@@ -69,7 +69,7 @@ class ContentionMeter:
 
                 nvml.nvmlInit()
             if gpu_devices is None:
-                from .energy import _torch_cuda_ids, resolve_nvml_devices
+                from mlflow_llmeff.meters.energy import _torch_cuda_ids, resolve_nvml_devices
 
                 idx = [device.index or 0] if device is not None and device.index is not None else [0]
                 _, ids = _torch_cuda_ids(env)
@@ -123,7 +123,7 @@ class ContentionMeter:
 
     def interval(self, collective: bool = True) -> dict[str, float]:
         """The ``system/*`` metrics since the last call (a collective with ``collective``)."""
-        from . import names
+        from mlflow_llmeff import names
 
         if not self._begun:
             return {}
@@ -179,7 +179,7 @@ class ContentionMeter:
 
         Rank 0's return is the run's; other ranks get ``({}, {})``.
         """
-        from . import names
+        from mlflow_llmeff import names
 
         if not self._begun:
             return {}, {names.CONTENTION: "unknown: no steady-state window (all steps were warm-up)"}
@@ -204,7 +204,7 @@ class ContentionMeter:
         return self._combine(everyone, alone=not collective and collectives.world_and_rank()[0] > 1)
 
     def _combine(self, recs: list[dict], alone: bool) -> tuple[dict[str, float], dict[str, str]]:
-        from . import names
+        from mlflow_llmeff import names
 
         hosts: dict[str, list[dict]] = {}
         for r in recs:

@@ -1,9 +1,9 @@
 """Measured communication: a collective probe at start, and sampled steps during training.
 
 * :func:`measure` times all-reduce, all-gather and reduce-scatter over the run's process group at
-  one large message and turns the times into nccl-tests bus bandwidth (:mod:`mlflow_llmeff.comm`);
+  one large message and turns the times into nccl-tests bus bandwidth (:mod:`mlflow_llmeff.calc.comm`);
   the result is cached per machine, world size, backend and device like the matmul peak
-  (:func:`mlflow_llmeff.hardware.measure_matmul_peak`), in ``<cache dir>/comm.json``.
+  (:func:`mlflow_llmeff.meters.hardware.measure_matmul_peak`), in ``<cache dir>/comm.json``.
 * :func:`detect_link` names the link those collectives cross and its datasheet peak (NVML's
   NVLink and PCIe figures, the InfiniBand/RoCE adapters in ``/sys/class/infiniband``).
 * :class:`StepSampler` looks at a few warm-up steps of each attempt (never a steady-state one, so
@@ -25,8 +25,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import collectives, comm, names
-from .probes import tensor_bytes
+from mlflow_llmeff.meters import collectives
+from mlflow_llmeff.calc import comm
+from mlflow_llmeff import names
+from mlflow_llmeff.meters.probes import tensor_bytes
 
 __all__ = ["ProbeResult", "measure", "detect_link", "probe_figures", "CommCounter", "StepSampler"]
 
@@ -102,7 +104,7 @@ def measure(device, *, nodes: int = 1, device_name: str = "", cache_dir: str | P
         device: this rank's torch device (CUDA tensors under NCCL, else CPU).
         nodes: machines taking part (part of the cache key).
         device_name: accelerator name (part of the cache key).
-        cache_dir: folder of ``comm.json``; default :func:`mlflow_llmeff.hardware.default_cache_dir`.
+        cache_dir: folder of ``comm.json``; default :func:`mlflow_llmeff.meters.hardware.default_cache_dir`.
         refresh: measure even when rank 0 has a cached value.
         size_bytes: message size (nccl-tests size); default 64 MiB under NCCL, 4 MiB otherwise
             (gloo over loopback reaches its plateau there within a second).
@@ -114,7 +116,7 @@ def measure(device, *, nodes: int = 1, device_name: str = "", cache_dir: str | P
     dist = collectives.process_group()
     if dist is None or dist.get_world_size() < 2:
         return None
-    from .hardware import default_cache_dir
+    from mlflow_llmeff.meters.hardware import default_cache_dir
 
     backend = str(dist.get_backend())
     nccl = backend == "nccl"
@@ -214,7 +216,7 @@ def _nics(root: str = "/sys/class/infiniband") -> tuple[str, int] | None:
 
 
 def detect_link(device, *, backend: str, nodes: int, devices_per_node: int) -> tuple[comm.LinkPeak | None, str]:
-    """The link this run's collectives cross and its peak (:func:`mlflow_llmeff.comm.link_peak`)."""
+    """The link this run's collectives cross and its peak (:func:`mlflow_llmeff.calc.comm.link_peak`)."""
     nvlink = pcie = nic = None
     if backend == "nccl" and getattr(device, "type", None) == "cuda":
         nvlink, pcie = _nvml_links(device.index or 0)

@@ -1,6 +1,6 @@
 """Probes of the running process: software versions, git commit, parameter counts, memory.
 
-Shared by the training entrypoint and :class:`~mlflow_llmeff.monitor.EfficiencyMonitor`; torch is
+Shared by the training entrypoint and :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`; torch is
 imported inside the functions.
 """
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 
-from . import names
+from mlflow_llmeff import names
 
 
 def software_versions() -> dict[str, str]:
     """``llmeff.version.*`` tags: mlflow_llmeff, Python, torch, transformers, accelerate, mlflow."""
     import platform
 
-    from . import __version__
+    from mlflow_llmeff import __version__
 
     out = {names.V_LLMEFF: __version__, names.V_PYTHON: platform.python_version()}
     for tag, mod in ((names.V_TORCH, "torch"), (names.V_TRANSFORMERS, "transformers"),

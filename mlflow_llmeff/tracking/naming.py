@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from . import names
+from mlflow_llmeff import names
 
 __all__ = ["PARTS", "human_count", "parts_from_tags", "study_name"]
 

@@ -1,0 +1,1 @@
+"""Model presets, the byte tokenizer, building a model from a preset or a directory."""
