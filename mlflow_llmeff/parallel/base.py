@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlflow_llmeff.parallel.degrees import Degrees
-from mlflow_llmeff.parallel.mesh import apply_fsdp, apply_tp, autocast_forward, decoder_layers  # noqa: F401 - decoder_layers re-exported
+from mlflow_llmeff.parallel.mesh import apply_fsdp, apply_tp, autocast_forward, decoder_layers  # noqa: F401
 
 __all__ = ["Strategy", "MeshStrategy", "Layout"]
 
@@ -147,8 +147,8 @@ class MeshStrategy(Strategy):
     """FSDP2 / HSDP / tensor / 2-D parallelism with torch's own APIs on a device mesh.
 
     The model goes to the device, is tensor-parallelized (:meth:`apply_tp`) and then fully sharded
-    (:func:`~mlflow_llmeff.parallel.mesh.apply_fsdp`) as a subclass says; the optimizer is wrapped in Accelerate's
-    ``AcceleratedOptimizer`` (it skips the steps inside gradient accumulation) but not registered,
+    (:func:`~mlflow_llmeff.parallel.mesh.apply_fsdp`) as a subclass says; the optimizer is wrapped in
+    Accelerate's ``AcceleratedOptimizer`` (it skips the steps inside gradient accumulation) but not registered,
     so ``save_state`` keeps the RNG and scheduler state while the model and optimizer go through
     ``torch.distributed.checkpoint`` (each rank writes its own shards, any layout reads them back).
     """

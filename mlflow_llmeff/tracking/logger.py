@@ -12,8 +12,8 @@ a synchronous :meth:`RunLogger.set_tags` or :meth:`RunLogger.log_params`, :meth:
 (the end). Whatever the server has not taken by then is written to the outbox file
 (:mod:`mlflow_llmeff.tracking.outbox`), which the thread keeps sending from, and which
 ``llmeff sync`` delivers later (the thread, its queue, the waits and the spill are
-:mod:`mlflow_llmeff.tracking.worker`). On resume the logger learns the last point of each key and drops
-points at or before its step, so a replayed step is never logged twice.
+:mod:`mlflow_llmeff.tracking.worker`). On resume the logger learns the last point of each key and
+drops points at or before its step, so a replayed step is never logged twice.
 
 Nothing is lost to one bad entry. Every metric, tag and param is checked against MLflow's own rules
 first (:mod:`mlflow_llmeff.tracking.keys`): a key MLflow refuses is mapped to one it accepts, an
