@@ -303,8 +303,9 @@ def test_energy_not_measured_note_is_said_once_a_machine_not_once_a_process(tmp_
     import logging
 
     from mlflow_llmeff.meters import energy
+    from mlflow_llmeff.meters.energy import base
 
-    monkeypatch.setattr(energy, "_warned", set())
+    monkeypatch.setattr(base, "_warned", set())  # _warn_once reads the set of energy/base.py
     missing = str(tmp_path / "missing")
     with caplog.at_level(logging.WARNING, logger=energy._log.name):
         make_meter("auto", device_indices=None, env={"LOCAL_RANK": "1"}, rapl_root=missing)
