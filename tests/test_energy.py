@@ -7,7 +7,7 @@ import types
 import pytest
 
 from mlflow_llmeff.meters import energy
-from mlflow_llmeff.testing import FakeGpu, FakeNvmlError, fake_nvml  # noqa: F401
+from mlflow_llmeff.testing import FakeClock, FakeGpu, FakeNvmlError, fake_nvml  # noqa: F401
 from mlflow_llmeff.meters.energy import (
     EnergyReading,
     FakeEnergyMeter,
@@ -15,14 +15,6 @@ from mlflow_llmeff.meters.energy import (
     make_meter,
     sum_over_ranks,
 )
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 UUID_A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
