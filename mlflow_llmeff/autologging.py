@@ -625,11 +625,11 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
     from mlflow.utils.autologging_utils import AUTOLOGGING_INTEGRATIONS
 
     from mlflow_llmeff.evals.targets import parse_targets
-    from mlflow_llmeff.monitor.meter import _check_args
+    from mlflow_llmeff.monitor.assembly import check_args
 
     try:
-        _check_args(log_every_n_steps, warmup_steps, None, measure_energy, None, peak_tflops, device_hour_usd,
-                    usd_per_kwh)
+        check_args(log_every_n_steps, warmup_steps, None, measure_energy, None, peak_tflops, device_hour_usd,
+                   usd_per_kwh)
         parse_targets(targets, any_metric=True)
         if tags is not None and not (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)):
             raise ValueError(f"tags={tags!r} is not accepted; give a dict of str keys to values")
