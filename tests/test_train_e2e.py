@@ -199,9 +199,10 @@ def test_time_to_quality_logged_at_first_step_reaching_target(tracking_uri, shar
 
 
 def test_mfu_above_one_is_reported_not_clipped(tracking_uri):
-    # A 1 GFLOP/s "peak" on this CPU is an input error: MFU comes out far above 1.
+    # A 10 MFLOP/s "peak" on this CPU is an input error: MFU comes out far above 1 (a 1 GFLOP/s one
+    # gave 0.97 on a loaded 2-core machine: the step itself ran below 1 GFLOP/s).
     out = run_training(TrainConfig(max_steps=8, log_every_n_steps=4, seq_len=32, micro_batch_size=2,
-                                   peak_tflops=1e-3))
+                                   peak_tflops=1e-5))
     run = only_run()
     mfu = history(run, names.TPUT_DEVICE_MFU)
     assert mfu and all(v > 1.0 for _, v in mfu)
