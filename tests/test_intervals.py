@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import functools
 import math
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -133,3 +136,12 @@ def test_bad_input_is_refused_with_the_reason():
         st.throughput_interval([1.0], [1.0])
     with pytest.raises(ValueError, match="level=1.5"):
         st.throughput_interval([1.0, 1.0], [1.0, 1.0], level=1.5)
+
+
+# ------------------------------------------------------------------------------------- the bench
+def test_the_stability_bench_exits_1_when_its_simulated_target_is_missed():
+    bench = pathlib.Path(__file__).parents[1] / "bench" / "stability.py"
+    r = subprocess.run([sys.executable, str(bench), "--sim-only", "--sim-runs", "400", "--sim-target", "1.01"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "NOT MET: constant tokens, autocorrelation 0, 100 steps: coverage" in r.stdout
