@@ -129,6 +129,14 @@ def test_equal_input_gives_an_equal_interval():
     assert (r["low"][0], r["high"][0]) == pytest.approx((a.low, a.high), rel=1e-12)
 
 
+def test_steps_without_tokens_have_no_interval_and_no_verdict_about_it():
+    s = st.analyse([0.01, 0.02] * 20, [0.0] * 40)
+    assert s.tokens_per_sec == 0.0 and s.ci95 is None and s.n_eff is None
+    assert "independent" not in st.verdict(s)
+    r = st.throughput_intervals([0.01, 0.02] * 20, [0.0] * 40)
+    assert not r["given"][0] and math.isnan(r["low"][0])
+
+
 def test_bad_input_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="3 step times but 2 token counts"):
         st.throughput_interval([1.0, 1.0, 1.0], [1.0, 1.0])

@@ -183,7 +183,8 @@ def throughput_intervals(seconds, tokens, *, level: float = 0.95,
         min_effective_steps: fewer effective steps than this give no interval (NaN ends).
 
     Returns:
-        Arrays of shape ``(runs,)``: ``mean`` (tokens/s), ``low``, ``high`` (NaN where refused),
+        Arrays of shape ``(runs,)``: ``mean`` (tokens/s), ``low``, ``high`` (NaN where refused, and
+        for a run without tokens),
         ``tau`` (steps), ``n_eff``, ``lag`` (``M``), ``df`` (``nu``), ``given`` (bool).
 
     Raises:
@@ -213,8 +214,10 @@ def throughput_intervals(seconds, tokens, *, level: float = 0.95,
     correction = np.minimum(1.0 / np.maximum(1.0 - window / n, 1e-12), _MAX_MEAN_CORRECTION)
     sigma2 = np.where(flat, 0.0, gamma[:, 0] * tau * correction)
     df = _DF_FACTOR * n / window
-    rel = stats.t.ppf(0.5 + level / 2, df) * np.sqrt(sigma2 / n) / (total / n) / mean  # t * se(R) / R
-    given = n_eff >= min_effective_steps
+    has_tokens = mean > 0
+    rel = (stats.t.ppf(0.5 + level / 2, df) * np.sqrt(sigma2 / n) / (total / n)
+           / np.where(has_tokens, mean, 1.0))  # t * se(R) / R
+    given = (n_eff >= min_effective_steps) & has_tokens
     low = np.where(given, mean * np.exp(-rel), np.nan)  # on the log scale: positive, and within 0.2%
     high = np.where(given, mean * np.exp(rel), np.nan)  # of R +- t * se(R) for a half width of 10%
     return {"mean": mean, "low": low, "high": high, "tau": tau, "n_eff": n_eff, "lag": lag, "df": df,
@@ -277,8 +280,9 @@ class Stability:
         total_s: seconds of every steady step.
         tokens_per_sec: sum of tokens / sum of seconds.
         ci95: ``(low, high)`` of ``tokens_per_sec``; None below :data:`MIN_STEPS` steps or
-            :data:`MIN_EFFECTIVE_STEPS` effective steps.
-        n_eff: effective (independent) steps, ``steps / tau``; None below :data:`MIN_STEPS` steps.
+            :data:`MIN_EFFECTIVE_STEPS` effective steps, or without tokens.
+        n_eff: effective (independent) steps, ``steps / tau``; None below :data:`MIN_STEPS` steps
+            or without tokens.
         tau: integrated autocorrelation time of the linearized throughput, steps; None likewise.
     """
 
@@ -320,7 +324,7 @@ def analyse(seconds: Sequence[float], tokens: Sequence[float]) -> Stability | No
     long = [x for x in seconds if x > STALL_FACTOR * p50]
     tps = float(sum(tokens)) / total
     ci = n_eff = tau = None
-    if n >= MIN_STEPS:
+    if n >= MIN_STEPS and tps > 0:
         iv = throughput_interval(seconds, tokens)
         n_eff, tau = iv.n_eff, iv.tau
         if iv.low is not None and iv.low == iv.high:  # equal steps: zero width at the mean
