@@ -349,7 +349,7 @@ def verdict(s: Stability | None) -> str:
     ``unstable: too few independent steps (9.9 of 100)`` when no interval could be given.
     """
     if s is None:
-        return "unstable: no steady-state step (all steps were warm-up)"
+        return "unstable: no steady-state step time (no step after warm-up, or none that took time)"
     why = []
     if s.steps < MIN_STEPS:
         why.append(f"only {s.steps} steady step{'' if s.steps == 1 else 's'} (fewer than {MIN_STEPS}: no interval)")
