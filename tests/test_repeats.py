@@ -291,3 +291,21 @@ def test_the_headline_states_its_method_once_and_names_the_unstable_repeat_with_
     assert f"run-s (+1 repeat): 1 unstable repeat kept in the figures: run-u 5,993 tokens/s ({unstable})" in h.footnotes
     stability = h.columns.index("stability")
     assert h.rows[0][stability].text == "1 of 2 unstable (kept)"
+
+
+def test_the_carbon_pareto_draws_no_single_run_as_beaten_within_the_floor():
+    from mlflow_llmeff.report import plots
+
+    # the trial: two single DDP-like runs, one 1.6x the other's throughput and lower carbon per token
+    # (11,745 and 19,279 tokens/s of identical settings): the floor says neither beats the other
+    a, b = run("a", 2, 11745.0, 10756.0, 12933.0), run("b", 2, 19279.0, 18338.0, 20530.0, **{names.PRECISION: "bf16"})
+    for r in (a, b):
+        r.metrics[names.SUM_ESTIMATE_KG_CO2E_PER_BTOK] = 5e3 / r.metrics[names.SUM_TOKENS_PER_SEC]
+
+    class Rep:
+        configs = configurations([a, b])
+
+    fig = plots.fig_pareto_carbon(Rep(), None)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["front (within noise)"]
+    assert "between-run floor" in fig.axes[0].get_title()
