@@ -17,7 +17,7 @@ __all__ = ["FORMULAS", "build_report_dict", "log_run_report"]
 #: Formula and source of each headline figure (docs/formulas.md has the derivations).
 FORMULAS = {
     names.SUM_TOKENS_PER_SEC: ("non-padding tokens of the steady-state steps / their step time, all ranks",
-                               "../shared/METRICS.md; warm-up steps excluded"),
+                               "docs/time.md (step seconds), docs/training.md (counting); warm-up steps excluded"),
     names.SUM_MFU: ("achieved model FLOP/s per device / dense datasheet peak; model FLOPs per token "
                     "L*h^2*(12+12g/n+18f/h+6s/h)+6hV", "Megatron-LM num_floating_point_operations; "
                     "Chowdhery et al. 2022 (PaLM) App. B for MFU"),
