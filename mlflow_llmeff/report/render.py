@@ -168,7 +168,7 @@ def _md_cell(s: str) -> str:
 def to_markdown(rep: Report) -> str:
     """The report as Markdown: warnings, the table (run names link to the MLflow UI), scaling, figures."""
     sel = rep.selection
-    lines = [f"# Efficiency comparison: {sel.experiment_name}", ""]
+    lines = [f"# Efficiency comparison: {sel.experiment_name}", "", sel.count_line(), ""]
     if sel.filter_string:
         lines += [f"Filter: `{sel.filter_string}`", ""]
     h = _headline(rep)
@@ -306,7 +306,8 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
     sel = rep.selection
     out = ["<!doctype html><html><head><meta charset='utf-8'>",
            f"<title>llmeff: {e(sel.experiment_name)}</title><style>{_CSS}</style></head><body>",
-           f"<h1>Efficiency comparison: {e(sel.experiment_name)}</h1>", extra_head]
+           f"<h1>Efficiency comparison: {e(sel.experiment_name)}</h1>", extra_head,
+           f"<p class='note' id='run-count'>{e(sel.count_line())}</p>"]
     if sel.filter_string:
         out.append(f"<p class='note'>Filter: <code>{e(sel.filter_string)}</code></p>")
     out.append(_headline_html(rep))

@@ -187,9 +187,9 @@ def _page(title: str, body: str, status: int = 200):
 
 def experiments_page():
     """``/llmeff/``: the active experiments, each linking to its efficiency page."""
-    from mlflow.entities import ViewType
+    from mlflow_llmeff.tracking.search import all_experiments
 
-    exps = _store().search_experiments(view_type=ViewType.ACTIVE_ONLY, max_results=1000)
+    exps = all_experiments(_store())  # every active experiment, page after page
     items = "".join(f"<li><a href='{PREFIX}/experiments/{html.escape(e.experiment_id)}'>{html.escape(e.name)}</a>"
                     f" &middot; <a href='{html.escape(ui_experiment_url('', e.experiment_id))}'>runs in MLflow</a></li>"
                     for e in exps)
@@ -274,8 +274,9 @@ def experiment_page(experiment_id: str):
         return _page("llmeff: not found", f"<p class='error'>experiment id {html.escape(experiment_id)!r} not "
                                           "found</p>", 404)
     try:
-        every = select_runs(store, exp.experiment_id, "").runs
         sel, rep, group_by, baseline = _page_report(store, exp.experiment_id, args)
+        # the filter form offers the values of every run: a second search only when a filter is on
+        every = sel.runs if not sel.filter_string else select_runs(store, exp.experiment_id, "").runs
     except ValueError as e:
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
                                       f"<p><a href='{PREFIX}/experiments/{html.escape(experiment_id)}'>reset</a></p>",

@@ -12,13 +12,10 @@ from dataclasses import dataclass
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking.redact import clean, environment_secrets
 from mlflow_llmeff.tracking.runs import ui_run_url
+from mlflow_llmeff.tracking.search import all_runs
 from mlflow_llmeff.report.calc import RunRecord
 
 __all__ = ["Selection", "select_runs", "metric_history", "ui_run_url"]
-
-#: Most runs one comparison reads (pages of MLflow's search are followed up to this).
-MAX_RUNS = 500
-
 
 @dataclass(frozen=True)
 class Selection:
@@ -27,13 +24,24 @@ class Selection:
     Attributes:
         experiment_id, experiment_name: the experiment.
         filter_string: the MLflow search filter used ('' = every run).
-        runs: the runs, newest first; comparison runs (``llmeff.compare.run_ids``) are left out.
+        runs: every matching run, newest first (MLflow's pages followed to the end: no cap);
+            comparison runs (``llmeff.compare.run_ids``) are left out.
+        comparison_runs: how many comparison runs matched and were left out.
     """
 
     experiment_id: str
     experiment_name: str
     filter_string: str
     runs: list[RunRecord]
+    comparison_runs: int = 0
+
+    def count_line(self) -> str:
+        """``1,001 runs compared: every active run of the experiment`` (or ``... matching the filter``),
+        with the comparison runs left out: what the first screen says about how many runs it shows."""
+        scope = "matching the filter" if self.filter_string else "of the experiment"
+        left = (f"; {self.comparison_runs:,} comparison run{'s' if self.comparison_runs != 1 else ''} "
+                "(llmeff compare's own) left out" if self.comparison_runs else "")
+        return f"{len(self.runs):,} run{'s' if len(self.runs) != 1 else ''} compared: every active run {scope}{left}"
 
 
 def _experiment(client, experiment: str):
@@ -51,7 +59,8 @@ def _experiment(client, experiment: str):
 
 
 def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
-    """Read the runs of ``experiment`` that match ``filter_string`` (MLflow search syntax).
+    """Read every run of ``experiment`` that matches ``filter_string`` (MLflow search syntax),
+    however many: MLflow's pages (1,000 runs each) are followed to the last one.
 
     Args:
         client: an ``mlflow.MlflowClient`` or a tracking store (``mlflow.server.handlers._get_tracking_store()``).
@@ -68,25 +77,21 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     from mlflow.exceptions import MlflowException
 
     exp = _experiment(client, experiment)
-    runs, token = [], None
     secrets = environment_secrets()
-    while len(runs) < MAX_RUNS:
-        try:
-            page = client.search_runs([exp.experiment_id], filter_string or "", ViewType.ACTIVE_ONLY,
-                                      min(MAX_RUNS - len(runs), 200), ["attributes.start_time DESC"], token)
-        except MlflowException as e:
-            first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0]
-            raise ValueError(f"bad filter {filter_string!r}: {first}") from None
-        runs += [_record(r, secrets) for r in page]
-        token = getattr(page, "token", None)
-        if not token:
-            break
-    runs = [r for r in runs if names.COMPARE_RUN_IDS not in r.tags]
+    try:
+        found = all_runs(client, [exp.experiment_id], filter_string or "", order_by=["attributes.start_time DESC"],
+                         view_type=ViewType.ACTIVE_ONLY)
+    except MlflowException as e:
+        first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0]
+        raise ValueError(f"bad filter {filter_string!r}: {first}") from None
+    runs = [_record(r, secrets) for r in found]
+    compared = [r for r in runs if names.COMPARE_RUN_IDS not in r.tags]
+    left_out, runs = len(runs) - len(compared), compared
     if not runs:
         if filter_string:
             raise ValueError(f"no run of experiment {exp.name!r} matches the filter {filter_string!r}")
         raise ValueError(f"experiment {exp.name!r} has no runs to compare")
-    return Selection(exp.experiment_id, exp.name, filter_string or "", runs)
+    return Selection(exp.experiment_id, exp.name, filter_string or "", runs, left_out)
 
 
 def _record(run, secrets: list[str]) -> RunRecord:

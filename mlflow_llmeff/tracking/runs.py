@@ -91,10 +91,12 @@ def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str |
     if parts:
         name = study_run_name(client, experiment_id, parts, exclude_run_id)
     try:
+        from mlflow_llmeff.tracking.search import all_runs
+
         quoted = name.replace("'", "")
-        taken = {r.info.run_name for r in client.search_runs(
-            [experiment_id], f"attributes.run_name LIKE '{quoted}%'", max_results=1000)
-            if r.info.run_id != exclude_run_id}
+        # every match, however many (one page is the newest 1,000: an older run's name would be given again)
+        taken = {r.info.run_name for r in all_runs(client, [experiment_id], f"attributes.run_name LIKE '{quoted}%'")
+                 if r.info.run_id != exclude_run_id}
     except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
         return name
     if name not in taken:
@@ -265,7 +267,9 @@ def _find_local(client, local_id: str, wait: float | None) -> tuple[str | None, 
     """``(the MLflow run created for local_id or None, why the server did not answer or None)``; the run
     carries the tag ``llmeff.outbox.local_run_id``."""
     def find():
-        exp_ids = [e.experiment_id for e in client.search_experiments()]
+        from mlflow_llmeff.tracking.search import all_experiment_ids
+
+        exp_ids = all_experiment_ids(client)  # every experiment (one page is 1,000 of them)
         found = client.search_runs(exp_ids, f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=1)
         return found[0].info.run_id if found else None
 
