@@ -57,26 +57,6 @@ class RunHandle:
     local_id: str | None = None
 
 
-#: Most runs of the experiment read to order a new run's name parts (newest first).
-NAMING_RUNS = 200
-
-
-def study_run_name(client, experiment_id: str, parts: dict, exclude_run_id: str | None = None) -> str:
-    """The name of a new run with name parts ``parts`` (:func:`mlflow_llmeff.tracking.naming.parts_from_tags`)
-    among the experiment's runs: the parts that vary most among them first (:func:`naming.study_name`).
-    Without the other runs (a store that fails) the parts keep their fixed order. Never raises."""
-    from mlflow_llmeff.tracking import naming
-
-    try:
-        others = [naming.parts_from_tags(r.data.tags, r.data.params.get("eval_tasks"))
-                  for r in client.search_runs([experiment_id], "", max_results=NAMING_RUNS,
-                                              order_by=["attributes.start_time DESC"])
-                  if r.info.run_id != exclude_run_id and names.COMPARE_RUN_IDS not in r.data.tags]
-    except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
-        others = []
-    return naming.study_name(parts, [o for o in others if o])
-
-
 def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str | None = None,
                     parts: dict | None = None) -> str:
     """``name``, or ``name-2``, ``name-3``, ... when runs of the experiment already have it (never raises).
@@ -86,10 +66,14 @@ def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str |
         experiment_id: the experiment the run is in.
         name: the wanted name (used when ``parts`` is None).
         exclude_run_id: a run whose own name does not count (the launcher's run being renamed).
-        parts: name parts: the name is then :func:`study_run_name` among the experiment's runs.
+        parts: name parts (:func:`mlflow_llmeff.tracking.naming.parts_from_tags`): the name is then
+            their fixed-order stem (:func:`mlflow_llmeff.tracking.naming.study_name`), the same for
+            every repeat of the configuration in every experiment.
     """
     if parts:
-        name = study_run_name(client, experiment_id, parts, exclude_run_id)
+        from mlflow_llmeff.tracking import naming
+
+        name = naming.study_name(parts) or name
     try:
         from mlflow_llmeff.tracking.search import all_runs
 
@@ -114,7 +98,7 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     Under ``mlflow run`` a resumed checkpoint's run can differ from the launcher's
     ``MLFLOW_RUN_ID``: the launcher's run then gets ``llmeff.resume.continued_in_run``. With
     ``unique_name`` a new (or fresh launcher's) run gets :func:`unique_run_name` of ``run_name``, or
-    with ``name_parts`` (the conditions' short forms) the study-ordered name of :func:`study_run_name`.
+    with ``name_parts`` (the conditions' short forms) of their fixed-order stem.
     A local id (a checkpoint of a run the server had not created) is looked up in ``outbox_dir``
     (where the training process or ``llmeff sync`` recorded its MLflow id) and on the server.
 
