@@ -22,7 +22,7 @@ from mlflow_llmeff.report.repeats import Configuration, ScalingRow, configuratio
 from mlflow_llmeff.report.source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
-           "scaling_lines", "DEFAULT_GROUP_BY"]
+           "scaling_lines", "headline_text", "best_first", "DEFAULT_GROUP_BY"]
 
 DEFAULT_GROUP_BY = "accelerator.name,parallelism.strategy,precision"
 _TAG_KEYS = {d.key for d in names.TAGS}
@@ -120,12 +120,21 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     runs = selection.runs
     tag_cols = [k for k in differing_tags(runs) if k not in keys]
     rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
-                 scaling_efficiency(runs, baseline), configurations(runs), ui_base=ui_base)
+                 scaling_efficiency(runs, baseline), best_first(configurations(runs)), ui_base=ui_base)
     if plots:
         from mlflow_llmeff.report import plots as pl
 
         rep.figures, rep.notes = pl.draw_all(rep, lambda run_id, key: metric_history(client, run_id, key))
     return rep
+
+
+def best_first(configs: list[Configuration]) -> list[Configuration]:
+    """``configs`` by their mean tokens/s per device (``summary/device_tokens_per_sec``), highest
+    first, so every report (Markdown, HTML, the page, the terminal) lists the best configuration
+    first; equal means and configurations without the figure keep their order, the latter last."""
+    est = [(c, c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)) for c in configs]
+    ranked = sorted((x for x in est if x[1] is not None), key=lambda x: -x[1].mean)
+    return [c for c, _ in ranked] + [c for c, e in est if e is None]
 
 
 # ---------------------------------------------------------------------------------------------- text
@@ -238,6 +247,19 @@ def _headline(rep: Report):
 
     links = [rep.url(c.used[0]) for c in rep.configs]
     return headline(rep.configs, links)
+
+
+def headline_text(rep: Report) -> str:
+    """The headline table as plain text for a terminal: one line per configuration (best first),
+    columns padded to their widest cell, then the footnotes; one line when nothing compares."""
+    h = _headline(rep)
+    if not h.rows:
+        return "No finished run with summary figures to compare."
+    table = [list(h.columns)] + [[c.text for c in row] for row in h.rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(h.columns))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [f"- {n}" for n in h.footnotes])
 
 
 def _headline_html(rep: Report) -> str:

@@ -35,13 +35,18 @@ class Selection:
     runs: list[RunRecord]
     comparison_runs: int = 0
 
-    def count_line(self) -> str:
-        """``1,001 runs compared: every active run of the experiment`` (or ``... matching the filter``),
-        with the comparison runs left out: what the first screen says about how many runs it shows."""
+    def scope(self) -> str:
+        """Which runs these are: ``every active run of the experiment`` (or ``... matching the filter``),
+        and the comparison runs left out."""
         scope = "matching the filter" if self.filter_string else "of the experiment"
         left = (f"; {self.comparison_runs:,} comparison run{'s' if self.comparison_runs != 1 else ''} "
                 "(llmeff compare's own) left out" if self.comparison_runs else "")
-        return f"{len(self.runs):,} run{'s' if len(self.runs) != 1 else ''} compared: every active run {scope}{left}"
+        return f"every active run {scope}{left}"
+
+    def count_line(self) -> str:
+        """``1,001 runs compared: every active run of the experiment``: what the first screen and the
+        report say about how many runs they show (all of them: no cap)."""
+        return f"{len(self.runs):,} run{'s' if len(self.runs) != 1 else ''} compared: {self.scope()}"
 
 
 def _experiment(client, experiment: str):
