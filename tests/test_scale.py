@@ -172,3 +172,69 @@ def test_the_page_first_screen_says_it_shows_all_1001_runs(big, tmp_path, monkey
     count = page.index("<p class='note' id='run-count'>1,001 runs compared: every active run of the experiment</p>")
     assert count < page.index("<table id='headline'")  # above the answer: on the first screen
     assert "All runs: 1001 runs" in page
+
+
+# ------------------------------------------------------- the server's store read by SQL, cached pages
+@pytest.fixture
+def five_store(tmp_path):
+    """``(SqlAlchemyStore, MlflowClient, experiment id)`` of the five standard runs in one sqlite file."""
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from five_runs import log_five_runs
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp_id, _ = log_five_runs(client, "five")
+    return SqlAlchemyStore(uri, str(tmp_path / "artifacts")), client, exp_id
+
+
+@pytest.mark.parametrize("filter_string", [
+    "", "tags.`llmeff.accelerator.count` = '2'", "metrics.`summary/tokens_per_sec` > 42000",
+    "attributes.run_name LIKE 'llama-tiny-%-gbt1024%'", "attributes.status = 'FINISHED'",
+    "params.model = 'llama-160m'", "tags.`llmeff.eval.documents` IS NOT NULL"])
+def test_the_store_read_by_sql_selects_what_search_runs_selects(five_store, filter_string):
+    from mlflow_llmeff.report.source import _read_by_sql, select_runs
+
+    store, client, exp_id = five_store
+    assert _read_by_sql(store, exp_id, filter_string) is not None  # the SQL read, not the fallback
+    by_sql, by_search = select_runs(store, exp_id, filter_string), select_runs(client, exp_id, filter_string)
+    assert by_sql.runs == by_search.runs  # ids, names, status, metrics, tags, params; in the same order
+
+
+def test_the_store_read_by_sql_refuses_a_bad_filter_in_one_line(five_store):
+    from mlflow_llmeff.report.source import select_runs
+
+    store, _, exp_id = five_store
+    with pytest.raises(ValueError, match=r"^bad filter 'metrics.x >>> 1': "):
+        select_runs(store, exp_id, "metrics.x >>> 1")
+
+
+def test_an_unchanged_page_is_served_again_and_a_new_point_rebuilds_it(five_store, tmp_path, monkeypatch):
+    import tempfile
+
+    from flask import Flask
+
+    from mlflow_llmeff.report import render
+    from mlflow_llmeff.report import server as srv
+
+    store, client, exp_id = five_store
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(srv, "_store", lambda: store)
+    builds = []
+    real = render.build_report
+    monkeypatch.setattr(render, "build_report", lambda *a, **k: builds.append(1) or real(*a, **k))
+    app = Flask("t")
+    srv.register(app)
+    web = app.test_client()
+    url = f"/llmeff/experiments/{exp_id}"
+    first = web.get(url).get_data(as_text=True)
+    digest = first.split("/llmeff/figures/")[1].split("/")[0]
+    srv._drawing.get(digest, srv.threading.Event()).wait(120)  # the figures drawn
+    second = web.get(url).get_data(as_text=True)
+    third = web.get(url).get_data(as_text=True)
+    assert len(builds) == 2 and third == second  # built with the drawn figures once, then served again
+    run_id = client.search_runs([exp_id], max_results=1)[0].info.run_id
+    client.log_metric(run_id, names.SUM_TOKENS_PER_SEC, 99_000.0, step=60)
+    fourth = web.get(url).get_data(as_text=True)
+    assert len(builds) == 3 and "99000" in fourth

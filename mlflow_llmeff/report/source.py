@@ -72,6 +72,11 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
         experiment: experiment name (or numeric id).
         filter_string: MLflow search filter, e.g. ``tags."llmeff.precision" = 'bf16'``.
 
+    A database-backed store (the server's own, ``SqlAlchemyStore``: sqlite, PostgreSQL, MySQL) is read
+    with four plain SQL queries (:func:`_read_by_sql`: runs, latest metrics, tags, params) and the
+    filter applied by MLflow's own Python evaluator; any other client (``MlflowClient``, a REST
+    store) through ``search_runs``, page after page.
+
     Tags and params come back masked as our logger masks them (secret-looking names, values of
     secret environment variables, URI user-info), whoever logged them.
 
@@ -84,12 +89,15 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     exp = _experiment(client, experiment)
     secrets = environment_secrets()
     try:
-        found = all_runs(client, [exp.experiment_id], filter_string or "", order_by=["attributes.start_time DESC"],
-                         view_type=ViewType.ACTIVE_ONLY)
+        found = _read_by_sql(client, exp.experiment_id, filter_string or "")
+        if found is None:
+            found = all_runs(client, [exp.experiment_id], filter_string or "", order_by=["attributes.start_time DESC"],
+                             view_type=ViewType.ACTIVE_ONLY)
     except MlflowException as e:
         first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0]
         raise ValueError(f"bad filter {filter_string!r}: {first}") from None
-    runs = [_record(r, secrets) for r in found]
+    memo: dict = {}  # condition tags repeat over the runs: each (key, value) is masked once
+    runs = [_record(r, secrets, memo) for r in found]
     compared = [r for r in runs if names.COMPARE_RUN_IDS not in r.tags]
     left_out, runs = len(runs) - len(compared), compared
     if not runs:
@@ -99,11 +107,80 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     return Selection(exp.experiment_id, exp.name, filter_string or "", runs, left_out)
 
 
-def _record(run, secrets: list[str]) -> RunRecord:
+def _sql_engine(client):
+    """The SQLAlchemy engine (the read replica where one is set) of a database-backed tracking store
+    (``mlflow.store.tracking.sqlalchemy_store.SqlAlchemyStore``), else None."""
+    if not hasattr(client, "ManagedSessionMaker"):
+        return None
+    engine = getattr(client, "read_engine", None) or getattr(client, "engine", None)
+    return engine if hasattr(engine, "connect") else None
+
+
+def _read_by_sql(client, experiment_id: str, filter_string: str):
+    """The active runs of ``experiment_id`` matching ``filter_string``, newest first, read straight
+    from a database-backed store's tables, or None where this does not apply (another store, a
+    filter on datasets, which these runs do not carry).
+
+    MLflow's ``search_runs`` on such a store builds an ORM object for every tag, param and latest
+    metric of every run: 5.9 s for 1,000 runs of 41 values each on this 2-core machine, most of a
+    page's time. Here: four queries of plain rows (runs, ``latest_metrics``, ``tags``, ``params``:
+    MLflow's schema since 1.x), each run a light object with MLflow's ``info``/``data`` attributes,
+    filtered by ``mlflow.utils.search_utils.SearchUtils.filter`` (MLflow's own evaluator of its
+    search syntax, the one its file store uses) and ordered as ``search_runs`` orders
+    ``attributes.start_time DESC`` (then by run id).
+
+    Raises:
+        mlflow.exceptions.MlflowException: a filter MLflow cannot parse.
+    """
+    engine = _sql_engine(client)
+    if engine is None or not str(experiment_id).isdigit():
+        return None
+    from types import SimpleNamespace
+
+    from mlflow.utils.search_utils import SearchUtils
+    from sqlalchemy import text
+
+    parsed = SearchUtils.parse_search_filter(filter_string) if filter_string else []
+    if any(SearchUtils.is_dataset(c.get("type"), c.get("comparator", "").upper()) for c in parsed):
+        return None
+    where = "r.experiment_id = :e AND r.lifecycle_stage = 'active'"
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, "
+                                 f"r.artifact_uri, r.lifecycle_stage FROM runs r WHERE {where} "
+                                 "ORDER BY r.start_time DESC, r.run_uuid"), {"e": int(experiment_id)}).fetchall()
+        values = {}
+        for table, cols in (("latest_metrics", "v.value, v.is_nan"), ("tags", "v.value, 0"), ("params", "v.value, 0")):
+            got = values[table] = {}
+            for run_uuid, key, value, is_nan in conn.execute(text(
+                    f"SELECT v.run_uuid, v.key, {cols} FROM {table} v JOIN runs r ON r.run_uuid = v.run_uuid "
+                    f"WHERE {where}"), {"e": int(experiment_id)}):
+                got.setdefault(run_uuid, {})[key] = (float("nan") if is_nan else float(value)) if table == "latest_metrics" \
+                    else value
+    runs = []
+    for run_uuid, name, status, start, end, user, artifact_uri, stage in rows:
+        info = SimpleNamespace(run_id=run_uuid, run_uuid=run_uuid, run_name=name, status=status, start_time=start,
+                               end_time=end, user_id=user, artifact_uri=artifact_uri, lifecycle_stage=stage,
+                               experiment_id=str(experiment_id))
+        data = SimpleNamespace(metrics=values["latest_metrics"].get(run_uuid, {}), tags=values["tags"].get(run_uuid, {}),
+                               params=values["params"].get(run_uuid, {}))
+        runs.append(SimpleNamespace(info=info, data=data, inputs=SimpleNamespace(dataset_inputs=[])))
+    return SearchUtils.filter(runs, filter_string) if filter_string else runs
+
+
+def _record(run, secrets: list[str], memo: dict | None = None) -> RunRecord:
     """A run as the reports see it: tags and params through :func:`mlflow_llmeff.tracking.redact.clean`
-    (runs logged by other tools never had our logger's masking, and reports are shared)."""
-    tags = {k: clean(k, v, secrets) for k, v in run.data.tags.items()}
-    params = {k: clean(k, v, secrets) for k, v in run.data.params.items()}
+    (runs logged by other tools never had our logger's masking, and reports are shared); ``memo``
+    keeps each ``(key, value)``'s cleaned value for the other runs."""
+    memo = {} if memo is None else memo
+
+    def cleaned(k: str, v: str) -> str:
+        got = memo.get((k, v))
+        if got is None:
+            got = memo[(k, v)] = clean(k, v, secrets)
+        return got
+
+    tags = {k: cleaned(k, v) for k, v in run.data.tags.items()}
+    params = {k: cleaned(k, v) for k, v in run.data.params.items()}
     return RunRecord(run_id=run.info.run_id, name=tags.get("mlflow.runName") or run.info.run_name or "",
                      status=run.info.status, experiment_id=run.info.experiment_id,
                      metrics=dict(run.data.metrics), tags=tags, params=params)
