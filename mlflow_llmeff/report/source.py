@@ -138,24 +138,32 @@ def _read_by_sql(client, experiment_id: str, filter_string: str):
     from types import SimpleNamespace
 
     from mlflow.utils.search_utils import SearchUtils
-    from sqlalchemy import text
 
     parsed = SearchUtils.parse_search_filter(filter_string) if filter_string else []
     if any(SearchUtils.is_dataset(c.get("type"), c.get("comparator", "").upper()) for c in parsed):
         return None
-    where = "r.experiment_id = :e AND r.lifecycle_stage = 'active'"
+    # the id is all digits (checked above): a literal, so the driver's own cursor runs the queries
+    # (SQLAlchemy's row objects cost 4 s of 5 for 10,000 runs)
+    where = f"r.experiment_id = {int(experiment_id)} AND r.lifecycle_stage = 'active'"
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, "
-                                 f"r.artifact_uri, r.lifecycle_stage FROM runs r WHERE {where} "
-                                 "ORDER BY r.start_time DESC, r.run_uuid"), {"e": int(experiment_id)}).fetchall()
-        values = {}
-        for table, cols in (("latest_metrics", "v.value, v.is_nan"), ("tags", "v.value, 0"), ("params", "v.value, 0")):
-            got = values[table] = {}
-            for run_uuid, key, value, is_nan in conn.execute(text(
-                    f"SELECT v.run_uuid, v.key, {cols} FROM {table} v JOIN runs r ON r.run_uuid = v.run_uuid "
-                    f"WHERE {where}"), {"e": int(experiment_id)}):
-                got.setdefault(run_uuid, {})[key] = (float("nan") if is_nan else float(value)) if table == "latest_metrics" \
-                    else value
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, r.artifact_uri, "
+                           f"r.lifecycle_stage FROM runs r WHERE {where} ORDER BY r.start_time DESC, r.run_uuid")
+            rows = cursor.fetchall()
+            values = {}
+            for table in ("latest_metrics", "tags", "params"):
+                nan = ", v.is_nan" if table == "latest_metrics" else ""
+                got = values[table] = {}
+                cursor.execute(f"SELECT v.run_uuid, v.key, v.value{nan} FROM {table} v JOIN runs r ON "
+                               f"r.run_uuid = v.run_uuid WHERE {where}")
+                for row in cursor.fetchall():
+                    one = got.get(row[0])
+                    if one is None:
+                        one = got[row[0]] = {}
+                    one[row[1]] = row[2] if not nan else (float("nan") if row[3] else float(row[2]))
+        finally:
+            cursor.close()
     runs = []
     for run_uuid, name, status, start, end, user, artifact_uri, stage in rows:
         info = SimpleNamespace(run_id=run_uuid, run_uuid=run_uuid, run_name=name, status=status, start_time=start,
