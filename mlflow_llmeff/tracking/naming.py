@@ -6,7 +6,7 @@ precision, global batch, sequence length, accelerator); a condition the run lack
 So the same configuration has the same name stem in every experiment and for every repeat, and a
 name can be read (and searched: ``attributes.run_name LIKE 'tiny-ddp2-%'``) without knowing which
 other runs existed when it was made. A repeat index (``-2``, ``-3``) is added only when a run of the
-experiment already has the name (by :func:`mlflow_llmeff.tracking.runs.unique_run_name`). A pure
+experiment already has the name (by :func:`mlflow_llmeff.tracking.experiments.unique_run_name`). A pure
 calculator.
 
 Example: the UI trial's five runs are ``tiny-single-fp32-gbt1k-s128-cpu``,
