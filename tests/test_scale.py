@@ -5,7 +5,7 @@ runs, compare and the efficiency page read the newest 500 and said nothing of th
 next auto name was one already taken (the name search saw the newest 1,000 matches only).
 
 The 1,001 runs are logged once for the module through MlflowClient into a sqlite store (tests/many_runs.py:
-three calls a run, summaries only; measured 29 s on this shared 2-core machine, so the tests that use them are slow).
+three calls a run, summaries only; measured 29-57 s on this shared 2-core machine, so the tests that use them are slow).
 Named so the name search's first page misses one: run 0 (the oldest) is ``STEM``, runs 1..1000 are
 ``STEM-2`` .. ``STEM-1001``.
 """
