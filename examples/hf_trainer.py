@@ -3,7 +3,9 @@
 A tiny Llama built from its config (nothing downloaded) learns eight hand-made sentences, bytes as
 token ids, two per batch, padded by the collator. ``max_steps=8`` covers the sentences exactly
 twice (in shuffled order), so the run's ``train/tokens`` must be 2 x 197 = 394 non-padding tokens.
-With ``--report-to mlflow`` the Trainer's own MLflow callback logs into the same, single run.
+With ``--report-to mlflow`` the Trainer's own MLflow callback logs into the same, single run. Either
+way the run is named from its configuration, ``llama-single-fp32-cpu`` (``-2``, ``-3``, ... for
+the repeats in one experiment), unless ``TrainingArguments(run_name=...)`` names it.
 
     MLFLOW_TRACKING_URI=sqlite:///mlflow.db python examples/hf_trainer.py --report-to mlflow
 """

@@ -1,4 +1,4 @@
-"""Run names that differ at their start: short parts, the most varying conditions first."""
+"""Run names from the configuration alone: short parts in one fixed order, whatever the other runs."""
 
 from __future__ import annotations
 
@@ -18,28 +18,32 @@ FIVE = [(BASE, None),
 
 
 def five_names() -> list[str]:
-    made, others = [], []
-    for tags, evals in FIVE:
-        parts = parts_from_tags(tags, evals)
-        made.append(study_name(parts, others))
-        others.append(parts)
-    return made
+    return [study_name(parts_from_tags(tags, evals)) for tags, evals in FIVE]
 
 
-def test_the_five_trial_runs_get_names_that_differ_within_20_characters():
-    made = five_names()
-    assert made == ["tiny-single-fp32-gbt1k-s128-cpu", "ddp2-gbt2k-tiny-fp32-s128-cpu",
-                    "gbt4k-single-tiny-fp32-s128-cpu", "gbt1k-160m-single-fp32-s128-cpu",
-                    "gbt1k-tiny-single-hs-fp32-s128-cpu"]
-    heads = [n[:20] for n in made]
-    assert len(set(heads)) == 5, heads
+def test_the_five_trial_runs_get_their_parts_in_the_fixed_order():
+    assert five_names() == ["tiny-single-fp32-gbt1k-s128-cpu", "tiny-ddp2-fp32-gbt2k-s128-cpu",
+                            "tiny-single-fp32-gbt4k-s128-cpu", "160m-single-fp32-gbt1k-s128-cpu",
+                            "tiny-single-hs-fp32-gbt1k-s128-cpu"]
 
 
-def test_without_other_runs_the_parts_keep_their_fixed_order():
+def test_a_configuration_has_one_name_stem_in_every_experiment():
+    # the trial: repeats of the 2-process DDP run were 'tiny-ddp2-fp32-...' in one experiment and
+    # 'ddp2-gbt2k-tiny-...' in another, where the other runs varied the batch
+    ddp = parts_from_tags(FIVE[1][0])
+    assert study_name(ddp) == "tiny-ddp2-fp32-gbt2k-s128-cpu"
+    assert study_name(dict(reversed(list(ddp.items())))) == "tiny-ddp2-fp32-gbt2k-s128-cpu"  # not the dict's order
+
+
+def test_every_condition_gives_its_part_in_the_fixed_order():
     tags = {**BASE, names.MODEL_NAME: "/models/Qwen3-0.6B", names.PAR_STRATEGY: "deepspeed_zero3",
             names.ACCEL_COUNT: "8", names.PRECISION: "bf16", names.GLOBAL_BATCH_TOKENS: str(4 * 2**20),
             names.SEQ_LEN: "4096", names.ACCEL_SHORT: "H100"}
     assert study_name(parts_from_tags(tags, "hellaswag,mmlu")) == "Qwen3-0.6B-zero3x8-hs+mmlu-bf16-gbt4M-s4k-h100"
+
+
+def test_a_run_without_conditions_has_an_empty_stem():
+    assert study_name(parts_from_tags({})) == ""
 
 
 @pytest.mark.parametrize("n, text", [(128, "128"), (1024, "1k"), (1536, "1.5k"), (4 * 2**20, "4M"), (3000, "3000")])
@@ -50,3 +54,19 @@ def test_counts_in_short_binary_multiples(n, text):
 def test_a_bad_count_is_one_line():
     with pytest.raises(ValueError, match="count 'x' is not accepted"):
         human_count("x")
+
+
+def test_repeats_get_the_stem_in_every_experiment_and_a_suffix_where_it_is_taken(tracking_uri):
+    import mlflow
+
+    from mlflow_llmeff.tracking.runs import unique_run_name
+
+    client = mlflow.MlflowClient()
+    ddp = parts_from_tags(FIVE[1][0])
+    batches = client.create_experiment("batches")  # the other runs vary the batch: the name does not follow them
+    for tags, evals in FIVE[2:4]:
+        client.create_run(batches, run_name=study_name(parts_from_tags(tags, evals)))
+    assert unique_run_name(client, batches, "unused", parts=ddp) == "tiny-ddp2-fp32-gbt2k-s128-cpu"
+    again = client.create_experiment("again")
+    client.create_run(again, run_name="tiny-ddp2-fp32-gbt2k-s128-cpu")
+    assert unique_run_name(client, again, "unused", parts=ddp) == "tiny-ddp2-fp32-gbt2k-s128-cpu-2"

@@ -203,8 +203,41 @@ def _patched_trainer_init(original, self, *args, **kwargs):
     if s is not None:
         cb_cls, first_cls = _trainer_callbacks()
         cb = cb_cls()
+        cb.trainer_callbacks = self.callback_handler.callbacks  # to tell whether its MLflowCallback made the run
         self.add_callback(cb)  # after the Trainer's MLflowCallback: its run exists at on_train_begin
         self.callback_handler.callbacks.insert(0, first_cls(cb))  # summary before it ends the run
+
+
+def _name_trainer_run(args, monitor, callbacks) -> None:
+    """Name the run the Trainer's own MLflow callback started (``report_to="mlflow"``) from its
+    configuration, unique in its experiment, as autolog names the runs it starts itself.
+
+    That callback starts the run with ``run_name=args.run_name``, None unless the user gives one, so
+    MLflow made up a name (``overjoyed-slug-911``; issue 31). A ``run_name`` the user gave, and a
+    run the callback did not start (the user's own), keep their names. Never raises (a name is
+    cosmetic)."""
+    if getattr(args, "run_name", None) or monitor.run_id is None:
+        return
+    if not any(type(c).__name__ == "MLflowCallback" and getattr(c, "_auto_end_run", False) for c in callbacks):
+        return
+    try:
+        import mlflow
+
+        from mlflow_llmeff import names
+        from mlflow_llmeff.monitor import binding
+        from mlflow_llmeff.tracking.experiments import unique_run_name
+        from mlflow_llmeff.tracking.naming import parts_from_tags
+
+        active = mlflow.active_run()
+        if active is None or active.info.run_id != monitor.run_id:
+            return
+        parts = parts_from_tags({**binding.condition_tags(monitor), names.MODEL_NAME: binding.model_name(monitor)})
+        name = unique_run_name(mlflow.MlflowClient(), active.info.experiment_id, "", exclude_run_id=active.info.run_id,
+                               parts=parts)
+        if name:
+            monitor.set_tags({"mlflow.runName": name})
+    except Exception:  # noqa: BLE001 - the run keeps MLflow's name
+        log.debug("could not name the Trainer's run", exc_info=True)
 
 
 _TRAINER_CALLBACKS = None
@@ -242,6 +275,7 @@ def _trainer_callbacks():
                                           start_step=int(state.global_step), integration="trainer", track_loss=False,
                                           started_at=getattr(s, "trainer_started", None),
                                           **s.settings.monitor_kwargs())
+            _name_trainer_run(args, s.monitor, getattr(self, "trainer_callbacks", ()))
 
         def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
             self.lr = None  # the rate this step uses: read before the scheduler steps at its end

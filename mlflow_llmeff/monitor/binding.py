@@ -46,7 +46,7 @@ def open_run(mon, run_id, run_name, experiment_name, extra_tags, params, resume_
     client = mlflow.MlflowClient()
     parts = parts_from_tags({**condition_tags(mon), names.MODEL_NAME: model_name(mon), **extra_tags},
                             params.get("eval_tasks"))
-    name = run_name or study_name(parts)  # the fixed order, until the experiment's runs are read
+    name = run_name or study_name(parts)  # the fixed order; a suffix when the experiment has the name
     mon._run = runs.open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
                              unique_name=run_name is None, outbox_dir=mon._outbox_dir,
                              name_parts=parts if run_name is None else None)

@@ -88,7 +88,8 @@ class EfficiencyMonitor:
             checkpointed layers, read off HF models: flops.Recompute); default: detected (HF models).
         run_id: MLflow run to continue (a resumed run); default: the active run, ``MLFLOW_RUN_ID``,
             else a new run (which :meth:`finish` ends). Only rank 0 touches MLflow.
-        run_name: name of a new run; default ``<model>-<accelerator>-<count>x-<strategy>-<precision>``.
+        run_name: name of a new run; default the configuration's parts in a fixed order (``tiny-ddp2-fp32-cpu``,
+            :mod:`mlflow_llmeff.tracking.naming`), ``-2``, ``-3`` for a repeat.
         experiment_name: experiment of a new run; default: MLflow's current experiment.
         tags: extra tags (keys MLflow refuses are mapped, see :mod:`mlflow_llmeff.tracking.keys`).
         params: MLflow params of the run (never re-logged with a new value on resume).

@@ -15,6 +15,30 @@ from mlflow_llmeff import names
 __all__ = ["history_tflops", "history_power_w", "add_predictions"]
 
 
+def _pages(search) -> list:
+    """Every result of ``search(page_token)`` (an MLflow search returning a ``PagedList``), page after
+    page: one page is MLflow's 1,000 results, and earlier runs past them would be silently ignored.
+    (The same loop as :mod:`mlflow_llmeff.tracking.search`, which this lower layer cannot import.)"""
+    out, token = [], None
+    while True:
+        page = search(token)
+        out += list(page)
+        token = getattr(page, "token", None)
+        if not token or not page:
+            return out
+
+
+def _finished_runs_on(client, accelerator_short: str) -> list:
+    """Every FINISHED run of every active experiment tagged ``llmeff.accelerator.short`` = ``accelerator_short``.
+
+    Raises:
+        mlflow.exceptions.MlflowException (or a connection error): the tracking store fails.
+    """
+    exps = [e.experiment_id for e in _pages(lambda t: client.search_experiments(max_results=1000, page_token=t))]
+    wanted = f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}' and attributes.status = 'FINISHED'"
+    return _pages(lambda t: client.search_runs(exps, filter_string=wanted, max_results=1000, page_token=t))
+
+
 def history_tflops(client, accelerator_short: str, model: str, strategy: str | None = None,
                    devices: int | None = None, shape: dict[str, str] | None = None, seq_len: int | None = None,
                    micro_batch_size: int | None = None) -> tuple[float | None, int, str]:
@@ -33,9 +57,7 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
         model's FLOPs per token, and the basis says so.
     """
     try:
-        exps = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}' and attributes.status = 'FINISHED'",
-                                  max_results=500)
+        runs = _finished_runs_on(client, accelerator_short)
     except Exception:  # noqa: BLE001 - no tracking server: no prediction
         return None, 0, "no tracking server reachable"
     runs = [r for r in runs if r.data.metrics.get(names.SUM_DEVICE_TFLOPS, 0) > 0]
@@ -68,9 +90,7 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
 def history_power_w(client, accelerator_short: str) -> float | None:
     """Median measured average power per device (W) of earlier runs on the accelerator."""
     try:
-        exps = [e.experiment_id for e in client.search_experiments()]
-        runs = client.search_runs(exps, filter_string=f"tags.`{names.ACCEL_SHORT}` = '{accelerator_short}' and attributes.status = 'FINISHED'",
-                                  max_results=500)
+        runs = _finished_runs_on(client, accelerator_short)
     except Exception:  # noqa: BLE001
         return None
     w = [r.data.metrics[names.SUM_DEVICE_TFLOPS] / r.data.metrics[names.SUM_TFLOPS_PER_W] for r in runs

@@ -22,7 +22,7 @@ from mlflow_llmeff.report.repeats import Configuration, ScalingRow, configuratio
 from mlflow_llmeff.report.source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
-           "scaling_lines", "DEFAULT_GROUP_BY"]
+           "scaling_lines", "headline_text", "best_first", "DEFAULT_GROUP_BY"]
 
 DEFAULT_GROUP_BY = "accelerator.name,parallelism.strategy,precision"
 _TAG_KEYS = {d.key for d in names.TAGS}
@@ -120,12 +120,21 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     runs = selection.runs
     tag_cols = [k for k in differing_tags(runs) if k not in keys]
     rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
-                 scaling_efficiency(runs, baseline), configurations(runs), ui_base=ui_base)
+                 scaling_efficiency(runs, baseline), best_first(configurations(runs)), ui_base=ui_base)
     if plots:
         from mlflow_llmeff.report import plots as pl
 
         rep.figures, rep.notes = pl.draw_all(rep, lambda run_id, key: metric_history(client, run_id, key))
     return rep
+
+
+def best_first(configs: list[Configuration]) -> list[Configuration]:
+    """``configs`` by their mean tokens/s per device (``summary/device_tokens_per_sec``), highest
+    first, so every report (Markdown, HTML, the page, the terminal) lists the best configuration
+    first; equal means and configurations without the figure keep their order, the latter last."""
+    est = [(c, c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)) for c in configs]
+    ranked = sorted((x for x in est if x[1] is not None), key=lambda x: -x[1].mean)
+    return [c for c, _ in ranked] + [c for c, e in est if e is None]
 
 
 # ---------------------------------------------------------------------------------------------- text
@@ -171,7 +180,7 @@ def _md_cell(s: str) -> str:
 def to_markdown(rep: Report) -> str:
     """The report as Markdown: warnings, the table (run names link to the MLflow UI), scaling, figures."""
     sel = rep.selection
-    lines = [f"# Efficiency comparison: {sel.experiment_name}", ""]
+    lines = [f"# Efficiency comparison: {sel.experiment_name}", "", sel.count_line(), ""]
     if sel.filter_string:
         lines += [f"Filter: `{sel.filter_string}`", ""]
     h = _headline(rep)
@@ -244,6 +253,19 @@ def _headline(rep: Report):
     return headline(rep.configs, links)
 
 
+def headline_text(rep: Report) -> str:
+    """The headline table as plain text for a terminal: one line per configuration (best first),
+    columns padded to their widest cell, then the footnotes; one line when nothing compares."""
+    h = _headline(rep)
+    if not h.rows:
+        return "No finished run with summary figures to compare."
+    table = [list(h.columns)] + [[c.text for c in row] for row in h.rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(h.columns))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [f"- {n}" for n in h.footnotes])
+
+
 def _headline_html(rep: Report) -> str:
     e = html.escape
     h = _headline(rep)
@@ -309,7 +331,8 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
     sel = rep.selection
     out = ["<!doctype html><html><head><meta charset='utf-8'>",
            f"<title>llmeff: {e(sel.experiment_name)}</title><style>{_CSS}</style></head><body>",
-           f"<h1>Efficiency comparison: {e(sel.experiment_name)}</h1>", extra_head]
+           f"<h1>Efficiency comparison: {e(sel.experiment_name)}</h1>", extra_head,
+           f"<p class='note' id='run-count'>{e(sel.count_line())}</p>"]
     if sel.filter_string:
         out.append(f"<p class='note'>Filter: <code>{e(sel.filter_string)}</code></p>")
     out.append(_headline_html(rep))

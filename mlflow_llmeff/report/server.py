@@ -13,6 +13,14 @@ under uvicorn, MLflow's FastAPI wrapper of it). Pages:
 Bad input (unknown experiment, a filter MLflow cannot parse, no runs) is a one-line page with
 status 400/404, never a stack trace.
 
+The runs are read from the server's store in one pass of plain SQL over its tables (runs, latest
+metrics, tags, params: :func:`mlflow_llmeff.report.source.select_runs`; MLflow's ``search_runs``
+builds an ORM object per value, 5.9 s for 1,000 runs), every run of the selection, however many;
+metric histories are read only for what the figures draw. A page whose run set (its digest, below),
+query and figures were served before is served again from memory without being built
+(``PAGE_CACHE_SIZE`` pages): the second request of an unchanged experiment costs one read of its
+runs (bench/page.py measures it at 50, 1,000 and 10,000 runs; docs/compare.md).
+
 Figures are drawn once per run set, in the background: they are cached by a digest of the compared
 runs (ids, status, latest metric values, tags) and the page's grouping and baseline, and served
 from ``/llmeff/figures/<digest>/<name>``. A page whose run set has no figures yet is served at once
@@ -187,9 +195,9 @@ def _page(title: str, body: str, status: int = 200):
 
 def experiments_page():
     """``/llmeff/``: the active experiments, each linking to its efficiency page."""
-    from mlflow.entities import ViewType
+    from mlflow_llmeff.tracking.search import all_experiments
 
-    exps = _store().search_experiments(view_type=ViewType.ACTIVE_ONLY, max_results=1000)
+    exps = all_experiments(_store())  # every active experiment, page after page
     items = "".join(f"<li><a href='{PREFIX}/experiments/{html.escape(e.experiment_id)}'>{html.escape(e.name)}</a>"
                     f" &middot; <a href='{html.escape(ui_experiment_url('', e.experiment_id))}'>runs in MLflow</a></li>"
                     for e in exps)
@@ -229,19 +237,33 @@ def _filter_form(exp_id: str, args, runs) -> str:
             f"<a href='{PREFIX}/'>all efficiency pages</a></p>")
 
 
-def _page_report(store, experiment_id: str, args):
-    """``(selection, report, group_by, baseline)`` of the page of ``experiment_id`` with query ``args``.
+def _page_report(store, experiment_id: str, args, sel=None):
+    """``(selection, report, group_by, baseline)`` of the page of ``experiment_id`` with query ``args``
+    (``sel``: its runs, already read).
 
     Raises:
-        ValueError: a filter MLflow cannot parse or that matches no run (from ``select_runs``).
+        ValueError: a filter MLflow cannot parse or that matches no run (from ``select_runs``), a bad
+            ``group_by`` or ``baseline``.
     """
     from mlflow_llmeff.report.render import DEFAULT_GROUP_BY, build_report
     from mlflow_llmeff.report.source import select_runs
 
-    sel = select_runs(store, experiment_id, filter_string(args))
+    sel = sel or select_runs(store, experiment_id, filter_string(args))
     group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
     rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base="", plots=False)
     return sel, rep, group_by, baseline
+
+
+#: Pages served again without building them: by run set (digest), query and filter-form values.
+PAGE_CACHE_SIZE = 16
+_pages: "OrderedDict[str, str]" = OrderedDict()
+
+
+def _page_key(digest: str, args, every) -> str:
+    """What a page shows beyond its run set's digest: its query and the filter form's values (of every
+    run of the experiment, read apart when a filter is on)."""
+    form = sorted({(k, r.tags[k]) for r in every for k in FILTER_TAGS if r.tags.get(k)})
+    return hashlib.sha1(json.dumps([digest, sorted(args.items(multi=True)), form]).encode()).hexdigest()
 
 
 def _draw_again(digest: str, args):
@@ -273,19 +295,32 @@ def experiment_page(experiment_id: str):
     if exp is None:
         return _page("llmeff: not found", f"<p class='error'>experiment id {html.escape(experiment_id)!r} not "
                                           "found</p>", 404)
+    from mlflow_llmeff.report.render import DEFAULT_GROUP_BY
+
     try:
-        every = select_runs(store, exp.experiment_id, "").runs
-        sel, rep, group_by, baseline = _page_report(store, exp.experiment_id, args)
+        sel = select_runs(store, exp.experiment_id, filter_string(args))
+        # the filter form offers the values of every run: a second search only when a filter is on
+        every = sel.runs if not sel.filter_string else select_runs(store, exp.experiment_id, "").runs
+        group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
+        digest = run_set_digest(sel.runs, group_by, baseline or "")
+        hit = _cached(digest)
+        key = _page_key(digest, args, every) if hit is not None else None
+        with _lock:
+            text = _pages.get(key) if key else None
+            if text is not None:
+                _pages.move_to_end(key)
+        if text is None:
+            sel, rep, group_by, baseline = _page_report(store, exp.experiment_id, args, sel)
     except ValueError as e:
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
                                       f"<p><a href='{PREFIX}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
                      400)
     from flask import Response
 
+    if text is not None:  # the same runs, figures and query as a page served before: served again
+        return Response(text, mimetype="text/html")
     from mlflow_llmeff.report.plots import FIGURES
 
-    digest = run_set_digest(sel.runs, group_by, baseline or "")
-    hit = _cached(digest)
     if hit is None:  # drawn in the background; the page does not wait (each image does)
         _start_drawing(store, rep, digest)
         shown = [name for name, _ in FIGURES]
@@ -296,8 +331,13 @@ def experiment_page(experiment_id: str):
     query = urlencode([("experiment", exp.experiment_id)] + [(k, v) for k, v in args.items(multi=True)
                                                              if k != "experiment"])
     urls = {name: f"{PREFIX}/figures/{digest}/{name}?{query}" for name in shown}
-    return Response(to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figure_urls=urls),
-                    mimetype="text/html")
+    text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figure_urls=urls)
+    if key is not None:
+        with _lock:
+            _pages[key] = text
+            while len(_pages) > PAGE_CACHE_SIZE:
+                _pages.popitem(last=False)
+    return Response(text, mimetype="text/html")
 
 
 def register(app) -> None:

@@ -2,8 +2,8 @@
 
 Shared by the outbox (:mod:`mlflow_llmeff.tracking.outbox`, which creates and attaches runs when
 the server answers), the run choice (:mod:`mlflow_llmeff.tracking.runs`) and the logger, so it
-imports none of them: only ``names`` and the pure name calculator
-(:mod:`mlflow_llmeff.tracking.naming`).
+imports none of them: only ``names``, the pure name calculator (:mod:`mlflow_llmeff.tracking.naming`)
+and the paged search (:mod:`mlflow_llmeff.tracking.search`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,9 @@ import logging
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking import naming
 
-__all__ = ["NAMING_RUNS", "default_run_name", "ensure_experiment_kind", "experiment_id", "study_run_name",
-           "unique_run_name"]
+__all__ = ["default_run_name", "ensure_experiment_kind", "experiment_id", "unique_run_name"]
 
 log = logging.getLogger(__name__)
-
-#: Most runs of the experiment read to order a new run's name parts (newest first).
-NAMING_RUNS = 200
-
 
 def experiment_id(client, spec: dict) -> str:
     """The experiment of a ``create`` record: ``experiment_id``, else ``experiment_name`` (created when
@@ -63,20 +58,6 @@ def default_run_name(model: str, accel_short: str, count: int, strategy: str, pr
     return name
 
 
-def study_run_name(client, experiment_id: str, parts: dict, exclude_run_id: str | None = None) -> str:
-    """The name of a new run with name parts ``parts`` (:func:`mlflow_llmeff.tracking.naming.parts_from_tags`)
-    among the experiment's runs: the parts that vary most among them first (:func:`naming.study_name`).
-    Without the other runs (a store that fails) the parts keep their fixed order. Never raises."""
-    try:
-        others = [naming.parts_from_tags(r.data.tags, r.data.params.get("eval_tasks"))
-                  for r in client.search_runs([experiment_id], "", max_results=NAMING_RUNS,
-                                              order_by=["attributes.start_time DESC"])
-                  if r.info.run_id != exclude_run_id and names.COMPARE_RUN_IDS not in r.data.tags]
-    except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
-        others = []
-    return naming.study_name(parts, [o for o in others if o])
-
-
 def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str | None = None,
                     parts: dict | None = None) -> str:
     """``name``, or ``name-2``, ``name-3``, ... when runs of the experiment already have it (never raises).
@@ -86,15 +67,19 @@ def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str |
         experiment_id: the experiment the run is in.
         name: the wanted name (used when ``parts`` is None).
         exclude_run_id: a run whose own name does not count (the launcher's run being renamed).
-        parts: name parts: the name is then :func:`study_run_name` among the experiment's runs.
+        parts: name parts (:func:`mlflow_llmeff.tracking.naming.parts_from_tags`): the name is then
+            their fixed-order stem (:func:`mlflow_llmeff.tracking.naming.study_name`), the same for
+            every repeat of the configuration in every experiment.
     """
     if parts:
-        name = study_run_name(client, experiment_id, parts, exclude_run_id)
+        name = naming.study_name(parts) or name
     try:
+        from mlflow_llmeff.tracking.search import all_runs
+
         quoted = name.replace("'", "")
-        taken = {r.info.run_name for r in client.search_runs(
-            [experiment_id], f"attributes.run_name LIKE '{quoted}%'", max_results=1000)
-            if r.info.run_id != exclude_run_id}
+        # every match, however many (one page is the newest 1,000: an older run's name would be given again)
+        taken = {r.info.run_name for r in all_runs(client, [experiment_id], f"attributes.run_name LIKE '{quoted}%'")
+                 if r.info.run_id != exclude_run_id}
     except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
         return name
     if name not in taken:

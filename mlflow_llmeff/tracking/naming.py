@@ -1,23 +1,25 @@
-"""Run names that differ at their start: the conditions that vary most between the runs of a study first.
+"""Run names that are a function of the configuration alone: short parts in one fixed order.
 
-The MLflow UI cuts run names at about 25 characters in the runs table and in chart legends, so a
-name whose differences sit at its end reads like its neighbours. A name is made of short parts,
-one per condition (``tiny``, ``ddp2``, ``gbt4k``, ``bf16``, ``s4k``, ``h100``, ``hs+mmlu``); the
-parts whose value differs most among the experiment's runs (this one included) come first, ties
-in the fixed order of :data:`PARTS`; with no other run the fixed order is the name. A repeat index
-(``-2``, ``-3``) is added only when every part equals an existing run's (by
-:func:`mlflow_llmeff.tracking.runs.unique_run_name`). A pure calculator: the caller reads the
-other runs' conditions (their ``llmeff.*`` tags).
+A name is made of short parts, one per condition (``tiny``, ``ddp2``, ``hs+mmlu``, ``bf16``,
+``gbt4k``, ``s4k``, ``h100``), always in the order of :data:`PARTS` (model, layout, evals,
+precision, global batch, sequence length, accelerator); a condition the run lacks gives no part.
+So the same configuration has the same name stem in every experiment and for every repeat, and a
+name can be read (and searched: ``attributes.run_name LIKE 'tiny-ddp2-%'``) without knowing which
+other runs existed when it was made. A repeat index (``-2``, ``-3``) is added only when a run of the
+experiment already has the name (by :func:`mlflow_llmeff.tracking.experiments.unique_run_name`). A pure
+calculator.
 
-Example: the UI trial's five runs, made one after another in one experiment, are named
-``tiny-single-fp32-gbt1k-s128-cpu``, ``ddp2-gbt2k-tiny-fp32-s128-cpu``,
-``gbt4k-single-tiny-fp32-s128-cpu``, ``gbt1k-160m-single-fp32-s128-cpu`` and
-``gbt1k-tiny-single-hs-fp32-s128-cpu`` (tests/test_naming.py).
+Example: the UI trial's five runs are ``tiny-single-fp32-gbt1k-s128-cpu``,
+``tiny-ddp2-fp32-gbt2k-s128-cpu``, ``tiny-single-fp32-gbt4k-s128-cpu``,
+``160m-single-fp32-gbt1k-s128-cpu`` and ``tiny-single-hs-fp32-gbt1k-s128-cpu``
+(tests/test_naming.py). Until issue 31 the parts that varied most among the experiment's runs came
+first, so repeats of one configuration were named ``tiny-ddp2-fp32-...`` in one experiment and
+``ddp2-gbt2k-tiny-...`` in another.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from mlflow_llmeff import names
 
@@ -91,16 +93,7 @@ def parts_from_tags(tags: Mapping[str, str], eval_tasks: str | None = None) -> d
     return out
 
 
-def study_name(this: Mapping[str, str], others: Sequence[Mapping[str, str]] = ()) -> str:
-    """The name of a run with parts ``this`` among runs with parts ``others`` (:func:`parts_from_tags`).
-
-    Parts are ordered by how many distinct values they take over ``others`` and this run (most
-    first), ties in :data:`PARTS` order; a part this run lacks is left out.
-    """
-    everyone = [*others, this]
-
-    def distinct(part: str) -> int:
-        return len({o.get(part, "") for o in everyone})
-
-    order = sorted((p for p in PARTS if this.get(p)), key=lambda p: (-distinct(p), PARTS.index(p)))
-    return "-".join(this[p] for p in order)
+def study_name(this: Mapping[str, str]) -> str:
+    """The name stem of a run with parts ``this`` (:func:`parts_from_tags`): its parts joined by ``-``
+    in :data:`PARTS` order (a function of the configuration alone); '' for a run with no part."""
+    return "-".join(this[p] for p in PARTS if this.get(p))

@@ -144,7 +144,7 @@ def create_run(client, spec: dict, local_id: str) -> str:
 
     ``spec``: ``experiment_id`` or ``experiment_name`` (neither: MLflow's current experiment),
     ``run_name``, ``unique`` (add ``-2``, ``-3``, ... to a name the experiment has; with
-    ``name_parts`` the parts are ordered among the experiment's runs first), ``start_ms`` (the run's
+    ``name_parts`` the name is their fixed-order stem), ``start_ms`` (the run's
     original start time), ``tags``.
     """
     exp_id = experiment_id(client, spec)

@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.tracking.experiments import (  # noqa: F401 - NAMING_RUNS, study_run_name re-exported
-    NAMING_RUNS, ensure_experiment_kind, experiment_id, study_run_name, unique_run_name)
+from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
 
 __all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
 
@@ -66,7 +65,7 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     Under ``mlflow run`` a resumed checkpoint's run can differ from the launcher's
     ``MLFLOW_RUN_ID``: the launcher's run then gets ``llmeff.resume.continued_in_run``. With
     ``unique_name`` a new (or fresh launcher's) run gets :func:`unique_run_name` of ``run_name``, or
-    with ``name_parts`` (the conditions' short forms) the study-ordered name of :func:`study_run_name`.
+    with ``name_parts`` (the conditions' short forms) of their fixed-order stem.
     A local id (a checkpoint of a run the server had not created) is looked up in ``outbox_dir``
     (where the training process or ``llmeff sync`` recorded its MLflow id) and on the server.
 
@@ -212,7 +211,9 @@ def _find_local(client, local_id: str, wait: float | None) -> tuple[str | None, 
     """``(the MLflow run created for local_id or None, why the server did not answer or None)``; the run
     carries the tag ``llmeff.outbox.local_run_id``."""
     def find():
-        exp_ids = [e.experiment_id for e in client.search_experiments()]
+        from mlflow_llmeff.tracking.search import all_experiment_ids
+
+        exp_ids = all_experiment_ids(client)  # every experiment (one page is 1,000 of them)
         found = client.search_runs(exp_ids, f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=1)
         return found[0].info.run_id if found else None
 

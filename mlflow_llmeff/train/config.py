@@ -83,7 +83,7 @@ class TrainConfig:
     cloud_region: str = field(default="", metadata={"help": "cloud region (e.g. us-central1), with cloud_provider"})
     dry_run: bool = field(default=False, metadata={"help": "plan only: parameters, FLOPs, memory per device, fit and predictions; no training"})
     force: bool = field(default=False, metadata={"help": "train even when the memory estimate says the run does not fit the device"})
-    run_name: str = field(default="", metadata={"help": "MLflow run name ('' = <model>-<accelerator short>-<count>x-<strategy>-<precision>)"})
+    run_name: str = field(default="", metadata={"help": "MLflow run name ('' = the configuration's parts in a fixed order, e.g. tiny-ddp2-fp32-gbt2k-s128-cpu, -2 for a repeat)"})
     experiment_name: str = field(default="", metadata={"help": "MLflow experiment for llmeff train ('' = MLflow's active/default)"})
 
     # ----------------------------------------------------------------------------------- helpers

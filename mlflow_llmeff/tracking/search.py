@@ -1,0 +1,78 @@
+"""Every match of an MLflow search, page after page: no search of the product stops at one page.
+
+MLflow's ``search_runs`` and ``search_experiments`` return one page (1,000 results unless asked)
+and a page token for the next; a caller that reads only the first page sees the newest 1,000 runs
+of an experiment and silently misses the rest (issue 31: the 1,001st run of an experiment, a run
+name already taken). The functions here follow the tokens to the end. They take an
+``MlflowClient`` or a tracking store (``mlflow.server.handlers._get_tracking_store()``): both have
+the same positional ``search_runs(experiment_ids, filter_string, run_view_type, max_results,
+order_by, page_token)`` and keyword ``search_experiments``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+__all__ = ["PAGE_SIZE", "all_runs", "all_experiments", "all_experiment_ids"]
+
+#: Results asked for per request: MLflow's default page (a server on any MLflow release accepts it).
+PAGE_SIZE = 1000
+
+
+def all_runs(client, experiment_ids: Iterable[str], filter_string: str = "", *, order_by: list[str] | None = None,
+             view_type: int | None = None, page_size: int = PAGE_SIZE) -> list:
+    """Every run of ``experiment_ids`` matching ``filter_string`` (MLflow search syntax), in
+    ``order_by`` order, read ``page_size`` at a time until MLflow gives no page token.
+
+    Args:
+        client: ``MlflowClient`` or tracking store.
+        experiment_ids: the experiments searched.
+        filter_string: MLflow search filter ('' = every run).
+        order_by: e.g. ``["attributes.start_time DESC"]`` (default: MLflow's, newest first).
+        view_type: ``mlflow.entities.ViewType`` value (default ``ACTIVE_ONLY``).
+        page_size: runs per request (1 to 50,000, MLflow's bound).
+
+    Returns:
+        The ``mlflow.entities.Run`` objects (a list, however many).
+
+    Raises:
+        mlflow.exceptions.MlflowException: what MLflow raises (a filter it cannot parse, a store that fails).
+    """
+    from mlflow.entities import ViewType
+
+    view = ViewType.ACTIVE_ONLY if view_type is None else view_type
+    ids = list(experiment_ids)
+    out, token = [], None
+    while True:
+        page = client.search_runs(ids, filter_string or "", view, page_size, order_by, token)
+        out += list(page)
+        token = getattr(page, "token", None)
+        if not token or not page:
+            return out
+
+
+def all_experiments(client, *, view_type: int | None = None, page_size: int = PAGE_SIZE) -> list:
+    """Every experiment (``ACTIVE_ONLY`` by default) as ``mlflow.entities.Experiment``, page after page.
+
+    Raises:
+        mlflow.exceptions.MlflowException: what MLflow raises.
+    """
+    from mlflow.entities import ViewType
+
+    view = ViewType.ACTIVE_ONLY if view_type is None else view_type
+    out, token = [], None
+    while True:
+        page = client.search_experiments(view_type=view, max_results=page_size, page_token=token)
+        out += list(page)
+        token = getattr(page, "token", None)
+        if not token or not page:
+            return out
+
+
+def all_experiment_ids(client, *, view_type: int | None = None) -> list[str]:
+    """The ids of :func:`all_experiments`.
+
+    Raises:
+        mlflow.exceptions.MlflowException: what MLflow raises.
+    """
+    return [e.experiment_id for e in all_experiments(client, view_type=view_type)]

@@ -1,0 +1,68 @@
+"""``llmeff compare`` answers on the terminal (the headline table), and every report lists the best
+configuration first (the trial: report.md listed it last, the order the runs were made)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from mlflow_llmeff import names
+
+# the five standard runs (tests/five_runs.py), four configurations by tokens/s per device, best first:
+# grad-accum 4 (47,500), the default and its evals repeat (42,358 = mean of 42,816 and 41,900),
+# 2-process DDP (61,000 / 2 = 30,500), llama-160m (1,950)
+BEST_FIRST = ["llama-tiny-cpu-1x-single-fp32-s128-gbt4096", "llama-tiny-cpu-1x-single-fp32-s128-gbt1024-2 (+1 repeat)",
+              "llama-tiny-cpu-2x-ddp-fp32-s128-gbt2048", "llama-160m-cpu-1x-single-fp32-s128-gbt1024"]
+
+
+def _compare(tmp_path):
+    import mlflow
+
+    from five_runs import log_five_runs
+    from mlflow_llmeff.cli import main
+
+    log_five_runs(mlflow.MlflowClient(), "five")
+    r = CliRunner().invoke(main, ["compare", "--experiment", "five", "--out", str(tmp_path / "o")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return r.output, tmp_path / "o"
+
+
+def _order(text: str) -> list[str]:
+    return sorted(BEST_FIRST, key=text.index)
+
+
+def test_compare_prints_the_headline_table_best_first(tracking_uri, tmp_path):
+    out, _ = _compare(tmp_path)
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("configuration "))
+    assert lines[head].split()[:3] == ["configuration", "devices", "layout"]
+    rows = lines[head + 2:head + 6]
+    assert [r[:len(b)] for r, b in zip(rows, BEST_FIRST)] == BEST_FIRST
+    assert "47,500 [46,550, 48,450]" in rows[0] and "best (1 within noise)" in rows[0]
+    assert "0.0411x best" in rows[3]  # 1,950 / 47,500
+
+
+def test_report_md_and_html_list_the_best_configuration_first(tracking_uri, tmp_path):
+    _, folder = _compare(tmp_path)
+    md = (folder / "report.md").read_text()
+    answer = md[md.index("## Configurations"):md.index("## All runs")]
+    assert _order(answer) == BEST_FIRST
+    html = (folder / "report.html").read_text()
+    table = html[html.index("<table id='headline'"):html.index("</table>", html.index("<table id='headline'"))]
+    assert _order(table) == BEST_FIRST
+
+
+def test_configurations_without_the_figure_come_last_in_their_order():
+    from mlflow_llmeff.report.calc import RunRecord
+    from mlflow_llmeff.report.render import best_first
+    from mlflow_llmeff.report.repeats import configurations
+
+    def run(i, tps=None, model="m"):
+        metrics = {names.SUM_TOKENS_PER_SEC: 1.0}
+        if tps is not None:
+            metrics[names.SUM_DEVICE_TOKENS_PER_SEC] = tps
+        return RunRecord(f"r{i}", f"r{i}", "FINISHED", "1", metrics,
+                         {names.MODEL_NAME: model, names.ACCEL_COUNT: "1"}, {})
+
+    configs = configurations([run(0, None, "a"), run(1, 10.0, "b"), run(2, None, "c"), run(3, 30.0, "d")])
+    assert [c.tag(names.MODEL_NAME) for c in best_first(configs)] == ["d", "b", "a", "c"]

@@ -1,0 +1,208 @@
+"""Compare and the efficiency page against a PostgreSQL-backed ``mlflow server`` (MLflow's production set-up).
+
+The module starts its own PostgreSQL cluster from the machine's binaries (Debian's
+``/usr/lib/postgresql/<version>/bin``: ``initdb`` with trust authentication on a private socket
+folder and a free loopback port; as root, as the ``postgres`` user), creates a database, and runs
+``mlflow server --app-name llmeff --backend-store-uri postgresql+psycopg://... --workers 2`` over
+it. The five standard runs (tests/five_runs.py) are logged to it over HTTP and to a sqlite store;
+``llmeff compare`` and the page must give the same figures from both. Nothing else is needed from
+CI: the cluster and the server stop with the module.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pg_bin() -> str | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return os.path.dirname(found[-1])
+    initdb = shutil.which("initdb")
+    return os.path.dirname(initdb) if initdb else None
+
+
+def _as_postgres(cmd: list[str]) -> list[str]:
+    """``cmd`` as the ``postgres`` user when we are root (PostgreSQL refuses to run as root)."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import shlex
+
+        return ["su", "postgres", "-c", " ".join(shlex.quote(c) for c in cmd)]
+    return cmd
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A private PostgreSQL cluster with a database ``mlflow``; yields its SQLAlchemy URI."""
+    pg = _pg_bin()
+    try:
+        import psycopg  # noqa: F401 - MLflow's postgresql+psycopg driver
+    except ImportError:
+        psycopg = None
+    if pg is None or psycopg is None:
+        why = "PostgreSQL binaries (initdb)" if pg is None else "psycopg (pip install 'psycopg[binary]': the dev extras)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} not found: CI must have them")
+        pytest.skip(f"{why} not installed")
+    import pathlib
+    import tempfile
+
+    # outside pytest's folder: the postgres user cannot enter root's private temporary folders
+    root = pathlib.Path(tempfile.mkdtemp(prefix="llmeff_pg_"))
+    data = root / "data"
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres")
+    port = _free_port()
+
+    def run(cmd: list[str], timeout: float = 120) -> None:
+        r = subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, f"{cmd[0]}: {(r.stdout + r.stderr)[-2000:]}"
+
+    run([f"{pg}/initdb", "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"])
+    try:
+        run([f"{pg}/pg_ctl", "-D", str(data), "-l", str(root / "log"), "-w", "-o",
+             f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off", "start"])
+        run([f"{pg}/createdb", "-h", str(root), "-p", str(port), "-U", "postgres", "mlflow"], 60)
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/mlflow"
+    finally:
+        subprocess.run(_as_postgres([f"{pg}/pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop"]),
+                       capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(postgres, tmp_path_factory):
+    """``mlflow server --app-name llmeff --workers 2`` over the PostgreSQL store; yields its URL."""
+    root = tmp_path_factory.mktemp("pgserver")
+    port = _free_port()
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--app-name", "llmeff", "--backend-store-uri",
+                             postgres, "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "2"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def both(server, tmp_path_factory):
+    """The five standard runs in the PostgreSQL server and in a sqlite store: ``(server URL, experiment
+    id there, sqlite URI, experiment id there)``."""
+    import mlflow
+
+    from five_runs import log_five_runs
+
+    exp_pg, _ = log_five_runs(mlflow.MlflowClient(server), "five")
+    sqlite = f"sqlite:///{tmp_path_factory.mktemp('pgsqlite') / 'mlflow.db'}"
+    exp_sq, _ = log_five_runs(mlflow.MlflowClient(sqlite), "five")
+    return server, exp_pg, sqlite, exp_sq
+
+
+def _compare(uri: str, out, monkeypatch) -> tuple[str, list[dict]]:
+    from mlflow_llmeff.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    r = CliRunner().invoke(main, ["compare", "--experiment", "five", "--out", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(io.StringIO((out / "report.csv").read_text())))
+    return r.output, [{k: v for k, v in row.items() if k not in ("run_id", "url")} for row in rows]
+
+
+def test_compare_over_the_postgres_server_gives_the_sqlite_figures(both, tmp_path, monkeypatch):
+    server, _, sqlite, _ = both
+    out_pg, rows_pg = _compare(server, tmp_path / "pg", monkeypatch)
+    out_sq, rows_sq = _compare(sqlite, tmp_path / "sq", monkeypatch)
+    assert len(rows_pg) == 5 and rows_pg == rows_sq
+    table = lambda out: [ln for ln in out.splitlines() if not ln.startswith("report: ")]  # noqa: E731
+    assert table(out_pg) == table(out_sq)  # the headline table and scaling lines, to the character
+    assert "47,500 [46,550, 48,450]" in out_pg
+
+
+def _headline(page: str) -> str:
+    table = page[page.index("<table id='headline'"):page.index("</table>", page.index("<table id='headline'"))]
+    return re.sub(r"href='[^']*'", "href=''", table)  # run links carry each store's ids
+
+
+def test_the_page_of_the_postgres_server_shows_the_sqlite_figures(both, tmp_path, monkeypatch):
+    import tempfile
+
+    import mlflow
+    from flask import Flask
+
+    from mlflow_llmeff.report import server as srv
+
+    server, exp_pg, sqlite, exp_sq = both
+    with urllib.request.urlopen(f"{server}/llmeff/experiments/{exp_pg}", timeout=120) as r:
+        page_pg = r.read().decode()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(srv, "_store", lambda: mlflow.MlflowClient(sqlite))
+    app = Flask("t")
+    srv.register(app)
+    page_sq = app.test_client().get(f"/llmeff/experiments/{exp_sq}").get_data(as_text=True)
+    assert "5 runs compared: every active run of the experiment" in page_pg
+    assert _headline(page_pg) == _headline(page_sq)
+    assert page_pg.count("<tr class='run'") == 5
+
+
+@pytest.mark.parametrize("filter_string", ["", "tags.`llmeff.accelerator.count` = '2'",
+                                           "metrics.`summary/tokens_per_sec` > 42000",
+                                           "attributes.run_name LIKE 'llama-tiny-%-gbt1024%'"])
+def test_the_sql_read_of_a_postgres_store_selects_what_search_runs_selects(postgres, both, tmp_path, filter_string):
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from mlflow_llmeff.report.source import _read_by_sql, select_runs
+
+    store = SqlAlchemyStore(postgres, str(tmp_path / "artifacts"))
+    _, exp_pg, _, _ = both
+    assert _read_by_sql(store, exp_pg, filter_string) is not None
+    by_sql = select_runs(store, exp_pg, filter_string).runs
+
+    from types import SimpleNamespace
+
+    # the same store seen through search_runs only (no engine: MLflow's own search, page after page)
+    searched = SimpleNamespace(get_experiment_by_name=store.get_experiment_by_name, get_experiment=store.get_experiment,
+                               search_runs=store.search_runs)
+    by_search = select_runs(searched, exp_pg, filter_string).runs
+    assert by_sql == by_search and by_sql

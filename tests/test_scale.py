@@ -1,0 +1,240 @@
+"""An experiment past one page of MLflow's search (1,001 runs): no search of the product stops at a page.
+
+MLflow returns 1,000 runs a request and a page token for the rest. The trial (issue 31): with 1,001
+runs, compare and the efficiency page read the newest 500 and said nothing of the other 501, and the
+next auto name was one already taken (the name search saw the newest 1,000 matches only).
+
+The 1,001 runs are logged once for the module through MlflowClient into a sqlite store (tests/many_runs.py:
+three calls a run, summaries only; measured 29-57 s on this shared 2-core machine, so the tests that use them are slow).
+Named so the name search's first page misses one: run 0 (the oldest) is ``STEM``, runs 1..1000 are
+``STEM-2`` .. ``STEM-1001``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from mlflow_llmeff import names
+
+STEM = "tiny-single-fp32-gbt1k-s128-cpu"
+N = 1001
+
+
+def _name(i: int) -> str:
+    return STEM if i == 0 else f"{STEM}-{i + 1}"
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """``(client, experiment id, run ids oldest first, seconds the logging took)`` of 1,001 runs."""
+    import mlflow
+
+    from many_runs import log_many_runs
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('scale') / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    client.search_experiments()  # the database is made here, not in the timing
+    t = time.perf_counter()
+    exp_id, ids = log_many_runs(client, "scale", N, run_name=_name, history=False)
+    return client, exp_id, ids, time.perf_counter() - t, uri
+
+
+# ------------------------------------------------------------------------- paging, with a fake client
+class _PagedClient:
+    """A client whose searches return ``page`` results a call with a page token, like MLflow's."""
+
+    def __init__(self, runs, experiments=("0",), page=2):
+        self.runs, self.experiments, self.page, self.calls = list(runs), list(experiments), page, []
+
+    @staticmethod
+    def _slice(items, size, token):
+        from mlflow.store.entities.paged_list import PagedList
+
+        start = int(token or 0)
+        end = start + min(size, 1000)
+        return PagedList(items[start:end], str(end) if end < len(items) else None)
+
+    def search_runs(self, experiment_ids, filter_string="", run_view_type=1, max_results=1000, order_by=None,
+                    page_token=None):
+        self.calls.append(("runs", page_token))
+        return self._slice(self.runs, min(max_results, self.page), page_token)
+
+    def search_experiments(self, view_type=1, max_results=1000, filter_string=None, order_by=None, page_token=None):
+        from types import SimpleNamespace
+
+        self.calls.append(("experiments", page_token))
+        return self._slice([SimpleNamespace(experiment_id=e) for e in self.experiments],
+                           min(max_results, self.page), page_token)
+
+
+def _run(name: str, metrics=None, tags=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(info=SimpleNamespace(run_id=f"id-{name}", run_name=name),
+                           data=SimpleNamespace(metrics=metrics or {}, tags=tags or {}, params={}))
+
+
+def test_all_runs_follows_page_tokens_to_the_end():
+    from mlflow_llmeff.tracking.search import all_runs
+
+    client = _PagedClient([_run(str(i)) for i in range(5)], page=2)
+    assert [r.info.run_name for r in all_runs(client, ["0"])] == ["0", "1", "2", "3", "4"]
+    assert client.calls == [("runs", None), ("runs", "2"), ("runs", "4")]
+
+
+def test_all_experiment_ids_follows_page_tokens_to_the_end():
+    from mlflow_llmeff.tracking.search import all_experiment_ids
+
+    client = _PagedClient([], experiments=["0", "1", "2"], page=2)
+    assert all_experiment_ids(client) == ["0", "1", "2"]
+
+
+def test_next_name_counts_matches_past_the_first_page():
+    from mlflow_llmeff.tracking.runs import unique_run_name
+
+    # newest first: 'x-2', 'x-3' on the first page, 'x' itself only on the second
+    client = _PagedClient([_run("x-2"), _run("x-3"), _run("x")], page=2)
+    assert unique_run_name(client, "0", "x") == "x-4"
+
+
+def test_predictions_read_earlier_runs_past_the_first_page():
+    from mlflow_llmeff.planning.predict import history_tflops
+
+    runs = [_run(str(i), {names.SUM_DEVICE_TFLOPS: tf}, {names.MODEL_NAME: "m"}) for i, tf in enumerate((1.0, 2.0, 9.0))]
+    client = _PagedClient(runs, experiments=["0", "1", "2"], page=2)
+    tflops, n, _ = history_tflops(client, "cpu", "m")
+    assert (tflops, n) == (2.0, 3)  # the median of all three; the first page alone gives 1.5 of two
+
+
+# ------------------------------------------------------------------------------- 1,001 runs, sqlite
+@pytest.mark.slow
+def test_the_name_search_first_page_misses_the_oldest_match(big):
+    # what the fault needed: MLflow's one page of matches leaves the oldest run's name out
+    client, exp_id, _, _, _ = big
+    first_page = {r.info.run_name for r in client.search_runs([exp_id], f"attributes.run_name LIKE '{STEM}%'",
+                                                              max_results=1000)}
+    assert len(first_page) == 1000 and STEM not in first_page
+
+
+@pytest.mark.slow
+def test_the_next_auto_name_is_not_taken_with_1001_matches(big):
+    from mlflow_llmeff.tracking.runs import unique_run_name
+
+    client, exp_id, _, _, _ = big
+    assert unique_run_name(client, exp_id, STEM) == f"{STEM}-1002"
+
+
+@pytest.mark.slow
+def test_select_runs_reads_all_1001_runs_newest_first(big):
+    from mlflow_llmeff.report.source import select_runs
+
+    client, exp_id, ids, _, _ = big
+    sel = select_runs(client, "scale")
+    assert [r.run_id for r in sel.runs] == ids[::-1]
+    assert sel.count_line() == "1,001 runs compared: every active run of the experiment"
+
+
+@pytest.mark.slow
+def test_compare_reports_all_1001_runs(big, tmp_path, monkeypatch):
+    from mlflow_llmeff.cli import main
+
+    _, _, ids, _, uri = big
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    r = CliRunner().invoke(main, ["compare", "--experiment", "scale", "--out", str(tmp_path / "o")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "1001 runs of 'scale' compared" in r.output
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text())))
+    assert sorted(row["run_id"] for row in rows) == sorted(ids)
+    assert "1,001 runs compared: every active run of the experiment" in (tmp_path / "o" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_page_first_screen_says_it_shows_all_1001_runs(big, tmp_path, monkeypatch):
+    import tempfile
+
+    from flask import Flask
+
+    from mlflow_llmeff.report import server as srv
+
+    client, exp_id, _, _, _ = big
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(srv, "_store", lambda: client)
+    app = Flask("t")
+    srv.register(app)
+    page = app.test_client().get(f"/llmeff/experiments/{exp_id}").get_data(as_text=True)
+    count = page.index("<p class='note' id='run-count'>1,001 runs compared: every active run of the experiment</p>")
+    assert count < page.index("<table id='headline'")  # above the answer: on the first screen
+    assert "All runs: 1001 runs" in page
+
+
+# ------------------------------------------------------- the server's store read by SQL, cached pages
+@pytest.fixture
+def five_store(tmp_path):
+    """``(SqlAlchemyStore, MlflowClient, experiment id)`` of the five standard runs in one sqlite file."""
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from five_runs import log_five_runs
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp_id, _ = log_five_runs(client, "five")
+    return SqlAlchemyStore(uri, str(tmp_path / "artifacts")), client, exp_id
+
+
+@pytest.mark.parametrize("filter_string", [
+    "", "tags.`llmeff.accelerator.count` = '2'", "metrics.`summary/tokens_per_sec` > 42000",
+    "attributes.run_name LIKE 'llama-tiny-%-gbt1024%'", "attributes.status = 'FINISHED'",
+    "params.model = 'llama-160m'", "tags.`llmeff.eval.documents` IS NOT NULL"])
+def test_the_store_read_by_sql_selects_what_search_runs_selects(five_store, filter_string):
+    from mlflow_llmeff.report.source import _read_by_sql, select_runs
+
+    store, client, exp_id = five_store
+    assert _read_by_sql(store, exp_id, filter_string) is not None  # the SQL read, not the fallback
+    by_sql, by_search = select_runs(store, exp_id, filter_string), select_runs(client, exp_id, filter_string)
+    assert by_sql.runs == by_search.runs  # ids, names, status, metrics, tags, params; in the same order
+
+
+def test_the_store_read_by_sql_refuses_a_bad_filter_in_one_line(five_store):
+    from mlflow_llmeff.report.source import select_runs
+
+    store, _, exp_id = five_store
+    with pytest.raises(ValueError, match=r"^bad filter 'metrics.x >>> 1': "):
+        select_runs(store, exp_id, "metrics.x >>> 1")
+
+
+def test_an_unchanged_page_is_served_again_and_a_new_point_rebuilds_it(five_store, tmp_path, monkeypatch):
+    import tempfile
+
+    from flask import Flask
+
+    from mlflow_llmeff.report import render
+    from mlflow_llmeff.report import server as srv
+
+    store, client, exp_id = five_store
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(srv, "_store", lambda: store)
+    builds = []
+    real = render.build_report
+    monkeypatch.setattr(render, "build_report", lambda *a, **k: builds.append(1) or real(*a, **k))
+    app = Flask("t")
+    srv.register(app)
+    web = app.test_client()
+    url = f"/llmeff/experiments/{exp_id}"
+    first = web.get(url).get_data(as_text=True)
+    digest = first.split("/llmeff/figures/")[1].split("/")[0]
+    srv._drawing.get(digest, srv.threading.Event()).wait(120)  # the figures drawn
+    second = web.get(url).get_data(as_text=True)
+    third = web.get(url).get_data(as_text=True)
+    assert len(builds) == 2 and third == second  # built with the drawn figures once, then served again
+    run_id = client.search_runs([exp_id], max_results=1)[0].info.run_id
+    client.log_metric(run_id, names.SUM_TOKENS_PER_SEC, 99_000.0, step=60)
+    fourth = web.get(url).get_data(as_text=True)
+    assert len(builds) == 3 and "99000" in fourth

@@ -1,0 +1,27 @@
+"""The HF Trainer's run is named from its configuration, with or without the Trainer's own MLflow callback.
+
+The trial (issue 31): ``examples/hf_trainer.py --report-to mlflow`` gave a random MLflow name
+(``overjoyed-slug-911``: the Trainer's callback starts the run with ``run_name=None``), while the
+same script without the callback gave ``llama-single-fp32-cpu``. Both paths must give the one stem
+of the configuration, with a suffix for the repeat.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlflow
+import pytest
+
+from test_autolog_examples import EXAMPLES, run_script
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_trainers_own_run_and_autologs_run_share_the_configurations_name(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
+    run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
+    runs = mlflow.MlflowClient(uri).search_runs(["0"], order_by=["attributes.start_time ASC"])
+    assert [r.info.run_name for r in runs] == ["llama-single-fp32-cpu", "llama-single-fp32-cpu-2"]
+    assert "loss" in runs[0].data.metrics  # the first is the Trainer's own run (its callback logged into it)
