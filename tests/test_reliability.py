@@ -1,0 +1,187 @@
+"""Reliability across a job's life (calc/reliability.py; docs/time.md), on hand-computed ledgers.
+
+The three-attempt job of issue 29, on a fake clock (seconds from the user's command):
+
+attempt 1: start 0; set-up 3 s; step 1 takes 2 s (1 s warm-up excess), steps 2-4 1 s each (step 4
+  done at 8); checkpoint 4 written 8-9; steps 5, 6, 7 done at 10, 11, 12; SIGKILL right after
+  step 7 (last sign of life: the heartbeat at 12).
+down 20 s: attempt 2 starts at 32; set-up 4 s, checkpoint load 1 s (to 37); step 5 takes 2 s
+  (1 s re-warm-up), steps 6-8 1 s each (step 8 done at 42); checkpoint 8 written 42-43; steps 9
+  and 10 done at 44 and 45; step 10's loss is NaN: the attempt exits with its record at 45.
+down 5 s: attempt 3 starts at 50; set-up 4 s, load 1 s (to 55); step 9 takes 2 s (1 s re-warm-up),
+  steps 10-12 1 s each (done at 60); checkpoint 12 written 60-61; finished at 61.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mlflow_llmeff.calc import reliability as rel
+from mlflow_llmeff.calc.goodput import TimeLedger, breakdown, goodput
+
+# chi-square quantiles written out from a printed table of critical values (4 decimals), not from
+# scipy: chi2(0.975; 6 df), chi2(0.025; 4 df), chi2(0.975; 2 df)
+CHI2_0975_DF6 = 14.4494
+CHI2_0025_DF4 = 0.4844
+CHI2_0975_DF2 = 7.3778
+
+
+def three_attempts() -> list[rel.Attempt]:
+    return [
+        rel.Attempt(start=0.0, last_alive=12.0, end="signal", detail="SIGKILL", steps=7, start_step=0,
+                    checkpoint_step=4, checkpoint_at=9.0, checkpoints=(4,), setup_s=3.0, load_s=0.0, rewarm_s=1.0),
+        rel.Attempt(start=32.0, last_alive=45.0, end="nan", detail="NaN loss", steps=10, start_step=4,
+                    checkpoint_step=8, checkpoint_at=43.0, checkpoints=(8,), setup_s=4.0, load_s=1.0, rewarm_s=1.0),
+        rel.Attempt(start=50.0, last_alive=61.0, end=rel.FINISHED, steps=12, start_step=8,
+                    checkpoint_step=12, checkpoint_at=61.0, checkpoints=(12,), setup_s=4.0, load_s=1.0, rewarm_s=1.0),
+    ]
+
+
+def test_down_time_is_the_sum_of_the_gaps():
+    r = rel.compute(three_attempts())
+    assert r.down_s == pytest.approx(20.0 + 5.0)  # (32 - 12) + (50 - 45)
+    assert r.wall_s == pytest.approx(61.0)
+    assert r.operating_s == pytest.approx(36.0)
+    assert (r.attempts, r.failures) == (3, 2)
+
+
+def _attempt_ledgers() -> dict[str, float]:
+    """The meter's own ledger of the three attempts, driven on a fake clock, with the job's down time."""
+    now = [0.0]
+    led = TimeLedger(clock=lambda: now[0], started_at=0.0)
+
+    def tick(dt):
+        now[0] += dt
+
+    def steps(times, warm):  # step seconds, the first `warm` of them warm-up steps
+        for i, dt in enumerate(times):
+            tick(dt)
+            led.step_done(warmup=i < warm)
+
+    # attempt 1 up to its checkpoint (the meter's state in checkpoint 4), then its lost tail
+    tick(3.0)
+    led.begin()
+    steps([2.0, 1.0, 1.0, 1.0], warm=1)
+    with led.pause("checkpoint_save"):
+        tick(1.0)
+    seconds = led.state_dict()
+    # attempt 2 continues checkpoint 4's seconds and adds attempt 1's lost tail: 12 - 9 s
+    now[0] = 32.0
+    led = TimeLedger(clock=lambda: now[0], started_at=32.0)
+    led.load_state_dict(seconds)
+    led.add("lost_progress", 12.0 - 9.0)
+    tick(4.0)
+    led.begin()
+    with led.pause("checkpoint_load"):
+        tick(1.0)
+    steps([2.0, 1.0, 1.0, 1.0], warm=1)
+    with led.pause("checkpoint_save"):
+        tick(1.0)
+    seconds = led.state_dict()
+    # attempt 3 from checkpoint 8, attempt 2's lost tail 45 - 43 s
+    now[0] = 50.0
+    led = TimeLedger(clock=lambda: now[0], started_at=50.0)
+    led.load_state_dict(seconds)
+    led.add("lost_progress", 45.0 - 43.0)
+    tick(4.0)
+    led.begin()
+    with led.pause("checkpoint_load"):
+        tick(1.0)
+    steps([2.0, 1.0, 1.0, 1.0], warm=1)
+    with led.pause("checkpoint_save"):
+        tick(1.0)
+    led.close()
+    return breakdown(led.seconds, led.warmup_steps, led.steady_steps)
+
+
+def test_wall_time_is_productive_plus_every_badput_down_time_included():
+    parts = rel.with_down(_attempt_ledgers(), rel.compute(three_attempts()).down_s)
+    # productive 12 steps of 1 s; init 3+4+4; warm-up excess 1+1+1; saves 3; loads 2; lost 3+2; down 25
+    assert parts["productive"] == pytest.approx(12.0)
+    assert (parts["init"], parts["warmup"], parts["checkpoint_save"], parts["checkpoint_load"],
+            parts["lost_progress"], parts["down"]) == pytest.approx((11.0, 3.0, 3.0, 2.0, 5.0, 25.0))
+    assert parts["wall"] == pytest.approx(61.0)
+    assert parts["productive"] + sum(v for k, v in parts.items() if k not in ("productive", "wall")) \
+        == pytest.approx(parts["wall"])
+
+
+def test_goodput_covers_the_whole_job():
+    parts = rel.with_down(_attempt_ledgers(), 25.0)
+    assert goodput(parts) == pytest.approx(12.0 / 61.0)  # 0.1967; without the down time it was 12/36
+
+
+def test_mtbf_and_its_chi_square_interval():
+    r = rel.compute(three_attempts())
+    assert r.mtbf_s == pytest.approx(36.0 / 2)  # operating 36 s / 2 failures
+    # T = 36 s, r = 2: low = 2T / chi2(0.975, 6), high = 2T / chi2(0.025, 4)
+    assert r.mtbf_ci95_low_s == pytest.approx(72.0 / CHI2_0975_DF6, rel=1e-4)  # 4.983 s
+    assert r.mtbf_ci95_high_s == pytest.approx(72.0 / CHI2_0025_DF4, rel=1e-4)  # 148.6 s
+
+
+def test_recovery_time_and_its_parts():
+    r = rel.compute(three_attempts())
+    # failure 1: 12 -> 38 (32 + 4 set-up + 1 load + 1 re-warm-up) = 26; failure 2: 45 -> 56 = 11
+    assert r.recovery_s == pytest.approx((26.0 + 11.0) / 2)
+    assert r.recovery_parts_s == pytest.approx({"down": 12.5, "setup": 4.0, "load": 1.0, "rewarm": 1.0})
+    assert [row["recovery_s"] for row in r.failed] == pytest.approx([26.0, 11.0])
+
+
+def test_failure_cost_is_recovery_plus_lost_progress():
+    r = rel.compute(three_attempts())
+    assert r.lost_s == pytest.approx((12.0 - 9.0) + (45.0 - 43.0))
+    assert r.failure_cost_s == pytest.approx((26.0 + 3.0) + (11.0 + 2.0))  # 42
+
+
+def test_tor_is_failure_free_time_over_observed_time():
+    r = rel.compute(three_attempts())
+    # 61 - 42 = 19 s: 3 s set-up + 1 s warm-up + 12 steps + 3 checkpoint writes, the job without failures
+    assert r.tor == pytest.approx(19.0 / 61.0)
+
+
+def test_successful_interval_ratio_over_checkpoint_intervals():
+    r = rel.compute(three_attempts())
+    # intervals (0,4], (4,8], (8,12] completed; (4,8] retried (kill at 7), (8,12] retried (NaN at 10)
+    assert r.successful_interval_ratio == pytest.approx(1.0 / 3.0)
+
+
+def test_failures_are_listed_with_cause_step_and_time():
+    r = rel.compute(three_attempts())
+    assert [(x["attempt"], x["cause"], x["step"], x["at_s"], x["lost_steps"]) for x in r.failed] == \
+        [(1, "signal", 7, 12.0, 3), (2, "nan", 10, 45.0, 2)]
+    assert rel.describe(r) == "3 attempts, 2 failures (SIGKILL at step 7, NaN loss at step 10), recovery 18 s, down 25 s"
+    assert rel.failures_line(r).startswith("attempt 1: signal (SIGKILL) at step 7, 12.0 s into the job, checkpoint 4, "
+                                           "3 steps redone, down 20.0 s, recovery 26.0 s; attempt 2: nan")
+
+
+def test_no_failure_gives_no_mtbf_but_its_lower_bound():
+    r = rel.compute([rel.Attempt(start=0.0, last_alive=100.0, steps=10, checkpoints=(5, 10))])
+    assert (r.failures, r.mtbf_s, r.mtbf_ci95_high_s) == (0, None, None)
+    assert r.mtbf_ci95_low_s == pytest.approx(200.0 / CHI2_0975_DF2, rel=1e-4)  # 27.1 s
+    assert "no failure" in r.why["mtbf_s"]
+    assert (r.failure_cost_s, r.tor, r.successful_interval_ratio) == (0.0, 1.0, 1.0)
+
+
+def test_failure_before_the_first_checkpoint_loses_every_step_since_the_first_productive_one():
+    a = rel.Attempt(start=0.0, last_alive=20.0, end="signal", detail="SIGKILL", steps=10, setup_s=5.0, rewarm_s=1.0)
+    assert a.lost_s == pytest.approx(20.0 - 6.0)
+
+
+def test_a_failure_without_a_next_attempt_has_no_recovery():
+    r = rel.compute([rel.Attempt(start=0.0, last_alive=10.0, end="oom", steps=3)])
+    assert (r.recovery_s, r.failure_cost_s, r.tor) == (None, None, None)
+    assert r.why["recovery_s"] == "no attempt followed the failure yet"
+
+
+def test_overlapping_attempts_are_refused():
+    with pytest.raises(ValueError, match="overlaps the previous one"):
+        rel.compute([rel.Attempt(start=0.0, last_alive=10.0, end="signal"), rel.Attempt(start=5.0, last_alive=20.0)])
+
+
+def test_an_unknown_end_is_refused():
+    with pytest.raises(ValueError, match="attempt end 'crashed' is not accepted"):
+        rel.Attempt(start=0.0, last_alive=1.0, end="crashed")
+
+
+def test_with_down_refuses_negative_down_time():
+    with pytest.raises(ValueError, match="is negative"):
+        rel.with_down({"wall": 1.0, "productive": 1.0}, -1.0)
