@@ -185,3 +185,80 @@ def test_an_unknown_end_is_refused():
 def test_with_down_refuses_negative_down_time():
     with pytest.raises(ValueError, match="is negative"):
         rel.with_down({"wall": 1.0, "productive": 1.0}, -1.0)
+
+
+# ------------------------------------------------------------------------------ the job's ledger (train/job.py)
+def _drive(job, clock, first, last, ckpt_every, step_s=1.0):
+    for step in range(first, last + 1):
+        job.step_started()
+        clock[0] += step_s
+        job.step_done(step)
+        if step % ckpt_every == 0:
+            clock[0] += 1.0
+            job.checkpoint(step)
+
+
+def test_a_killed_attempt_is_closed_by_the_next_one_at_its_heartbeat(tmp_path):
+    from mlflow_llmeff.train import job as jobs
+
+    clock = [100.0]
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    assert job.begin(start_unix=97.0, start_step=0, warmup_steps=0) is None  # a new job
+    job.record_run("run-1")
+    _drive(job, clock, 1, 7, ckpt_every=4)  # step 4 done at 104, checkpoint at 105, step 7 done at 108
+    # SIGKILL: no end record; the next attempt starts 20 s later
+    clock[0] = 128.0
+    job2 = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    assert job2.begin(start_unix=128.0, start_step=4, warmup_steps=0) == "run-1"  # the same run
+    assert job2.attempt == 2
+    first = job2.attempts()[0]
+    assert (first.end, first.steps, first.last_alive) == ("unknown", 7, 108.0)
+    assert (first.checkpoint_step, first.checkpoint_at, first.setup_s) == (4, 105.0, 3.0)  # 97 -> first step 100
+
+
+def test_the_ledger_gives_the_job_figures(tmp_path):
+    from mlflow_llmeff.train import job as jobs
+
+    clock = [100.0]
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=100.0, start_step=0, warmup_steps=0)
+    _drive(job, clock, 1, 3, ckpt_every=100)  # no checkpoint; killed after step 3 at 103
+    clock[0] = 110.0
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=110.0, start_step=0, warmup_steps=0)
+    _drive(job, clock, 1, 5, ckpt_every=5)  # steps done at 111..115, checkpoint 5 at 116
+    r = rel.compute(job.attempts(step=5, end=rel.FINISHED))
+    assert (r.attempts, r.failures, r.down_s, r.wall_s) == (2, 1, 7.0, 16.0)  # 103 -> 110; 100 -> 116
+    assert r.failed[0]["lost_s"] == 3.0  # no checkpoint: every step of the attempt is redone
+    assert r.mtbf_s == 9.0  # (16 - 7) / 1
+
+
+def test_the_heartbeat_ignores_a_torn_record(tmp_path):
+    from mlflow_llmeff.train import job as jobs
+
+    hb = jobs.Heartbeat(str(tmp_path / "p"), attempt=3, clock=lambda: 5.0)
+    hb.beat(12)
+    assert jobs.read_heartbeat(str(tmp_path / "p")) == {"attempt": 3, "step": 12, "unix": 5.0}
+    with open(tmp_path / "p", "r+b") as f:
+        f.write(b"3 13")  # the step changed, the CRC not
+    assert jobs.read_heartbeat(str(tmp_path / "p")) is None
+
+
+@pytest.mark.parametrize("exc, signalled, expected", [
+    (None, None, ("finished", "")),
+    (SystemExit(143), "SIGTERM", ("signal", "SIGTERM")),
+    (SystemExit(3), None, ("exit_code", "exit 3")),
+    (RuntimeError("Connection closed by peer [127.0.0.1]:29500"), None, ("lost_rank", "a peer rank was lost (RuntimeError)")),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"), None, ("oom", "out of memory")),
+])
+def test_an_attempt_end_is_classified(exc, signalled, expected):
+    from mlflow_llmeff.train.job import classify
+
+    assert classify(exc, signalled) == expected
+
+
+def test_a_nan_failure_is_classified_nan():
+    from mlflow_llmeff.train.job import classify
+    from mlflow_llmeff.train.loop import NonFiniteLoss
+
+    assert classify(NonFiniteLoss("train/loss is nan at step 10"), None) == ("nan", "NaN loss")

@@ -48,8 +48,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from mlflow_llmeff import names
+
 __all__ = ["FINISHED", "RUNNING", "CAUSES", "Attempt", "Reliability", "compute", "mtbf_interval",
-           "with_down", "describe", "failures_line"]
+           "with_down", "describe", "failures_line", "summary_metrics", "summary_tags"]
 
 FINISHED = "finished"
 #: an attempt still running (the current one, while the job runs): neither a failure nor finished
@@ -310,3 +312,26 @@ def failures_line(rel: Reliability) -> str:
             s += f", down {r['down_s']:.1f} s, recovery {r['recovery_s']:.1f} s"
         out.append(s)
     return "; ".join(out)
+
+
+def summary_metrics(r: Reliability) -> dict[str, float]:
+    """The ``summary/*`` reliability metrics of ``r`` (names.py's reliability block); undefined ones left out."""
+    out = {names.SUM_ATTEMPTS: float(r.attempts), names.SUM_FAILURES: float(r.failures),
+           names.SUM_BADPUT_DOWN_S: r.down_s, names.SUM_MTBF_S: r.mtbf_s,
+           names.SUM_MTBF_CI95_LOW_S: r.mtbf_ci95_low_s, names.SUM_MTBF_CI95_HIGH_S: r.mtbf_ci95_high_s,
+           names.SUM_RECOVERY_S: r.recovery_s, names.SUM_FAILURE_COST_S: r.failure_cost_s, names.SUM_TOR: r.tor,
+           names.SUM_SUCCESSFUL_INTERVAL_RATIO: r.successful_interval_ratio}
+    if r.recovery_parts_s is not None:
+        out.update({names.SUM_RECOVERY_DOWN_S: r.recovery_parts_s["down"],
+                    names.SUM_RECOVERY_SETUP_S: r.recovery_parts_s["setup"],
+                    names.SUM_RECOVERY_LOAD_S: r.recovery_parts_s["load"],
+                    names.SUM_RECOVERY_REWARM_S: r.recovery_parts_s["rewarm"]})
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def summary_tags(r: Reliability) -> dict[str, str]:
+    """The ``llmeff.reliability*`` tags of ``r``: the failures, the one line, why figures are absent."""
+    tags = {names.RELIABILITY_FAILURES: failures_line(r), names.RELIABILITY: describe(r)}
+    if r.why:
+        tags[names.RELIABILITY_WHY] = "; ".join(f"{k}: {v}" for k, v in r.why.items() if v)
+    return tags
