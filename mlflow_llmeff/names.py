@@ -113,7 +113,7 @@ SUM_ESTIMATE_KG_CO2E = _metric("summary/estimate_kg_co2e", "kg CO2e", "run total
 SUM_ESTIMATE_KG_CO2E_PER_BTOK = _metric("summary/estimate_kg_co2e_per_billion_tokens", "kg CO2e/1e9 tokens", "codecarbon-estimate emissions per 1e9 non-padding tokens (when nothing is measured)", S)
 SUM_GOODPUT = _metric("summary/goodput", "fraction", "productive step time / wall time (docs/time.md)", S)
 BADPUT_CATEGORIES = ("init", "warmup", "compile", "data_wait", "eval", "checkpoint_save", "checkpoint_load",
-                     "lost_progress", "other")
+                     "lost_progress", "other", "down")
 _BADPUT_MEANING = {
     "init": "set-up before the first step (process start, model build, run creation, peak measurement)",
     "warmup": "the warm-up steps' excess over steady-state step time (allocator, kernels, FlopCounterMode step); not logged when compiling",
@@ -124,6 +124,7 @@ _BADPUT_MEANING = {
     "checkpoint_load": "checkpoint loads (declared pauses)",
     "lost_progress": "time a crashed attempt ran after its last checkpoint (work redone)",
     "other": "time outside steps and declared pauses (after the last step, undeclared pauses)",
+    "down": "time no attempt ran: sum over restarts of the next attempt's process start minus the failed attempt's last sign of life (last completed step, heartbeat or exit record); logged with summary/attempts",
 }
 SUM_BADPUT = {c: _metric(f"summary/badput_{c}_s", "s", _BADPUT_MEANING[c], S) for c in BADPUT_CATEGORIES}
 SUM_WALL_S = _metric("summary/wall_s", "s", "wall time of the run, all attempts, init to end: productive time plus every summary/badput_*_s, exactly (docs/time.md)", S)
@@ -142,7 +143,7 @@ SUM_HOST_STEAL = _metric("summary/host_steal_fraction", "fraction", "share of th
 SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean forward (compute) time per steady step / the median rank's (>= 1; 2+ ranks)", S)
 
 # ---- reliability across a job's life (attempts of one run; docs/time.md, calc/reliability.py)
-SUM_BADPUT_DOWN_S = _metric("summary/badput_down_s", "s", "time no attempt ran: sum over restarts of the next attempt's process start minus the failed attempt's last sign of life (last completed step, heartbeat or exit record); part of summary/wall_s", S)
+SUM_BADPUT_DOWN_S = SUM_BADPUT["down"]  # in BADPUT_CATEGORIES: productive + every badput = wall
 SUM_ATTEMPTS = _metric("summary/attempts", "attempts", "process starts of the job (1 = never restarted)", S)
 SUM_FAILURES = _metric("summary/failures", "failures", "attempts that ended without finishing (exit code, signal, NaN, OOM, lost rank, tracking server, unknown); llmeff.reliability.failures lists them", S)
 SUM_MTBF_S = _metric("summary/mtbf_s", "s", "mean time between failures: operating time (summary/wall_s - summary/badput_down_s) / summary/failures; logged when failures >= 1", S)
