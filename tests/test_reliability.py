@@ -262,3 +262,15 @@ def test_a_nan_failure_is_classified_nan():
     from mlflow_llmeff.train.loop import NonFiniteLoss
 
     assert classify(NonFiniteLoss("train/loss is nan at step 10"), None) == ("nan", "NaN loss")
+
+
+def test_carry_gives_the_meter_what_no_checkpoint_holds():
+    from mlflow_llmeff.train.job import carry
+
+    a = three_attempts()
+    # attempt 3 resumed checkpoint 8 written by attempt 2: attempt 2's tail ends at 45; no attempt in between
+    assert carry(a, 8) == {"down_s": 25.0, "earlier_s": {}, "tail_end_unix": 45.0, "attempts": 3}
+    # no checkpoint at all: attempts 1 and 2 are in no meter state (set-up 3 + 4, load 1, the rest redone)
+    assert carry(a, None) == {"down_s": 25.0, "earlier_s": {"init": 7.0, "checkpoint_load": 1.0,
+                                                            "lost_progress": (12.0 - 3.0) + (13.0 - 5.0)},
+                              "tail_end_unix": None, "attempts": 3}

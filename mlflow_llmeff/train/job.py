@@ -325,6 +325,44 @@ def attempts_from_events(events: list[dict], beat: dict | None, *, now: float, s
     return out
 
 
+def carry(attempts: list[rel.Attempt], resumed_step: int | None) -> dict:
+    """What the meter of the current (last) attempt must add to its clock for the whole job.
+
+    A checkpoint's meter state holds the attempts up to its write; the attempt that wrote it ran on
+    until its last sign of life (lost progress, ``tail_end_unix``); every later attempt before this
+    one ran without a checkpoint and is in no meter state at all (``earlier_s``: its set-up as
+    ``init``, its load as ``checkpoint_load``, the rest as ``lost_progress``, all ``init`` when it
+    never completed a step); the gaps between attempts are ``down_s``.
+
+    Args:
+        attempts: the job's attempts, oldest first, the current one last.
+        resumed_step: the checkpoint step the current attempt resumed from (None: none).
+
+    Returns:
+        ``{"down_s", "earlier_s": {category: s}, "tail_end_unix": float | None, "attempts": int}``.
+    """
+    prev = attempts[:-1]
+    down = sum(n.start - p.last_alive for p, n in zip(attempts, attempts[1:]))
+    writer = None
+    if resumed_step is not None:
+        for i in range(len(prev) - 1, -1, -1):
+            if resumed_step in prev[i].checkpoints:
+                writer = i
+                break
+    earlier: dict[str, float] = {"init": 0.0, "checkpoint_load": 0.0, "lost_progress": 0.0}
+    for a in prev[(writer + 1 if writer is not None else 0):]:
+        span = a.last_alive - a.start
+        if a.steps <= a.start_step:
+            earlier["init"] += span
+            continue
+        setup, load = min(a.setup_s, span), min(a.load_s, max(0.0, span - a.setup_s))
+        earlier["init"] += setup
+        earlier["checkpoint_load"] += load
+        earlier["lost_progress"] += max(0.0, span - setup - load)
+    return {"down_s": down, "earlier_s": {k: v for k, v in earlier.items() if v},
+            "tail_end_unix": prev[writer].last_alive if writer is not None else None, "attempts": len(attempts)}
+
+
 def classify(e: BaseException | None, signalled: str | None = None) -> tuple[str, str]:
     """How an attempt ended, from the exception that ended it: ``(kind, detail)``.
 
