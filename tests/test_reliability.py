@@ -274,3 +274,16 @@ def test_carry_gives_the_meter_what_no_checkpoint_holds():
     assert carry(a, None) == {"down_s": 25.0, "earlier_s": {"init": 7.0, "checkpoint_load": 1.0,
                                                             "lost_progress": (12.0 - 3.0) + (13.0 - 5.0)},
                               "tail_end_unix": None, "attempts": 3}
+
+
+def test_an_elastic_restart_does_not_start_at_the_launchers_start(tmp_path):
+    from mlflow_llmeff.train import job as jobs
+
+    clock = [100.0]
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=90.0, start_step=0, warmup_steps=0)  # the launcher started at 90
+    _drive(job, clock, 1, 2, ckpt_every=100)  # killed after step 2 at 102
+    clock[0] = 104.0
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=90.0, start_step=0, warmup_steps=0)  # the same launcher's start, passed again
+    assert job.start_unix >= 102.0  # this process's start (later than the previous attempt's end)

@@ -159,7 +159,10 @@ class Job:
 
     def begin(self, start_unix: float, start_step: int, warmup_steps: int) -> str | None:
         """Start this attempt: close the previous one if it left no ``end`` (``unknown``, at its
-        heartbeat), append ``start``, open the heartbeat. Returns the job's run id (None: a new job)."""
+        heartbeat), append ``start``, open the heartbeat. Returns the job's run id (None: a new job).
+
+        ``start_unix`` earlier than the previous attempt's end (the launcher's start passed to an
+        elastic restart's workers) becomes this process's start (:attr:`start_unix` holds the one used)."""
         events = self.events()
         starts = [e for e in events if e.get("event") == "start"]
         if starts:
@@ -176,6 +179,10 @@ class Job:
                               "detail": "no exit record (killed or lost)", "step": step, "unix": last,
                               "by": "next attempt" + (" (heartbeat)" if beat else " (no heartbeat)")})
             self.attempt = prev + 1
+            prev_end = max(float(e["unix"]) for e in self.events()
+                           if e.get("event") == "end" and int(e.get("attempt", -1)) == prev)
+            if start_unix < prev_end:  # an elastic restart inside one launch: the launcher's start is older
+                start_unix = max(prev_end, process_start_unix())
         else:
             self.attempt = 1
         self.start_unix, self.warmup_steps = float(start_unix), int(warmup_steps)

@@ -98,6 +98,8 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
     job, job_run = _begin_attempt(cfg, t, found, holder)
+    if job is not None:  # an elastic restart starts at its own process start, not the launcher's
+        started = max(started, time.perf_counter() - max(0.0, time.time() - job.start_unix))
     monitor = _open_monitor(cfg, t, found, started, carbon, job_run)
     holder["monitor"] = monitor
     if job is not None:
