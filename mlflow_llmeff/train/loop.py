@@ -143,6 +143,12 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
     if run_id and not found:
         print(f"llmeff: continuing MLflow run {run_id} (attempt {job.attempt}; no checkpoint was written: "
               "training restarts from step 0)")
+    earlier = job.attempts()[:-1]
+    if earlier:
+        a = earlier[-1]
+        how = "finished" if a.end == "finished" else f"ended {a.end}{' (' + a.detail + ')' if a.detail else ''}"
+        print(f"llmeff: attempt {job.attempt} of this job; attempt {len(earlier)} {how} at step {a.steps}, "
+              f"{job.start_unix - a.last_alive:.1f} s before this attempt started")
     return job, run_id
 
 
