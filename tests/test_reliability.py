@@ -287,3 +287,13 @@ def test_an_elastic_restart_does_not_start_at_the_launchers_start(tmp_path):
     job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
     job.begin(start_unix=90.0, start_step=0, warmup_steps=0)  # the same launcher's start, passed again
     assert job.start_unix >= 102.0  # this process's start (later than the previous attempt's end)
+
+
+def test_a_finished_job_is_known_as_finished(tmp_path):
+    from mlflow_llmeff.train import job as jobs
+
+    job = jobs.Job(str(tmp_path), clock=lambda: 10.0)
+    job.begin(start_unix=5.0, start_step=0, warmup_steps=0)
+    assert not job.finished()
+    job.end("finished", 3)
+    assert jobs.Job(str(tmp_path)).finished()

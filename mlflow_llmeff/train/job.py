@@ -150,6 +150,17 @@ class Job:
             f.flush()
             os.fsync(f.fileno())
 
+    def finished(self) -> bool:
+        """True when the job's last attempt finished (a new command in this folder is then a new job
+        unless it resumes a checkpoint)."""
+        events = self.events()
+        starts = [e for e in events if e.get("event") == "start"]
+        if not starts:
+            return False
+        n = int(starts[-1]["attempt"])
+        return any(e.get("event") == "end" and int(e.get("attempt", -1)) == n and e.get("kind") == rel.FINISHED
+                   for e in events)
+
     # ------------------------------------------------------------------ writing
     def reset(self) -> None:
         """Start a new job (``resume=never``): the old record and ledger are kept with a ``.old`` suffix."""

@@ -136,7 +136,7 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
     from mlflow_llmeff.train import job as jobs
 
     job = jobs.Job(cfg.checkpoint_dir)
-    if cfg.resume == "never":
+    if cfg.resume == "never" or (not found and job.finished()):  # a new job (a finished one is not continued)
         job.reset()
     run_id = job.begin(jobs.attempt_start_unix(), found[1]["step"] if found else 0, cfg.warmup_steps)
     holder["job"] = job
