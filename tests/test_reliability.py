@@ -297,3 +297,10 @@ def test_a_finished_job_is_known_as_finished(tmp_path):
     assert not job.finished()
     job.end("finished", 3)
     assert jobs.Job(str(tmp_path)).finished()
+
+
+def test_fleet_mtbf_sums_operating_time_and_failures():
+    mtbf, low, high = rel.fleet_mtbf([(36.0, 2), (100.0, 0), (64.0, 2)])
+    assert mtbf == pytest.approx(200.0 / 4)
+    # T = 200 s, r = 4: 2T / chi2(0.975; 10) = 400 / 20.4832, 2T / chi2(0.025; 8) = 400 / 2.1797
+    assert (low, high) == (pytest.approx(400.0 / 20.4832, rel=1e-4), pytest.approx(400.0 / 2.1797, rel=1e-4))

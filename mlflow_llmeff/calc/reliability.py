@@ -51,7 +51,7 @@ from typing import Sequence
 from mlflow_llmeff import names
 
 __all__ = ["FINISHED", "RUNNING", "CAUSES", "Attempt", "Reliability", "compute", "mtbf_interval",
-           "with_down", "describe", "failures_line", "summary_metrics", "summary_tags"]
+           "fleet_mtbf", "with_down", "describe", "failures_line", "summary_metrics", "summary_tags"]
 
 FINISHED = "finished"
 #: an attempt still running (the current one, while the job runs): neither a failure nor finished
@@ -258,6 +258,26 @@ def compute(attempts: Sequence[Attempt]) -> Reliability:
                        mtbf_s=mtbf, mtbf_ci95_low_s=low, mtbf_ci95_high_s=high, recovery_s=recovery,
                        recovery_parts_s=parts, lost_s=lost, failure_cost_s=cost, tor=tor,
                        successful_interval_ratio=sir, failed=rows, why=why)
+
+
+def fleet_mtbf(runs: Sequence[tuple[float, int]]) -> tuple[float | None, float | None, float | None]:
+    """The MTBF of several jobs together (a configuration, an experiment): summed operating time over
+    summed failures, with the same time-truncated Poisson 95% interval (:func:`mtbf_interval`).
+
+    Args:
+        runs: ``(operating seconds, failures)`` per job, e.g. ``summary/wall_s - summary/badput_down_s``
+            and ``summary/failures``.
+
+    Returns:
+        ``(mtbf, low, high)``; mtbf and high are None with no failure (low is still defined).
+
+    Raises:
+        ValueError: for a negative time or count.
+    """
+    t = sum(float(op) for op, _ in runs)
+    r = sum(int(f) for _, f in runs)
+    low, high = mtbf_interval(t, r)
+    return (t / r if r else None), low, high
 
 
 def with_down(parts: dict[str, float], down_s: float) -> dict[str, float]:
