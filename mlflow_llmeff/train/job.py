@@ -286,7 +286,7 @@ class Job:
 
                 kind, detail = "signal", signal.Signals(-returncode).name
             else:
-                kind, detail = ("exit_code", f"workers ended, launcher exit {returncode}") if returncode else \
+                kind, detail = ("exit_code", f"launcher exit {returncode}, rank 0 left no exit record") if returncode else \
                     ("unknown", "launcher exit 0 without the workers' exit record")
             self._append({"event": "end", "attempt": n, "kind": kind, "detail": detail,
                           "step": beat["step"] if beat else int(starts[-1].get("start_step", 0)),
