@@ -264,6 +264,61 @@ def test_a_nan_failure_is_classified_nan():
     assert classify(NonFiniteLoss("train/loss is nan at step 10"), None) == ("nan", "NaN loss")
 
 
+# ------------------------------------------------------------------------------ a real job (slow)
+ARGS = ["--max-steps", "12", "--log-every-n-steps", "2", "--seq-len", "32", "--micro-batch-size", "2",
+        "--checkpoint-every", "100", "--warmup-steps", "1", "--measure-energy", "none", "--seed", "3"]
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_continues_the_same_run(tmp_path, tracking_uri):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.train import faults
+
+    from test_train_e2e import env_for, only_run, parts_add_up
+
+    ck = tmp_path / "ck"
+
+    def train(extra):
+        t0 = time.time()
+        p = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "train", *ARGS, "--checkpoint-dir", str(ck)],
+                           cwd=tmp_path, env={**env_for(tracking_uri), **extra}, capture_output=True, text=True,
+                           timeout=300)
+        return p, t0, time.time()
+
+    first, t0, t1 = train({faults.ENV["kill_at_step"]: "6"})  # SIGKILL right after step 6, no checkpoint yet
+    assert first.returncode == -9, first.stderr[-2000:]
+    assert not os.path.isdir(ck / "step_00000006")
+    time.sleep(3.0)  # down time
+    second, t2, t3 = train({})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "continuing MLflow run" in second.stdout
+    mlflow.set_tracking_uri(tracking_uri)
+    run = only_run()  # the second attempt continued the first one's run
+    assert run.info.status == "FINISHED"
+    m = run.data.metrics
+    assert (m[names.SUM_ATTEMPTS], m[names.SUM_FAILURES]) == (2.0, 1.0)
+    # down: the first attempt's last heartbeat (step 6, just before the kill) to the second's process start
+    assert t2 - t1 <= m[names.SUM_BADPUT_DOWN_S] <= (t2 - t1) + 1.0
+    # the first attempt's time is in the job: the wall time covers both attempts and the gap between them
+    assert (t1 - t0) + (t2 - t1) < m[names.SUM_WALL_S] <= (t3 - t0) + 0.5
+    assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=0.01)
+    # MTBF over the operating time: the job's wall time less its down time, one failure
+    assert m[names.SUM_MTBF_S] == pytest.approx(m[names.SUM_WALL_S] - m[names.SUM_BADPUT_DOWN_S], rel=1e-3)
+    assert run.data.tags[names.RESUME_ATTEMPTS] == "2"
+    tag = run.data.tags[names.RELIABILITY_FAILURES]
+    assert tag.startswith("attempt 1: unknown (no exit record (killed or lost)) at step 6"), tag
+    assert run.data.tags[names.RELIABILITY].startswith("2 attempts, 1 failure (no exit record (killed or lost) at step 6)")
+    assert "llmeff: 2 attempts, 1 failure" in second.stdout
+    assert "2 attempts, 1 failure" in run.data.tags["mlflow.note.content"]  # the run's description
+
+
 def test_carry_gives_the_meter_what_no_checkpoint_holds():
     from mlflow_llmeff.train.job import carry
 

@@ -104,7 +104,10 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     monitor = _open_monitor(cfg, t, found, started, carbon, job_run)
     holder["monitor"] = monitor
     if job is not None:
+        from mlflow_llmeff.train.job import carry
+
         job.record_run(monitor.run_id)
+        monitor.continue_job(**carry(job.attempts(), found[1]["step"] if found else None))
     if monitor.is_main and monitor.run_id and not found:
         _log_dataset(cfg, t, monitor)
     if not found:
@@ -117,12 +120,12 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
             job.loaded(time.time() - loading)
     _train(cfg, t, monitor, start_step=monitor.step_count,
            skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job)
-    line = _job_figures(job, monitor)
+    said = _job_figures(job, monitor)
     summary = monitor.finish()
     if job is not None:
         job.end("finished", monitor.step_count)
     if t.accelerator.is_main_process:
-        _print_summary(monitor, summary, line)
+        _print_summary(monitor, summary, said.get("line"))
     if cfg.save_model:  # after the run's wall time: saving is not training
         _save_model(cfg.save_model, t)
     teardown(t)
@@ -167,20 +170,21 @@ def _end_attempt(holder: dict, e: BaseException, monitor) -> None:
         pass
 
 
-def _job_figures(job, monitor) -> str | None:
-    """The job's reliability figures (calc/reliability.py) into the summary and tags; returns its one line."""
+def _job_figures(job, monitor) -> dict:
+    """Hand the meter the job's reliability figures (calc/reliability.py), computed when its clock stops
+    (so they end where summary/wall_s ends); returns a holder whose "line" the terminal summary prints."""
+    said: dict = {}
     if job is None:
-        return None
+        return said
     from mlflow_llmeff.calc import reliability as rel
 
-    try:
-        r = rel.compute(job.attempts(step=monitor.step_count, end=rel.FINISHED))
-    except ValueError as e:
-        monitor.set_tags({names.RELIABILITY_WHY: f"ledger not usable: {e}"})
-        return None
-    monitor.add_summary(rel.summary_metrics(r))
-    monitor.set_tags(rel.summary_tags(r))
-    return rel.describe(r)
+    def figures(end_unix: float):
+        r = rel.compute(job.attempts(now=end_unix, step=monitor.step_count, end=rel.FINISHED))
+        said["line"] = rel.describe(r)
+        return rel.summary_metrics(r), rel.summary_tags(r), said["line"] if r.attempts > 1 else None
+
+    monitor.set_job_figures(figures)
+    return said
 
 
 def _carbon_tracker(cfg: TrainConfig):
