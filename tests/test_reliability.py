@@ -359,3 +359,48 @@ def test_fleet_mtbf_sums_operating_time_and_failures():
     assert mtbf == pytest.approx(200.0 / 4)
     # T = 200 s, r = 4: 2T / chi2(0.975; 10) = 400 / 20.4832, 2T / chi2(0.025; 8) = 400 / 2.1797
     assert (low, high) == (pytest.approx(400.0 / 20.4832, rel=1e-4), pytest.approx(400.0 / 2.1797, rel=1e-4))
+
+
+# ------------------------------------------------------------------------------ the meter's side (monitor/)
+def test_the_meter_puts_the_jobs_down_time_and_earlier_attempts_in_the_wall_time(tracking_uri):
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+    from mlflow_llmeff.testing import FakeClock
+
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, clock=clock, measure_energy="none")
+    # an earlier attempt with no checkpoint: 3 s set-up, 6 s of steps redone; 20 s down before this one
+    mon.continue_job(down_s=20.0, earlier_s={"init": 3.0, "lost_progress": 6.0}, attempts=2)
+    ended = []
+
+    def figures(end_unix):
+        ended.append(end_unix)
+        return {names.SUM_FAILURES: 1.0}, {names.RELIABILITY: "2 attempts, 1 failure"}, "2 attempts, 1 failure"
+
+    mon.set_job_figures(figures)
+    for _ in range(4):  # 4 steps of 1 s: no warm-up excess, 4 s productive
+        clock.t += 1.0
+        mon.step(tokens=100, samples=4)
+    s = mon.finish()
+    assert s[names.SUM_BADPUT_DOWN_S] == 20.0
+    assert s[names.SUM_WALL_S] == 4.0 + 3.0 + 6.0 + 20.0
+    assert s[names.SUM_GOODPUT] == pytest.approx(4.0 / 33.0)
+    assert s[names.SUM_FAILURES] == 1.0 and len(ended) == 1
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    assert run.data.tags[names.RESUME_ATTEMPTS] == "2"
+    assert run.data.tags[names.RELIABILITY] == "2 attempts, 1 failure"
+    assert run.data.tags["mlflow.note.content"].endswith("\n\n2 attempts, 1 failure")
+    assert run.data.tags[names.ENERGY_SPAN] == ("cost/* covers the attempts' device time: the job's 20.000 s of "
+                                                "summary/badput_down_s (no attempt ran) are not priced")
+
+
+def test_continue_job_refuses_negative_down_time(tracking_uri):
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+    from mlflow_llmeff.testing import FakeClock
+
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=FakeClock(), measure_energy="none")
+    with pytest.raises(ValueError, match="down time -1.0 s is negative"):
+        mon.continue_job(down_s=-1.0)
+    mon.finish()

@@ -175,9 +175,11 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
         energy_source=mon._energy.source if mon._consumption.measured else None),
         **mon._consumption.tags(mon._ledger.wall_s()), **getattr(mon, "_stability_tags", {})}
     if mon._down_s:  # time between attempts: no process read a counter, no device is priced
-        down = (f"the times above are the attempts' time: summary/wall_s also holds the job's {mon._down_s:.3f} s "
-                "of summary/badput_down_s (no attempt ran), neither measured nor priced in cost/*")
-        tags[names.ENERGY_SPAN] = f"{tags[names.ENERGY_SPAN]}; {down}" if names.ENERGY_SPAN in tags else down
+        down = f"{mon._down_s:.3f} s of summary/badput_down_s (no attempt ran)"
+        tags[names.ENERGY_SPAN] = (
+            f"{tags[names.ENERGY_SPAN]}; the times above are the attempts' time: summary/wall_s also holds the "
+            f"job's {down}, neither measured nor priced in cost/*" if names.ENERGY_SPAN in tags else
+            f"cost/* covers the attempts' device time: the job's {down} are not priced")
     if getattr(mon, "_memory_source", None) is not None:
         tags[names.MEMORY_SOURCE] = mon._memory_source
     if not mon._consumption.measured and mon._consumption.estimate is not None:
