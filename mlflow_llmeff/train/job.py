@@ -17,7 +17,7 @@ files in the checkpoint directory:
     next attempt: ``unknown``, at its last heartbeat.
 ``llmeff_progress``
     the heartbeat: the attempt, its last completed step and the time, one fixed-length record with
-    a CRC32 rewritten in place at every step (one ``pwrite``: about 5 us a step on the development
+    a CRC32 rewritten in place at every step (one ``pwrite``: 2-5 us a step on the development
     machine, against about 0.8 ms for a temp file and a rename, so it runs every step). A
     process killed between steps leaves the previous record whole; a record whose CRC does not
     match (a torn write after a power loss) is ignored.
