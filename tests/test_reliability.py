@@ -404,3 +404,34 @@ def test_continue_job_refuses_negative_down_time(tracking_uri):
     with pytest.raises(ValueError, match="down time -1.0 s is negative"):
         mon.continue_job(down_s=-1.0)
     mon.finish()
+
+
+def test_the_launcher_closes_an_attempt_its_workers_left_open(tmp_path):
+    from mlflow_llmeff.train import job as jobs
+
+    clock = [100.0]
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=90.0, start_step=0, warmup_steps=0)
+    _drive(job, clock, 1, 3, ckpt_every=100)  # rank 0 killed after step 3 (heartbeat at 103)
+    jobs.Job(str(tmp_path)).close_open(-9)
+    end = jobs.Job(str(tmp_path)).events()[-1]
+    assert (end["kind"], end["detail"], end["step"], end["unix"], end["by"]) == ("signal", "SIGKILL", 3, 103.0, "launcher")
+    jobs.Job(str(tmp_path)).close_open(1)  # already closed: nothing more
+    assert len(jobs.Job(str(tmp_path)).events()) == len(job.events())
+
+
+def test_a_diverged_attempt_records_its_nan_end(tracking_uri, tmp_path):
+    from mlflow_llmeff.train import job as jobs
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.loop import NonFiniteLoss, run_training
+
+    cfg = TrainConfig(max_steps=20, log_every_n_steps=1, seq_len=32, micro_batch_size=2, learning_rate=1e8,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1, measure_energy="none")
+    with pytest.raises(NonFiniteLoss):
+        run_training(cfg)
+    job = jobs.Job(str(tmp_path / "ck"))
+    end = job.events()[-1]
+    assert (end["event"], end["kind"], end["detail"], end["by"]) == ("end", "nan", "NaN loss", "itself")
+    assert job.record()["run_id"]  # the run is recorded for a restart
+    a = job.attempts()[0]
+    assert a.failed and a.checkpoint_step == a.steps - 1  # the checkpoint before the NaN step
