@@ -106,7 +106,7 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     if job is not None:
         from mlflow_llmeff.train.job import carry
 
-        job.record_run(monitor.run_id)
+        job.record_run(monitor.run_id, tracking_uri=_tracking_uri())
         monitor.continue_job(**carry(job.attempts(), found[1]["step"] if found else None))
     if monitor.is_main and monitor.run_id and not found:
         _log_dataset(cfg, t, monitor)
@@ -144,6 +144,10 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
         job.reset()
     run_id = job.begin(jobs.attempt_start_unix(), found[1]["step"] if found else 0, cfg.warmup_steps)
     holder["job"] = job
+    recorded = (job.record() or {}).get("tracking_uri")
+    if run_id and not found and recorded and recorded != _tracking_uri():  # that run is on another server
+        print(f"llmeff: the job's run {run_id} was logged to {recorded}, not {_tracking_uri()}: a new run starts")
+        run_id = None
     if run_id and not found:
         print(f"llmeff: continuing MLflow run {run_id} (attempt {job.attempt}; no checkpoint was written: "
               "training restarts from step 0)")
@@ -154,6 +158,17 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
         print(f"llmeff: attempt {job.attempt} of this job; attempt {len(earlier)} {how} at step {a.steps}, "
               f"{job.start_unix - a.last_alive:.1f} s before this attempt started")
     return job, run_id
+
+
+def _tracking_uri() -> str | None:
+    try:
+        import mlflow
+
+        from mlflow_llmeff.tracking.redact import strip_uri_secrets
+
+        return strip_uri_secrets(mlflow.get_tracking_uri())  # no password in the checkpoint folder
+    except Exception:  # noqa: BLE001 - only a record
+        return None
 
 
 def _end_attempt(holder: dict, e: BaseException, monitor) -> None:
