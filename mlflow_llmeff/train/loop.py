@@ -140,14 +140,15 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
     from mlflow_llmeff.train import job as jobs
 
     job = jobs.Job(cfg.checkpoint_dir)
-    if cfg.resume == "never" or (not found and job.finished()):  # a new job (a finished one is not continued)
+    recorded = (job.record() or {}).get("tracking_uri")
+    elsewhere = not found and recorded and recorded != _tracking_uri()  # the job's run is on another server
+    if elsewhere:
+        print(f"llmeff: the job's run {job.record()['run_id']} was logged to {recorded}, not {_tracking_uri()}: "
+              "a new job and run start")
+    if cfg.resume == "never" or elsewhere or (not found and job.finished()):  # a finished job is not continued
         job.reset()
     run_id = job.begin(jobs.attempt_start_unix(), found[1]["step"] if found else 0, cfg.warmup_steps)
     holder["job"] = job
-    recorded = (job.record() or {}).get("tracking_uri")
-    if run_id and not found and recorded and recorded != _tracking_uri():  # that run is on another server
-        print(f"llmeff: the job's run {run_id} was logged to {recorded}, not {_tracking_uri()}: a new run starts")
-        run_id = None
     if run_id and not found:
         print(f"llmeff: continuing MLflow run {run_id} (attempt {job.attempt}; no checkpoint was written: "
               "training restarts from step 0)")
