@@ -114,7 +114,7 @@ SUM_ESTIMATE_KG_CO2E = _metric("summary/estimate_kg_co2e", "kg CO2e", "run total
 SUM_ESTIMATE_KG_CO2E_PER_BTOK = _metric("summary/estimate_kg_co2e_per_billion_tokens", "kg CO2e/1e9 tokens", "codecarbon-estimate emissions per 1e9 non-padding tokens (when nothing is measured)", S)
 SUM_GOODPUT = _metric("summary/goodput", "fraction", "productive step time / wall time (docs/time.md)", S)
 BADPUT_CATEGORIES = ("init", "warmup", "compile", "data_wait", "eval", "checkpoint_save", "checkpoint_load",
-                     "lost_progress", "other")
+                     "lost_progress", "other", "down")
 _BADPUT_MEANING = {
     "init": "set-up before the first step (process start, model build, run creation, peak measurement)",
     "warmup": "the warm-up steps' excess over steady-state step time (allocator, kernels, FlopCounterMode step); not logged when compiling",
@@ -125,6 +125,7 @@ _BADPUT_MEANING = {
     "checkpoint_load": "checkpoint loads (declared pauses)",
     "lost_progress": "time a crashed attempt ran after its last checkpoint (work redone)",
     "other": "time outside steps and declared pauses (after the last step, undeclared pauses)",
+    "down": "time no attempt ran: sum over restarts of the next attempt's process start minus the failed attempt's last sign of life (last completed step, heartbeat or exit record); logged with summary/attempts",
 }
 SUM_BADPUT = {c: _metric(f"summary/badput_{c}_s", "s", _BADPUT_MEANING[c], S) for c in BADPUT_CATEGORIES}
 SUM_WALL_S = _metric("summary/wall_s", "s", "wall time of the run, all attempts, init to end: productive time plus every summary/badput_*_s, exactly (docs/time.md)", S)
@@ -141,6 +142,26 @@ SUM_STALLS = _metric("summary/stalls", "steps", "steps longer than 5x the median
 SUM_HOST_OTHER_CPU = _metric("summary/host_other_cpu_fraction", "fraction", "share of the host's CPU time used by other processes during the steady window (/proc/stat minus the run's processes); the most contended host", S)
 SUM_HOST_STEAL = _metric("summary/host_steal_fraction", "fraction", "share of the host's CPU time stolen by the hypervisor during the steady window; the highest host", S)
 SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean forward (compute) time per steady step / the median rank's (>= 1; 2+ ranks)", S)
+
+# ---- reliability across a job's life (attempts of one run; docs/time.md, calc/reliability.py)
+SUM_BADPUT_DOWN_S = SUM_BADPUT["down"]  # in BADPUT_CATEGORIES: productive + every badput = wall
+SUM_ATTEMPTS = _metric("summary/attempts", "attempts", "process starts of the job (1 = never restarted)", S)
+SUM_FAILURES = _metric("summary/failures", "failures", "attempts that ended without finishing (exit code, signal, NaN, OOM, lost rank, tracking server, unknown); llmeff.reliability.failures lists them", S)
+SUM_MTBF_S = _metric("summary/mtbf_s", "s", "mean time between failures: operating time (summary/wall_s - summary/badput_down_s) / summary/failures; logged when failures >= 1", S)
+SUM_MTBF_CI95_LOW_S = _metric("summary/mtbf_ci95_low_s", "s", "low end of the 95% interval of the MTBF, 2T/chi2(0.975, 2r+2) (time-truncated Poisson; NIST/SEMATECH e-Handbook ch. 8, MIL-HDBK-781A); with 0 failures the only bound logged", S)
+SUM_MTBF_CI95_HIGH_S = _metric("summary/mtbf_ci95_high_s", "s", "high end of the 95% interval of the MTBF, 2T/chi2(0.025, 2r); logged when failures >= 1", S)
+SUM_RECOVERY_S = _metric("summary/recovery_s", "s", "mean over failures of the time from the failed attempt's last sign of life to the next attempt's first productive step: down + set-up + checkpoint load + re-warm-up", S)
+SUM_RECOVERY_DOWN_S = _metric("summary/recovery_down_s", "s", "part of summary/recovery_s: down time (mean over failures)", S)
+SUM_RECOVERY_SETUP_S = _metric("summary/recovery_setup_s", "s", "part of summary/recovery_s: the next attempt's set-up before its first step, checkpoint load excluded (mean over failures)", S)
+SUM_RECOVERY_LOAD_S = _metric("summary/recovery_load_s", "s", "part of summary/recovery_s: the next attempt's checkpoint load (mean over failures)", S)
+SUM_RECOVERY_REWARM_S = _metric("summary/recovery_rewarm_s", "s", "part of summary/recovery_s: the next attempt's warm-up excess (mean over failures)", S)
+SUM_FAILURE_COST_S = _metric("summary/failure_cost_s", "s", "sum over failures of recovery time plus lost progress (work redone from the last checkpoint to the last completed step)", S)
+SUM_TOR = _metric("summary/tor", "fraction", "training overhead ratio (arXiv 2408.07482): (summary/wall_s - summary/failure_cost_s) / summary/wall_s, optimal over observed time", S)
+SUM_SUCCESSFUL_INTERVAL_RATIO = _metric("summary/successful_interval_ratio", "fraction", "checkpoint intervals completed without a retry / checkpoint intervals completed (the successful-epoch ratio over checkpoint intervals)", S)
+RELIABILITY_FAILURES = _tag("reliability.failures", "each failure of the job: attempt, cause, step reached, time into the job, checkpoint, steps redone, down and recovery seconds; or 'none in N attempts'")
+RELIABILITY = _tag("reliability", "one line of what happened across the job's attempts, e.g. '2 attempts, 1 failure (SIGKILL at step 31), recovery 43 s'; also in the run's description")
+RELIABILITY_WHY = _tag("reliability.why", "why a reliability figure is absent (e.g. no failure: no MTBF, only its lower bound)")
+# ---- end of reliability block
 
 # --------------------------------------------------------------------------- communication
 C = "communication (measured once at start over the run's process group, cached per machine, world size and backend; MLflow step 0)"
@@ -231,7 +252,7 @@ MFU_WARNING = _tag("mfu.warning", "set when MFU came out above 1 (an error in th
 ENERGY_SOURCE = _tag("energy.source", "nvml_counter, nvml_power, rapl, codecarbon_estimate, none")
 ENERGY_WHY = _tag("energy.why", "why energy is absent or only estimated")
 ENERGY_COVERAGE = _tag("energy.coverage", "'<measured>/<devices> devices measured', the unmeasured devices and why, what is omitted because of them, and GPUs several ranks own (counted once)")
-ENERGY_SPAN = _tag("energy.span", "which part of summary/wall_s energy/* and carbon/* cover (set-up before the energy meter started is not measured) and that cost/* covers all of it")
+ENERGY_SPAN = _tag("energy.span", "which part of summary/wall_s energy/* and carbon/* cover (set-up before the energy meter started is not measured) and that cost/* covers all of it; the job's summary/badput_down_s (time between attempts) is neither measured nor priced")
 CARBON_INTENSITY = _tag("carbon.intensity_g_per_kwh", "grid carbon intensity codecarbon used")
 CARBON_SOURCE = _tag("carbon.source", "where the carbon figure comes from, or why it is absent")
 COST_DEVICE_HOUR_USD = _tag("cost.device_hour_usd", "price per device-hour assumed")

@@ -71,25 +71,41 @@ def open_run(mon, run_id, run_name, experiment_name, extra_tags, params, resume_
     mon._logger.set_tags(tags)
 
 
-def account_crashed_tail(mon, state: dict) -> None:
-    """The crashed attempt ran on after its checkpoint until its last logged point: lost progress,
-    and its energy and estimate continue from that point's totals."""
+def _newest_totals(mon) -> tuple[dict[str, float], float | None, dict | None]:
+    """The run's newest logged running totals (server or heartbeat, whichever is newer), that point's
+    Unix time, and the heartbeat."""
     last = {}
     for key in HEARTBEAT_KEYS:
         point = mon._logger.last_point(key)
         if point is not None:
             last[key] = float(point[1])
-    newest, saved = mon._logger.last_timestamp_s, state.get("saved_at_unix")
+    newest = mon._logger.last_timestamp_s
     beat = read_heartbeat(mon)
     if beat is not None and float(beat["unix"]) > (newest or 0.0):  # newer than what reached the server
         newest = float(beat["unix"])
         last.update({k: float(v) for k, v in beat.get("totals", {}).items()})
+    return last, newest, beat
+
+
+def continue_consumption(mon) -> None:
+    """An earlier attempt of the run wrote no checkpoint: energy and estimate continue from its newest totals."""
+    last, _, _ = _newest_totals(mon)
+    mon._consumption.resume({}, last)
+
+
+def account_crashed_tail(mon, state: dict) -> None:
+    """The crashed attempt ran on after its checkpoint until its last logged point: lost progress,
+    and its energy and estimate continue from that point's totals."""
+    last, newest, beat = _newest_totals(mon)
+    saved = state.get("saved_at_unix")
     # the server did not answer: the steps the crashed attempt logged (at least the checkpoint's) are
     # not logged again, so a replayed step never has two points
     mon._logger.assume_logged_through(max(int(state.get("step", 0)), int(beat["step"]) if beat else 0))
     mon._consumption.resume(state.get("consumption", {}), last)
     if newest is not None and saved is not None:
-        mon._ledger.add("lost_progress", max(0.0, float(newest) - float(saved)))
+        lost = max(0.0, float(newest) - float(saved))
+        mon._ledger.add("lost_progress", lost)
+        mon._tail_lost = (lost, float(saved))  # continue_job may move its end to the last completed step
 
 
 def model_name(mon) -> str:

@@ -168,6 +168,10 @@ class EfficiencyMonitor:
         self._pending_steps, self._pending_s = 0, 0.0
         self._reached: dict[str, int] = {}
         self._attempts = 1
+        self._down_s = 0.0  # the job's time no attempt ran (continue_job)
+        self._tail_lost: tuple[float, float] | None = None  # (lost progress added, checkpoint written at)
+        self._job_figures = None  # end Unix time -> (summary metrics, tags, description line): set_job_figures
+        self._job_note: str | None = None
         self._totals_step = -1  # step of the last logged running totals
         self._shape_tags_pending = True
         self.world_size, self.rank = collectives.world_and_rank()
@@ -203,6 +207,51 @@ class EfficiencyMonitor:
     def _forward_counts(self) -> bool:
         """True while a forward pass is part of a steady step (not warm-up, not inside a declared pause)."""
         return not self._ledger.paused and not self._meter.is_warmup(self.step_count + 1)
+
+    def continue_job(self, *, down_s: float = 0.0, earlier_s: dict[str, float] | None = None,
+                     tail_end_unix: float | None = None, attempts: int | None = None) -> None:
+        """Account the job's earlier attempts that no checkpoint holds (docs/time.md, "Reliability
+        across a job's life"; ``llmeff train`` reads them from its attempts ledger, train/job.py).
+        Call once on rank 0, before the first step.
+
+        Args:
+            down_s: seconds no attempt ran: ``summary/badput_down_s``, part of ``summary/wall_s``.
+            earlier_s: seconds of attempts in no checkpoint's state (those after the resumed
+                checkpoint's writer, or every earlier attempt when none was written), by ledger
+                category (``init``, ``checkpoint_load``, ``lost_progress``); with no checkpoint
+                resumed, energy also continues from the run's newest logged totals.
+            tail_end_unix: Unix time of the resumed checkpoint's writer's last completed step (its
+                per-step heartbeat): its lost progress runs to it rather than to its newest logged point.
+            attempts: the job's attempts, this one included (``llmeff.resume.attempts``).
+
+        Raises:
+            ValueError: negative ``down_s`` or a category the ledger does not take.
+        """
+        if down_s < 0:
+            raise ValueError(f"down time {down_s} s is negative")
+        self._down_s = float(down_s)
+        for category, seconds in (earlier_s or {}).items():
+            self._ledger.add(category, seconds)
+        if tail_end_unix is not None and self._tail_lost is not None:
+            added, saved = self._tail_lost
+            lost = max(0.0, float(tail_end_unix) - saved)
+            self._ledger.add("lost_progress", lost - added)
+            self._tail_lost = (lost, saved)
+        elif earlier_s and self._tail_lost is None and self.is_main and self._run is not None:
+            binding.continue_consumption(self)
+        if attempts:
+            self._attempts = int(attempts)
+            self.set_tags({names.RESUME_ATTEMPTS: str(self._attempts)})
+
+    def set_job_figures(self, figures: Callable[[float], tuple[dict, dict, str | None]]) -> None:
+        """The job's reliability figures, computed at :meth:`finish` when the clock stops (rank 0).
+
+        ``figures(end_unix)`` returns ``(summary metrics, tags, line)``: metrics logged with the
+        ``summary/*``, tags set at the end, and a line (or None) added to the run's description,
+        so figures over the job's wall time end where ``summary/wall_s`` ends. A failure in it is
+        the tag ``llmeff.reliability.why``, never the end of the run.
+        """
+        self._job_figures = figures
 
     def add_summary(self, metrics: dict[str, float]) -> None:
         """Figures measured outside the meter (e.g. ``summary/comm_*``) to log with the ``summary/*`` at

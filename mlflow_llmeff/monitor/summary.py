@@ -16,6 +16,7 @@ import math
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import stability as st
 from mlflow_llmeff.calc.goodput import breakdown, goodput
+from mlflow_llmeff.calc.reliability import with_down
 from mlflow_llmeff.meters import collectives
 from mlflow_llmeff.meters.probes import model_state_bytes
 from mlflow_llmeff.monitor import points
@@ -39,6 +40,7 @@ def conclude(mon, collective: bool) -> dict[str, float]:
                     "or torch.distributed.destroy_process_group())")
             step = mon._meter.step
     seconds = mon._ledger.close()  # the wall time ends here; cost and the summary use it
+    job_tags = _job_figures(mon)
     mon._carbon.stop()
     if step > 0 and mon._totals_step != step:  # counters and totals at the last step, once
         points.log_interval(mon, step, collective)
@@ -48,19 +50,38 @@ def conclude(mon, collective: bool) -> dict[str, float]:
     out = figures(mon, seconds, collective)
     out.update(stability_figures(mon, collective))
     if mon.is_main:
-        tags = end_tags(mon, note)
+        tags = {**end_tags(mon, note), **job_tags}
         if (mon._end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
                 and "mlflow.note.content" not in getattr(mon, "_given_tags", ())):  # a failure keeps its why
             tags["mlflow.note.content"] = headline(mon, out)
+            if mon._job_note:  # what happened across the job's attempts
+                tags["mlflow.note.content"] += f"\n\n{mon._job_note}"
         mon._logger.set_tags(tags)
         mon._logger.log_metrics(out, max(step, 0))
         points.warn_mfu(mon, out.get(names.SUM_MFU), "summary")
     return out
 
 
+def _job_figures(mon) -> dict[str, str]:
+    """The job's reliability figures at the clock's end (EfficiencyMonitor.set_job_figures): its
+    metrics join the summary, its line the description; returns its tags."""
+    if mon._job_figures is None or not mon.is_main:
+        return {}
+    import time
+
+    try:
+        metrics, tags, mon._job_note = mon._job_figures(time.time())
+    except Exception as e:  # noqa: BLE001 - reliability figures never stop the run's end
+        return {names.RELIABILITY_WHY: f"not computed: {type(e).__name__}: {str(e)[:300]}"}
+    mon._extra_summary.update({k: float(v) for k, v in metrics.items()})
+    return dict(tags)
+
+
 def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float]:
     """Every ``summary/*`` figure of the run (all attempts); ``seconds``: the ledger's closed seconds by category."""
     parts = breakdown(seconds, mon._ledger.warmup_steps, mon._ledger.steady_steps, compiled=mon.compiled)
+    if mon._down_s:  # the job's down time between attempts: part of its wall time (docs/time.md)
+        parts = with_down(parts, mon._down_s)
     tokens = mon._meter.total.tokens
     out: dict[str, float] = {names.SUM_TOKENS: float(tokens), names.SUM_STEPS: float(mon._meter.step),
                              names.SUM_WALL_S: parts["wall"], names.SUM_GOODPUT: goodput(parts)}
@@ -81,7 +102,8 @@ def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float
         flops_figures, tflops = mon._account.summary_figures(rates)
         out.update(flops_figures)
     out.update(_memory_figures(mon, collective))
-    out.update(mon._consumption.summary(parts["wall"], tokens, tflops))
+    # cost and energy over the attempts' time: no device is held or read while no attempt runs
+    out.update(mon._consumption.summary(parts["wall"] - parts.get("down", 0.0), tokens, tflops))
     out.update(mon._extra_summary)
     return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
@@ -171,6 +193,12 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
     tags = {names.HFU_METHOD: mon._account.hfu_note, **mon._carbon.tags(
         energy_source=mon._energy.source if mon._consumption.measured else None),
         **mon._consumption.tags(mon._ledger.wall_s()), **getattr(mon, "_stability_tags", {})}
+    if mon._down_s:  # time between attempts: no process read a counter, no device is priced
+        down = f"{mon._down_s:.3f} s of summary/badput_down_s (no attempt ran)"
+        tags[names.ENERGY_SPAN] = (
+            f"{tags[names.ENERGY_SPAN]}; the times above are the attempts' time: summary/wall_s also holds the "
+            f"job's {down}, neither measured nor priced in cost/*" if names.ENERGY_SPAN in tags else
+            f"cost/* covers the attempts' device time: the job's {down} are not priced")
     if getattr(mon, "_memory_source", None) is not None:
         tags[names.MEMORY_SOURCE] = mon._memory_source
     if not mon._consumption.measured and mon._consumption.estimate is not None:

@@ -95,9 +95,15 @@ def launch(cfg: TrainConfig) -> int:
 
         run_training(cfg, started_at=process_start_perf_counter())
         return 0
+    from mlflow_llmeff.train import job as jobs
+
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
     env["LLMEFF_NUM_MACHINES"] = str(cfg.num_machines)  # for the nodes tag, whatever the launcher sets
-    return subprocess.run(cmd, env=env).returncode
+    env[jobs.START_ENV] = repr(jobs.attempt_start_unix())  # the job's clock starts at this command
+    rc = subprocess.run(cmd, env=env).returncode
+    if cfg.checkpoint_dir and cfg.machine_rank == 0:  # workers that left no exit record: the launcher's
+        jobs.Job(cfg.checkpoint_dir).close_open(rc)
+    return rc
 
 
 def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: bool = False) -> int:

@@ -64,6 +64,7 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
         return _run_training(cfg, holder, time.perf_counter() if started_at is None else started_at)
     except BaseException as e:
         monitor = holder.get("monitor")
+        _end_attempt(holder, e, monitor)
         if monitor is not None:
             status = lifecycle.status_for(e)
             if status != "FINISHED":  # the run says why it stopped
@@ -97,24 +98,109 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     found = ckpt.find_resume(cfg.checkpoint_dir, cfg.resume, t.world, cfg.parallelism)
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
-    monitor = _open_monitor(cfg, t, found, started, carbon)
+    job, job_run = _begin_attempt(cfg, t, found, holder)
+    if job is not None:  # an elastic restart starts at its own process start, not the launcher's
+        started = max(started, time.perf_counter() - max(0.0, time.time() - job.start_unix))
+    monitor = _open_monitor(cfg, t, found, started, carbon, job_run)
     holder["monitor"] = monitor
+    if job is not None:
+        from mlflow_llmeff.train.job import carry
+
+        job.record_run(monitor.run_id, tracking_uri=_tracking_uri())
+        monitor.continue_job(**carry(job.attempts(), found[1]["step"] if found else None))
     if monitor.is_main and monitor.run_id and not found:
         _log_dataset(cfg, t, monitor)
     if not found:
         _probe_comm(cfg, t, monitor)
     if found:
+        loading = time.time()
         with monitor.pause("checkpoint_load"):
             t.parallel.load(t.accelerator, t.model, t.optimizer, found[0])
+        if job is not None:
+            job.loaded(time.time() - loading)
     _train(cfg, t, monitor, start_step=monitor.step_count,
-           skipped=int(found[1].get("skipped_steps", 0)) if found else 0)
+           skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job)
+    said = _job_figures(job, monitor)
     summary = monitor.finish()
+    if job is not None:
+        job.end("finished", monitor.step_count)
     if t.accelerator.is_main_process:
-        _print_summary(monitor, summary)
+        _print_summary(monitor, summary, said.get("line"))
     if cfg.save_model:  # after the run's wall time: saving is not training
         _save_model(cfg.save_model, t)
     teardown(t)
     return {"run_id": monitor.run_id, "summary": summary} if t.accelerator.is_main_process else None
+
+
+def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
+    """Rank 0 with a checkpoint folder: this attempt in the job's ledger (train/job.py); returns
+    ``(job, run id of the job)`` (the run id None for a new job; ``(None, None)`` elsewhere)."""
+    if not cfg.checkpoint_dir or not t.accelerator.is_main_process:
+        return None, None
+    from mlflow_llmeff.train import job as jobs
+
+    job = jobs.Job(cfg.checkpoint_dir)
+    recorded = (job.record() or {}).get("tracking_uri")
+    elsewhere = not found and recorded and recorded != _tracking_uri()  # the job's run is on another server
+    if elsewhere:
+        print(f"llmeff: the job's run {job.record()['run_id']} was logged to {recorded}, not {_tracking_uri()}: "
+              "a new job and run start")
+    if cfg.resume == "never" or elsewhere or (not found and job.finished()):  # a finished job is not continued
+        job.reset()
+    run_id = job.begin(jobs.attempt_start_unix(), found[1]["step"] if found else 0, cfg.warmup_steps)
+    holder["job"] = job
+    if run_id and not found:
+        print(f"llmeff: continuing MLflow run {run_id} (attempt {job.attempt}; no checkpoint was written: "
+              "training restarts from step 0)")
+    earlier = job.attempts()[:-1]
+    if earlier:
+        a = earlier[-1]
+        how = "finished" if a.end == "finished" else f"ended {a.end}{' (' + a.detail + ')' if a.detail else ''}"
+        print(f"llmeff: attempt {job.attempt} of this job; attempt {len(earlier)} {how} at step {a.steps}, "
+              f"{job.start_unix - a.last_alive:.1f} s before this attempt started")
+    return job, run_id
+
+
+def _tracking_uri() -> str | None:
+    try:
+        import mlflow
+
+        from mlflow_llmeff.tracking.redact import strip_uri_secrets
+
+        return strip_uri_secrets(mlflow.get_tracking_uri())  # no password in the checkpoint folder
+    except Exception:  # noqa: BLE001 - only a record
+        return None
+
+
+def _end_attempt(holder: dict, e: BaseException, monitor) -> None:
+    """Record how this attempt ended in the job's ledger (never raises)."""
+    job = holder.get("job")
+    if job is None:
+        return
+    try:
+        from mlflow_llmeff.train.job import classify
+
+        kind, detail = classify(e, lifecycle.signalled())
+        job.end(kind, monitor.step_count if monitor is not None else 0, detail)
+    except Exception:  # noqa: BLE001 - the ledger never hides the error that ended the run
+        pass
+
+
+def _job_figures(job, monitor) -> dict:
+    """Hand the meter the job's reliability figures (calc/reliability.py), computed when its clock stops
+    (so they end where summary/wall_s ends); returns a holder whose "line" the terminal summary prints."""
+    said: dict = {}
+    if job is None:
+        return said
+    from mlflow_llmeff.calc import reliability as rel
+
+    def figures(end_unix: float):
+        r = rel.compute(job.attempts(now=end_unix, step=monitor.step_count, end=rel.FINISHED))
+        said["line"] = rel.describe(r)
+        return rel.summary_metrics(r), rel.summary_tags(r), said["line"] if r.attempts > 1 else None
+
+    monitor.set_job_figures(figures)
+    return said
 
 
 def _carbon_tracker(cfg: TrainConfig):
@@ -126,7 +212,7 @@ def _carbon_tracker(cfg: TrainConfig):
     return tracker
 
 
-def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
+def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon, job_run: str | None = None):
     """The run's meter: conditions as tags, settings as params, the checkpoint's counters continued."""
     from mlflow_llmeff.monitor.meter import EfficiencyMonitor
     from mlflow_llmeff.meters.probes import git_commit
@@ -154,7 +240,7 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon):
         peak_tflops=cfg.peak_tflops or None, device_hour_usd=cfg.device_hour_usd or None,
         usd_per_kwh=cfg.usd_per_kwh or None, measure_energy=cfg.measure_energy,
         country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
-        cloud_region=cfg.cloud_region or None, carbon_tracker=carbon, targets=cfg.targets, run_id=state["run_id"] if state else None,
+        cloud_region=cfg.cloud_region or None, carbon_tracker=carbon, targets=cfg.targets, run_id=state["run_id"] if state else job_run,
         run_name=cfg.run_name or None, experiment_name=cfg.experiment_name or None, tags=tags,
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
         integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir),
@@ -209,7 +295,7 @@ def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
                       stacklevel=2)
 
 
-def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> None:
+def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=None) -> None:
     """The step loop: micro-batches, optimizer step, then evals and checkpoints when due."""
     from tqdm.auto import tqdm
 
@@ -231,6 +317,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
     t.model.train()
     for step in range(start_step + 1, cfg.max_steps + 1):
         now["step"] = step
+        if job is not None:
+            job.step_started()
         lr = t.scheduler.get_last_lr()[0]  # the rate this step uses
         first = step == start_step + 1 and cfg.warmup_steps > 0
         bad_step = False  # a micro-batch of this step had a non-finite loss (skip_step only)
@@ -247,6 +335,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
         eval_now = _due(step, cfg.eval_every, cfg.max_steps) and (t.data.val is not None or bool(cfg.eval_tasks))
         ckpt_now = bool(cfg.checkpoint_dir) and _due(step, cfg.checkpoint_every, cfg.max_steps)
         monitor.step(learning_rate=lr, edge=eval_now or ckpt_now)
+        if job is not None:
+            job.step_done(step)  # the heartbeat: the last completed step
         if skip_bad:
             skipped += bad_step
             if bad_step or step % cfg.log_every_n_steps == 0 or step == cfg.max_steps:
@@ -260,6 +350,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0) -> N
             with monitor.pause("checkpoint_save"):
                 ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped},
                           t.parallel, t.model, t.optimizer)
+            if job is not None:
+                job.checkpoint(step)
         _progress(bar, monitor)
         _inject_faults(step, monitor)
         if stop:
@@ -427,7 +519,7 @@ def _save_model(path: str, t) -> None:
     t.accelerator.wait_for_everyone()
 
 
-def _print_summary(monitor, summary: dict) -> None:
+def _print_summary(monitor, summary: dict, reliability: str | None = None) -> None:
     tps = summary.get(names.SUM_TOKENS_PER_SEC)
     low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
     interval = f" [95% interval {low:,.0f}-{high:,.0f}]" if low is not None and high is not None else ""
@@ -439,6 +531,8 @@ def _print_summary(monitor, summary: dict) -> None:
              ", goodput undefined (no wall time)"))
     if monitor.stability:
         print(f"llmeff: {monitor.stability}")
+    if reliability and summary.get(names.SUM_ATTEMPTS, 1) > 1:
+        print(f"llmeff: {reliability}")
     if monitor.spilled_to:  # the server has not taken the run: the outbox line said how to send it
         return
     try:
@@ -455,6 +549,20 @@ def _print_summary(monitor, summary: dict) -> None:
         pass
 
 
+def _attempt_start_perf() -> float:
+    """``time.perf_counter()`` of this attempt's start: the launcher's (``llmeff train`` passes its
+    start in ``$LLMEFF_ATTEMPT_START_UNIX``), else this process's."""
+    from mlflow_llmeff.meters.probes import process_start_perf_counter
+    from mlflow_llmeff.train.job import START_ENV
+
+    own = process_start_perf_counter()
+    try:
+        given = float(os.environ.get(START_ENV, ""))
+    except ValueError:
+        return own
+    return min(own, time.perf_counter() - max(0.0, time.time() - given))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Per-process entry used by ``accelerate launch``: ``python -m mlflow_llmeff.train.loop --config-json J``."""
     import argparse
@@ -465,9 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = TrainConfig(**json.loads(args.config_json))
     try:
-        from mlflow_llmeff.meters.probes import process_start_perf_counter
-
-        run_training(cfg, started_at=process_start_perf_counter())
+        run_training(cfg, started_at=_attempt_start_perf())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
