@@ -179,10 +179,13 @@ class _Session:
             mon.exit_pause()
 
     def _batch(self, module, args, kwargs):
-        """The forward's ``input_ids`` / ``attention_mask`` / ``labels`` as a dict, or None."""
+        """The forward's ``input_ids`` / ``attention_mask`` / ``labels`` (and a packed batch's
+        document marks, :data:`~mlflow_llmeff.monitor.counting.BATCH_KEYS`) as a dict, or None."""
         import torch
 
-        batch = {k: kwargs[k] for k in ("input_ids", "attention_mask", "labels") if k in kwargs}
+        from mlflow_llmeff.monitor.counting import BATCH_KEYS
+
+        batch = {k: kwargs[k] for k in BATCH_KEYS if k in kwargs}
         if args:
             key = id(module)
             if key not in self.positional:
@@ -197,7 +200,7 @@ class _Session:
                 self.positional[key] = params if "input_ids" in params else ()
             params = self.positional[key]
             if params:
-                batch.update({k: v for k, v in zip(params, args) if k in ("input_ids", "attention_mask", "labels")})
+                batch.update({k: v for k, v in zip(params, args) if k in BATCH_KEYS})
             elif "input_ids" not in batch and torch.is_tensor(args[0]) and not args[0].is_floating_point():
                 batch["input_ids"] = args[0]
         ids = batch.get("input_ids")
