@@ -94,3 +94,64 @@ def test_the_formula_at_the_hand_lengths():
     cfg = load_config("llama-tiny")
     assert fl.flops_per_token(cfg, 64) == FLOPS_PER_TOKEN_S64
     assert fl.flops_per_token(cfg, 512) == FLOPS_PER_TOKEN_S512
+
+
+# ------------------------------------------------------------------------------ llmeff train
+def test_document_batch_restarts_positions_after_each_eos():
+    from mlflow_llmeff.train.batches import document_batch
+
+    ids = torch.tensor([[5, 6, 2, 7, 2, 8, 9, 9]])  # EOS = 2: documents 5 6 2 | 7 2 | 8 9 9
+    b = document_batch(ids, eos_id=2)
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert b["labels"].tolist() == [[-100, 6, 2, -100, 2, -100, 9, 9]] and "attention_mask" not in b
+
+
+def test_document_batch_keeps_the_model_inside_each_document():
+    # transformers builds a block-diagonal mask from the positions: a document's logits equal its own
+    from mlflow_llmeff.train.batches import document_batch
+
+    model = tiny_model()  # train() mode; setup turns the cache off as llmeff train does
+    model.config.use_cache = False
+    a, b = torch.arange(3, 13), torch.arange(20, 26)
+    packed = document_batch(torch.cat([a, torch.tensor([2]), b])[None], eos_id=2)
+    with torch.no_grad():
+        got = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits[0, 11:]
+        alone = model(input_ids=b[None]).logits[0]
+    assert torch.allclose(got, alone, atol=1e-5)
+
+
+def test_packing_modes_are_one_list_and_bools_still_read():
+    from mlflow_llmeff.train import config, data
+    from mlflow_llmeff.train.config import TrainConfig, validate
+
+    assert config.PACKING_MODES == data.PACKING_MODES == ("true", "false", "documents")
+    assert TrainConfig(packing=False).packing == "false" and TrainConfig().packing == "true"
+    with pytest.raises(ValueError, match="packing='rows' is not accepted; use one of: true, false, documents"):
+        validate(TrainConfig(packing="rows"), cuda_available=False, bf16_supported=True)
+
+
+def eight_documents(tmp_path):
+    """A .txt of eight 63-byte documents: with the byte tokenizer's EOS, eight 64-token documents."""
+    p = tmp_path / "eight.txt"
+    p.write_text("\n\n".join(chr(ord("a") + d) * 63 for d in range(8)))
+    return str(p)
+
+
+@pytest.mark.parametrize("packing, flops_per_token", [("documents", FLOPS_PER_TOKEN_S64),
+                                                      ("true", FLOPS_PER_TOKEN_S512)])
+def test_llmeff_train_packing_modes_count_hand_computed_flops(tracking_uri, tmp_path, packing, flops_per_token):
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.loop import run_training
+
+    # one 512-token block (8 x 64), one block a step; documents: s_eff = 64, true: one 512-token sequence
+    out = run_training(TrainConfig(dataset=eight_documents(tmp_path), packing=packing, seq_len=512,
+                                   micro_batch_size=1, max_steps=4, log_every_n_steps=2, warmup_steps=1,
+                                   val_fraction=0.0, measure_energy="none", peak_tflops=1.0,
+                                   data_cache_dir=str(tmp_path / "cache"), experiment_name=f"pack-{packing}"))
+    s = out["summary"]
+    assert s[names.SUM_TOKENS] == 4 * 512
+    assert s[names.SUM_DEVICE_TFLOPS] * 1e12 / s[names.SUM_DEVICE_TOKENS_PER_SEC] == pytest.approx(
+        flops_per_token, rel=1e-6)
+    loss_tokens = mlflow.MlflowClient().get_run(out["run_id"]).data.metrics[names.TRAIN_LOSS_TOKENS]
+    # documents: the first label of each of the 8 documents is masked; true: only the row's first
+    assert loss_tokens == 4 * (512 - 8 if packing == "documents" else 511)
