@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = ["KeyDoc", "METRICS", "TAGS", "target_key", "render_docs"]
 
@@ -160,11 +161,12 @@ TTQ_SUFFIXES = {
 }
 
 
-def target_key(metric: str, op: str, value: str) -> str:
+def target_key(metric: str, op: str, value: str, safe_key: Callable[[str], str]) -> str:
     """Return the key stem of a time-to-quality target, e.g. ``hellaswag_acc_norm_ge_0.30``.
 
-    The stem is ``<metric with / as _>_<ge|le>_<value>`` passed through
-    :func:`mlflow_llmeff.tracking.keys.safe_key`, so it is always a key MLflow accepts; for a value
+    The stem is ``<metric with / as _>_<ge|le>_<value>`` passed through ``safe_key``
+    (:func:`mlflow_llmeff.tracking.keys.safe_key`, given by the caller: this module imports nothing
+    of the package), so it is always a key MLflow accepts; for a value
     :func:`mlflow_llmeff.evals.targets.parse_targets` accepted (``0.30``, ``-1.5``, ``1e-3``) it is
     unchanged by that. A value text outside that form is mapped, never dropped (``+9.5`` gives
     ``..._plus_9.5``; ``parse_targets`` writes it ``9.5`` first).
@@ -174,12 +176,12 @@ def target_key(metric: str, op: str, value: str) -> str:
         op: ``">="`` or ``"<="``.
         value: the threshold text, canonical as ``parse_targets`` keeps it in ``Target.text``
             (verbatim but for a dropped ``+``, so ``0.30`` stays ``0.30``).
+        safe_key: maps text to a key MLflow accepts, unchanged when MLflow accepts it
+            (:func:`mlflow_llmeff.tracking.keys.safe_key`).
 
     Raises:
         ValueError: for an operator other than ``>=`` / ``<=``.
     """
-    from mlflow_llmeff.tracking.keys import safe_key  # pure; imports MLflow's validators lazily
-
     ops = {">=": "ge", "<=": "le"}
     if op not in ops:
         raise ValueError(f"target operator {op!r} is not accepted; use '>=' or '<='")

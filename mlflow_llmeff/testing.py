@@ -1,12 +1,28 @@
-"""A fake ``pynvml`` module, shipped so that tests and demos run every NVML path without a GPU.
+"""The fakes that tests and users need, in one module shipped with the package, so that a test of a
+training script runs every measured path without a GPU, an NVML driver, RAPL or codecarbon.
 
-:func:`fake_nvml` returns an object with the ``pynvml`` function names the product calls; its
-device handles are :class:`FakeGpu` objects whose readings follow a fake clock and attributes a
-test sets (energy counter, power, clocks, throttle reasons, temperature, power limit, the
-processes on the device). Units are NVML's own (millijoules, milliwatts, MHz, degrees C), so the
-code under test converts them exactly as it does for real NVML. Failing calls raise
-:class:`FakeNvmlError` (a stand-in for ``pynvml.NVMLError``, which the product catches as any
-exception).
+* :class:`FakeClock`: an injected clock set by hand (``clock()``, ``clock.t``, ``clock.advance(dt)``);
+  every meter takes a ``clock=`` argument, so figures over a window are exact and never depend on
+  wall time.
+* :func:`fake_nvml`: a fake ``pynvml`` module; its device handles are :class:`FakeGpu` objects
+  whose readings follow a fake clock and attributes a test sets (energy counter, power, clocks,
+  throttle reasons, temperature, power limit, the processes on the device, :class:`FakeProcess`).
+  Units are NVML's own (millijoules, milliwatts, MHz, degrees C), so the code under test converts
+  them exactly as it does for real NVML. Failing calls raise :class:`FakeNvmlError` (a stand-in for
+  ``pynvml.NVMLError``, which the product catches as any exception).
+* :class:`FakeEnergyMeter` (from :mod:`mlflow_llmeff.meters.energy`): constant watts per device on
+  an injected clock, passed as ``EfficiencyMonitor(energy_meter=...)``.
+* :class:`FakeCarbonTracker` (from :mod:`mlflow_llmeff.meters.carbon`): codecarbon's place with a
+  fixed grid intensity, passed as ``EfficiencyMonitor(carbon_tracker=...)``.
+
+Example::
+
+    from mlflow_llmeff.testing import FakeClock, FakeEnergyMeter
+
+    clock = FakeClock()
+    meter = FakeEnergyMeter(300.0, clock=clock)  # 300 W on one device
+    meter.start(); clock.advance(2.0)
+    assert meter.read().joules == 600.0
 """
 
 from __future__ import annotations
@@ -15,7 +31,44 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["FakeNvmlError", "FakeGpu", "FakeProcess", "fake_nvml", "THROTTLE_BITS"]
+from mlflow_llmeff.meters.carbon import FakeCarbonTracker
+from mlflow_llmeff.meters.energy import FakeEnergyMeter
+
+__all__ = ["FakeClock", "FakeNvmlError", "FakeGpu", "FakeProcess", "fake_nvml", "THROTTLE_BITS",
+           "FakeEnergyMeter", "FakeCarbonTracker"]
+
+
+class FakeClock:
+    """A monotonic clock a test sets by hand: ``clock()`` returns :attr:`t`, in seconds.
+
+    Pass it wherever a meter takes ``clock=`` (a callable returning seconds). Time moves only when
+    the test moves it: ``clock.t = 12.5`` or ``clock.advance(0.5)``.
+
+    Args:
+        t: the time it starts at, s (default 0.0).
+    """
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    @property
+    def now(self) -> float:
+        """The current time, s (the same as calling the clock)."""
+        return self.t
+
+    def advance(self, dt: float) -> float:
+        """Move the clock ``dt`` seconds on and return the new time.
+
+        Raises:
+            ValueError: for a negative ``dt`` (a monotonic clock never goes back; set ``t`` to do so).
+        """
+        if dt < 0:
+            raise ValueError(f"dt={dt!r} is negative; a monotonic clock does not go back (set .t instead)")
+        self.t += dt
+        return self.t
 
 #: NVML clocks-event (throttle) reason bits (``nvml.h``, ``nvmlClocksEventReason*`` /
 #: ``nvmlClocksThrottleReason*``), the ones the product names.

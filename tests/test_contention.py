@@ -16,7 +16,7 @@ from mlflow_llmeff.meters import contention as ct
 from mlflow_llmeff import names
 from mlflow_llmeff.monitor.contention import ContentionMeter
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
-from mlflow_llmeff.testing import THROTTLE_BITS, FakeGpu, FakeProcess, fake_nvml
+from mlflow_llmeff.testing import THROTTLE_BITS, FakeClock, FakeGpu, FakeProcess, fake_nvml
 
 from conftest import REPO, use_store
 
@@ -24,14 +24,6 @@ from conftest import REPO, use_store
 @pytest.fixture
 def tracking_uri(module_store, monkeypatch):
     yield from use_store(module_store, monkeypatch)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # ------------------------------------------------------------------------------------------- host
@@ -103,7 +95,7 @@ def fake_gpu(clock, **kw) -> FakeGpu:
 
 
 def test_a_throttle_reason_and_another_process_appear_in_the_contention_tag(tracking_uri):
-    clock = Clock()
+    clock = FakeClock()
     gpu = fake_gpu(clock, sm_clock_mhz=1410, max_sm_clock_mhz=1980, temperature_c=83, power_limit_w=700,
                    throttle_reasons=THROTTLE_BITS["sw_thermal_slowdown"] | THROTTLE_BITS["gpu_idle"],
                    processes=[FakeProcess(os.getpid(), 30 * 2**30), FakeProcess(4242, 2 * 2**30)])
@@ -128,7 +120,7 @@ def test_a_throttle_reason_and_another_process_appear_in_the_contention_tag(trac
 
 
 def test_a_quiet_device_says_so():
-    clock = Clock()
+    clock = FakeClock()
     gpu = fake_gpu(clock, processes=[FakeProcess(os.getpid(), 2**30)], throttle_reasons=THROTTLE_BITS["gpu_idle"])
     meter = ContentionMeter(nvml=fake_nvml([gpu]), gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
     meter.begin(collective=False)
@@ -138,7 +130,7 @@ def test_a_quiet_device_says_so():
 
 def test_nvml_pids_from_another_namespace_are_not_called_other_processes():
     # in a container NVML lists host pids: none is ours, so none can be told apart
-    clock = Clock()
+    clock = FakeClock()
     gpu = fake_gpu(clock, processes=[FakeProcess(99901, 2**30), FakeProcess(99902, 2**30)])
     meter = ContentionMeter(nvml=fake_nvml([gpu]), gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
     meter.begin(collective=False)
@@ -147,7 +139,7 @@ def test_nvml_pids_from_another_namespace_are_not_called_other_processes():
 
 
 def test_an_unreadable_device_leaves_its_fields_out_without_failing():
-    clock = Clock()
+    clock = FakeClock()
     gpu = fake_gpu(clock, readable=False)
     s = ct.read_device(fake_nvml([gpu]), UUID, gpu, own_pids=[os.getpid()])
     assert s.sm_clock_mhz is None and s.temperature_c is None and s.other_pids is None and s.throttle == 0

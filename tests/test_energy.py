@@ -7,7 +7,7 @@ import types
 import pytest
 
 from mlflow_llmeff.meters import energy
-from mlflow_llmeff.testing import FakeGpu, FakeNvmlError, fake_nvml  # noqa: F401
+from mlflow_llmeff.testing import FakeClock, FakeGpu, FakeNvmlError, fake_nvml  # noqa: F401
 from mlflow_llmeff.meters.energy import (
     EnergyReading,
     FakeEnergyMeter,
@@ -15,14 +15,6 @@ from mlflow_llmeff.meters.energy import (
     make_meter,
     sum_over_ranks,
 )
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 UUID_A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
@@ -303,8 +295,9 @@ def test_energy_not_measured_note_is_said_once_a_machine_not_once_a_process(tmp_
     import logging
 
     from mlflow_llmeff.meters import energy
+    from mlflow_llmeff.meters.energy import base
 
-    monkeypatch.setattr(energy, "_warned", set())
+    monkeypatch.setattr(base, "_warned", set())  # _warn_once reads the set of energy/base.py
     missing = str(tmp_path / "missing")
     with caplog.at_level(logging.WARNING, logger=energy._log.name):
         make_meter("auto", device_indices=None, env={"LOCAL_RANK": "1"}, rapl_root=missing)

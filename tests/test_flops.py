@@ -12,8 +12,9 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, 
                           MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config)
 
 from mlflow_llmeff.calc.flops import (Recompute, attention_flops_per_token, effective_seq_len, flops_per_token,
-                                 flops_summary, hardware_model_ratio, mean_attended_keys, measure_step_flops,
-                                 mfu_warning, model_shape, param_counts, recompute_flops_per_token, utilization)
+                                      flops_summary, hardware_model_ratio, mean_attended_keys, mfu_warning,
+                                      model_shape, param_counts, recompute_flops_per_token, utilization)
+from mlflow_llmeff.meters.flopcount import measure_step_flops
 
 
 def llama(L, h, n, g, f, V, **kw):

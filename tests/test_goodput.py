@@ -4,14 +4,7 @@ import pytest
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.goodput import TimeLedger, breakdown, goodput
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
+from mlflow_llmeff.testing import FakeClock
 
 
 def parts_sum(parts: dict[str, float]) -> float:
@@ -19,7 +12,7 @@ def parts_sum(parts: dict[str, float]) -> float:
 
 
 def test_eval_between_steps_is_eval_time_not_step_time():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     ledger = TimeLedger(clock, started_at=90.0)  # 10 s of set-up before the ledger was built
     ledger.begin()
     steps = []
@@ -39,7 +32,7 @@ def test_eval_between_steps_is_eval_time_not_step_time():
 
 
 def test_warmup_excess_is_named_warmup_or_compile():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     ledger = TimeLedger(clock)
     for i, dt in enumerate([9.0, 3.0, 2.0, 2.0, 2.0]):  # 2 warm-up steps (12 s), steady 2 s/step
         clock.t += dt
@@ -54,7 +47,7 @@ def test_warmup_excess_is_named_warmup_or_compile():
 
 
 def test_data_wait_stays_in_the_step_and_is_carved_out_of_productive():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     ledger = TimeLedger(clock)
     ledger.begin()
     for _ in range(2):
@@ -68,7 +61,7 @@ def test_data_wait_stays_in_the_step_and_is_carved_out_of_productive():
 
 
 def test_data_wait_inside_an_eval_is_eval_and_nested_pauses_count_once():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     ledger = TimeLedger(clock)
     ledger.begin()
     with ledger.pause("eval"):
@@ -82,7 +75,7 @@ def test_data_wait_inside_an_eval_is_eval_and_nested_pauses_count_once():
 
 
 def test_a_step_never_closed_is_other():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     ledger = TimeLedger(clock)
     ledger.begin()
     clock.t += 1.0
@@ -93,7 +86,7 @@ def test_a_step_never_closed_is_other():
 
 
 def test_restart_adds_earlier_attempts_and_lost_progress_exactly():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     first = TimeLedger(clock, started_at=95.0)  # 5 s init
     first.begin()
     for i in range(3):
@@ -121,11 +114,11 @@ def test_restart_adds_earlier_attempts_and_lost_progress_exactly():
 
 
 def test_every_badput_category_has_a_summary_key():
-    parts = breakdown(TimeLedger(FakeClock()).close(), 0, 0)
+    parts = breakdown(TimeLedger(FakeClock(100.0)).close(), 0, 0)
     assert set(parts) - {"productive", "wall"} <= set(names.BADPUT_CATEGORIES)
     assert names.SUM_BADPUT["warmup"] == "summary/badput_warmup_s"
 
 
 def test_unknown_pause_category_is_rejected():
     with pytest.raises(ValueError, match="pause category 'compile' is not accepted; use one of: eval"):
-        TimeLedger(FakeClock()).enter("compile")
+        TimeLedger(FakeClock(100.0)).enter("compile")

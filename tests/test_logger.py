@@ -12,14 +12,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.evals.targets import parse_targets
 from mlflow_llmeff.tracking import keys
 from mlflow_llmeff.tracking.logger import NullLogger, RunLogger, default_run_name
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from mlflow_llmeff.testing import FakeClock
 
 
 def steps(client, run_id, key):

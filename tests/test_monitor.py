@@ -11,10 +11,10 @@ import torch
 
 from mlflow_llmeff.monitor import lifecycle
 from mlflow_llmeff import names
-from mlflow_llmeff.meters.energy import FakeEnergyMeter
 from mlflow_llmeff.calc.flops import flops_per_token
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 from mlflow_llmeff.models.build import load_config
+from mlflow_llmeff.testing import FakeCarbonTracker, FakeClock, FakeEnergyMeter
 
 from conftest import use_store
 
@@ -25,23 +25,13 @@ def tracking_uri(module_store, monkeypatch):
     yield from use_store(module_store, monkeypatch)
 
 
-class Clock:
-    """A fake monotonic clock the test advances by hand."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def history(run_id: str, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in mlflow.MlflowClient().get_metric_history(run_id, key)]
 
 
 def test_rates_from_explicit_counts_with_a_fake_clock(tracking_uri):
     # 4 steps of 1 s and 100 tokens (4 sequences of 25); warm-up = step 1; logged at steps 2 and 4.
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, clock=clock, measure_energy="none")
     for _ in range(4):
         clock.t += 1.0
@@ -61,7 +51,7 @@ def test_rates_from_explicit_counts_with_a_fake_clock(tracking_uri):
 
 def test_mfu_equals_tokens_per_sec_times_flops_per_token_over_peak(tracking_uri):
     cfg = load_config("llama-tiny")
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model_config=cfg, peak_tflops=2.0, clock=clock,
                             measure_energy="none")
     for _ in range(2):
@@ -92,7 +82,7 @@ def test_batches_count_non_padding_padded_and_loss_tokens(tracking_uri):
 
 
 def test_energy_and_cost_from_a_fake_meter(tracking_uri):
-    clock = Clock()
+    clock = FakeClock()
     meter = FakeEnergyMeter(300.0, clock=clock)  # 300 W on one device
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, energy_meter=meter,
                             device_hour_usd=3.6, measure_energy="none")
@@ -115,7 +105,7 @@ def test_two_devices_one_unreadable_give_coverage_half_and_no_silently_partial_e
     from mlflow_llmeff.meters.energy import make_meter
     from mlflow_llmeff.testing import FakeGpu, fake_nvml
 
-    clock = Clock()
+    clock = FakeClock()
     gpus = [FakeGpu("GPU-a", "0000:18:00.0", 300.0, clock), FakeGpu("GPU-b", "0000:3b:00.0", 400.0, clock,
                                                                        readable=False)]
     meter = make_meter("nvml", device_indices=[0, 1], nvml=fake_nvml(gpus), env={}, clock=clock, sampling_thread=False)
@@ -150,7 +140,7 @@ def test_a_meter_that_names_no_devices_still_counts_the_ones_it_reads(tracking_u
         def read(self):
             return EnergyReading(50.0, 1.0, {"board": 50.0})
 
-    mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=Clock(), energy_meter=Mine(),
+    mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=FakeClock(), energy_meter=Mine(),
                             measure_energy="none", measure_peak=False)
     mon.step(tokens=10, samples=1)
     s = mon.finish()
@@ -159,7 +149,7 @@ def test_a_meter_that_names_no_devices_still_counts_the_ones_it_reads(tracking_u
 
 def test_energy_cost_and_wall_time_cover_the_same_span_or_say_which(tracking_uri):
     # Set-up ran 3 s (clock 0 -> 3) before the monitor and its meter started; then 4 steps of 1 s at 200 W.
-    clock = Clock()
+    clock = FakeClock()
     clock.t = 3.0
     late = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, started_at=0.0,
                              energy_meter=FakeEnergyMeter(200.0, clock=clock), measure_energy="none",
@@ -277,7 +267,7 @@ def test_a_failure_inside_the_monitor_warns_and_never_raises(tracking_uri, monke
 # ------------------------------------------------------------------------------------ the clock
 def run_a_b(eval_s: float):
     """12 steps of 0.086 s (256 tokens each), logged every 4; an eval of ``eval_s`` after steps 4 and 8."""
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=4, warmup_steps=3, clock=clock, measure_energy="none",
                             measure_peak=False, started_at=-2.0)  # 2 s of set-up before the monitor
     for step in range(1, 13):
@@ -310,7 +300,7 @@ def test_an_eval_between_steps_never_lands_in_tokens_per_sec(tracking_uri):
 
 def test_warmup_badput_is_named_warmup_or_compile(tracking_uri):
     for compiled, key, other in ((False, "warmup", "compile"), (True, "compile", "warmup")):
-        clock = Clock()
+        clock = FakeClock()
         mon = EfficiencyMonitor(log_every_n_steps=10, warmup_steps=2, clock=clock, measure_energy="none",
                                 measure_peak=False, compile=compiled)
         for dt in (5.0, 1.0, 1.0, 1.0, 1.0):  # warm-up steps take 6 s, steady ones 1 s
@@ -329,7 +319,7 @@ def test_hfu_is_mfu_times_hardware_over_model_flops_without_a_counted_step(track
     # down projection (its output only feeds the residual add, so early stop never recomputes it); the
     # LM head (6*64*259 per token) is not recomputed.
     cfg = load_config("llama-tiny")
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model_config=cfg, peak_tflops=2.0, clock=clock,
                             measure_energy="none", measure_peak=False, activation_checkpointing=True)
     for _ in range(2):
@@ -364,7 +354,7 @@ def test_counted_and_analytic_hfu_agree_under_activation_checkpointing(tracking_
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 259, (2, 32), generator=torch.Generator().manual_seed(0))
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model=model, peak_tflops=1.0, clock=clock,
                             measure_energy="none", measure_peak=False)
     for i in range(2):
@@ -385,7 +375,7 @@ def test_counted_and_analytic_hfu_agree_under_activation_checkpointing(tracking_
 
 # ------------------------------------------------------------------------------------ time to quality
 def test_time_to_quality_hand_computed(tracking_uri):
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, measure_energy="none",
                             measure_peak=False, device_hour_usd=3.6, targets="val_loss<=2.0,val_loss<=1.0",
                             started_at=-5.0)
@@ -412,7 +402,7 @@ def test_time_to_quality_hand_computed(tracking_uri):
 
 def test_a_target_written_with_a_plus_sign_loses_no_key(tracking_uri):
     # The issue's case: --targets 'val_loss<=+9.5', reached at the last step; the final batch was rejected.
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=1, clock=clock, measure_energy="none",
                             measure_peak=False, targets="val_loss<=+9.5")
     for _ in range(3):
@@ -466,9 +456,7 @@ def test_every_ending_gets_its_status_after_the_points_are_flushed(tracking_uri,
 def test_consumption_continues_from_the_crashed_attempts_last_point(tracking_uri):
     # The issue's case: checkpoint at step 20, killed at 25, resumed. codecarbon's RAM estimate must
     # cover both attempts (2.0e-4 kWh up to the crash + 1.26e-4 after = 3.26e-4), not the second only.
-    from mlflow_llmeff.meters.carbon import FakeCarbonTracker
-
-    clock = Clock()
+    clock = FakeClock()
     carbon = FakeCarbonTracker(intensity_g_per_kwh=500.0)
     first = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=clock, measure_peak=False,
                               energy_meter=FakeEnergyMeter(100.0, clock=clock), carbon_tracker=carbon,
@@ -511,7 +499,7 @@ def test_consumption_continues_from_the_crashed_attempts_last_point(tracking_uri
 
 
 def test_steps_with_nothing_counted_log_no_made_up_rate(tracking_uri):
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, measure_energy="none", measure_peak=False)
     with pytest.warns(UserWarning, match="no token counted"):
         for _ in range(4):
@@ -538,7 +526,7 @@ def test_a_launchers_fresh_run_starts_the_wall_time(tracking_uri, monkeypatch):
 
 
 def test_the_run_says_why_mlflow_duration_and_wall_s_differ(tracking_uri):
-    clock = Clock()
+    clock = FakeClock()
     clock.t = 5.0  # the attempt started 5 s before the monitor (imports, model build): wall_s counts them
     mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=clock, started_at=0.0,
                             measure_energy="none", measure_peak=False, report=False)
@@ -554,7 +542,7 @@ def test_the_run_says_why_mlflow_duration_and_wall_s_differ(tracking_uri):
 def test_per_subject_mmlu_scores_are_one_table_per_eval_and_metrics_only_when_asked(tracking_uri, subject_metrics):
     import json
 
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=0, clock=clock, measure_energy="none",
                             measure_peak=False, report=False, eval_subject_metrics=subject_metrics)
     for _ in range(5):

@@ -10,14 +10,7 @@ import pytest
 from mlflow_llmeff import names
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 from mlflow_llmeff.tracking.runs import run_url_line
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from mlflow_llmeff.testing import FakeClock, FakeEnergyMeter
 
 
 def _artifacts(client, run_id, path=None):
@@ -45,7 +38,6 @@ def test_monitor_logs_the_efficiency_report_at_the_end(tracking_uri):
 
 
 def test_measured_power_gets_its_figure(tracking_uri):
-    from mlflow_llmeff.meters.energy import FakeEnergyMeter
 
     clock = FakeClock()
     with EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, energy_meter=FakeEnergyMeter(300.0, clock=clock),

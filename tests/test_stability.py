@@ -13,6 +13,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.calc import stability as st
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes
+from mlflow_llmeff.testing import FakeClock
 
 from conftest import use_store
 
@@ -20,14 +21,6 @@ from conftest import use_store
 @pytest.fixture
 def tracking_uri(module_store, monkeypatch):
     yield from use_store(module_store, monkeypatch)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def stalled(n: int = 100, stalls: tuple[int, ...] = (30, 70)) -> list[float]:
@@ -144,7 +137,7 @@ class FakeEvent:
 
 
 def test_device_step_clock_splits_the_window_by_event_times():
-    clock = Clock()
+    clock = FakeClock()
     dc = DeviceStepClock(lambda: FakeEvent(clock))
     dc.restart()
     for dt in (0.1, 0.3):
@@ -156,7 +149,7 @@ def test_device_step_clock_splits_the_window_by_event_times():
 
 
 def test_forward_timer_counts_active_forwards_only():
-    clock = Clock()
+    clock = FakeClock()
     active = [True]
     model = torch.nn.Linear(2, 2)
 
@@ -182,7 +175,7 @@ def test_step_times_survive_a_checkpoint_in_float32():
 
 # ------------------------------------------------------------------------------ through the monitor
 def run_monitor(step_seconds: list[float], warmup_steps: int = 3, log_every: int = 10) -> EfficiencyMonitor:
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=log_every, warmup_steps=warmup_steps, clock=clock,
                             measure_energy="none", measure_peak=False, report=False)
     for dt in [0.010] * warmup_steps + step_seconds:
@@ -218,7 +211,7 @@ def test_monitor_calls_the_same_run_without_stalls_stable(tracking_uri):
 
 def test_warm_up_steps_are_not_in_the_step_time_figures(tracking_uri):
     # 3 warm-up steps of 10 s each would be stalls if counted
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=3, clock=clock, measure_energy="none",
                             measure_peak=False, report=False)
     for dt in [10.0] * 3 + [0.02] * 20:
@@ -237,7 +230,7 @@ def test_the_runs_description_leads_with_the_run_figure_and_its_interval(trackin
 
 
 def test_a_failed_run_keeps_the_description_that_says_why(tracking_uri):
-    clock = Clock()
+    clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=1, clock=clock, measure_energy="none",
                             measure_peak=False, report=False)
     for _ in range(12):
@@ -254,7 +247,7 @@ def test_a_failing_timer_never_reaches_the_forward_pass():
         raise RuntimeError("timer bug")
 
     model = torch.nn.Linear(2, 2)
-    t = ForwardTimer(model, broken, Clock())
+    t = ForwardTimer(model, broken, FakeClock())
     assert model(torch.zeros(1, 2)).shape == (1, 2) and model(torch.zeros(1, 2)).shape == (1, 2)
     assert t.take() == 0.0
     t.close()

@@ -1,7 +1,8 @@
 """Training FLOPs per token from a model config, parameter counts, and MFU / HFU arithmetic.
 
-Pure arithmetic: nothing here touches a device, and torch is imported only inside
-:func:`measure_step_flops`. Every term is derived in ``docs/formulas.md``; the short version:
+Pure arithmetic: nothing here touches a device, and there is no torch here (a real step's FLOPs are
+counted by :func:`mlflow_llmeff.meters.flopcount.measure_step_flops`). Every term is derived in
+``docs/formulas.md``; the short version:
 
 For one token and one decoder layer, a matrix multiply ``(1 x a) @ (a x b)`` costs ``2ab`` FLOPs
 forward (one multiply and one add per weight) and ``4ab`` backward (gradient w.r.t. the input and
@@ -29,13 +30,26 @@ lookup and learned positions (a gather, no FLOPs), norms, activations, softmax, 
 biases and RoPE (O(h) per token against O(h^2), well under 1% for real models). A model type the
 formula does not know is counted once on the meta device (:mod:`mlflow_llmeff.meters.flopcount`), which
 yields a :class:`CountedFlops` that every function here accepts in place of a config.
+
+The model's shapes and parameter counts (:class:`ModelShape`, :func:`model_shape`,
+:func:`attention_windows`, :func:`param_counts`, :class:`CountedFlops`, :class:`Recompute`) are read in
+:mod:`mlflow_llmeff.calc.model_shape` and re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+
+from mlflow_llmeff.calc.model_shape import (
+    FORMULA_TYPES,
+    CountedFlops,
+    ModelShape,
+    Recompute,
+    attention_windows,
+    model_shape,
+    param_counts,
+)
 
 __all__ = [
     "CONVENTIONS",
@@ -55,7 +69,6 @@ __all__ = [
     "mean_attended_keys",
     "effective_seq_len",
     "param_counts",
-    "measure_step_flops",
     "utilization",
     "mfu_warning",
 ]
@@ -69,380 +82,6 @@ FORMULA_TAGS = {
     "palm": "palm: 6*N (matmul weights, LM head included) + 12*L*h_attn*s, no causal discount "
             "(Chowdhery et al. 2022, PaLM App. B)",
 }
-
-#: Hugging Face ``model_type`` values whose config fields the formula reads. Each is checked
-#: against a FlopCounterMode count of the real transformers model on the meta device (tests,
-#: within 1%; exact today), parameters against ``sum(p.numel())``. Any other type is counted on
-#: the meta device (:mod:`mlflow_llmeff.meters.flopcount`) or gets no figure.
-FORMULA_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-                 "gemma3_text", "phi3", "olmo2", "olmoe", "granite", "granitemoe", "gpt_neox", "gpt2", "deepseek_v3")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shapes that decide FLOPs and parameter counts of a decoder-only transformer.
-
-    Attributes:
-        layers: decoder layers ``L``.
-        hidden: model width ``h``.
-        heads: query heads ``n``.
-        kv_heads: key/value heads ``g`` (``g == n``: multi-head; ``g < n``: GQA/MQA).
-        head_dim: width ``d`` of one query/key head (``n*d`` is usually ``h``, not always: Qwen3,
-            Gemma); for MLA the query/key head including its rotary part.
-        ffn: MLP width ``f``: the dense MLP's, or each routed expert's in an MoE model.
-        vocab: vocabulary ``V``.
-        gated_mlp: True for SwiGLU-style 3-matrix MLPs, False for plain 2-matrix MLPs.
-        experts: routed experts per MoE layer ``E`` (0 for a dense model).
-        top_k: routed experts each token uses (0 for a dense model).
-        tied_embeddings: LM head shares the input embedding matrix (counted once in parameters,
-            still costs FLOPs).
-        learned_positions: rows of a learned position embedding (0 for RoPE models).
-        windows: per layer, the sliding-window size in tokens, or None for full attention.
-        qkv_bias, o_bias, mlp_bias: whether those linear layers carry a bias (parameters only).
-        layer_norm: True for LayerNorm (weight and bias), False for RMSNorm (weight only).
-        model_type: the Hugging Face ``model_type`` or ``"shape"`` for a plain shape object.
-        v_head_dim: width of one value head (0: ``head_dim``; MLA sets it apart).
-        q_lora_rank, kv_lora_rank, qk_rope_head_dim: MLA (DeepSeek-V2/V3) low-rank query and
-            key/value projections: ``h -> q_lora_rank -> n*head_dim`` (0: a direct ``h -> n*head_dim``),
-            ``h -> kv_lora_rank + qk_rope_head_dim`` then ``kv_lora_rank -> n*(nope + v_head_dim)``.
-            ``kv_lora_rank == 0`` means ordinary attention.
-        moe_layers: per layer, True where the MLP is the MoE block (empty: every layer of an MoE
-            model, none of a dense one).
-        dense_ffn: width of the dense MLP in the dense layers of an MoE model (0: ``ffn``).
-        shared_ffn: total width of the shared expert(s) every token goes through in an MoE layer.
-        shared_gate: the shared expert output is scaled by a learned ``h -> 1`` gate (Qwen2-MoE).
-        chunks: per layer, the chunk size of chunked attention (a query sees only its chunk), or None.
-        layer_norms: norms of width ``h`` in one layer (2: before attention and MLP; Gemma-2/3: 4).
-        extra_layer_params: further norm parameters of one layer (q/k norms, MLA latent norms).
-        dense_tail_bare: in a dense layer the MLP's last matmul output only feeds a residual add,
-            so PyTorch's non-reentrant checkpoint (early stop) does not recompute it (False when a
-            norm or dropout follows it: Gemma-2/3, OLMo-2, GPT-2 with dropout).
-        moe_tail_bare: likewise for an MoE layer's last matmul (DeepSeek-V3: the shared experts'
-            down projection runs last); routed experts scale their output by the router weights,
-            which keeps it, so by default nothing is skipped there.
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    gated_mlp: bool = True
-    experts: int = 0
-    top_k: int = 0
-    tied_embeddings: bool = False
-    learned_positions: int = 0
-    windows: tuple[int | None, ...] = ()
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    layer_norm: bool = False
-    model_type: str = "shape"
-    v_head_dim: int = 0
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    moe_layers: tuple[bool, ...] = ()
-    dense_ffn: int = 0
-    shared_ffn: int = 0
-    shared_gate: bool = False
-    chunks: tuple[int | None, ...] = ()
-    layer_norms: int = 2
-    extra_layer_params: int = 0
-    dense_tail_bare: bool = True
-    moe_tail_bare: bool = False
-
-    @property
-    def q_width(self) -> int:
-        """``n*d``: width of the query projection output (and of attention scores' contraction)."""
-        return self.heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        """``g*d``: width of the key projection output (same for values)."""
-        return self.kv_heads * self.head_dim
-
-    @property
-    def v_width(self) -> int:
-        """``n*d_v``: width of the attention output that the output projection reads."""
-        return self.heads * (self.v_head_dim or self.head_dim)
-
-    @property
-    def mla(self) -> bool:
-        """True for multi-head latent attention (DeepSeek-V2/V3)."""
-        return self.kv_lora_rank > 0
-
-    def attention_weight_params(self) -> int:
-        """Weights of the attention projections in one layer (no biases).
-
-        Ordinary: ``h*n*d`` (Q) + ``h*g*d`` (K) + ``h*g*d_v`` (V) + ``n*d_v*h`` (O). MLA:
-        ``h*r_q + r_q*n*d`` (or ``h*n*d``) + ``h*(r_kv + d_rope)`` + ``r_kv*n*(d - d_rope + d_v)`` + O.
-        """
-        h, n = self.hidden, self.heads
-        dv = self.v_head_dim or self.head_dim
-        if self.mla:
-            q = (h * self.q_lora_rank + self.q_lora_rank * n * self.head_dim) if self.q_lora_rank else h * n * self.head_dim
-            kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim)
-            kv_b = self.kv_lora_rank * n * (self.head_dim - self.qk_rope_head_dim + dv)
-            return q + kv_a + kv_b + n * dv * h
-        return h * self.q_width + h * self.kv_width + h * self.kv_heads * dv + self.v_width * h
-
-    def expert_weight_params(self) -> int:
-        """Weights of one MLP (one routed expert for MoE): ``3*h*f`` gated, ``2*h*f`` plain."""
-        return self._mlp(self.ffn)
-
-    def router_params(self) -> int:
-        """Weights of the MoE router ``h x E`` in one layer (0 for a dense model)."""
-        return self.hidden * self.experts
-
-    def _mlp(self, width: int) -> int:
-        return (3 if self.gated_mlp else 2) * self.hidden * width
-
-    def is_moe(self, layer: int) -> bool:
-        """True when layer ``layer``'s MLP is the MoE block."""
-        if not self.experts:
-            return False
-        return self.moe_layers[layer] if self.moe_layers else True
-
-    def layer_weights(self, layer: int) -> int:
-        """Matmul weights one token goes through in layer ``layer`` (routed: ``top_k`` experts only)."""
-        if self.is_moe(layer):
-            mlp = (self.top_k * self.expert_weight_params() + self.router_params() + self._mlp(self.shared_ffn)
-                   + (self.hidden if self.shared_gate else 0))
-        else:
-            mlp = self._mlp(self.dense_ffn or self.ffn)
-        return self.attention_weight_params() + mlp
-
-    def attention_width(self) -> int:
-        """``n*(d_qk + d_v)``: the attention matmuls cost ``2 x`` this per token and attended key, forward."""
-        return self.heads * (self.head_dim + (self.v_head_dim or self.head_dim))
-
-    def tail_weights(self, layer: int) -> int:
-        """Weights of layer ``layer``'s last matmul when early-stopped recomputation skips it, else 0."""
-        if self.is_moe(layer):
-            return self.hidden * self.shared_ffn if self.moe_tail_bare else 0
-        return self.hidden * (self.dense_ffn or self.ffn) if self.dense_tail_bare else 0
-
-
-@dataclass(frozen=True)
-class CountedFlops:
-    """FLOPs per token of a model counted with FlopCounterMode (one forward and backward, meta device).
-
-    The count runs eager attention, which computes every query-key pair, at several sequence
-    lengths, so per layer the counted training FLOPs per token are ``a_l + b_l * s``: ``b_l`` is the
-    attention matmuls' cost per attended key. Model FLOPs then take each layer's attended keys
-    from :func:`mean_attended_keys` (causal discount, windows and chunks from the config), exactly
-    as the formula does. Built by :func:`mlflow_llmeff.meters.flopcount.count_on_meta`.
-
-    Attributes:
-        model_type: the config's ``model_type``.
-        weight_flops: training FLOPs per token that do not grow with the sequence (all matmuls
-            outside attention scores: projections, MLP/experts, router, LM head).
-        attention_per_key: per layer, training FLOPs per token per attended key.
-        windows, chunks: per layer, sliding-window / chunk size or None (from the config).
-        lengths: the sequence lengths counted.
-        recompute: the checkpointing the recomputation below was counted under, or None.
-        recompute_weight_flops: forward FLOPs per token recomputed outside attention (counted).
-        recompute_per_key: per layer, recomputed attention forward FLOPs per token per key.
-        params_total, params_non_embedding: ``sum(p.numel())`` of the meta model, and without the
-            input embedding; ``params_active``: equal to the total for a dense model, None for MoE.
-    """
-
-    model_type: str
-    weight_flops: float
-    attention_per_key: tuple[float, ...]
-    windows: tuple[int | None, ...]
-    chunks: tuple[int | None, ...]
-    lengths: tuple[int, ...] = ()
-    recompute: "Recompute | None" = None
-    recompute_weight_flops: float = 0.0
-    recompute_per_key: tuple[float, ...] = ()
-    params_total: int = 0
-    params_non_embedding: int = 0
-    params_active: int | None = None
-
-    @property
-    def layers(self) -> int:
-        return len(self.attention_per_key)
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """What activation checkpointing re-executes during backward.
-
-    Attributes:
-        layers: indices of the checkpointed decoder layers, or None for every layer (Hugging Face
-            ``activation_checkpointing_enable()``; ``every_n_layers=k`` checkpoints layers ``0, k, 2k, ...``).
-        early_stop: PyTorch's non-reentrant checkpoint (the default of transformers 5 and of
-            ``torch.utils.checkpoint``) stops recomputing once the last tensor backward needs is
-            recomputed, so a layer's last matmul whose output only feeds a residual add is not run
-            again (:attr:`ModelShape.dense_tail_bare`). False for the reentrant checkpoint or
-            ``early_stop=False``: the whole layer forward runs again.
-    """
-
-    layers: tuple[int, ...] | None = None
-    early_stop: bool = True
-
-    def checkpointed(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-    def describe(self) -> str:
-        which = "every decoder layer" if self.layers is None else f"{len(self.layers)} decoder layers"
-        how = ("non-reentrant, early stop: a last matmul feeding only the residual is not rerun" if self.early_stop
-               else "whole layer forward rerun")
-        return f"{which} ({how})"
-
-
-def _get(config, *names, default=None):
-    for name in names:
-        v = getattr(config, name, None)
-        if v is not None:
-            return v
-    return default
-
-
-def attention_windows(config) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
-    """Per layer, the sliding window and the attention chunk in tokens (None: full causal attention).
-
-    Read from the config the way transformers 5 models use it: ``layer_types`` when present
-    (``sliding_attention`` -> ``sliding_window``, ``chunked_attention`` -> ``attention_chunk_size``,
-    anything else full), else ``sliding_window`` on every layer (Mistral, Phi-3, Qwen3-MoE) unless
-    ``use_sliding_window`` is False or the window is 0.
-
-    Returns:
-        ``(windows, chunks)``, one entry per layer each.
-    """
-    layers = int(_get(config, "num_hidden_layers", "n_layer", default=0) or 0)
-    window = _get(config, "sliding_window")
-    if getattr(config, "use_sliding_window", True) is False or not window:
-        window = None
-    chunk = _get(config, "attention_chunk_size") or None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        chunks = tuple(chunk if t == "chunked_attention" else None for t in layer_types)
-        return windows, chunks
-    return (window,) * layers, (None,) * layers
-
-
-def _moe_layers(config, layers: int, experts: int) -> tuple[bool, ...]:
-    """Per layer, whether the MLP is the MoE block (Qwen-MoE ``decoder_sparse_step`` /
-    ``mlp_only_layers``, DeepSeek ``first_k_dense_replace``)."""
-    if not experts:
-        return ()
-    if hasattr(config, "first_k_dense_replace"):
-        k = int(config.first_k_dense_replace or 0)
-        return tuple(i >= k for i in range(layers))
-    step = int(_get(config, "decoder_sparse_step", default=1) or 1)
-    only = set(_get(config, "mlp_only_layers", default=()) or ())
-    return tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
-
-
-def model_shape(config) -> ModelShape:
-    """Read the FLOPs-relevant shapes from a Hugging Face config or an equivalent shape object.
-
-    Args:
-        config: a ``transformers`` config whose ``model_type`` is in :data:`FORMULA_TYPES`; a
-            :class:`ModelShape`; or any object with the Llama attribute names
-            (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
-            ``intermediate_size``, ``vocab_size``; optional ``num_key_value_heads``, ``head_dim``,
-            ``tie_word_embeddings``, ``sliding_window``, ``num_local_experts``,
-            ``num_experts_per_tok``, ``mlp_gated``), read as a Llama-like SwiGLU decoder.
-
-    Returns:
-        The :class:`ModelShape`.
-
-    Raises:
-        ValueError: for a ``model_type`` outside :data:`FORMULA_TYPES` (its layers may differ in
-            ways the formula would silently miscount: count it on the meta device instead), or a
-            missing shape.
-    """
-    if isinstance(config, ModelShape):
-        return config
-    if isinstance(config, CountedFlops):
-        raise ValueError(f"model_type {config.model_type!r} was counted on the meta device; it has no ModelShape")
-    model_type = getattr(config, "model_type", None) or "shape"
-    if model_type not in FORMULA_TYPES + ("shape",):
-        raise ValueError(f"model_type {model_type!r} is not supported by the FLOPs formula; accepted: "
-                         f"{', '.join(FORMULA_TYPES)}, or a shape object with Llama attribute names "
-                         "(other types are counted on the meta device: mlflow_llmeff.meters.flopcount)")
-    layers = _get(config, "num_hidden_layers", "n_layer")
-    hidden = _get(config, "hidden_size", "n_embd")
-    heads = _get(config, "num_attention_heads", "n_head")
-    vocab = _get(config, "vocab_size")
-    missing = [k for k, v in dict(num_hidden_layers=layers, hidden_size=hidden,
-                                  num_attention_heads=heads, vocab_size=vocab).items() if v is None]
-    if missing:
-        raise ValueError(f"config {type(config).__name__} lacks {', '.join(missing)}; "
-                         "flops_per_token needs the decoder's shapes")
-    kv_heads = _get(config, "num_key_value_heads", default=heads)
-    head_dim = _get(config, "head_dim", default=hidden // heads)
-
-    if model_type == "gpt2":
-        ffn = _get(config, "n_inner", default=4 * hidden)
-        return ModelShape(
-            layers=layers, hidden=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
-            ffn=ffn, vocab=vocab, gated_mlp=False,
-            tied_embeddings=bool(_get(config, "tie_word_embeddings", default=True)),
-            learned_positions=_get(config, "n_positions", "max_position_embeddings", default=0),
-            windows=(None,) * layers, qkv_bias=True, o_bias=True, mlp_bias=True, layer_norm=True,
-            model_type=model_type,
-            dense_tail_bare=not _get(config, "resid_pdrop", default=0.0))  # dropout keeps c_proj's output
-    if model_type == "gpt_neox":
-        bias = bool(getattr(config, "attention_bias", True))
-        return ModelShape(
-            layers=layers, hidden=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
-            ffn=config.intermediate_size, vocab=vocab, gated_mlp=False,
-            tied_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
-            windows=(None,) * layers, qkv_bias=bias, o_bias=bias, mlp_bias=True, layer_norm=True,
-            model_type=model_type, dense_tail_bare=not _get(config, "hidden_dropout", default=0.0))
-
-    ffn = _get(config, "intermediate_size")
-    if ffn is None:
-        raise ValueError(f"config {type(config).__name__} lacks intermediate_size")
-    experts = int(_get(config, "n_routed_experts", "num_local_experts", "num_experts", default=0) or 0)
-    top_k = int(_get(config, "num_experts_per_tok", default=0) or 0) if experts else 0
-    if experts and not 0 < top_k <= experts:
-        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{experts} (num experts)")
-    dense_ffn, expert_ffn = 0, ffn
-    moe_ffn = _get(config, "moe_intermediate_size")
-    if experts and moe_ffn:  # Qwen-MoE, DeepSeek: intermediate_size is the dense layers' MLP
-        dense_ffn, expert_ffn = ffn, moe_ffn
-    shared_ffn = 0
-    if experts and model_type == "deepseek_v3":
-        shared_ffn = int(config.n_shared_experts or 0) * expert_ffn
-    elif experts and model_type == "qwen2_moe":
-        shared_ffn = int(_get(config, "shared_expert_intermediate_size", default=0) or 0)
-    windows, chunks = attention_windows(config)
-    attn_bias = bool(getattr(config, "attention_bias", False))
-    extra, norms = 0, 2
-    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
-        extra = 2 * head_dim  # q_norm, k_norm over one head
-    elif model_type in ("olmo2", "olmoe"):
-        extra = heads * head_dim + kv_heads * head_dim  # q_norm, k_norm over all heads
-    if model_type in ("gemma2", "gemma3_text"):
-        norms = 4  # input, post-attention, pre- and post-feedforward
-    mla = {}
-    if model_type == "deepseek_v3":
-        rope, nope = int(config.qk_rope_head_dim), int(config.qk_nope_head_dim)
-        mla = dict(head_dim=nope + rope, v_head_dim=int(config.v_head_dim), q_lora_rank=int(config.q_lora_rank or 0),
-                   kv_lora_rank=int(config.kv_lora_rank), qk_rope_head_dim=rope, kv_heads=heads)
-        extra = mla["q_lora_rank"] + mla["kv_lora_rank"]  # q_a_layernorm, kv_a_layernorm
-    # A norm after the MLP (Gemma-2/3, OLMo-2) keeps the last matmul's output for backward.
-    tail_bare = model_type not in ("gemma2", "gemma3_text", "olmo2")
-    shape = dict(
-        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=expert_ffn,
-        vocab=vocab, gated_mlp=bool(getattr(config, "mlp_gated", True)), experts=experts, top_k=top_k,
-        tied_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
-        windows=windows, chunks=chunks, qkv_bias=attn_bias or model_type == "qwen2" or model_type == "qwen2_moe",
-        o_bias=attn_bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), model_type=model_type,
-        moe_layers=_moe_layers(config, layers, experts), dense_ffn=dense_ffn, shared_ffn=shared_ffn,
-        shared_gate=model_type == "qwen2_moe" and shared_ffn > 0, layer_norms=norms, extra_layer_params=extra,
-        dense_tail_bare=tail_bare, moe_tail_bare=model_type == "deepseek_v3" and shared_ffn > 0)
-    shape.update(mla)
-    return ModelShape(**shape)
 
 
 def _check_convention(convention: str) -> None:
@@ -646,74 +285,6 @@ def effective_seq_len(lengths: Iterable[float]) -> float:
     """
     ls = _lengths(list(lengths))
     return sum(l * l for l in ls) / sum(ls)
-
-
-def param_counts(config) -> dict[str, int]:
-    """Parameter counts of the model a config describes (matches ``sum(p.numel())`` of the HF model).
-
-    Returns:
-        ``total``: every parameter once (a tied LM head is the embedding, counted once);
-        ``non_embedding``: total minus the input embedding and learned positions;
-        ``active``: parameters a token uses (MoE: router, shared experts and ``top_k`` routed
-        experts per MoE layer, other experts excluded; equals ``total`` for a dense model).
-        A :class:`CountedFlops` gives the meta model's counts (``active`` None for MoE).
-    """
-    if isinstance(config, CountedFlops):
-        return {"total": config.params_total, "non_embedding": config.params_non_embedding,
-                "active": config.params_active}
-    s = model_shape(config)
-    h = s.hidden
-    attn = s.attention_weight_params()
-    if s.qkv_bias:
-        attn += (s.q_lora_rank + s.kv_lora_rank + s.qk_rope_head_dim) if s.mla else s.q_width + 2 * s.kv_width
-    if s.o_bias:
-        attn += h
-    norm = (2 * h) if s.layer_norm else h  # one norm
-
-    def mlp(width: int) -> int:
-        bias = ((2 if s.gated_mlp else 1) * width + h) if s.mlp_bias and width else 0
-        return s._mlp(width) + bias
-
-    expert = mlp(s.ffn)
-    total_layers = inactive = 0
-    for i in range(s.layers):
-        if s.is_moe(i):
-            block = (s.experts * expert + s.router_params() + mlp(s.shared_ffn)
-                     + (h if s.shared_gate else 0))
-            inactive += (s.experts - s.top_k) * expert
-        else:
-            block = mlp(s.dense_ffn or s.ffn)
-        total_layers += attn + block + s.layer_norms * norm + s.extra_layer_params
-    embedding = s.vocab * h + s.learned_positions * h
-    lm_head = 0 if s.tied_embeddings else s.vocab * h
-    total = embedding + total_layers + norm + lm_head  # + the final norm
-    return {"total": total, "non_embedding": total - embedding, "active": total - inactive}
-
-
-def measure_step_flops(step_fn: Callable[[], object]) -> int:
-    """Count the FLOPs one real training step executes, with ``torch.utils.flop_counter``.
-
-    These are hardware FLOPs (HFU's numerator): activation-checkpointing recomputation is counted
-    because it runs. The counter counts matmuls, convolutions and the fused GPU attention kernels
-    (flash, memory-efficient, cuDNN; as the full square, without causal discount). It does NOT count
-    CPU scaled-dot-product attention (``_scaled_dot_product_flash_attention_for_cpu`` has no
-    formula), elementwise ops, norms or softmax. Build models with ``attn_implementation="eager"``
-    to have attention counted as the two matmuls it is, or add
-    :func:`attention_flops_per_token` analytically.
-
-    Args:
-        step_fn: a callable that runs one full training step (forward, backward, optimizer step)
-            of every micro-batch on this process.
-
-    Returns:
-        FLOPs counted on this process (int).
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        step_fn()
-    return int(counter.get_total_flops())
 
 
 #: Full activation checkpointing of a whole model, in the rule-of-thumb form: forward + backward

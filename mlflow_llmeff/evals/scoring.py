@@ -45,161 +45,37 @@ tails attend over each other's masked columns).
 Positions are passed explicitly and padding is masked, so scores do not depend on batch size or
 padding side beyond float rounding (fp32 log-probs, summed in float64: below 1e-5 nats). Documents whose input exceeds the
 model's length fall back to the harness's per-choice left truncation, without sharing.
+
+Modules: :mod:`mlflow_llmeff.evals.requests` (encoding requests as the harness does),
+:mod:`mlflow_llmeff.evals.prefix_cache` (a document's prefix run once, its tails as branches on the
+key/value cache; :func:`_batches`), :mod:`mlflow_llmeff.evals.lm_head` (the LM head on scored
+positions only, late: :class:`_Picks`), this one (the scorer: model calls, the structure probes,
+family prefixes, MMLU rows). Their names are re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
 
-from mlflow_llmeff.models.bytetok import byte_offset, special_strings
+from mlflow_llmeff.evals.lm_head import _kept_positions_only, _Picks, _picked_sums
+from mlflow_llmeff.evals.prefix_cache import _batches, _PrefixCache  # _batches: re-exported (tests)
+from mlflow_llmeff.evals.requests import (
+    Encoded,
+    _Doc,
+    _Encoder,
+    _lcp,
+    encode_pair,
+    resolve_max_length,
+)
 
 __all__ = ["Encoded", "LoglikelihoodScorer", "encode_pair", "resolve_max_length"]
 
-_DEFAULT_MAX_LENGTH = 2048  # the harness's default when neither config nor tokenizer says
-_TOKENIZER_INFINITY = 1000000000000000019884624838656  # transformers' "no limit" model_max_length
 
-
-def resolve_max_length(model: Any, tokenizer: Any = None) -> int:
-    """Return the model's context length in tokens, looked up as lm-eval-harness 0.4.x does.
-
-    Order: ``text_config`` or config ``n_positions``, ``max_position_embeddings``, ``n_ctx``; then
-    the tokenizer's ``model_max_length`` unless it is transformers' "infinity"; then 2048.
-    """
-    config = getattr(model, "config", None)
-    cfg = getattr(config, "text_config", None) or config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = getattr(cfg, attr, None)
-        if value is not None:
-            return int(value)
-    mml = getattr(tokenizer, "model_max_length", None)
-    if mml is not None and mml != _TOKENIZER_INFINITY:
-        return int(mml)
-    return _DEFAULT_MAX_LENGTH
-
-
-class _Encoder:
-    """Token ids of a string: the tokenizer's *leading* special tokens (e.g. BOS) kept, trailing ones
-    (e.g. ByT5's EOS) never added.
-
-    With a BOS-adding tokenizer (Llama) this equals the harness 0.4.x default; with GPT-2 (adds
-    nothing) both agree; with ByT5/T5 (appends EOS) it equals the harness run with
-    ``add_bos_token=False`` (the harness's default would put an EOS between context and
-    continuation).
-    """
-
-    def __init__(self, tokenizer: Any, add_bos: bool | None = None) -> None:
-        self.tokenizer = tokenizer
-        if add_bos is None:
-            probe_with = list(tokenizer("a", add_special_tokens=True)["input_ids"])
-            probe_without = list(tokenizer("a", add_special_tokens=False)["input_ids"])
-            n = len(probe_without)
-            self.prefix = next(
-                (probe_with[:k] for k in range(len(probe_with) - n + 1) if probe_with[k : k + n] == probe_without),
-                [],
-            )
-        elif add_bos:
-            bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-            self.prefix = [bos]
-        else:
-            self.prefix = []
-        # Harness: an empty context is replaced by this single token (BOS, else EOS).
-        bos = tokenizer.bos_token_id
-        self.prefix_token_id = bos if bos is not None else tokenizer.eos_token_id
-
-        # the 4 choices of a document share their context string: remember recent encodings
-        self._cached = functools.lru_cache(maxsize=64)(self._encode)
-        # a ByT5 tokenizer's Python code costs ~2 us per character; the direct map gives the same ids
-        self._byte_offset = byte_offset(tokenizer)
-        self._specials = special_strings(tokenizer) if self._byte_offset is not None else ()
-
-    def _encode(self, text: str) -> tuple[int, ...]:
-        if self._byte_offset is not None and not any(t in text for t in self._specials):
-            off = self._byte_offset
-            return tuple(self.prefix) + tuple(b + off for b in text.encode("utf-8"))
-        return tuple(self.prefix) + tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def __call__(self, text: str) -> list[int]:
-        return list(self._cached(text))
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One scored sequence: ``tokens`` (the full context + continuation, after truncation) and
-    ``start``, the index in ``tokens`` of the first continuation token (>= 1)."""
-
-    tokens: tuple[int, ...]
-    start: int
-
-    @property
-    def input_ids(self) -> tuple[int, ...]:
-        """What the model sees: all tokens but the last (the last is only a target)."""
-        return self.tokens[:-1]
-
-
-def encode_pair(encode: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """Split ``context + continuation`` into (context ids, continuation ids) as the harness does.
-
-    Args:
-        encode: callable str -> list of token ids.
-        context: conditioning text; "" is allowed (then the context is the prefix token, as in
-            the harness, and must be given by the caller: this returns ``[]`` for it).
-        continuation: scored text, non-empty.
-
-    Returns:
-        ``(context_ids, continuation_ids)``; ``continuation_ids`` is never empty: when the
-        tokenizer merges the whole continuation into the context's last token, that token moves
-        to the continuation (the harness would assert instead).
-
-    Raises:
-        ValueError: for an empty continuation.
-    """
-    if not continuation:
-        raise ValueError("continuation '' is empty; a scored continuation needs at least one character")
-    if context == "":
-        return [], encode(continuation)
-    n_spaces = len(context) - len(context.rstrip())
-    if n_spaces > 0:
-        continuation = context[-n_spaces:] + continuation
-        context = context[:-n_spaces]
-    whole = encode(context + continuation)
-    ctx = encode(context)
-    n_ctx = len(ctx)
-    if n_ctx >= len(whole):  # never leave the continuation empty
-        n_ctx = len(whole) - 1
-    return whole[:n_ctx], whole[n_ctx:]
-
-
-def _lcp(seqs: Sequence[Sequence[int]]) -> int:
-    """Length of the longest common prefix of token sequences."""
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        t = first[i]
-        if any(s[i] != t for s in seqs):
-            return i
-    return n
-
-
-@dataclass
-class _Doc:
-    """Choices of one document, all untruncated, sharing ``shared`` (LCP of their inputs)."""
-
-    idx: int  # position in the caller's list
-    choices: list[Encoded]
-    shared: int  # length of the common input prefix, >= 1
-    family_len: int = 0  # tokens covered by the family prefix cache
-    lead: tuple[int, ...] = ()  # the choice tail run in the prefix's own row (branching documents)
-    weight: float = 1.0  # the document's share in this unit (progress counts documents)
-
-
-class LoglikelihoodScorer:
+class LoglikelihoodScorer(_PrefixCache):
     """Scores multiple-choice documents with a causal LM.
 
     Args:
@@ -423,28 +299,6 @@ class LoglikelihoodScorer:
             self._split = None
         return self._split  # type: ignore[return-value]
 
-    def _select_cache(self, cache: Any, rows: list[int]) -> Any:
-        """A new cache holding only batch ``rows`` of ``cache`` (the original stays intact)."""
-        new = copy.copy(cache)
-        new.layers = [copy.copy(layer) for layer in cache.layers]
-        new.batch_select_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
-        return new
-
-    @staticmethod
-    def _crop_masked(cache: Any, held: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """Drop the cache columns right of the last one any row attends to (``held`` ``(B, T)``, 1 on
-        real columns): rows of a window's stacked cache are padded to its widest document, and a batch
-        of branches from shorter documents would attend over (masked) padding. Only caches whose layers
-        are all plain ``DynamicLayer`` are cropped; others are returned as they are."""
-        used = held.any(dim=0).nonzero()
-        width = int(used[-1]) + 1 if used.numel() else 1
-        extra = held.shape[1] - width
-        if extra <= 0 or not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
-            return cache, held
-        for layer in cache.layers:
-            layer.crop(-extra)
-        return cache, held[:, :width]
-
     def _score_family(self, docs: list[_Doc], use_family: bool) -> list[list[float]]:
         """Score documents that may share a family prefix; returns per doc its choice scores."""
         fam_cache, fam_len = None, 0
@@ -563,289 +417,6 @@ class LoglikelihoodScorer:
         for t in trees:
             t.sums = sums[k : k + len(t.doc.choices)]
             k += len(t.doc.choices)
-
-    def _pad(self, rows: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Pad rows to one length; returns (ids, mask, offset of each row's first real token)."""
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        offsets = []
-        for b, r in enumerate(rows):
-            off = width - len(r) if self.padding_side == "left" else 0
-            if r:
-                ids[b, off : off + len(r)] = torch.tensor(list(r), dtype=torch.long)
-                mask[b, off : off + len(r)] = 1
-            offsets.append(off)
-        return ids, mask, offsets
-
-    @staticmethod
-    def _positions(mask: torch.Tensor, offsets: list[int], starts: list[int]) -> torch.Tensor:
-        """Position ids: ``start + k`` for the k-th real token of each row; pads get a valid dummy."""
-        width = mask.shape[1]
-        pos = torch.zeros_like(mask)
-        for b, (off, st) in enumerate(zip(offsets, starts)):
-            pos[b] = st + torch.arange(width) - off
-        return pos.clamp_(min=0)
-
-    def _score_branching(self, docs: list[_Doc], fam_cache: Any, fam_len: int) -> list[list[float]]:
-        """Score documents whose choices differ in more than their last token (HellaSwag endings).
-
-        Each document's shared prefix runs once, with its longest tail in the same row (batches of
-        at most ``batch_size`` documents, longest first, cut by :func:`_batches`); the other
-        distinct tails then run as branches on its key/value cache. Branches of a
-        *window* of ``branch_window * batch_size`` documents are sorted by length together before
-        they are cut into batches, so a batch holds tails of similar length (little padding); the
-        window's prefix caches are kept until its branches have run.
-        """
-        result: list[list[float]] = [[0.0] * len(u.choices) for u in docs]
-        for u in docs:  # the longest tail runs in the prefix's row: plain causal, no cache copy
-            tails = [e.input_ids[u.shared :] for e in u.choices]
-            u.lead = max(tails, key=len)
-        order = sorted(range(len(docs)), key=lambda j: -(docs[j].shared - docs[j].family_len + len(docs[j].lead)))
-        window = self.batch_size * self.branch_window
-        split = self._head_split()
-        picks = _Picks(split[1] if split is not None else None, self.batch_size * 128)
-        for w in range(0, len(order), window):
-            part = order[w : w + window]
-            wdocs = [docs[j] for j in part]
-            # distinct tails after each document's shared prefix (identical tails run once), and per
-            # branch its uses: (results row, choice, first scored tail position, targets)
-            branches: list[tuple[int, tuple[int, ...]]] = []  # (row in the window, tail tokens)
-            uses: list[list[tuple[list[float], int, int, tuple[int, ...]]]] = []
-            branch_of: dict[tuple[int, tuple[int, ...]], int] = {}
-            for k, u in enumerate(wdocs):
-                for i, e in enumerate(u.choices):
-                    tail = e.input_ids[u.shared :]
-                    if not tail or tail == u.lead:
-                        continue
-                    if (k, tail) not in branch_of:
-                        branch_of[(k, tail)] = len(branches)
-                        branches.append((k, tail))
-                        uses.append([])
-                    lo = max(e.start - 1, u.shared)
-                    uses[branch_of[(k, tail)]].append((result[part[k]], i, lo - u.shared, e.tokens[lo + 1 :]))
-            caches, masks = [], []
-            for s, e in _batches([u.shared - u.family_len + len(u.lead) for u in wdocs], self.batch_size,
-                                 self.pass_positions):
-                batch = list(range(s, e))
-                cache, mask = self._score_prefixes([wdocs[k] for k in batch], fam_cache, fam_len,
-                                                   [result[part[k]] for k in batch], bool(branches), picks)
-                caches.append(cache)
-                masks.append(mask)
-            if branches:
-                cache, mask = self._stack_caches(caches, masks)
-                del caches
-                self._score_branches(wdocs, branches, uses, cache, mask, picks)
-            picks.flush()
-            self._advance(sum(docs[j].weight for j in part))
-        return result
-
-    def _score_prefixes(self, docs: list[_Doc], fam_cache: Any, fam_len: int, results: list[list[float]],
-                        use_cache: bool, picks: "_Picks") -> tuple[Any, torch.Tensor]:
-        """Run the shared prefixes of a batch of documents (on the family cache), each followed by its
-        lead tail, add the scores of the continuation tokens predicted inside them to ``results``;
-        returns (cache, mask) where ``mask`` is ``(B, fam_len + width)``, 1 on the prefix columns
-        (branches attend to these only, not to the lead tail)."""
-        rows = [u.choices[0].input_ids[fam_len : u.shared] + u.lead for u in docs]
-        ids, mask, offs = self._pad(rows)
-        pos = self._positions(mask, offs, [fam_len] * len(docs))
-        past = None
-        if fam_cache is not None:
-            past = self._select_cache(fam_cache, [0] * len(docs))
-            mask = torch.cat([torch.ones((len(docs), fam_len), dtype=torch.long), mask], dim=1)
-        # positions scored at the shared level (p < shared predicts token p + 1): usually the first
-        # continuation token or none; the LM head runs on these only
-        keep = torch.zeros(ids.shape, dtype=torch.bool)
-        wanted: list[tuple[int, int, torch.Tensor, tuple[int, ...]]] = []  # (doc row, choice, columns, targets)
-        for b, u in enumerate(docs):
-            for i, e in enumerate(u.choices):
-                lead = bool(u.lead) and e.input_ids[u.shared :] == u.lead  # this choice's row is this row
-                lo, hi = e.start - 1, len(e.input_ids) if lead else min(len(e.input_ids), u.shared)
-                if lo < hi:
-                    cols = torch.arange(lo, hi) - fam_len + offs[b]
-                    keep[b, cols] = True
-                    wanted.append((b, i, cols, e.tokens[lo + 1 : hi + 1]))
-        dev = self.device
-        # right-padded rows without a family prefix: pads come after every real token, so the plain
-        # causal mask is exact (and takes the causal attention kernel); branches still see ``mask``
-        plain = fam_cache is None and self.padding_side == "right"
-        states, cache = self._forward(ids.to(dev), None if plain else mask.to(dev), pos.to(dev), past,
-                                      use_cache, keep=keep.to(dev), hidden=picks.head is not None)
-        if wanted:
-            index = torch.full(keep.shape, -1, dtype=torch.long)
-            index[keep] = torch.arange(int(keep.sum()))
-            picks.add(states, torch.cat([index[b, cols] for b, _, cols, _ in wanted]).tolist(),
-                      [t for *_, targets in wanted for t in targets], [len(w[3]) for w in wanted],
-                      [(results[b], i) for b, i, _, _ in wanted])
-        if any(u.lead for u in docs):
-            mask = mask.clone()
-            for b, u in enumerate(docs):
-                at = u.shared + offs[b]  # the lead tail's first column (after the family columns)
-                mask[b, at : at + len(u.lead)] = 0
-        return cache, mask
-
-    @staticmethod
-    def _stack_caches(caches: list[Any], masks: list[torch.Tensor]) -> tuple[Any, torch.Tensor]:
-        """One cache (and mask) holding the rows of several prefix batches, in order; narrower
-        batches are padded with masked zero columns on the right."""
-        width = max(m.shape[1] for m in masks)
-        mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
-        if len(caches) == 1:
-            return caches[0], mask
-        new = copy.copy(caches[0])
-        new.layers = [copy.copy(layer) for layer in caches[0].layers]
-        for li, layer in enumerate(new.layers):
-            for name in ("keys", "values"):
-                parts = [getattr(c.layers[li], name) for c in caches]
-                parts = [torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[-2])) for t in parts]
-                setattr(layer, name, torch.cat(parts))
-        return new, mask
-
-    def _score_branches(self, docs: list[_Doc], branches: list[tuple[int, tuple[int, ...]]],
-                        uses: list[list[tuple[list[float], int, int, tuple[int, ...]]]], cache: Any,
-                        doc_mask: torch.Tensor, picks: "_Picks") -> None:
-        """Run every branch on top of its document's cache (longest first, ``batch_size`` a pass) and
-        add each choice's tail log-likelihood (``uses``: per branch (results row, choice, first
-        scored tail position, targets)) to its results."""
-        order = sorted(range(len(branches)), key=lambda k: -len(branches[k][1]))
-        dev = self.device
-        for s, e in _batches([len(branches[k][1]) for k in order], self.batch_size, self.pass_positions):
-            chunk = order[s:e]
-            doc_rows = [branches[k][0] for k in chunk]
-            ids, mask, offs = self._pad([branches[k][1] for k in chunk])
-            pos = self._positions(mask, offs, [docs[r].shared for r in doc_rows])
-            past = self._select_cache(cache, doc_rows)
-            held = doc_mask[doc_rows]
-            past, held = self._crop_masked(past, held)
-            full_mask = torch.cat([held, mask], dim=1)
-            # every real tail position is scored; the LM head skips the padding (kept rows come row-major)
-            states, _ = self._forward(ids.to(dev), full_mask.to(dev), pos.to(dev), past, True,
-                                      keep=mask.bool().to(dev), hidden=picks.head is not None)
-            rows: list[int] = []
-            tgt: list[int] = []
-            counts: list[int] = []
-            targets_of: list[tuple[list[float], int]] = []
-            at = 0
-            for k in chunk:
-                for res, i, rel, targets in uses[k]:
-                    rows += range(at + rel, at + rel + len(targets))
-                    tgt += targets
-                    counts.append(len(targets))
-                    targets_of.append((res, i))
-                at += len(branches[k][1])
-            picks.add(states, rows, tgt, counts, targets_of)
-
-
-@contextlib.contextmanager
-def _kept_positions_only(mlp: torch.nn.Module, keep: torch.Tensor):
-    """Within the block, ``mlp`` (a position-wise module ``(B, T, H) -> (B, T, H)``) runs on the
-    ``keep`` positions (bool ``(B, T)``) only; its output elsewhere is zero (never read). Forward
-    hooks, removed on exit: the module itself is not changed."""
-    def pre(module: Any, args: tuple) -> tuple:
-        return (args[0][keep][None],) + tuple(args[1:])
-
-    def post(module: Any, args: tuple, out: Any) -> torch.Tensor:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError("the feed-forward module returned no tensor")
-        full = torch.zeros(keep.shape + out.shape[-1:], dtype=out.dtype, device=out.device)
-        full[keep] = out[0]
-        return full
-
-    handles = [mlp.register_forward_pre_hook(pre), mlp.register_forward_hook(post)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _batches(widths: Sequence[int], batch_size: int, pass_positions: int) -> list[tuple[int, int]]:
-    """Cut rows sorted by width (longest first) into consecutive batches of at most ``batch_size``.
-
-    Minimises ``sum over batches of (rows x widest row) + pass_positions``: the input positions run,
-    padding included, plus a fixed cost per forward pass expressed in positions. A plain cut every
-    ``batch_size`` rows pays for an outlier in every row of its batch (HellaSwag's first 60
-    documents: one 224-token ending in a batch of 143-177-token ones); here it may run alone. No
-    batch holds more rows, or is wider, than the plain cut's first batch, so peak memory does not
-    grow. Returns ``[(start, end)]`` covering ``range(len(widths))`` in order.
-    """
-    n = len(widths)
-    best = [0.0] + [float("inf")] * n  # best[i]: cost of batching the first i rows
-    cut = [0] * (n + 1)
-    for i in range(1, n + 1):
-        for s in range(max(0, i - batch_size), i):  # the last batch is rows s..i-1, the widest is row s
-            cost = best[s] + pass_positions + (i - s) * widths[s]
-            if cost <= best[i]:  # ties: the shorter last batch, so equal widths give the plain cut
-                best[i], cut[i] = cost, s
-    out: list[tuple[int, int]] = []
-    i = n
-    while i > 0:
-        out.append((cut[i], i))
-        i = cut[i]
-    return out[::-1]
-
-
-class _Picks:
-    """Log-likelihood terms waiting for their LM head: hidden states of scored positions are
-    gathered from many small forward passes (short HellaSwag tails) and the LM head and
-    log-softmax run on ``block_rows`` of them at once. On this project's 2-core CPU a 32k-vocabulary
-    head ran at 79 GFLOP/s on 264 rows and 110 GFLOP/s on 2,048 (``bench/evals.py``). Without a
-    head split (see ``LoglikelihoodScorer._head_split``) the states given are logits and are scored
-    at once.
-
-    Args:
-        head: the LM head (``(N, H) -> (N, V)``), or None when ``add`` receives logits.
-        block_rows: rows per LM-head call (memory: ``block_rows * V`` float32 twice).
-    """
-
-    def __init__(self, head: Any, block_rows: int) -> None:
-        self.head, self.block_rows = head, block_rows
-        self.states: list[torch.Tensor] = []
-        self.rows: list[int] = []
-        self.targets: list[int] = []
-        self.counts: list[int] = []
-        self.owners: list[tuple[list[float], int]] = []
-        self.n = 0
-
-    def add(self, states: torch.Tensor, rows: list[int], targets: list[int], counts: list[int],
-            owners: list[tuple[list[float], int]]) -> None:
-        """``states`` ``(N, H or V)``; ``rows``/``targets`` aligned (row of ``states``, token id);
-        ``counts[k]`` consecutive entries are summed into ``owners[k] = (results row, choice)``."""
-        self.states.append(states)
-        self.rows += [self.n + r for r in rows]
-        self.targets += targets
-        self.counts += counts
-        self.owners += owners
-        self.n += states.shape[0]
-        if self.head is None or self.n >= self.block_rows:
-            self.flush()
-
-    def flush(self) -> None:
-        """Run the LM head on what is waiting and add every sum to its owner."""
-        if not self.owners:
-            self.states, self.n = [], 0
-            return
-        states = self.states[0] if len(self.states) == 1 else torch.cat(self.states)
-        logits = states if self.head is None else self.head(states)
-        dev = logits.device
-        slot = torch.repeat_interleave(torch.arange(len(self.counts)), torch.tensor(self.counts))
-        sums = _picked_sums(logits, torch.tensor(self.rows, device=dev), torch.tensor(self.targets, device=dev),
-                            slot.to(dev), len(self.counts))
-        for (res, i), v in zip(self.owners, sums):
-            res[i] += v
-        self.states, self.rows, self.targets, self.counts, self.owners, self.n = [], [], [], [], [], 0
-
-
-def _picked_sums(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, slot: torch.Tensor,
-                 n_slots: int) -> list[float]:
-    """Per slot, the float64 sum of ``log_softmax(logits)[rows, targets]`` over its entries.
-
-    ``logits`` is ``(N, V)``; ``rows``, ``targets`` and ``slot`` are aligned 1D index tensors.
-    Log-softmax in float32 as the harness computes it, then only the picked entries are read (a
-    fused log-softmax measured faster on CPU than ``logit - logsumexp``, which makes three passes).
-    """
-    picked = torch.log_softmax(logits.float(), dim=-1)[rows, targets].double()
-    return torch.zeros(n_slots, dtype=torch.float64, device=logits.device).index_add_(0, slot, picked).tolist()
 
 
 @dataclass

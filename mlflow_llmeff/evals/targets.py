@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mlflow_llmeff import names
 from mlflow_llmeff.evals.data import MMLU_SUBJECTS
+from mlflow_llmeff.tracking import keys
 
 __all__ = ["TARGET_METRICS", "Target", "canonical_value", "parse_targets"]
 
@@ -45,8 +46,9 @@ class Target:
 
     @property
     def key(self) -> str:
-        """Key stem, e.g. ``hellaswag_acc_norm_ge_0.30`` (``names.target_key``; always a valid MLflow key)."""
-        return names.target_key(self.metric, self.op, self.text)
+        """Key stem, e.g. ``hellaswag_acc_norm_ge_0.30`` (``names.target_key`` with ``keys.safe_key``; always a
+        valid MLflow key)."""
+        return names.target_key(self.metric, self.op, self.text, keys.safe_key)
 
     @property
     def eval_key(self) -> str:

@@ -18,6 +18,9 @@
    ``top_k`` model FLOPs, and the type gets no figure.
 3. ``none``: neither works; no figure is invented and the note says why.
 
+:func:`measure_step_flops` counts the FLOPs one real training step executes (hardware FLOPs,
+recomputation included), with the same counter.
+
 Cost: a few forward/backward passes of Python and shape arithmetic (under a second for a tiny
 model, seconds for a 100-layer one), once per run.
 """
@@ -25,12 +28,15 @@ model, seconds for a 100-layer one), once per run.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from mlflow_llmeff.calc import flops as fl
+from mlflow_llmeff.calc.model_shape import _get
 
-__all__ = ["METHOD_FORMULA", "METHOD_META", "METHOD_NONE", "FlopsSource", "resolve", "count_on_meta"]
+__all__ = ["METHOD_FORMULA", "METHOD_META", "METHOD_NONE", "FlopsSource", "resolve", "count_on_meta",
+           "measure_step_flops"]
 
 METHOD_FORMULA = "formula"
 METHOD_META = "meta_count"
@@ -92,7 +98,7 @@ def resolve(config, *, recompute: fl.Recompute | None = None, count: bool = True
 
 
 def _experts(config) -> int:
-    return int(fl._get(config, "n_routed_experts", "num_local_experts", "num_experts", default=0) or 0)
+    return int(_get(config, "n_routed_experts", "num_local_experts", "num_experts", default=0) or 0)
 
 
 def count_on_meta(config, *, recompute: fl.Recompute | None = None, lengths=LENGTHS) -> fl.CountedFlops:
@@ -130,7 +136,7 @@ def _quiet_transformers():
 
 def _count_on_meta(config, recompute, lengths) -> fl.CountedFlops:
     model_type = getattr(config, "model_type", "?")
-    layers = int(fl._get(config, "num_hidden_layers", "n_layer", default=0) or 0)
+    layers = int(_get(config, "num_hidden_layers", "n_layer", default=0) or 0)
     s1, s2, s3 = lengths
     model = _build(config)
     per_token = {s: _count(model, s) / s for s in (s1, s2, s3)}
@@ -240,6 +246,32 @@ def _checkpoint(model, recompute: fl.Recompute) -> None:
     if recompute.layers is not None:
         for i, layer in enumerate(_decoder_layers(model)):
             layer.gradient_checkpointing = i in recompute.layers
+
+
+def measure_step_flops(step_fn: Callable[[], object]) -> int:
+    """Count the FLOPs one real training step executes, with ``torch.utils.flop_counter``.
+
+    These are hardware FLOPs (HFU's numerator): activation-checkpointing recomputation is counted
+    because it runs. The counter counts matmuls, convolutions and the fused GPU attention kernels
+    (flash, memory-efficient, cuDNN; as the full square, without causal discount). It does NOT count
+    CPU scaled-dot-product attention (``_scaled_dot_product_flash_attention_for_cpu`` has no
+    formula), elementwise ops, norms or softmax. Build models with ``attn_implementation="eager"``
+    to have attention counted as the two matmuls it is, or add
+    :func:`~mlflow_llmeff.calc.flops.attention_flops_per_token` analytically.
+
+    Args:
+        step_fn: a callable that runs one full training step (forward, backward, optimizer step)
+            of every micro-batch on this process.
+
+    Returns:
+        FLOPs counted on this process (int).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step_fn()
+    return int(counter.get_total_flops())
 
 
 # --------------------------------------------------------------------------- what a real-step count cannot see

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlflow_llmeff.parallel.degrees import Degrees
+from mlflow_llmeff.parallel.mesh import apply_fsdp, apply_tp, autocast_forward, decoder_layers  # noqa: F401
 
 __all__ = ["Strategy", "MeshStrategy", "Layout"]
 
@@ -146,8 +147,8 @@ class MeshStrategy(Strategy):
     """FSDP2 / HSDP / tensor / 2-D parallelism with torch's own APIs on a device mesh.
 
     The model goes to the device, is tensor-parallelized (:meth:`apply_tp`) and then fully sharded
-    (:meth:`apply_fsdp`) as a subclass says; the optimizer is wrapped in Accelerate's
-    ``AcceleratedOptimizer`` (it skips the steps inside gradient accumulation) but not registered,
+    (:func:`~mlflow_llmeff.parallel.mesh.apply_fsdp`) as a subclass says; the optimizer is wrapped in
+    Accelerate's ``AcceleratedOptimizer`` (it skips the steps inside gradient accumulation) but not registered,
     so ``save_state`` keeps the RNG and scheduler state while the model and optimizer go through
     ``torch.distributed.checkpoint`` (each rank writes its own shards, any layout reads them back).
     """
@@ -184,12 +185,11 @@ class MeshStrategy(Strategy):
             mesh = layout.mesh[dims] if len(dims) > 1 else layout.mesh[dims[0]] if dims else None
             model = apply_fsdp(model, mesh, precision=precision, reshard_after_forward=cfg.reshard_after_forward)
         elif precision in ("bf16", "fp16"):
-            model = _autocast_forward(model, device, precision)
+            model = autocast_forward(model, device, precision)
         return model
 
     def apply_tp(self, model, tp_mesh):
-        from mlflow_llmeff.parallel.tp import apply_tp
-
+        """Tensor-parallelize ``model`` over ``tp_mesh`` (:func:`mlflow_llmeff.parallel.mesh.apply_tp`)."""
         return apply_tp(model, tp_mesh)
 
     def prepare(self, accelerator, model, optimizer):
@@ -236,48 +236,6 @@ class MeshStrategy(Strategy):
 def _inner(optimizer):
     """The torch optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
-
-
-def decoder_layers(model):
-    """The decoder's layers (``model.model.layers`` for Llama/Mistral, ``transformer.h`` for GPT-2)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None) if decoder is not None else None
-    if layers is None:
-        layers = getattr(getattr(model, "transformer", None), "h", None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them one by one")
-    return layers
-
-
-def apply_fsdp(model, mesh, *, precision: str, reshard_after_forward: bool):
-    """torch's FSDP2 ``fully_shard`` on each decoder layer, then on the whole model (the root: the
-    embeddings, final norm and LM head), over ``mesh`` (2-D ``(replicate, shard)``: HSDP).
-
-    bf16 runs all-gather bf16 parameters and reduce-scatter fp32 gradients
-    (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, as Accelerate's FSDP2 plugin
-    sets it); the sharded master parameters and optimizer state stay fp32. The root keeps its
-    parameters unsharded between forward and backward.
-    """
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if precision == "bf16" else MixedPrecisionPolicy())
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    # the root's parameters (embeddings, final norm, LM head) are used at the end of the forward and
-    # the start of the backward: resharding them in between would gather them twice for nothing
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
-    return model
-
-
-def _autocast_forward(model, device, precision: str):
-    """Run ``model.forward`` under ``torch.autocast`` (what ``accelerator.prepare`` does for a model it wraps)."""
-    import torch
-
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    model.forward = torch.autocast(device_type=device.type, dtype=dtype)(model.forward)
-    return model
 
 
 def divides(name: str, value: int, by: int, what: str) -> None:

@@ -11,24 +11,9 @@ sees the same batch: the data-parallel degree is 1 and tokens count once.
 
 from __future__ import annotations
 
-from mlflow_llmeff.parallel.base import MeshStrategy, decoder_layers
+from mlflow_llmeff.parallel.base import MeshStrategy
 from mlflow_llmeff.parallel.degrees import Degrees
-
-
-def tp_plan(config) -> dict[str, str]:
-    """The model's tensor-parallel plan (``{"layers.*.self_attn.q_proj": "colwise", ...}``).
-
-    Raises:
-        ValueError: when the model has none (its config lacks ``base_model_tp_plan``).
-    """
-    plan = getattr(config, "base_model_tp_plan", None)
-    if not plan:
-        raise ValueError(f"model type {getattr(config, 'model_type', '?')!r} has no tensor-parallel plan "
-                         "(transformers' base_model_tp_plan); tp and fsdp_tp need one (Llama, Mistral have it)")
-    bad = {k: v for k, v in plan.items() if v not in ("colwise", "rowwise")}
-    if bad:
-        raise ValueError(f"tensor-parallel plan entries {bad} are not colwise/rowwise; only those are applied")
-    return dict(plan)
+from mlflow_llmeff.parallel.mesh import apply_tp, tp_plan  # noqa: F401 - apply_tp re-exported
 
 
 def check_shape(config, tp: int) -> None:
@@ -42,23 +27,6 @@ def check_shape(config, tp: int) -> None:
         v = getattr(config, name, None)
         if isinstance(v, int) and v % tp:
             raise ValueError(f"tensor parallelism over {tp} ranks needs {name} divisible by {tp}; the model has {v}")
-
-
-def apply_tp(model, tp_mesh):
-    """Shard ``model``'s decoder layers over ``tp_mesh`` with its plan (see the module docstring)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    layers = decoder_layers(model)
-    plan = {}
-    for key, style in tp_plan(model.config).items():
-        prefix, _, rest = key.partition("*.")
-        if not rest:
-            raise ValueError(f"tensor-parallel plan key {key!r} is not per layer ('layers.*.<module>')")
-        for i in range(len(layers)):
-            plan[f"{i}.{rest}"] = styles[style]()
-    parallelize_module(layers, tp_mesh, plan)
-    return model
 
 
 class TP(MeshStrategy):

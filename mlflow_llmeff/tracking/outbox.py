@@ -35,6 +35,7 @@ import uuid
 from typing import NamedTuple
 
 from mlflow_llmeff import names
+from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
 
 __all__ = ["LOCAL_PREFIX", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
            "entity_records", "write_outbox", "read_outbox", "create_run", "attach_run", "log_inputs", "log_eval", "log_table",
@@ -138,17 +139,6 @@ def read_outbox(path: str) -> tuple[dict, list[dict]]:
 
 
 # ------------------------------------------------------------------------------------ the records
-def _experiment_id(client, spec: dict) -> str:
-    if spec.get("experiment_id"):
-        return str(spec["experiment_id"])
-    if spec.get("experiment_name"):
-        exp = client.get_experiment_by_name(spec["experiment_name"])
-        return exp.experiment_id if exp else client.create_experiment(spec["experiment_name"])
-    from mlflow.tracking.fluent import _get_experiment_id
-
-    return _get_experiment_id()
-
-
 def create_run(client, spec: dict, local_id: str) -> str:
     """Create the run of a ``create`` record (or find the one already created for ``local_id``); its id.
 
@@ -157,10 +147,7 @@ def create_run(client, spec: dict, local_id: str) -> str:
     ``name_parts`` the parts are ordered among the experiment's runs first), ``start_ms`` (the run's
     original start time), ``tags``.
     """
-    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
-    from mlflow_llmeff.tracking.runs import unique_run_name
-
-    exp_id = _experiment_id(client, spec)
+    exp_id = experiment_id(client, spec)
     found = client.search_runs([exp_id], f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=1)
     if found:
         return found[0].info.run_id
@@ -178,9 +165,6 @@ def attach_run(client, run_id: str, spec: dict) -> None:
     """Mark an existing run RUNNING (an ``attach`` record): ``continued_from`` (a launcher's run that a
     resume redirected: tagged ``llmeff.resume.continued_in_run``); ``run_name`` (named so if it has
     no metrics yet, ``unique`` as in :func:`create_run`)."""
-    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
-    from mlflow_llmeff.tracking.runs import unique_run_name
-
     client.update_run(run_id, status="RUNNING")
     if spec.get("continued_from"):
         client.set_tag(spec["continued_from"], names.RESUME_CONTINUED_IN, run_id)

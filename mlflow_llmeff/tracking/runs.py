@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
+from mlflow_llmeff.tracking.experiments import (  # noqa: F401 - NAMING_RUNS, study_run_name re-exported
+    NAMING_RUNS, ensure_experiment_kind, experiment_id, study_run_name, unique_run_name)
 
 __all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
 
@@ -55,54 +57,6 @@ class RunHandle:
     pending: list = field(default_factory=list)
     unanswered: str | None = None
     local_id: str | None = None
-
-
-#: Most runs of the experiment read to order a new run's name parts (newest first).
-NAMING_RUNS = 200
-
-
-def study_run_name(client, experiment_id: str, parts: dict, exclude_run_id: str | None = None) -> str:
-    """The name of a new run with name parts ``parts`` (:func:`mlflow_llmeff.tracking.naming.parts_from_tags`)
-    among the experiment's runs: the parts that vary most among them first (:func:`naming.study_name`).
-    Without the other runs (a store that fails) the parts keep their fixed order. Never raises."""
-    from mlflow_llmeff.tracking import naming
-
-    try:
-        others = [naming.parts_from_tags(r.data.tags, r.data.params.get("eval_tasks"))
-                  for r in client.search_runs([experiment_id], "", max_results=NAMING_RUNS,
-                                              order_by=["attributes.start_time DESC"])
-                  if r.info.run_id != exclude_run_id and names.COMPARE_RUN_IDS not in r.data.tags]
-    except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
-        others = []
-    return naming.study_name(parts, [o for o in others if o])
-
-
-def unique_run_name(client, experiment_id: str, name: str, exclude_run_id: str | None = None,
-                    parts: dict | None = None) -> str:
-    """``name``, or ``name-2``, ``name-3``, ... when runs of the experiment already have it (never raises).
-
-    Args:
-        client: ``MlflowClient``.
-        experiment_id: the experiment the run is in.
-        name: the wanted name (used when ``parts`` is None).
-        exclude_run_id: a run whose own name does not count (the launcher's run being renamed).
-        parts: name parts: the name is then :func:`study_run_name` among the experiment's runs.
-    """
-    if parts:
-        name = study_run_name(client, experiment_id, parts, exclude_run_id)
-    try:
-        quoted = name.replace("'", "")
-        taken = {r.info.run_name for r in client.search_runs(
-            [experiment_id], f"attributes.run_name LIKE '{quoted}%'", max_results=1000)
-            if r.info.run_id != exclude_run_id}
-    except Exception:  # noqa: BLE001 - a name is cosmetic: never fail a run for it
-        return name
-    if name not in taken:
-        return name
-    n = 2
-    while f"{name}-{n}" in taken:
-        n += 1
-    return f"{name}-{n}"
 
 
 def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str | None = None,
@@ -195,8 +149,6 @@ def _uri(client) -> str:
 
 
 def _claim_env_run(client, env_run: str, run_name: str, unique_name: bool, name_parts: dict | None = None) -> RunHandle:
-    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
-
     client.update_run(env_run, status="RUNNING")
     run = client.get_run(env_run)
     fresh = not run.data.metrics
@@ -229,10 +181,7 @@ def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool, 
 def _create(client, spec: dict, local_id: str):
     """Create a new run from a ``create`` spec (the experiment made if named and missing), tagged with
     ``local_id`` (``llmeff.outbox.local_run_id``); the Run."""
-    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
-    from mlflow_llmeff.tracking.outbox import _experiment_id
-
-    exp_id = _experiment_id(client, spec)
+    exp_id = experiment_id(client, spec)
     name = (unique_run_name(client, exp_id, spec["run_name"], parts=spec.get("name_parts")) if spec["unique"]
             else spec["run_name"])
     run = client.create_run(exp_id, start_time=spec["start_ms"], tags={**spec["tags"], names.OUTBOX_LOCAL_ID: local_id},
@@ -244,8 +193,6 @@ def _create(client, spec: dict, local_id: str):
 def _start_run(client, run_name: str, experiment_name: str | None, unique_name: bool,
                name_parts: dict | None = None) -> RunHandle:
     import mlflow
-
-    from mlflow_llmeff.tracking.logger import ensure_experiment_kind
 
     if experiment_name:
         exp = client.get_experiment_by_name(experiment_name)

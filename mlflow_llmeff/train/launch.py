@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from mlflow_llmeff.train.config import TrainConfig, validate
+from mlflow_llmeff.train.messages import message_style
 
 
 def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict[str, str]]:
@@ -44,11 +45,6 @@ def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict
 
 class FitError(ValueError):
     """The run would not fit the device's memory (the message says what would)."""
-
-
-def message_style() -> str:
-    """``mlflow`` under ``mlflow run`` (messages speak of ``-P name=value``), else ``cli``."""
-    return "mlflow" if os.environ.get("MLFLOW_RUN_ID") else "cli"
 
 
 def fit_here(cfg: TrainConfig):
@@ -170,7 +166,7 @@ def _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision) -
     import mlflow
 
     from mlflow_llmeff import names
-    from mlflow_llmeff.tracking.logger import default_run_name
+    from mlflow_llmeff.tracking.experiments import default_run_name
 
     client = mlflow.MlflowClient()
     client.set_tag(run_id, names.DRY_RUN, "true")

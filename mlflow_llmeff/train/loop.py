@@ -20,6 +20,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.train import checkpoint as ckpt
 from mlflow_llmeff.train import faults
 from mlflow_llmeff.train.config import TrainConfig, resolve_precision, validate
+from mlflow_llmeff.train.messages import message_style
 
 # test hooks: see train/faults.py
 KILL_AT_STEP_ENV, RAISE_AT_STEP_ENV = faults.ENV["kill_at_step"], faults.ENV["raise_at_step"]
@@ -334,8 +335,6 @@ def _check_loss(cfg: TrainConfig, monitor, edge: bool) -> None:
     bad = monitor.check_loss() if edge else monitor.nonfinite_loss
     if bad is not None:
         at, value = bad
-        from mlflow_llmeff.train.launch import message_style
-
         opt = "-P " if message_style() == "mlflow" else "--"
         name = (lambda n: n) if opt == "-P " else (lambda n: n.replace("_", "-"))
         kept = " the last checkpoint before it is kept." if cfg.checkpoint_dir else ""

@@ -11,20 +11,12 @@ import torch.distributed as dist
 
 from mlflow_llmeff.meters.energy import make_meter
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
-from mlflow_llmeff.testing import FakeGpu, fake_nvml
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from mlflow_llmeff.testing import FakeClock, FakeGpu, fake_nvml
 
 
 def main() -> None:
     dist.init_process_group("gloo")
-    clock = Clock()
+    clock = FakeClock()
     gpu = FakeGpu("GPU-shared", "00000000:01:00.0", 200.0, clock)
     meter = make_meter("nvml", device_indices=[0], nvml=fake_nvml([gpu]), env={}, clock=clock, sampling_thread=False)
     mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock, energy_meter=meter,

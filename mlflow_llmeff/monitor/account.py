@@ -1,0 +1,163 @@
+"""The FLOPs and peak account of a monitor: FLOPs per token, the peaks, MFU and HFU (counted or formula).
+
+:class:`FlopsAccount` holds what the :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` knows
+about the model's arithmetic: its shape (formula, else counted on the meta device,
+:func:`~mlflow_llmeff.meters.flopcount.resolve`), what activation checkpointing recomputes, the dense
+peak per device (datasheet, ``peak_tflops=``, or measured) and the hardware-to-model FLOPs ratio
+that turns MFU into HFU: counted by ``FlopCounterMode`` on one early step, else analytic
+(:func:`~mlflow_llmeff.calc.flops.hardware_model_ratio`). Formulas: ``../shared/METRICS.md``.
+"""
+
+from __future__ import annotations
+
+from mlflow_llmeff import names
+from mlflow_llmeff.calc import flops as fl
+from mlflow_llmeff.meters import hardware as hw
+from mlflow_llmeff.meters.flopcount import resolve
+from mlflow_llmeff.monitor.conditions import FLOPS_FORMULA_NOTE, recompute_plan
+
+__all__ = ["FlopsAccount"]
+
+
+class FlopsAccount:
+    """FLOPs per token, peaks and the HFU ratio of one monitored model (state of the monitor; no I/O).
+
+    Args:
+        config: the model's config (Hugging Face config or :class:`~mlflow_llmeff.calc.flops.ModelShape`),
+            or None: then TFLOP/s, MFU and HFU are omitted, with the notes saying why.
+    """
+
+    def __init__(self, config=None) -> None:
+        self.config = config
+        self.shape = None  # ModelShape-like: what flops_per_token takes; None: no FLOPs per token
+        self.recompute = None  # fl.Recompute when activation checkpointing re-executes layers
+        self.fpt_note = "unknown: no model config (pass model= or model_config=)"
+        self.flops_method = "none: no model config (pass model= or model_config=)"
+        self.hfu_ratio: float | None = None  # hardware FLOPs per model FLOP, counted (None: analytic)
+        self.hfu_note = "none: no model config (no FLOPs per token)"
+        self.hfu_counted = False
+        self.peak_tflops: float | None = None
+        self.peak_source = None
+        self.measured_peak: float | None = None
+        self.measured_peak_note = "not measured (measure_peak=False)"
+        self._ratio_cache: dict[float, float | None] = {}
+
+    # ------------------------------------------------------------------------------ set-up
+    def read_flops(self, model, *, activation_checkpointing: bool, compiled: bool) -> None:
+        """FLOPs per token (formula, else counted on the meta device) and what checkpointing recomputes."""
+        self.recompute = None
+        if activation_checkpointing:  # what the wrapper re-executes; transformers' default when unreadable
+            self.recompute = recompute_plan(model) or fl.Recompute()
+        config = self.config
+        self.shape, self.fpt_note = None, "unknown: no model config (pass model= or model_config=)"
+        self.flops_method = "none: no model config (pass model= or model_config=)"
+        if config is not None:
+            source = resolve(config, recompute=self.recompute)  # formula, else counted on the meta device
+            self.shape, self.flops_method = source.flops, source.note
+            if source.flops is None:
+                self.fpt_note = f"unknown: {source.note}"
+            else:
+                self.fpt_note = FLOPS_FORMULA_NOTE
+                why = ("compile=true (FlopCounterMode would stop torch.compile)" if compiled
+                       else "no FlopCounterMode step on this path")
+                recomputed = (f" + the recomputed forward of {self.recompute.describe()}, LM head and embedding "
+                              "not recomputed" if self.recompute else "")
+                self.hfu_note = (f"analytic: {why}; palm-convention FLOPs (dense attention, no causal discount)"
+                                 f"{recomputed} over megatron model FLOPs")
+
+    def resolve_peak(self, accelerator, precision: str, peak_tflops: float | None) -> None:
+        """The dense peak TFLOP/s per device: ``peak_tflops`` when given, else the datasheet table
+        (:func:`~mlflow_llmeff.meters.hardware.resolve_peak`), else None (no MFU)."""
+        self.peak_tflops, self.peak_source = hw.resolve_peak(accelerator, precision, peak_tflops)
+
+    def measure_peak(self, precision: str, device) -> None:
+        """Achievable matmul TFLOP/s on this device and dtype (cached per machine: seconds, once)."""
+        dev = device
+        where = "cpu" if dev is None or dev.type == "cpu" else str(dev)
+        try:
+            self.measured_peak = hw.measure_matmul_peak(precision, where)
+            self.measured_peak_note = f"{self.measured_peak:.4g}"
+        except Exception as e:  # noqa: BLE001 - an unmeasurable peak leaves mfu_measured_peak out, with the reason
+            self.measured_peak_note = f"unknown: {type(e).__name__}: {e}"
+        if dev is not None and dev.type == "cuda":  # its matrices must not count in the run's peak memory
+            import torch
+
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    # ------------------------------------------------------------------------------ FLOPs
+    def fpt(self, s: float, convention: str = "megatron") -> float:
+        """Training FLOPs per token at effective sequence length ``s`` (tokens; ``convention`` as in
+        :func:`~mlflow_llmeff.calc.flops.flops_per_token`)."""
+        return fl.flops_per_token(self.shape, s, convention)
+
+    def ratio(self, s_eff: float) -> float | None:
+        """Hardware FLOPs per model FLOP (counted, else analytic); None without FLOPs per token."""
+        if self.hfu_ratio is not None:
+            return self.hfu_ratio
+        if self.shape is None or s_eff <= 0:
+            return None
+        cache = self._ratio_cache
+        if s_eff not in cache:
+            cache.clear()  # one batch shape at a time in practice
+            cache[s_eff] = fl.hardware_model_ratio(self.shape, s_eff, recompute=self.recompute)
+        return cache[s_eff]
+
+    def count_ratio(self, counted: float, tokens: int, sq: int, *, step: int, device, model_parallel: int) -> None:
+        """Set the HFU ratio from ``counted`` FLOPs (``FlopCounterMode``) of one step of ``tokens`` tokens
+        whose squared sequence lengths sum to ``sq``; ``step`` is the attempt's step number it names."""
+        if tokens <= 0 or counted <= 0:
+            return
+        s_eff = sq / tokens
+        note = "FlopCounterMode on step {} of the attempt (eager attention counted)"
+        attn_impl = getattr(self.config, "_attn_implementation", None)
+        r = model_parallel  # a model-parallel rank executes about 1/r of its tokens' FLOPs
+        if attn_impl == "sdpa" and (device is None or device.type == "cpu"):
+            # the counter cannot see CPU SDPA: its training FLOPs (palm) and its recomputation, if any;
+            # a model-parallel rank executes 1/r of them
+            extra = (fl.attention_flops_per_token(self.shape, s_eff, "palm")
+                     + fl.recompute_flops_per_token(self.shape, s_eff, self.recompute, attention_only=True))
+            counted += extra * tokens / r
+            note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
+        if r > 1:
+            note += f"; this rank's FLOPs x {r} ranks sharing its tokens"
+        self.hfu_ratio = counted * r / (fl.flops_per_token(self.shape, s_eff) * tokens)
+        self.hfu_note = note.format(step)
+        self.hfu_counted = True
+
+    # ------------------------------------------------------------------------------ figures
+    def interval_metrics(self, rates) -> dict[str, float]:
+        """The ``throughput/*`` figures of one window (:meth:`~mlflow_llmeff.calc.throughput.Rates.interval_metrics`)."""
+        fpt = self.fpt if self.shape is not None else None
+        return rates.interval_metrics(fpt, self.peak_tflops, self.ratio(rates.counts.effective_seq_len))
+
+    def summary_figures(self, rates) -> tuple[dict[str, float], float | None]:
+        """The run's ``summary/device_tflops_per_sec``, MFU (megatron, palm), HFU and MFU against the
+        measured peak from the steady-state ``rates``, with the TFLOP/s per device (None: unknown)."""
+        out: dict[str, float] = {}
+        if self.shape is None or rates.counts.tokens <= 0:
+            return out, None
+        tflops = rates.device_tflops_per_sec(self.fpt)
+        out[names.SUM_DEVICE_TFLOPS] = tflops
+        mfu = fl.utilization(tflops, self.peak_tflops)
+        if mfu is not None:
+            out[names.SUM_MFU] = mfu
+            out[names.SUM_MFU_PALM] = fl.utilization(
+                rates.device_tflops_per_sec(lambda s: self.fpt(s, "palm")), self.peak_tflops)
+            ratio = self.ratio(rates.counts.effective_seq_len)
+            if ratio is not None:
+                out[names.SUM_HFU] = mfu * ratio
+        if self.measured_peak:
+            out[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(tflops, self.measured_peak)
+        return out, tflops
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state(self) -> list | None:
+        """``[ratio, note]`` once the ratio was counted (a resumed attempt does not count again), else None."""
+        return [self.hfu_ratio, self.hfu_note] if self.hfu_counted else None
+
+    def load(self, counted) -> None:
+        """Continue with the ratio an earlier attempt counted (:meth:`state`; None or empty: nothing)."""
+        if counted:
+            self.hfu_ratio, self.hfu_note = float(counted[0]), str(counted[1])
+            self.hfu_counted = True

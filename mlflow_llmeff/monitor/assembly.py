@@ -1,0 +1,148 @@
+"""Assembling a monitor: argument checks, what the model says, and the meters a monitor reads.
+
+The parts of :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`'s constructor that do not
+touch MLflow (that is :mod:`~mlflow_llmeff.monitor.binding`): :func:`check_args` (shared with
+``autolog``, which checks its settings before any training starts), :func:`read_model` (device,
+precision, strategy, compile and checkpointing flags, the FLOPs account), :func:`set_up_measurement`
+(accelerator, energy meter, peaks, price, carbon tracker, consumption) and
+:func:`set_up_step_timing` (per-step times, forward timer, contention meter). The set-up functions
+set the monitor's state (``mon``) in the order the constructor calls them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mlflow_llmeff.calc import cost as cost_mod
+from mlflow_llmeff.calc.throughput import ThroughputMeter
+from mlflow_llmeff.meters import energy as en
+from mlflow_llmeff.meters import hardware as hw
+from mlflow_llmeff.meters.carbon import CarbonTracker
+from mlflow_llmeff.monitor.account import FlopsAccount
+from mlflow_llmeff.monitor.conditions import (infer_precision, infer_strategy, is_compiled, unwrap_model,
+                                              uses_activation_checkpointing)
+from mlflow_llmeff.monitor.consumption import Consumption
+from mlflow_llmeff.monitor.contention import ContentionMeter
+from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
+
+__all__ = ["PRECISIONS", "check_args", "replication", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
+
+#: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+
+
+def check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
+               device_hour_usd, usd_per_kwh) -> None:
+    """Check the monitor's arguments (as :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` documents them).
+
+    Raises:
+        ValueError: naming the bad argument and what is accepted.
+    """
+    def bad_int(v, lo):
+        return not isinstance(v, int) or isinstance(v, bool) or v < lo
+
+    if bad_int(log_every_n_steps, 1):
+        raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not accepted; give an int >= 1")
+    if bad_int(warmup_steps, 0):
+        raise ValueError(f"warmup_steps={warmup_steps!r} is not accepted; give an int >= 0")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not accepted; use one of {', '.join(PRECISIONS)}")
+    if energy_meter is None and measure_energy not in en.MODES:
+        raise ValueError(f"measure_energy={measure_energy!r} is not accepted; use one of {', '.join(en.MODES)}")
+    if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and peak_tflops > 0):
+        raise ValueError(f"peak_tflops={peak_tflops!r} is not accepted; give TFLOP/s > 0 or None")
+    for name, v in (("device_hour_usd", device_hour_usd), ("usd_per_kwh", usd_per_kwh)):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name}={v!r} is not accepted; give a price >= 0 in USD or None")
+
+
+def replication(world_size: int, data_parallel_size: int | None) -> int:
+    """Ranks counting the same tokens (``world / data_parallel_size``; 1 without model parallelism).
+
+    Raises:
+        ValueError: for a ``data_parallel_size`` that is not an int >= 1 dividing ``world_size``.
+    """
+    if data_parallel_size is None:
+        return 1
+    dp = data_parallel_size
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or world_size % dp:
+        raise ValueError(f"data_parallel_size={dp!r} is not accepted; give an int >= 1 dividing the world "
+                         f"size {world_size}")
+    return world_size // dp
+
+
+def read_model(mon, model, model_config, precision, strategy, compile, act_ckpt) -> None:
+    """Device, precision, strategy, compile and activation-checkpointing flags, and the config (the
+    monitor's :class:`~mlflow_llmeff.monitor.account.FlopsAccount`), from the model."""
+    inner = unwrap_model(model) if model is not None else None
+    mon._device = None
+    if inner is not None:
+        try:
+            mon._device = next(inner.parameters()).device
+        except Exception:  # noqa: BLE001 - a model without parameters
+            mon._device = None
+    mon.precision = precision or (infer_precision(inner) if inner is not None else "fp32")
+    mon.strategy = strategy or infer_strategy(model, mon.world_size)
+    mon.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
+    mon.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
+                                    else model is not None and uses_activation_checkpointing(model))
+    mon._account = FlopsAccount(model_config if model_config is not None else getattr(inner, "config", None))
+
+
+def set_up_measurement(mon, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
+                       energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker) -> None:
+    """Peaks (datasheet and measured), price, energy meter and carbon tracker."""
+    device_type = mon._device.type if mon._device is not None else None
+    mon.accelerator = hw.detect_accelerator(count=mon.world_size, device_type=device_type)
+    if energy_meter is None:
+        idx = [mon._device.index or 0] if device_type == "cuda" else None
+        energy_meter = (en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none"
+                        else en.NullMeter("measure_energy=none"))
+    mon._energy = energy_meter
+    if not mon._energy.started:  # first: the energy's span starts here (a caller may start it earlier)
+        mon._energy.start()
+    mon._account.resolve_peak(mon.accelerator, mon.precision, peak_tflops)
+    if measure_peak:
+        mon._account.measure_peak(mon.precision, mon._device)
+    price, price_source = cost_mod.device_hour_price(mon.accelerator.short, device_hour_usd)
+    mon._cost_tags = cost_mod.cost_tags(price, price_source, usd_per_kwh)
+    mon._carbon = carbon_tracker or CarbonTracker(
+        country_iso_code=country_iso_code, cloud_provider=cloud_provider, cloud_region=cloud_region,
+        enabled=measure_energy != "none")
+    mon._consumption = Consumption(devices=mon.world_size, device_hour_usd=price, usd_per_kwh=usd_per_kwh)
+
+
+def set_up_step_timing(mon, model, contention_meter) -> None:
+    """Per-step times (device events on CUDA), each rank's forward time, and the contention meter."""
+    cuda = mon._device is not None and mon._device.type == "cuda"
+    mon._steps, mon._pending_step_s = StepTimes(), []
+    mon._devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
+    mon._fwd_s, mon._fwd_steps, mon._fwd = 0.0, 0, None
+    inner = unwrap_model(model) if model is not None else None
+    if inner is not None and hasattr(inner, "register_forward_pre_hook"):
+        mon._fwd = ForwardTimer(inner, mon._forward_counts, mon._clock,
+                                event=cuda_event_factory() if cuda else None)
+    mon._contention = contention_meter or ContentionMeter(device=mon._device)
+
+
+def stop_meters(mon) -> None:
+    """Stop what :func:`set_up_measurement` and :func:`set_up_step_timing` started (a failure is ignored)."""
+    for closer in (mon._energy.close, mon._carbon.stop, mon._contention.close,
+                   mon._fwd.close if mon._fwd is not None else (lambda: None)):
+        try:
+            closer()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def resume(mon, state: dict) -> None:
+    """Continue counters, clock, consumption, step times, reached targets and the counted HFU ratio from
+    a checkpoint's state (:meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.state_dict`)."""
+    mon._meter = ThroughputMeter(num_devices=mon.world_size, warmup_steps=mon.warmup_steps)
+    mon._meter.load_state_dict(state["throughput"])
+    mon._ledger.load_state_dict(state["ledger"])
+    mon._reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
+    mon._attempts = int(state.get("attempts", 1)) + 1
+    mon._consumption.resume(state.get("consumption", {}), {})
+    mon._steps.load_state_dict(state.get("step_times"))
+    mon._account.load(state.get("hfu_counted"))  # counted in an earlier attempt: not again

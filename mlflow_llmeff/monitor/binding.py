@@ -1,0 +1,158 @@
+"""Run binding of a monitor (rank 0): opening or continuing the MLflow run, its logger, tags and params.
+
+:func:`open_run` gives an :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` its run
+(:func:`~mlflow_llmeff.tracking.runs.open_run`: the active run, ``MLFLOW_RUN_ID``, a run to
+continue, else a new one named by :func:`~mlflow_llmeff.tracking.naming.study_name`) and its
+:class:`~mlflow_llmeff.tracking.logger.RunLogger`, tags the run's conditions
+(:func:`condition_tags`), and on a resumed attempt accounts what the crashed attempt did after its
+checkpoint (:func:`account_crashed_tail`, from the server's last points or the heartbeat file,
+:func:`write_heartbeat`). These functions read and set the monitor's state (``mon``): they are the
+part of its constructor that talks to MLflow, kept out of the step's story.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+from mlflow_llmeff import names
+from mlflow_llmeff.monitor import conditions as cond
+from mlflow_llmeff.tracking import runs
+from mlflow_llmeff.tracking.logger import RunLogger
+from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
+
+__all__ = ["open_run", "account_crashed_tail", "condition_tags", "model_name", "write_heartbeat",
+           "read_heartbeat", "tag_shape", "HEARTBEAT_KEYS"]
+
+log = logging.getLogger(__name__)
+
+#: Strategy name prefixes whose data-parallel ranks shard model state (FSDP; every ZeRO stage shards at
+#: least the optimizer state), as parallel/ gives their degrees and a user's loop names them.
+_SHARDED_STRATEGIES = ("fsdp", "deepspeed", "zero")
+#: Running totals the heartbeat file keeps (a resumed attempt continues its energy from them).
+HEARTBEAT_KEYS = (names.ENERGY_TOTAL_KWH, names.ENERGY_ESTIMATE_CPU_KWH, names.ENERGY_ESTIMATE_RAM_KWH)
+
+
+def open_run(mon, run_id, run_name, experiment_name, extra_tags, params, resume_state) -> None:
+    """Rank 0: open or continue the MLflow run, tag the conditions, account a crashed attempt's tail.
+
+    Sets ``mon._run``, ``mon._logger``, ``mon._created_after_s`` (seconds from the attempt's start to
+    the run's creation; None for a run an earlier attempt created) and ``mon._given_tags``.
+    """
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    parts = parts_from_tags({**condition_tags(mon), names.MODEL_NAME: model_name(mon), **extra_tags},
+                            params.get("eval_tasks"))
+    name = run_name or study_name(parts)  # the fixed order, until the experiment's runs are read
+    mon._run = runs.open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
+                             unique_name=run_name is None, outbox_dir=mon._outbox_dir,
+                             name_parts=parts if run_name is None else None)
+    # seconds from this attempt's start to the run's creation (None: a run created by an earlier attempt)
+    mon._created_after_s = None if mon._run.resumed and mon._run.fresh_since_unix is None else \
+        mon._clock() - mon._attempt_start
+    if mon._run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
+        mon._ledger.start_earlier(mon._clock() - max(0.0, time.time() - mon._run.fresh_since_unix))
+        mon._created_after_s = 0.0  # the launcher created it; the wall time starts there too
+    mon._logger = RunLogger(mon._run.run_id, client, resume=mon._run.resumed, outbox_dir=mon._outbox_dir,
+                            first=mon._run.pending, unanswered=mon._run.unanswered,
+                            local_id=mon._run.local_id)
+    if resume_state:
+        account_crashed_tail(mon, resume_state)
+    mon._given_tags = set(extra_tags)
+    changed = mon._logger.log_params(params) if params else {}
+    tags = {**condition_tags(mon), **extra_tags, names.RESUME_ATTEMPTS: str(mon._attempts)}
+    if resume_state:
+        tags[names.RESUMED_FROM] = str(mon._meter.step)
+    if changed:
+        tags[names.RESUME_CHANGED] = ", ".join(f"{k}: {a} -> {b} (not re-logged)" for k, (a, b) in changed.items())
+    mon._logger.set_tags(tags)
+
+
+def account_crashed_tail(mon, state: dict) -> None:
+    """The crashed attempt ran on after its checkpoint until its last logged point: lost progress,
+    and its energy and estimate continue from that point's totals."""
+    last = {}
+    for key in HEARTBEAT_KEYS:
+        point = mon._logger.last_point(key)
+        if point is not None:
+            last[key] = float(point[1])
+    newest, saved = mon._logger.last_timestamp_s, state.get("saved_at_unix")
+    beat = read_heartbeat(mon)
+    if beat is not None and float(beat["unix"]) > (newest or 0.0):  # newer than what reached the server
+        newest = float(beat["unix"])
+        last.update({k: float(v) for k, v in beat.get("totals", {}).items()})
+    # the server did not answer: the steps the crashed attempt logged (at least the checkpoint's) are
+    # not logged again, so a replayed step never has two points
+    mon._logger.assume_logged_through(max(int(state.get("step", 0)), int(beat["step"]) if beat else 0))
+    mon._consumption.resume(state.get("consumption", {}), last)
+    if newest is not None and saved is not None:
+        mon._ledger.add("lost_progress", max(0.0, float(newest) - float(saved)))
+
+
+def model_name(mon) -> str:
+    """The ``llmeff.model.name`` of the monitored model (:func:`~mlflow_llmeff.monitor.conditions.model_name`)."""
+    return cond.model_name(mon._model, mon._account.config)
+
+
+def condition_tags(mon) -> dict[str, str]:
+    """The run's condition tags: hardware, strategy, precision, model, FLOPs and peak provenance,
+    the data-parallel degrees of a user's loop, and why communication is not measured here."""
+    a = mon._account
+    tags = cond.condition_tags(
+        accelerator=mon.accelerator, world=mon.world_size, strategy=mon.strategy, precision=mon.precision,
+        model=mon._model, config=a.config, flops_note=a.fpt_note, peak_tflops=a.peak_tflops,
+        peak_source=a.peak_source, measured_peak_note=a.measured_peak_note,
+        warmup_steps=mon.warmup_steps, energy_source=mon._energy.source, energy_why=mon._energy.why,
+        integration=mon._integration, compiled=mon.compiled,
+        activation_checkpointing=mon.activation_checkpointing, cost_tags=mon._cost_tags,
+        flops_method=a.flops_method)
+    dp = mon.world_size // mon._model_parallel
+    # a user's loop: its data-parallel ranks hold sharded state under FSDP and ZeRO-3 (llmeff train
+    # passes its layout's own degrees as tags, which win)
+    shard = dp if str(mon.strategy or "").startswith(_SHARDED_STRATEGIES) else 1
+    tags.update({names.PAR_DP: str(dp), names.PAR_DP_SHARD: str(shard), names.PAR_DP_REPLICATE: str(dp // shard)})
+    # communication is measured by llmeff train (docs/parallelism.md), which sets these again
+    why = "none: measured by llmeff train only (a collective probe at its start, sampled warm-up steps)"
+    tags.update({names.COMM_PROBE: why, names.COMM_SAMPLED: why})
+    return tags
+
+
+def tag_shape(mon) -> None:
+    """Tag the batch shape of the first step (batch size, sequence length, accumulation, global batch),
+    once, leaving out the tags the caller gave; inside the first step, so the tags do not wait."""
+    mon._shape_tags_pending = False
+    if mon._tally.first_shape is not None and mon.is_main:
+        b, s, ga = mon._tally.first_shape
+        given = getattr(mon, "_given_tags", set())
+        tags = {k: v for k, v in cond.shape_tags(b, s, max(1, ga), mon.world_size // mon._model_parallel).items()
+                if k not in given}
+        if tags:
+            mon._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
+
+
+def write_heartbeat(path: str, run_id: str | None, step: int, m: dict[str, float]) -> None:
+    """Rewrite the heartbeat file ``path`` with the step, the time and the running totals of ``m``
+    (temp file + rename: a reader never sees half of it; a full disk is logged, never raised)."""
+    beat = {"run_id": run_id, "step": step, "unix": time.time(),
+            "totals": {k: m[k] for k in HEARTBEAT_KEYS if k in m}}
+    tmp = f"{path}.tmp"
+    try:
+        os.makedirs(os.path.dirname(tmp) or ".", exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(beat, f)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk must not stop training
+        log.debug("heartbeat not written: %s", e)
+
+
+def read_heartbeat(mon) -> dict | None:
+    """The monitor's heartbeat file when it belongs to its run (its id or local id), else None."""
+    try:
+        with open(mon._heartbeat_path or "", encoding="utf-8") as f:
+            beat = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return beat if beat.get("run_id") in (mon.run_id, mon._run.local_id if mon._run else None) else None

@@ -1,0 +1,225 @@
+"""A monitor's window edges: counts over ranks, step times, and the points it logs with their readings.
+
+At every logged step the :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` reads energy and
+codecarbon's estimate on every rank and sums them (each physical device once), takes the peak
+memory and the learning rate, and hands ``train/*``, ``throughput/*``, ``memory/*``, the running
+consumption totals and the contention figures to the logger (:func:`log_interval`); rank 0 then
+rewrites the heartbeat file. These functions read and set the monitor's state (``mon``); they
+are collectives where they say so, called on every rank in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+from mlflow_llmeff import names
+from mlflow_llmeff.calc import flops as fl
+from mlflow_llmeff.evals.api import SUBJECT_TABLE, split_subjects
+from mlflow_llmeff.meters import collectives
+from mlflow_llmeff.meters import energy as en
+from mlflow_llmeff.meters.probes import peak_memory_gib
+from mlflow_llmeff.monitor.binding import write_heartbeat
+
+__all__ = ["reduce_counts", "time_steps", "log_interval", "log_eval", "log_ttq", "refresh_consumption", "note_energy_head_gap",
+           "memory", "note_nothing_counted", "warn_mfu"]
+
+log = logging.getLogger("mlflow_llmeff.monitor.meter")  # the monitor's own logger, as before the split
+
+
+def reduce_counts(mon, t):
+    """Counts summed over every rank, then divided by the ranks of a model-parallel group
+    (they counted the same tokens): once per data-parallel rank. A collective (``t``: the tally's
+    counts tensor; the monitor passes it to :meth:`~mlflow_llmeff.monitor.counting.StepTally.take`)."""
+    t = collectives.reduce_tensor(t)
+    r = mon._model_parallel
+    if r > 1:
+        if bool((t % r).any()) and not getattr(mon, "_replica_warned", False):
+            mon._replica_warned = True
+            warnings.warn(f"mlflow_llmeff: token counts summed over ranks are not a multiple of the {r} ranks of "
+                          "a model-parallel group: its ranks counted different batches", stacklevel=3)
+        t = t // r
+    return t
+
+
+def time_steps(mon, counts, window_s: float) -> None:
+    """Keep the per-step seconds (device events on CUDA) and forward time of a steady window just added."""
+    device_s = mon._devclock.take(window_s) if mon._devclock is not None else None
+    forward_s = mon._fwd.take() if mon._fwd is not None else 0.0
+    host_s, mon._pending_step_s = mon._pending_step_s, []
+    if counts.steps == 0 or mon._meter.is_warmup(mon._meter.step):
+        return
+    secs = device_s if device_s is not None and len(device_s) == len(host_s) else host_s
+    mon._steps.add_window(secs, counts.tokens)
+    mon._fwd_s += forward_s
+    mon._fwd_steps += counts.steps
+
+
+def log_interval(mon, step: int, collective: bool = True) -> None:
+    """The interval metrics at a logged step (a collective: losses, energy and memory over ranks)."""
+    total = mon._meter.total
+    loss_sum, loss_n = refresh_consumption(mon, collective, mon._tally.take_loss())
+    alloc, reserved, _ = memory(mon, collective)
+    m: dict[str, float] = {names.TRAIN_TOKENS: total.tokens, names.TRAIN_PADDED_TOKENS: total.padded_tokens,
+                           names.TRAIN_LOSS_TOKENS: total.loss_tokens,
+                           names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
+    if loss_n:
+        m[names.TRAIN_LOSS] = loss_sum / loss_n
+        if not math.isfinite(m[names.TRAIN_LOSS]) and mon._nonfinite is None:
+            mon._nonfinite = (step, m[names.TRAIN_LOSS])
+    lr = learning_rate(mon)
+    if lr is not None:
+        m[names.TRAIN_LR] = lr
+    rates = mon._meter.interval()
+    if rates is not None and mon._meter.total.tokens == 0:
+        note_nothing_counted(mon)
+        rates = None  # no token was counted: a rate of 0 tokens/s would be a number nobody measured
+    if rates is not None:
+        m.update(mon._account.interval_metrics(rates))
+        warn_mfu(mon, m.get(names.TPUT_DEVICE_MFU), f"step {step}")
+    m.update(mon._consumption.interval(mon._ledger.wall_s(), total.tokens))
+    m.update(mon._contention.interval(collective))
+    mon._totals_step = step
+    mon._latest = m
+    mon._logger.log_metrics(m, step)
+    if mon._heartbeat_path and mon.is_main:
+        write_heartbeat(mon._heartbeat_path, mon.run_id, step, m)
+
+
+def log_eval(mon, values: dict[str, float], step: int) -> None:
+    """Rank 0: ``eval/*`` at ``step`` (an ``eval/`` prefix dropped, ``val_perplexity`` = exp(``val_loss``)
+    added, MMLU subjects as one table); then ``ttq/*`` for the targets the values reach (:func:`log_ttq`)."""
+    clean = {(k[len("eval/"):] if k.startswith("eval/") else k): float(v) for k, v in values.items()}
+    if "val_loss" in clean and "val_perplexity" not in clean:  # one definition on every path
+        clean["val_perplexity"] = math.exp(min(clean["val_loss"], 700.0))
+    if mon.is_main:
+        shown, table = split_subjects(clean)
+        if table is not None:  # one table per eval; per-subject metrics only when asked
+            mon._logger.log_table(table, SUBJECT_TABLE.format(step=step))
+        mon._logger.log_metrics({f"eval/{k}": v for k, v in (clean if mon._subject_metrics else shown).items()},
+                                step)
+    newly = [t for t in mon._targets if t.key not in mon._reached and t.reached(clean.get(t.metric))]
+    if newly:
+        log_ttq(mon, newly, step)
+
+
+def log_ttq(mon, newly, step: int) -> None:
+    """``ttq/<target>_*`` at the first step the targets ``newly`` are reached (METRICS.md, Time-to-quality);
+    a collective (pending steps are accounted, consumption read over ranks)."""
+    if mon._pending_steps:
+        mon._edge()
+    refresh_consumption(mon)
+    wall = mon._ledger.wall_s() - mon._ledger.snapshot()["init"]
+    kwh = mon._consumption.total_kwh
+    usd = mon._consumption.cost_usd(wall)
+    figures = {"wall_s": wall, "train_s": mon._ledger.train_s(), "tokens": float(mon._meter.total.tokens),
+               "device_hours": mon.world_size * wall / 3600.0, "kwh": kwh, "usd": usd,
+               "kg_co2e": mon._consumption.kg_co2e(kwh)}
+    for t in newly:
+        mon._reached[t.key] = step
+        keys = t.metric_keys()
+        mon._logger.log_metrics({keys[k]: v for k, v in figures.items() if v is not None}, step)
+        mon._logger.set_tags({t.not_reached_tag: f"reached_at_step_{step}"})
+
+
+def refresh_consumption(mon, collective: bool = True, loss: tuple[float, int] = (0.0, 0)) -> tuple[float, int]:
+    """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along.
+
+    Each physical device is summed once: a rank adds only the devices it owns
+    (:func:`~mlflow_llmeff.meters.energy.device_owners`: the lowest rank listing a device id reads it),
+    so two ranks on one GPU count it once. Without a collective on several ranks (rank 0 alone at
+    exit) the other ranks' readings cannot be had: the totals stay those of the last collective
+    reading, and ``llmeff.energy.span`` says where the energy ends.
+    """
+    loss_sum, loss_n = loss
+    many = mon.world_size > 1
+    if many and not collective:
+        return loss_sum, int(loss_n)
+    mine = _energy_share(mon, many)
+    reading = mon._energy.read() if mon._energy.measures else None
+    est = mon._carbon.running_estimate()
+    joules, devices, domains = 0.0, 0, 0
+    if reading is not None:
+        ours = [d for d in reading.per_device_j if d in mine]
+        joules = sum(reading.per_device_j[d] for d in ours)
+        domains = len(ours)
+        devices = mon._energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
+    local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
+             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains)]
+    g = collectives.all_reduce(local) if many else local
+    mon._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
+                            measured_domains=int(g[7]), wall_s=mon._ledger.wall_s())
+    return g[0], int(g[1])
+
+
+def _energy_share(mon, many: bool) -> set[str]:
+    """The device ids this rank reports (once per run: one collective gathering every rank's devices)."""
+    if getattr(mon, "_energy_ids", None) is not None:
+        return mon._energy_ids
+    owned = list(mon._energy.owned)
+    if not owned and mon._energy.measures:  # a meter that names no devices: the ones it reads are its own
+        owned = list(mon._energy.read().per_device_j)
+    mine = {"owned": owned, "unmeasured": mon._energy.unmeasured}
+    ranks = collectives.all_gather_object(mine) if many else [mine]
+    owners = en.device_owners([r["owned"] for r in ranks])
+    unmeasured = {d: why for r in ranks for d, why in r["unmeasured"].items() if d in owners}
+    shared = {d: [i for i, r in enumerate(ranks) if d in r["owned"]] for d in owners}
+    mon._consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
+    mon._energy_ids = {d for d, rank in owners.items() if rank == mon.rank}
+    return mon._energy_ids
+
+
+def note_energy_head_gap(mon) -> None:
+    """Set-up seconds of this attempt before the energy meter started: in summary/wall_s, not in the energy."""
+    if not mon._energy.measures:
+        return
+    try:
+        elapsed = mon._energy.read().elapsed_s
+    except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
+        return
+    attempt = mon._ledger.snapshot()["init"] - mon._ledger.seconds["init"]  # still in init: this attempt so far
+    mon._consumption.head_gap_s += max(0.0, attempt - elapsed)
+
+
+def memory(mon, collective: bool = True) -> tuple[float, float, str]:
+    """Peak allocated and reserved memory in GiB (max over ranks with ``collective``) and their source."""
+    import torch
+
+    dev = mon._device if mon._device is not None else torch.device("cpu")
+    alloc, reserved, source = peak_memory_gib(dev)
+    mon._memory_source = source
+    if collective:
+        alloc, reserved = collectives.all_reduce([alloc, reserved], op="max")
+    return alloc, reserved, source
+
+
+def learning_rate(mon) -> float | None:
+    """The learning rate given to ``step()``, else the optimizer's first group's, else None."""
+    if mon._lr is not None:
+        return mon._lr
+    try:
+        lr = mon._optimizer.param_groups[0]["lr"] if mon._optimizer is not None else None
+        return float(lr) if lr is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def note_nothing_counted(mon) -> None:
+    """Warn once (and tag) that steps ran with no token counted: no rate is logged."""
+    if getattr(mon, "_nothing_noted", False):
+        return
+    mon._nothing_noted = True
+    msg = ("EfficiencyMonitor.step() ran with no token counted (pass batch= or tokens= to step() or count()): "
+           "no throughput, MFU or per-token figure is logged")
+    warnings.warn(f"mlflow_llmeff: {msg}", stacklevel=4)  # the user's step() or finish()
+    mon._logger.set_tags({names.AUTOLOG_NOTE: msg}, synchronous=False)
+
+
+def warn_mfu(mon, mfu: float | None, where: str) -> None:
+    """Warn once (and tag ``llmeff.mfu_warning``) about an implausible MFU; it is reported, never clipped."""
+    warn = fl.mfu_warning(mfu)
+    if warn and not getattr(mon, "_mfu_warned", False):  # reported, never clipped
+        mon._mfu_warned = True
+        log.warning(warn)
+        mon._logger.set_tags({names.MFU_WARNING: f"{where}: {warn}"}, synchronous=False)

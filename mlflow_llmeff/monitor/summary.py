@@ -1,0 +1,180 @@
+"""The end-of-run summary of a monitor: ``summary/*`` figures, stability, consumption totals, end tags.
+
+:func:`figures` builds every ``summary/*`` figure of the run over all its attempts: tokens, steps,
+wall time and its goodput breakdown (:func:`~mlflow_llmeff.calc.goodput.breakdown`), steady-state
+throughput, TFLOP/s, MFU and HFU (:class:`~mlflow_llmeff.monitor.account.FlopsAccount`), memory per
+parameter, and the consumption totals (energy, carbon, cost). :func:`stability_figures` adds the
+dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
+:func:`end_tags` the tags that say where each figure comes from. These functions read the
+monitor's state (``mon``); with ``collective`` they reduce over ranks (call on every rank).
+"""
+
+from __future__ import annotations
+
+import math
+
+from mlflow_llmeff import names
+from mlflow_llmeff.calc import stability as st
+from mlflow_llmeff.calc.goodput import breakdown, goodput
+from mlflow_llmeff.meters import collectives
+from mlflow_llmeff.meters.probes import model_state_bytes
+from mlflow_llmeff.monitor import points
+from mlflow_llmeff.monitor.conditions import unwrap_model
+
+__all__ = ["conclude", "figures", "stability_figures", "headline", "end_tags"]
+
+
+def conclude(mon, collective: bool) -> dict[str, float]:
+    """Account the last steps, close the clock and log ``summary/*`` with the end tags (rank 0); returns
+    the summary. With ``collective`` the tail after the last window edge is summed over ranks; without
+    it (rank 0 alone) that tail is left out and ``llmeff.autolog.note`` says so."""
+    note = None
+    step = mon.step_count
+    if mon._pending_steps:
+        if collective:
+            mon._edge()
+        else:
+            note = (f"steps {mon._meter.step + 1}..{step} after the last window edge are not in the totals: "
+                    "the run ended on rank 0 only (call finish on every rank, accelerator.end_training() "
+                    "or torch.distributed.destroy_process_group())")
+            step = mon._meter.step
+    seconds = mon._ledger.close()  # the wall time ends here; cost and the summary use it
+    mon._carbon.stop()
+    if step > 0 and mon._totals_step != step:  # counters and totals at the last step, once
+        points.log_interval(mon, step, collective)
+    else:  # each key is logged once per step: the end-of-run totals are the summary's
+        points.refresh_consumption(mon, collective)
+    out = figures(mon, seconds, collective)
+    out.update(stability_figures(mon, collective))
+    if mon.is_main:
+        tags = end_tags(mon, note)
+        if (mon._end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
+                and "mlflow.note.content" not in getattr(mon, "_given_tags", ())):  # a failure keeps its why
+            tags["mlflow.note.content"] = headline(mon, out)
+        mon._logger.set_tags(tags)
+        mon._logger.log_metrics(out, max(step, 0))
+        points.warn_mfu(mon, out.get(names.SUM_MFU), "summary")
+    return out
+
+
+def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float]:
+    """Every ``summary/*`` figure of the run (all attempts); ``seconds``: the ledger's closed seconds by category."""
+    parts = breakdown(seconds, mon._ledger.warmup_steps, mon._ledger.steady_steps, compiled=mon.compiled)
+    tokens = mon._meter.total.tokens
+    out: dict[str, float] = {names.SUM_TOKENS: float(tokens), names.SUM_STEPS: float(mon._meter.step),
+                             names.SUM_WALL_S: parts["wall"], names.SUM_GOODPUT: goodput(parts)}
+    for c in names.BADPUT_CATEGORIES:
+        if c in parts:
+            out[names.SUM_BADPUT[c]] = parts[c]
+    rates = mon._meter.summary()
+    tflops = None
+    if rates is not None and tokens == 0:
+        points.note_nothing_counted(mon)
+        rates = None
+    if rates is not None:
+        out.update({names.SUM_TOKENS_PER_SEC: rates.tokens_per_sec,
+                    names.SUM_DEVICE_TOKENS_PER_SEC: rates.device_tokens_per_sec,
+                    names.SUM_STEP_TIME_S: rates.step_time_s})
+        flops_figures, tflops = mon._account.summary_figures(rates)
+        out.update(flops_figures)
+    out.update(_memory_figures(mon, collective))
+    out.update(mon._consumption.summary(parts["wall"], tokens, tflops))
+    out.update(mon._extra_summary)
+    return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
+
+
+def stability_figures(mon, collective: bool) -> dict[str, float]:
+    """Dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
+    their tags wait in ``mon._stability_tags`` for :func:`end_tags`."""
+    s = mon._steps.analyse()
+    mon._stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
+    out: dict[str, float] = {}
+    if s is not None:
+        out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s,
+                    names.SUM_STEP_TIME_CV: s.cv, names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
+        if s.ci95 is not None:
+            # centred on the mean the summary reports (the same steps; they differ by float32
+            # storage in checkpoints and device-event rounding only)
+            tps = _steady_tps(mon)
+            scale = tps / s.tokens_per_sec if tps and s.tokens_per_sec else 1.0
+            out[names.SUM_TPS_CI95_LOW], out[names.SUM_TPS_CI95_HIGH] = s.ci95[0] * scale, s.ci95[1] * scale
+    contention, tags = mon._contention.finish(collective)
+    out.update(contention)
+    mon._stability_tags.update(tags)
+    if collective and mon.world_size > 1:
+        mine = [0.0] * mon.world_size
+        mine[mon.rank] = mon._fwd_s / mon._fwd_steps if mon._fwd_steps else 0.0
+        per_rank = collectives.all_reduce(mine)
+        found = st.straggler(per_rank) if all(v > 0 for v in per_rank) else None
+        if found is not None:
+            out[names.SUM_STRAGGLER_RATIO] = found[0]
+            mon._stability_tags[names.STRAGGLER_RANK] = (
+                f"rank {found[1]}: mean forward {per_rank[found[1]] * 1e3:.4g} ms/step vs median "
+                f"{st.percentile(per_rank, 50) * 1e3:.4g} ms")
+    return out
+
+
+def headline(mon, out: dict[str, float]) -> str:
+    """The run's description: its steady throughput with its interval and stability, and where its
+    figures are (the runs table shows an interval metric's last window, not the run's figure)."""
+    tps, low, high = (out.get(k) for k in (names.SUM_TOKENS_PER_SEC, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH))
+    interval = f" (95% interval {low:,.0f} to {high:,.0f})" if low is not None and high is not None else ""
+    return (f"{tps:,.0f} tokens/s steady state{interval}, {mon.stability or 'stability unknown'}. "
+            "The run's figures are the summary/* metrics; throughput/* are per-window rates (the runs table "
+            "shows their last window).")
+
+
+def _steady_tps(mon) -> float | None:
+    rates = mon._meter.summary()
+    return rates.tokens_per_sec if rates is not None and rates.counts.tokens > 0 else None
+
+
+def _memory_figures(mon, collective: bool) -> dict[str, float]:
+    """``summary/bytes_per_param`` (CUDA allocator peak per parameter) and ``summary/model_state_bytes_per_param``."""
+    inner = unwrap_model(mon._model) if mon._model is not None else None
+    if inner is None:
+        return {}
+    alloc, _, _ = points.memory(mon, collective)
+    out: dict[str, float] = {}
+    if mon._device is not None and mon._device.type == "cuda":  # allocator statistics, never process RSS
+        nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in inner.parameters())  # ZeRO-3: whole
+        out[names.SUM_BYTES_PER_PARAM] = alloc * 2**30 / max(1, nparams)
+    if mon._optimizer is not None:
+        state_bytes, model_params = model_state_bytes(inner, mon._optimizer)
+        bpp = state_bytes / max(1, model_params)
+        out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = collectives.all_reduce([bpp], "max")[0] if collective else bpp
+    return out
+
+
+def end_tags(mon, note: str | None) -> dict[str, str]:
+    """The tags logged with the summary: HFU method, energy and carbon sources, consumption provenance,
+    stability, targets not reached, ``note`` (``llmeff.autolog.note``) and wall time vs MLflow's Duration."""
+    tags = {names.HFU_METHOD: mon._account.hfu_note, **mon._carbon.tags(
+        energy_source=mon._energy.source if mon._consumption.measured else None),
+        **mon._consumption.tags(mon._ledger.wall_s()), **getattr(mon, "_stability_tags", {})}
+    if getattr(mon, "_memory_source", None) is not None:
+        tags[names.MEMORY_SOURCE] = mon._memory_source
+    if not mon._consumption.measured and mon._consumption.estimate is not None:
+        tags[names.ENERGY_SOURCE] = "codecarbon_estimate"
+        tags[names.ENERGY_WHY] = (f"no measured energy ({mon._energy.why}); only codecarbon's CPU/RAM estimate is "
+                                  "logged, under energy/estimate/* and carbon/estimate_kg_co2e")
+    for t in mon._targets:
+        if t.key not in mon._reached:
+            tags[t.not_reached_tag] = "not_reached"
+    if note:
+        tags[names.AUTOLOG_NOTE] = note
+    tags[names.WALL_VS_DURATION] = wall_vs_duration(getattr(mon, "_created_after_s", None))
+    return tags
+
+
+def wall_vs_duration(created_after_s: float | None) -> str:
+    """Why MLflow's Duration and ``summary/wall_s`` differ (both are shown on the run's page);
+    ``created_after_s``: seconds from the attempt's start to the run's creation (None: an earlier attempt's run)."""
+    before = created_after_s
+    head = ("summary/wall_s runs from each attempt's start (process start for llmeff train: imports and "
+            "set-up included; all attempts of a resumed run added) to the last summary figure")
+    if before is None:
+        return head + "; this attempt continued a run MLflow created earlier, whose Duration counts from then"
+    before = max(0.0, before)
+    return (head + f"; MLflow created the run {before:.1f} s after this attempt started, and its Duration runs "
+            "from then to the run's end, after the end-of-run report was logged")
