@@ -12,6 +12,10 @@ from mlflow_llmeff.calc.throughput import Counts
 # Positions in the on-device accumulator; padded positions are shapes, kept as an int.
 _TOKENS, _LOSS, _SUM_LEN_SQ, _SAMPLES = range(4)
 
+#: The layout of the int64 counts tensor a ``reduce`` callable of :meth:`BatchCounter.take` and
+#: :meth:`StepTally.take` receives (and returns): one value per field, in this order.
+REDUCE_LAYOUT = ("tokens", "loss_tokens", "sum_len_sq", "padded_tokens", "samples")
+
 #: Keys of a batch mapping (or a forward's keyword arguments) that :class:`StepTally` reads: the
 #: ids, the padding mask, the labels and the three ways collators mark packed documents.
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "cu_seq_lens_q", "cu_seqlens", "seq_idx")
@@ -256,7 +260,7 @@ class StepTally:
         host = list(self.host)
         self.host = [0] * len(self._FIELDS)
         if self.counter is not None:
-            # BatchCounter's layout: tokens, loss tokens, sum of squared lengths, padded, samples
+            # REDUCE_LAYOUT: tokens, loss tokens, sum of squared lengths, padded, samples
             in_layout = [host[0], host[2], host[4], host[1], host[3]]
 
             def with_host(t):
@@ -264,9 +268,10 @@ class StepTally:
                 return reduce(t) if reduce is not None else t
 
             return self.counter.take(steps, reduce=with_host)
-        t = torch.tensor(host, dtype=torch.int64)
-        v = (reduce(t) if reduce is not None else t).tolist()
-        return Counts(steps, *[int(x) for x in v])
+        # host order: tokens, padded, loss, samples, sum_len_sq -> REDUCE_LAYOUT
+        t = torch.tensor([host[0], host[2], host[4], host[1], host[3]], dtype=torch.int64)
+        v = [int(x) for x in (reduce(t) if reduce is not None else t).tolist()]
+        return Counts(steps=steps, tokens=v[0], padded_tokens=v[3], loss_tokens=v[1], samples=v[4], sum_len_sq=v[2])
 
     def peek_loss(self) -> tuple[float, int]:
         """This rank's (sum, count) of losses since the last take, without resetting (synchronizes)."""

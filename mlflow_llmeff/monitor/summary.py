@@ -152,6 +152,8 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
     tags = {names.HFU_METHOD: mon._account.hfu_note, **mon._carbon.tags(
         energy_source=mon._energy.source if mon._consumption.measured else None),
         **mon._consumption.tags(mon._ledger.wall_s()), **getattr(mon, "_stability_tags", {})}
+    if mon._account.counter_gap:
+        tags[names.FLOPS_COUNTER_GAP] = mon._account.counter_gap
     if getattr(mon, "_memory_source", None) is not None:
         tags[names.MEMORY_SOURCE] = mon._memory_source
     if not mon._consumption.measured and mon._consumption.estimate is not None:
