@@ -156,8 +156,11 @@ def refresh_consumption(mon, collective: bool = True, loss: tuple[float, int] = 
         domains = len(ours)
         devices = mon._energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
     local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
-             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains)]
+             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains), float(len(mon._energy.unmeasured))]
     g = collectives.all_reduce(local) if many else local
+    if g[8] != mon._unmeasured_seen:  # a device left the measurement (another process on it): every rank
+        mon._energy_ids = None        # sees the same sum, so all gather the devices and reasons again
+        _energy_share(mon, many)
     mon._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
                             measured_domains=int(g[7]), wall_s=mon._ledger.wall_s())
     return g[0], int(g[1])
@@ -177,6 +180,7 @@ def _energy_share(mon, many: bool) -> set[str]:
     shared = {d: [i for i, r in enumerate(ranks) if d in r["owned"]] for d in owners}
     mon._consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
     mon._energy_ids = {d for d, rank in owners.items() if rank == mon.rank}
+    mon._unmeasured_seen = float(sum(len(r["unmeasured"]) for r in ranks))
     return mon._energy_ids
 
 
