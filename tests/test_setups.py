@@ -133,3 +133,15 @@ def test_a_tiny_qwen3_moe_under_checkpointing_keeps_hfu_above_mfu_and_tags_the_g
         "model.layers.1.mlp.experts; HFU uses the analytic ratio (the count is a measurement gap, not lower "
         "hardware FLOPs)")
     assert tags[names.HFU_METHOD].startswith("analytic: the FlopCounterMode step counted less than the formula")
+
+
+def test_a_resumed_attempt_keeps_the_gap_and_an_older_checkpoint_still_loads():
+    from mlflow_llmeff.monitor.account import FlopsAccount
+
+    a = FlopsAccount()
+    a.load([None, "analytic: ...", "step 1: FlopCounterMode counted 40.0% ..."])  # a gap counted before
+    assert a.hfu_ratio is None and a.hfu_counted and a.counter_gap.startswith("step 1: FlopCounterMode counted 40.0%")
+    assert a.state() == [None, "analytic: ...", "step 1: FlopCounterMode counted 40.0% ..."]
+    b = FlopsAccount()
+    b.load([1.25, "FlopCounterMode on step 1 of the attempt"])  # the two-item form of earlier checkpoints
+    assert (b.hfu_ratio, b.counter_gap, b.hfu_counted) == (1.25, None, True)
