@@ -28,6 +28,34 @@ if DATA_DIR.is_dir():
     os.environ.setdefault("LLMEFF_DATA_DIR", str(DATA_DIR))
 
 
+def under_ci() -> bool:
+    """True under CI: the ``CI`` environment variable set to anything but empty, 0, false or no
+    (CI services set ``CI=true``)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require(module: str, how: str = ""):
+    """Import and return ``module``; when it is missing, skip locally but fail under CI
+    (:func:`under_ci`), where a missing dependency is a broken set-up, not a reason to pass.
+
+    Usable at module level (``lm_eval = require("lm_eval")``: a collection error under CI) and
+    inside a test.
+
+    Raises:
+        pytest.fail.Exception: under CI when ``module`` cannot be imported.
+        pytest.skip.Exception: elsewhere when it cannot be imported.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        why = f"{module} is not installed ({e})" + (f"; {how}" if how else "")
+        if under_ci():
+            pytest.fail(f"{why}: CI must install it", pytrace=False)
+        pytest.skip(why, allow_module_level=True)
+
+
 def use_store(uri: str, monkeypatch):
     """Point MLflow at ``uri`` for one test (also exported for subprocesses); a generator for fixtures."""
     import mlflow
@@ -56,7 +84,7 @@ def module_store(tmp_path_factory):
 def shared_data():
     """Path of ../shared/data (LLMEFF_DATA_DIR overrides); skips when absent."""
     if not DATA_DIR.is_dir():
-        if os.environ.get("CI"):  # CI lays ../shared beside the clone: missing data is a failure there
+        if under_ci():  # CI lays ../shared beside the clone: missing data is a failure there
             pytest.fail(f"shared data not found at {DATA_DIR} (set LLMEFF_DATA_DIR)")
         pytest.skip(f"shared data not found at {DATA_DIR} (set LLMEFF_DATA_DIR)")
     return DATA_DIR

@@ -208,6 +208,10 @@ def test_compare_writes_table_html_and_plots(experiment, tmp_path):
     html = (out / "report.html").read_text()
     assert html.count("<tr class='run'") == 2 and html.count("data:image/png;base64,") == 6
     assert "#/experiments/" in html and "/runs/" in html and "?workflowType=machine_learning" in html
+    # the interval method said once, single runs carry the cpu floor, and sources ship with the package
+    md = (out / "report.md").read_text()
+    assert "Student's t across a configuration's repeats" in md and "1,000 +-81% floor" in md
+    assert "../" not in html + md and "docs/stability.md" in html
 
 
 def test_crashed_run_is_a_marked_row(tracking_uri, tmp_path):

@@ -248,20 +248,17 @@ def test_processes_that_interrupt_the_steady_window_make_the_run_unstable(tracki
 @pytest.mark.slow
 @pytest.mark.serial
 def test_a_quiet_run_is_stable_with_a_small_other_share(tracking_uri, tmp_path):
-    # the loop at nice -10: other jobs of a shared machine yield to it. Hidden noise of a shared VM
-    # (another guest on the core: no counter here shows it) can still widen one run's interval, so
-    # the best of three tries must be stable; every try must be quiet by the figures
-    verdicts = []
-    for _ in range(3):
-        proc, _ = start_loop(tmp_path, "--steps", "300", "--size", "320", "--nice", "-10")
-        run = finish(proc)
-        assert run.data.metrics[names.SUM_HOST_OTHER_CPU] < 0.15, run.data.tags[names.CONTENTION]
-        verdicts.append(run.data.tags[names.STABILITY])
-        if verdicts[-1] == "stable":
-            tag = run.data.tags[names.CONTENTION]
-            # quiet, or contended by steal alone (another guest of this shared VM: no process here to blame)
-            steal = run.data.metrics[names.SUM_HOST_STEAL]
-            assert tag.startswith("quiet: ") or (steal > ct.CONTENDED_STEAL_FRACTION and tag.startswith("contended: ")
-                                                 and f"steal {steal:.1%}" in tag), tag
-            break
-    assert verdicts[-1] == "stable", verdicts
+    # one try, no retries: each step sleeps 10 ms, so its time is the timer's and not the share of a
+    # CPU a shared VM happens to give a compute loop (hidden noise, e.g. another guest on the core,
+    # made one compute run in three unstable); what stays to check is that the meter's own work at
+    # window edges (counted as other, not as a step) and the verdict's thresholds call a quiet run
+    # stable, and that the figures call it quiet. Nice -10: other jobs of a shared machine yield to it.
+    proc, _ = start_loop(tmp_path, "--steps", "300", "--sleep-ms", "10", "--nice", "-10")
+    run = finish(proc)
+    assert run.data.metrics[names.SUM_HOST_OTHER_CPU] < 0.15, run.data.tags[names.CONTENTION]
+    assert run.data.tags[names.STABILITY] == "stable", (run.data.tags[names.STABILITY], run.data.metrics)
+    tag = run.data.tags[names.CONTENTION]
+    # quiet, or contended by steal alone (another guest of this shared VM: no process here to blame)
+    steal = run.data.metrics[names.SUM_HOST_STEAL]
+    assert tag.startswith("quiet: ") or (steal > ct.CONTENDED_STEAL_FRACTION and tag.startswith("contended: ")
+                                         and f"steal {steal:.1%}" in tag), tag

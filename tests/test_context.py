@@ -45,10 +45,16 @@ def test_runs_get_condition_tags_only_while_autolog_is_enabled(tracking):
     assert t[names.V_MLFLOW] == mlflow.__version__
 
 
-def test_in_context_is_false_without_autolog():
+def test_in_context_is_false_without_autolog(monkeypatch):
+    import types
+
     p = LlmeffRunContextProvider()
-    if "mlflow_llmeff.autologging" not in importlib.sys.modules or not importlib.import_module("mlflow_llmeff.autologging").is_enabled():
-        assert p.in_context() is False and p.tags() == {}
+    # never imported (whatever other tests of this process did), then imported but not enabled
+    monkeypatch.delitem(importlib.sys.modules, "mlflow_llmeff.autologging", raising=False)
+    assert p.in_context() is False and p.tags() == {}
+    off = types.SimpleNamespace(is_enabled=lambda: False)
+    monkeypatch.setitem(importlib.sys.modules, "mlflow_llmeff.autologging", off)
+    assert p.in_context() is False and p.tags() == {}
 
 
 def test_lookups_are_cached_and_failures_give_no_tags(monkeypatch):

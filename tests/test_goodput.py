@@ -31,6 +31,13 @@ def test_eval_between_steps_is_eval_time_not_step_time():
     assert goodput(parts) == 4.0 / 44.5
 
 
+def test_goodput_of_no_wall_time_is_undefined_not_zero():
+    ledger = TimeLedger(lambda: 0.0)  # a clock that never moves: no second passed
+    parts = breakdown(ledger.close(), ledger.warmup_steps, ledger.steady_steps)
+    assert parts["wall"] == 0.0 and parts["productive"] == 0.0
+    assert goodput(parts) is None
+
+
 def test_warmup_excess_is_named_warmup_or_compile():
     clock = FakeClock(100.0)
     ledger = TimeLedger(clock)

@@ -43,21 +43,84 @@ def test_repeats_give_a_mean_and_a_t_interval_across_them():
     assert e.low == pytest.approx(110 - 4.303 * 10 / math.sqrt(3)) and e.high == pytest.approx(110 + 24.8434, abs=1e-3)
 
 
-def test_a_single_run_shows_its_own_interval_scaled_to_per_device():
+def test_two_repeats_give_a_student_t_interval_with_one_degree_of_freedom():
+    c, = configurations([run("a", 2, 1000.0, 990.0, 1010.0), run("b", 2, 1200.0, 1190.0, 1210.0)])
+    e = c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)
+    # per device 500 and 600: mean 550, s = 100 / sqrt(2) = 70.711, half = 12.706 x 70.711 / sqrt(2) = 635.3;
+    # the runs' own narrow intervals play no part; the low end is clipped at 0
+    assert (e.mean, e.n, e.method) == (550.0, 2, "repeats")
+    assert e.high == pytest.approx(550 + 635.3) and e.low == 0.0
+    assert e.how() == "mean of 2 repeats, 95% Student-t interval across them (df 1)"
+
+
+def test_a_single_run_carries_the_between_run_floor_not_its_own_interval():
     c, = configurations([run("a", 2, 1000.0, 900.0, 1100.0)])
     e = c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)
-    assert (e.mean, e.low, e.high, e.method) == (500.0, 450.0, 550.0, "run interval")
+    # per device 500 +- 81% (the cpu floor), not the run's own [450, 550]
+    assert (e.mean, e.method, e.floor.half_width) == (500.0, "floor", 0.81)
+    assert (e.low, e.high) == (pytest.approx(95.0), pytest.approx(905.0))
+    assert e.text() == "500 +-81% (1 run, between-run floor of cpu)"
+    # a per-token cost moves against throughput: 50 / (1 + 0.81) .. 50 / (1 - 0.81)
+    c.runs[0].metrics[names.SUM_USD_PER_BTOK] = 50.0
+    usd = c.estimate(names.SUM_USD_PER_BTOK)
+    assert (usd.low, usd.high) == (pytest.approx(27.624, abs=1e-3), pytest.approx(263.158, abs=1e-3))
     assert c.estimate(names.SUM_STEP_TIME_P50_S) is None
 
 
-def test_an_unstable_repeat_is_left_out_while_a_stable_one_exists():
-    c, = configurations([run("stalled", 1, 1494.0, 700.0, 19000.0, stability=STALLED),
-                         run("ok", 1, 19272.0, 19000.0, 19500.0)])
-    assert [r.run_id for r in c.used] == ["ok"]
-    assert c.estimate(names.SUM_TOKENS_PER_SEC).mean == 19272.0
-    assert c.note() == f"1 unstable repeat left out: run-stalled: {STALLED}"
+def test_a_single_run_of_a_machine_without_a_measured_floor_has_no_interval_and_is_not_ranked():
+    gpu = {names.ACCEL_SHORT: "H100-SXM"}
+    cs = configurations([run("a", 1, 100.0, 99.0, 101.0, **gpu),
+                         run("b", 1, 300.0, 299.0, 301.0, **gpu, **{names.PRECISION: "bf16"})])
+    e = cs[0].estimate(names.SUM_TOKENS_PER_SEC)
+    assert (e.method, e.has_interval) == ("no interval", False)
+    assert "no between-run floor measured for H100-SXM" in e.how()
+    # 3x apart, each run's own interval +-1%: still no ranking, the next run could differ as much
+    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "within noise of best", 1: "best (1 within noise)"}
+
+
+def test_the_cpu_floor_is_what_the_documented_repeats_give():
+    from mlflow_llmeff.report.repeats import BETWEEN_RUN_FLOOR
+
+    # docs/stability.md, "Between-run floor": three configurations repeated on the shared 2-core machine
+    groups = ([8921, 13187, 13126, 16513, 13121], [25950, 25719, 6664, 20709, 12636], [11745, 19279])
+    ss, df = 0.0, 0
+    for g in groups:
+        m = sum(g) / len(g)
+        ss += sum((v / m - 1) ** 2 for v in g)  # relative deviations: CV^2 x (n - 1)
+        df += len(g) - 1
+    cv = math.sqrt(ss / df)
+    assert df == 9 and cv == pytest.approx(0.3565, abs=1e-4)
+    # t(0.975, 9) = 2.262 (table): 2.262 x 0.3565 = 0.806, rounded up to 0.81
+    assert BETWEEN_RUN_FLOOR["cpu"].half_width == 0.81 and 2.262 * cv == pytest.approx(0.806, abs=1e-3)
+    assert "docs/stability.md" in BETWEEN_RUN_FLOOR["cpu"].source
+
+
+def test_the_trial_configuration_with_an_unstable_repeat_covers_it():
+    # the trial: repeats of one configuration measured 6,761 (stable, own interval [6,470, 7,051]) and
+    # 5,993 (unstable, +-11%); the table showed [6,470, 7,051] alone
+    unstable = "unstable: 95% interval +-11% of the mean (> 10%)"
+    c, = configurations([run("s", 1, 6761.0, 6470.0, 7051.0), run("u", 1, 5993.0, 5330.0, 6660.0, stability=unstable)])
+    e = c.estimate(names.SUM_TOKENS_PER_SEC)
+    # mean 6,377; s = 768 / sqrt(2) = 543.06; half = 12.706 x 543.06 / sqrt(2) = 4,879.1
+    assert (e.mean, e.n, e.method) == (6377.0, 2, "repeats")
+    assert e.low == pytest.approx(1497.9, abs=0.1) and e.high == pytest.approx(11256.1, abs=0.1)
+    assert e.low <= 5993.0 <= e.high
+    assert c.note() == f"1 unstable repeat kept in the figures: run-u 5,993 tokens/s ({unstable})"
+
+
+def test_a_repeat_without_the_figure_is_named_as_left_out():
+    a, b = run("a", 1, 100.0), run("b", 1, 110.0)
+    a.metrics[names.SUM_MFU] = 0.3
+    c, = configurations([a, b])
+    e = c.estimate(names.SUM_MFU)
+    assert (e.n, e.method, e.left_out) == (1, "floor", (f"run-b: no finite {names.SUM_MFU}",))
+    assert e.how().endswith(f"; left out: run-b: no finite {names.SUM_MFU}")
+
+
+def test_both_repeats_unstable_are_both_in_the_figure():
     both, = configurations([run("x", 1, 10.0, stability=STALLED), run("y", 1, 12.0, stability=STALLED)])
-    assert len(both.used) == 2 and both.note().startswith("no stable repeat, figures from unstable runs")
+    assert len(both.used) == 2 and both.estimate(names.SUM_TOKENS_PER_SEC).mean == 11.0
+    assert both.note().startswith("no stable repeat, all 2 in the figures: run-x 10 tokens/s")
 
 
 def test_conditions_that_differ_make_different_configurations():
@@ -71,28 +134,49 @@ def test_overlapping_intervals_are_within_noise_and_not_ranked():
                Estimate(200, 190, 210, 2, "repeats"))
     assert within_noise(a, b) and not within_noise(a, c)
     assert within_noise(a, Estimate(100, None, None, 1, "no interval"))  # no interval: cannot be ranked
-    cs = configurations([run("a", 1, 100.0, 90, 110), run("b", 2, 210.0, 190, 230), run("c", 4, 800.0, 780, 820)])
-    standing = versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC)
-    # per device: a 100 [90, 110], b 105 [95, 115], c 200 [195, 205]: c best; a and b apart from it
-    assert standing == {0: "0.5x best", 1: "0.525x best", 2: "best"}
-    cs2 = configurations([run("a", 1, 100.0, 90, 110), run("b", 2, 210.0, 190, 230)])
-    assert versus_best(cs2, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "within noise of best", 1: "best (1 within noise)"}
+    # two repeats each; per device: a 100 and 102 (mean 101, half 12.706 x 1.414 / 1.414 = 12.706),
+    # b 105 and 107 (mean 106), c 200 and 202 (mean 201): c best; a and b apart from it, within noise of each other
+    cs = configurations([run("a1", 1, 100.0), run("a2", 1, 102.0), run("b1", 2, 210.0), run("b2", 2, 214.0),
+                         run("c1", 4, 800.0), run("c2", 4, 808.0)])
+    assert versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "0.502x best", 1: "0.527x best", 2: "best"}
+    assert within_noise(cs[0].estimate(names.SUM_DEVICE_TOKENS_PER_SEC), cs[1].estimate(names.SUM_DEVICE_TOKENS_PER_SEC))
+
+
+def test_two_single_runs_closer_than_the_floor_are_not_ranked():
+    # cpu floor +-81%: per device 100 [19, 181] and 900 [171, 1629] overlap (9x apart is still
+    # within the between-run noise of this machine); the runs' own +-1% intervals are not used
+    cs = configurations([run("a", 1, 100.0, 99.0, 101.0), run("b", 1, 900.0, 891.0, 909.0, **{names.PRECISION: "bf16"})])
+    assert versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "within noise of best", 1: "best (1 within noise)"}
+    pts = [(Estimate(1.0, 1.0, 1.0, 1, "measured peak"), c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)) for c in cs]
+    assert noisy_pareto_front(pts, maximize_x=False, maximize_y=True) == [0, 1]  # neither drawn as beaten
+
+
+def test_two_single_runs_further_apart_than_the_floor_are_ranked():
+    # 100 [19, 181] and 1000 [190, 1810]: apart beyond the floor (190 > 181)
+    cs = configurations([run("a", 1, 100.0), run("b", 1, 1000.0, **{names.PRECISION: "bf16"})])
+    assert versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "0.1x best", 1: "best"}
+    pts = [(Estimate(1.0, 1.0, 1.0, 1, "measured peak"), c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)) for c in cs]
+    assert noisy_pareto_front(pts, maximize_x=False, maximize_y=True) == [1]
 
 
 def test_two_repeats_one_stalled_and_a_two_process_configuration():
-    # the trial: equal settings gave 1,494 and 19,272 tokens/s; the stalled one must not be the baseline
+    # the trial: equal settings gave 1,494 (stalled) and 19,272 tokens/s: both are samples of the
+    # configuration, and its interval says how little two such repeats pin it down
     runs = [run("stalled", 1, 1494.0, 700.0, 19000.0, stability=STALLED),
             run("ok", 1, 19272.0, 19000.0, 19544.0),
             run("ddp", 2, 34000.0, 33000.0, 35000.0)]
     row, = scaling_efficiency(runs)
-    assert row.baseline_run_ids == ("ok",) and row.run_ids == ("ddp",)
+    assert set(row.baseline_run_ids) == {"ok", "stalled"} and row.run_ids == ("ddp",)
     assert row.kind == "weak"
-    assert row.efficiency == pytest.approx(34000 / (19272 * 2))  # 0.8821
-    # interval arithmetic: [33000 / 19544, 35000 / 19000] / 2 = [0.8442, 0.9211]
-    assert row.low == pytest.approx(33000 / 19544 / 2) and row.high == pytest.approx(35000 / 19000 / 2)
-    assert row.flags == ()
-    # the stalled run alone as baseline would have given 11.4: the repeat logic is what prevents it
-    assert 34000 / (1494 * 2) > 11
+    # baseline mean 10,383, s = 17,778 / sqrt(2) = 12,570.9, half = 12.706 x 12,570.9 / sqrt(2) = 112,947:
+    # [0 (clipped), 123,330]; ddp one run +- 81%: [6,460, 61,540]
+    assert row.baseline_tokens_per_sec.mean == 10383.0
+    assert row.baseline_tokens_per_sec.high == pytest.approx(10383 + 12.706 * 17778 / 2, rel=1e-6)
+    assert row.efficiency == pytest.approx(34000 / (10383 * 2))  # 1.637
+    # interval arithmetic: low = 6,460 / 123,330 / 2; no upper end from a baseline interval reaching 0
+    assert row.low == pytest.approx(34000 * 0.19 / (10383 + 12.706 * 17778 / 2) / 2)
+    assert row.high is None
+    assert any("within noise of linear scaling" in f for f in row.flags)
 
 
 def test_an_efficiency_above_1_05_is_flagged_with_what_could_explain_it():
@@ -149,17 +233,28 @@ def test_the_memory_pareto_keeps_what_sharding_buys_and_drops_what_is_beaten_on_
         r.metrics[names.MEM_MAX_ALLOC] = gib
         return r
 
-    # ddp: fastest, most memory; fsdp: 8% slower (beyond noise), half the memory: both on the front;
-    # zero3: slower than fsdp beyond noise and no less memory: beaten
-    cs = configurations([with_mem(run("d", 2, 1000.0, 980.0, 1020.0, **_layout("ddp", 2, 1, 1)), 2.0),
-                         with_mem(run("f", 2, 920.0, 900.0, 940.0, **_layout("fsdp", 2, 2, 1)), 1.0),
-                         with_mem(run("z", 2, 700.0, 690.0, 710.0, **_layout("deepspeed_zero3", 2, 2, 1)), 1.0)])
+    # two repeats each. ddp: fastest, most memory; fsdp: 8% slower (beyond noise), half the memory: both
+    # on the front; zero3: slower than fsdp beyond noise and no less memory: beaten
+    def two(name, tps, layout, gib):
+        return [with_mem(run(f"{name}{i}", 2, tps + d, **layout), gib) for i, d in ((1, -2.0), (2, 2.0))]
+
+    cs = configurations(two("d", 1000.0, _layout("ddp", 2, 1, 1), 2.0) + two("f", 920.0, _layout("fsdp", 2, 2, 1), 1.0)
+                        + two("z", 700.0, _layout("deepspeed_zero3", 2, 2, 1), 1.0))
     mems = [plots._memory(c) for c in cs]
-    assert [(m.mean, m.low, m.high, m.method) for m in mems] == [(2.0, 2.0, 2.0, "measured peak"),
-                                                               (1.0, 1.0, 1.0, "measured peak"),
-                                                               (1.0, 1.0, 1.0, "measured peak")]
+    # equal peaks over two repeats: a t interval of zero width
+    assert [(m.mean, m.low, m.high, m.method) for m in mems] == [(2.0, 2.0, 2.0, "repeats"), (1.0, 1.0, 1.0, "repeats"),
+                                                               (1.0, 1.0, 1.0, "repeats")]
     tps = [c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) for c in cs]
     assert noisy_pareto_front(list(zip(mems, tps)), maximize_x=False, maximize_y=True) == [1, 0]
+    # one run of each: zero3 is within the between-run floor (+-81%) of fsdp, so it is not drawn as beaten
+    singles = configurations([with_mem(run("d", 2, 1000.0, **_layout("ddp", 2, 1, 1)), 2.0),
+                              with_mem(run("f", 2, 920.0, **_layout("fsdp", 2, 2, 1)), 1.0),
+                              with_mem(run("z", 2, 700.0, **_layout("deepspeed_zero3", 2, 2, 1)), 1.0)])
+    assert [(m.mean, m.low, m.high, m.method) for m in map(plots._memory, singles)] == [
+        (2.0, 2.0, 2.0, "measured peak"), (1.0, 1.0, 1.0, "measured peak"), (1.0, 1.0, 1.0, "measured peak")]
+    assert noisy_pareto_front(list(zip(map(plots._memory, singles),
+                                       [c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) for c in singles])),
+                              maximize_x=False, maximize_y=True) == [1, 2, 0]
 
     class Rep:
         configs = cs
@@ -175,4 +270,42 @@ def test_the_memory_pareto_keeps_what_sharding_buys_and_drops_what_is_beaten_on_
                               maximize_x=False, maximize_y=True) == [0, 1]
     fig = plots.fig_pareto_memory(Rep(), None)
     assert fig.axes[0].get_xlabel() == "peak memory per device, GiB"
-    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["run-d", "run-f", "run-z"]
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["run-d1 (+1 repeat)", "run-f1 (+1 repeat)",
+                                                                "run-z1 (+1 repeat)"]
+
+
+def test_the_headline_states_its_method_once_and_names_the_unstable_repeat_with_its_value():
+    from mlflow_llmeff.report.headline import headline
+    from mlflow_llmeff.report.repeats import METHOD_NOTE
+
+    unstable = "unstable: 95% interval +-11% of the mean (> 10%)"
+    cs = configurations([run("s", 1, 6761.0, 6470.0, 7051.0), run("u", 1, 5993.0, 5330.0, 6660.0, stability=unstable),
+                         run("one", 1, 1000.0, 990.0, 1010.0, **{names.PRECISION: "bf16"})])
+    h = headline(cs)
+    tps = h.columns.index("tokens/s per device [95%]")
+    # the t interval over both repeats (hand-computed above), and the single run +- the cpu floor
+    assert [row[tps].text for row in h.rows] == ["6,377 [1,498, 11,256]", "1,000 +-81% floor"]
+    assert h.rows[0][tps].title == "mean of 2 repeats, 95% Student-t interval across them (df 1)"
+    assert "own interval" not in h.rows[1][tps].title.replace("not its own interval", "")
+    assert h.footnotes[0] == METHOD_NOTE
+    assert f"run-s (+1 repeat): 1 unstable repeat kept in the figures: run-u 5,993 tokens/s ({unstable})" in h.footnotes
+    stability = h.columns.index("stability")
+    assert h.rows[0][stability].text == "1 of 2 unstable (kept)"
+
+
+def test_the_carbon_pareto_draws_no_single_run_as_beaten_within_the_floor():
+    from mlflow_llmeff.report import plots
+
+    # the trial: two single DDP-like runs, one 1.6x the other's throughput and lower carbon per token
+    # (11,745 and 19,279 tokens/s of identical settings): the floor says neither beats the other
+    a, b = run("a", 2, 11745.0, 10756.0, 12933.0), run("b", 2, 19279.0, 18338.0, 20530.0, **{names.PRECISION: "bf16"})
+    for r in (a, b):
+        r.metrics[names.SUM_ESTIMATE_KG_CO2E_PER_BTOK] = 5e3 / r.metrics[names.SUM_TOKENS_PER_SEC]
+
+    class Rep:
+        configs = configurations([a, b])
+
+    fig = plots.fig_pareto_carbon(Rep(), None)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["front (within noise)"]
+    assert "between-run floor" in fig.axes[0].get_title()

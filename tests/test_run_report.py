@@ -33,7 +33,9 @@ def test_monitor_logs_the_efficiency_report_at_the_end(tracking_uri):
     assert report["summary"][names.SUM_TOKENS_PER_SEC] == {"value": 200.0, "unit": "tokens/s",
                                                            "meaning": "steady-state global non-padding tokens/s"}
     assert report["conditions"][names.PRECISION] == "fp32"
-    assert report["formulas"][names.SUM_TOKENS_PER_SEC]["source"].startswith("../shared/METRICS.md")
+    assert report["formulas"][names.SUM_TOKENS_PER_SEC]["source"].startswith("docs/time.md")
+    # sources that ship with the package's repository or papers, never a path outside it
+    assert not [f["source"] for f in report["formulas"].values() if "../" in f["source"] or "shared/" in f["source"]]
     assert names.REPORT_WARNING not in client.get_run(mon.run_id).data.tags
 
 

@@ -1,4 +1,4 @@
-"""Stability of the steady state: percentiles, stalls, the block-bootstrap interval, the verdict,
+"""Stability of the steady state: percentiles, stalls, the interval, the verdict,
 stragglers; and the monitor's summary figures and tags with a fake clock (hand-computed values)."""
 
 from __future__ import annotations
@@ -41,16 +41,6 @@ def test_percentile_refuses_no_values_and_a_bad_q():
         st.percentile([1.0], 101)
 
 
-def test_batches_are_about_sqrt_n_steps_and_cover_every_step():
-    # n = 97: b = floor(sqrt(97)) = 9, k = 97 // 9 = 10 batches; 97 = 10 x 9 + 7: seven of 10, three of 9
-    bounds = st.batch_bounds(97)
-    assert [e - s for s, e in bounds] == [10] * 7 + [9] * 3
-    assert bounds[0][0] == 0 and bounds[-1][1] == 97
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-    with pytest.raises(ValueError, match="n=0"):
-        st.batch_bounds(0)
-
-
 def test_two_stalls_in_100_steps_hand_computed():
     s = st.analyse(stalled(), [1000.0] * 100)
     assert s.p50_step_s == pytest.approx(0.010, abs=1e-15)
@@ -61,12 +51,18 @@ def test_two_stalls_in_100_steps_hand_computed():
     assert s.tokens_per_sec == pytest.approx(100_000 / 4.38, rel=1e-12)
     # cv: mean 0.0438; sum of squares 98 x 0.0338^2 + 2 x 1.6562^2 = 5.597956; / 99; sqrt; / mean
     assert s.cv == pytest.approx(math.sqrt(5.597956 / 99) / 0.0438, rel=1e-6)
+    # the interval (tests/test_intervals.py has the method by hand): the step times' lag-1 autocorrelation
+    # is (95 x 0.0338^2 - 4 x 0.0338 x 1.6562) / 5.597956 = -0.0206 and the next pair is negative, so
+    # tau = -1 + 2 x 0.979 < 1: 100 independent steps, the lag-0 window. se / mean =
+    # sqrt(5.597956 / 100 / (1 - 1/100) / 100) / 0.0438 = 0.542904; Student's t(0.975) on 100 / 2 = 50
+    # degrees of freedom = 2.009 (NIST/SEMATECH table 1.3.6.7.2); on the log scale
+    assert s.tau == 1.0 and s.n_eff == pytest.approx(100.0)
     low, high = s.ci95
-    assert low < s.tokens_per_sec < high
-    assert high == pytest.approx(100_000.0, rel=1e-9)  # a resample without the stalled batches: 10 ms steps
-    assert low > 0
+    rel = math.log(high / s.tokens_per_sec)
+    assert math.log(s.tokens_per_sec / low) == pytest.approx(rel, rel=1e-9)
+    assert rel == pytest.approx(2.009 * 0.542904, rel=1e-3)  # [7,673, 67,937] tokens/s: never below 0
     v = st.verdict(s)
-    assert v.startswith("unstable: ") and "2 stalls = 3.4 s of 4.38 s step time" in v
+    assert v.startswith("unstable: ") and "2 stalls = 3.4 s of 4.38 s step time" in v and "95% interval +-" in v
 
 
 def test_the_same_run_without_stalls_is_stable_with_a_narrow_interval():
@@ -90,12 +86,16 @@ def test_the_interval_is_the_same_for_the_same_steps():
     assert st.throughput_interval(secs, [1.0] * 60) == st.throughput_interval(secs, [1.0] * 60)
 
 
-def test_the_interval_weights_uneven_tokens_as_the_mean_does():
-    # the first half carries 3x the tokens per second: the interval brackets the ratio of sums, not a mean of rates
-    secs = [1.0] * 16
-    toks = [300.0] * 8 + [100.0] * 8
-    low, high = st.throughput_interval(secs, toks)
-    assert low <= 200.0 <= high and 100.0 <= low and high <= 300.0
+def test_the_interval_is_centred_on_the_ratio_of_sums_not_on_a_mean_of_rates():
+    # steps of uneven tokens, the longer ones at the higher rate: the interval is symmetric on the log
+    # scale about tokens / time, which weights each rate by its step's time
+    secs = [0.01 * (1 + 0.5 * math.sin(2.9 * i)) for i in range(60)]
+    toks = [1e5 * (1 + 0.3 * math.sin(2.9 * i)) * x for i, x in enumerate(secs)]
+    iv = st.throughput_interval(secs, toks)
+    ratio = sum(toks) / sum(secs)
+    assert iv.mean == pytest.approx(ratio, rel=1e-12)
+    assert math.sqrt(iv.low * iv.high) == pytest.approx(ratio, rel=1e-12) and iv.low < ratio < iv.high
+    assert abs(sum(t / s for t, s in zip(toks, secs)) / 60 - ratio) > (iv.high - iv.low) / 10  # not the same figure
 
 
 def test_too_few_steady_steps_have_no_interval_and_are_not_called_stable():

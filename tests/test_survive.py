@@ -286,9 +286,8 @@ def test_two_nodes_on_loopback_give_one_run_with_tokens_from_both(mlflow_server,
 
 # ------------------------------------------------------------------ a tracking server that goes away
 @pytest.mark.slow
-@pytest.mark.serial  # compares step times during and outside the outage
+@pytest.mark.serial  # a 6 s outage against the run's own time figures: alone, so the other worker does not stretch them
 def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_steps(mlflow_server, tmp_path):
-    import statistics
     import time
 
     ck = tmp_path / "ck"
@@ -318,6 +317,7 @@ def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_
     stopped = time.monotonic()
     wait_for(lambda: time.monotonic() - stopped > 6)  # a run that ends meanwhile waits for the server
     up_at = step_now()
+    restarted = time.monotonic()
     mlflow_server.start()
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, out[-3000:]
@@ -328,13 +328,13 @@ def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_
     assert tokens == [(s, 256.0 * s) for s in range(every, steps + 1, every)]  # every point, exactly once
     assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(every, steps + 1, every))
     assert names.SUM_WALL_S in run.data.metrics
-    step_s = history(run, names.TRAIN_STEP_TIME_S)
-    down = [v for s, v in step_s if down_at + every < s <= up_at]
-    up = [v for s, v in step_s if s <= down_at or s > up_at + every]
-    ratio = statistics.median(down) / statistics.median(up)
-    # within this machine's noise; the server shares the CPU with training here, so steps may even be
-    # faster while it is stopped. The fault this guards against (steps waiting on the server) is slower.
-    assert 0.1 < ratio < 2.0, (ratio, len(down), len(up))
+    # A step or window edge that waited on the server would hold the outage's seconds: the steps made
+    # during it are counted above (up_at), and the meter's work at window edges, where points are
+    # handed to the logger, is badput "other" (docs/stability.md; with the time after the last step):
+    # it holds under half the outage. No ratio of two noisy stretches of this shared machine.
+    outage_s = restarted - stopped
+    other_s = run.data.metrics[names.SUM_BADPUT["other"]]
+    assert other_s < outage_s / 2, (other_s, outage_s)
     assert "did not answer" in run.data.tags[names.LOGGING_WARNINGS]
     assert not os.path.exists(ck / "outbox" / f"{run.info.run_id}.jsonl")  # all delivered: nothing left
 

@@ -117,9 +117,13 @@ def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_pat
         assert len(steps) == len(set(steps))
     assert run.info.run_name == "tiny-ddp2-fp32-gbt512-s64-cpu"  # 64 x 4 x 1 x 2
     # per rank: the slower rank's forward time over the median's (2 ranks: over their mean), and who it was
+    # (a figure of two processes on a shared machine: no range of it is a check; the tag's own two times are)
     ratio = run.data.metrics[names.SUM_STRAGGLER_RATIO]
-    assert 1.0 <= ratio < 2.0
-    assert re.match(r"rank [01]: mean forward [0-9.]+ ms/step vs median [0-9.]+ ms", run.data.tags[names.STRAGGLER_RANK])
+    got = re.match(r"rank [01]: mean forward ([0-9.]+) ms/step vs median ([0-9.]+) ms", run.data.tags[names.STRAGGLER_RANK])
+    assert got, run.data.tags[names.STRAGGLER_RANK]
+    slowest, median = float(got.group(1)), float(got.group(2))
+    assert ratio >= 1.0 and slowest >= median
+    assert ratio == pytest.approx(slowest / median, rel=2e-3)  # the tag gives each time to 4 digits
     # both ranks' processes are ours: the host figure is there, whatever else this machine runs
     assert 0.0 <= run.data.metrics[names.SUM_HOST_OTHER_CPU] <= 1.0
     assert run.data.tags[names.CONTENTION].startswith(("quiet: ", "contended: "))
@@ -199,9 +203,10 @@ def test_time_to_quality_logged_at_first_step_reaching_target(tracking_uri, shar
 
 
 def test_mfu_above_one_is_reported_not_clipped(tracking_uri):
-    # A 1 GFLOP/s "peak" on this CPU is an input error: MFU comes out far above 1.
+    # A 10 MFLOP/s "peak" on this CPU is an input error: MFU comes out far above 1 (a 1 GFLOP/s one
+    # gave 0.97 on a loaded 2-core machine: the step itself ran below 1 GFLOP/s).
     out = run_training(TrainConfig(max_steps=8, log_every_n_steps=4, seq_len=32, micro_batch_size=2,
-                                   peak_tflops=1e-3))
+                                   peak_tflops=1e-5))
     run = only_run()
     mfu = history(run, names.TPUT_DEVICE_MFU)
     assert mfu and all(v > 1.0 for _, v in mfu)
@@ -249,17 +254,34 @@ def parts_add_up(m: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # a throughput ratio of two runs: the other test worker's load would swing it
-def test_evals_during_training_stay_out_of_tokens_per_sec(tracking_uri):
+def test_evals_during_training_stay_out_of_tokens_per_sec(tracking_uri, monkeypatch):
     # The issue's case: llama-tiny, seq_len=64, micro_batch_size=4, 12 steps logged every 4; B evaluates
     # every 4 steps. Before: B 79 tokens/s against A's 1,312, and B's parts summed to 82.4 s of a 57.8 s wall.
+    # Each evaluation is made 0.5 s longer (a sleep: the injected cost is known, the machine's noise is
+    # not in it). The ledger is in one state at a time and its parts add up to the wall exactly, so
+    # eval badput holding at least the injected 0.5 s per eval says none of it went into a step: the
+    # steps' seconds, the denominator of tokens/s, are what is left. (On a fake clock, exactly:
+    # tests/test_monitor.py.)
+    import time as time_
+
+    from mlflow_llmeff.train import evaluate as ev
+
+    inner, extra_s = ev.evaluate, 0.5
+
+    def slow_evaluate(cfg, t):
+        time_.sleep(extra_s)
+        return inner(cfg, t)
+
+    monkeypatch.setattr(ev, "evaluate", slow_evaluate)
     common = dict(seq_len=64, micro_batch_size=4, max_steps=12, log_every_n_steps=4)
     a = run_training(TrainConfig(**common))["summary"]
     b = run_training(TrainConfig(**common, eval_every=4, targets="val_loss<=+9.5"))["summary"]
-    ratio = b[names.SUM_TOKENS_PER_SEC] / a[names.SUM_TOKENS_PER_SEC]
-    # within this shared machine's noise (the fault gave 0.06; 0.22 was seen once with the machine
-    # loaded by other jobs besides the suite)
-    assert 0.15 < ratio < 6.0, ratio
+    assert a[names.SUM_BADPUT["eval"]] >= extra_s and b[names.SUM_BADPUT["eval"]] >= 3 * extra_s  # 1 and 3 evals
+    for s in (a, b):
+        # 256 tokens a step (packed), 9 steady steps (12 - 3 warm-up): tokens/s is over step seconds only
+        steady_s = 9 * 256 / s[names.SUM_TOKENS_PER_SEC]
+        assert steady_s == pytest.approx(9 * s[names.SUM_STEP_TIME_S], rel=1e-9)
+        assert steady_s <= s[names.SUM_WALL_S] - s[names.SUM_BADPUT["eval"]] - s[names.SUM_BADPUT["init"]]
     assert b[names.SUM_BADPUT["eval"]] > a[names.SUM_BADPUT["eval"]] > 0  # A evaluates once, at the end
     for s in (a, b):
         assert parts_add_up(s) == pytest.approx(s[names.SUM_WALL_S], rel=1e-9)

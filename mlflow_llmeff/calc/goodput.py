@@ -261,6 +261,10 @@ def wall_of(seconds: dict[str, float]) -> float:
     return sum(v for k, v in seconds.items() if not k.endswith("_data_wait"))
 
 
-def goodput(parts: dict[str, float]) -> float:
-    """``productive / wall`` of :func:`breakdown` (0.0 for zero wall time)."""
-    return parts["productive"] / parts["wall"] if parts["wall"] > 0 else 0.0
+def goodput(parts: dict[str, float]) -> float | None:
+    """``productive / wall`` of :func:`breakdown`, a fraction in [0, 1].
+
+    Returns:
+        None for zero wall time: a share of no time is undefined, not 0 (METRICS.md).
+    """
+    return parts["productive"] / parts["wall"] if parts["wall"] > 0 else None

@@ -44,6 +44,7 @@ def conclude(mon, collective: bool) -> dict[str, float]:
         points.log_interval(mon, step, collective)
     else:  # each key is logged once per step: the end-of-run totals are the summary's
         points.refresh_consumption(mon, collective)
+    mon._absent = {}  # summary/* key -> why it is undefined for this run (llmeff.summary.absent)
     out = figures(mon, seconds, collective)
     out.update(stability_figures(mon, collective))
     if mon.is_main:
@@ -63,6 +64,8 @@ def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float
     tokens = mon._meter.total.tokens
     out: dict[str, float] = {names.SUM_TOKENS: float(tokens), names.SUM_STEPS: float(mon._meter.step),
                              names.SUM_WALL_S: parts["wall"], names.SUM_GOODPUT: goodput(parts)}
+    if out[names.SUM_GOODPUT] is None:
+        _absent(mon, names.SUM_GOODPUT, "no wall time (a share of no time is undefined)")
     for c in names.BADPUT_CATEGORIES:
         if c in parts:
             out[names.SUM_BADPUT[c]] = parts[c]
@@ -91,13 +94,21 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     if s is not None:
         out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s,
-                    names.SUM_STEP_TIME_CV: s.cv, names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
+                    names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
+        if s.cv is not None:
+            out[names.SUM_STEP_TIME_CV] = s.cv
+        else:
+            _absent(mon, names.SUM_STEP_TIME_CV, f"{s.steps} steady step (a spread needs at least 2)")
         if s.ci95 is not None:
             # centred on the mean the summary reports (the same steps; they differ by float32
-            # storage in checkpoints and device-event rounding only)
+            # storage in checkpoints and device-event rounding only); without that mean, no interval
             tps = _steady_tps(mon)
-            scale = tps / s.tokens_per_sec if tps and s.tokens_per_sec else 1.0
-            out[names.SUM_TPS_CI95_LOW], out[names.SUM_TPS_CI95_HIGH] = s.ci95[0] * scale, s.ci95[1] * scale
+            if tps and s.tokens_per_sec:
+                scale = tps / s.tokens_per_sec
+                out[names.SUM_TPS_CI95_LOW], out[names.SUM_TPS_CI95_HIGH] = s.ci95[0] * scale, s.ci95[1] * scale
+            else:
+                for key in (names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH):
+                    _absent(mon, key, "no steady-state tokens/s to centre the interval on")
     contention, tags = mon._contention.finish(collective)
     out.update(contention)
     mon._stability_tags.update(tags)
@@ -112,6 +123,13 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
                 f"rank {found[1]}: mean forward {per_rank[found[1]] * 1e3:.4g} ms/step vs median "
                 f"{st.percentile(per_rank, 50) * 1e3:.4g} ms")
     return out
+
+
+def _absent(mon, key: str, why: str) -> None:
+    """Record that ``key`` is undefined for this run (not logged) and why, for ``llmeff.summary.absent``."""
+    if not hasattr(mon, "_absent"):
+        mon._absent = {}
+    mon._absent[key] = why
 
 
 def headline(mon, out: dict[str, float]) -> str:
@@ -148,7 +166,8 @@ def _memory_figures(mon, collective: bool) -> dict[str, float]:
 
 def end_tags(mon, note: str | None) -> dict[str, str]:
     """The tags logged with the summary: HFU method, energy and carbon sources, consumption provenance,
-    stability, targets not reached, ``note`` (``llmeff.autolog.note``) and wall time vs MLflow's Duration."""
+    stability, targets not reached, ``note`` (``llmeff.autolog.note``), the undefined summary figures
+    (``llmeff.summary.absent``) and wall time vs MLflow's Duration."""
     tags = {names.HFU_METHOD: mon._account.hfu_note, **mon._carbon.tags(
         energy_source=mon._energy.source if mon._consumption.measured else None),
         **mon._consumption.tags(mon._ledger.wall_s()), **getattr(mon, "_stability_tags", {})}
@@ -165,6 +184,8 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
             tags[t.not_reached_tag] = "not_reached"
     if note:
         tags[names.AUTOLOG_NOTE] = note
+    if getattr(mon, "_absent", None):
+        tags[names.SUMMARY_ABSENT] = "; ".join(f"{k}: {why}" for k, why in mon._absent.items())
     tags[names.WALL_VS_DURATION] = wall_vs_duration(getattr(mon, "_created_after_s", None))
     return tags
 

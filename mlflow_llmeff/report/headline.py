@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.repeats import Configuration, Estimate, best_index, versus_best
+from mlflow_llmeff.report.repeats import METHOD_NOTE, Configuration, Estimate, best_index, floor_for, versus_best
 
 __all__ = ["Cell", "Headline", "headline", "QUALITY_KEYS"]
 
@@ -53,13 +53,17 @@ def _g(v: float) -> str:
 
 
 def _est_cell(e: Estimate | None, *, pct: bool = False) -> Cell:
+    """The figure with its interval; a single run's floor stated beside it (``6,761 +-81% floor``);
+    the method and any repeat left out in the cell's title."""
     if e is None:
         return Cell("", None)
     fmt = (lambda v: f"{v:.1%}") if pct else _g
+    left = f" ({len(e.left_out)} left out)" if e.left_out else ""
+    if e.method == "floor":
+        return Cell(f"{fmt(e.mean)} +-{e.floor.half_width:.0%} floor{left}", e.mean, e.how())
     if not e.has_interval:
-        return Cell(fmt(e.mean), e.mean, "no interval")
-    how = f"mean of {e.n} repeats, 95% t interval" if e.method == "repeats" else "the run's own 95% interval"
-    return Cell(f"{fmt(e.mean)} [{fmt(e.low)}, {fmt(e.high)}]", e.mean, how)
+        return Cell(f"{fmt(e.mean)}{' (1 run)' if e.n == 1 else ''}{left}", e.mean, e.how())
+    return Cell(f"{fmt(e.mean)} [{fmt(e.low)}, {fmt(e.high)}]{left}", e.mean, e.how())
 
 
 def _mean(c: Configuration, key: str) -> float | None:
@@ -105,18 +109,21 @@ def layout_cell(c: Configuration) -> Cell:
 
 
 def _stability(c: Configuration) -> Cell:
+    """``stable``, ``stable (2 repeats)``, ``unstable`` or ``1 of 2 unstable (kept)``; the title
+    names each unstable repeat with its tokens/s and why (:meth:`Configuration.note`)."""
     n, s = len(c.runs), len(c.stable)
     if s == n:
         return Cell("stable" if n == 1 else f"stable ({n} repeats)", 1.0)
-    why = c.unstable[0].tags.get(names.STABILITY, "no stability tag (older run)")
-    text = "unstable" if n == 1 else f"{n - s} of {n} unstable"
-    return Cell(text, s / n, why)
+    text = "unstable" if n == 1 else f"{n - s} of {n} unstable (kept)"
+    return Cell(text, s / n, c.note())
 
 
 def headline(configs: list[Configuration], links: list[str] | None = None) -> Headline:
     """The headline table of ``configs`` (``links``: one URL per configuration's first used run).
 
-    Columns: configuration, devices, layout (strategy and degrees), tokens/s per device [95% interval], vs best (never a ranking
+    Columns: configuration, devices, layout (strategy and degrees), tokens/s per device [95% interval:
+    Student's t across repeats, a single run +- its machine's between-run floor; the method is the
+    first footnote, :data:`~mlflow_llmeff.report.repeats.METHOD_NOTE`], vs best (never a ranking
     within noise), MFU (against the datasheet peak, else against the measured matmul peak, marked),
     USD and kg CO2e per 1e9 tokens, goodput, quality reached, stability.
     """
@@ -126,6 +133,12 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
     best = best_index(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
     best_title = f"best: {configs[best].label}" if best is not None else ""
     rows, notes = [], set()
+    if any(len(c.runs) == 1 for c in configs):
+        kinds = sorted({c.tag(names.ACCEL_SHORT) or "?" for c in configs if len(c.runs) == 1})
+        unmeasured = [k for k in kinds if floor_for(k) is None]
+        if unmeasured:
+            notes.add(f"a single run of {', '.join(unmeasured)} has no interval: no between-run floor is "
+                      "measured for that kind of machine (docs/stability.md); it is not ranked: repeat it")
     for i, c in enumerate(configs):
         mfu = c.estimate(names.SUM_MFU)
         if mfu is not None:
@@ -134,7 +147,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             mp = c.estimate(names.SUM_MFU_MEASURED_PEAK)
             mfu_cell = _est_cell(mp, pct=True)
             if mp is not None:
-                mfu_cell = Cell(mfu_cell.text + " *", mfu_cell.sort, "against the measured matmul peak")
+                mfu_cell = Cell(mfu_cell.text + " *", mfu_cell.sort, f"against the measured matmul peak; {mfu_cell.title}")
                 notes.add("* MFU against the measured matmul peak of the device (no datasheet peak: "
                           "llmeff.peak.source says why)")
             else:
@@ -149,7 +162,8 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             est = c.estimate(names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
             carbon_cell = _est_cell(est)
             if est is not None:
-                carbon_cell = Cell(carbon_cell.text + " est.", carbon_cell.sort, "codecarbon's CPU+RAM estimate")
+                carbon_cell = Cell(carbon_cell.text + " est.", carbon_cell.sort,
+                                   f"codecarbon's CPU+RAM estimate; {carbon_cell.title}")
                 notes.add("est.: kg CO2e from codecarbon's CPU+RAM estimate (no measured energy)")
         good = _mean(c, names.SUM_GOODPUT)
         stand = standing.get(i, "")
@@ -162,4 +176,14 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             mfu_cell, _est_cell(usd), carbon_cell,
             Cell(f"{good:.2f}" if good is not None else "", good),
             _quality(c), _stability(c)])
-    return Headline(cols, rows, configs, sorted(notes))
+    per_config = []  # every repeat that is unstable (kept) or left out of a figure, named with its value and why
+    for c in configs:
+        if c.note():
+            per_config.append(f"{c.label}: {c.note()}")
+        for key, what in ((names.SUM_DEVICE_TOKENS_PER_SEC, "tokens/s per device"), (names.SUM_MFU, "MFU"),
+                          (names.SUM_USD_PER_BTOK, "USD / 1e9 tokens")):
+            e = c.estimate(key)
+            if e is not None and e.left_out:
+                per_config.append(f"{c.label}: {what} from {e.n} of {len(c.runs)} repeats; left out: "
+                                  + "; ".join(e.left_out))
+    return Headline(cols, rows, configs, [METHOD_NOTE] + sorted(notes) + per_config)

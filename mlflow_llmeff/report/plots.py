@@ -2,9 +2,11 @@
 
 Each ``fig_*`` function returns a matplotlib figure, or a string saying why the figure is left out
 (no run has the figures it needs); :func:`draw_all` lays each out (:func:`lay_out`: no text
-outside the image) and turns it into PNG bytes. Throughput figures are per configuration (repeats averaged, 95% intervals
-drawn); Pareto fronts come from :func:`mlflow_llmeff.report.repeats.noisy_pareto_front`, so a point
-beaten only within noise stays on the front; dominated points are grey.
+outside the image) and turns it into PNG bytes. Throughput figures are per configuration (repeats
+averaged, 95% intervals drawn: Student's t across repeats, a single run +- the between-run floor of
+its kind of machine, :mod:`mlflow_llmeff.report.repeats`); Pareto fronts come from
+:func:`mlflow_llmeff.report.repeats.noisy_pareto_front`, so a point beaten only within noise (a
+single run within the floor of another) stays on the front; points beaten beyond noise are grey.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from mlflow_llmeff.report.repeats import Estimate, noisy_pareto_front, versus_be
 __all__ = ["draw_all", "png", "FIGURES"]
 
 History = Callable[[str, str], list]
+
+#: The interval method in a figure's title (the table's first footnote says it in full).
+INTERVALS = "95%: t across repeats; one run: +- its machine's between-run floor"
 
 
 def _plt():
@@ -123,7 +128,7 @@ def fig_tokens_per_device(rep, history):
             b.set_hatch("//")
     ax.set_xticks(range(len(configs)), [short(c.label, 32) for c in configs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per device (steady state)")
-    ax.set_title("Throughput per device (95% interval; hatched: within noise of the best or no interval)", fontsize=9)
+    ax.set_title(f"Throughput per device ({INTERVALS})\nhatched: within noise of the best, or no interval", fontsize=9)
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=c, label=g) for g, c in colours.items()], fontsize=7)
@@ -132,7 +137,8 @@ def fig_tokens_per_device(rep, history):
 
 def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None):
     """Configurations as points with their 95% intervals; the front is :func:`noisy_pareto_front`
-    (never beaten within noise), so a point worse only within noise is drawn on it."""
+    (never beaten within noise), so a point worse only within noise is drawn on it: a single run is
+    beaten only beyond the between-run floor, and never where its kind of machine has none measured."""
     plt = _plt()
     front = noisy_pareto_front(list(zip(xs, ys)), maximize_x=maximize_x, maximize_y=maximize_y)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -157,7 +163,7 @@ def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, s
                         textcoords="offset points", ha="right" if right else "left")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(f"{title}\n({INTERVALS})", fontsize=9)
     ax.legend(fontsize=7)
     return fig
 

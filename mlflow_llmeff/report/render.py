@@ -151,7 +151,10 @@ def scaling_lines(rep: Report) -> list[str]:
     baseline configuration, and a flag naming what could explain a value above 1.05."""
     out = []
     for s in rep.scaling:
-        interval = f" [{s.low:.3g}, {s.high:.3g}]" if s.low is not None else " (no interval)"
+        if s.low is None:
+            interval = " (no interval)"
+        else:
+            interval = f" [{s.low:.3g}, {s.high:.3g}]" if s.high is not None else f" [{s.low:.3g}, no upper bound]"
         line = (f"{s.group}: {s.name} ({s.devices} devices) vs baseline {s.baseline_name} "
                 f"({s.baseline_devices}): {s.kind} scaling efficiency {s.efficiency:.3g}{interval} "
                 f"({s.tokens_per_sec.mean:.4g} vs {s.baseline_tokens_per_sec.mean:.4g} tokens/s)")
@@ -174,9 +177,10 @@ def to_markdown(rep: Report) -> str:
     h = _headline(rep)
     if h.rows:
         lines += ["## Configurations (repeats as samples; within noise = intervals overlap, not ranked)", "",
+                  f"Runs with equal condition tags are repeats of one configuration. {h.footnotes[0]}.", "",
                   "| " + " | ".join(h.columns) + " |", "|" + " --- |" * len(h.columns)]
         lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in h.rows]
-        lines += [""] + [f"- {n}" for n in h.footnotes] + ([""] if h.footnotes else [])
+        lines += [""] + [f"- {n}" for n in h.footnotes[1:]] + ([""] if h.footnotes[1:] else [])
         lines += ["## All runs", ""]
     lines += [f"> **WARNING** {w.text()}" for w in rep.warnings] + ([""] if rep.warnings else [])
     head, rows = table_rows(rep)
@@ -262,9 +266,8 @@ def _headline_html(rep: Report) -> str:
             cells.append(f"<td class='{klass}' data-v='{v}'{title}>{text}</td>")
         out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
     out.append("</tbody></table>")
-    notes = ["Runs with equal condition tags are repeats of one configuration: mean and 95% interval across "
-             "repeats (one run: its own interval); unstable repeats are left out while a stable one exists. "
-             "'within noise' = the intervals overlap: not ranked. Click a header to sort."] + h.footnotes
+    notes = ["Runs with equal condition tags are repeats of one configuration (the run, not the step, is the "
+             "unit of replication). Click a header to sort."] + h.footnotes
     out += [f"<p class='note'>{e(n)}</p>" for n in notes]
     return "\n".join(out)
 

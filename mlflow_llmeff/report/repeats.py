@@ -1,16 +1,21 @@
 """Repeats, intervals and noise: runs of one configuration as samples, comparisons that do not rank
-noise, and scaling efficiency with its interval (``../shared/METRICS.md``, "Uncertainty and stability").
+noise, and scaling efficiency with its interval (``docs/stability.md``, "Comparisons" and
+"Between-run floor").
 
-A pure calculator over :class:`~mlflow_llmeff.report.calc.RunRecord` values (no MLflow, no drawing):
+A pure calculator over :class:`~mlflow_llmeff.report.calc.RunRecord` values (no MLflow, no drawing).
+The run, not the step, is the unit of replication:
 
 * A **configuration** is the set of finished runs whose :data:`CONFIG_TAGS` are all equal: they
   are repeats, samples of one configuration's figure.
-* Its **estimate** of a figure (:class:`Estimate`) is the mean over its repeats with a 95%
-  Student-t interval across them (two or more repeats), or a single run's own interval (its
-  ``summary/tokens_per_sec_ci95_*``, scaled for the per-device and per-token figures that are
-  proportional to it), or a point without an interval. The repeats used are the stable ones when
-  any repeat is stable (``llmeff.stability``); unstable repeats are listed, never averaged in
-  beside a stable one, so a stalled run is never a configuration's figure, nor a baseline.
+* Its **estimate** of a figure (:class:`Estimate`) is, with two or more repeats, the mean over
+  **every** repeat holding the figure with a 95% Student-t interval across them (df = repeats - 1):
+  an unstable repeat (``llmeff.stability``) is a sample like any other and stays in (a stall is a
+  real cost on this machine), named in :meth:`Configuration.note` with its value and why; a repeat
+  without the figure is named in :attr:`Estimate.left_out`. A single run's own interval
+  (``summary/tokens_per_sec_ci95_*``, from its steps) says nothing about the next run and is never
+  a configuration's interval: a configuration of one run carries the **between-run floor** of its
+  kind of machine (:data:`BETWEEN_RUN_FLOOR`, measured from repeats), ``mean x (1 +- floor)`` for
+  figures that follow its throughput, or no interval where none is measured.
 * Two estimates whose intervals overlap are **within noise**: neither is ranked above the other;
   an estimate without an interval cannot be ranked either.
 * **Scaling efficiency** is computed from configuration estimates (interval arithmetic on the two
@@ -28,9 +33,9 @@ from dataclasses import dataclass, field
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord
 
-__all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Estimate", "Configuration", "configurations", "t_quantile_975",
-           "within_noise", "versus_best", "best_index", "ScalingRow", "scaling_efficiency", "noisy_pareto_front", "is_stable",
-           "SAME_JOB"]
+__all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "Estimate", "Configuration",
+           "configurations", "t_quantile_975", "within_noise", "versus_best", "best_index", "ScalingRow",
+           "scaling_efficiency", "noisy_pareto_front", "is_stable", "SAME_JOB", "METHOD_NOTE"]
 
 #: Condition tags that define a configuration (equal on every repeat). Measured conditions (what
 #: else used the machine, stability) and provenance that does not change the work (git commit,
@@ -51,11 +56,48 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
          2.045, 2.042)
 
-# Figures proportional to a run's throughput (their interval is its interval, scaled) and inversely
-# proportional ones (per-token costs of time-priced resources).
+# Figures proportional to a run's throughput (a single run's floor is its relative floor) and inversely
+# proportional ones (per-token costs of time-priced resources, and per-token carbon: energy is power x time).
 _WITH_TPS = (names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TOKENS_PER_SEC, names.SUM_DEVICE_TFLOPS, names.SUM_MFU,
              names.SUM_MFU_PALM, names.SUM_HFU, names.SUM_MFU_MEASURED_PEAK)
-_AGAINST_TPS = (names.SUM_STEP_TIME_S, names.SUM_USD_PER_BTOK)
+_AGAINST_TPS = (names.SUM_STEP_TIME_S, names.SUM_USD_PER_BTOK, names.SUM_KG_CO2E_PER_BTOK,
+                names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The between-run noise one run cannot see: the relative half width of the 95% interval that a
+    single run's throughput carries for its configuration's mean, measured from repeats.
+
+    Attributes:
+        half_width: relative half width (0.81 = +-81% of the run's figure), in [0, 1).
+        source: where it was measured (a section of ``docs/stability.md``).
+    """
+
+    half_width: float
+    source: str
+
+
+#: Measured between-run floors by kind of machine (``llmeff.accelerator.short``). ``cpu``: 12 runs in
+#: 3 configurations repeated on the shared 2-core CPU machine (docs/stability.md, "Between-run
+#: floor"): pooled between-run CV 0.356 (df 9), t(0.975, 9) x 0.356 = 0.806, rounded up. A kind not
+#: listed has no measured floor: its single runs carry no interval and are never ranked.
+BETWEEN_RUN_FLOOR = {
+    "cpu": Floor(0.81, "docs/stability.md, 'Between-run floor': pooled CV 0.356 of 12 repeats of 3 "
+                       "configurations on a shared 2-core CPU machine (df 9), x t(0.975, 9) = 2.262"),
+}
+
+#: How the comparison's intervals are made, said once beside every table and figure that uses them.
+METHOD_NOTE = ("95% intervals: Student's t across a configuration's repeats (mean +- t(0.975, n-1) s / sqrt(n)), "
+               "every repeat included, unstable ones too; a configuration of one run: its figure +- the "
+               "between-run floor measured for its kind of machine (never the run's own interval, which says "
+               "nothing about the next run), no interval where none is measured; overlapping intervals are "
+               "within noise and not ranked (docs/stability.md)")
+
+
+def floor_for(kind: str | None) -> Floor | None:
+    """The measured :class:`Floor` of a kind of machine (``llmeff.accelerator.short``), None when unmeasured."""
+    return BETWEEN_RUN_FLOOR.get((kind or "").strip())
 
 
 def t_quantile_975(df: int) -> float:
@@ -74,16 +116,24 @@ def is_stable(r: RunRecord) -> bool:
     return r.tags.get(names.STABILITY, "") == "stable"
 
 
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4g}"
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A configuration's figure: its mean and 95% interval.
 
     Attributes:
-        mean: the figure (mean over the repeats used).
+        mean: the figure (mean over the repeats holding it).
         low, high: the 95% interval, None when there is none.
         n: repeats used.
-        method: ``repeats`` (t interval across n >= 2 runs), ``run interval`` (one run's own
-            interval) or ``no interval``.
+        method: ``repeats`` (Student-t interval across n >= 2 runs), ``floor`` (one run: its figure
+            +- the between-run floor of its kind of machine) or ``no interval``; other methods name
+            themselves (e.g. ``process RSS +-5%``, report/plots.py).
+        floor: the :class:`Floor` of a ``floor`` estimate.
+        left_out: one ``"<run>: <why>"`` per repeat of the configuration left out of this figure.
+        kind: the kind of machine (``llmeff.accelerator.short``) of a single-run estimate.
     """
 
     mean: float
@@ -91,6 +141,9 @@ class Estimate:
     high: float | None
     n: int
     method: str
+    floor: Floor | None = None
+    left_out: tuple[str, ...] = ()
+    kind: str | None = None
 
     @property
     def has_interval(self) -> bool:
@@ -103,27 +156,49 @@ class Estimate:
             return None
         return (self.high - self.low) / 2 / abs(self.mean)
 
-    def text(self, fmt=lambda v: f"{v:.4g}") -> str:
-        """``1.23e+04 [1.2e+04, 1.26e+04] (3 repeats)`` / ``... (run's interval)`` / ``... (no interval)``."""
+    def how(self) -> str:
+        """The method in words, e.g. ``mean of 2 repeats, 95% Student-t interval (df 1)``."""
+        if self.method == "repeats":
+            text = f"mean of {self.n} repeats, 95% Student-t interval across them (df {self.n - 1})"
+        elif self.method == "floor":
+            text = (f"one run: its figure +-{self.floor.half_width:.0%}, the between-run floor of "
+                    f"{self.kind or 'this kind of machine'} ({self.floor.source}); not its own interval")
+        elif self.method == "no interval" and self.n == 1:
+            text = (f"one run, no between-run floor measured for {self.kind or 'this kind of machine'}: "
+                    "no interval, not ranked (repeat it)")
+        else:
+            text = self.method
+        if self.left_out:
+            text += "; left out: " + "; ".join(self.left_out)
+        return text
+
+    def text(self, fmt=_num) -> str:
+        """``6,377 [1,498, 11,256] (2 repeats, t)`` / ``6,761 +-81% (1 run, between-run floor of cpu)`` /
+        ``6,761 (1 run, no interval)``."""
+        if self.method == "floor":
+            return f"{fmt(self.mean)} +-{self.floor.half_width:.0%} (1 run, between-run floor of {self.kind})"
         if not self.has_interval:
-            return f"{fmt(self.mean)} (no interval)"
-        how = f"{self.n} repeats" if self.method == "repeats" else "run's interval"
+            return f"{fmt(self.mean)} ({'1 run, ' if self.n == 1 else ''}no interval)"
+        how = f"{self.n} repeats, t" if self.method == "repeats" else self.method
         return f"{fmt(self.mean)} [{fmt(self.low)}, {fmt(self.high)}] ({how})"
 
 
-def _run_estimate(r: RunRecord, key: str) -> Estimate | None:
-    """One run's figure with its own interval where the figure follows its throughput interval."""
+def _single_run_estimate(r: RunRecord, key: str, left_out: tuple[str, ...]) -> Estimate:
+    """One run's figure with the between-run floor of its kind of machine, where the figure follows
+    its throughput (proportionally or inversely) and a floor is measured; else no interval."""
+    v = r.metrics[key]
+    kind = r.tags.get(names.ACCEL_SHORT)
+    fl = floor_for(kind)
+    if fl is not None and key in _WITH_TPS:
+        return Estimate(v, v * (1 - fl.half_width), v * (1 + fl.half_width), 1, "floor", fl, left_out, kind)
+    if fl is not None and key in _AGAINST_TPS:  # throughput in x (1 +- f): the per-token figure in / (1 -+ f)
+        return Estimate(v, v / (1 + fl.half_width), v / (1 - fl.half_width), 1, "floor", fl, left_out, kind)
+    return Estimate(v, None, None, 1, "no interval", None, left_out, kind)
+
+
+def _finite(r: RunRecord, key: str) -> bool:
     v = r.metrics.get(key)
-    if v is None or not math.isfinite(v):
-        return None
-    tps = r.metrics.get(names.SUM_TOKENS_PER_SEC)
-    lo, hi = r.metrics.get(names.SUM_TPS_CI95_LOW), r.metrics.get(names.SUM_TPS_CI95_HIGH)
-    if tps and lo is not None and hi is not None and lo > 0:
-        if key in _WITH_TPS:
-            return Estimate(v, v * lo / tps, v * hi / tps, 1, "run interval")
-        if key in _AGAINST_TPS:
-            return Estimate(v, v * tps / hi, v * tps / lo, 1, "run interval")
-    return Estimate(v, None, None, 1, "no interval")
+    return v is not None and math.isfinite(v)
 
 
 @dataclass
@@ -133,7 +208,7 @@ class Configuration:
     Attributes:
         key: the values of :data:`CONFIG_TAGS`.
         runs: every finished repeat with a summary, in the order given.
-        label: the first used repeat's run name (and the repeat count).
+        label: the first stable repeat's run name (else the first's), and the repeat count.
     """
 
     key: tuple
@@ -145,12 +220,13 @@ class Configuration:
 
     @property
     def used(self) -> list[RunRecord]:
-        """The repeats the figures use: the stable ones when any is stable, else all."""
-        return self.stable or list(self.runs)
+        """The repeats the figures use: every one (a repeat is a sample; an unstable one is named,
+        not dropped), the stable ones first."""
+        return self.stable + self.unstable
 
     @property
     def unstable(self) -> list[RunRecord]:
-        """Repeats tagged unstable (shown as such; left out of the figures while a stable one exists)."""
+        """Repeats tagged unstable (in the figures, and named by :meth:`note`)."""
         return [r for r in self.runs if not is_stable(r)]
 
     @property
@@ -166,29 +242,46 @@ class Configuration:
         return self.runs[0].tags.get(key)
 
     def estimate(self, key: str) -> Estimate | None:
-        """Mean and 95% interval of summary figure ``key`` over the repeats used (see the module docstring)."""
-        vals = [r.metrics[key] for r in self.used if r.metrics.get(key) is not None and math.isfinite(r.metrics[key])]
-        if not vals:
+        """Mean and 95% interval of summary figure ``key`` over every repeat holding it (see the
+        module docstring); None when no repeat holds it.
+
+        Two or more repeats: ``mean +- t(0.975, n - 1) x s / sqrt(n)`` with ``s`` the sample standard
+        deviation across the repeats (Student 1908; t from the standard table, NIST/SEMATECH
+        e-Handbook 1.3.6.7.2), the low end clipped at 0 (no summary figure is negative). One repeat:
+        :func:`_single_run_estimate`.
+        """
+        have = [r for r in self.used if _finite(r, key)]
+        if not have:
             return None
-        if len(vals) == 1:
-            run = next(r for r in self.used if r.metrics.get(key) is not None)
-            return _run_estimate(run, key)
+        left_out = tuple(f"{r.label}: no finite {key}" for r in self.used if not _finite(r, key))
+        if len(have) == 1:
+            return _single_run_estimate(have[0], key, left_out)
+        vals = [r.metrics[key] for r in have]
         n = len(vals)
         mean = sum(vals) / n
         sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
         half = t_quantile_975(n - 1) * sd / math.sqrt(n)
         # every summary figure is >= 0: a t interval of few repeats may reach below, the figure cannot
-        return Estimate(mean, max(0.0, mean - half), mean + half, n, "repeats")
+        return Estimate(mean, max(0.0, mean - half), mean + half, n, "repeats", None, left_out)
 
     def note(self) -> str:
-        """What a reader must know about the repeats: unstable ones left out (with why), or all unstable."""
+        """What a reader must know about the repeats: the unstable ones, each with its tokens/s and
+        why, kept in the figures (empty when every repeat is stable)."""
         bad = self.unstable
         if not bad:
             return ""
-        why = "; ".join(f"{r.label}: {r.tags.get(names.STABILITY, 'no stability tag (older run)')}" for r in bad)
+
+        def one(r: RunRecord) -> str:
+            tps = r.metrics.get(names.SUM_TOKENS_PER_SEC)
+            value = f" {_num(tps)} tokens/s" if tps is not None else ""
+            return f"{r.label}{value} ({r.tags.get(names.STABILITY, 'no stability tag (older run)')})"
+
+        why = "; ".join(one(r) for r in bad)
+        if len(self.runs) == 1:
+            return f"the run is unstable: {why}"
         if len(bad) == len(self.runs):
-            return f"no stable repeat, figures from unstable runs: {why}"
-        return f"{len(bad)} unstable repeat{'s' if len(bad) > 1 else ''} left out: {why}"
+            return f"no stable repeat, all {len(bad)} in the figures: {why}"
+        return f"{len(bad)} unstable repeat{'s' if len(bad) > 1 else ''} kept in the figures: {why}"
 
 
 def configurations(runs: list[RunRecord]) -> list[Configuration]:
@@ -252,7 +345,8 @@ class ScalingRow:
         devices, baseline_devices: N and N0.
         tokens_per_sec, baseline_tokens_per_sec: the global throughput estimates.
         efficiency: ``T(N) / (T(N0) * N / N0)``, 1 = linear.
-        low, high: its interval (None without intervals on both sides).
+        low, high: its interval (both None without intervals on both sides; ``high`` None alone when
+            the baseline's interval reaches 0: no upper bound).
         kind: ``strong`` (same global batch tokens), ``weak`` (same batch per device) or ``batch differs``.
         flags: why a value above :data:`SUPERLINEAR` may not be real (empty otherwise).
     """
@@ -356,8 +450,10 @@ def _scale_group(members: list[Configuration], baseline: str | None, label: str)
         t, n = c.estimate(names.SUM_TOKENS_PER_SEC), c.devices
         eff = t.mean / (t0.mean * n / n0)
         low = high = None
-        if t.has_interval and t0.has_interval and t0.low > 0:
-            low, high = t.low / t0.high * n0 / n, t.high / t0.low * n0 / n
+        if t.has_interval and t0.has_interval and t0.high > 0:
+            low = t.low / t0.high * n0 / n
+            # a baseline interval reaching 0 (few, scattered repeats) bounds the ratio below only
+            high = t.high / t0.low * n0 / n if t0.low > 0 else None
         kind = _kind(c, base)
         rows.append(ScalingRow(label, c.label, base.label, tuple(r.run_id for r in c.used),
                                tuple(r.run_id for r in base.used), n, n0, t, t0, eff, low, high, kind,

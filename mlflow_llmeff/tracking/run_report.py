@@ -17,7 +17,7 @@ __all__ = ["FORMULAS", "build_report_dict", "log_run_report"]
 #: Formula and source of each headline figure (docs/formulas.md has the derivations).
 FORMULAS = {
     names.SUM_TOKENS_PER_SEC: ("non-padding tokens of the steady-state steps / their step time, all ranks",
-                               "../shared/METRICS.md; warm-up steps excluded"),
+                               "docs/time.md (step seconds), docs/training.md (counting); warm-up steps excluded"),
     names.SUM_MFU: ("achieved model FLOP/s per device / dense datasheet peak; model FLOPs per token "
                     "L*h^2*(12+12g/n+18f/h+6s/h)+6hV", "Megatron-LM num_floating_point_operations; "
                     "Chowdhery et al. 2022 (PaLM) App. B for MFU"),
@@ -27,8 +27,9 @@ FORMULAS = {
                     "Korthikanti et al. 2022, Reducing Activation Recomputation, Sec. 6"),
     names.SUM_MFU_MEASURED_PEAK: ("as summary/mfu against the measured achievable matmul peak (MAMF)",
                                   "Bekman, ML Engineering, 'Maximum Achievable Matmul FLOPS'"),
-    names.SUM_TPS_CI95_LOW: ("2.5th percentile of the throughput of block-bootstrap resamples of ~sqrt(n)-step "
-                             "batches of the steady steps", "Carlstein 1986; Kunsch 1989; docs/stability.md"),
+    names.SUM_TPS_CI95_LOW: ("lower end of the 95% interval of steady tokens / time: delta method with the "
+                             "long-run variance of autocorrelated steps (Geyer's initial monotone sequence), "
+                             "Student's t", "Cochran 1977; Geyer 1992; Priestley 1981; docs/stability.md"),
     names.SUM_STEP_TIME_P90_S: ("90th percentile step time, linear interpolation", "Hyndman & Fan 1996, def. 7"),
     names.SUM_GOODPUT: ("productive step time / wall time", "docs/time.md"),
     names.SUM_COST_USD: ("device_hour_usd * devices * wall hours (+ kWh * usd_per_kwh)", "docs/energy_carbon_cost.md"),

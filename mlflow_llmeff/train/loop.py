@@ -434,7 +434,9 @@ def _print_summary(monitor, summary: dict) -> None:
     print(f"llmeff: run {monitor.run_id}: {int(summary.get(names.SUM_STEPS, 0))} steps, "
           f"{int(summary.get(names.SUM_TOKENS, 0)):,} tokens, "
           + (f"{tps:,.0f} tokens/s steady state{interval}, " if tps else "")
-          + f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s, goodput {summary.get(names.SUM_GOODPUT, 0.0):.2f}")
+          + f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s"
+          + (f", goodput {summary[names.SUM_GOODPUT]:.2f}" if summary.get(names.SUM_GOODPUT) is not None else
+             ", goodput undefined (no wall time)"))
     if monitor.stability:
         print(f"llmeff: {monitor.stability}")
     if monitor.spilled_to:  # the server has not taken the run: the outbox line said how to send it

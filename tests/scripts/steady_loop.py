@@ -6,6 +6,7 @@ stop other processes at chosen steps. Prints ``run_id=<id>`` at the end.
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -16,6 +17,8 @@ p.add_argument("--steps", type=int, default=150)
 p.add_argument("--size", type=int, default=192, help="matrix side: the step's work")
 p.add_argument("--progress", default=None)
 p.add_argument("--nice", type=int, default=0)
+p.add_argument("--sleep-ms", type=float, default=0.0,
+               help="each step sleeps this long instead of computing: its time is the timer's, not a CPU share")
 args = p.parse_args()
 if args.nice:
     os.nice(args.nice)
@@ -26,10 +29,13 @@ x = torch.randn(args.size, args.size)
 mon = EfficiencyMonitor(model=model, log_every_n_steps=10, warmup_steps=3, measure_energy="none",
                         measure_peak=False, report=False)
 for step in range(1, args.steps + 1):
-    y = x
-    for _ in range(4):
-        y = model(y)
-    y.sum().backward()
+    if args.sleep_ms > 0:
+        time.sleep(args.sleep_ms / 1000)
+    else:
+        y = x
+        for _ in range(4):
+            y = model(y)
+        y.sum().backward()
     mon.step(tokens=1024, samples=8)
     if args.progress:
         with open(args.progress + ".tmp", "w") as f:

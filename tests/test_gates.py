@@ -1,0 +1,52 @@
+"""The suite's own gates: a missing dependency skips locally and fails under CI (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import require, under_ci
+
+MISSING = "llmeff_no_such_module_for_the_gate_test"
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("1", True), ("yes", True), ("", False), ("0", False),
+                                             ("false", False), ("No", False)])
+def test_ci_is_read_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("CI", value)
+    assert under_ci() is expected
+
+
+def test_a_missing_dependency_fails_under_ci(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=f"{MISSING} is not installed .*: CI must install it"):
+        require(MISSING, "pip install it")
+
+
+def test_a_missing_dependency_skips_outside_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match=f"{MISSING} is not installed .*; pip install it"):
+        require(MISSING, "pip install it")
+
+
+def test_a_present_dependency_is_returned_under_ci(monkeypatch):
+    import json
+
+    monkeypatch.setenv("CI", "true")
+    assert require("json") is json
+
+
+@pytest.mark.slow
+def test_a_bench_that_misses_its_target_exits_1_and_says_so(tmp_path):
+    # the cheapest bench (one round of 2 steps per contender, ~15 s of CPU): a ratio of 100 cannot be met
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "overhead.py"), "--steps", "2", "--rounds", "1",
+                        "--target", "100"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "target NOT met (median ratio >= 100): train_path " in r.stderr
+    assert "median ratio bare_again/bare" in r.stdout and "(noise floor)" in r.stdout
