@@ -50,6 +50,7 @@ def test_context_parallel_ranks_count_their_slices_once(monkeypatch, tracking_ur
     mon.finish()
     tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
     assert tags[names.PAR_CP] == "2" and tags[names.PAR_DP] == "1"
+    assert tags[names.SEQ_LEN] == "8" and tags[names.GLOBAL_BATCH_TOKENS] == "16"  # the full sequence, not the slice
 
 
 def test_a_context_parallel_size_that_does_not_fit_is_refused(monkeypatch, tracking_uri):

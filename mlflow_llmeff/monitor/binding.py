@@ -130,9 +130,11 @@ def tag_shape(mon) -> None:
     mon._shape_tags_pending = False
     if mon._tally.first_shape is not None and mon.is_main:
         b, s, ga = mon._tally.first_shape
+        rule = mon._counting
         given = getattr(mon, "_given_tags", set())
-        tags = {k: v for k, v in cond.shape_tags(b, s, max(1, ga),
-                                                                 mon.world_size // (mon._counting.copies * mon._counting.slices)).items()
+        # a context-parallel rank saw a slice: the sequence is cp slices long
+        tags = {k: v for k, v in cond.shape_tags(b, s * rule.slices, max(1, ga),
+                                                 mon.world_size // (rule.copies * rule.slices)).items()
                 if k not in given}
         if tags:
             mon._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
