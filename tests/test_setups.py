@@ -146,3 +146,23 @@ def test_a_resumed_attempt_keeps_the_gap_and_an_older_checkpoint_still_loads():
     b = FlopsAccount()
     b.load([1.25, "FlopCounterMode on step 1 of the attempt"])  # the two-item form of earlier checkpoints
     assert (b.hfu_ratio, b.counter_gap, b.hfu_counted) == (1.25, None, True)
+
+
+@pytest.mark.parametrize("sizes, world, expected", [
+    (dict(dp_replicate_size=1, dp_shard_size=2, cp_size=2, tp_size=1), 4,
+     {"data_parallel_size": 2, "context_parallel_size": 2}),
+    (dict(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=2), 4,
+     {"data_parallel_size": 2, "context_parallel_size": 1}),  # fsdp x tp: tp peers are copies
+    (dict(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=1), 8, {}),  # does not fit: not guessed
+])
+def test_autolog_reads_accelerates_parallelism_config(monkeypatch, sizes, world, expected):
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+
+    from mlflow_llmeff.autologging.hooks import _accelerate_degrees
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    acc = SimpleNamespace(parallelism_config=ParallelismConfig(**sizes), num_processes=world)
+    assert _accelerate_degrees(acc) == expected
+    assert _accelerate_degrees(SimpleNamespace(parallelism_config=None)) == {}
