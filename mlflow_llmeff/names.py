@@ -298,6 +298,12 @@ SUMMARY_ABSENT = _tag("summary.absent", "summary/* figures that are undefined fo
 STABILITY_METHOD = _tag("stability.method", "the stall and instability thresholds and the interval method behind llmeff.stability and summary/tokens_per_sec_ci95_*")
 CONTENTION = _tag("contention", "what else used the machine during the steady window: 'quiet: ...' or 'contended: ...' with the other processes' share of host CPU (the top ones named), steal, and on CUDA other processes on the run's devices, slowdown reasons, lowest SM clock, temperature, power limit")
 STRAGGLER_RANK = _tag("straggler.rank", "the rank with the slowest mean forward time per steady step, and its host")
+# --------------------------------------------------------------------------- setups that change the counting
+# (METRICS.md, "Setups that change the counting": FP8 and other precisions whose peak differs)
+SUM_MFU_BF16_PEAK = _metric("summary/mfu_bf16_peak", "fraction", "steady-state MFU against the device's dense BF16 peak whatever the compute dtype (beside summary/mfu, whose denominator llmeff.peak.precision names), so FP8 and BF16 runs compare on one scale", S)
+FLOPS_COUNTER_GAP = _tag("flops.counter_gap", "set when FlopCounterMode's count of a real step came out below the formula's hardware FLOPs: the share it counted and the modules it could not see (custom ops, fused expert kernels); HFU then uses the analytic ratio, never the lower count")
+PEAK_PRECISION = _tag("peak.precision", "the dtype whose dense peak is MFU's denominator (the dtype the matmuls ran in: fp8, bf16, fp16, tf32, fp32); set where a peak is known")
+
 TTQ_TAG_PREFIX = "llmeff.ttq."
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

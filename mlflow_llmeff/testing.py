@@ -120,6 +120,9 @@ class FakeGpu:
         temperature_c: GPU temperature.
         power_limit_w: enforced power limit.
         processes: compute processes on the device.
+        mig_mode: 1 on a physical GPU whose MIG mode is enabled (``nvmlDeviceGetMigMode``), else 0.
+        parent: set on a MIG instance (a device of its own UUID ``MIG-...``): its physical GPU, whose
+            energy counter it reports (NVML's counter belongs to the whole GPU).
     """
 
     uuid: str
@@ -137,6 +140,8 @@ class FakeGpu:
     temperature_c: int = 45
     power_limit_w: float = 700.0
     processes: list[FakeProcess] = field(default_factory=list)
+    mig_mode: int = 0
+    parent: "FakeGpu | None" = None
 
     def _check(self) -> None:
         if not self.readable:
@@ -146,6 +151,8 @@ class FakeGpu:
         self._check()
         if not self.counter:
             raise FakeNvmlError("Not Supported")
+        if self.parent is not None:  # a MIG instance: the whole GPU's counter
+            return self.parent.energy_mj()
         t = self.clock()
         if self.reset_at is not None and t >= self.reset_at:
             return round(self.watts * 1000 * (t - self.reset_at))
@@ -156,8 +163,11 @@ class FakeGpu:
         return round(self.watts * 1000)
 
 
-def fake_nvml(gpus: list[FakeGpu]) -> types.SimpleNamespace:
+def fake_nvml(gpus: list[FakeGpu], instances: list[FakeGpu] = ()) -> types.SimpleNamespace:
     """A stand-in for the ``pynvml`` module over ``gpus``: same function names, handles are the FakeGpu objects.
+
+    ``instances`` are MIG instances (:attr:`FakeGpu.parent` set): found by their ``MIG-`` UUID, as
+    NVML finds them, but not counted or indexed (NVML's index and PCI bus id are the physical GPU's).
 
     ``calls`` counts ``nvmlInit`` / ``nvmlShutdown``. ``NVML_CLOCK_SM`` and
     ``NVML_TEMPERATURE_GPU`` are the real constants' values.
@@ -165,7 +175,7 @@ def fake_nvml(gpus: list[FakeGpu]) -> types.SimpleNamespace:
     calls = {"init": 0, "shutdown": 0}
 
     def find(attr, value):
-        for g in gpus:
+        for g in list(gpus) + (list(instances) if attr == "uuid" else []):
             if getattr(g, attr) == value:
                 return g
         raise FakeNvmlError("Not Found")
@@ -203,4 +213,7 @@ def fake_nvml(gpus: list[FakeGpu]) -> types.SimpleNamespace:
         nvmlDeviceGetTemperature=checked(lambda g, sensor: g.temperature_c),
         nvmlDeviceGetEnforcedPowerLimit=checked(lambda g: round(g.power_limit_w * 1000)),  # mW
         nvmlDeviceGetComputeRunningProcesses=checked(lambda g: list(g.processes)),
+        nvmlDeviceGetMigMode=checked(lambda g: (g.mig_mode, g.mig_mode)),  # (current, pending)
+        nvmlDeviceIsMigDeviceHandle=lambda g: int(g.parent is not None),
+        nvmlDeviceGetDeviceHandleFromMigDeviceHandle=lambda g: g.parent if g.parent is not None else g,
     )

@@ -28,3 +28,80 @@ def test_reduce_sums_over_ranks():
     c.add(torch.zeros(1, 4, dtype=torch.long))
     got = c.take(steps=1, reduce=lambda t: t * 2)  # two identical ranks
     assert got.tokens == 8 and got.samples == 2
+
+
+def test_position_ids_restarting_at_each_document_count_documents_as_sequences():
+    # one packed row: documents of 3, 2 and 4 tokens; sum(l^2) = 9 + 4 + 16 = 29 over 9 tokens
+    c = BatchCounter()
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    c.add(torch.zeros(1, 9, dtype=torch.long), position_ids=pos)
+    got = c.take(steps=1)
+    assert (got.tokens, got.padded_tokens, got.samples, got.sum_len_sq) == (9, 9, 3, 29)
+    assert got.loss_tokens == 9 - 3  # no labels: one token per document carries no loss
+    assert got.effective_seq_len == 29 / 9
+
+
+def test_position_ids_that_do_not_start_at_zero_still_cut_at_each_reset():
+    c = BatchCounter()
+    c.add(torch.zeros(1, 5, dtype=torch.long), position_ids=torch.tensor([[1, 2, 3, 1, 2]]))
+    assert c.take(steps=1).sum_len_sq == 9 + 4
+
+
+def test_cu_seqlens_give_document_lengths_and_take_precedence():
+    c = BatchCounter()
+    c.add(torch.zeros(1, 9, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 5, 9], dtype=torch.int32),
+          position_ids=torch.arange(9)[None])  # positions say one sequence; cu_seqlens wins
+    got = c.take(steps=1)
+    assert (got.tokens, got.samples, got.sum_len_sq) == (9, 3, 29)
+
+
+def test_cu_seqlens_shorter_than_the_row_leave_the_tail_as_padding():
+    c = BatchCounter()
+    c.add(torch.zeros(1, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32))
+    got = c.take(steps=1)
+    assert (got.tokens, got.padded_tokens, got.sum_len_sq) == (5, 8, 13)
+
+
+def test_seq_idx_marks_documents():
+    c = BatchCounter()
+    c.add(torch.zeros(1, 6, dtype=torch.long), seq_idx=torch.tensor([[0, 0, 0, 0, 1, 1]], dtype=torch.int32))
+    got = c.take(steps=1)
+    assert (got.samples, got.sum_len_sq) == (2, 16 + 4)
+
+
+def test_positions_of_a_padded_batch_keep_rows_as_sequences():
+    # left padding with positions 0.. over the whole row: the first real token starts the sequence
+    c = BatchCounter()
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    c.add(torch.zeros(2, 5, dtype=torch.long), mask, position_ids=torch.arange(5).expand(2, 5))
+    got = c.take(steps=1)
+    assert (got.tokens, got.samples, got.sum_len_sq) == (7, 2, 9 + 16)
+
+
+def test_positions_of_several_packed_rows_cut_each_row_apart():
+    c = BatchCounter()
+    pos = torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]])  # 2 + 3 and 5
+    c.add(torch.zeros(2, 5, dtype=torch.long), position_ids=pos)
+    got = c.take(steps=1)
+    assert (got.samples, got.sum_len_sq) == (3, 4 + 9 + 25)
+
+
+def test_three_dimensional_positions_are_ignored():
+    c = BatchCounter()
+    c.add(torch.zeros(1, 4, dtype=torch.long), position_ids=torch.zeros(3, 1, 4, dtype=torch.long))
+    got = c.take(steps=1)
+    assert (got.samples, got.sum_len_sq) == (1, 16)
+
+
+def test_step_tally_reads_packed_keys_of_a_collator_batch():
+    from transformers import DataCollatorWithFlattening
+
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    feats = [{"input_ids": list(range(3, 3 + n))} for n in (3, 2, 4)]
+    for collator in (DataCollatorWithFlattening(), DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+                     DataCollatorWithFlattening(return_position_ids=False, return_seq_idx=True)):
+        tally = StepTally()
+        tally.add_batch(collator(feats))
+        got = tally.take(steps=1)
+        assert (got.tokens, got.samples, got.sum_len_sq, got.loss_tokens) == (9, 3, 29, 6)

@@ -227,3 +227,58 @@ def test_an_unknown_accelerator_is_one_line_listing_the_short_names():
 
     with pytest.raises(ValueError, match=r"accelerator 'H20' is not known; use one of: A10, A100, .*H100-SXM"):
         resolve_short("H20")
+
+
+# --------------------------------------------------------------------------- FP8: MFU's denominator named
+FP8_DENSE = {"H100-SXM": 1978.9, "H200": 1978.9, "B200": 4500.0, "MI300X": 2614.9}
+
+
+@pytest.mark.parametrize("short, tflops", sorted(FP8_DENSE.items()))
+def test_fp8_dense_peaks_of_the_datasheets(short, tflops):
+    # H100/H200 SXM: FP8 3,958 with sparsity -> 1978.9; HGX B200: 72 PFLOPS sparse / 8 GPUs / 2;
+    # MI300X: 2614.9 dense (5229.8 with sparsity)
+    row = next(r for r in PEAK_TABLE if r.short == short)
+    assert row.tflops["fp8"] == tflops and "FP8" in row.source
+
+
+H100 = AcceleratorInfo("NVIDIA H100 80GB HBM3", "H100-SXM", 8, 79.6, "Hopper", None, "12.8", "cuda")
+
+
+def test_an_fp8_run_divides_by_the_fp8_peak_and_logs_the_bf16_one_beside_it():
+    from mlflow_llmeff.meters.hardware import mfu_figures, resolve_denominators
+
+    d = resolve_denominators(H100, "fp8")
+    assert (d.tflops, d.precision, d.bf16_tflops) == (1978.9, "fp8", 989.4)
+    got = mfu_figures(700.0, d)  # 700 achieved model TFLOP/s per device
+    assert got[names.SUM_MFU] == pytest.approx(700 / 1978.9) == pytest.approx(0.353731871)
+    assert got[names.SUM_MFU_BF16_PEAK] == pytest.approx(700 / 989.4) == pytest.approx(0.707499495)
+
+
+def test_a_bf16_run_gives_the_same_figure_twice():
+    from mlflow_llmeff.meters.hardware import mfu_figures, resolve_denominators
+
+    d = resolve_denominators(H100, "bf16")
+    assert d.precision == "bf16" and d.tflops == d.bf16_tflops == 989.4
+    got = mfu_figures(400.0, d)
+    assert got[names.SUM_MFU] == got[names.SUM_MFU_BF16_PEAK] == pytest.approx(400 / 989.4)
+
+
+def test_a_user_peak_is_the_compute_dtype_s_and_the_bf16_peak_stays_the_table_s():
+    from mlflow_llmeff.meters.hardware import resolve_denominators
+
+    d = resolve_denominators(H100, "fp8", user_peak_tflops=1800.0)
+    assert (d.tflops, d.source, d.precision, d.bf16_tflops) == (1800.0, "user", "fp8", 989.4)
+    assert resolve_denominators(H100, "bf16", user_peak_tflops=900.0).bf16_tflops == 900.0
+
+
+def test_without_a_bf16_peak_only_mfu_is_given():
+    from mlflow_llmeff.meters.hardware import mfu_figures, resolve_denominators
+
+    v100 = AcceleratorInfo("Tesla V100-SXM2-32GB", "V100-SXM2", 1, 32.0, "Volta", None, None, "cuda")
+    d = resolve_denominators(v100, "fp16")
+    assert (d.tflops, d.bf16_tflops) == (125.0, None)
+    assert mfu_figures(50.0, d) == {names.SUM_MFU: 0.4}
+    cpu = AcceleratorInfo("some cpu", "cpu", 1, None, "cpu", None, None, "cpu")
+    assert mfu_figures(1.0, resolve_denominators(cpu, "fp32")) == {}  # no peak: both absent
+    with pytest.raises(ValueError, match="device_tflops=-1.0 must be >= 0"):
+        mfu_figures(-1.0, d)

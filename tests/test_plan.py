@@ -197,3 +197,55 @@ def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri)
     assert "llama-tiny, 125,632 params" in plan["prediction_basis"] and "rough guess" in plan["prediction_basis"]
     assert plan["predicted_tokens_per_sec"] == pytest.approx(0.02e12 / plan["flops_per_token_megatron"])
     assert plan["predicted_usd"] == pytest.approx(plan["predicted_wall_s"] / 3600)  # printed: a price is known
+
+
+def test_plan_json_states_its_assumptions_and_the_accelerator_it_took(tracking_uri, capsys):
+    # issue 28/30: "precision bf16" above weights at 4 B/param said nothing of fp32 master weights;
+    # "--accelerator H100" was silently the H100-SXM row
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import dry_run
+
+    cfg = TrainConfig(model="llama-7b", seq_len=4096, micro_batch_size=1, num_processes=8, parallelism="fsdp")
+    assert dry_run(cfg, accelerator_short="H100", as_json=True) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["accelerator_given"], plan["accelerator_assumed"], plan["accelerator_alias_taken"]) == \
+        ("H100", "H100-SXM", True)
+    assert plan["accelerator_alias"] == "'H100' taken as H100-SXM (also: H100-NVL, H100-PCIe)"
+    assert plan["precision"] == "bf16" and plan["master_weights"] == "fp32"
+    assert plan["optimizer"] == "AdamW (torch.optim.AdamW, two fp32 moments)"
+    assert (plan["bytes_per_param_weights"], plan["bytes_per_param_gradients"], plan["bytes_per_param_optimizer"],
+            plan["bytes_per_param_model_state"]) == (4, 4, 8, 16)
+    assert plan["weights_held_as"] == "fp32 weights, the master copy; autocast runs the matmuls in bf16 (4 B)"
+    assert plan["model_state_sharding"] == "all of it divided over the 8 ranks of a shard group"
+    # the figures follow the stated bytes: 16 B/param over 8 shards
+    params = plan["params_total"]
+    assert plan["memory_weights_gib"] + plan["memory_gradients_gib"] + plan["memory_optimizer_gib"] == \
+        pytest.approx(params * 16 / 8 / 2**30)
+
+
+def test_plan_text_names_the_assumptions_and_a_short_name_is_no_alias(tracking_uri, capsys):
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import dry_run
+
+    assert dry_run(TrainConfig(model="llama-7b", seq_len=4096, micro_batch_size=1), accelerator_short="H100-SXM") == 0
+    out = capsys.readouterr().out
+    assert "master_weights" in out and "bytes_per_param_optimizer" in out and "AdamW" in out
+    assert any(line.split() == ["accelerator_alias_taken", "no"] for line in out.splitlines())
+    assert any(line.split() == ["accelerator_given", "H100-SXM"] for line in out.splitlines())
+
+
+@pytest.mark.parametrize("strategy, precision, per_param, sharding", [
+    ("deepspeed_zero2", "bf16", (2, 2, 12), "gradients and optimizer state divided over the 4 data-parallel ranks"),
+    ("deepspeed_zero1", "fp32", (4, 4, 12), "optimizer state divided over the 4 data-parallel ranks"),
+    ("ddp", "bf16", (4, 4, 8), "a whole copy on every rank"),
+])
+def test_state_assumptions_by_strategy(strategy, precision, per_param, sharding):
+    from mlflow_llmeff.parallel.degrees import Degrees
+    from mlflow_llmeff.planning.plan import state_assumptions
+
+    a = state_assumptions(strategy, precision, Degrees(dp_shard=4) if "zero" in strategy else Degrees(dp_replicate=4))
+    assert (a["bytes_per_param_weights"], a["bytes_per_param_gradients"], a["bytes_per_param_optimizer"]) == per_param
+    assert a["master_weights"] == "fp32" and a["model_state_sharding"] == sharding
+    if strategy == "deepspeed_zero2":  # the 12 B hold the fp32 master copy
+        assert a["optimizer_state"] == "fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq in fp32 (8 B)"
+        assert a["weights_held_as"] == "bf16 working weights (2 B)"

@@ -125,7 +125,9 @@ class _Session:
         """The forward's ``input_ids`` / ``attention_mask`` / ``labels`` as a dict, or None."""
         import torch
 
-        batch = {k: kwargs[k] for k in ("input_ids", "attention_mask", "labels") if k in kwargs}
+        from mlflow_llmeff.monitor.counting import BATCH_KEYS
+
+        batch = {k: kwargs[k] for k in BATCH_KEYS if k in kwargs}
         if args:
             key = id(module)
             if key not in self.positional:
@@ -140,7 +142,7 @@ class _Session:
                 self.positional[key] = params if "input_ids" in params else ()
             params = self.positional[key]
             if params:
-                batch.update({k: v for k, v in zip(params, args) if k in ("input_ids", "attention_mask", "labels")})
+                batch.update({k: v for k, v in zip(params, args) if k in BATCH_KEYS})
             elif "input_ids" not in batch and torch.is_tensor(args[0]) and not args[0].is_floating_point():
                 batch["input_ids"] = args[0]
         ids = batch.get("input_ids")
@@ -212,15 +214,16 @@ class _Session:
         from mlflow_llmeff.monitor.meter import EfficiencyMonitor, infer_precision, unwrap_model
 
         acc = self.accelerator() if self.accelerator is not None else None
-        precision, strategy, owner = None, None, "pytorch"
+        precision, strategy, owner, degrees = None, None, "pytorch", {}
         if acc is not None and module in self.prepared:
             owner = "accelerate"
             mp = str(getattr(acc, "mixed_precision", "no"))
             precision = mp if mp in ("bf16", "fp16", "fp8") else infer_precision(unwrap_model(module))
             strategy = _accelerate_strategy(acc)
+            degrees = _accelerate_degrees(acc)
         opt = self.optimizer() if self.optimizer is not None else None
         self.monitor = EfficiencyMonitor(model=module, optimizer=opt, precision=precision, strategy=strategy,
-                                         integration=owner, **self.settings.monitor_kwargs())
+                                         integration=owner, **degrees, **self.settings.monitor_kwargs())
         if getattr(self, "late", False):
             self.late = False
             msg = ("autolog() was enabled after the optimizer was built: counting started at the first forward "
@@ -280,6 +283,31 @@ class _Session:
             except Exception:  # noqa: BLE001
                 pass
         self.handles.clear()
+
+
+def _accelerate_degrees(acc) -> dict:
+    """``data_parallel_size`` / ``context_parallel_size`` of an Accelerator's ``ParallelismConfig``
+    (accelerate >= 1.10), for the monitor's token counting
+    (:func:`~mlflow_llmeff.parallel.degrees.token_counting`): the forward hook runs inside
+    Accelerate's context-parallel region, so each cp rank counts its own slice; tensor-parallel
+    ranks count copies. ``{}`` without a config, for a config of one rank, or when its degrees do
+    not multiply to the processes (``WORLD_SIZE``); sequence parallelism (``sp_size``) is left to
+    that case: its slices are not counted here."""
+    import os
+
+    pc = getattr(acc, "parallelism_config", None)
+    if pc is None:
+        return {}
+    try:
+        dp = int(pc.dp_replicate_size) * int(pc.dp_shard_size)
+        cp, tp = int(getattr(pc, "cp_size", 1) or 1), int(getattr(pc, "tp_size", 1) or 1)
+        sp = int(getattr(pc, "sp_size", 1) or 1)
+    except (TypeError, ValueError, AttributeError):
+        return {}
+    world = int(os.environ.get("WORLD_SIZE", getattr(acc, "num_processes", 1)) or 1)
+    if dp * cp * tp * sp != world or world == 1 or sp > 1:
+        return {}
+    return {"data_parallel_size": dp, "context_parallel_size": cp}
 
 
 def _accelerate_strategy(acc) -> str:

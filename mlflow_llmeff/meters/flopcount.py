@@ -272,3 +272,121 @@ def measure_step_flops(step_fn: Callable[[], object]) -> int:
     with counter:
         step_fn()
     return int(counter.get_total_flops())
+
+
+# --------------------------------------------------------------------------- what a real-step count cannot see
+#: A real-step count below the formula's hardware FLOPs by more than this fraction is a measurement
+#: gap, not a lower HFU: counted and analytic agree within 1% where the counter sees every kernel
+#: (docs/formulas.md, "MFU and HFU"; tests/test_monitor.py).
+GAP_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class CounterGap:
+    """A ``FlopCounterMode`` count of a real step that came out below the formula.
+
+    Attributes:
+        counted: FLOPs the counter saw (plus what was added analytically, e.g. CPU SDPA).
+        expected: hardware FLOPs the formula gives for the same tokens (recomputation included).
+        unseen: modules holding weight matrices that ran in the step and counted no FLOPs (their
+            kernels are invisible to the counter: custom ops, fused expert kernels), by name.
+    """
+
+    counted: float
+    expected: float
+    unseen: tuple[str, ...] = ()
+
+    def note(self) -> str:
+        """One line for the ``llmeff.flops.counter_gap`` tag."""
+        share = self.counted / self.expected if self.expected else 0.0
+        seen = (f"modules it could not see: {', '.join(self.unseen[:8])}"
+                + (f" and {len(self.unseen) - 8} more" if len(self.unseen) > 8 else "")) if self.unseen else \
+            "no module with weights counted zero (a kernel inside a counted module is invisible)"
+        return (f"FlopCounterMode counted {share:.1%} of the formula's hardware FLOPs on a real step; {seen}; "
+                "HFU uses the analytic ratio (the count is a measurement gap, not lower hardware FLOPs)")
+
+
+def counter_gap(counted: float, expected: float, unseen=(), *, tolerance: float = GAP_TOLERANCE) -> CounterGap | None:
+    """The gap when ``counted`` is below ``expected`` by more than ``tolerance`` (a fraction), else None.
+
+    Args:
+        counted: FLOPs a real step counted (this rank's, scaled as the caller compares them).
+        expected: the formula's hardware FLOPs for the same tokens
+            (:func:`~mlflow_llmeff.calc.flops.hardware_flops_per_token` x tokens).
+        unseen: :func:`unseen_modules` of the step.
+
+    Raises:
+        ValueError: for a negative count or a non-positive expectation.
+    """
+    if counted < 0 or not expected > 0:
+        raise ValueError(f"counted={counted!r} must be >= 0 and expected={expected!r} > 0 FLOPs")
+    if counted >= expected * (1.0 - tolerance):
+        return None
+    return CounterGap(float(counted), float(expected), tuple(unseen))
+
+
+@contextmanager
+def modules_that_run():
+    """Collect the modules whose forward runs inside, with the rows they took (a global forward
+    hook, removed on exit).
+
+    Yields:
+        A dict that fills with ``id(module) -> rows``: the rows (``numel / last dim`` of the first
+        tensor argument, i.e. tokens) summed over every call of the module.
+    """
+    import torch
+    from torch.nn.modules.module import register_module_forward_hook
+
+    rows: dict[int, int] = {}
+
+    def hook(m, args, kwargs, out):
+        x = next((a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a) and a.dim() >= 1), None)
+        n = x.numel() // max(1, x.shape[-1]) if x is not None else 0
+        rows[id(m)] = rows.get(id(m), 0) + int(n)
+
+    handle = register_module_forward_hook(hook, with_kwargs=True)
+    try:
+        yield rows
+    finally:
+        handle.remove()
+
+
+def unseen_modules(model, flop_counts, rows, *, top_k: int | None = None) -> tuple[str, ...]:
+    """Modules of ``model`` whose matrices ran but whose counted FLOPs are under half of what they did.
+
+    A module multiplies every row it takes by each weight matrix of its own: a training step
+    costs ``6 x rows x numel`` FLOPs for a 2-D weight (forward, input and weight gradients), and
+    ``6 x rows x top_k x numel / E`` for a stack of ``E`` matrices (an experts block's
+    ``(E, f, h)`` weights, ``top_k`` experts a token). A module that counted less than half of that
+    (frozen weights and the first layer's missing input gradient still count 2/3) runs a kernel
+    ``FlopCounterMode`` has no formula for: a custom op, a fused mixture-of-experts kernel such as
+    ``torch._grouped_mm`` on CPU. Embeddings (lookups) multiply nothing.
+
+    Args:
+        model: the module the counted step ran (wrappers are looked through by name suffix).
+        flop_counts: ``FlopCounterMode.get_flop_counts()`` (``{module path: {op: FLOPs}}``, paths
+            ``<RootClass>.<name in the model>``).
+        rows: :func:`modules_that_run`'s ``id(module) -> rows``; a module absent did not run.
+        top_k: experts a token uses (default: the model config's ``num_experts_per_tok``, else 1).
+
+    Returns:
+        The names (``model.named_modules()``) of the modules the counter could not see.
+    """
+    import torch
+
+    if top_k is None:
+        top_k = int(getattr(getattr(model, "config", None), "num_experts_per_tok", None) or 1)
+    counted = [(k, sum(v.values())) for k, v in flop_counts.items()]
+    out = []
+    for name, m in model.named_modules():
+        n_rows = rows.get(id(m), 0)
+        if not name or isinstance(m, torch.nn.Embedding) or n_rows == 0:
+            continue
+        per_row = sum(p.numel() * top_k // p.shape[0] if p.dim() >= 3 else p.numel()
+                      for p in m.parameters(recurse=False) if p.dim() >= 2)
+        if per_row == 0:
+            continue
+        got = max((n for k, n in counted if k == name or k.endswith("." + name)), default=0)
+        if got < 0.5 * 6 * n_rows * per_row:
+            out.append(name)
+    return tuple(out)

@@ -38,6 +38,9 @@ __all__ = [
     "match_row",
     "lookup_peak",
     "resolve_peak",
+    "Denominators",
+    "resolve_denominators",
+    "mfu_figures",
     "measure_matmul_peak",
     "default_cache_dir",
 ]
@@ -428,6 +431,69 @@ def resolve_peak(info: AcceleratorInfo, dtype: str,
         return None, (f"unknown: {row.short} has no {dtype} matrix peak in its datasheet; "
                       f"it lists {', '.join(row.tflops)}")
     return row.tflops[dtype], row.source
+
+
+@dataclass(frozen=True)
+class Denominators:
+    """MFU's denominator and the BF16 peak it is compared on (METRICS.md, "Setups that change the counting").
+
+    Attributes:
+        tflops: dense peak TFLOP/s per device of ``precision`` (MFU's denominator), or None.
+        source: where it comes from (as :func:`resolve_peak`: datasheet, ``user`` or ``unknown: ...``).
+        precision: the dtype whose peak divides (``llmeff.peak.precision``): the compute dtype the
+            matmuls ran in, e.g. ``fp8`` for an FP8 run, never silently another one.
+        bf16_tflops: the device's dense BF16 peak (``summary/mfu_bf16_peak``'s denominator), or
+            None where the table has none (CPU, unknown device, Volta); the user's peak when the
+            run is BF16 and the user gave one.
+    """
+
+    tflops: float | None
+    source: str
+    precision: str
+    bf16_tflops: float | None
+
+
+def resolve_denominators(info: AcceleratorInfo, dtype: str, user_peak_tflops: float | None = None) -> Denominators:
+    """MFU's denominator for compute dtype ``dtype`` and the BF16 peak beside it.
+
+    An FP8 run divides by the FP8 dense peak (H100 SXM: 1978.9 TFLOP/s) and names it in
+    ``llmeff.peak.precision``; ``summary/mfu_bf16_peak`` divides the same achieved TFLOP/s by the
+    BF16 dense peak (989.4), so FP8 and BF16 runs compare on one scale. A user's ``peak_tflops``
+    is taken as the peak of ``dtype``.
+
+    Args:
+        info: the accelerator (:func:`detect_accelerator`).
+        dtype: compute dtype, one of :data:`DTYPES`.
+        user_peak_tflops: the user's peak for ``dtype`` (wins over the table).
+
+    Raises:
+        ValueError: as :func:`resolve_peak`.
+    """
+    peak, source = resolve_peak(info, dtype, user_peak_tflops)
+    if dtype == "bf16":
+        bf16 = peak
+    else:
+        row = match_row(info.name) if info.device_type != "cpu" else None
+        bf16 = row.tflops.get("bf16") if row is not None else None
+    return Denominators(peak, source, dtype, bf16)
+
+
+def mfu_figures(device_tflops: float, denominators: Denominators) -> dict[str, float]:
+    """``{summary/mfu: ..., summary/mfu_bf16_peak: ...}`` for achieved model TFLOP/s per device.
+
+    Each figure is present only where its peak is known (an undefined figure is absent, never 0).
+
+    Raises:
+        ValueError: for a negative ``device_tflops``.
+    """
+    if not device_tflops >= 0:
+        raise ValueError(f"device_tflops={device_tflops!r} must be >= 0 TFLOP/s")
+    out = {}
+    if denominators.tflops is not None:
+        out[names.SUM_MFU] = device_tflops / denominators.tflops
+    if denominators.bf16_tflops is not None:
+        out[names.SUM_MFU_BF16_PEAK] = device_tflops / denominators.bf16_tflops
+    return out
 
 
 # --------------------------------------------------------------------------- measured peak (MAMF)

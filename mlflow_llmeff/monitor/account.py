@@ -38,6 +38,9 @@ class FlopsAccount:
         self.hfu_counted = False
         self.peak_tflops: float | None = None
         self.peak_source = None
+        self.peak_precision: str | None = None  # the dtype whose peak divides (llmeff.peak.precision)
+        self.bf16_peak_tflops: float | None = None  # summary/mfu_bf16_peak's denominator
+        self.counter_gap: str | None = None  # llmeff.flops.counter_gap: a real-step count below the formula
         self.measured_peak: float | None = None
         self.measured_peak_note = "not measured (measure_peak=False)"
         self._ratio_cache: dict[float, float | None] = {}
@@ -67,8 +70,12 @@ class FlopsAccount:
 
     def resolve_peak(self, accelerator, precision: str, peak_tflops: float | None) -> None:
         """The dense peak TFLOP/s per device: ``peak_tflops`` when given, else the datasheet table
-        (:func:`~mlflow_llmeff.meters.hardware.resolve_peak`), else None (no MFU)."""
-        self.peak_tflops, self.peak_source = hw.resolve_peak(accelerator, precision, peak_tflops)
+        (:func:`~mlflow_llmeff.meters.hardware.resolve_peak`), else None (no MFU); the peak's
+        precision (``llmeff.peak.precision``) and the device's BF16 peak beside it
+        (:func:`~mlflow_llmeff.meters.hardware.resolve_denominators`)."""
+        d = hw.resolve_denominators(accelerator, precision, peak_tflops)
+        self.peak_tflops, self.peak_source = d.tflops, d.source
+        self.peak_precision, self.bf16_peak_tflops = d.precision, d.bf16_tflops
 
     def measure_peak(self, precision: str, device) -> None:
         """Achievable matmul TFLOP/s on this device and dtype (cached per machine: seconds, once)."""
@@ -103,9 +110,16 @@ class FlopsAccount:
             cache[s_eff] = fl.hardware_model_ratio(self.shape, s_eff, recompute=self.recompute)
         return cache[s_eff]
 
-    def count_ratio(self, counted: float, tokens: int, sq: int, *, step: int, device, model_parallel: int) -> None:
+    def count_ratio(self, counted: float, tokens: int, sq: int, *, step: int, device, model_parallel: int,
+                    unseen=()) -> None:
         """Set the HFU ratio from ``counted`` FLOPs (``FlopCounterMode``) of one step of ``tokens`` tokens
-        whose squared sequence lengths sum to ``sq``; ``step`` is the attempt's step number it names."""
+        whose squared sequence lengths sum to ``sq``; ``step`` is the attempt's step number it names.
+
+        A count below the formula's hardware FLOPs for the same tokens (by more than
+        :data:`~mlflow_llmeff.meters.flopcount.GAP_TOLERANCE`) is a measurement gap, never a lower
+        HFU: the analytic ratio stays, :attr:`counter_gap` says so and names ``unseen``
+        (:func:`~mlflow_llmeff.meters.flopcount.unseen_modules`: the modules the counter could not see).
+        """
         if tokens <= 0 or counted <= 0:
             return
         s_eff = sq / tokens
@@ -121,9 +135,20 @@ class FlopsAccount:
             note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
         if r > 1:
             note += f"; this rank's FLOPs x {r} ranks sharing its tokens"
+        from mlflow_llmeff.meters.flopcount import counter_gap
+
+        expected = fl.hardware_flops_per_token(self.shape, s_eff, self.recompute) * tokens / r
+        gap = counter_gap(counted, expected, unseen)
+        self.hfu_counted = True
+        if gap is not None:  # what the counter could not see is a gap in the count, not in the hardware
+            self.counter_gap = f"step {step}: {gap.note()}"
+            self.hfu_ratio = None
+            self.hfu_note = (self.hfu_note.replace("no FlopCounterMode step on this path",
+                                                   "the FlopCounterMode step counted less than the formula "
+                                                   "(llmeff.flops.counter_gap)"))
+            return
         self.hfu_ratio = counted * r / (fl.flops_per_token(self.shape, s_eff) * tokens)
         self.hfu_note = note.format(step)
-        self.hfu_counted = True
 
     # ------------------------------------------------------------------------------ figures
     def interval_metrics(self, rates) -> dict[str, float]:
@@ -132,7 +157,8 @@ class FlopsAccount:
         return rates.interval_metrics(fpt, self.peak_tflops, self.ratio(rates.counts.effective_seq_len))
 
     def summary_figures(self, rates) -> tuple[dict[str, float], float | None]:
-        """The run's ``summary/device_tflops_per_sec``, MFU (megatron, palm), HFU and MFU against the
+        """The run's ``summary/device_tflops_per_sec``, MFU (megatron, palm), MFU against the device's
+        BF16 peak (``summary/mfu_bf16_peak``, where the table has one), HFU and MFU against the
         measured peak from the steady-state ``rates``, with the TFLOP/s per device (None: unknown)."""
         out: dict[str, float] = {}
         if self.shape is None or rates.counts.tokens <= 0:
@@ -140,6 +166,8 @@ class FlopsAccount:
         tflops = rates.device_tflops_per_sec(self.fpt)
         out[names.SUM_DEVICE_TFLOPS] = tflops
         mfu = fl.utilization(tflops, self.peak_tflops)
+        if self.bf16_peak_tflops is not None:  # the same TFLOP/s on the BF16 scale, beside MFU
+            out[names.SUM_MFU_BF16_PEAK] = fl.utilization(tflops, self.bf16_peak_tflops)
         if mfu is not None:
             out[names.SUM_MFU] = mfu
             out[names.SUM_MFU_PALM] = fl.utilization(
@@ -154,10 +182,12 @@ class FlopsAccount:
     # ------------------------------------------------------------------------------ checkpoints
     def state(self) -> list | None:
         """``[ratio, note]`` once the ratio was counted (a resumed attempt does not count again), else None."""
-        return [self.hfu_ratio, self.hfu_note] if self.hfu_counted else None
+        return [self.hfu_ratio, self.hfu_note, self.counter_gap] if self.hfu_counted else None
 
     def load(self, counted) -> None:
         """Continue with the ratio an earlier attempt counted (:meth:`state`; None or empty: nothing)."""
         if counted:
-            self.hfu_ratio, self.hfu_note = float(counted[0]), str(counted[1])
+            self.hfu_ratio = float(counted[0]) if counted[0] is not None else None  # None: a counter gap
+            self.hfu_note = str(counted[1])
+            self.counter_gap = str(counted[2]) if len(counted) > 2 and counted[2] else None
             self.hfu_counted = True

@@ -25,7 +25,7 @@ from mlflow_llmeff.monitor.consumption import Consumption
 from mlflow_llmeff.monitor.contention import ContentionMeter
 from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
 
-__all__ = ["PRECISIONS", "check_args", "replication", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
+__all__ = ["PRECISIONS", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
 
 #: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -62,13 +62,33 @@ def replication(world_size: int, data_parallel_size: int | None) -> int:
     Raises:
         ValueError: for a ``data_parallel_size`` that is not an int >= 1 dividing ``world_size``.
     """
-    if data_parallel_size is None:
-        return 1
-    dp = data_parallel_size
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or world_size % dp:
-        raise ValueError(f"data_parallel_size={dp!r} is not accepted; give an int >= 1 dividing the world "
+    return token_counting(world_size, data_parallel_size).copies
+
+
+def token_counting(world_size: int, data_parallel_size: int | None, context_parallel_size: int = 1):
+    """The run's :class:`~mlflow_llmeff.parallel.degrees.TokenCounting` (the one rule of
+    :func:`~mlflow_llmeff.parallel.degrees.token_counting`) from the monitor's arguments.
+
+    ``data_parallel_size`` ranks hold different sequences (default: every rank that is not a
+    context-parallel peer), ``context_parallel_size`` ranks each counted their own slice of the
+    same sequences, and the rest of the world (``world / (dp x cp)``: tensor and pipeline peers)
+    holds copies.
+
+    Raises:
+        ValueError: for a degree that is not an int >= 1, or ``dp x cp`` not dividing ``world_size``.
+    """
+    from mlflow_llmeff.parallel.degrees import Degrees
+    from mlflow_llmeff.parallel.degrees import token_counting as rule
+
+    cp = context_parallel_size
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or world_size % cp:
+        raise ValueError(f"context_parallel_size={cp!r} is not accepted; give an int >= 1 dividing the world "
                          f"size {world_size}")
-    return world_size // dp
+    dp = world_size // cp if data_parallel_size is None else data_parallel_size
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or world_size % (dp * cp):
+        raise ValueError(f"data_parallel_size={dp!r} is not accepted; give an int >= 1 dividing the world "
+                         f"size {world_size}" + (f" with context_parallel_size={cp}" if cp > 1 else ""))
+    return rule(Degrees(dp_replicate=dp, cp=cp, tp=world_size // (dp * cp)))
 
 
 def read_model(mon, model, model_config, precision, strategy, compile, act_ckpt) -> None:

@@ -125,7 +125,11 @@ def condition_tags(mon) -> dict[str, str]:
         integration=mon._integration, compiled=mon.compiled,
         activation_checkpointing=mon.activation_checkpointing, cost_tags=mon._cost_tags,
         flops_method=a.flops_method)
-    dp = mon.world_size // mon._model_parallel
+    dp = mon.world_size // (mon._counting.copies * mon._counting.slices)
+    if mon._counting.slices > 1:
+        tags[names.PAR_CP] = str(mon._counting.slices)
+    if a.peak_tflops is not None:
+        tags[names.PEAK_PRECISION] = a.peak_precision
     # a user's loop: its data-parallel ranks hold sharded state under FSDP and ZeRO-3 (llmeff train
     # passes its layout's own degrees as tags, which win)
     shard = dp if str(mon.strategy or "").startswith(_SHARDED_STRATEGIES) else 1
@@ -142,8 +146,11 @@ def tag_shape(mon) -> None:
     mon._shape_tags_pending = False
     if mon._tally.first_shape is not None and mon.is_main:
         b, s, ga = mon._tally.first_shape
+        rule = mon._counting
         given = getattr(mon, "_given_tags", set())
-        tags = {k: v for k, v in cond.shape_tags(b, s, max(1, ga), mon.world_size // mon._model_parallel).items()
+        # a context-parallel rank saw a slice: the sequence is cp slices long
+        tags = {k: v for k, v in cond.shape_tags(b, s * rule.slices, max(1, ga),
+                                                 mon.world_size // (rule.copies * rule.slices)).items()
                 if k not in given}
         if tags:
             mon._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait

@@ -9,12 +9,64 @@ from __future__ import annotations
 
 from mlflow_llmeff.calc.throughput import Counts
 
-# Positions in the on-device accumulator; padded positions and samples are shapes, kept as ints.
-_TOKENS, _LOSS, _SUM_LEN_SQ = range(3)
+# Positions in the on-device accumulator; padded positions are shapes, kept as an int.
+_TOKENS, _LOSS, _SUM_LEN_SQ, _SAMPLES = range(4)
+
+#: The layout of the int64 counts tensor a ``reduce`` callable of :meth:`BatchCounter.take` and
+#: :meth:`StepTally.take` receives (and returns): one value per field, in this order.
+REDUCE_LAYOUT = ("tokens", "loss_tokens", "sum_len_sq", "padded_tokens", "samples")
+
+#: Keys of a batch mapping (or a forward's keyword arguments) that :class:`StepTally` reads: the
+#: ids, the padding mask, the labels and the three ways collators mark packed documents.
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "cu_seq_lens_q", "cu_seqlens", "seq_idx")
+
+
+def _segments_len_sq(starts, real):
+    """``(sum(l_i^2), documents)`` of rows cut into documents at ``starts`` (device tensors, no sync).
+
+    A document of length ``l`` holds positions ``p = 0 .. l-1`` and ``sum_p (2p + 1) = l^2``, so
+    ``sum(l_i^2)`` is the sum of ``2p + 1`` over real tokens, with ``p`` the distance to the last
+    start at or before each token (a running max over the row): fixed shapes, no ``bincount`` and
+    no host read.
+
+    Args:
+        starts: ``(B, T)`` bool, True where a document begins (the first real token of each row
+            must be True).
+        real: ``(B, T)`` bool, True on real (non-padding) tokens.
+    """
+    import torch
+
+    t = starts.shape[1]
+    ar = torch.arange(t, device=starts.device).expand_as(starts)
+    last = torch.where(starts, ar, torch.zeros_like(ar)).cummax(dim=1).values
+    odd = (2 * (ar - last) + 1) * real
+    return odd.sum(dtype=torch.int64), (starts & real).sum(dtype=torch.int64)
+
+
+def _packed_starts(position_ids=None, seq_idx=None, shape=None):
+    """``(B, T)`` bool document starts from ``seq_idx`` (a change of index) or ``position_ids``
+    (anything but ``previous + 1``), or None when neither has the batch's 2-D shape."""
+    import torch
+
+    for marks, step in ((seq_idx, 0), (position_ids, 1)):
+        if torch.is_tensor(marks) and not marks.is_floating_point():
+            if marks.dim() == 1:
+                marks = marks.unsqueeze(0)
+            if tuple(marks.shape) != tuple(shape):
+                continue
+            starts = torch.ones(marks.shape, dtype=torch.bool, device=marks.device)
+            starts[:, 1:] = marks[:, 1:] != marks[:, :-1] + step
+            return starts
+    return None
 
 
 class BatchCounter:
-    """Accumulates non-padding, padded and loss-bearing tokens, samples and ``sum(l^2)``.
+    """Accumulates non-padding, padded and loss-bearing tokens, sequences and ``sum(l^2)``.
+
+    A sequence is a row of the batch, or, in a packed batch, each document of a row (METRICS.md,
+    "Setups that change the counting"): documents are read from ``cu_seqlens`` (cumulative
+    lengths, flash-attention style), ``seq_idx`` (document index per token) or ``position_ids``
+    that restart at each document (transformers' ``DataCollatorWithFlattening``).
 
     Args:
         device: torch device of the accumulator (the batches' device).
@@ -23,20 +75,27 @@ class BatchCounter:
     def __init__(self, device="cpu") -> None:
         import torch
 
-        self._acc = torch.zeros(3, dtype=torch.int64, device=device)
+        self._acc = torch.zeros(4, dtype=torch.int64, device=device)
         self._padded = 0
-        self._samples = 0
 
-    def add(self, input_ids=None, attention_mask=None, labels=None) -> None:
+    def add(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, cu_seqlens=None,
+            seq_idx=None) -> None:
         """Count one micro-batch (a few fused tensor ops on its device, no synchronization).
 
         Args:
             input_ids: ``(B, T)`` token ids (used when there is no attention mask).
             attention_mask: ``(B, T)``, 1 on real tokens, 0 on padding; when absent every position
-                is a real token.
+                is a real token (or, with ``cu_seqlens``, the first ``cu_seqlens[-1]`` positions).
             labels: ``(B, T)`` with ``-100`` where no loss is taken; loss-bearing tokens are
                 ``labels[:, 1:] != -100`` (causal shift). Absent: non-padding tokens minus one per
                 sequence.
+            position_ids: ``(B, T)`` positions; where one is not the previous plus one a new
+                document starts (a packed row). Other shapes (e.g. multimodal 3-D positions) are
+                ignored.
+            cu_seqlens: ``(D + 1,)`` cumulative document lengths over the flattened batch
+                (``cu_seq_lens_q`` of ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``);
+                document lengths are its differences. Takes precedence over the other two.
+            seq_idx: ``(B, T)`` document index of every token; a change starts a document.
 
         Raises:
             ValueError: when neither ``input_ids`` nor ``attention_mask`` is given.
@@ -49,22 +108,43 @@ class BatchCounter:
         if ref.dim() == 1:
             ref = ref.unsqueeze(0)
         b, t = ref.shape
-        if attention_mask is not None:
+        dev = self._acc.device
+        cu = cu_seqlens if torch.is_tensor(cu_seqlens) and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 1 else None
+        starts = None if cu is not None else _packed_starts(position_ids, seq_idx, (b, t))
+        real = ref.bool() if attention_mask is not None else None
+        docs = None
+        if cu is not None:
+            lens = (cu[1:] - cu[:-1]).to(device=dev, dtype=torch.int64)
+            sum_sq = (lens * lens).sum()
+            docs = (lens > 0).sum()
+            tokens = ref.sum(dtype=torch.int64) if real is not None else (cu[-1] - cu[0]).to(device=dev, dtype=torch.int64)
+        elif starts is not None:
+            if real is None:
+                real = torch.ones((b, t), dtype=torch.bool, device=starts.device)
+            else:  # a real token after padding starts a sequence whatever its position says
+                starts[:, 1:] |= real[:, 1:] & ~real[:, :-1]
+            sum_sq, docs = _segments_len_sq(starts, real)
+            tokens = real.sum(dtype=torch.int64)
+        elif attention_mask is not None:
             lens = ref.sum(dim=1, dtype=torch.int64)
             tokens = lens.sum()
             sum_sq = (lens * lens).sum()
-        else:  # every position is real: all three counts are shapes
-            lens = None
-            tokens = torch.tensor(b * t, device=self._acc.device)
-            sum_sq = torch.tensor(b * t * t, device=self._acc.device)
+        else:  # every position is real: all counts are shapes
+            tokens = torch.tensor(b * t, device=dev)
+            sum_sq = torch.tensor(b * t * t, device=dev)
         if labels is not None:
             lab = labels if labels.dim() == 2 else labels.unsqueeze(0)
             loss = (lab[:, 1:] != -100).sum()
+        elif docs is not None:
+            loss = tokens - docs
+        elif attention_mask is not None:
+            loss = (lens - 1).clamp(min=0).sum()
         else:
-            loss = (lens - 1).clamp(min=0).sum() if lens is not None else torch.tensor(b * (t - 1), device=self._acc.device)
-        self._acc += torch.stack((tokens, loss, sum_sq))
+            loss = torch.tensor(b * (t - 1), device=dev)
+        samples = docs if docs is not None else torch.tensor(b, device=dev)
+        self._acc += torch.stack([x.to(device=dev, dtype=torch.int64).reshape(())
+                                  for x in (tokens, loss, sum_sq, samples)])
         self._padded += b * t
-        self._samples += b
 
     def take(self, steps: int, reduce=None) -> Counts:
         """Return the counts since the last take (summed over ranks by ``reduce``) and reset.
@@ -76,11 +156,12 @@ class BatchCounter:
         """
         import torch
 
-        local = torch.cat((self._acc, torch.tensor([self._padded, self._samples], dtype=torch.int64,
-                                                   device=self._acc.device)))
+        # layout: tokens, loss tokens, sum of squared lengths, padded, samples
+        padded = torch.tensor([self._padded], dtype=torch.int64, device=self._acc.device)
+        local = torch.cat((self._acc[:3], padded, self._acc[3:]))
         v = (reduce(local) if reduce is not None else local).tolist()
         self._acc.zero_()
-        self._padded = self._samples = 0
+        self._padded = 0
         return Counts(steps=steps, tokens=v[_TOKENS], padded_tokens=v[3], loss_tokens=v[_LOSS],
                       samples=v[4], sum_len_sq=v[_SUM_LEN_SQ])
 
@@ -115,14 +196,19 @@ class StepTally:
 
     # ------------------------------------------------------------------------------ counting
     def add_batch(self, batch) -> None:
-        """Count a mapping with ``input_ids`` / ``attention_mask`` / ``labels`` ``(B, T)``, or a ``(B, T)`` id tensor."""
+        """Count a mapping with ``input_ids`` / ``attention_mask`` / ``labels`` ``(B, T)`` (and, in a
+        packed batch, ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q`` / ``cu_seqlens``: see
+        :meth:`BatchCounter.add`), or a ``(B, T)`` id tensor."""
         import torch
 
         if torch.is_tensor(batch):
-            ids, mask, labels = batch, None, None
+            ids, mask, labels, pos, cu, seq_idx = batch, None, None, None, None, None
         else:
             get = batch.get if hasattr(batch, "get") else (lambda k: getattr(batch, k, None))
-            ids, mask, labels = get("input_ids"), get("attention_mask"), get("labels")
+            ids, mask, labels, pos, seq_idx = (get("input_ids"), get("attention_mask"), get("labels"),
+                                               get("position_ids"), get("seq_idx"))
+            cu = get("cu_seq_lens_q")
+            cu = cu if cu is not None else get("cu_seqlens")
         if mask is not None and (not torch.is_tensor(mask) or mask.dim() > 2):
             mask = None  # 4-D custom masks: count input_ids positions instead
         ref = mask if mask is not None else ids
@@ -130,7 +216,8 @@ class StepTally:
             return
         if self.counter is None:
             self.counter, self.device = BatchCounter(ref.device), ref.device
-        self.counter.add(ids, mask, labels if torch.is_tensor(labels) else None)
+        tensor = (lambda x: x if torch.is_tensor(x) else None)
+        self.counter.add(ids, mask, tensor(labels), tensor(pos), tensor(cu), tensor(seq_idx))
         if self.first_shape is None:
             shape = ref.shape if ref.dim() == 2 else (1, ref.shape[-1])
             self.first_shape = (int(shape[0]), int(shape[1]), 0)
@@ -173,7 +260,7 @@ class StepTally:
         host = list(self.host)
         self.host = [0] * len(self._FIELDS)
         if self.counter is not None:
-            # BatchCounter's layout: tokens, loss tokens, sum of squared lengths, padded, samples
+            # REDUCE_LAYOUT: tokens, loss tokens, sum of squared lengths, padded, samples
             in_layout = [host[0], host[2], host[4], host[1], host[3]]
 
             def with_host(t):
@@ -181,9 +268,10 @@ class StepTally:
                 return reduce(t) if reduce is not None else t
 
             return self.counter.take(steps, reduce=with_host)
-        t = torch.tensor(host, dtype=torch.int64)
-        v = (reduce(t) if reduce is not None else t).tolist()
-        return Counts(steps, *[int(x) for x in v])
+        # host order: tokens, padded, loss, samples, sum_len_sq -> REDUCE_LAYOUT
+        t = torch.tensor([host[0], host[2], host[4], host[1], host[3]], dtype=torch.int64)
+        v = [int(x) for x in (reduce(t) if reduce is not None else t).tolist()]
+        return Counts(steps=steps, tokens=v[0], padded_tokens=v[3], loss_tokens=v[1], samples=v[4], sum_len_sq=v[2])
 
     def peek_loss(self) -> tuple[float, int]:
         """This rank's (sum, count) of losses since the last take, without resetting (synchronizes)."""

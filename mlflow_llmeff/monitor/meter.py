@@ -122,6 +122,12 @@ class EfficiencyMonitor:
             model-parallel group count the same tokens: the counts summed over all ranks are
             divided by that factor, so tokens count once per data-parallel rank; per-device
             figures still divide by the world size, and HFU scales each rank's counted FLOPs by it.
+        context_parallel_size: ranks that each hold a different slice of the same sequences and
+            count their own slice (a loop inside torch's ``context_parallel``, a forward hook): every
+            token is counted once, and attention FLOPs use the full sequence length
+            (:func:`~mlflow_llmeff.parallel.degrees.token_counting`). ``data_parallel_size`` then
+            counts the ranks that hold different sequences, without these. Ranks that counted the
+            whole sequences before the split are copies: leave this at 1.
         outbox_dir: where points the tracking server has not taken spill (before checkpoints and at
             the end) while it does not answer; default ``$LLMEFF_OUTBOX_DIR`` or
             ``~/.cache/mlflow_llmeff/outbox``. ``llmeff sync DIR`` sends them later.
@@ -149,7 +155,7 @@ class EfficiencyMonitor:
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
                  report: bool = True, contention_meter=None, eval_subject_metrics: bool = False,
-                 data_parallel_size: int | None = None) -> None:
+                 data_parallel_size: int | None = None, context_parallel_size: int = 1) -> None:
         self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
         check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
                    device_hour_usd, usd_per_kwh)
@@ -176,7 +182,8 @@ class EfficiencyMonitor:
         self._shape_tags_pending = True
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
-        self._model_parallel = assembly.replication(self.world_size, data_parallel_size)
+        self._counting = assembly.token_counting(self.world_size, data_parallel_size, context_parallel_size)
+        self._model_parallel = self._counting.copies  # ranks holding copies of the same tokens
         self._extra_summary: dict[str, float] = {}
         self._tally = StepTally()
         assembly.read_model(self, model, model_config, precision, strategy, compile, activation_checkpointing)
@@ -433,14 +440,19 @@ class EfficiencyMonitor:
             return
         from torch.utils.flop_counter import FlopCounterMode
 
+        from mlflow_llmeff.meters.flopcount import modules_that_run, unseen_modules
+
         counter = FlopCounterMode(display=False)
         before = self._tally.peek_tokens()
-        with counter:
+        with modules_that_run() as rows, counter:
             yield
         try:
             tokens, sq = (a - b for a, b in zip(self._tally.peek_tokens(), before))
-            self._account.count_ratio(float(counter.get_total_flops()), tokens, sq, step=self.step_count + 1,
-                                      device=self._device, model_parallel=self._model_parallel)
+            self._account.count_ratio(float(counter.get_total_flops()), tokens, sq * self._counting.slices,
+                                      step=self.step_count + 1, device=self._device,
+                                      model_parallel=self._model_parallel,
+                                      unseen=unseen_modules(self._model, counter.get_flop_counts(), rows)
+                                      if self._model is not None else ())
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 

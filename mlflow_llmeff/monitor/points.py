@@ -29,17 +29,27 @@ log = logging.getLogger("mlflow_llmeff.monitor.meter")  # the monitor's own logg
 
 
 def reduce_counts(mon, t):
-    """Counts summed over every rank, then divided by the ranks of a model-parallel group
-    (they counted the same tokens): once per data-parallel rank. A collective (``t``: the tally's
-    counts tensor; the monitor passes it to :meth:`~mlflow_llmeff.monitor.counting.StepTally.take`)."""
+    """Counts summed over every rank, then made the global batch's by the run's counting rule
+    (:func:`~mlflow_llmeff.parallel.degrees.token_counting`): divided by the ranks that counted the
+    same tokens (tensor/pipeline copies), and, where context-parallel ranks counted slices of the
+    same sequences, samples divided and ``sum(l^2)`` multiplied by their number (attention at the
+    full length). A collective (``t``: the tally's counts tensor in
+    :data:`~mlflow_llmeff.monitor.counting.REDUCE_LAYOUT`; the monitor passes it to
+    :meth:`~mlflow_llmeff.monitor.counting.StepTally.take`)."""
+    import torch
+
     t = collectives.reduce_tensor(t)
-    r = mon._model_parallel
-    if r > 1:
-        if bool((t % r).any()) and not getattr(mon, "_replica_warned", False):
+    rule = mon._counting
+    r, k = rule.copies, rule.slices
+    if r > 1 or k > 1:
+        if r > 1 and bool((t % r).any()) and not getattr(mon, "_replica_warned", False):
             mon._replica_warned = True
             warnings.warn(f"mlflow_llmeff: token counts summed over ranks are not a multiple of the {r} ranks of "
                           "a model-parallel group: its ranks counted different batches", stacklevel=3)
-        t = t // r
+        # REDUCE_LAYOUT: tokens, loss tokens, sum(l^2), padded, samples
+        mul = torch.tensor([1, 1, k, 1, 1], dtype=t.dtype, device=t.device)
+        div = torch.tensor([r, r, r, r, r * k], dtype=t.dtype, device=t.device)
+        t = t * mul // div
     return t
 
 
@@ -146,8 +156,11 @@ def refresh_consumption(mon, collective: bool = True, loss: tuple[float, int] = 
         domains = len(ours)
         devices = mon._energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
     local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
-             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains)]
+             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains), float(len(mon._energy.unmeasured))]
     g = collectives.all_reduce(local) if many else local
+    if g[8] != mon._unmeasured_seen:  # a device left the measurement (another process on it): every rank
+        mon._energy_ids = None        # sees the same sum, so all gather the devices and reasons again
+        _energy_share(mon, many)
     mon._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
                             measured_domains=int(g[7]), wall_s=mon._ledger.wall_s())
     return g[0], int(g[1])
@@ -167,6 +180,7 @@ def _energy_share(mon, many: bool) -> set[str]:
     shared = {d: [i for i, r in enumerate(ranks) if d in r["owned"]] for d in owners}
     mon._consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
     mon._energy_ids = {d for d, rank in owners.items() if rank == mon.rank}
+    mon._unmeasured_seen = float(sum(len(r["unmeasured"]) for r in ranks))
     return mon._energy_ids
 
 

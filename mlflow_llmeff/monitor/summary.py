@@ -199,6 +199,8 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
             f"{tags[names.ENERGY_SPAN]}; the times above are the attempts' time: summary/wall_s also holds the "
             f"job's {down}, neither measured nor priced in cost/*" if names.ENERGY_SPAN in tags else
             f"cost/* covers the attempts' device time: the job's {down} are not priced")
+    if mon._account.counter_gap:
+        tags[names.FLOPS_COUNTER_GAP] = mon._account.counter_gap
     if getattr(mon, "_memory_source", None) is not None:
         tags[names.MEMORY_SOURCE] = mon._memory_source
     if not mon._consumption.measured and mon._consumption.estimate is not None:

@@ -92,6 +92,51 @@ def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | No
                      "deepspeed_zero1/2/3")
 
 
+def state_assumptions(strategy: str, precision: str, degrees=None) -> dict:
+    """What the model-state bytes assume, for the plan's text and JSON (every figure says its basis).
+
+    Returns:
+        ``master_weights`` (the dtype of the weights the optimizer updates), ``optimizer``,
+        ``bytes_per_param_weights`` / ``_gradients`` / ``_optimizer`` / ``_model_state`` (bytes per
+        parameter of the whole model, before sharding: :func:`model_state_bytes` of one parameter
+        on one rank), ``weights_held_as`` / ``gradients_held_as`` / ``optimizer_state`` (what those
+        bytes are) and ``model_state_sharding`` (how a device's share follows).
+
+    Raises:
+        ValueError: for an unknown strategy (as :func:`model_state_bytes`).
+    """
+    w, g, o = model_state_bytes(1, strategy, 1, precision=precision)
+    deepspeed = strategy.startswith("deepspeed_")
+    sixteen = precision in ("bf16", "fp16")
+    if deepspeed and sixteen:
+        held_w, held_g = f"{precision} working weights ({w:g} B)", f"{precision} gradients ({g:g} B)"
+        opt = "fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq in fp32 (8 B)"
+    else:
+        held_w = ("fp32 weights, the master copy; autocast runs the matmuls in " + precision
+                  if sixteen else f"{precision} weights (the master copy)") + f" ({w:g} B)"
+        held_g = f"fp32 gradients ({g:g} B)"
+        opt = f"AdamW exp_avg and exp_avg_sq in fp32 ({o:g} B)"
+    dp = degrees.dp if degrees is not None else 1
+    shard = degrees.dp_shard if degrees is not None else 1
+    tp = degrees.tp if degrees is not None else 1
+    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
+        how = f"all of it divided over the {shard} ranks of a shard group"
+    elif strategy == "deepspeed_zero1":
+        how = f"optimizer state divided over the {dp} data-parallel ranks"
+    elif strategy == "deepspeed_zero2":
+        how = f"gradients and optimizer state divided over the {dp} data-parallel ranks"
+    elif strategy == "deepspeed_zero3":
+        how = f"all of it divided over the {dp} data-parallel ranks"
+    else:
+        how = "a whole copy on every rank"
+    if tp > 1:
+        how += f"; the tensor-parallel plan's matrices split over {tp} ranks first"
+    return {"master_weights": "fp32", "optimizer": "AdamW (torch.optim.AdamW, two fp32 moments)",
+            "bytes_per_param_weights": w, "bytes_per_param_gradients": g, "bytes_per_param_optimizer": o,
+            "bytes_per_param_model_state": w + g + o, "weights_held_as": held_w, "gradients_held_as": held_g,
+            "optimizer_state": opt, "model_state_sharding": how}
+
+
 def parameter_split(config) -> dict[str, int]:
     """``total`` parameters, those inside the decoder ``layers`` (the rest is embeddings, final norm,
     LM head: FSDP's root) and those the ``tensor_parallel`` plan splits (the attention and MLP
@@ -151,7 +196,8 @@ def meta_param_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str) -> dict:
+def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, accelerator_given: str | None = None,
+              accelerator_alias: str | None = None) -> dict:
     """Everything ``llmeff plan`` prints before predictions, as a dict (bytes, FLOPs, degrees).
 
     Pure estimates from the model's shape (the model is built on the meta device for its exact
@@ -160,8 +206,16 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str) -> 
 
     Args:
         cfg: a :class:`~mlflow_llmeff.train.config.TrainConfig`.
-        accelerator_short: accelerator planned for.
+        accelerator_short: accelerator planned for (the table's short name it was resolved to).
         precision / strategy: resolved precision and parallelism strategy.
+        accelerator_given: the accelerator as the user gave it (``--accelerator``), None when the
+            plan is for this machine's.
+        accelerator_alias: the note of an alias taken (``'H100' taken as H100-SXM ...``), or None.
+
+    The plan states its assumptions (:func:`state_assumptions`: master-weight precision,
+    optimizer, bytes per parameter of weights, gradients and optimizer state) and the accelerator:
+    ``accelerator`` (assumed, as before), ``accelerator_given``, ``accelerator_assumed``,
+    ``accelerator_alias_taken`` and, when one was, ``accelerator_alias``.
 
     Raises:
         ValueError: for degrees that do not fit the processes.
@@ -189,9 +243,14 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str) -> 
                              layers=shape.layers, precision=precision,
                              reshard_after_forward=cfg.reshard_after_forward,
                              activation_checkpointing=cfg.activation_checkpointing)
+    accel = {"accelerator_given": accelerator_given if accelerator_given is not None else "(this machine)",
+             "accelerator_assumed": accelerator_short, "accelerator_alias_taken": accelerator_alias is not None}
+    if accelerator_alias is not None:
+        accel["accelerator_alias"] = accelerator_alias
     out = {
-        "model": cfg.model, "accelerator": accelerator_short, "devices": world, "strategy": strategy,
-        "degrees": degrees.describe(), "precision": precision, "params_total": counts["total"],
+        "model": cfg.model, "accelerator": accelerator_short, **accel, "devices": world, "strategy": strategy,
+        "degrees": degrees.describe(), "precision": precision, **state_assumptions(strategy, precision, degrees),
+        "params_total": counts["total"],
         "params_non_embedding": counts["non_embedding"],
         "params_active": counts["active"], "layers": shape.layers, "hidden": shape.hidden,
         "tokens_per_step": tokens_per_step,

@@ -55,6 +55,34 @@ def micro_batches(n: int, micro_batch_size: int, seed: int, start: int, per_epoc
         k += 1
 
 
+def document_batch(input_ids, eos_id: int) -> dict:
+    """A packed block as padding-free documents: ``position_ids`` restart after each ``eos_id``.
+
+    The ``packing=documents`` view of full blocks (documents joined with EOS): each document keeps
+    its own positions and, with no attention mask, Hugging Face models attend within each
+    document only (``masking_utils.find_packed_sequence_indices``; the same batch as transformers'
+    ``DataCollatorWithFlattening``). The first token of every document carries no label, so no
+    loss crosses a boundary. Token counting reads the documents from the positions
+    (:class:`~mlflow_llmeff.monitor.counting.BatchCounter`).
+
+    Args:
+        input_ids: ``(B, T)`` int64 full blocks.
+        eos_id: the end-of-document id (the last token of each document).
+
+    Returns:
+        ``{"input_ids", "position_ids", "labels"}``, each ``(B, T)``; ``labels`` is ``-100`` at
+        each document's first token.
+    """
+    import torch
+
+    b, t = input_ids.shape
+    starts = torch.ones((b, t), dtype=torch.bool, device=input_ids.device)
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    ar = torch.arange(t, device=input_ids.device).expand(b, t)
+    pos = ar - torch.where(starts, ar, torch.zeros_like(ar)).cummax(dim=1).values
+    return {"input_ids": input_ids, "position_ids": pos, "labels": input_ids.masked_fill(starts, -100)}
+
+
 def _as_is(batch):
     """The ``DataLoader`` collate function: ``TokenBlocks.__getitems__`` already returns the batch."""
     return batch
@@ -80,6 +108,8 @@ def _stream_batches(stream, blocks_cls, seq_len: int, pad_id: int, micro_batch_s
 class BatchStream:
     """This rank's micro-batches as dicts of ``(B, T)`` tensors on ``device``, from micro-step ``start``.
 
+    With ``data.documents`` (``packing=documents``) a batch is :func:`document_batch` of its blocks.
+
     Args:
         data: the :class:`~mlflow_llmeff.train.data.PreparedData` (its ``train`` blocks, or stream).
         micro_batch_size: blocks per micro-batch.
@@ -98,6 +128,7 @@ class BatchStream:
         from mlflow_llmeff.train.data import TokenBlocks
 
         self._device = device
+        self._eos = data.eos_id if getattr(data, "documents", False) else None
         cuda = getattr(device, "type", str(device)) == "cuda"
         if getattr(data, "streaming", False):
             self._it = _stream_batches(data.train, TokenBlocks, data.seq_len, data.pad_id, micro_batch_size, start)
@@ -111,6 +142,8 @@ class BatchStream:
 
     def __next__(self) -> dict:
         batch = next(self._it)
+        if self._eos is not None:  # packing=documents: positions restart after each EOS, no mask
+            batch = document_batch(batch["input_ids"], self._eos)
         return {k: v.to(self._device, non_blocking=True) for k, v in batch.items()}
 
     def __iter__(self):

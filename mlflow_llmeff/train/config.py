@@ -18,6 +18,7 @@ RESUME_MODES = ("auto", "never")
 NAN_POLICIES = ("fail", "skip_step")
 ATTN_IMPLS = ("sdpa", "eager")
 ENERGY_MODES = ("auto", "nvml", "rapl", "none")
+from mlflow_llmeff.train.data import PACKING_MODES  # noqa: E402 - stdlib imports only
 
 
 @dataclass
@@ -31,7 +32,7 @@ class TrainConfig:
     data_cache_dir: str = field(default="", metadata={"help": "directory of tokenized datasets, reused across runs ('' = $LLMEFF_CACHE_DIR or ~/.cache/mlflow_llmeff/tokens)"})
     tokenize_workers: int = field(default=0, metadata={"help": "processes tokenizing the dataset (datasets map num_proc; 0 = one per CPU for large data)"})
     data_workers: int = field(default=-1, metadata={"help": "DataLoader worker processes per rank (-1 = 2 on CUDA, 0 on CPU)"})
-    packing: bool = field(default=True, metadata={"help": "join documents into full seq_len blocks (no padding); false pads each document"})
+    packing: str = field(default="true", metadata={"help": "true: join documents with EOS into full seq_len blocks (no padding, attention across documents); false: pad each document; documents: the same blocks with position_ids restarting at each document and no attention mask (padding-free, attention within documents)"})
     val_fraction: float = field(default=0.05, metadata={"help": "fraction of blocks held out for validation loss, in [0, 0.5]"})
     val_blocks: int = field(default=32, metadata={"help": "held-out blocks scored at each validation: a fixed subset, the same for a given seed (0 = all)"})
     max_steps: int = field(default=50, metadata={"help": "optimizer steps to train (total, across resumes)"})
@@ -85,6 +86,10 @@ class TrainConfig:
     force: bool = field(default=False, metadata={"help": "train even when the memory estimate says the run does not fit the device"})
     run_name: str = field(default="", metadata={"help": "MLflow run name ('' = the configuration's parts in a fixed order, e.g. tiny-ddp2-fp32-gbt2k-s128-cpu, -2 for a repeat)"})
     experiment_name: str = field(default="", metadata={"help": "MLflow experiment for llmeff train ('' = MLflow's active/default)"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.packing, bool):  # packing was a bool: True / False read as "true" / "false"
+            self.packing = "true" if self.packing else "false"
 
     # ----------------------------------------------------------------------------------- helpers
     @classmethod
@@ -157,6 +162,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     _one_of("nan_policy", cfg.nan_policy, NAN_POLICIES)
     _one_of("attn_implementation", cfg.attn_implementation, ATTN_IMPLS)
     _one_of("measure_energy", cfg.measure_energy, ENERGY_MODES)
+    _one_of("packing", cfg.packing, PACKING_MODES)
     for name in ("device_hour_usd", "usd_per_kwh"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0 USD")

@@ -45,11 +45,36 @@ CACHE_DIR_ENV = "LLMEFF_CACHE_DIR"
 PACK_BATCH_DOCS = 1000  # documents per batched map call; packing carries no tokens across batches
 CACHE_FORMAT = 3  # bump when the cached layout or the packing rule changes
 _META = "llmeff_tokens.json"
+#: ``packing`` settings: ``true`` joins documents with EOS into full blocks (attention runs across
+#: the documents of a block), ``false`` pads each document to its own row, ``documents`` trains on
+#: the same full blocks (the same cache) with ``position_ids`` restarting after each EOS and no
+#: attention mask, so attention stays inside each document (padding-free packing with document
+#: boundaries, as transformers' ``DataCollatorWithFlattening``; :func:`document_batch`).
+PACKING_MODES = ("true", "false", "documents")
 _TEXT_EXT = (".txt",)
 _JSON_EXT = (".jsonl", ".json")
 _PARQUET_EXT = (".parquet",)
 ACCEPTED = ("'python-docs' (built in), 'synthetic', a .txt/.jsonl/.json/.parquet file or a directory of them, "
             "or a Hugging Face dataset id 'org/name'")
+
+
+def packing_mode(packing) -> str:
+    """The ``packing`` setting as one of :data:`PACKING_MODES` (booleans as ``true`` / ``false``).
+
+    Raises:
+        ValueError: for any other value (one line naming the accepted ones).
+    """
+    if isinstance(packing, bool):
+        return "true" if packing else "false"
+    mode = str(packing).strip().lower()
+    if mode not in PACKING_MODES:
+        raise ValueError(f"packing={packing!r} is not accepted; use one of: {', '.join(PACKING_MODES)}")
+    return mode
+
+
+def packs_blocks(packing) -> bool:
+    """Whether ``packing`` (any accepted form) stores full blocks: ``true`` and ``documents`` do."""
+    return packing_mode(packing) != "false"
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -327,6 +352,7 @@ def tokenize_to_cache(dataset: str, tokenizer, seq_len: int, *, packing: bool = 
         ValueError: unreadable data (see :func:`load_text`).
     """
     t0 = time.perf_counter()
+    packing = packs_blocks(packing)  # ``documents`` trains on the blocks of ``true``
     raw, kind, desc = load_text(dataset, text_field=text_field)
     key = cache_key(_source_fingerprint(raw, kind), tokenizer, seq_len, packing, text_field)
     root = cache_dir or default_cache_dir()
@@ -411,7 +437,7 @@ def stream_blocks(dataset: str, tokenizer, seq_len: int, *, packing: bool = True
     raw, kind, desc = load_text(dataset, text_field=text_field, streaming=True)
     if world > 1:
         raw = split_dataset_by_node(raw, rank=rank, world_size=world)
-    packed = raw.map(Packer(tokenizer, seq_len, packing), batched=True, batch_size=PACK_BATCH_DOCS,
+    packed = raw.map(Packer(tokenizer, seq_len, packs_blocks(packing)), batched=True, batch_size=PACK_BATCH_DOCS,
                      remove_columns=["text"])
     return packed, kind, desc
 
@@ -488,6 +514,9 @@ class PreparedData:
         kind, description: for the ``dataset.kind`` tag and messages.
         cache: the :class:`TokenCache` used (None for synthetic and streaming data).
         streaming: whether ``train`` is a stream.
+        documents: ``packing=documents``: batches carry ``position_ids`` restarting after each
+            ``eos_id`` and no attention mask (:func:`document_batch`).
+        eos_id: the tokenizer's end-of-sequence id (document boundaries).
     """
 
     train: Any
@@ -498,6 +527,8 @@ class PreparedData:
     streaming: bool = False
     seq_len: int = 0
     pad_id: int = 0
+    documents: bool = False
+    eos_id: int | None = None
 
 
 def _n_val(n: int, val_fraction: float) -> int:
@@ -517,7 +548,9 @@ def prepare_data(dataset: str, tokenizer, seq_len: int, *, packing: bool = True,
         dataset: see the module docstring.
         tokenizer: a Hugging Face tokenizer (needs ``eos_token_id``; ``pad_token_id`` when not packing).
         seq_len: tokens per block, >= 2.
-        packing: join documents into full blocks (True) or pad each document (False).
+        packing: join documents into full blocks (True / ``"true"``), pad each document (False /
+            ``"false"``), or full blocks trained with document boundaries (``"documents"``: the
+            same blocks and cache as ``true``, see :data:`PACKING_MODES`).
         val_fraction: fraction of blocks held out, in [0, 0.5].
         seed: split seed.
         synthetic_blocks: number of random blocks for ``synthetic``.
@@ -530,6 +563,16 @@ def prepare_data(dataset: str, tokenizer, seq_len: int, *, packing: bool = True,
     Raises:
         ValueError: unreadable data, or too little text for one training block.
     """
+    import dataclasses
+
+    mode = packing_mode(packing)
+    data = _prepare_data(dataset, tokenizer, seq_len, mode != "false", val_fraction, seed, text_field,
+                         synthetic_blocks, vocab_size, cache_dir, num_proc, streaming, world, rank, stream_val_blocks)
+    return dataclasses.replace(data, documents=mode == "documents", eos_id=tokenizer.eos_token_id)
+
+
+def _prepare_data(dataset, tokenizer, seq_len, packing, val_fraction, seed, text_field, synthetic_blocks,
+                  vocab_size, cache_dir, num_proc, streaming, world, rank, stream_val_blocks) -> PreparedData:
     import numpy as np
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -61,8 +61,14 @@ def training_dataset(dataset: str, data, seq_len: int, packing: bool):
         data: :class:`~mlflow_llmeff.train.data.PreparedData` (``train``: :class:`TokenBlocks`, indexed to
             ``{"input_ids": (B, seq_len), "attention_mask": (B, seq_len)}``; or a stream).
         seq_len: tokens per block.
-        packing: documents packed into full blocks.
+        packing: documents packed into full blocks (a bool or a
+            :data:`~mlflow_llmeff.train.data.PACKING_MODES` value; ``documents`` adds
+            ``"documents": true`` to the profile).
     """
+    from mlflow_llmeff.train.data import packing_mode
+
+    mode = packing_mode(packing)
+    packing = mode != "false"
     if data.streaming:  # a stream has no length to profile: provenance only
         h = hashlib.sha256(f"stream:{dataset}:{seq_len}:{packing}".encode())
         profile = {"seq_len": int(seq_len), "packing": bool(packing), "kind": data.kind, "streaming": True}
@@ -88,6 +94,8 @@ def training_dataset(dataset: str, data, seq_len: int, packing: bool):
                    "seq_len": int(seq_len), "packing": bool(packing), "kind": data.kind, **extra}
         if train_tokens is not None:
             profile["train_tokens"] = train_tokens
+    if mode == "documents":
+        profile["documents"] = True
     name = dataset if data.kind in ("python_docs", "synthetic", "hub") else os.path.basename(dataset.rstrip("/"))
     return TokenBlocksDataset(_source(dataset, data.kind), name=name, digest=h.hexdigest()[:16], profile=profile)
 

@@ -128,6 +128,7 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     from mlflow_llmeff.train.config import resolve_precision, resolve_strategy
 
     here = accelerator_short is None
+    given, alias = accelerator_short, None
     if here:
         import torch
 
@@ -143,7 +144,8 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
     strategy = resolve_strategy(cfg, cfg.num_processes)
     price, _ = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
-    plan = add_predictions(make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy),
+    plan = add_predictions(make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy,
+                                     accelerator_given=given, accelerator_alias=alias),
                            cfg, client=mlflow.MlflowClient(), accelerator_short=accelerator_short, strategy=strategy,
                            device_hour_usd=price)
     if here:

@@ -1,6 +1,13 @@
 """NVML backends: the total-energy counter (``nvml_counter``), else integrated board power
 (``nvml_power``), and finding this process's devices in NVML by UUID.
 
+NVML's counter belongs to the whole physical GPU. A MIG instance (or a GPU in MIG mode) and a GPU
+that another process uses during the run are therefore not measured as the run's
+(:func:`whole_gpu_reason`, :func:`other_processes`; ``../shared/METRICS.md``, "Setups that
+change the counting"): they are named in :attr:`EnergyMeter.unmeasured` with the reason, and
+``summary/energy_coverage`` counts them as unmeasured. No share is guessed (NVML gives no
+per-process or per-instance energy).
+
 NVML millijoules and milliwatts become joules and watts as soon as they are read. ``pynvml``
 comes from the ``nvidia-ml-py`` distribution and is imported lazily (:func:`_import_nvml`).
 """
@@ -10,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from mlflow_llmeff.meters.energy.base import (
     SOURCE_NONE,
@@ -43,6 +50,8 @@ class NvmlMeter(EnergyMeter):
         sample_interval_s: power sampling period for devices without a counter, s.
         sampling_thread: start the sampling thread (tests drive :meth:`poll` by hand instead).
         owns_init: call ``nvmlShutdown`` on :meth:`close` (pairs the ``nvmlInit`` of the caller).
+        own_pids: the pids that are this run's (default :func:`run_pids`); a device listing any
+            other compute process at :meth:`start` or a :meth:`read` is dropped from then on.
 
     Raises:
         _Unavailable: when no device answers either query.
@@ -57,8 +66,12 @@ class NvmlMeter(EnergyMeter):
         sample_interval_s: float = 0.1,
         sampling_thread: bool = True,
         owns_init: bool = False,
+        own_pids: Callable[[], Iterable[int]] | None = None,
     ):
         self._nvml = nvml
+        self._own_pids = own_pids or run_pids
+        self._pids: list[int] | None = None
+        self._handles = dict(devices)
         self._clock = clock
         self._interval = sample_interval_s
         self._use_thread = sampling_thread
@@ -77,6 +90,11 @@ class NvmlMeter(EnergyMeter):
         self._unmeasured: dict[str, str] = {}
         notes: list[str] = []
         for dev, h in devices:
+            whole = whole_gpu_reason(nvml, dev, h)
+            if whole is not None:
+                notes.append(f"{dev}: {whole}; not measured")
+                self._unmeasured[dev] = whole
+                continue
             try:
                 nvml.nvmlDeviceGetTotalEnergyConsumption(h)
                 self._counter_devs.append((dev, h))
@@ -116,12 +134,48 @@ class NvmlMeter(EnergyMeter):
                         self.why = f"{self.why}; {note}" if self.why else note
                         _warn_once(f"energy: {note}")
             self.num_devices = len(self._counter_devs) + len(self._power_devs)
-            if self.num_devices == 0:
-                self.source = SOURCE_NONE
+            self._drop_shared_locked()
         if self._power_devs and self._use_thread:
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="llmeff-nvml-power", daemon=True)
             self._thread.start()
+
+    def _drop_shared_locked(self) -> None:
+        """Leave out, from now on, every measured device on which another process runs."""
+        def pids(fresh: bool) -> list[int] | None:
+            if fresh or self._pids is None:  # the process tree is read once, and again only to confirm
+                try:
+                    self._pids = list(self._own_pids())
+                except Exception as e:  # noqa: BLE001 - our own pids unreadable: nothing can be told apart
+                    _warn_once(f"energy: this run's processes unreadable ({_err(e)}); other processes on its "
+                               "GPUs not checked")
+                    return None
+            return self._pids
+
+        for devs in (self._counter_devs, self._power_devs):
+            for dev, h in list(devs):
+                ours = pids(False)
+                if ours is None:
+                    return
+                others = other_processes(self._nvml, h, ours)
+                if others:  # a new rank or worker of ours may have started since: read our tree again
+                    ours = pids(True)
+                    others = other_processes(self._nvml, h, ours) if ours is not None else None
+                if not others:
+                    continue
+                devs.remove((dev, h))
+                self.device_methods.pop(dev, None)
+                self._last_j.pop(dev, None)
+                shown = ", ".join(str(p) for p in others[:4]) + (" ..." if len(others) > 4 else "")
+                why = (f"another process used it during the run (pid {shown}): NVML's energy counter covers "
+                       "the whole GPU, so its energy is not this run's alone")
+                self._unmeasured[dev] = why
+                note = f"{dev}: {why}; not measured"
+                self.why = f"{self.why}; {note}" if self.why else note
+                _warn_once(f"energy: {note}")
+        self.num_devices = len(self._counter_devs) + len(self._power_devs)
+        if self.num_devices == 0:
+            self.source = SOURCE_NONE
 
     def _start_counter(self, dev: str, h: Any) -> None:
         self._counters[dev] = _Counter(int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h)))
@@ -160,6 +214,7 @@ class NvmlMeter(EnergyMeter):
                     _warn_once(f"NVML energy counter read failed for {dev} ({_err(e)}); last value kept")
                     continue
                 self._last_j[dev] = self._counters[dev].update(mj) / 1000.0  # mJ -> J
+            self._drop_shared_locked()
             per = dict(self._last_j)
             return EnergyReading(sum(per.values()), now - self._t0, per)
 
@@ -175,6 +230,66 @@ class NvmlMeter(EnergyMeter):
                 self._nvml.nvmlShutdown()
             except Exception:
                 pass
+
+# --------------------------------------------------------------------------- devices not ours alone
+def whole_gpu_reason(nvml: Any, dev: str, handle: Any) -> str | None:
+    """Why NVML's energy counter of ``handle`` is not this run's alone, or None.
+
+    On a MIG instance (a ``MIG-`` UUID or handle) and on a GPU whose MIG mode is enabled (this
+    process then runs on one of its instances), ``nvmlDeviceGetTotalEnergyConsumption`` counts the
+    whole physical GPU, every instance's work included (NVML API reference, "MIG": device-level
+    queries of a MIG-enabled GPU cover the GPU); charging it to the run would count other
+    instances' energy as ours. NVML reports no per-instance energy, so such a device is not
+    measured.
+    """
+    try:
+        if dev.startswith("MIG-") or int(nvml.nvmlDeviceIsMigDeviceHandle(handle) or 0):
+            return "a MIG instance: NVML's energy counter covers the whole physical GPU, not the instance"
+    except Exception:  # noqa: BLE001 - no MIG query (older driver or bindings): not a MIG handle
+        pass
+    try:
+        current = nvml.nvmlDeviceGetMigMode(handle)
+        current = current[0] if isinstance(current, (tuple, list)) else current
+        if int(current or 0) == 1:
+            return ("MIG mode is enabled on this GPU (the run uses one of its instances): NVML's energy "
+                    "counter covers the whole physical GPU, every instance included")
+    except Exception:  # noqa: BLE001 - Not Supported (no MIG on this GPU)
+        pass
+    return None
+
+
+def other_processes(nvml: Any, handle: Any, own_pids: Iterable[int]) -> list[int] | None:
+    """Compute processes on ``handle`` that are not ``own_pids`` (sorted), or None when NVML cannot tell.
+
+    None also when NVML lists processes but none of ours although we use the device: its pids are
+    then from another PID namespace (a container) and cannot be told apart.
+    """
+    try:
+        procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # noqa: BLE001
+        return None
+    pids = {int(p.pid) for p in procs}
+    ours = set(own_pids)
+    if pids and not ours & pids:
+        return None
+    return sorted(pids - ours)
+
+
+def run_pids() -> list[int]:
+    """This run's pids as one process sees them: its own tree and, under a launcher
+    (``LOCAL_RANK`` set: torchrun, accelerate launch), the launcher's tree (the other ranks)."""
+    import os
+
+    from mlflow_llmeff.meters.contention import own_tree_pids
+
+    pids = set(own_tree_pids())
+    if "LOCAL_RANK" in os.environ:
+        try:
+            pids |= set(own_tree_pids(os.getppid()))
+        except Exception:  # noqa: BLE001 - the launcher gone: our own tree only
+            pass
+    return sorted(pids)
+
 
 # --------------------------------------------------------------------------- device resolution
 

@@ -1,0 +1,168 @@
+"""The monitor in the setups that change the counting (METRICS.md): context parallelism, FP8, a counter gap."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import mlflow
+import pytest
+import torch
+
+from mlflow_llmeff import names
+from mlflow_llmeff.meters import collectives
+from mlflow_llmeff.meters import hardware as hw
+from mlflow_llmeff.models.build import load_config
+from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+from mlflow_llmeff.testing import FakeClock
+
+from conftest import use_store
+
+
+@pytest.fixture
+def tracking_uri(module_store, monkeypatch):
+    yield from use_store(module_store, monkeypatch)
+
+
+def history(run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in mlflow.MlflowClient().get_metric_history(run_id, key)]
+
+
+# ------------------------------------------------------------------------------ context parallelism
+def test_context_parallel_ranks_count_their_slices_once(monkeypatch, tracking_uri):
+    # 4 ranks: cp 2 x tp 2, one data-parallel rank. Its batch: 2 sequences of 8 tokens; each cp rank
+    # holds and counts the 2 x 4 slice, its tp peer the same slice again.
+    monkeypatch.setattr(collectives, "world_and_rank", lambda: (4, 0))
+    monkeypatch.setattr(collectives, "reduce_tensor", lambda t: t * 4)  # every rank counted the same shape
+    monkeypatch.setattr(collectives, "all_reduce", lambda v, op="sum", **kw: list(v))
+    monkeypatch.setattr(collectives, "all_gather_object", lambda o: [o])
+    clock = FakeClock()
+    mon = EfficiencyMonitor(data_parallel_size=1, context_parallel_size=2, model_config=load_config("llama-tiny"),
+                            peak_tflops=1.0, measure_energy="none", measure_peak=False, warmup_steps=0,
+                            log_every_n_steps=1, clock=clock)
+    ids = torch.ones(2, 4, dtype=torch.long)
+    clock.t += 1.0
+    mon.step(batch={"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    m = mon.latest_metrics
+    assert m[names.TRAIN_TOKENS] == 16  # 2 x 8: the old rule (cp ranks as copies) gave 8
+    assert m[names.TRAIN_PADDED_TOKENS] == 16 and m[names.TPUT_SAMPLES] == 2.0
+    # attention at the full length 8: llama-tiny 2*64^2*(12 + 6 + 49.5 + 6*8/64) + 6*64*259 = 658,560
+    assert m[names.TPUT_DEVICE_TFLOPS] * 1e12 / m[names.TPUT_DEVICE_TOKENS] == pytest.approx(658_560, rel=1e-9)
+    mon.finish()
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert tags[names.PAR_CP] == "2" and tags[names.PAR_DP] == "1"
+    assert tags[names.SEQ_LEN] == "8" and tags[names.GLOBAL_BATCH_TOKENS] == "16"  # the full sequence, not the slice
+
+
+def test_a_context_parallel_size_that_does_not_fit_is_refused(monkeypatch, tracking_uri):
+    monkeypatch.setattr(collectives, "world_and_rank", lambda: (4, 0))
+    with pytest.raises(ValueError, match=r"data_parallel_size=4 is not accepted; give an int >= 1 dividing the "
+                                         r"world size 4 with context_parallel_size=2"):
+        EfficiencyMonitor(data_parallel_size=4, context_parallel_size=2, measure_energy="none", measure_peak=False)
+    with pytest.raises(ValueError, match=r"context_parallel_size=3 is not accepted"):
+        EfficiencyMonitor(context_parallel_size=3, measure_energy="none", measure_peak=False)
+
+
+# ------------------------------------------------------------------------------ FP8: the denominator named
+H100 = hw.AcceleratorInfo("NVIDIA H100 80GB HBM3", "H100-SXM", 1, 79.6, "Hopper", None, "12.8", "cuda")
+
+
+@pytest.mark.parametrize("precision, peak, mfu_of_2", [("fp8", 1978.9, 2 / 1978.9), ("bf16", 989.4, 2 / 989.4)])
+def test_an_fp8_run_names_its_denominator_and_logs_the_bf16_figure_beside_it(monkeypatch, tracking_uri, precision,
+                                                                             peak, mfu_of_2):
+    monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: H100)
+    cfg = load_config("llama-tiny")
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model_config=cfg, precision=precision, clock=clock,
+                            measure_energy="none", measure_peak=False, device_hour_usd=0.0)
+    # 2 TFLOP/s per device: tokens/s = 2e12 / 676,992 FLOPs/token (llama-tiny at s = 32)
+    per_step = 2e12 * 0.5 / 676_992
+    for _ in range(2):
+        clock.t += 0.5
+        mon.step(tokens=per_step, samples=per_step / 32, sum_len_sq=per_step * 32)
+    s = mon.finish()
+    assert s[names.SUM_DEVICE_TFLOPS] == pytest.approx(2.0, rel=1e-5)  # whole tokens: 1e-5
+    assert s[names.SUM_MFU] == pytest.approx(mfu_of_2, rel=1e-5)       # 2 / 1978.9 = 0.0010107 in fp8
+    assert s[names.SUM_MFU_BF16_PEAK] == pytest.approx(2 / 989.4, rel=1e-5)  # 0.0020214 on either
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert tags[names.PEAK_PRECISION] == precision and tags[names.PEAK_TFLOPS] == f"{peak:g}"
+
+
+def test_without_a_peak_no_precision_tag_and_no_bf16_figure(tracking_uri):
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, model_config=load_config("llama-tiny"), clock=clock,
+                            measure_energy="none", measure_peak=False)
+    clock.t += 1.0
+    mon.step(tokens=64, samples=2)
+    s = mon.finish()
+    assert names.SUM_MFU not in s and names.SUM_MFU_BF16_PEAK not in s  # CPU: no datasheet peak
+    assert names.PEAK_PRECISION not in mlflow.MlflowClient().get_run(mon.run_id).data.tags
+
+
+# ------------------------------------------------------------------------------ a counter that cannot see
+def test_a_tiny_qwen3_moe_under_checkpointing_keeps_hfu_above_mfu_and_tags_the_gap(tracking_uri):
+    # transformers 5's fused expert kernel (torch._grouped_mm on CPU) is invisible to FlopCounterMode:
+    # the counted step falls short of the formula, which is a gap in the count, not lower hardware FLOPs
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                         attn_implementation="eager")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.activation_checkpointing_enable()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model=model, peak_tflops=1.0, clock=clock,
+                            measure_energy="none", measure_peak=False)
+    for i in range(2):
+        with mon.counting_hardware_flops() if i == 0 else nullcontext():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.count({"input_ids": ids})
+        clock.t += 0.5
+        mon.step()
+    s = mon.finish()
+    assert s[names.SUM_HFU] > s[names.SUM_MFU]  # the analytic ratio (recompute included), never the short count
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    gap = tags[names.FLOPS_COUNTER_GAP]
+    assert gap.startswith("step 1: FlopCounterMode counted ") and gap.endswith(
+        "of the formula's hardware FLOPs on a real step; modules it could not see: model.layers.0.mlp.experts, "
+        "model.layers.1.mlp.experts; HFU uses the analytic ratio (the count is a measurement gap, not lower "
+        "hardware FLOPs)")
+    assert tags[names.HFU_METHOD].startswith("analytic: the FlopCounterMode step counted less than the formula")
+
+
+def test_a_resumed_attempt_keeps_the_gap_and_an_older_checkpoint_still_loads():
+    from mlflow_llmeff.monitor.account import FlopsAccount
+
+    a = FlopsAccount()
+    a.load([None, "analytic: ...", "step 1: FlopCounterMode counted 40.0% ..."])  # a gap counted before
+    assert a.hfu_ratio is None and a.hfu_counted and a.counter_gap.startswith("step 1: FlopCounterMode counted 40.0%")
+    assert a.state() == [None, "analytic: ...", "step 1: FlopCounterMode counted 40.0% ..."]
+    b = FlopsAccount()
+    b.load([1.25, "FlopCounterMode on step 1 of the attempt"])  # the two-item form of earlier checkpoints
+    assert (b.hfu_ratio, b.counter_gap, b.hfu_counted) == (1.25, None, True)
+
+
+@pytest.mark.parametrize("sizes, world, expected", [
+    (dict(dp_replicate_size=1, dp_shard_size=2, cp_size=2, tp_size=1), 4,
+     {"data_parallel_size": 2, "context_parallel_size": 2}),
+    (dict(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=2), 4,
+     {"data_parallel_size": 2, "context_parallel_size": 1}),  # fsdp x tp: tp peers are copies
+    (dict(dp_replicate_size=1, dp_shard_size=2, cp_size=1, tp_size=1), 8, {}),  # does not fit: not guessed
+])
+def test_autolog_reads_accelerates_parallelism_config(monkeypatch, sizes, world, expected):
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+
+    from mlflow_llmeff.autologging.hooks import _accelerate_degrees
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    acc = SimpleNamespace(parallelism_config=ParallelismConfig(**sizes), num_processes=world)
+    assert _accelerate_degrees(acc) == expected
+    assert _accelerate_degrees(SimpleNamespace(parallelism_config=None)) == {}
