@@ -238,3 +238,17 @@ def test_an_unchanged_page_is_served_again_and_a_new_point_rebuilds_it(five_stor
     client.log_metric(run_id, names.SUM_TOKENS_PER_SEC, 99_000.0, step=60)
     fourth = web.get(url).get_data(as_text=True)
     assert len(builds) == 3 and "99000" in fourth
+
+
+def test_a_store_whose_tables_the_sql_read_does_not_know_falls_back_to_mlflows_search():
+    from mlflow_llmeff.report.source import _read_by_sql
+
+    class Engine:
+        def connect(self):
+            raise RuntimeError("no such table: latest_metrics")
+
+    class Store:  # a database-backed store (ManagedSessionMaker) whose schema is not MLflow's 1.x-3.x one
+        ManagedSessionMaker = object()
+        engine = Engine()
+
+    assert _read_by_sql(Store(), "1", "") is None

@@ -145,25 +145,31 @@ def _read_by_sql(client, experiment_id: str, filter_string: str):
     # the id is all digits (checked above): a literal, so the driver's own cursor runs the queries
     # (SQLAlchemy's row objects cost 4 s of 5 for 10,000 runs)
     where = f"r.experiment_id = {int(experiment_id)} AND r.lifecycle_stage = 'active'"
-    with engine.connect() as conn:
-        cursor = conn.connection.cursor()
-        try:
-            cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, r.artifact_uri, "
-                           f"r.lifecycle_stage FROM runs r WHERE {where} ORDER BY r.start_time DESC, r.run_uuid")
-            rows = cursor.fetchall()
-            values = {}
-            for table in ("latest_metrics", "tags", "params"):
-                nan = ", v.is_nan" if table == "latest_metrics" else ""
-                got = values[table] = {}
-                cursor.execute(f"SELECT v.run_uuid, v.key, v.value{nan} FROM {table} v JOIN runs r ON "
-                               f"r.run_uuid = v.run_uuid WHERE {where}")
-                for row in cursor.fetchall():
-                    one = got.get(row[0])
-                    if one is None:
-                        one = got[row[0]] = {}
-                    one[row[1]] = row[2] if not nan else (float("nan") if row[3] else float(row[2]))
-        finally:
-            cursor.close()
+    try:
+        with engine.connect() as conn:
+            cursor = conn.connection.cursor()
+            try:
+                cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, r.artifact_uri, "
+                               f"r.lifecycle_stage FROM runs r WHERE {where} ORDER BY r.start_time DESC, r.run_uuid")
+                rows = cursor.fetchall()
+                values = {}
+                for table in ("latest_metrics", "tags", "params"):
+                    nan = ", v.is_nan" if table == "latest_metrics" else ""
+                    got = values[table] = {}
+                    cursor.execute(f"SELECT v.run_uuid, v.key, v.value{nan} FROM {table} v JOIN runs r ON "
+                                   f"r.run_uuid = v.run_uuid WHERE {where}")
+                    for row in cursor.fetchall():
+                        one = got.get(row[0])
+                        if one is None:
+                            one = got[row[0]] = {}
+                        one[row[1]] = row[2] if not nan else (float("nan") if row[3] else float(row[2]))
+            finally:
+                cursor.close()
+    except Exception as e:  # noqa: BLE001 - a schema this read does not know: MLflow's own search instead
+        import logging
+
+        logging.getLogger(__name__).info("llmeff: the store's tables read as MLflow's search instead (%s)", e)
+        return None
     runs = []
     for run_uuid, name, status, start, end, user, artifact_uri, stage in rows:
         info = SimpleNamespace(run_id=run_uuid, run_uuid=run_uuid, run_name=name, status=status, start_time=start,
