@@ -125,3 +125,39 @@ def test_old_runs_without_reliability_figures_show_no_section():
     rep = report([old])
     assert reliability(rep).lines == []
     assert "Reliability" not in to_markdown(rep) and "Reliability" not in to_html(rep)
+
+
+# ------------------------------------------------------------------------------ bench/faults.py's plan
+def _faults_bench():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "bench" / "faults.py"
+    spec = importlib.util.spec_from_file_location("bench_faults", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fault_plan_kills_each_attempt_after_it_made_progress_past_its_resume_point(seed):
+    import random
+
+    bench = _faults_bench()
+    plan = bench.plan(random.Random(seed), 5, 60, 5)
+    resume = 0
+    for hook, step in plan:
+        done = step if hook == "kill_at_step" else step - 1
+        assert done > resume and step < 60  # at least one step of new work, and the job not yet finished
+        resume = done // 5 * 5
+
+
+def test_newest_checkpoint_is_the_newest_complete_folder(tmp_path):
+    bench = _faults_bench()
+    for name, complete in (("step_00000004", True), ("step_00000008", True), ("step_00000012.partial", True),
+                           ("step_00000016", False)):
+        (tmp_path / name).mkdir()
+        if complete:
+            (tmp_path / name / "llmeff_state.json").write_text("{}")
+    assert bench.newest_checkpoint(str(tmp_path)) == 8
+    assert bench.newest_checkpoint(str(tmp_path / "absent")) == 0
