@@ -161,3 +161,10 @@ def test_newest_checkpoint_is_the_newest_complete_folder(tmp_path):
             (tmp_path / name / "llmeff_state.json").write_text("{}")
     assert bench.newest_checkpoint(str(tmp_path)) == 8
     assert bench.newest_checkpoint(str(tmp_path / "absent")) == 0
+
+
+def test_a_detail_holding_parentheses_is_read_whole():
+    tag = ("attempt 1: unknown (no exit record (killed or lost)) at step 10, 18.1 s into the job, checkpoint 8, "
+           "2 steps redone, down 1.4 s, recovery 17.6 s")
+    (f,) = parse_failures(rec("q", 60.0, 1.4, 1, 2, tag))
+    assert (f.cause, f.detail, f.step, f.lost_steps, f.down_s) == ("unknown", "no exit record (killed or lost)", 10, 2, 1.4)
