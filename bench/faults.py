@@ -35,6 +35,8 @@ being in the injector's; lost steps: equal).
     python bench/faults.py                 # N=5 kills, ~5 minutes on 2 CPU cores
     python bench/faults.py --quick         # N=2 kills, short runs (~1.5 minutes)
     python bench/faults.py --kills 8 --seed 3 --max-steps 120
+
+The temporary store and the training log are removed after a pass and kept (the path printed) after a failure.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -239,6 +242,9 @@ def main(argv=None) -> int:
         print(f"DIFFERS: {pr}")
     print("PASS: the product's failures, down time and recovery equal the injector's ledger within the "
           "heartbeat period" if not problems else f"FAIL ({len(problems)}); log and store in {tmp}")
+    log.close()
+    if not problems:  # a failed check keeps the store and the log for a look
+        shutil.rmtree(tmp, ignore_errors=True)
     return 1 if problems else 0
 
 
