@@ -9,13 +9,16 @@ Formulas and their sources are in ``docs/compare.md``.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
+from mlflow_llmeff.calc import reliability as _rel
 
 __all__ = ["RunRecord", "Incomparability", "round_sig", "unit_of", "header", "metric_columns",
            "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok",
-           "CONDITION_TAGS", "COMPARABILITY"]
+           "CONDITION_TAGS", "COMPARABILITY", "Fleet", "Failure", "CauseRow", "fleet_reliability",
+           "parse_failures", "failures_by_cause"]
 
 
 @dataclass(frozen=True)
@@ -236,3 +239,195 @@ def carbon_per_btok(r: RunRecord) -> tuple[float | None, bool]:
         return v, False
     v = r.metrics.get(names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
     return v, v is not None
+
+
+# ------------------------------------------------------------------------------------ reliability
+_REL_KEYS = (names.SUM_FAILURES, names.SUM_WALL_S, names.SUM_BADPUT_DOWN_S)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Reliability of several jobs together (a configuration, an experiment).
+
+    Attributes:
+        runs: runs holding the reliability figures (``summary/failures``, ``summary/wall_s``,
+            ``summary/badput_down_s``); runs without them (older runs) take no part.
+        attempts: sum of ``summary/attempts`` (None when a run lacks it).
+        failures: sum of ``summary/failures``.
+        operating_s: sum over the runs of ``summary/wall_s - summary/badput_down_s``, seconds.
+        mtbf_s: ``operating_s / failures``; None with no failure.
+        low_s, high_s: the 95% Poisson (chi-square) interval of
+            :func:`mlflow_llmeff.calc.reliability.fleet_mtbf`; ``high_s`` None with no failure.
+        left_out: labels of the runs without reliability figures.
+    """
+
+    runs: int
+    attempts: int | None
+    failures: int
+    operating_s: float
+    mtbf_s: float | None
+    low_s: float | None
+    high_s: float | None
+    left_out: tuple[str, ...] = ()
+
+
+def has_reliability(r: RunRecord) -> bool:
+    """True when the run logged the figures a fleet MTBF needs (runs before issue 29 did not)."""
+    return all(k in r.metrics and math.isfinite(r.metrics[k]) for k in _REL_KEYS)
+
+
+def fleet_reliability(runs: list[RunRecord]) -> Fleet | None:
+    """Failures and operating time summed over ``runs``, with the fleet MTBF and its interval.
+
+    Operating time per run = ``summary/wall_s - summary/badput_down_s`` (wall minus the time no
+    attempt ran); MTBF = summed operating time / summed failures, 95% interval
+    ``[2T / chi2(0.975, 2r + 2), 2T / chi2(0.025, 2r)]`` (time-truncated Poisson; NIST/SEMATECH
+    e-Handbook ch. 8; :func:`mlflow_llmeff.calc.reliability.fleet_mtbf`).
+
+    Returns:
+        None when no run holds the figures (nothing to show: never a 0).
+    """
+    have = [r for r in runs if has_reliability(r)]
+    if not have:
+        return None
+    ops = [(r.metrics[names.SUM_WALL_S] - r.metrics[names.SUM_BADPUT_DOWN_S], int(r.metrics[names.SUM_FAILURES]))
+           for r in have]
+    mtbf, low, high = _rel.fleet_mtbf(ops)
+    att = [r.metrics.get(names.SUM_ATTEMPTS) for r in have]
+    attempts = int(sum(att)) if all(a is not None for a in att) else None
+    return Fleet(len(have), attempts, sum(f for _, f in ops), sum(o for o, _ in ops), mtbf, low, high,
+                 tuple(r.label for r in runs if not has_reliability(r)))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One entry of a run's ``llmeff.reliability.failures`` tag.
+
+    Attributes:
+        run: the run's label.
+        attempt: the failed attempt (1-based).
+        cause: one of :data:`mlflow_llmeff.calc.reliability.CAUSES`.
+        detail: what the cause was (``SIGKILL``, ``exit 1``, ...), "" when none.
+        step: the last step the attempt completed.
+        at_s: seconds into the job.
+        lost_steps: steps redone.
+        down_s, recovery_s: seconds; None when no attempt followed yet.
+        lost_s: seconds of work redone when the tag holds them (``lost N s``), else None.
+    """
+
+    run: str
+    attempt: int
+    cause: str
+    detail: str
+    step: int
+    at_s: float
+    lost_steps: int
+    down_s: float | None = None
+    recovery_s: float | None = None
+    lost_s: float | None = None
+
+
+_FAILURE = re.compile(r"attempt (\d+): (\w+)(?: \((.*)\))? at step (\d+), ([\d.]+) s into the job, "
+                      r"checkpoint \w+, (\d+) steps redone(?:, down ([\d.]+) s, recovery ([\d.]+) s)?"
+                      r"(?:, lost ([\d.]+) s)?")
+
+
+def parse_failures(r: RunRecord) -> list[Failure] | None:
+    """The failures listed in the run's ``llmeff.reliability.failures`` tag (format of
+    :func:`mlflow_llmeff.calc.reliability.failures_line`: ``; ``-separated entries).
+
+    Returns:
+        ``[]`` for ``none in N attempts``, None when the run has no such tag (an older run).
+
+    Raises:
+        ValueError: an entry that is not in that format (names the run and the entry).
+    """
+    tag = r.tags.get(names.RELIABILITY_FAILURES)
+    if tag is None:
+        return None
+    if tag.startswith("none in "):
+        return []
+    out = []
+    for entry in tag.split("; "):
+        m = _FAILURE.fullmatch(entry.strip())
+        if not m:
+            raise ValueError(f"run {r.label}: {names.RELIABILITY_FAILURES} entry {entry!r} is not "
+                             "'attempt N: cause (detail) at step S, T s into the job, ...'")
+        a, cause, detail, step, at, lost_steps, down, rec, lost = m.groups()
+        f = lambda v: None if v is None else float(v)  # noqa: E731
+        out.append(Failure(r.label, int(a), cause, detail or "", int(step), float(at), int(lost_steps),
+                           f(down), f(rec), f(lost)))
+    return out
+
+
+@dataclass(frozen=True)
+class CauseRow:
+    """Failures of one cause across runs (the Llama 3 paper's table of interruptions, Table 5).
+
+    Attributes:
+        cause: the cause.
+        count: failures of it.
+        share: count / all failures (0-1).
+        details: each detail seen with its count, e.g. ``{"SIGKILL": 3}``.
+        lost_steps: steps redone, summed.
+        down_s, recovery_s: seconds summed over its failures that a next attempt followed.
+        cost_s: failure cost (recovery + lost progress) summed, seconds; None when some of its
+            failures' lost progress cannot be told apart (a run failing of several causes whose
+            tag does not give each failure's lost seconds).
+    """
+
+    cause: str
+    count: int
+    share: float
+    details: dict[str, int]
+    lost_steps: int
+    down_s: float
+    recovery_s: float
+    cost_s: float | None
+
+
+def failures_by_cause(runs: list[RunRecord]) -> list[CauseRow]:
+    """Every failure of ``runs`` grouped by cause, most frequent first (ties: by name).
+
+    A failure's cost is its recovery plus its lost progress. The tag gives the recovery; the lost
+    seconds come from the tag's ``lost N s`` when present, else from the run: its
+    ``summary/failure_cost_s`` minus the recoveries of its failures is the run's lost progress,
+    which goes whole to the cause when all of the run's failures have that cause (otherwise the
+    cause's cost is None).
+
+    Returns:
+        ``[]`` when no run failed (or none holds the tag).
+
+    Raises:
+        ValueError: from :func:`parse_failures`.
+    """
+    rows: dict[str, dict] = {}
+    for r in runs:
+        fs = parse_failures(r)
+        if not fs:
+            continue
+        causes = {x.cause for x in fs}
+        run_cost = r.metrics.get(names.SUM_FAILURE_COST_S)
+        every_known = all(x.lost_s is not None and x.recovery_s is not None for x in fs)
+        for x in fs:
+            d = rows.setdefault(x.cause, {"count": 0, "details": {}, "lost_steps": 0, "down": 0.0, "rec": 0.0,
+                                          "cost": 0.0})
+            d["count"] += 1
+            key = x.detail or x.cause
+            d["details"][key] = d["details"].get(key, 0) + 1
+            d["lost_steps"] += x.lost_steps
+            d["down"] += x.down_s or 0.0
+            d["rec"] += x.recovery_s or 0.0
+            if every_known:
+                d["cost"] = None if d["cost"] is None else d["cost"] + x.recovery_s + x.lost_s
+        if not every_known:
+            d = rows[next(iter(causes))]
+            if len(causes) == 1 and run_cost is not None and math.isfinite(run_cost) and d["cost"] is not None:
+                d["cost"] += run_cost
+            else:
+                for c in causes:
+                    rows[c]["cost"] = None
+    total = sum(d["count"] for d in rows.values())
+    out = [CauseRow(c, d["count"], d["count"] / total, d["details"], d["lost_steps"], d["down"], d["rec"], d["cost"])
+           for c, d in rows.items()]
+    return sorted(out, key=lambda x: (-x.count, x.cause))

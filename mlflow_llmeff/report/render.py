@@ -16,13 +16,14 @@ import os
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import (CONDITION_TAGS, Incomparability, RunRecord, comparability_warnings, differing_tags, header,
-                   metric_columns, round_sig)
+from mlflow_llmeff.report.calc import (CONDITION_TAGS, Fleet, Incomparability, RunRecord, comparability_warnings,
+                   differing_tags, failures_by_cause, fleet_reliability, header, metric_columns, round_sig)
 from mlflow_llmeff.report.repeats import Configuration, ScalingRow, configurations, scaling_efficiency
 from mlflow_llmeff.report.source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
-           "scaling_lines", "headline_text", "best_first", "DEFAULT_GROUP_BY"]
+           "scaling_lines", "headline_text", "best_first", "DEFAULT_GROUP_BY", "Reliability", "reliability",
+           "reliability_text"]
 
 DEFAULT_GROUP_BY = "accelerator.name,parallelism.strategy,precision"
 _TAG_KEYS = {d.key for d in names.TAGS}
@@ -173,6 +174,118 @@ def scaling_lines(rep: Report) -> list[str]:
     return out
 
 
+@dataclass
+class Reliability:
+    """The report's reliability section: one line for the experiment, then (when a run failed) a
+    table per configuration and a table of failures by cause; empty when no run holds the figures.
+
+    Attributes:
+        lines: the experiment's line(s) (``[]``: no run holds reliability figures).
+        config_head, config_rows: per configuration (only configurations whose runs hold the figures).
+        cause_head, cause_rows: failures by cause, most frequent first (``[]`` when no run failed).
+    """
+
+    lines: list[str] = field(default_factory=list)
+    config_head: list[str] = field(default_factory=list)
+    config_rows: list[list[str]] = field(default_factory=list)
+    cause_head: list[str] = field(default_factory=list)
+    cause_rows: list[list[str]] = field(default_factory=list)
+
+
+def _s(v: float | None) -> str:
+    if v is None:
+        return ""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _mtbf_text(f: Fleet) -> str:
+    if f.mtbf_s is None:
+        return f"no failure (> {_s(f.low_s)} s, 95% lower bound)" if f.low_s is not None else "no failure"
+    return f"{_s(f.mtbf_s)} s [{_s(f.low_s)}, {_s(f.high_s)}]"
+
+
+def reliability(rep: Report) -> Reliability:
+    """The reliability section of ``rep`` (see :class:`Reliability`): fleet MTBF from summed
+    operating time and failures (:func:`mlflow_llmeff.report.calc.fleet_reliability`) for the
+    experiment (every run holding the figures, unfinished ones included) and per configuration
+    (its finished repeats), and failures by cause (:func:`mlflow_llmeff.report.calc.failures_by_cause`)."""
+    out = Reliability()
+    fleet = fleet_reliability(rep.runs)
+    if fleet is None:
+        return out
+    att = f"{fleet.attempts} attempt{'s' if fleet.attempts != 1 else ''}" if fleet.attempts is not None else "attempts unknown"
+    runs = f"{fleet.runs} run{'s' if fleet.runs != 1 else ''}"
+    old = f" ({len(fleet.left_out)} older run{'s' if len(fleet.left_out) != 1 else ''} without reliability figures left out)" \
+        if fleet.left_out else ""
+    if not fleet.failures:
+        out.lines.append(f"No run failed: {att} in {runs}, {_s(fleet.operating_s)} s of operation; fleet MTBF "
+                         f"> {_s(fleet.low_s)} s (95% lower bound, 2T/chi2(0.975, 2)){old}.")
+        return out
+    out.lines.append(f"Experiment: {fleet.failures} failure{'s' if fleet.failures != 1 else ''}, {att} in {runs}, "
+                     f"{_s(fleet.operating_s)} s of operation; fleet MTBF {_mtbf_text(fleet)} (95% Poisson "
+                     f"interval: 2T/chi2(0.975, 2r+2), 2T/chi2(0.025, 2r)){old}.")
+    out.config_head = ["configuration", "runs", "attempts", "failures", "operating s", "fleet MTBF [95%]"]
+    for c in rep.configs:
+        f = fleet_reliability(c.runs)
+        if f is None:
+            continue
+        out.config_rows.append([c.label, str(f.runs), "" if f.attempts is None else str(f.attempts), str(f.failures),
+                                _s(f.operating_s), _mtbf_text(f)])
+    out.cause_head = ["cause", "failures", "share", "as seen", "steps redone", "down s", "recovery s",
+                      "failure cost s"]
+    for row in failures_by_cause(rep.runs):
+        seen = ", ".join(f"{k} x{n}" for k, n in sorted(row.details.items(), key=lambda kv: (-kv[1], kv[0])))
+        out.cause_rows.append([row.cause, str(row.count), f"{row.share:.1%}", seen, str(row.lost_steps),
+                               _s(row.down_s), _s(row.recovery_s), _s(row.cost_s)])
+    return out
+
+
+def reliability_text(rep: Report) -> str:
+    """The reliability section as plain text for a terminal ("" when no run holds the figures)."""
+    rel = reliability(rep)
+    lines = list(rel.lines)
+    for head, rows in ((rel.config_head, rel.config_rows), (rel.cause_head, rel.cause_rows)):
+        if not rows:
+            continue
+        table = [head] + rows
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+        text.insert(1, "  ".join("-" * w for w in widths))
+        lines += text
+    return "\n".join(lines)
+
+
+def _reliability_md(rep: Report) -> list[str]:
+    rel = reliability(rep)
+    if not rel.lines:
+        return []
+    out = ["## Reliability", ""] + rel.lines + [""]
+    for title, head, rows in (("Per configuration", rel.config_head, rel.config_rows),
+                              ("Failures by cause", rel.cause_head, rel.cause_rows)):
+        if rows:
+            out += [f"{title}:", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+            out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows] + [""]
+    return out
+
+
+def _reliability_html(rep: Report) -> str:
+    e = html.escape
+    rel = reliability(rep)
+    if not rel.lines:
+        return ""
+    out = ["<h2>Reliability</h2>"] + [f"<p class='note' id='reliability-line'>{e(s)}</p>" for s in rel.lines]
+    for ident, head, rows in (("reliability", rel.config_head, rel.config_rows),
+                              ("failures-by-cause", rel.cause_head, rel.cause_rows)):
+        if not rows:
+            continue
+        out.append(f"<table id='{ident}'><thead><tr>" + "".join(f"<th class='t'>{e(h)}</th>" for h in head)
+                   + "</tr></thead><tbody>")
+        out += ["<tr>" + "".join(f"<td class='{'t' if i in (0, 3) else ''}'>{e(c)}</td>" for i, c in enumerate(row))
+                + "</tr>" for row in rows]
+        out.append("</tbody></table>")
+    return "\n".join(out)
+
+
 def _md_cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
@@ -199,7 +312,7 @@ def to_markdown(rep: Report) -> str:
         if rep.missing_summary(r):
             cells[0] = f"**{cells[0]} (no summary)**"
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Scaling efficiency", ""]
+    lines += [""] + _reliability_md(rep) + ["## Scaling efficiency", ""]  # the section ends in a blank line
     lines += [f"- {s}" for s in scaling_lines(rep)] or ["No runs that differ only in device count."]
     lines += ["", "## Figures", ""]
     lines += [f"![{n}]({n})" for n in rep.figures] + [f"- {n}" for n in rep.notes]
@@ -338,6 +451,9 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
     out.append(_headline_html(rep))
     out += [f"<div class='warn'>WARNING: {e(w.text())}</div>" for w in rep.warnings]
     out.append(_runs_table_html(rep))
+    rel_html = _reliability_html(rep)
+    if rel_html:
+        out.append(rel_html)
     out.append("<h2>Scaling efficiency</h2>")
     lines = scaling_lines(rep)
     out.append("<ul id='scaling'>" + "".join(f"<li>{e(s)}</li>" for s in lines) + "</ul>" if lines
