@@ -426,7 +426,7 @@ def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
 def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_mlflow, ui_url) -> None:
     """Compare runs on efficiency: table, scaling efficiency, Pareto fronts (reads any tracking URI)."""
     from mlflow_llmeff.report.compare import compare
-    from mlflow_llmeff.report.render import headline_text, scaling_lines
+    from mlflow_llmeff.report.render import headline_text, reliability_text, scaling_lines
 
     try:
         rep, paths, run_id = compare(experiment, filter_string=filter_string, group_by=group_by,
@@ -442,6 +442,9 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
     click.echo(f"{len(rep.runs)} runs of {rep.selection.experiment_name!r} compared: {rep.selection.scope()}")
     click.echo("Configurations, best first (repeats as samples; within noise = intervals overlap, not ranked):")
     click.echo(headline_text(rep))
+    reliability = reliability_text(rep)
+    if reliability:
+        click.echo(reliability)
     for line in scaling_lines(rep) or ["scaling efficiency: no runs that differ only in device count"]:
         click.echo(line)
     click.echo(f"report: {os.path.join(out_dir, 'report.html')} ({len(paths)} files)")

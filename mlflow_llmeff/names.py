@@ -158,7 +158,7 @@ SUM_RECOVERY_REWARM_S = _metric("summary/recovery_rewarm_s", "s", "part of summa
 SUM_FAILURE_COST_S = _metric("summary/failure_cost_s", "s", "sum over failures of recovery time plus lost progress (work redone from the last checkpoint to the last completed step)", S)
 SUM_TOR = _metric("summary/tor", "fraction", "training overhead ratio (arXiv 2408.07482): (summary/wall_s - summary/failure_cost_s) / summary/wall_s, optimal over observed time", S)
 SUM_SUCCESSFUL_INTERVAL_RATIO = _metric("summary/successful_interval_ratio", "fraction", "checkpoint intervals completed without a retry / checkpoint intervals completed (the successful-epoch ratio over checkpoint intervals)", S)
-RELIABILITY_FAILURES = _tag("reliability.failures", "each failure of the job: attempt, cause, step reached, time into the job, checkpoint, steps redone, down and recovery seconds; or 'none in N attempts'")
+RELIABILITY_FAILURES = _tag("reliability.failures", "each failure of the job: attempt, cause, step reached, time into the job, checkpoint, steps redone, down, recovery and lost seconds; or 'none in N attempts'")
 RELIABILITY = _tag("reliability", "one line of what happened across the job's attempts, e.g. '2 attempts, 1 failure (SIGKILL at step 31), recovery 43 s'; also in the run's description")
 RELIABILITY_WHY = _tag("reliability.why", "why a reliability figure is absent (e.g. no failure: no MTBF, only its lower bound)")
 # ---- end of reliability block

@@ -150,7 +150,8 @@ def test_failures_are_listed_with_cause_step_and_time():
         [(1, "signal", 7, 12.0, 3), (2, "nan", 10, 45.0, 2)]
     assert rel.describe(r) == "3 attempts, 2 failures (SIGKILL at step 7, NaN loss at step 10), recovery 18 s, down 25 s"
     assert rel.failures_line(r).startswith("attempt 1: signal (SIGKILL) at step 7, 12.0 s into the job, checkpoint 4, "
-                                           "3 steps redone, down 20.0 s, recovery 26.0 s; attempt 2: nan")
+                                           "3 steps redone, down 20.0 s, recovery 26.0 s, lost 3.0 s; attempt 2: nan")
+    assert rel.failures_line(r).endswith(", lost 2.0 s")  # 45 - 43: the NaN at 45 s, its checkpoint at 43 s
 
 
 def test_no_failure_gives_no_mtbf_but_its_lower_bound():

@@ -330,6 +330,7 @@ def failures_line(rel: Reliability) -> str:
              f"{r['lost_steps']} steps redone")
         if "down_s" in r:
             s += f", down {r['down_s']:.1f} s, recovery {r['recovery_s']:.1f} s"
+        s += f", lost {r['lost_s']:.1f} s"
         out.append(s)
     return "; ".join(out)
 
