@@ -1,7 +1,8 @@
 """The efficiency page in the server modes teams deploy, against real ``mlflow server`` processes.
 
-One module fixture starts three servers at once over one SQLite store holding the five standard runs
-(``five``) and a second experiment (``secret``):
+First, in this process (fast): the pages' permission hook and figure keys. Then (slow) one module
+fixture starts three servers at once over one SQLite store holding the five standard runs (``five``)
+and a second experiment (``secret``):
 
 * ``plain``: ``--app-name llmeff --workers 4 --static-prefix /mlflow --allowed-hosts ...`` (uvicorn);
 * ``auth``: ``--app-name llmeff-auth`` (MLflow basic-auth with the pages, report/auth.py), default
@@ -25,7 +26,6 @@ import urllib.request
 
 import pytest
 
-pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
 ADMIN = ("admin", "admin-pass-8c1f2e")
 READER = ("reader", "reader-pass-41d07a")
@@ -63,6 +63,57 @@ def _stop(proc) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture(scope="module")
+def five_app(tmp_path_factory):
+    """``(Flask app with the pages, experiment id)`` over the five standard runs, in this process."""
+    import tempfile
+
+    import mlflow
+    from flask import Flask
+
+    from five_runs import log_five_runs
+    from mlflow_llmeff.report import server as srv
+
+    root = tmp_path_factory.mktemp("five_app")
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'm.db'}")
+    exp_id, _ = log_five_runs(client, "five")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tempfile, "tempdir", str(root))
+    mp.setattr(srv, "_store", lambda: client)
+    app = Flask("t")
+    srv.register(app)
+    yield app, exp_id
+    mp.undo()
+
+
+def test_a_figure_key_that_is_not_the_experiments_run_set_is_never_drawn(five_app):
+    import glob
+    import tempfile
+
+    app, exp_id = five_app
+    key = f"{exp_id}-{'0' * 20}"  # names the experiment, but not its run set's digest
+    status = app.test_client().get(f"/llmeff/figures/{key}/loss?experiment={exp_id}").status_code
+    assert status == 404
+    assert not glob.glob(f"{tempfile.gettempdir()}/llmeff-figures-*/{key}.pkl")
+    assert app.test_client().get(f"/llmeff/figures/{'0' * 20}/loss?experiment={exp_id}").status_code == 404
+
+
+def test_the_pages_apply_the_permission_check_the_app_holds(five_app):
+    app, exp_id = five_app
+    web = app.test_client()
+    page = web.get(f"/llmeff/experiments/{exp_id}").get_data(as_text=True)
+    figure = _figure_urls(page.encode())[0].replace("&amp;", "&")
+    app.config["LLMEFF_READABLE"] = lambda ids: []
+    try:
+        assert web.get(f"/llmeff/experiments/{exp_id}").status_code == 403
+        assert web.get(figure).status_code == 403
+        assert f"/llmeff/experiments/{exp_id}'" not in web.get("/llmeff/").get_data(as_text=True)
+    finally:
+        app.config["LLMEFF_READABLE"] = None
+    assert web.get(figure).status_code == 200
+    assert f"/llmeff/experiments/{exp_id}'" in web.get("/llmeff/").get_data(as_text=True)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +191,7 @@ def _origin(url: str) -> str:
     return re.match(r"https?://[^/]+", url).group(0)
 
 
+@pytest.mark.slow
 def test_workers_4_every_figure_url_answers_200_on_every_request(servers):
     url, exps = servers["plain"]
     status, _, page = _http(f"{url}/llmeff/experiments/{exps['five']}")
@@ -152,6 +204,7 @@ def test_workers_4_every_figure_url_answers_200_on_every_request(servers):
             assert (status, kind, body[:8]) == (200, "image/png", b"\x89PNG\r\n\x1a\n"), src
 
 
+@pytest.mark.slow
 def test_static_prefix_page_links_and_images_carry_the_prefix(servers):
     url, exps = servers["plain"]
     _, _, listing = _http(f"{url}/llmeff/")
@@ -165,12 +218,14 @@ def test_static_prefix_page_links_and_images_carry_the_prefix(servers):
     assert _http(_origin(url) + f"/llmeff/experiments/{exps['five']}")[0] == 404  # not outside the prefix
 
 
+@pytest.mark.slow
 def test_allowed_hosts_refuses_another_host_header_on_the_page(servers):
     url, exps = servers["plain"]
     assert _http(f"{url}/llmeff/experiments/{exps['five']}", host="evil.example")[0] == 403
     assert _http(f"{url}/llmeff/experiments/{exps['five']}", host="localhost:5000")[0] == 200
 
 
+@pytest.mark.slow
 def test_gunicorn_serves_the_page_and_its_figures(servers):
     url, exps = servers["gunicorn"]
     status, _, page = _http(f"{url}/llmeff/experiments/{exps['five']}")
@@ -179,6 +234,7 @@ def test_gunicorn_serves_the_page_and_its_figures(servers):
     assert _http(url + src)[:2] == (200, "image/png")
 
 
+@pytest.mark.slow
 def test_auth_unauthenticated_request_is_refused_with_401(servers):
     url, exps = servers["auth"]
     for path in ("/llmeff/", f"/llmeff/experiments/{exps['five']}"):
@@ -187,6 +243,7 @@ def test_auth_unauthenticated_request_is_refused_with_401(servers):
     assert _http(url + "/api/2.0/mlflow/experiments/search?max_results=10")[0] == 401  # MLflow's own API too
 
 
+@pytest.mark.slow
 def test_auth_user_without_read_permission_is_refused_the_page_and_its_figures(servers):
     url, exps = servers["auth"]
     _, _, page = _http(url + f"/llmeff/experiments/{exps['five']}", user=READER)
@@ -198,6 +255,7 @@ def test_auth_user_without_read_permission_is_refused_the_page_and_its_figures(s
     assert _http(url + f"/llmeff/experiments/{exps['secret']}", user=READER)[0] == 403
 
 
+@pytest.mark.slow
 def test_auth_reader_and_admin_see_what_they_may_read(servers):
     url, exps = servers["auth"]
     status, _, page = _http(url + f"/llmeff/experiments/{exps['five']}", user=READER)
@@ -211,6 +269,7 @@ def test_auth_reader_and_admin_see_what_they_may_read(servers):
     assert _http(url + f"/llmeff/experiments/{exps['secret']}", user=ADMIN)[0] == 200
 
 
+@pytest.mark.slow
 def test_auth_page_in_chromium_with_basic_credentials_shows_the_headline_table(servers, tmp_path):
     if not os.path.exists(CHROMIUM):
         if os.environ.get("CI"):

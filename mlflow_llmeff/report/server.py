@@ -183,11 +183,13 @@ def figure(digest: str, name: str):
     from flask import Response, request
 
     exp_id = _experiment_of(digest)
-    if exp_id and not _readable([exp_id]):
+    if not exp_id:  # not a key this server makes (figures_key): nobody's figures
+        return _page("llmeff: not found", "<p class='error'>no such figure</p>", 404)
+    if not _readable([exp_id]):
         return _forbidden(exp_id)
     with _lock:
         pending = _drawing.get(digest)
-    if pending is None and _cached(digest) is None and exp_id and request.args.get("experiment") == exp_id:
+    if pending is None and _cached(digest) is None and request.args.get("experiment") == exp_id:
         pending = _draw_again(digest, request.args)
     if pending is not None:
         pending.wait(FIGURE_WAIT_S)
