@@ -7,7 +7,7 @@ and a second experiment (``secret``):
 * ``plain``: ``--app-name llmeff --workers 4 --static-prefix /mlflow --allowed-hosts ...`` (uvicorn);
 * ``auth``: ``--app-name llmeff-auth`` (MLflow basic-auth with the pages, report/auth.py), default
   permission NO_PERMISSIONS, user ``reader`` granted READ on ``five``, user ``nobody`` no grant;
-* ``gunicorn``: ``--app-name llmeff --gunicorn-opts ...`` with two gunicorn workers.
+* ``gunicorn``: ``--app-name llmeff --workers 2 --gunicorn-opts ...`` (two gunicorn workers).
 """
 
 from __future__ import annotations
@@ -66,21 +66,35 @@ def _stop(proc) -> None:
 
 
 @pytest.fixture(scope="module")
-def five_app(tmp_path_factory):
-    """``(Flask app with the pages, experiment id)`` over the five standard runs, in this process."""
-    import tempfile
-
+def store(tmp_path_factory):
+    """``(folder, store URI, client, {"five": id, "secret": id})``: one SQLite store of the five standard
+    runs, twice, shared by every test of the file."""
     import mlflow
-    from flask import Flask
 
     from five_runs import log_five_runs
+
+    root = tmp_path_factory.mktemp("modes")
+    db = f"sqlite:///{root / 'mlflow.db'}"
+    client = mlflow.MlflowClient(db)
+    five, _ = log_five_runs(client, "five")
+    secret, _ = log_five_runs(client, "secret")
+    return root, db, client, {"five": five, "secret": secret}
+
+
+@pytest.fixture(scope="module")
+def five_app(store):
+    """``(Flask app with the pages, experiment id of five)`` over the store, in this process."""
+    import tempfile
+
+    from flask import Flask
+
     from mlflow_llmeff.report import server as srv
 
-    root = tmp_path_factory.mktemp("five_app")
-    client = mlflow.MlflowClient(f"sqlite:///{root / 'm.db'}")
-    exp_id, _ = log_five_runs(client, "five")
+    root, _, client, exps = store
+    exp_id = exps["five"]
     mp = pytest.MonkeyPatch()
-    mp.setattr(tempfile, "tempdir", str(root))
+    mp.setattr(tempfile, "tempdir", str(root / "tmp"))
+    (root / "tmp").mkdir()
     mp.setattr(srv, "_store", lambda: client)
     app = Flask("t")
     srv.register(app)
@@ -117,13 +131,9 @@ def test_the_pages_apply_the_permission_check_the_app_holds(five_app):
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(store):
     """``{mode: (url, experiment ids by name)}`` of the three servers, started together, killed at the end."""
     from importlib.metadata import entry_points
-
-    import mlflow
-
-    from five_runs import log_five_runs
 
     if "llmeff-auth" not in {e.name for e in entry_points(group="mlflow.app")}:
         pytest.fail("the mlflow.app entry point llmeff-auth is not registered: pip install -e . (pyproject.toml)")
@@ -131,11 +141,8 @@ def servers(tmp_path_factory):
         import flask_wtf  # noqa: F401 - MLflow's basic-auth app needs it
     except ImportError:
         pytest.fail("Flask-WTF missing: pip install 'mlflow[auth]' (in the dev extra of pyproject.toml)")
-    root = tmp_path_factory.mktemp("modes")
-    db = f"sqlite:///{root / 'mlflow.db'}"
-    client = mlflow.MlflowClient(db)
-    five, _ = log_five_runs(client, "five")
-    secret, _ = log_five_runs(client, "secret")
+    root, db, _, exps = store
+    five, secret = exps["five"], exps["secret"]
     ini = root / "auth.ini"
     ini.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///{root / 'auth.db'}\n"
                    f"admin_username = {ADMIN[0]}\n"
@@ -145,7 +152,8 @@ def servers(tmp_path_factory):
     modes = {"plain": ["--app-name", "llmeff", "--workers", "4", "--static-prefix", "/mlflow",
                        "--allowed-hosts", "127.0.0.1:*,localhost:*"],
              "auth": ["--app-name", "llmeff-auth", "--workers", "2"],
-             "gunicorn": ["--app-name", "llmeff", "--gunicorn-opts", "--workers 2 --timeout 120"]}
+             # MLflow puts its own -w <--workers> after the --gunicorn-opts: workers go in --workers
+             "gunicorn": ["--app-name", "llmeff", "--workers", "2", "--gunicorn-opts", "--timeout 120"]}
     procs, urls = {}, {}
     for mode, args in modes.items():
         port = _free_port()
@@ -216,6 +224,8 @@ def test_static_prefix_page_links_and_images_carry_the_prefix(servers):
     assert f"action='/mlflow/llmeff/experiments/{exps['five']}'" in text
     assert re.findall(r"href='(/[^']*)'", text) and all(h.startswith("/mlflow/") for h in re.findall(r"href='(/[^']*)'", text))
     assert _http(_origin(url) + f"/llmeff/experiments/{exps['five']}")[0] == 404  # not outside the prefix
+    # MLflow's REST API is under the prefix too: MLFLOW_TRACKING_URI carries it (README)
+    assert _http(f"{url}/api/2.0/mlflow/experiments/get?experiment_id={exps['five']}")[0] == 200
 
 
 @pytest.mark.slow
