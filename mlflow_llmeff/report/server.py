@@ -10,6 +10,13 @@ under uvicorn, MLflow's FastAPI wrapper of it). Pages:
   on each request, with filters by condition tags (``?accelerator.short=cpu&precision=fp32``), a free
   MLflow filter (``?filter=...``), ``?group_by=`` and ``?baseline=``.
 
+Behind ``mlflow server --static-prefix P`` the pages, their links and image URLs are under ``P/llmeff``
+and the MLflow UI links under ``P/``. With authentication (``--app-name llmeff-auth``,
+:mod:`mlflow_llmeff.report.auth`) the same pages check MLflow basic-auth's permissions: an app whose
+config holds ``LLMEFF_READABLE`` (experiment ids -> those the request's user may read) lists only the
+readable experiments and answers 403 for another experiment's page or figures; a figure's key names
+its experiment (:func:`figures_key`).
+
 Bad input (unknown experiment, a filter MLflow cannot parse, no runs) is a one-line page with
 status 400/404, never a stack trace.
 
@@ -63,6 +70,18 @@ def run_set_digest(runs, group_by: str, baseline: str) -> str:
         h.update(json.dumps([r.run_id, r.status, sorted(r.metrics.items()), sorted(r.tags.items())],
                             default=str).encode())
     return h.hexdigest()[:20]
+
+
+def figures_key(experiment_id: str, runs, group_by: str, baseline: str) -> str:
+    """``<experiment id>-<run_set_digest>``: the key of a run set's figures. The experiment it names is the
+    one whose read permission a figure request needs (report/auth.py), and a key is only ever drawn from
+    that experiment's runs (:func:`_draw_again` checks the digest)."""
+    return f"{experiment_id}-{run_set_digest(runs, group_by, baseline)}"
+
+
+def _experiment_of(key: str) -> str:
+    """The experiment id a figures key names (``""`` for a key without one)."""
+    return key.rpartition("-")[0]
 
 
 _drawing: dict[str, threading.Event] = {}
@@ -163,9 +182,14 @@ def figure(digest: str, name: str):
     without them whose figures are gone."""
     from flask import Response, request
 
+    exp_id = _experiment_of(digest)
+    if not exp_id:  # not a key this server makes (figures_key): nobody's figures
+        return _page("llmeff: not found", "<p class='error'>no such figure</p>", 404)
+    if not _readable([exp_id]):
+        return _forbidden(exp_id)
     with _lock:
         pending = _drawing.get(digest)
-    if pending is None and _cached(digest) is None and request.args.get("experiment"):
+    if pending is None and _cached(digest) is None and request.args.get("experiment") == exp_id:
         pending = _draw_again(digest, request.args)
     if pending is not None:
         pending.wait(FIGURE_WAIT_S)
@@ -177,6 +201,37 @@ def figure(digest: str, name: str):
         why = next((n for n in hit[1] if n.startswith(name)), f"{name}: not drawn")
         png = _note_png(why)
     return Response(png, mimetype="image/png", headers={"Cache-Control": "private, max-age=3600"})
+
+
+def base() -> str:
+    """Where the pages are served: ``/llmeff``, behind ``mlflow server --static-prefix P`` at ``P/llmeff``
+    (MLflow's own routes carry the prefix the same way: ``mlflow.server.handlers._add_static_prefix``)."""
+    from mlflow.server.handlers import _add_static_prefix
+
+    return _add_static_prefix(PREFIX)
+
+
+def _ui_root() -> str:
+    """The MLflow UI's root under the server's static prefix (``""`` without one)."""
+    import os
+
+    from mlflow.server.handlers import STATIC_PREFIX_ENV_VAR
+
+    return os.environ.get(STATIC_PREFIX_ENV_VAR, "").rstrip("/")
+
+
+def _readable(experiment_ids: list[str]) -> list[str]:
+    """The experiment ids of ``experiment_ids`` the request's user may read: all of them unless the app
+    was built with a permission check (``LLMEFF_READABLE`` in its config; report/auth.py)."""
+    from flask import current_app
+
+    check = current_app.config.get("LLMEFF_READABLE")
+    return list(experiment_ids) if check is None else list(check(list(experiment_ids)))
+
+
+def _forbidden(experiment_id: str):
+    return _page("llmeff: permission denied", f"<p class='error'>permission denied: you may not read experiment "
+                                              f"{html.escape(experiment_id)!r}</p>", 403)
 
 
 def _store():
@@ -198,9 +253,10 @@ def experiments_page():
     from mlflow_llmeff.tracking.search import all_experiments
 
     exps = all_experiments(_store())  # every active experiment, page after page
-    items = "".join(f"<li><a href='{PREFIX}/experiments/{html.escape(e.experiment_id)}'>{html.escape(e.name)}</a>"
-                    f" &middot; <a href='{html.escape(ui_experiment_url('', e.experiment_id))}'>runs in MLflow</a></li>"
-                    for e in exps)
+    allowed = set(_readable([e.experiment_id for e in exps]))  # with authentication: those the user may read
+    items = "".join(f"<li><a href='{base()}/experiments/{html.escape(e.experiment_id)}'>{html.escape(e.name)}</a>"
+                    f" &middot; <a href='{html.escape(ui_experiment_url(_ui_root(), e.experiment_id))}'>runs in MLflow"
+                    "</a></li>" for e in exps if e.experiment_id in allowed)
     return _page("llmeff: experiments", f"<h1>Efficiency pages</h1><ul id='experiments'>{items}</ul>")
 
 
@@ -229,12 +285,12 @@ def _filter_form(exp_id: str, args, runs) -> str:
         opts = "".join(f"<option{' selected' if args.get(short) == v else ''}>{e(v)}</option>" for v in values)
         fields.append(f"<label>{e(short)} <select name='{e(short)}'><option value=''>any</option>{opts}"
                       "</select></label>")
-    return (f"<form class='filters' method='get' action='{PREFIX}/experiments/{e(exp_id)}'>" + " ".join(fields)
+    return (f"<form class='filters' method='get' action='{base()}/experiments/{e(exp_id)}'>" + " ".join(fields)
             + f"<br><label>MLflow filter <input name='filter' value='{e(args.get('filter', ''))}'></label>"
             f"<input type='hidden' name='group_by' value='{e(args.get('group_by', ''))}'>"
             "<button type='submit'>apply</button></form>"
-            f"<p><a href='{e(ui_experiment_url('', exp_id))}'>this experiment's runs in MLflow</a> &middot; "
-            f"<a href='{PREFIX}/'>all efficiency pages</a></p>")
+            f"<p><a href='{e(ui_experiment_url(_ui_root(), exp_id))}'>this experiment's runs in MLflow</a> &middot; "
+            f"<a href='{base()}/'>all efficiency pages</a></p>")
 
 
 def _page_report(store, experiment_id: str, args, sel=None):
@@ -250,7 +306,7 @@ def _page_report(store, experiment_id: str, args, sel=None):
 
     sel = sel or select_runs(store, experiment_id, filter_string(args))
     group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
-    rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base="", plots=False)
+    rep = build_report(store, sel, group_by=group_by, baseline=baseline, ui_base=_ui_root(), plots=False)
     return sel, rep, group_by, baseline
 
 
@@ -268,11 +324,14 @@ def _page_key(digest: str, args, every) -> str:
 
 def _draw_again(digest: str, args):
     """Start drawing the run set of the page ``args`` describe (``experiment`` and its query) under
-    ``digest``; the event to wait on, or None when the experiment cannot be read."""
+    ``digest``; the event to wait on, or None when the experiment cannot be read or its runs are not
+    the run set ``digest`` names any more (never figures of one run set under another's key)."""
     store = _store()
     try:
-        _, rep, _, _ = _page_report(store, args["experiment"], args)
+        sel, rep, group_by, baseline = _page_report(store, args["experiment"], args)
     except Exception:  # noqa: BLE001 - then the 404 page says to reload
+        return None
+    if figures_key(args["experiment"], sel.runs, group_by, baseline or "") != digest:
         return None
     _start_drawing(store, rep, digest)
     with _lock:
@@ -295,6 +354,8 @@ def experiment_page(experiment_id: str):
     if exp is None:
         return _page("llmeff: not found", f"<p class='error'>experiment id {html.escape(experiment_id)!r} not "
                                           "found</p>", 404)
+    if not _readable([exp.experiment_id]):
+        return _forbidden(exp.experiment_id)
     from mlflow_llmeff.report.render import DEFAULT_GROUP_BY
 
     try:
@@ -302,7 +363,7 @@ def experiment_page(experiment_id: str):
         # the filter form offers the values of every run: a second search only when a filter is on
         every = sel.runs if not sel.filter_string else select_runs(store, exp.experiment_id, "").runs
         group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
-        digest = run_set_digest(sel.runs, group_by, baseline or "")
+        digest = figures_key(exp.experiment_id, sel.runs, group_by, baseline or "")
         hit = _cached(digest)
         key = _page_key(digest, args, every) if hit is not None else None
         with _lock:
@@ -313,7 +374,7 @@ def experiment_page(experiment_id: str):
             sel, rep, group_by, baseline = _page_report(store, exp.experiment_id, args, sel)
     except ValueError as e:
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
-                                      f"<p><a href='{PREFIX}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
+                                      f"<p><a href='{base()}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
                      400)
     from flask import Response
 
@@ -330,7 +391,7 @@ def experiment_page(experiment_id: str):
 
     query = urlencode([("experiment", exp.experiment_id)] + [(k, v) for k, v in args.items(multi=True)
                                                              if k != "experiment"])
-    urls = {name: f"{PREFIX}/figures/{digest}/{name}?{query}" for name in shown}
+    urls = {name: f"{base()}/figures/{digest}/{name}?{query}" for name in shown}
     text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figure_urls=urls)
     if key is not None:
         with _lock:
@@ -342,11 +403,12 @@ def experiment_page(experiment_id: str):
 
 def register(app) -> None:
     """Add the efficiency routes to MLflow's Flask ``app`` (once)."""
-    if f"{PREFIX}/" in {r.rule for r in app.url_map.iter_rules()}:
+    root = base()  # behind --static-prefix P: P/llmeff/...
+    if f"{root}/" in {r.rule for r in app.url_map.iter_rules()}:
         return
-    app.add_url_rule(f"{PREFIX}/", "llmeff_experiments", experiments_page, methods=["GET"])
-    app.add_url_rule(f"{PREFIX}/experiments/<experiment_id>", "llmeff_experiment", experiment_page, methods=["GET"])
-    app.add_url_rule(f"{PREFIX}/figures/<digest>/<name>", "llmeff_figure", figure, methods=["GET"])
+    app.add_url_rule(f"{root}/", "llmeff_experiments", experiments_page, methods=["GET"])
+    app.add_url_rule(f"{root}/experiments/<experiment_id>", "llmeff_experiment", experiment_page, methods=["GET"])
+    app.add_url_rule(f"{root}/figures/<digest>/<name>", "llmeff_figure", figure, methods=["GET"])
     threading.Thread(target=_warm_matplotlib, name="llmeff-warm-matplotlib", daemon=True).start()
 
 
