@@ -18,7 +18,11 @@ Figures per contender:
 * ``exposed``: ``summary/comm_exposed_fraction`` (sampled warm-up steps, under the profiler);
 * ``MB/step``: ``summary/comm_bytes_per_step`` (bus bytes per device, counted), and the plan's
   prediction of it (``llmeff plan``);
-* ``state B/param``: ``summary/model_state_bytes_per_param``.
+* ``state B/param``: ``summary/model_state_bytes_per_param``, the plan's prediction of it (weights
+  + gradients + optimizer bytes per device of ``llmeff plan`` / its parameters) and measured /
+  predicted; the bench exits 1 when a ratio is outside 1 +- :data:`STATE_REL` (the tolerance
+  tests/test_strategies.py holds every strategy to: FSDP2's padding of uneven shards, DeepSpeed's
+  partition alignment and the small parameters ZeRO-3 keeps whole).
 
 Two groups, each against its own DDP: 2 processes (ddp, fsdp, tp, ZeRO-1/2/3) and 4 processes
 (ddp, hsdp 2 x 2, fsdp_tp dp 2 x tp 2). On 2 cores 4 processes share them, so compare within a
@@ -39,6 +43,8 @@ import threading
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+STATE_REL = 0.01  # |measured / predicted model-state bytes per parameter - 1| allowed (as tests/test_strategies.py)
 
 GROUPS = {
     2: [("ddp", dict(micro_batch_size=4)), ("fsdp", dict(micro_batch_size=4)), ("tp", dict(micro_batch_size=8)),
@@ -127,6 +133,15 @@ def predicted_bytes(cfg) -> float:
     return make_plan(cfg, accelerator_short="cpu", precision="fp32", strategy=cfg.parallelism)["comm_bytes_per_step"]
 
 
+def predicted_state_bytes_per_param(cfg) -> float:
+    """The plan's model state per device (weights + gradients + optimizer bytes) / the model's parameters."""
+    from mlflow_llmeff.planning.plan import GIB, make_plan
+
+    plan = make_plan(cfg, accelerator_short="cpu", precision="fp32", strategy=cfg.parallelism)
+    return (plan["memory_weights_gib"] + plan["memory_gradients_gib"] + plan["memory_optimizer_gib"]) * GIB \
+        / plan["params_total"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -142,6 +157,7 @@ def main() -> None:
     model = save_model(tmp)
     uri = f"sqlite:///{tmp}/bench.db"
     t0 = time.perf_counter()
+    off: list[str] = []  # strategies whose measured model state is not the plan's
     for procs in [int(g) for g in args.groups.split(",")]:
         contenders = GROUPS[procs]
         results: dict[str, list[dict]] = {name: [] for name, _ in contenders}
@@ -157,18 +173,27 @@ def main() -> None:
         base = med["ddp"]
         print(f"\n{procs} processes, medians of {args.rounds} interleaved rounds (ratios to ddp x{procs}):")
         print(f"{'strategy':<16} {'tok/s/dev':>10} {'ratio':>6} {'PSS GiB/dev':>12} {'ratio':>6} {'RSS GiB':>8} "
-              f"{'exposed':>8} {'ratio':>6} {'MB/step':>8} {'plan MB':>8} {'state B/param':>13}")
+              f"{'exposed':>8} {'ratio':>6} {'MB/step':>8} {'plan MB':>8} {'state B/param':>13} {'plan B/param':>12} "
+              f"{'ratio':>6}")
         for name, _ in contenders:
             x = med[name]
             cfg = results[name][0]["cfg"]
 
             def ratio(k):
                 return f"{x[k] / base[k]:.2f}" if x[k] is not None and base[k] else "-"
+            planned = predicted_state_bytes_per_param(cfg)
+            state_ratio = x["bpp"] / planned if x["bpp"] is not None else float("nan")
+            if not abs(state_ratio - 1) <= STATE_REL:
+                off.append(f"{name} x{procs}: measured {x['bpp']} B/param, planned {planned:.4f} "
+                           f"(ratio {state_ratio:.4f})")
             print(f"{name:<16} {x['tps']:>10,.0f} {ratio('tps'):>6} {x['pss']:>12.3f} {ratio('pss'):>6} "
                   f"{x['rss']:>8.3f} {x['exposed'] if x['exposed'] is not None else float('nan'):>8.3f} "
                   f"{ratio('exposed'):>6} {(x['bytes'] or 0) / 1e6:>8.2f} {predicted_bytes(cfg) / 1e6:>8.2f} "
-                  f"{x['bpp']:>13.2f}")
+                  f"{x['bpp']:>13.3f} {planned:>12.3f} {state_ratio:>6.4f}")
     print(f"\n{time.perf_counter() - t0:.0f} s in all; store {uri}")
+    if off:
+        print(f"model state outside {STATE_REL:.0%} of the plan: " + "; ".join(off))
+        sys.exit(1)
     sys.exit(0)
 
 

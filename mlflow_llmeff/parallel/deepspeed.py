@@ -8,14 +8,28 @@ Accelerate makes a DeepSpeed state only when not told ``cpu=True``, so the ``Acc
 Accelerate 1.15, torch 2.13). DeepSpeed needs the batch sizes in its config when no DataLoader
 goes through ``prepare``; they are written from the settings. The model is built whole on every
 rank (not under ``deepspeed.zero.Init``) so that every strategy starts from the same weights.
+
+Op builds: DeepSpeed JIT-compiles C++ ops the first time a machine needs them (torch's extension
+cache, ``~/.cache/torch_extensions``), which takes minutes. On CPU ``deepspeed.init_distributed``
+(which Accelerate calls when the ``Accelerator`` is made) builds its shared-memory collectives
+(``ShareMemCommBuilder``, ``deepspeed_shm_comm``) even over gloo; our configs pass torch's AdamW,
+so no optimizer op (``FusedAdam``, ``CPUAdam``) is built. :meth:`ZeRO.build_ops` builds that op
+first, timed and announced, so the time is named as a build rather than silent set-up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 from mlflow_llmeff.parallel.base import Strategy
 from mlflow_llmeff.parallel.degrees import Degrees
+
+#: The terminal line while an op is compiled (the rank-0 process prints it).
+BUILD_LINE = "llmeff: building DeepSpeed ops (first run on this machine; later runs reuse the cache) ..."
+#: The ops ``deepspeed.init_distributed`` JIT-loads on CPU (deepspeed/comm/torch.py, build_shm_op).
+CPU_OPS = ("ShareMemCommBuilder",)
 
 
 class ZeRO(Strategy):
@@ -40,6 +54,46 @@ class ZeRO(Strategy):
         except ImportError:
             raise ValueError(f"parallelism={self.name!r} needs the deepspeed package: install it after torch "
                              "(pip install 'mlflow-llmeff[deepspeed]')") from None
+
+    def build_ops(self, *, cuda: bool, builders=None, clock=time.perf_counter, say=print) -> float:
+        """Build (or load from the cache) the C++ ops DeepSpeed would JIT-compile while the
+        ``Accelerator`` is made, and return the seconds spent compiling (0.0 when every op was
+        cached or none is needed).
+
+        DeepSpeed keeps a loaded op (``OpBuilder._loaded_ops``), so its own load later reuses this
+        one. Ops already built are loaded without the line and count 0 s (a cached load takes a
+        fraction of a second; it stays set-up time). Ahead of time: ``DS_BUILD_OPS=1 pip install
+        deepspeed`` (or ``DS_BUILD_SHM_COMM=1``), and ``ds_report`` lists what is built.
+
+        Args:
+            cuda: the run is on CUDA (no CPU op is needed there: our configs use torch's AdamW).
+            builders: op builders to load (default: the CPU accelerator's :data:`CPU_OPS`; tests
+                pass fakes with ``name``, ``is_compatible()`` and ``load()``).
+            clock: seconds (``time.perf_counter``; tests pass a fake one).
+            say: where the line goes (``print``).
+
+        Raises:
+            RuntimeError: what DeepSpeed's build raises (a compiler missing), unchanged.
+        """
+        if builders is None:
+            if cuda:
+                return 0.0
+            from deepspeed.accelerator import get_accelerator
+
+            builders = [b for b in (get_accelerator().create_op_builder(n) for n in CPU_OPS) if b is not None]
+        spent = 0.0
+        for b in builders:
+            if not b.is_compatible(False):  # DeepSpeed skips it too (deepspeed.ops.__compatible_ops__)
+                continue
+            if _built(b.name):
+                b.load()
+                continue
+            if os.environ.get("RANK", "0") == "0":
+                say(BUILD_LINE, flush=True)
+            t0 = clock()
+            b.load()
+            spent += clock() - t0
+        return spent
 
     def launcher_args(self, *, cuda: bool) -> list[str]:
         return ["--use_deepspeed", "--zero_stage", str(self.stage)]
@@ -82,6 +136,15 @@ class ZeRO(Strategy):
         """ZeRO-3: release the parameters the eval forwards gathered (``empty_partition_cache``)."""
         if self.stage == 3 and hasattr(model, "empty_partition_cache"):
             model.empty_partition_cache()
+
+
+def _built(name: str) -> bool:
+    """Whether torch's extension cache already holds the op ``name`` (its shared object)."""
+    import glob
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return bool(glob.glob(os.path.join(_get_build_directory(name, verbose=False), f"{name}*.so")))
 
 
 @contextlib.contextmanager

@@ -27,6 +27,9 @@ class Training:
         parallel: the :class:`~mlflow_llmeff.parallel.base.Strategy` applied.
         layout: this rank's :class:`~mlflow_llmeff.parallel.base.Layout` (degrees, data-parallel
             rank, device mesh).
+        op_build_s: seconds this process spent compiling the strategy's C++ ops before the
+            ``Accelerator`` was made (DeepSpeed's JIT build on a machine's first run; 0.0 when
+            cached or none): build time, not set-up.
     """
 
     accelerator: Any
@@ -40,6 +43,7 @@ class Training:
     precision: str
     parallel: Any = None
     layout: Any = None
+    op_build_s: float = 0.0
 
     @property
     def world(self) -> int:
@@ -97,6 +101,8 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     from mlflow_llmeff.models.build import build_model, load_config, load_tokenizer
 
     strategy = get_strategy(cfg)
+    # DeepSpeed JIT-compiles its ops inside the Accelerator's construction: built first, timed, announced
+    op_build_s = strategy.build_ops(cuda=cuda) if hasattr(strategy, "build_ops") else 0.0
     accelerator = build_accelerator(cfg, precision, cuda, strategy)
     world = accelerator.num_processes
     layout = strategy.layout(accelerator, resolve_degrees(cfg))
@@ -138,7 +144,7 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     # it num_processes times per call), and registered so save_state/load_state carry it.
     accelerator.register_for_checkpointing(scheduler)
     return Training(accelerator, model, optimizer, scheduler, tokenizer, data, model_config,
-                    resolve_strategy(cfg, world), precision, strategy, layout)
+                    resolve_strategy(cfg, world), precision, strategy, layout, op_build_s)
 
 
 def teardown(t: Training) -> None:
