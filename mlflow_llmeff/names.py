@@ -118,7 +118,7 @@ BADPUT_CATEGORIES = ("init", "warmup", "compile", "data_wait", "eval", "checkpoi
 _BADPUT_MEANING = {
     "init": "set-up before the first step (process start, model build, run creation, peak measurement)",
     "warmup": "the warm-up steps' excess over steady-state step time (allocator, kernels, FlopCounterMode step); not logged when compiling",
-    "compile": "the warm-up steps' excess over steady-state step time under torch.compile (compilation); logged only when compiling",
+    "compile": "the warm-up steps' excess over steady-state step time under torch.compile (compilation), plus the strategy's op builds (DeepSpeed's JIT-compiled C++ ops); logged only when compiling or building",
     "data_wait": "host time blocked on the next batch inside steps",
     "eval": "evaluations (declared pauses)",
     "checkpoint_save": "checkpoint writes (declared pauses)",

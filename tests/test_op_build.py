@@ -88,3 +88,40 @@ def test_the_training_set_up_carries_the_build_seconds():
     from mlflow_llmeff.train.setup import Training
 
     assert Training(*[None] * 10).op_build_s == 0.0  # strategies without ops: no build time
+
+
+def test_a_ledger_names_set_up_seconds_as_an_op_build_capped_at_the_set_up_so_far():
+    from mlflow_llmeff.calc.goodput import TimeLedger, breakdown
+    from mlflow_llmeff.testing import FakeClock
+
+    clock = FakeClock()
+    led = TimeLedger(clock, 0.0)
+    clock.advance(10.0)
+    assert led.carve("op_build", 6.0) == 6.0
+    assert led.carve("op_build", 99.0) == 4.0  # only the 4 s of set-up left
+    with pytest.raises(ValueError, match="op_build"):
+        led.carve("init", 1.0)
+    led.begin()
+    clock.advance(1.0)
+    led.step_done(warmup=False)
+    parts = breakdown(led.close(), 0, 1)
+    assert (parts["init"], parts["compile"], parts["productive"], parts["wall"]) == (0.0, 10.0, 1.0, 11.0)
+    assert "warmup" in parts  # not compiled: the warm-up excess keeps its own name beside the build
+
+
+def test_the_op_build_is_compile_badput_not_init(tracking_uri):
+    from mlflow_llmeff import names
+    from mlflow_llmeff.monitor import EfficiencyMonitor
+    from mlflow_llmeff.testing import FakeClock
+
+    clock = FakeClock(10.0)  # the process started at 0; 10 s of set-up, 6 of them DeepSpeed's op build
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, clock=clock, started_at=0.0, measure_energy="none")
+    assert mon.credit_build(6.0) == 6.0
+    for _ in range(4):
+        clock.advance(1.0)
+        mon.step(tokens=100, samples=4)
+    s = mon.finish()
+    # wall 14 = init 4 + compile 6 + 4 one-second steps (warm-up step as long as the steady ones: no excess)
+    assert (s[names.SUM_BADPUT["init"]], s[names.SUM_BADPUT["compile"]], s[names.SUM_WALL_S]) == (4.0, 6.0, 14.0)
+    with pytest.raises(ValueError, match="before the first step"):
+        mon.credit_build(1.0)

@@ -40,7 +40,7 @@ __all__ = ["PAUSES", "TimeLedger", "breakdown", "goodput"]
 #: Categories a caller may declare with :meth:`TimeLedger.pause`.
 PAUSES = ("eval", "checkpoint_save", "checkpoint_load", "data_wait", "init", "other")
 #: Ledger keys: seconds credited directly (pauses, init, lost progress) and step seconds by phase.
-_KEYS = ("init", "eval", "checkpoint_save", "checkpoint_load", "lost_progress", "other",
+_KEYS = ("init", "op_build", "eval", "checkpoint_save", "checkpoint_load", "lost_progress", "other",
          "warmup_step", "steady_step", "warmup_data_wait", "steady_data_wait")
 
 
@@ -165,6 +165,29 @@ class TimeLedger:
         self._open_step_s = self._open_wait_s = 0.0
         return step_s
 
+    def carve(self, category: str, seconds: float) -> float:
+        """Name ``seconds`` of this attempt's ``init`` so far as ``category`` (``op_build``: a
+        strategy's C++ ops compiled before the meter existed, e.g. DeepSpeed's JIT build).
+
+        Capped at the ``init`` seconds up to now (it cannot name more than has passed); returns the
+        seconds moved.
+
+        Raises:
+            ValueError: for a category other than ``op_build``, a negative ``seconds``, or once a step has closed.
+        """
+        if category != "op_build":
+            raise ValueError(f"category {category!r} is not accepted; use op_build")
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds!r} is negative")
+        if self.warmup_steps or self.steady_steps:
+            raise ValueError("carve() names set-up time: call it before the first step closes")
+        if self._state == "init":
+            self._credit()
+        moved = min(float(seconds), self.seconds["init"])
+        self.seconds["init"] -= moved
+        self.seconds["op_build"] += moved
+        return moved
+
     def add(self, category: str, seconds: float) -> None:
         """Credit ``seconds`` that passed outside this attempt's clock (``lost_progress``)."""
         if category not in self.seconds or category.endswith("_step"):
@@ -232,6 +255,7 @@ def breakdown(seconds: dict[str, float], warmup_steps: int, steady_steps: int, *
         seconds: :meth:`TimeLedger.snapshot` (all attempts).
         warmup_steps: warm-up steps in it; ``steady_steps``: steady-state steps.
         compiled: the model is compiled: the warm-up excess is named ``compile``, else ``warmup``.
+            Seconds of op builds (``op_build``, :meth:`TimeLedger.carve`) are ``compile`` too.
 
     Returns:
         ``{"productive", "wall", "init", "warmup" | "compile", "data_wait", "eval",
@@ -250,6 +274,8 @@ def breakdown(seconds: dict[str, float], warmup_steps: int, steady_steps: int, *
         excess = warm
     out = {c: s[c] for c in ("init", "eval", "checkpoint_save", "checkpoint_load", "lost_progress", "other")}
     out["compile" if compiled else "warmup"] = excess
+    if s.get("op_build", 0.0) > 0:  # an op build (DeepSpeed's JIT) is compilation too, compiled model or not
+        out["compile"] = out.get("compile", 0.0) + s["op_build"]
     out["data_wait"] = s["warmup_data_wait"] + s["steady_data_wait"]
     out["productive"] = (warm - excess) + steady
     out["wall"] = wall_of(s)

@@ -215,6 +215,16 @@ class EfficiencyMonitor:
         """True while a forward pass is part of a steady step (not warm-up, not inside a declared pause)."""
         return not self._ledger.paused and not self._meter.is_warmup(self.step_count + 1)
 
+    def credit_build(self, seconds: float) -> float:
+        """Name ``seconds`` of the set-up so far as an op build (``summary/badput_compile_s``, not ``init``):
+        a strategy's C++ ops compiled before the meter existed (DeepSpeed's JIT). Call before the first
+        step; returns the seconds named (capped at the set-up time so far).
+
+        Raises:
+            ValueError: negative ``seconds``, or after the first step.
+        """
+        return self._ledger.carve("op_build", seconds)
+
     def continue_job(self, *, down_s: float = 0.0, earlier_s: dict[str, float] | None = None,
                      tail_end_unix: float | None = None, attempts: int | None = None) -> None:
         """Account the job's earlier attempts that no checkpoint holds (docs/time.md, "Reliability

@@ -103,6 +103,8 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
         started = max(started, time.perf_counter() - max(0.0, time.time() - job.start_unix))
     monitor = _open_monitor(cfg, t, found, started, carbon, job_run)
     holder["monitor"] = monitor
+    if t.op_build_s:  # DeepSpeed's JIT build, timed in setup before the meter existed: compile, not init
+        monitor.credit_build(t.op_build_s)
     if job is not None:
         from mlflow_llmeff.train.job import carry
 
