@@ -82,12 +82,17 @@ def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | No
     if strategy == "tp":
         return 4 * local, 4 * local, 8 * local
     b = 2.0 if precision in ("bf16", "fp16") else 4.0
+    # 16-bit ZeRO also holds each rank's gradient partition in fp32 for the optimizer step (DeepSpeed
+    # 0.19 stage_1_and_2.py: single_grad_partition = flat_grad_partition.to(fp32); stage3.py
+    # _prepare_fp32_grad_for_sub_group), the 4 B/param / dp that DeepSpeed's own estimators count in
+    # their 18 B/param (docs/parallelism.md); fp32 runs step on their gradients as they are
+    fp32_grads = 4 * p / dp if b == 2.0 else 0.0
     if strategy == "deepspeed_zero1":
-        return b * p, b * p, 12 * p / dp
+        return b * p, b * p + fp32_grads, 12 * p / dp
     if strategy == "deepspeed_zero2":
-        return b * p, b * p / dp, 12 * p / dp
+        return b * p, b * p / dp + fp32_grads, 12 * p / dp
     if strategy == "deepspeed_zero3":
-        return b * p / dp, b * p / dp, 12 * p / dp
+        return b * p / dp, b * p / dp + fp32_grads, 12 * p / dp
     raise ValueError(f"strategy={strategy!r} is not accepted; use one of: single, ddp, fsdp, hsdp, tp, fsdp_tp, "
                      "deepspeed_zero1/2/3")
 
@@ -109,7 +114,8 @@ def state_assumptions(strategy: str, precision: str, degrees=None) -> dict:
     deepspeed = strategy.startswith("deepspeed_")
     sixteen = precision in ("bf16", "fp16")
     if deepspeed and sixteen:
-        held_w, held_g = f"{precision} working weights ({w:g} B)", f"{precision} gradients ({g:g} B)"
+        held_w = f"{precision} working weights ({w:g} B)"
+        held_g = f"{precision} gradients ({g - 4:g} B) + the fp32 copy of the rank's partition the step uses (4 B)"
         opt = "fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq in fp32 (8 B)"
     else:
         held_w = ("fp32 weights, the master copy; autocast runs the matmuls in " + precision
