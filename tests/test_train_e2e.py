@@ -25,7 +25,9 @@ INTERVAL_KEYS = [names.TRAIN_LOSS, names.TRAIN_LR, names.TRAIN_TOKENS, names.TRA
 SUMMARY_KEYS = [names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TOKENS_PER_SEC, names.SUM_DEVICE_TFLOPS,
                 names.SUM_STEP_TIME_S, names.SUM_MODEL_STATE_BYTES_PER_PARAM,
                 names.SUM_GOODPUT, names.SUM_WALL_S, names.SUM_TOKENS, names.SUM_STEPS,
-                *(names.SUM_BADPUT[c] for c in names.BADPUT_CATEGORIES if c != "compile")]
+                # compile: only when compiling or building ops; down: with summary/attempts (a job with
+                # a checkpoint folder keeps its attempts ledger; docs/time.md)
+                *(names.SUM_BADPUT[c] for c in names.BADPUT_CATEGORIES if c not in ("compile", "down"))]
 CONDITION_TAGS = [names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.ACCEL_GENERATION, names.NODES,
                   names.PAR_STRATEGY, names.PAR_DP, names.PRECISION, names.MODEL_NAME, names.MODEL_PARAMS,
                   names.MODEL_NON_EMB_PARAMS, names.MODEL_LAYERS, names.MODEL_HIDDEN, names.SEQ_LEN,
