@@ -400,9 +400,17 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
     """Plan a run without training: parameters, FLOPs/step, memory per device, predicted time and cost."""
+    import contextlib
+    import sys
+
     from mlflow_llmeff.train.config import TrainConfig
     from mlflow_llmeff.train.launch import dry_run
 
+    if str(kwargs.get("parallelism", "")).startswith("deepspeed"):
+        # DeepSpeed's import logs to stdout ("Setting accelerator to CPU"): on stderr, so that stdout is the plan
+        with contextlib.redirect_stdout(sys.stderr):
+            with contextlib.suppress(ImportError):
+                import deepspeed  # noqa: F401
     try:
         raise SystemExit(dry_run(TrainConfig(**kwargs), accelerator_short=accelerator_short, as_json=as_json))
     except ValueError as e:
@@ -439,7 +447,8 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
     for r in rep.runs:
         if rep.missing_summary(r):
             click.echo(f"marked row: {r.label} ({r.run_id}): {rep.row_note(r)}", err=True)
-    click.echo(f"{len(rep.runs)} runs of {rep.selection.experiment_name!r} compared: {rep.selection.scope()}")
+    n = len(rep.runs)
+    click.echo(f"{n} run{'s' if n != 1 else ''} of {rep.selection.experiment_name!r} compared: {rep.selection.scope()}")
     click.echo("Configurations, best first (repeats as samples; within noise = intervals overlap, not ranked):")
     click.echo(headline_text(rep))
     reliability = reliability_text(rep)

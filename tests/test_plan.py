@@ -251,3 +251,17 @@ def test_state_assumptions_by_strategy(strategy, precision, per_param, sharding)
     if strategy == "deepspeed_zero2":  # the 12 B hold the fp32 master copy
         assert a["optimizer_state"] == "fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq in fp32 (8 B)"
         assert a["weights_held_as"] == "bf16 working weights (2 B)"
+
+
+def test_plan_json_for_a_deepspeed_strategy_is_json_alone_on_stdout():
+    # a fresh process: DeepSpeed's import logs "Setting accelerator to CPU" to stdout (a trial's jq failed)
+    from conftest import require
+
+    require("deepspeed", "pip install 'mlflow-llmeff[deepspeed]' after torch")
+    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "plan", "--model", "llama-7b", "--seq-len", "4096",
+                        "--micro-batch-size", "1", "--num-processes", "8", "--parallelism", "deepspeed_zero2",
+                        "--precision", "bf16", "--accelerator", "H100", "--json"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    assert (plan["accelerator_assumed"], plan["bytes_per_param_gradients"]) == ("H100-SXM", 2 + 4)  # bf16 + fp32 copy
