@@ -220,3 +220,20 @@ _LONGEST_FIRST = ("test_strategies.py", "test_survive.py", "test_compare_server.
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+
+
+def stop_process_group(proc, wait_s: float = 20) -> None:
+    """Stop a server started with ``start_new_session=True`` and the workers it started (its process
+    group): SIGTERM, then SIGKILL after ``wait_s`` seconds; a group already gone is fine."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(wait_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

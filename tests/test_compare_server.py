@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, stop_process_group
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
@@ -62,14 +62,7 @@ def server(tmp_path_factory):
 
 def _stop(proc) -> None:
     """Stop the server and the workers it started (its own process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    stop_process_group(proc)
 
 
 def _env(url: str) -> dict[str, str]:

@@ -17,7 +17,6 @@ import io
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 import urllib.request
 
 import pytest
+
+from conftest import stop_process_group
 from click.testing import CliRunner
 
 pytestmark = pytest.mark.slow
@@ -117,11 +118,7 @@ def server(postgres, tmp_path_factory):
             time.sleep(1)
         yield url
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc, wait_s=30)
         log.close()
 
 

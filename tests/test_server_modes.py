@@ -16,7 +16,6 @@ import base64
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+from conftest import stop_process_group
 
 CHROMIUM = "/usr/bin/chromium"
 ADMIN = ("admin", "admin-pass-8c1f2e")
@@ -55,14 +56,7 @@ def _http(url: str, *, user=None, method: str = "GET", body=None, host: str | No
 
 
 def _stop(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    stop_process_group(proc)
 
 
 @pytest.fixture(scope="module")
