@@ -296,6 +296,60 @@ def test_a_creation_the_server_carries_out_after_the_wait_is_found_not_made_twic
     assert [r.info.run_id for r in client.search_runs([exp])] == [late.info.run_id]
 
 
+class RetriedCreate:
+    """A client whose every ``create_run`` reaches the server twice, as MLflow's HTTP client sends a
+    POST again after a read timeout or a 5xx (``allowed_methods=None``): the first copy's answer lost."""
+
+    def __init__(self, client):
+        self._c = client
+
+    def create_run(self, *a, **kw):
+        self._c.create_run(*a, **kw)  # carried out, its answer never came back
+        return self._c.create_run(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+
+def test_a_create_that_mlflow_sent_twice_leaves_one_run(tracking_uri, monkeypatch):
+    # the CI failure: two machines of a loopback 2-node run on a loaded host gave two runs
+    # named tiny-ddp2-fp32-gbt128-s32-cpu, one per copy of the retried CreateRun
+    from mlflow_llmeff.tracking.runs import open_run
+
+    monkeypatch.setattr(delivery, "is_server", lambda uri: True)
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("retried")
+    handle = open_run(RetriedCreate(client), run_id=None, run_name="tiny", experiment_name="retried")
+    mlflow.end_run()  # open_run made it the active run
+    assert not outbox.is_local_id(handle.run_id)
+    assert [r.info.run_id for r in client.search_runs([exp])] == [handle.run_id]
+    deleted = client.search_runs([exp], run_view_type=mlflow.entities.ViewType.DELETED_ONLY)
+    assert [r.data.tags[names.OUTBOX_LOCAL_ID] for r in deleted] == [client.get_run(handle.run_id).data.tags[names.OUTBOX_LOCAL_ID]]
+    # the outbox's creation (a replay, llmeff sync) keeps one run the same way
+    spec = {"experiment_id": exp, "run_name": "tiny-2", "start_ms": 1_000, "tags": {}}
+    made = outbox.create_run(RetriedCreate(client), spec, "local-" + "b" * 32)
+    assert sorted(r.info.run_id for r in client.search_runs([exp])) == sorted([handle.run_id, made])
+
+
+def test_a_creation_landing_after_the_workers_own_yields_to_it(tracking_uri):
+    # the wait ran out, the outbox worker created the run, then the abandoned request landed too
+    import threading
+
+    from mlflow_llmeff.tracking import runs
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("late-landing")
+    local = "local-" + "c" * 32
+    spec = {"experiment_id": exp, "experiment_name": None, "run_name": "tiny", "unique": False, "start_ms": 1_000,
+            "tags": {}}
+    worker = outbox.create_run(client, spec, local)
+    gave_up = threading.Event()
+    gave_up.set()
+    late = runs._create(client, spec, local, gave_up)
+    assert late.info.run_id != worker
+    assert [r.info.run_id for r in client.search_runs([exp])] == [worker]
+
+
 def test_sync_creates_a_local_run_once_with_its_original_start_time(tracking_uri, tmp_path):
     local = "local-" + "a" * 32
     spec = {"experiment_name": "late", "experiment_id": None, "run_name": "tiny", "unique": False,

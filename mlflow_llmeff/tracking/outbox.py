@@ -38,7 +38,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
 
 __all__ = ["LOCAL_PREFIX", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
-           "entity_records", "write_outbox", "read_outbox", "create_run", "attach_run", "log_inputs", "log_eval", "log_table",
+           "entity_records", "write_outbox", "read_outbox", "create_run", "keep_only", "runs_of_local_id", "attach_run", "log_inputs", "log_eval", "log_table",
            "log_report", "deliver_outbox_file", "deliver_outbox", "Delivered"]
 
 log = logging.getLogger(__name__)
@@ -157,8 +157,30 @@ def create_run(client, spec: dict, local_id: str) -> str:
     tags = {**(spec.get("tags") or {}), names.OUTBOX_LOCAL_ID: local_id}
     tags.pop("mlflow.runName", None)  # the name is run_name (MLflow refuses the two when they differ)
     run = client.create_run(exp_id, start_time=spec.get("start_ms"), tags=tags, run_name=name)
+    keep_only(client, exp_id, local_id, run.info.run_id)
     ensure_experiment_kind(client, exp_id)
     return run.info.run_id
+
+
+def runs_of_local_id(client, exp_id: str, local_id: str) -> list[str]:
+    """Ids of the active runs of ``exp_id`` tagged ``llmeff.outbox.local_run_id = local_id``."""
+    found = client.search_runs([exp_id], f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=100)
+    return [r.info.run_id for r in found]
+
+
+def keep_only(client, exp_id: str, local_id: str, run_id: str) -> list[str]:
+    """Delete (MLflow's soft delete) every other active run created for ``local_id``; the ids deleted.
+
+    MLflow's HTTP client retries every method, ``CreateRun`` included, on a read timeout or a
+    5xx answer (``mlflow/utils/request_utils.py``: ``allowed_methods=None``): a server that
+    created the run but answered late gets the request again and creates a second run with the
+    same tags. The creation's local id tells the copies apart from any other run, and the one
+    whose id the caller holds is kept.
+    """
+    extra = [r for r in runs_of_local_id(client, exp_id, local_id) if r != run_id]
+    for other in extra:
+        client.delete_run(other)
+    return extra
 
 
 def attach_run(client, run_id: str, spec: dict) -> None:

@@ -18,6 +18,7 @@ store (sqlite, a folder) is called directly.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -110,8 +111,9 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     # the id is given first and the run created with it as a tag: a create the server carries out
     # after the wait ran out is found by the outbox's replay, not created twice
     local_id = outbox.new_local_id()
+    gave_up = threading.Event()  # set when the wait ran out: the outbox's worker then owns the creation
     try:
-        run = _call(lambda: _create(client, spec, local_id), wait, "creating the run")
+        run = _call(lambda: _create(client, spec, local_id, gave_up), wait, "creating the run", gave_up)
     except _Unanswered as e:
         return RunHandle(local_id, owned=True, fluent=False, resumed=False, pending=[{"create": spec}],
                          unanswered=str(e), local_id=local_id)
@@ -122,9 +124,10 @@ class _Unanswered(Exception):
     """The tracking server did not answer (in time, or at all)."""
 
 
-def _call(fn, wait: float | None, what: str):
+def _call(fn, wait: float | None, what: str, gave_up: threading.Event | None = None):
     """``fn()`` directly (``wait`` None: a local store) or within ``wait`` seconds; a server that does not
-    answer, or fails without refusing the request itself, raises :class:`_Unanswered`."""
+    answer, or fails without refusing the request itself, raises :class:`_Unanswered` (and sets
+    ``gave_up`` when the wait ran out while ``fn`` goes on)."""
     from mlflow_llmeff.tracking import delivery
 
     if wait is None:
@@ -132,6 +135,8 @@ def _call(fn, wait: float | None, what: str):
     try:
         return delivery.bounded(fn, wait, what)
     except delivery.NoAnswer as e:
+        if gave_up is not None:
+            gave_up.set()
         raise _Unanswered(str(e)) from None
     except Exception as e:  # noqa: BLE001
         if getattr(e, "error_code", None) in _REFUSALS:
@@ -177,14 +182,27 @@ def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool, 
             "name_parts": name_parts, "start_ms": int(time.time() * 1000), "tags": tags}
 
 
-def _create(client, spec: dict, local_id: str):
+def _create(client, spec: dict, local_id: str, gave_up: threading.Event | None = None):
     """Create a new run from a ``create`` spec (the experiment made if named and missing), tagged with
-    ``local_id`` (``llmeff.outbox.local_run_id``); the Run."""
+    ``local_id`` (``llmeff.outbox.local_run_id``); the Run.
+
+    One run per local id: copies that MLflow's retried request created are deleted
+    (:func:`outbox.keep_only`). A creation that lands after the caller stopped waiting
+    (``gave_up`` set) yields to the outbox worker's: it deletes itself when that one exists.
+    """
+    from mlflow_llmeff.tracking import outbox
+
     exp_id = experiment_id(client, spec)
     name = (unique_run_name(client, exp_id, spec["run_name"], parts=spec.get("name_parts")) if spec["unique"]
             else spec["run_name"])
     run = client.create_run(exp_id, start_time=spec["start_ms"], tags={**spec["tags"], names.OUTBOX_LOCAL_ID: local_id},
                             run_name=name)
+    if gave_up is not None and gave_up.is_set():  # nobody holds this id: the worker's run (if any) wins
+        if [r for r in outbox.runs_of_local_id(client, exp_id, local_id) if r != run.info.run_id]:
+            client.delete_run(run.info.run_id)
+            return run
+    else:
+        outbox.keep_only(client, exp_id, local_id, run.info.run_id)
     ensure_experiment_kind(client, exp_id)
     return run
 
