@@ -34,6 +34,7 @@ import time
 import zlib
 
 from mlflow_llmeff.calc import reliability as rel
+from mlflow_llmeff.meters import probes
 
 JOB_FILE = "llmeff_job.json"
 LEDGER_FILE = "llmeff_attempts.jsonl"
@@ -42,20 +43,10 @@ START_ENV = "LLMEFF_ATTEMPT_START_UNIX"
 _RECORD = 96  # bytes of a heartbeat record
 
 
-def process_start_unix() -> float:
-    """Unix time this process started (psutil; else now)."""
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - no psutil or no /proc
-        return time.time()
-
-
 def attempt_start_unix() -> float:
     """The attempt's start: the launcher's start when it passed one (``$LLMEFF_ATTEMPT_START_UNIX``,
     earlier than this process), else this process's start."""
-    own = process_start_unix()
+    own = probes.process_start_unix()
     try:
         given = float(os.environ.get(START_ENV, ""))
     except ValueError:
@@ -193,7 +184,7 @@ class Job:
             prev_end = max(float(e["unix"]) for e in self.events()
                            if e.get("event") == "end" and int(e.get("attempt", -1)) == prev)
             if start_unix < prev_end:  # an elastic restart inside one launch: the launcher's start is older
-                start_unix = max(prev_end, process_start_unix())
+                start_unix = max(prev_end, probes.process_start_unix())
         else:
             self.attempt = 1
         self.start_unix, self.warmup_steps = float(start_unix), int(warmup_steps)
