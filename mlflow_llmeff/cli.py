@@ -15,6 +15,16 @@ def main() -> None:
 
 # Commands are registered below, one block per concern (train, flops/peak/plan, eval, ...).
 
+# True when this process is the command line itself (``llmeff``, ``python -m mlflow_llmeff``), not a
+# caller of ``main`` (click's CliRunner in tests): only then may ``llmeff train`` end the process itself
+_PROCESS_ENTRY = {"on": False}
+
+
+def console_main() -> None:
+    """The ``llmeff`` console script: :func:`main` as this process's own entry point."""
+    _PROCESS_ENTRY["on"] = True
+    main(prog_name="llmeff")
+
 
 # ---- train commands
 def _train_options(f):
@@ -57,6 +67,10 @@ def train_cmd(**kwargs) -> None:
 
         record_failure(error_line(e), known_conditions(kwargs), run_name=failed_run_name(kwargs))
         raise
+    if _PROCESS_ENTRY["on"]:  # logged and done: return to the user now, not after torch's module teardown
+        from mlflow_llmeff.monitor.lifecycle import exit_now
+
+        exit_now(code)
     raise SystemExit(code)
 
 
@@ -109,6 +123,7 @@ def run_as_project() -> None:
     import os
     import re
 
+    _PROCESS_ENTRY["on"] = True
     if not os.environ.get("MLFLOW_RUN_ID"):
         main(prog_name="llmeff")
         return

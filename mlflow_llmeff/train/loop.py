@@ -197,6 +197,7 @@ def _job_figures(job, monitor) -> dict:
     from mlflow_llmeff.calc import reliability as rel
 
     def figures(end_unix: float):
+        job.settle()  # a short resumed attempt: its set-up and load are part of the recovery
         r = rel.compute(job.attempts(now=end_unix, step=monitor.step_count, end=rel.FINISHED))
         said["line"] = rel.describe(r)
         return rel.summary_metrics(r), rel.summary_tags(r), said["line"] if r.attempts > 1 else None
@@ -461,10 +462,12 @@ def _progress(bar, monitor) -> None:
 
 
 def _inject_faults(step: int, monitor) -> None:
-    """The after-step test hooks (train/faults.py); the kill and the hold flush the metrics first, on rank 0."""
+    """The after-step test hooks (train/faults.py); the kill and the hold (rank 0, or ``$LLMEFF_FAULT_RANK``)
+    flush rank 0's metrics first."""
     for point in ("kill_at_step", "hold_at_step"):
-        if faults.fires(point, step) and monitor.is_main:
-            monitor.flush()
+        if faults.fires(point, step) and faults.on_this_rank(monitor.is_main):
+            if monitor.is_main:
+                monitor.flush()
             faults.maybe_fault(point, step)
     faults.maybe_fault("raise_at_step", step)
     faults.maybe_fault("sigterm_at_step", step)
@@ -585,6 +588,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {line}", file=sys.stderr)
         sys.exit(1)
+    # the run is logged and torn down: end now, not after torch's module teardown (seconds of the
+    # user's command that no summary/wall_s holds; monitor/lifecycle.py exit_now)
+    lifecycle.exit_now(0)
 
 
 if __name__ == "__main__":
