@@ -453,3 +453,87 @@ def test_a_diverged_attempt_records_its_nan_end(tracking_uri, tmp_path):
     assert job.record()["run_id"]  # the run is recorded for a restart
     a = job.attempts()[0]
     assert a.failed and a.checkpoint_step == a.steps - 1  # the checkpoint before the NaN step
+
+
+# ------------------------------------------------------------------------------ the launcher's view (train/elastic.py)
+def test_an_exit_status_is_read_as_its_signal():
+    from mlflow_llmeff.train.job import signal_of
+
+    assert [signal_of(c) for c in (-9, 137, -15, 143, 1, 0, 128, 255)] == \
+        ["SIGKILL", "SIGKILL", "SIGTERM", "SIGTERM", None, None, None, None]
+
+
+def _failure(rank, exitcode, unix):
+    return {"rank": rank, "exitcode": exitcode, "signal": None, "unix": unix}
+
+
+@pytest.mark.parametrize("returncode, failures, own, expected", [
+    # rank 1 SIGKILLed; rank 0 then saw its peer go (gloo) and was stopped by the agent (143), a second later
+    (1, [_failure(1, -9, 100), _failure(0, 143, 101)], {"kind": "lost_rank"}, ("lost_rank", "lost rank 1 (SIGKILL)")),
+    # the same second: the signalled rank is the cause, not rank 0's exit
+    (1, [_failure(0, 1, 100), _failure(1, -9, 100)], {"kind": "signal"}, ("lost_rank", "lost rank 1 (SIGKILL)")),
+    (1, [_failure(2, 3, 100)], {"kind": "signal", "detail": "SIGTERM"}, ("lost_rank", "lost rank 2 (exit 3)")),
+    (1, [_failure(1, 137, 100)], None, ("lost_rank", "lost rank 1 (SIGKILL)")),  # a shell's 128 + 9
+    (1, [_failure(0, -9, 100)], None, ("signal", "SIGKILL")),   # rank 0 itself killed: no record of its own
+    (1, [_failure(0, 1, 100)], {"kind": "nan"}, None),            # rank 0 said why itself: kept
+    (-9, [], None, ("signal", "SIGKILL")),                        # the launcher itself was killed
+    (137, [], None, ("signal", "SIGKILL (exit 137)")),
+    (1, [], None, ("exit_code", "launcher exit 1, rank 0 left no exit record")),
+    (1, [_failure(1, -9, 100)], {"kind": "finished"}, None),       # a rank lost after the job finished
+])
+def test_the_launcher_names_the_lost_rank_and_its_signal(returncode, failures, own, expected):
+    from mlflow_llmeff.train.job import launch_ending
+
+    assert launch_ending(returncode, failures, own) == expected
+
+
+def test_torch_elastics_failures_are_recorded_first_seen_first(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from mlflow_llmeff.train import elastic
+
+    err = ChildFailedError("loop", {0: ProcessFailure(local_rank=0, pid=11, exitcode=143, error_file="<N/A>"),
+                                    1: ProcessFailure(local_rank=1, pid=12, exitcode=-9, error_file="<N/A>")})
+    err.failures[0].timestamp, err.failures[1].timestamp = 1001, 1000
+    records = elastic.failure_records(err)
+    assert [(r["rank"], r["exitcode"], r["signal"], r["unix"]) for r in records] == \
+        [(1, -9, "SIGKILL", 1000.0), (0, 143, None, 1001.0)]
+    assert records[0]["message"] == "Signal 9 (SIGKILL) received by PID 12"
+    elastic.write_failures(str(tmp_path / "f.json"), records)
+    assert elastic.read_failures(str(tmp_path / "f.json")) == records
+    assert elastic.failure_records(RuntimeError("x")) == [] and elastic.read_failures(str(tmp_path / "none")) == []
+
+
+def test_the_launcher_replaces_rank_0s_view_with_the_lost_rank(tmp_path):
+    from mlflow_llmeff.train import job as jobs
+
+    clock = [100.0]
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=90.0, start_step=0, warmup_steps=0)
+    _drive(job, clock, 1, 4, ckpt_every=3)  # checkpoint 3 at 104, step 4 at 105; then rank 1 is killed
+    job.end("lost_rank", 4, "a peer rank was lost (RuntimeError)")  # rank 0's collective fails, at 105
+    jobs.Job(str(tmp_path)).close_open(1, [_failure(1, -9, 105), _failure(0, 143, 106)])
+    (a,) = jobs.Job(str(tmp_path)).attempts()
+    assert (a.end, a.detail, a.steps, a.last_alive) == ("lost_rank", "lost rank 1 (SIGKILL)", 4, 105.0)
+    assert jobs.Job(str(tmp_path)).events()[-1]["rank0"] == "lost_rank (a peer rank was lost (RuntimeError))"
+    assert rel.failures_line(rel.compute([a])).startswith("attempt 1: lost_rank (lost rank 1 (SIGKILL)) at step 4")
+
+
+def test_a_short_attempts_set_up_is_in_its_recovery_before_it_ends(tmp_path):
+    # the job's figures are computed when the meter's clock stops, before the attempt's end record:
+    # an attempt of fewer steps than 2 x warmup_steps had not written its set-up yet (recovery = down only)
+    from mlflow_llmeff.train import job as jobs
+
+    clock = [100.0]
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=100.0, start_step=0, warmup_steps=0)
+    _drive(job, clock, 1, 3, ckpt_every=3)  # checkpoint 3 at 104, killed: heartbeat at 103... 104
+    clock[0] = 110.0
+    job = jobs.Job(str(tmp_path), clock=lambda: clock[0])
+    job.begin(start_unix=110.0, start_step=3, warmup_steps=3)
+    clock[0] = 115.0  # 5 s of set-up
+    _drive(job, clock, 4, 5, ckpt_every=100)  # 2 steps of 1 s: fewer than the 6 that write the record
+    job.settle()
+    r = rel.compute(job.attempts(step=5, end=rel.FINISHED))
+    assert r.recovery_parts_s["setup"] == 5.0
+    assert r.recovery_s == pytest.approx((110.0 - 104.0) + 5.0 + 2.0)  # down, set-up, 2 warm-up steps

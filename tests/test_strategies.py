@@ -24,6 +24,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.planning.plan import make_plan, model_state_bytes, parameter_split
 from mlflow_llmeff.models.presets import load_config
 from mlflow_llmeff.train.config import TrainConfig
+from mlflow_llmeff.train import faults
 from mlflow_llmeff.train.loop import KILL_AT_STEP_ENV
 
 from conftest import require
@@ -166,8 +167,9 @@ def launched(request, template_db, tmp_path_factory):
     jobs = Launches(template_db, folder)
     if resume:
         ck = folder / "fsdp-ck"
+        # rank 1 SIGKILLed after step 4, through llmeff train (its launcher records which rank was lost)
         jobs.add("fsdp-killed", config("fsdp", num_processes=2, micro_batch_size=4, checkpoint_dir=str(ck),
-                                       checkpoint_every=3), {KILL_AT_STEP_ENV: "4"})
+                                       checkpoint_every=3), {KILL_AT_STEP_ENV: "4", faults.RANK_ENV: "1"}, cli=True)
     for strategy in CASES:
         if strategy in wanted and (not strategy.startswith("deepspeed") or _has_deepspeed()):
             jobs.add(strategy, config(strategy, **CASES[strategy][0]))
@@ -282,11 +284,14 @@ def test_strategy_trains_like_one_process(strategy, launched):
 
 def test_fsdp_killed_between_checkpoints_resumes_into_the_same_run(launched):
     first = launched[1]["fsdp-killed"][0]
-    assert first.returncode != 0  # SIGKILL after step 4; last checkpoint at step 3
+    assert first.returncode != 0  # rank 1 SIGKILLed after step 4; last checkpoint at step 3
     reference, run, uri = finished(launched, "fsdp")
     ck = launched[2] / "fsdp-ck"
     assert sorted(os.listdir(ck / "step_00000006" / "dcp")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert run.data.tags[names.RESUMED_FROM] == "3" and run.data.tags[names.RESUME_ATTEMPTS] == "2"
+    # the failure is the lost rank and its signal, as torch elastic saw it (not rank 0's SIGTERM or gloo error)
+    assert run.data.tags[names.RELIABILITY_FAILURES].startswith(
+        "attempt 1: lost_rank (lost rank 1 (SIGKILL)) at step 4,"), run.data.tags[names.RELIABILITY_FAILURES]
     assert [s for s, _ in history(run, names.TRAIN_LOSS, uri)] == list(range(1, STEPS + 1))  # each step once
     # steps 1-3 of the first attempt, 4-5 of the resumed one: the sharded model, optimizer, schedule
     # and data order all continue exactly

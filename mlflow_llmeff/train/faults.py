@@ -20,6 +20,9 @@ leaves a correct record and a resumable checkpoint:
                                   until ``$LLMEFF_FAULT_HOLD_FILE`` exists: the test changes the
                                   world meanwhile (e.g. the tracking server stops answering)
 ================================  ===========================================================
+
+The after-step kill and hold fire on the main process, or on the global rank in
+``LLMEFF_FAULT_RANK`` when it is set (``1``: a 2-process run loses rank 1).
 """
 
 from __future__ import annotations
@@ -40,6 +43,16 @@ ENV = {
     "hold_at_step": "LLMEFF_FAULT_HOLD_AT_STEP",
 }
 HOLD_FILE_ENV = "LLMEFF_FAULT_HOLD_FILE"
+RANK_ENV = "LLMEFF_FAULT_RANK"
+
+
+def on_this_rank(is_main: bool) -> bool:
+    """True where the after-step kill and hold fire: the global rank ``$LLMEFF_FAULT_RANK`` (this
+    process's ``$RANK``, 0 without one) when set, else the main process (``is_main``)."""
+    want = os.environ.get(RANK_ENV, "").strip()
+    if not want.isdigit():
+        return is_main
+    return int(want) == int(os.environ.get("RANK", "0") or 0)
 
 
 def fault_step(point: str) -> int:

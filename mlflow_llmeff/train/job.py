@@ -2,7 +2,7 @@
 
 A *job* is one MLflow run; every process start that continues it is an *attempt*
 (``../shared/METRICS.md``, "Reliability across a job's life"; ``docs/time.md``). Rank 0 keeps three
-files in the checkpoint directory:
+files in the checkpoint directory (and the launcher a fourth):
 
 ``llmeff_job.json``
     the run id, its experiment and tracking URI, and the job's start (Unix seconds), written as
@@ -15,6 +15,10 @@ files in the checkpoint directory:
     (how it ended: ``finished`` or a cause of :data:`mlflow_llmeff.calc.reliability.CAUSES`, the
     step reached, the time). An attempt with no ``end`` (SIGKILL, a lost machine) gets one from the
     next attempt: ``unknown``, at its last heartbeat.
+``llmeff_launch_failures.json``
+    written by the launcher's wrapper (:mod:`mlflow_llmeff.train.elastic`) when torch elastic saw
+    workers fail: each failed rank, its exit code or signal, when; the launcher then records
+    the attempt's end from it (:func:`launch_ending`).
 ``llmeff_progress``
     the heartbeat: the attempt, its last completed step and the time, one fixed-length record with
     a CRC32 rewritten in place at every step (one ``pwrite``: 2-5 us a step on the development
@@ -40,6 +44,7 @@ JOB_FILE = "llmeff_job.json"
 LEDGER_FILE = "llmeff_attempts.jsonl"
 PROGRESS_FILE = "llmeff_progress"
 START_ENV = "LLMEFF_ATTEMPT_START_UNIX"
+LAUNCH_FILE = "llmeff_launch_failures.json"  # torch elastic's failed workers of the last launch (train/elastic.py)
 _RECORD = 96  # bytes of a heartbeat record
 
 
@@ -242,6 +247,12 @@ class Job:
                       "rewarm_s": rewarm, "unix": self._clock()}
         self._append(self._warm)
 
+    def settle(self) -> None:
+        """Write this attempt's ``warm`` record now (set-up, load, re-warm-up) if it ran too few steps
+        to have written it: the job's figures are computed before the attempt's ``end``."""
+        if self._warm is None and self._durations:
+            self._write_warm()
+
     def checkpoint(self, step: int) -> None:
         """A checkpoint of ``step`` is complete now."""
         self._append({"event": "checkpoint", "attempt": self.attempt, "step": int(step), "unix": self._clock()})
@@ -251,37 +262,47 @@ class Job:
         if self._ended or not self.attempt:
             return
         self._ended = True
-        if self._warm is None and self._durations:
-            self._write_warm()
+        self.settle()
         if self.heartbeat is not None:
             self.heartbeat.beat(step)
             self.heartbeat.close()
         self._append({"event": "end", "attempt": self.attempt, "kind": kind, "detail": detail, "step": int(step),
                       "unix": self._clock(), "by": "itself"})
 
-    def close_open(self, returncode: int) -> None:
-        """The launcher, after its workers ended: an attempt that left no ``end`` (rank 0 killed or
-        lost) ends with the launcher's exit status, at its heartbeat (never raises)."""
+    def close_open(self, returncode: int, failures: list[dict] | tuple = ()) -> None:
+        """The launcher, after its workers ended: how the attempt ended, from what it can know.
+
+        ``failures`` are torch elastic's failed workers (:func:`mlflow_llmeff.train.elastic.failure_records`).
+        An attempt that left no ``end`` (rank 0 killed or lost) ends at its heartbeat; one whose rank 0
+        wrote its own end but did not finish (SIGTERM from the agent, a collective error) gets the
+        launcher's end when the first failure was another rank's (``lost rank 1 (SIGKILL)``): the
+        newest ``end`` of an attempt is the one read (:func:`launch_ending`). Never raises.
+        """
         try:
             events = self.events()
             starts = [e for e in events if e.get("event") == "start"]
             if not starts:
                 return
             n = int(starts[-1]["attempt"])
-            if any(e.get("event") == "end" and int(e.get("attempt", -1)) == n for e in events):
+            own = [e for e in events if e.get("event") == "end" and int(e.get("attempt", -1)) == n]
+            ending = launch_ending(returncode, list(failures), own[-1] if own else None)
+            if ending is None:
                 return
-            beat = read_heartbeat(self._path(PROGRESS_FILE))
-            beat = beat if beat and beat["attempt"] == n else None
-            if returncode < 0:
-                import signal
-
-                kind, detail = "signal", signal.Signals(-returncode).name
+            kind, detail = ending
+            if own:  # rank 0's own record: its step and its last sign of life stay
+                step, unix = int(own[-1]["step"]), float(own[-1]["unix"])
+                rank0 = f"{own[-1].get('kind')}{' (' + own[-1]['detail'] + ')' if own[-1].get('detail') else ''}"
             else:
-                kind, detail = ("exit_code", f"launcher exit {returncode}, rank 0 left no exit record") if returncode else \
-                    ("unknown", "launcher exit 0 without the workers' exit record")
-            self._append({"event": "end", "attempt": n, "kind": kind, "detail": detail,
-                          "step": beat["step"] if beat else int(starts[-1].get("start_step", 0)),
-                          "unix": beat["unix"] if beat else float(starts[-1]["start_unix"]), "by": "launcher"})
+                beat = read_heartbeat(self._path(PROGRESS_FILE))
+                beat = beat if beat and beat["attempt"] == n else None
+                step = beat["step"] if beat else int(starts[-1].get("start_step", 0))
+                unix = beat["unix"] if beat else float(starts[-1]["start_unix"])
+                rank0 = None
+            event = {"event": "end", "attempt": n, "kind": kind, "detail": detail, "step": step, "unix": unix,
+                     "by": "launcher" + (" (torch elastic)" if failures else "")}
+            if rank0:
+                event["rank0"] = rank0
+            self._append(event)
         except (OSError, ValueError, KeyError):
             pass
 
@@ -370,6 +391,59 @@ def carry(attempts: list[rel.Attempt], resumed_step: int | None) -> dict:
         earlier["lost_progress"] += max(0.0, span - setup - load)
     return {"down_s": down, "earlier_s": {k: v for k, v in earlier.items() if v},
             "tail_end_unix": prev[writer].last_alive if writer is not None else None, "attempts": len(attempts)}
+
+
+def signal_of(exitcode: int) -> str | None:
+    """The signal an exit status says killed the process: ``-9`` (Python's ``returncode``) or ``137``
+    (a shell's 128 + 9) -> ``"SIGKILL"``; None for an ordinary exit code."""
+    import signal
+
+    number = -exitcode if exitcode < 0 else exitcode - 128 if 128 < exitcode < 128 + 65 else 0
+    try:
+        return signal.Signals(number).name if number else None
+    except ValueError:
+        return None
+
+
+def launch_ending(returncode: int, failures: list[dict], own_end: dict | None) -> tuple[str, str] | None:
+    """How a launch's attempt ended, as the launcher knows it: ``(kind, detail)``, or None to keep the
+    attempt's own record.
+
+    Args:
+        returncode: the launcher's exit status (negative: killed by that signal; 128 + N: a shell's signal N).
+        failures: torch elastic's failed workers, first seen first (``rank``, ``exitcode``, ``signal``,
+            ``unix``; :func:`mlflow_llmeff.train.elastic.failure_records`).
+        own_end: rank 0's own ``end`` record of the attempt, or None when it wrote none.
+
+    The first failure is the cause (the agent stops the other workers after it: rank 0's SIGTERM or
+    its collective error is a consequence). Among failures seen in the same second a rank killed by a
+    signal goes first, then the lowest rank; rank 0 is not the cause when its own record says it lost
+    a peer. A rank other than 0 gives ``lost_rank``, ``"lost rank 1 (SIGKILL)"`` (or ``(exit 3)``);
+    rank 0 killed gives ``signal``. A finished attempt, or rank 0's own record of its own failure
+    (NaN, OOM, ...), is kept. Without failures: a signal in ``returncode``, else its exit status.
+    """
+    if own_end is not None and own_end.get("kind") == "finished":
+        return None
+    candidates = [f for f in failures if not (int(f.get("rank", 0)) == 0 and own_end is not None
+                                              and own_end.get("kind") == "lost_rank")]
+    if candidates:
+        first = min(candidates, key=lambda f: (int(f.get("unix", 0) or 0), signal_of(int(f.get("exitcode", 0))) is None,
+                                               int(f.get("rank", 0))))
+        rank, code = int(first.get("rank", 0)), int(first.get("exitcode", 0))
+        how = first.get("signal") or signal_of(code) or f"exit {code}"
+        if rank != 0:
+            return "lost_rank", f"lost rank {rank} ({how})"
+        if own_end is not None:  # rank 0 said how it ended itself
+            return None
+        return ("signal", how) if signal_of(code) else ("exit_code", f"rank 0 {how}")
+    if own_end is not None:
+        return None
+    sig = signal_of(returncode)
+    if sig:
+        return "signal", sig if returncode < 0 else f"{sig} (exit {returncode})"
+    if returncode:
+        return "exit_code", f"launcher exit {returncode}, rank 0 left no exit record"
+    return "unknown", "launcher exit 0 without the workers' exit record"
 
 
 def classify(e: BaseException | None, signalled: str | None = None) -> tuple[str, str]:

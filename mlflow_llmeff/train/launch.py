@@ -100,9 +100,17 @@ def launch(cfg: TrainConfig) -> int:
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
     env["LLMEFF_NUM_MACHINES"] = str(cfg.num_machines)  # for the nodes tag, whatever the launcher sets
     env[jobs.START_ENV] = repr(jobs.attempt_start_unix())  # the job's clock starts at this command
-    rc = subprocess.run(cmd, env=env).returncode
-    if cfg.checkpoint_dir and cfg.machine_rank == 0:  # workers that left no exit record: the launcher's
-        jobs.Job(cfg.checkpoint_dir).close_open(rc)
+    from mlflow_llmeff.train import elastic
+
+    # the launcher runs inside train/elastic.py, which keeps torch elastic's record of failed workers
+    # (in the job's folder) and returns without the interpreter's teardown
+    job = cfg.checkpoint_dir and cfg.machine_rank == 0
+    failures_path = os.path.join(cfg.checkpoint_dir, jobs.LAUNCH_FILE) if job else elastic.NO_FILE
+    if job and os.path.exists(failures_path):
+        os.remove(failures_path)
+    rc = subprocess.run([cmd[0], "-m", "mlflow_llmeff.train.elastic", failures_path, *cmd[2:]], env=env).returncode
+    if job:  # how the attempt ended where rank 0 could not say (killed, or stopped after another rank was lost)
+        jobs.Job(cfg.checkpoint_dir).close_open(rc, elastic.read_failures(failures_path))
     return rc
 
 
