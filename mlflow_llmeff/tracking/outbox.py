@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+from mlflow_llmeff.tracking.search import all_runs
 
 __all__ = ["LOCAL_PREFIX", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
            "entity_records", "write_outbox", "read_outbox", "create_run", "keep_only", "runs_of_local_id", "attach_run", "log_inputs", "log_eval", "log_table",
@@ -163,9 +164,9 @@ def create_run(client, spec: dict, local_id: str) -> str:
 
 
 def runs_of_local_id(client, exp_id: str, local_id: str) -> list[str]:
-    """Ids of the active runs of ``exp_id`` tagged ``llmeff.outbox.local_run_id = local_id``."""
-    found = client.search_runs([exp_id], f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=100)
-    return [r.info.run_id for r in found]
+    """Ids of the active runs of ``exp_id`` tagged ``llmeff.outbox.local_run_id = local_id``: every
+    one, page after page (until issue 31 the first 100: copies past them were never deleted)."""
+    return [r.info.run_id for r in all_runs(client, [exp_id], f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'")]
 
 
 def keep_only(client, exp_id: str, local_id: str, run_id: str) -> list[str]:
