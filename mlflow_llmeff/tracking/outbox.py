@@ -8,6 +8,8 @@ order the run made them:
   the run's id until then is a local one, ``local-<32 hex>``;
 * ``{"attach": {...}}``: mark an existing run RUNNING again (a resumed run; the launcher's run of
   ``mlflow run``, named when it has no metrics yet);
+* ``{"name": {"name_parts": {...}}}``: name the run its configuration's stem, unique in its experiment
+  (a run the meter named before its first step told the batch shape; :func:`name_run`);
 * ``{"m": [key, value, timestamp ms, step]}``, ``{"p": [key, value]}``, ``{"t": [key, value]}``:
   metric points, params, tags;
 * ``{"inputs": [...]}``: the run's dataset inputs (MLflow ``Dataset`` fields and the context);
@@ -184,6 +186,26 @@ def keep_only(client, exp_id: str, local_id: str, run_id: str) -> list[str]:
     return extra
 
 
+def name_run(client, run_id: str, spec: dict) -> str:
+    """Name run ``run_id`` (a ``name`` record) the fixed-order stem of ``spec["name_parts"]``
+    (:func:`mlflow_llmeff.tracking.naming.study_name`), ``-2``, ``-3`` where another run of its
+    experiment has it; returns the name set.
+
+    The meter names a run when it creates it, before the first step; the batch shape (the global
+    batch and sequence length parts) is known at the end of that step, so a run whose stem then
+    grows is named again, and its name is the one ``llmeff train`` gives the same configuration.
+
+    Raises:
+        mlflow.exceptions.MlflowException: what MLflow raises (the run is not there).
+    """
+    run = client.get_run(run_id)
+    name = unique_run_name(client, run.info.experiment_id, run.info.run_name or "", exclude_run_id=run_id,
+                           parts=spec.get("name_parts"))
+    if name and name != run.info.run_name:
+        client.set_tag(run_id, "mlflow.runName", name)
+    return name
+
+
 def attach_run(client, run_id: str, spec: dict) -> None:
     """Mark an existing run RUNNING (an ``attach`` record): ``continued_from`` (a launcher's run that a
     resume redirected: tagged ``llmeff.resume.continued_in_run``); ``run_name`` (named so if it has
@@ -306,6 +328,8 @@ def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> Deliver
             raise ValueError(f"{path}: run {run_id} has no creation record and no known MLflow run id")
         elif "attach" in rec:
             attach_run(client, run_id, rec["attach"])
+        elif "name" in rec:
+            name_run(client, run_id, rec["name"])
         elif "inputs" in rec:
             log_inputs(client, run_id, rec["inputs"])
         elif "eval" in rec:
