@@ -91,6 +91,22 @@ def known_conditions(params: dict) -> dict[str, str]:
                       (names.MICRO_BATCH_SIZE, "micro_batch_size"), (names.GRAD_ACCUM, "grad_accum")):
         if params.get(name) not in (None, ""):
             tags[key] = str(params[name])
+    try:  # what the run would have been tagged: strategy and precision resolved, the global batch
+        import dataclasses
+
+        import torch
+
+        from mlflow_llmeff.train.config import TrainConfig, global_batch_tokens, resolve_precision, resolve_strategy
+
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        cfg = TrainConfig(**{k: v for k, v in params.items() if k in known and v is not None})
+        tags[names.PAR_STRATEGY] = resolve_strategy(cfg, cfg.num_processes * cfg.num_machines)
+        cuda = torch.cuda.is_available()
+        tags[names.PRECISION] = resolve_precision(cfg, cuda_available=cuda,
+                                                  bf16_supported=cuda and torch.cuda.is_bf16_supported())
+        tags[names.GLOBAL_BATCH_TOKENS] = str(global_batch_tokens(cfg))
+    except Exception:  # noqa: BLE001 - a configuration that does not resolve: those conditions stay unknown
+        pass
     return tags
 
 

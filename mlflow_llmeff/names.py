@@ -289,7 +289,9 @@ EVAL_LAST = _tag("eval.last", "set by llmeff eval --run-id: what the run's last 
 EVAL_DOCUMENTS = _tag("eval.documents", "documents each in-training benchmark eval scores per task: 'all', or 'N drawn with seed S' (llmeff eval --limit N --subset-seed S scores the same); set when the run scores benchmarks")
 REPORT_WARNING = _tag("report.warning", "why the end-of-run efficiency report (efficiency_report.json, figures) is missing or incomplete")
 OUTBOX_LOCAL_ID = _tag("outbox.local_run_id", "on a run created through a tracking server: the id (local-<32 hex>) the training process gave it before the server answered; a run created late from the outbox (the server did not answer when training started) had only this id until then, printed by the training process and named in its outbox file; a creation that outlived its wait is found by it, not made twice")
-COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare --log-to-mlflow): the compared run ids, comma-separated")
+COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare --log-to-mlflow): the compared run ids, comma-separated, "
+                       "whole ids only; past MLflow's 8,000-character tag value it begins '<k> of <n> run ids (all in "
+                       "artifact run_ids.txt): '")
 COMPARE_EXPERIMENT = _tag("compare.experiment", "on a comparison run: the compared experiment's name")
 COMPARE_FILTER = _tag("compare.filter", "on a comparison run: the MLflow search filter used ('' = all runs)")
 WALL_VS_DURATION = _tag("wall.vs_duration", "why MLflow's Duration and summary/wall_s differ: where each starts and ends (set-up before the run's creation, the end-of-run report, attempts of a resumed run)")

@@ -232,10 +232,46 @@ def test_log_to_mlflow_makes_one_comparison_run(tracking_uri, tmp_path):
     run_id = r.output.strip().split()[-1]
     run = client.get_run(run_id)
     assert set(run.data.tags[names.COMPARE_RUN_IDS].split(",")) == set(ids)
-    assert "report.html" in [a.path for a in client.list_artifacts(run_id)]
+    assert {"report.html", "run_ids.txt"} <= {a.path for a in client.list_artifacts(run_id)}
     # a second comparison leaves the comparison run out
     r2 = invoke("compare", "--experiment", "cmp-logged", "--out", str(tmp_path / "o2"))
     assert "2 runs of 'cmp-logged' compared" in r2.output
+
+
+def test_the_run_ids_tag_holds_whole_ids_and_says_how_many_of_how_many():
+    from mlflow_llmeff.report.compare import compared_ids_tag
+
+    ids = [f"{i:032x}" for i in range(1001)]  # MLflow's run ids: 32 hex characters
+    assert compared_ids_tag(ids[:3]) == ",".join(ids[:3])  # what fits is the plain list
+    tag = compared_ids_tag(ids)
+    note, listed = tag.split(": ")
+    # 8,000 characters: the 51-character note and 240 ids (51 + 240 x 33 - 1 = 7,970; 241 take 8,003);
+    # the old cut kept 242 whole ids and 14 characters of the 243rd, and said nothing
+    assert note == "240 of 1001 run ids (all in artifact run_ids.txt)"
+    assert listed.split(",") == ids[:240] and len(tag) <= 8000
+    assert compared_ids_tag(ids[:5], limit=80) == "1 of 5 run ids (all in artifact run_ids.txt): " + ids[0]
+    with pytest.raises(ValueError, match="tag value limit 40 is not accepted"):
+        compared_ids_tag(ids[:5], limit=40)
+
+
+def test_a_comparison_of_1001_runs_logs_every_id_as_an_artifact(tracking_uri, tmp_path):
+    from types import SimpleNamespace
+
+    import mlflow
+
+    from mlflow_llmeff.report.compare import log_report
+
+    client = mlflow.MlflowClient()
+    exp_id = client.create_experiment("cmp-many-ids")
+    ids = [f"{i:032x}" for i in range(1001)]  # the report is not read: only its selection's ids
+    sel = SimpleNamespace(runs=[SimpleNamespace(run_id=i) for i in ids], experiment_id=exp_id,
+                          experiment_name="cmp-many-ids", filter_string="")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "report.md").write_text("# report")
+    run = client.get_run(log_report(client, SimpleNamespace(selection=sel), str(tmp_path / "o")))
+    assert run.data.tags[names.COMPARE_RUN_IDS].startswith("240 of 1001 run ids (all in artifact run_ids.txt): ")
+    listed = mlflow.artifacts.load_text(f"{run.info.artifact_uri}/run_ids.txt")
+    assert listed.splitlines() == ids
 
 
 @pytest.mark.parametrize("what, tag, values", [

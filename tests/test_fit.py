@@ -108,7 +108,8 @@ def test_the_headline_command_on_this_machine_refuses_in_seconds_and_the_failed_
     assert run.data.tags[names.ERROR] == errors[0][len("Error: "):]
     assert run.data.tags["mlflow.note.content"].startswith("Failed: does not fit")
     assert run.data.tags[names.MODEL_NAME] == "llama-7b" and run.data.tags[names.ACCEL_SHORT] == "cpu"
-    assert run.info.run_name == "7b-s128-cpu"  # named like the runs that train: the parts known (auto: not yet)
+    # named as the run would have been: strategy and precision resolved (auto: single, fp32 on a CPU), 128 x 8 tokens
+    assert run.info.run_name == "7b-single-fp32-gbt1k-s128-cpu"
 
 
 @pytest.mark.slow

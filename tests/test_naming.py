@@ -70,3 +70,103 @@ def test_repeats_get_the_stem_in_every_experiment_and_a_suffix_where_it_is_taken
     again = client.create_experiment("again")
     client.create_run(again, run_name="tiny-ddp2-fp32-gbt2k-s128-cpu")
     assert unique_run_name(client, again, "unused", parts=ddp) == "tiny-ddp2-fp32-gbt2k-s128-cpu-2"
+
+
+# ------------------------------------------------------- one configuration through every path: one stem
+# llama-tiny on 2 processes (DDP, auto), fp32, micro batch 8, sequence 128, grad accum 1: 128 x 8 x 1 x 2 tokens
+STEM = "tiny-ddp2-fp32-gbt2k-s128-cpu"
+# what the meter measures of such a run (condition_tags) and the model's name as it reads it
+MEASURED = {names.PAR_STRATEGY: "ddp", names.ACCEL_COUNT: "2", names.PRECISION: "fp32", names.ACCEL_SHORT: "cpu"}
+
+
+class _Logger:
+    def __init__(self):
+        self.renamed = []
+
+    def rename(self, parts):
+        self.renamed.append(study_name(parts))
+
+    def set_tags(self, tags, synchronous=True):
+        pass
+
+
+@pytest.fixture
+def meter(monkeypatch):
+    """A stand-in for a rank-0 meter: its conditions and model name (what binding reads), a logger
+    that records renames."""
+    from types import SimpleNamespace
+
+    from mlflow_llmeff.monitor import binding
+
+    monkeypatch.setattr(binding, "condition_tags", lambda mon: dict(MEASURED))
+    monkeypatch.setattr(binding, "model_name", lambda mon: "llama-tiny")
+    return SimpleNamespace(_logger=_Logger(), run_id=None, _given_tags=set(), _name_given=({}, None))
+
+
+def _first_step(mon):
+    """What the end of the first step does to the name (binding.tag_shape): the batch shape's parts."""
+    from mlflow_llmeff.monitor import binding, conditions
+
+    binding.rename_when_shaped(mon, conditions.shape_tags(8, 128, 1, 2))
+    return mon._logger.renamed
+
+
+def test_llmeff_train_names_the_configuration_at_creation_and_the_first_step_keeps_it(meter):
+    from mlflow_llmeff.monitor import binding
+    from mlflow_llmeff.train.config import TrainConfig, global_batch_tokens
+
+    cfg = TrainConfig(num_processes=2, precision="fp32")
+    given = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),
+             names.GLOBAL_BATCH_TOKENS: str(global_batch_tokens(cfg))}  # the tags train/loop.py gives
+    meter._name_parts, meter._name_given = binding.name_parts(meter, given), (given, "")
+    assert study_name(meter._name_parts) == STEM
+    assert _first_step(meter) == []  # nothing new: no rename
+
+
+def test_autologs_own_run_gets_the_batch_parts_at_its_first_step(meter):
+    from mlflow_llmeff.monitor import binding
+
+    meter._name_parts = binding.name_parts(meter)  # created before any step: no batch shape yet
+    assert study_name(meter._name_parts) == "tiny-ddp2-fp32-cpu"
+    assert _first_step(meter) == [STEM]  # the trial's HF Trainer run stayed 'llama-single-fp32-cpu'
+
+
+def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypatch):
+    """The table: llmeff train (above), autolog's run (above), the HF Trainer's own run (report_to),
+    a dry run's plan run, a run that failed before training; the outbox's name record sets the name."""
+    import mlflow
+
+    from mlflow_llmeff.cli import failed_run_name
+    from mlflow_llmeff.meters import hardware
+    from mlflow_llmeff.monitor import binding
+    from mlflow_llmeff.tracking.outbox import name_run
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import _log_plan
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("paths")
+    taken = client.create_run(exp, run_name=STEM).info.run_id  # an earlier repeat
+    trainer = client.create_run(exp).info.run_id  # what the Trainer's MLflowCallback made: a random name
+    meter.run_id = trainer
+    meter.set_tags = lambda tags: [client.set_tag(trainer, k, v) for k, v in tags.items()]
+    assert binding.name_adopted_run(meter, exp) == "tiny-ddp2-fp32-cpu"
+    assert _first_step(meter) == [STEM]
+    parts = meter._name_parts  # what the logger's name record carries
+    assert name_run(client, trainer, {"name_parts": parts}) == STEM + "-2"  # a repeat: the suffix
+    assert client.get_run(trainer).info.run_name == STEM + "-2" and client.get_run(taken).info.run_name == STEM
+
+    plan = client.create_run(exp).info.run_id
+    _log_plan(plan, TrainConfig(num_processes=2), {}, "fits", "cpu", "ddp", "fp32")
+    assert client.get_run(plan).info.run_name == "plan-" + STEM
+
+    class Cpu:
+        short = "cpu"
+
+        def tags(self):
+            return {names.ACCEL_SHORT: "cpu", names.ACCEL_COUNT: "2"}
+
+    monkeypatch.setattr(hardware, "detect_accelerator", lambda count=1: Cpu())  # a GPU machine's runs too
+    params = {"model": "llama-tiny", "num_processes": 2, "precision": "auto", "parallelism": "auto",
+              "seq_len": 128, "micro_batch_size": 8, "grad_accum": 1}
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert failed_run_name(params) == STEM  # was 'tiny-s128-cpu': strategy and precision auto, no batch

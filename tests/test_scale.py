@@ -102,6 +102,18 @@ def test_next_name_counts_matches_past_the_first_page():
     assert unique_run_name(client, "0", "x") == "x-4"
 
 
+def test_every_copy_of_a_retried_creation_is_found_past_the_first_page():
+    from mlflow_llmeff.tracking.outbox import keep_only
+
+    class Deleting(_PagedClient):
+        def delete_run(self, run_id):
+            self.runs = [r for r in self.runs if r.info.run_id != run_id]
+
+    copies = Deleting([_run(str(i)) for i in range(150)], page=100)  # the old search read the first 100
+    assert len(keep_only(copies, "0", "local-x", "id-0")) == 149
+    assert [r.info.run_id for r in copies.runs] == ["id-0"]
+
+
 def test_predictions_read_earlier_runs_past_the_first_page():
     from mlflow_llmeff.planning.predict import history_tflops
 

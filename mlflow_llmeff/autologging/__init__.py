@@ -223,19 +223,12 @@ def _name_trainer_run(args, monitor, callbacks) -> None:
     try:
         import mlflow
 
-        from mlflow_llmeff import names
         from mlflow_llmeff.monitor import binding
-        from mlflow_llmeff.tracking.experiments import unique_run_name
-        from mlflow_llmeff.tracking.naming import parts_from_tags
 
         active = mlflow.active_run()
         if active is None or active.info.run_id != monitor.run_id:
             return
-        parts = parts_from_tags({**binding.condition_tags(monitor), names.MODEL_NAME: binding.model_name(monitor)})
-        name = unique_run_name(mlflow.MlflowClient(), active.info.experiment_id, "", exclude_run_id=active.info.run_id,
-                               parts=parts)
-        if name:
-            monitor.set_tags({"mlflow.runName": name})
+        binding.name_adopted_run(monitor, active.info.experiment_id)
     except Exception:  # noqa: BLE001 - the run keeps MLflow's name
         log.debug("could not name the Trainer's run", exc_info=True)
 

@@ -23,7 +23,7 @@ from mlflow_llmeff.tracking import runs
 from mlflow_llmeff.tracking.logger import RunLogger
 from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
 
-__all__ = ["open_run", "account_crashed_tail", "condition_tags", "model_name", "write_heartbeat",
+__all__ = ["open_run", "account_crashed_tail", "condition_tags", "model_name", "name_parts", "write_heartbeat",
            "read_heartbeat", "tag_shape", "HEARTBEAT_KEYS"]
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,17 @@ def open_run(mon, run_id, run_name, experiment_name, extra_tags, params, resume_
     import mlflow
 
     client = mlflow.MlflowClient()
-    parts = parts_from_tags({**condition_tags(mon), names.MODEL_NAME: model_name(mon), **extra_tags},
-                            params.get("eval_tasks"))
+    parts = name_parts(mon, extra_tags, params.get("eval_tasks"))
     name = run_name or study_name(parts)  # the fixed order; a suffix when the experiment has the name
     mon._run = runs.open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
                              unique_name=run_name is None, outbox_dir=mon._outbox_dir,
                              name_parts=parts if run_name is None else None)
+    h = mon._run
+    named_here = h.owned and (not h.resumed or h.fresh_since_unix is not None
+                              or any("create" in r for r in h.pending))
+    # the name's parts, for the first step to complete (its batch shape); None: not a name we gave
+    mon._name_parts = parts if run_name is None and named_here else None
+    mon._name_given = (dict(extra_tags), params.get("eval_tasks"))
     # seconds from this attempt's start to the run's creation (None: a run created by an earlier attempt)
     mon._created_after_s = None if mon._run.resumed and mon._run.fresh_since_unix is None else \
         mon._clock() - mon._attempt_start
@@ -108,6 +113,52 @@ def account_crashed_tail(mon, state: dict) -> None:
         mon._tail_lost = (lost, float(saved))  # continue_job may move its end to the last completed step
 
 
+def name_parts(mon, extra_tags: dict | None = None, eval_tasks: str | None = None,
+               shape: dict | None = None) -> dict[str, str]:
+    """The run name's parts (:func:`~mlflow_llmeff.tracking.naming.parts_from_tags`) of the monitored
+    run: its condition tags, the model's name, the first step's batch shape tags (``shape``, once
+    known) and the caller's tags (``extra_tags``: ``llmeff train`` gives its model, batch and sequence
+    length; they win), with ``eval_tasks``. One function for every path (``llmeff train``,
+    ``autolog()``, the HF Trainer with or without ``report_to``), so one configuration has one stem."""
+    return parts_from_tags({**condition_tags(mon), names.MODEL_NAME: model_name(mon), **(shape or {}),
+                            **(extra_tags or {})}, eval_tasks)
+
+
+def name_adopted_run(mon, experiment_id: str) -> str:
+    """Name the run ``mon`` logs into but did not create (the HF Trainer's own MLflow callback run,
+    which MLflow named at random) as the meter names its own runs: :func:`name_parts`, unique in
+    ``experiment_id``; the first step then adds the batch shape's parts (:func:`rename_when_shaped`).
+    Returns the name set ('' for a run with no part: it keeps its name).
+
+    Raises:
+        mlflow.exceptions.MlflowException: what MLflow raises.
+    """
+    import mlflow
+
+    extra, evals = getattr(mon, "_name_given", ({}, None))
+    parts = name_parts(mon, extra, evals)
+    name = runs.unique_run_name(mlflow.MlflowClient(), experiment_id, "", exclude_run_id=mon.run_id, parts=parts)
+    if name:
+        mon.set_tags({"mlflow.runName": name})
+        mon._name_parts = parts
+    return name
+
+
+def rename_when_shaped(mon, shape: dict[str, str]) -> None:
+    """A run this meter named before its first step (``mon._name_parts``) is named again with the
+    batch shape's parts (global batch, sequence length) once that step told them, so its name is
+    the one ``llmeff train`` gives the same configuration; the uniqueness search runs on the
+    logger's delivery thread (the step never waits)."""
+    before = getattr(mon, "_name_parts", None)
+    if before is None:
+        return
+    extra, evals = getattr(mon, "_name_given", ({}, None))
+    after = name_parts(mon, extra, evals, shape)
+    mon._name_parts = after
+    if study_name(after) != study_name(before):
+        mon._logger.rename(after)
+
+
 def model_name(mon) -> str:
     """The ``llmeff.model.name`` of the monitored model (:func:`~mlflow_llmeff.monitor.conditions.model_name`)."""
     return cond.model_name(mon._model, mon._account.config)
@@ -149,11 +200,11 @@ def tag_shape(mon) -> None:
         rule = mon._counting
         given = getattr(mon, "_given_tags", set())
         # a context-parallel rank saw a slice: the sequence is cp slices long
-        tags = {k: v for k, v in cond.shape_tags(b, s * rule.slices, max(1, ga),
-                                                 mon.world_size // (rule.copies * rule.slices)).items()
-                if k not in given}
+        shape = cond.shape_tags(b, s * rule.slices, max(1, ga), mon.world_size // (rule.copies * rule.slices))
+        tags = {k: v for k, v in shape.items() if k not in given}
         if tags:
             mon._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
+        rename_when_shaped(mon, shape)
 
 
 def write_heartbeat(path: str, run_id: str | None, step: int, m: dict[str, float]) -> None:

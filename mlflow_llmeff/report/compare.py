@@ -7,8 +7,12 @@ import os
 from mlflow_llmeff import names
 from mlflow_llmeff.report.render import DEFAULT_GROUP_BY, Report, build_report, write_report
 from mlflow_llmeff.report.source import Selection, select_runs
+from mlflow_llmeff.tracking.keys import tag_value_limit
 
-__all__ = ["compare", "default_ui_base", "log_report"]
+__all__ = ["RUN_IDS_ARTIFACT", "compare", "compared_ids_tag", "default_ui_base", "log_report"]
+
+#: The comparison run's artifact with every compared run id, one a line (the tag may hold only some).
+RUN_IDS_ARTIFACT = "run_ids.txt"
 
 
 def default_ui_base(tracking_uri: str) -> str:
@@ -57,15 +61,50 @@ def compare(experiment: str, *, filter_string: str = "", group_by: str = DEFAULT
     return rep, paths, run_id
 
 
+def compared_ids_tag(run_ids: list[str], limit: int | None = None) -> str:
+    """The value of ``llmeff.compare.run_ids``: the ids comma-separated, whole ids only.
+
+    When they all fit in ``limit`` characters (default: MLflow's tag value limit,
+    ``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``, 8,000 characters) the value is the plain list;
+    otherwise it says how many of how many it holds and where the rest is, then the ids that fit:
+    ``"240 of 1001 run ids (all in artifact run_ids.txt): id1,id2,..."``. Never an id cut in two
+    (until issue 31 the list was cut at 8,000 characters, mid-id, without a word).
+
+    Raises:
+        ValueError: for a ``limit`` too small for the note and one id.
+    """
+    limit = tag_value_limit() if limit is None else limit
+    whole = ",".join(run_ids)
+    if len(whole) <= limit:
+        return whole
+    n, used, best = len(run_ids), -1, 0
+    for k, rid in enumerate(run_ids, 1):  # the first k ids joined take ``used`` characters
+        used += len(rid) + 1
+        if len(_note(k, n)) + used > limit:
+            break
+        best = k
+    if not best:
+        raise ValueError(f"tag value limit {limit} is not accepted; it holds no run id with its note "
+                         f"(give at least {len(_note(1, n)) + len(run_ids[0])} characters)")
+    return _note(best, n) + ",".join(run_ids[:best])
+
+
+def _note(k: int, n: int) -> str:
+    return f"{k} of {n} run ids (all in artifact {RUN_IDS_ARTIFACT}): "
+
+
 def log_report(client, rep: Report, out_dir: str) -> str:
     """Log ``out_dir`` as the artifacts of one comparison run tagged with the compared run ids
-    (``llmeff.compare.run_ids``); returns its run id.
+    (``llmeff.compare.run_ids``, :func:`compared_ids_tag`); returns its run id.
 
+    Every compared id is also the artifact :data:`RUN_IDS_ARTIFACT` (one a line): MLflow's tag value
+    value (8,000 characters) holds about 240 ids, and the tag then says how many of how many it holds.
     The run is a new FINISHED run of the compared experiment, or under ``mlflow run -e compare`` the
     launcher's run (``MLFLOW_RUN_ID``, which the launcher ends).
     """
     sel = rep.selection
-    tags = {names.COMPARE_RUN_IDS: ",".join(r.run_id for r in sel.runs)[:8000],
+    ids = [r.run_id for r in sel.runs]
+    tags = {names.COMPARE_RUN_IDS: compared_ids_tag(ids),
             names.COMPARE_EXPERIMENT: sel.experiment_name, names.COMPARE_FILTER: sel.filter_string,
             "mlflow.runName": f"compare-{len(sel.runs)}-runs",
             "mlflow.note.content": "llmeff compare report: open report.html in Artifacts"}
@@ -73,6 +112,7 @@ def log_report(client, rep: Report, out_dir: str) -> str:
     run_id = launcher or client.create_run(sel.experiment_id).info.run_id
     for k, v in tags.items():
         client.set_tag(run_id, k, v)
+    client.log_text(run_id, "".join(f"{i}\n" for i in ids), RUN_IDS_ARTIFACT)
     client.log_artifacts(run_id, os.path.abspath(out_dir))
     if not launcher:
         client.set_terminated(run_id, "FINISHED")

@@ -18,7 +18,7 @@ import posixpath
 import re
 from typing import NamedTuple
 
-__all__ = ["Checked", "check_metric", "check_param", "check_tag", "key_accepted", "safe_key"]
+__all__ = ["Checked", "check_metric", "check_param", "check_tag", "key_accepted", "safe_key", "tag_value_limit"]
 
 # User text -> key text, longest match first. Word replacements are set off with created
 # underscores, so "mfu(%)" reads "mfu_pct" and "team@lab" reads "team_at_lab".
@@ -256,6 +256,12 @@ def _check_text(kind: str, key, value, limit_name: str, fallback_limit: int) -> 
         problems += (f"{kind} {_show(new)} value shortened from {len(text)} to {limit} characters",)
         text = text[:limit]
     return Checked(new, text, problems)
+
+
+def tag_value_limit() -> int:
+    """The longest tag value MLflow accepts, in characters: ``mlflow.utils.validation.MAX_TAG_VAL_LENGTH``
+    (8,000 on MLflow 2.x and 3.x; 8,000 when this MLflow lacks the constant)."""
+    return _limit("MAX_TAG_VAL_LENGTH", 8000)
 
 
 def check_tag(key: str, value) -> Checked:

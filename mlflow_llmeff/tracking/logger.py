@@ -82,6 +82,9 @@ class NullLogger:
     def queue_report(self) -> None:  # noqa: D102
         pass
 
+    def rename(self, name_parts: dict[str, str]) -> None:  # noqa: D102
+        pass
+
     def flush(self) -> bool:  # noqa: D102
         return True
 
@@ -358,6 +361,12 @@ class RunLogger(DeliveryWorker, NullLogger):
         (:func:`mlflow_llmeff.tracking.outbox.log_report`; by ``llmeff sync`` when it waits in the outbox)."""
         self._send()  # the buffered points (the summary) first: the report reads them from the server
         self._enqueue("report", None)
+
+    def rename(self, name_parts: dict[str, str]) -> None:
+        """Name the run the fixed-order stem of ``name_parts``, unique in its experiment, delivered in
+        order like every call (:func:`mlflow_llmeff.tracking.outbox.name_run`; never waits: the
+        uniqueness search runs on the delivery thread)."""
+        self._enqueue("name", {"name_parts": dict(name_parts)})
 
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:
         """Log ``data`` (column -> values, equal lengths) as an MLflow table artifact (``log_table``:

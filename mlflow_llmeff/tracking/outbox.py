@@ -8,6 +8,8 @@ order the run made them:
   the run's id until then is a local one, ``local-<32 hex>``;
 * ``{"attach": {...}}``: mark an existing run RUNNING again (a resumed run; the launcher's run of
   ``mlflow run``, named when it has no metrics yet);
+* ``{"name": {"name_parts": {...}}}``: name the run its configuration's stem, unique in its experiment
+  (a run the meter named before its first step told the batch shape; :func:`name_run`);
 * ``{"m": [key, value, timestamp ms, step]}``, ``{"p": [key, value]}``, ``{"t": [key, value]}``:
   metric points, params, tags;
 * ``{"inputs": [...]}``: the run's dataset inputs (MLflow ``Dataset`` fields and the context);
@@ -36,6 +38,7 @@ from typing import NamedTuple
 
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+from mlflow_llmeff.tracking.search import all_runs
 
 __all__ = ["LOCAL_PREFIX", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
            "entity_records", "write_outbox", "read_outbox", "create_run", "keep_only", "runs_of_local_id", "attach_run", "log_inputs", "log_eval", "log_table",
@@ -163,9 +166,9 @@ def create_run(client, spec: dict, local_id: str) -> str:
 
 
 def runs_of_local_id(client, exp_id: str, local_id: str) -> list[str]:
-    """Ids of the active runs of ``exp_id`` tagged ``llmeff.outbox.local_run_id = local_id``."""
-    found = client.search_runs([exp_id], f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'", max_results=100)
-    return [r.info.run_id for r in found]
+    """Ids of the active runs of ``exp_id`` tagged ``llmeff.outbox.local_run_id = local_id``: every
+    one, page after page (until issue 31 the first 100: copies past them were never deleted)."""
+    return [r.info.run_id for r in all_runs(client, [exp_id], f"tags.`{names.OUTBOX_LOCAL_ID}` = '{local_id}'")]
 
 
 def keep_only(client, exp_id: str, local_id: str, run_id: str) -> list[str]:
@@ -181,6 +184,26 @@ def keep_only(client, exp_id: str, local_id: str, run_id: str) -> list[str]:
     for other in extra:
         client.delete_run(other)
     return extra
+
+
+def name_run(client, run_id: str, spec: dict) -> str:
+    """Name run ``run_id`` (a ``name`` record) the fixed-order stem of ``spec["name_parts"]``
+    (:func:`mlflow_llmeff.tracking.naming.study_name`), ``-2``, ``-3`` where another run of its
+    experiment has it; returns the name set.
+
+    The meter names a run when it creates it, before the first step; the batch shape (the global
+    batch and sequence length parts) is known at the end of that step, so a run whose stem then
+    grows is named again, and its name is the one ``llmeff train`` gives the same configuration.
+
+    Raises:
+        mlflow.exceptions.MlflowException: what MLflow raises (the run is not there).
+    """
+    run = client.get_run(run_id)
+    name = unique_run_name(client, run.info.experiment_id, run.info.run_name or "", exclude_run_id=run_id,
+                           parts=spec.get("name_parts"))
+    if name and name != run.info.run_name:
+        client.set_tag(run_id, "mlflow.runName", name)
+    return name
 
 
 def attach_run(client, run_id: str, spec: dict) -> None:
@@ -305,6 +328,8 @@ def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> Deliver
             raise ValueError(f"{path}: run {run_id} has no creation record and no known MLflow run id")
         elif "attach" in rec:
             attach_run(client, run_id, rec["attach"])
+        elif "name" in rec:
+            name_run(client, run_id, rec["name"])
         elif "inputs" in rec:
             log_inputs(client, run_id, rec["inputs"])
         elif "eval" in rec:

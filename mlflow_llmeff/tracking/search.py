@@ -7,6 +7,11 @@ name already taken). The functions here follow the tokens to the end. They take 
 ``MlflowClient`` or a tracking store (``mlflow.server.handlers._get_tracking_store()``): both have
 the same positional ``search_runs(experiment_ids, filter_string, run_view_type, max_results,
 order_by, page_token)`` and keyword ``search_experiments``.
+
+The only searches that ask for one result are existence look-ups of a unique tag (is there a run
+created for this ``llmeff.outbox.local_run_id``?, ``tracking/outbox.py`` and ``tracking/runs.py``):
+any match answers them, and the copies a retried ``CreateRun`` made are all found by
+:func:`mlflow_llmeff.tracking.outbox.runs_of_local_id` through :func:`all_runs`.
 """
 
 from __future__ import annotations

@@ -184,6 +184,8 @@ class DeliveryWorker:
                 raise RuntimeError(f"run {self.run_id} has no creation record")  # pragma: no cover - never queued so
             elif job.kind == "attach":
                 outbox.attach_run(self._c, self.run_id, job.data)
+            elif job.kind == "name":
+                outbox.name_run(self._c, self.run_id, job.data)
             elif job.kind == "inputs":
                 outbox.log_inputs(self._c, self.run_id, job.data)
             elif job.kind == "eval":

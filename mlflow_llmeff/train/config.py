@@ -261,6 +261,17 @@ def resolve_degrees(cfg: TrainConfig):
                                      dp_shard=cfg.dp_shard, processes_per_node=cfg.num_processes)
 
 
+def global_batch_tokens(cfg: TrainConfig) -> int:
+    """Tokens of one optimizer step over all data-parallel ranks: ``seq_len x micro_batch_size x
+    grad_accum x dp`` (dp from :func:`resolve_degrees`), the ``llmeff.global_batch_tokens`` tag
+    ``llmeff train`` gives the run.
+
+    Raises:
+        ValueError: when ``tp_size`` / ``dp_shard`` do not fit the processes (one line).
+    """
+    return cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * resolve_degrees(cfg).dp
+
+
 def render_mlproject() -> str:
     """The ``MLproject`` file, generated from :class:`TrainConfig` (a test keeps the file equal)."""
     lines = ["name: mlflow_llmeff", "",

@@ -180,15 +180,18 @@ def _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision) -
     import mlflow
 
     from mlflow_llmeff import names
-    from mlflow_llmeff.tracking.experiments import default_run_name
+    from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
+    from mlflow_llmeff.train.config import global_batch_tokens
 
     client = mlflow.MlflowClient()
     client.set_tag(run_id, names.DRY_RUN, "true")
-    for k, v in {"mlflow.runName": "plan-" + default_run_name(cfg.model, accelerator_short, cfg.num_processes,
-                                                              strategy, precision),
-                 names.MODEL_NAME: cfg.model, names.ACCEL_SHORT: accelerator_short,
-                 names.ACCEL_COUNT: str(cfg.num_processes), names.PAR_STRATEGY: strategy,
-                 names.PRECISION: precision, names.SEQ_LEN: str(cfg.seq_len), names.PLAN_FIT: line}.items():
+    tags = {names.MODEL_NAME: cfg.model, names.ACCEL_SHORT: accelerator_short,
+            names.ACCEL_COUNT: str(cfg.num_processes * cfg.num_machines), names.PAR_STRATEGY: strategy,
+            names.PRECISION: precision, names.SEQ_LEN: str(cfg.seq_len),
+            names.GLOBAL_BATCH_TOKENS: str(global_batch_tokens(cfg))}
+    # the stem llmeff train gives the configuration (tracking/naming.py), after "plan-"
+    name = "plan-" + study_name(parts_from_tags(tags, cfg.eval_tasks))
+    for k, v in {"mlflow.runName": name, **tags, names.PLAN_FIT: line}.items():
         client.set_tag(run_id, k, v)
     for k, v in plan.items():
         if isinstance(v, (int, float)):
