@@ -50,3 +50,21 @@ def test_a_bench_that_misses_its_target_exits_1_and_says_so(tmp_path):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "target NOT met (median ratio >= 100): train_path " in r.stderr
     assert "median ratio bare_again/bare" in r.stdout and "(noise floor)" in r.stdout
+
+
+def test_every_serial_test_is_in_a_file_collected_last():
+    """A serial test early in the session waits for whatever the other worker is in, minutes when it
+    is test_strategies.py's launches (conftest's gate): serial tests live only in ``_LAST`` files."""
+    import ast
+    import pathlib
+
+    from conftest import _LAST
+
+    found = {}
+    for path in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).endswith("mark.serial") for d in node.decorator_list):
+                found.setdefault(path.name, []).append(node.name)
+    assert set(found) == set(_LAST), found  # each _LAST file holds serial tests, and no other file does
+    assert len(found["test_timed_alone.py"]) == 2 and len(found["test_contention.py"]) == 3
