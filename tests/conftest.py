@@ -255,7 +255,8 @@ def pytest_runtest_protocol(item, nextitem):
 #: The files that take longest (measured: tests/conftest.py's two workers give each file to one), run
 #: first so that neither worker starts one of them when the other is about to finish.
 _LONGEST_FIRST = ("test_strategies.py", "test_survive.py", "test_compare_server.py", "test_train_e2e.py",
-                  "test_delivery.py", "test_lifecycle.py", "test_autolog_examples.py", "test_logger.py", "test_fit.py")
+                  "test_delivery.py", "test_lifecycle.py", "test_autolog_examples.py", "test_postgres.py", "test_logger.py",
+                  "test_fit.py")
 
 
 #: The files of ``serial`` tests, run last. A serial test waits for the test the other worker is in

@@ -5,7 +5,8 @@ The module starts its own PostgreSQL cluster from the machine's binaries (Debian
 folder and a free loopback port; as root, as the ``postgres`` user), creates a database, and runs
 ``mlflow server --app-name llmeff --backend-store-uri postgresql+psycopg://... --workers 2`` over
 it. The five standard runs (tests/five_runs.py) are logged to it over HTTP and to a sqlite store;
-``llmeff compare`` and the page must give the same figures from both. Nothing else is needed from
+``llmeff compare`` and the page must give the same figures from both; so must a 2-process training job
+logged to it, SIGKILLed and resumed, against its copy in sqlite. Nothing else is needed from
 CI: the cluster and the server stop with the module.
 """
 
@@ -203,3 +204,88 @@ def test_the_sql_read_of_a_postgres_store_selects_what_search_runs_selects(postg
                                search_runs=store.search_runs)
     by_search = select_runs(searched, exp_pg, filter_string).runs
     assert by_sql == by_search and by_sql
+
+
+# ------------------------------------------------------------------ a job trained against the server
+@pytest.fixture(scope="module")
+def trained(server, tmp_path_factory):
+    """A 2-process ``llmeff train`` job logging to the PostgreSQL-backed server, rank 0 SIGKILLed after
+    step 4 (checkpoint at 3), then the same command again, which resumes it: ``(outputs, the run)``."""
+    import mlflow
+
+    from mlflow_llmeff.train import faults
+
+    tmp = tmp_path_factory.mktemp("pgtrain")
+    cmd = [sys.executable, "-m", "mlflow_llmeff", "train", "--num-processes", "2", "--max-steps", "6",
+           "--log-every-n-steps", "1", "--warmup-steps", "1", "--seq-len", "32", "--micro-batch-size", "2",
+           "--measure-energy", "none", "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "3",
+           "--experiment-name", "pgtrain"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
+    env.update(MLFLOW_TRACKING_URI=server, OMP_NUM_THREADS="1")
+    first = subprocess.run(cmd, cwd=tmp, env={**env, faults.ENV["kill_at_step"]: "4"}, capture_output=True,
+                           text=True, timeout=600)
+    second = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    client = mlflow.MlflowClient(server)
+    runs = client.search_runs([client.get_experiment_by_name("pgtrain").experiment_id])
+    return first, second, runs
+
+
+def test_a_two_process_job_killed_and_resumed_on_the_postgres_server_is_one_run(server, trained, tmp_path, monkeypatch):
+    """The job is one FINISHED run (2 attempts, 1 failure), every step's tokens once; copied into a
+    sqlite store, it gives the same report row and the same page headline as on the server."""
+    import mlflow
+    from flask import Flask
+    from mlflow.entities import Metric, Param, RunTag
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.report import server as srv
+
+    first, second, runs = trained
+    assert first.returncode != 0, first.stderr[-2000:]  # the kill
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    run = runs[0]
+    m, t = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and t[names.ACCEL_COUNT] == "2" and t[names.PAR_STRATEGY] == "ddp"
+    assert (m[names.SUM_ATTEMPTS], m[names.SUM_FAILURES]) == (2.0, 1.0)
+    # 2 ranks x 2 sequences x 32 tokens = 128 tokens a step; steps 4-6 again after the resume from 3, once each
+    history = sorted((p.step, p.value) for p in mlflow.MlflowClient(server).get_metric_history(
+        run.info.run_id, names.TRAIN_TOKENS))
+    assert history == [(s, 128.0 * s) for s in range(1, 7)]
+
+    # the same run in a sqlite store: its latest values, tags and params
+    sqlite = f"sqlite:///{tmp_path / 'copy.db'}"
+    sq = mlflow.MlflowClient(sqlite)
+    exp = sq.create_experiment("pgtrain")
+    copy = sq.create_run(exp, start_time=run.info.start_time, run_name=run.info.run_name).info.run_id
+    tags = [RunTag(k, v) for k, v in t.items() if not k.startswith("mlflow.") or k == "mlflow.runName"]
+    points = [Metric(k, v, run.info.start_time, 0) for k, v in m.items()]
+    for i in range(0, max(len(points), len(tags)), 200):
+        sq.log_batch(copy, metrics=points[i:i + 200], tags=tags[i:i + 200],
+                     params=[Param(k, v) for k, v in run.data.params.items()] if i == 0 else [])
+    sq.set_terminated(copy, "FINISHED", end_time=run.info.end_time)
+
+    from mlflow_llmeff.cli import main
+
+    rows = {}
+    for where, uri in (("pg", server), ("sq", sqlite)):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        out = tmp_path / where
+        r = CliRunner().invoke(main, ["compare", "--experiment", "pgtrain", "--out", str(out)], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        rows[where] = [{k: v for k, v in row.items() if k not in ("run_id", "url")}
+                       for row in csv.DictReader(io.StringIO((out / "report.csv").read_text()))]
+    assert len(rows["pg"]) == 1 and rows["pg"] == rows["sq"]
+
+    pg_exp = mlflow.MlflowClient(server).get_experiment_by_name("pgtrain").experiment_id
+    with urllib.request.urlopen(f"{server}/llmeff/experiments/{pg_exp}", timeout=120) as resp:
+        page_pg = resp.read().decode()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(srv, "_store", lambda: mlflow.MlflowClient(sqlite))
+    app = Flask("t")
+    srv.register(app)
+    page_sq = app.test_client().get(f"/llmeff/experiments/{exp}").get_data(as_text=True)
+    assert re.search(r"\b1 runs? compared", page_pg), page_pg[:2000]
+    assert _headline(page_pg) == _headline(page_sq)
