@@ -152,6 +152,69 @@ def run_as_project() -> None:
         raise SystemExit(130) from None
 
 
+# ---- study command (repeats of configurations, interleaved, under one parent run: train/study.py)
+def _study_config(text: str):
+    """One ``--config`` value: ``llmeff train`` options parsed by the train command itself.
+
+    Raises:
+        click.BadParameter: one line naming the value and what is wrong in it (an unknown option, a bad
+            value, unbalanced quotes).
+    """
+    import shlex
+
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.study import StudyConfig
+
+    try:
+        args = shlex.split(text)
+        ctx = train_cmd.make_context("train", args)
+    except ValueError as e:  # shlex: "No closing quotation"
+        raise click.BadParameter(f"{text!r}: {e}", param_hint="'--config'") from None
+    except click.exceptions.Exit:  # --help inside the value: click printed the train options
+        raise click.BadParameter(f"{text!r}: --help is not a training option (the list above is)",
+                                 param_hint="'--config'") from None
+    except click.ClickException as e:
+        raise click.BadParameter(f"{text!r}: {' '.join(e.format_message().split())}", param_hint="'--config'") from None
+    return StudyConfig(text, TrainConfig(**ctx.params))
+
+
+@main.command("study")
+@click.option("--repeats", type=click.IntRange(min=1), required=True,
+              help="Runs of every configuration; the study runs repeat 1 of each, then repeat 2 of each, ...")
+@click.option("--config", "configs", multiple=True, required=True,
+              help='The llmeff train options of one configuration, quoted, e.g. --config "--model llama-tiny '
+                   '--micro-batch-size 4"; give --config once per configuration.')
+@click.option("--experiment", default=None,
+              help="MLflow experiment of the study's parent run and its children [default: the one the "
+                   "configurations name, else MLflow's current].")
+def study_cmd(repeats: int, configs: tuple[str, ...], experiment: str | None) -> None:
+    """Run each configuration N times, interleaved (A1 B1 A2 B2 ...), as children of one MLflow parent run.
+
+    Each child is a normal llmeff train run; llmeff compare takes a configuration's children as its
+    repeats (mean and 95% Student-t interval across them). docs/stability.md, "Repeats".
+    """
+    from mlflow_llmeff.train.study import run_study, summary_lines
+
+    parsed = [_study_config(text) for text in configs]
+    try:
+        result = run_study(parsed, repeats, experiment=experiment, echo=click.echo)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    import mlflow
+
+    for line in summary_lines(mlflow.MlflowClient(), result):
+        click.echo(line)
+    code = 1 if result.failed else 0
+    if code:
+        click.echo(f"Error: {len(result.failed)} of {len(result.children)} runs of the study failed "
+                   f"(parent run {result.parent_run_id} says which)", err=True)
+    if _PROCESS_ENTRY["on"]:  # logged and done: return now, not after torch's module teardown
+        from mlflow_llmeff.monitor.lifecycle import exit_now
+
+        exit_now(code)
+    raise SystemExit(code)
+
+
 # ---- flops / peak commands (FLOPs per token, measured matmul peak)
 @main.command("flops")
 @click.option("--model", required=True,

@@ -294,6 +294,13 @@ COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare -
                        "artifact run_ids.txt): '")
 COMPARE_EXPERIMENT = _tag("compare.experiment", "on a comparison run: the compared experiment's name")
 COMPARE_FILTER = _tag("compare.filter", "on a comparison run: the MLflow search filter used ('' = all runs)")
+STUDY = _tag("study", "on a study's parent run (llmeff study, train/study.py): '<k> configurations x <n> repeats, "
+             "round-robin'; its children (mlflow.parentRunId) are the training runs, it has no summary figures "
+             "itself, and comparisons (llmeff compare, the efficiency page) leave it out")
+STUDY_CONFIG = _tag("study.config", "on a study's child run: which of the study's configurations it is, 1..k in the "
+                    "order of --config (the parent's params config_<i> hold each one's options)")
+STUDY_REPEAT = _tag("study.repeat", "on a study's child run: its repeat of its configuration, 1..n (the study ran "
+                    "every configuration's repeat i before any repeat i+1)")
 WALL_VS_DURATION = _tag("wall.vs_duration", "why MLflow's Duration and summary/wall_s differ: where each starts and ends (set-up before the run's creation, the end-of-run report, attempts of a resumed run)")
 STABILITY = _tag("stability", "'stable', or 'unstable: <why>' naming each figure past its threshold (p90/p50 step time, stalls, interval width, too few steps); docs/stability.md")
 SUMMARY_ABSENT = _tag("summary.absent", "summary/* figures that are undefined for this run and so not logged (never as 0 or 1), each '<key>: <why>', joined by '; ' (e.g. summary/step_time_cv of a single steady step)")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from mlflow_llmeff import names
 from mlflow_llmeff.report.render import DEFAULT_GROUP_BY, Report, build_report, write_report
-from mlflow_llmeff.report.source import Selection, select_runs
+from mlflow_llmeff.report.source import select_runs
 from mlflow_llmeff.tracking.keys import tag_value_limit
 
 __all__ = ["RUN_IDS_ARTIFACT", "compare", "compared_ids_tag", "default_ui_base", "log_report"]
@@ -50,8 +51,7 @@ def compare(experiment: str, *, filter_string: str = "", group_by: str = DEFAULT
     selection = select_runs(client, experiment, filter_string)
     launcher = os.environ.get("MLFLOW_RUN_ID")  # under `mlflow run -e compare`: the launcher's own run
     if launcher and any(r.run_id == launcher for r in selection.runs):
-        selection = Selection(selection.experiment_id, selection.experiment_name, selection.filter_string,
-                              [r for r in selection.runs if r.run_id != launcher])
+        selection = dataclasses.replace(selection, runs=[r for r in selection.runs if r.run_id != launcher])
         if not selection.runs:
             raise ValueError(f"experiment {selection.experiment_name!r} has no runs to compare")
     rep = build_report(client, selection, group_by=group_by, baseline=baseline,

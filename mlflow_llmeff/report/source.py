@@ -25,8 +25,10 @@ class Selection:
         experiment_id, experiment_name: the experiment.
         filter_string: the MLflow search filter used ('' = every run).
         runs: every matching run, newest first (MLflow's pages followed to the end: no cap);
-            comparison runs (``llmeff.compare.run_ids``) are left out.
+            comparison runs (``llmeff.compare.run_ids``) and study parents (``llmeff.study``: no
+            training, no summary; their children are the runs) are left out.
         comparison_runs: how many comparison runs matched and were left out.
+        study_runs: how many study parents matched and were left out.
     """
 
     experiment_id: str
@@ -34,13 +36,17 @@ class Selection:
     filter_string: str
     runs: list[RunRecord]
     comparison_runs: int = 0
+    study_runs: int = 0
 
     def scope(self) -> str:
         """Which runs these are: ``every active run of the experiment`` (or ``... matching the filter``),
-        and the comparison runs left out."""
+        and the comparison runs and study parents left out."""
         scope = "matching the filter" if self.filter_string else "of the experiment"
         left = (f"; {self.comparison_runs:,} comparison run{'s' if self.comparison_runs != 1 else ''} "
                 "(llmeff compare's own) left out" if self.comparison_runs else "")
+        if self.study_runs:
+            left += (f"; {self.study_runs:,} study parent run{'s' if self.study_runs != 1 else ''} (llmeff study's: "
+                     "their children are compared) left out")
         return f"every active run {scope}{left}"
 
     def count_line(self) -> str:
@@ -100,11 +106,13 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     runs = [_record(r, secrets, memo) for r in found]
     compared = [r for r in runs if names.COMPARE_RUN_IDS not in r.tags]
     left_out, runs = len(runs) - len(compared), compared
+    trained = [r for r in runs if names.STUDY not in r.tags]  # a study's parent trains nothing
+    parents, runs = len(runs) - len(trained), trained
     if not runs:
         if filter_string:
             raise ValueError(f"no run of experiment {exp.name!r} matches the filter {filter_string!r}")
         raise ValueError(f"experiment {exp.name!r} has no runs to compare")
-    return Selection(exp.experiment_id, exp.name, filter_string or "", runs, left_out)
+    return Selection(exp.experiment_id, exp.name, filter_string or "", runs, left_out, parents)
 
 
 def _sql_engine(client):

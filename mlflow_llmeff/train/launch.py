@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.train.messages import message_style
@@ -68,8 +69,15 @@ def fit_here(cfg: TrainConfig):
                        cpu=not cuda, bf16_ok=bf16)
 
 
-def launch(cfg: TrainConfig) -> int:
+def launch(cfg: TrainConfig, *, started_unix: float | None = None) -> int:
     """Validate ``cfg`` and check that it fits (cheap, before heavy work), then train. Returns the exit code.
+
+    Args:
+        cfg: the settings.
+        started_unix: the attempt's start, unix seconds: where its ``summary/wall_s`` and the job's clock
+            begin. Default: this process's start (``llmeff train``: imports and set-up are ``init``).
+            ``llmeff study`` (train/study.py) runs several children in one process and passes each one's
+            own start, so a repeat's wall time never holds the repeats before it.
 
     Raises:
         ValueError: bad settings, as one line naming the value and the accepted ones.
@@ -93,13 +101,18 @@ def launch(cfg: TrainConfig) -> int:
         from mlflow_llmeff.meters.probes import process_start_perf_counter
         from mlflow_llmeff.train.loop import run_training
 
-        run_training(cfg, started_at=process_start_perf_counter())
+        if started_unix is None:
+            started_at = process_start_perf_counter()
+        else:  # the same instant on the perf_counter clock the meter reads
+            started_at = time.perf_counter() - max(0.0, time.time() - started_unix)
+        run_training(cfg, started_at=started_at)
         return 0
     from mlflow_llmeff.train import job as jobs
 
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
     env["LLMEFF_NUM_MACHINES"] = str(cfg.num_machines)  # for the nodes tag, whatever the launcher sets
-    env[jobs.START_ENV] = repr(jobs.attempt_start_unix())  # the job's clock starts at this command
+    # the job's clock starts at this command (or at the start the caller gave)
+    env[jobs.START_ENV] = repr(jobs.attempt_start_unix() if started_unix is None else float(started_unix))
     from mlflow_llmeff.train import elastic
 
     # the launcher runs inside train/elastic.py, which keeps torch elastic's record of failed workers

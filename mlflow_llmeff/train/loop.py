@@ -61,7 +61,10 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lifecycle.sigterm_to_exit)
     try:
-        return _run_training(cfg, holder, time.perf_counter() if started_at is None else started_at)
+        if started_at is None:  # now; the job's ledger keeps the process's start (train/job.py)
+            return _run_training(cfg, holder, time.perf_counter())
+        # a given start is the attempt's start on the job's clock too (unix seconds)
+        return _run_training(cfg, holder, started_at, time.time() - (time.perf_counter() - started_at))
     except BaseException as e:
         monitor = holder.get("monitor")
         _end_attempt(holder, e, monitor)
@@ -80,7 +83,7 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None:
+def _run_training(cfg: TrainConfig, holder: dict, started: float, start_unix: float | None = None) -> dict | None:
     import torch
 
     from mlflow_llmeff.train.setup import build, teardown
@@ -98,7 +101,7 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     found = ckpt.find_resume(cfg.checkpoint_dir, cfg.resume, t.world, cfg.parallelism)
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
-    job, job_run = _begin_attempt(cfg, t, found, holder)
+    job, job_run = _begin_attempt(cfg, t, found, holder, start_unix)
     if job is not None:  # an elastic restart starts at its own process start, not the launcher's
         started = max(started, time.perf_counter() - max(0.0, time.time() - job.start_unix))
     monitor = _open_monitor(cfg, t, found, started, carbon, job_run)
@@ -134,9 +137,10 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float) -> dict | None
     return {"run_id": monitor.run_id, "summary": summary} if t.accelerator.is_main_process else None
 
 
-def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
-    """Rank 0 with a checkpoint folder: this attempt in the job's ledger (train/job.py); returns
-    ``(job, run id of the job)`` (the run id None for a new job; ``(None, None)`` elsewhere)."""
+def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float | None = None):
+    """Rank 0 with a checkpoint folder: this attempt in the job's ledger (train/job.py), started at
+    ``start_unix`` (default: the launcher's or this process's start); returns ``(job, run id of the
+    job)`` (the run id None for a new job; ``(None, None)`` elsewhere)."""
     if not cfg.checkpoint_dir or not t.accelerator.is_main_process:
         return None, None
     from mlflow_llmeff.train import job as jobs
@@ -149,7 +153,8 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict):
               "a new job and run start")
     if cfg.resume == "never" or elsewhere or (not found and job.finished()):  # a finished job is not continued
         job.reset()
-    run_id = job.begin(jobs.attempt_start_unix(), found[1]["step"] if found else 0, cfg.warmup_steps)
+    start = jobs.attempt_start_unix() if start_unix is None else start_unix
+    run_id = job.begin(start, found[1]["step"] if found else 0, cfg.warmup_steps)
     holder["job"] = job
     if run_id and not found:
         print(f"llmeff: continuing MLflow run {run_id} (attempt {job.attempt}; no checkpoint was written: "

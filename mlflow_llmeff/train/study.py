@@ -1,0 +1,324 @@
+"""``llmeff study``: run each of several configurations N times, interleaved, as one MLflow parent run.
+
+The run, not the step, is the unit of replication (``docs/stability.md``, "Repeats"): one run's own
+interval comes from its steps and says nothing about the next run on a shared machine, so a
+configuration's figure is a mean over repeated runs with a Student-t interval across them
+(:mod:`mlflow_llmeff.report.repeats`). A study makes those repeats:
+
+* **Order**: round-robin, every configuration's repeat ``i`` before any repeat ``i + 1``
+  (A1 B1 A2 B2 ...), so that a slow stretch of the machine falls on every configuration alike
+  instead of on all repeats of one (a blocked design: Box, Hunter and Hunter, *Statistics for
+  Experimenters*, 2nd ed. 2005, ch. 4).
+* **Runs**: a parent run tagged ``llmeff.study`` (no training, no summary figures; comparisons leave
+  it out) and one child per repeat, tagged ``mlflow.parentRunId``, ``llmeff.study.config`` and
+  ``llmeff.study.repeat``. Each child is a normal ``llmeff train`` run
+  (:func:`mlflow_llmeff.train.launch.launch`): the study creates it and hands it to the training as
+  the launcher's run (``MLFLOW_RUN_ID``, as ``mlflow run`` does), and the training names it with its
+  configuration's standard stem, unique in the experiment (``tiny-single-fp32-gbt256-s32-cpu``,
+  ``...-2``: :mod:`mlflow_llmeff.tracking.naming`). Each child's clock starts at its own start, so
+  no repeat's ``summary/wall_s`` holds the repeats before it.
+* A child that fails is recorded on its run (``llmeff.error``, FAILED) and the study goes on; the
+  parent ends FAILED naming it. Ctrl-C ends the running child and the parent KILLED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mlflow_llmeff import names
+from mlflow_llmeff.train.config import TrainConfig, validate
+
+__all__ = ["StudyConfig", "Child", "Outcome", "StudyResult", "schedule", "check", "run_study", "TrainRunner",
+           "summary_lines", "PARENT_TAG"]
+
+#: MLflow's tag of a nested run's parent (the UI draws children under it).
+PARENT_TAG = "mlflow.parentRunId"
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """One configuration of a study: the ``llmeff train`` options as given, and their settings."""
+
+    options: str
+    cfg: TrainConfig
+
+
+@dataclass(frozen=True)
+class Child:
+    """One run of the study: configuration ``config`` (1..k, the order of ``--config``), repeat
+    ``repeat`` (1..n), with the settings it trains with."""
+
+    config: int
+    repeat: int
+    cfg: TrainConfig
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a runner says of one child: its run id, its exit code (0: finished) and, for a failure,
+    the one line of why."""
+
+    run_id: str
+    code: int = 0
+    error: str | None = None
+
+
+@dataclass
+class StudyResult:
+    """A study's parent run, its experiment, and each child in the order run."""
+
+    parent_run_id: str
+    experiment_id: str
+    children: list[tuple[Child, Outcome]] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[tuple[Child, Outcome]]:
+        return [(c, o) for c, o in self.children if o.code != 0]
+
+
+#: A runner trains one child: ``runner(child, tags) -> Outcome``, ``tags`` being the child run's
+#: study tags (its parent, configuration and repeat). :class:`TrainRunner` is the real one.
+Runner = Callable[[Child, dict], Outcome]
+
+
+def _for_repeat(cfg: TrainConfig, repeat: int) -> TrainConfig:
+    """The settings of one repeat: its own checkpoint and model folders (``<dir>/repeat-<i>``), so that
+    a repeat never resumes from, or overwrites, another."""
+    change = {k: os.path.join(getattr(cfg, k), f"repeat-{repeat}") for k in ("checkpoint_dir", "save_model")
+              if getattr(cfg, k)}
+    return dataclasses.replace(cfg, **change) if change else cfg
+
+
+def schedule(configs: list[TrainConfig], repeats: int) -> list[Child]:
+    """The study's runs in the order they run: round-robin, repeat 1 of every configuration, then
+    repeat 2 of every one, ... (``len(configs) x repeats`` children).
+
+    Raises:
+        ValueError: ``repeats`` below 1, or no configuration.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is not accepted; give a positive integer (>= 1)")
+    if not configs:
+        raise ValueError("a study needs at least one configuration (--config \"<llmeff train options>\")")
+    return [Child(i + 1, r, _for_repeat(cfg, r)) for r in range(1, repeats + 1) for i, cfg in enumerate(configs)]
+
+
+def check(configs: list[StudyConfig], experiment: str | None = None) -> list[TrainConfig]:
+    """Every configuration's settings checked cheaply before anything runs, in the study's experiment.
+
+    Returns:
+        The settings, ``experiment_name`` set to the study's experiment where one is named.
+
+    Raises:
+        ValueError: one line naming the configuration and the bad value: a setting ``llmeff train``
+            refuses, a dry run, several machines, a configuration naming another experiment than
+            ``experiment`` (or than another configuration), two configurations sharing a checkpoint folder.
+    """
+    named = {c.cfg.experiment_name for c in configs if c.cfg.experiment_name}
+    if experiment and named - {experiment}:
+        raise ValueError(f"--experiment {experiment!r} and --experiment-name {sorted(named - {experiment})[0]!r} in a "
+                         f"--config differ; a study's runs are in one experiment: give one of them")
+    if len(named) > 1:
+        raise ValueError(f"the configurations name different experiments ({', '.join(sorted(named))}); a study's "
+                         "runs are in one experiment: give --experiment NAME")
+    experiment = experiment or (named.pop() if named else "")
+    out, folders = [], {}
+    for i, c in enumerate(configs, 1):
+        where = f"configuration {i} ({c.options!r})"
+        if c.cfg.dry_run:
+            raise ValueError(f"{where}: --dry-run true trains nothing; a study repeats training runs (llmeff plan "
+                             "plans one)")
+        if c.cfg.num_machines != 1:
+            raise ValueError(f"{where}: --num-machines {c.cfg.num_machines} is not accepted in a study; it runs on "
+                             "one machine (--num-machines 1)")
+        if c.cfg.checkpoint_dir:
+            if c.cfg.checkpoint_dir in folders:
+                raise ValueError(f"{where}: --checkpoint-dir {c.cfg.checkpoint_dir!r} is also configuration "
+                                 f"{folders[c.cfg.checkpoint_dir]}'s; give each configuration its own folder")
+            folders[c.cfg.checkpoint_dir] = i
+        cfg = dataclasses.replace(c.cfg, experiment_name=experiment)
+        try:
+            validate(cfg)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        out.append(cfg)
+    return out
+
+
+def with_context(tags: dict) -> dict:
+    """``tags`` with the context tags ``mlflow.start_run`` would add (source, user, git commit), as a
+    run ``llmeff train`` creates has them; no ``llmeff.*`` condition of a context provider (a study's
+    parent has no conditions; a child's own training tags its conditions). Never raises."""
+    try:
+        from mlflow.tracking import context
+
+        resolved = {k: str(v) for k, v in context.registry.resolve_tags({}).items() if not k.startswith("llmeff.")}
+    except Exception:  # noqa: BLE001 - context tags are cosmetic
+        resolved = {}
+    return {**resolved, **tags}
+
+
+class TrainRunner:
+    """The real runner: creates the child run (its study tags, in the study's experiment) and trains it
+    with :func:`~mlflow_llmeff.train.launch.launch` as the launcher's run (``MLFLOW_RUN_ID``), in this
+    process for one device, through ``accelerate launch`` for several."""
+
+    def __init__(self, client, experiment_id: str, launch: Callable | None = None) -> None:
+        from mlflow_llmeff.train.launch import launch as real_launch
+
+        self.client, self.experiment_id, self.launch = client, experiment_id, launch or real_launch
+
+    def __call__(self, child: Child, tags: dict) -> Outcome:
+        from mlflow_llmeff.tracking.experiments import unique_run_name
+        from mlflow_llmeff.tracking.runs import error_line, record_failure
+        from mlflow_llmeff.train.loop import stopped_with_one_line
+
+        started = time.time()  # the child's clock: its wall time starts here, not at the study's start
+        cfg = child.cfg
+        if cfg.run_name:  # a name the user gave: the same stem on every repeat, -2, -3 for the later ones
+            cfg = dataclasses.replace(cfg, run_name=unique_run_name(self.client, self.experiment_id, cfg.run_name))
+        # named until the training names it (the configuration's stem), or for good when it fails before
+        placeholder = f"study-config{child.config}-repeat{child.repeat}"
+        run_id = self.client.create_run(self.experiment_id, run_name=placeholder, tags=with_context(tags)).info.run_id
+        before = os.environ.get("MLFLOW_RUN_ID")
+        os.environ["MLFLOW_RUN_ID"] = run_id
+        error = None
+        try:
+            code = int(self.launch(cfg, started_unix=started) or 0)
+        except (KeyboardInterrupt, SystemExit):
+            self._end_if_open(run_id, "KILLED", "stopped by Ctrl-C", record_failure)
+            raise
+        except Exception as e:  # noqa: BLE001 - one child's failure is recorded; the study goes on
+            code, error = 1, stopped_with_one_line(e) or error_line(e)
+            if not (isinstance(e, ValueError) or stopped_with_one_line(e)):  # unexpected: show where
+                traceback.print_exc(file=sys.stderr)
+        finally:
+            if before is None:
+                os.environ.pop("MLFLOW_RUN_ID", None)
+            else:
+                os.environ["MLFLOW_RUN_ID"] = before
+        if code != 0:
+            error = error or f"the training ended with exit code {code}"
+            self._end_if_open(run_id, "FAILED", error, record_failure)
+        return Outcome(run_id, code, error)
+
+    def _end_if_open(self, run_id: str, status: str, why: str, record_failure) -> None:
+        """End a child its training left open (it failed before its meter started) with ``why`` on it."""
+        try:
+            if self.client.get_run(run_id).info.status == "RUNNING":
+                record_failure(why, run_id=run_id)
+                self.client.set_terminated(run_id, status)
+        except Exception:  # noqa: BLE001 - the failure is already on the terminal and in the parent
+            pass
+
+
+def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | None = None, client=None,
+              runner: Runner | None = None, echo: Callable[[str], None] = print) -> StudyResult:
+    """Run ``repeats`` repeats of every configuration in round-robin order under one parent run.
+
+    Args:
+        configs: the configurations, in the order of ``--config``.
+        repeats: runs per configuration, >= 1.
+        experiment: the experiment of the parent and its children (created when missing); default: the
+            one the configurations name, else MLflow's current experiment.
+        client: an ``mlflow.MlflowClient`` (default: a new one for the current tracking URI).
+        runner: trains one child (default :class:`TrainRunner`); tests inject a fake.
+        echo: where the progress lines go.
+
+    Raises:
+        ValueError: bad settings (:func:`check`, :func:`schedule`) or an active MLflow run (the children
+            would log into it), before any run is created.
+    """
+    import mlflow
+
+    from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+    from mlflow_llmeff.tracking.redact import clean, environment_secrets
+
+    cfgs = check(configs, experiment)
+    children = schedule(cfgs, repeats)  # validates repeats before any run exists
+    if mlflow.active_run() is not None:
+        raise ValueError(f"MLflow run {mlflow.active_run().info.run_id} is active: llmeff study creates its own "
+                         "parent run and children; end the active run first")
+    client = client or mlflow.MlflowClient()
+    exp_id = experiment_id(client, {"experiment_name": cfgs[0].experiment_name or None})
+    ensure_experiment_kind(client, exp_id)
+    k = len(configs)
+    what = f"{k} configuration{'s' if k != 1 else ''} x {repeats} repeat{'s' if repeats != 1 else ''}, round-robin"
+    parent = client.create_run(exp_id, run_name=unique_run_name(client, exp_id, f"study-{k}x{repeats}"),
+                               tags=with_context({names.STUDY: what})).info.run_id
+    secrets = environment_secrets()
+    client.log_param(parent, "repeats", str(repeats))
+    for i, c in enumerate(configs, 1):
+        client.log_param(parent, f"config_{i}", clean(f"config_{i}", c.options, secrets)[:6000])
+    runner = runner or TrainRunner(client, exp_id)
+    result = StudyResult(parent, exp_id)
+    echo(f"llmeff study: parent run {parent}, {what} ({len(children)} runs)")
+    try:
+        for n, child in enumerate(children, 1):
+            echo(f"llmeff study: run {n} of {len(children)}: configuration {child.config}, repeat {child.repeat} "
+                 f"of {repeats}")
+            tags = {PARENT_TAG: parent, names.STUDY_CONFIG: str(child.config), names.STUDY_REPEAT: str(child.repeat)}
+            outcome = runner(child, tags)
+            result.children.append((child, outcome))
+            if outcome.code:
+                echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
+                     "the study goes on")
+    except BaseException:
+        client.set_tag(parent, names.ERROR, f"stopped after {len(result.children)} of {len(children)} runs")
+        client.set_terminated(parent, "KILLED")
+        raise
+    failed = result.failed
+    if failed:
+        why = "; ".join(f"configuration {c.config} repeat {c.repeat} (run {o.run_id}): {o.error}" for c, o in failed)
+        line = f"{len(failed)} of {len(children)} runs failed: {why}"[:2000]
+        client.set_tag(parent, names.ERROR, line)
+        client.set_tag(parent, "mlflow.note.content", f"Failed: {line}")
+    else:
+        client.set_tag(parent, "mlflow.note.content", f"{what}: {len(children)} runs finished")
+    client.set_terminated(parent, "FAILED" if failed else "FINISHED")
+    return result
+
+
+def summary_lines(client, result: StudyResult) -> list[str]:
+    """Each configuration's steady tokens/s over its finished repeats, mean and 95% Student-t interval
+    across them (:meth:`mlflow_llmeff.report.repeats.Configuration.estimate`), and how to compare them.
+
+    Grouped by ``llmeff.study.config``; a note says when two configurations differ in no condition tag
+    (``llmeff compare`` pools such runs as repeats of one configuration).
+    """
+    from mlflow_llmeff.report.repeats import CONFIG_TAGS, Configuration
+    from mlflow_llmeff.report.source import select_runs
+
+    query = f"tags.`{PARENT_TAG}` = '{result.parent_run_id}'"
+    try:
+        runs = select_runs(client, result.experiment_id, query).runs
+    except ValueError:  # no child was recorded
+        return []
+    def number(r, tag: str) -> int:
+        v = r.tags.get(tag, "")
+        return int(v) if v.isdigit() else 0
+
+    by_config: dict[int, Configuration] = {}
+    for r in sorted(runs, key=lambda r: number(r, names.STUDY_REPEAT)):
+        if r.comparable:  # finished with its summary (report/calc.py)
+            by_config.setdefault(number(r, names.STUDY_CONFIG), Configuration(())).runs.append(r)
+    lines = []
+    for i, c in sorted(by_config.items()):
+        e = c.estimate(names.SUM_TOKENS_PER_SEC)
+        figure = f"{e.text()} tokens/s: {e.how()}" if e else "no summary/tokens_per_sec"
+        lines.append(f"configuration {i} ({c.label}): {figure}")
+    keys: dict[tuple, list[int]] = {}
+    for i, c in by_config.items():
+        keys.setdefault(tuple(c.runs[0].tags.get(t) for t in CONFIG_TAGS), []).append(i)
+    for same in (v for v in keys.values() if len(v) > 1):
+        lines.append(f"note: configurations {', '.join(str(i) for i in sorted(same))} differ in no condition tag; llmeff compare "
+                     "takes their runs as repeats of one configuration")
+    exp = client.get_experiment(result.experiment_id).name
+    lines.append(f"compare: llmeff compare --experiment {exp!r} --filter \"{query}\"")
+    return lines

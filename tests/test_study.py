@@ -1,0 +1,213 @@
+"""llmeff study: the round-robin order and the parent/child wiring (an injected runner), bad input as one
+line, comparisons that leave the study's parent out and take its children as repeats (hand-computed
+t-interval), and one real study of 2 configurations x 2 repeats of the tiniest runs, in this process."""
+
+from __future__ import annotations
+
+import math
+
+import mlflow
+import pytest
+from click.testing import CliRunner
+
+from mlflow_llmeff import names
+from mlflow_llmeff.cli import main
+from mlflow_llmeff.train.config import TrainConfig
+from mlflow_llmeff.train.study import PARENT_TAG, Outcome, StudyConfig, check, run_study, schedule, summary_lines
+from conftest import use_store
+
+TINY = "--model llama-tiny --dataset synthetic --max-steps 4 --seq-len 32 --warmup-steps 1 --log-every-n-steps 2 " \
+       "--measure-energy none --val-fraction 0"
+
+
+@pytest.fixture
+def tracking_uri(module_store, monkeypatch):
+    """One sqlite store for the module (a new MLflow database costs about a second); each test has
+    its own experiment."""
+    yield from use_store(module_store, monkeypatch)
+
+
+class FakeRunner:
+    """Records the order it is called in and the tags it is given; returns fake run ids."""
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    def __call__(self, child, tags):
+        self.calls.append((child.config, child.repeat, dict(tags), child.cfg))
+        n = len(self.calls)
+        if (child.config, child.repeat) in self.fail:
+            return Outcome(f"fake-{n}", 1, "diverged at step 3")
+        return Outcome(f"fake-{n}")
+
+
+def configs(*options):
+    return [StudyConfig(o, TrainConfig(**kw)) for o, kw in options]
+
+
+def test_children_run_round_robin_as_children_of_one_parent(tracking_uri, tmp_path):
+    fake = FakeRunner()
+    res = run_study(configs(("A", {"seq_len": 32, "checkpoint_dir": str(tmp_path / "a")}), ("B", {"seq_len": 64})),
+                    3, experiment="study-fake", runner=fake, echo=lambda line: None)
+    # A1 B1 A2 B2 A3 B3: every configuration's repeat i before any repeat i+1
+    assert [(c, r) for c, r, _, _ in fake.calls] == [(1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (2, 3)]
+    assert [t for _, _, t, _ in fake.calls][:2] == [
+        {PARENT_TAG: res.parent_run_id, names.STUDY_CONFIG: "1", names.STUDY_REPEAT: "1"},
+        {PARENT_TAG: res.parent_run_id, names.STUDY_CONFIG: "2", names.STUDY_REPEAT: "1"}]
+    assert [o.run_id for _, o in res.children] == [f"fake-{i}" for i in range(1, 7)]
+    # each repeat has its own checkpoint folder: a repeat never resumes another's finished run
+    assert [cfg.checkpoint_dir for c, _, _, cfg in fake.calls if c == 1] == [
+        str(tmp_path / "a" / f"repeat-{i}") for i in (1, 2, 3)]
+    assert {cfg.experiment_name for *_, cfg in fake.calls} == {"study-fake"}
+    parent = mlflow.MlflowClient().get_run(res.parent_run_id)
+    assert parent.data.tags[names.STUDY] == "2 configurations x 3 repeats, round-robin"
+    assert parent.data.params == {"repeats": "3", "config_1": "A", "config_2": "B"}
+    assert (parent.info.status, parent.info.run_name) == ("FINISHED", "study-2x3")
+    assert mlflow.get_experiment(parent.info.experiment_id).name == "study-fake"
+
+
+def test_a_failed_child_is_named_on_the_parent_and_the_study_goes_on(tracking_uri):
+    fake = FakeRunner(fail={(1, 1)})
+    res = run_study(configs(("A", {}), ("B", {"seq_len": 64})), 2, experiment="study-fail", runner=fake,
+                    echo=lambda line: None)
+    assert len(fake.calls) == 4 and [c for c, _ in res.failed] == [res.children[0][0]]
+    parent = mlflow.MlflowClient().get_run(res.parent_run_id)
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags[names.ERROR] == ("1 of 4 runs failed: configuration 1 repeat 1 (run fake-1): "
+                                             "diverged at step 3")
+
+
+def test_the_runner_hands_each_child_run_to_the_training_and_records_a_failure(tracking_uri, monkeypatch):
+    import os
+
+    from mlflow_llmeff.train.study import TrainRunner
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("study-runner")
+    seen = []
+
+    def launch(cfg, *, started_unix):  # the training: names the run it was handed, as the meter does
+        run_id = os.environ["MLFLOW_RUN_ID"]
+        seen.append((cfg.run_name, run_id, started_unix))
+        if cfg.seq_len == 64:
+            raise ValueError("seq_len=64 is refused here")
+        client.set_tag(run_id, "mlflow.runName", cfg.run_name)
+        client.set_terminated(run_id, "FINISHED")
+        return 0
+
+    monkeypatch.setenv("MLFLOW_RUN_ID", "outer-run")
+    res = run_study(configs(("A", {"run_name": "mine"}), ("B", {"seq_len": 64})), 2, experiment="study-runner",
+                    runner=TrainRunner(client, exp, launch=launch), echo=lambda line: None)
+    assert os.environ["MLFLOW_RUN_ID"] == "outer-run"  # restored after each child
+    # the user's name: the same stem on every repeat, a suffix on the later ones
+    assert [n for n, _, _ in seen] == ["mine", "", "mine-2", ""]
+    assert [r for _, r, _ in seen] == [o.run_id for _, o in res.children]
+    for (child, outcome), (_, _, started) in zip(res.children, seen):
+        run = client.get_run(outcome.run_id)
+        assert run.data.tags[PARENT_TAG] == res.parent_run_id
+        assert run.data.tags[names.STUDY_REPEAT] == str(child.repeat) and names.STUDY not in run.data.tags
+        assert started <= run.info.start_time / 1000 + 1e-3  # the child's clock starts before its run
+        if child.config == 2:  # refused before its meter started: FAILED with why, the study went on
+            assert (run.info.status, run.data.tags[names.ERROR]) == ("FAILED", "seq_len=64 is refused here")
+            assert run.info.run_name == f"study-config2-repeat{child.repeat}"
+    assert client.get_run(res.parent_run_id).info.status == "FAILED"
+
+
+def test_schedule_and_check_refuse_bad_input_naming_the_value(tmp_path):
+    with pytest.raises(ValueError, match=r"^repeats=0 is not accepted; give a positive integer \(>= 1\)$"):
+        schedule([TrainConfig()], 0)
+    with pytest.raises(ValueError, match="checkpoint-dir .* is also configuration 1's"):
+        check(configs(("A", {"checkpoint_dir": str(tmp_path)}), ("B", {"checkpoint_dir": str(tmp_path), "seq_len": 64})))
+    with pytest.raises(ValueError, match="--experiment 'x' and --experiment-name 'y' in a --config differ"):
+        check(configs(("A", {"experiment_name": "y"})), "x")
+    with pytest.raises(ValueError, match=r"^configuration 2 \('B'\): precision='fp64' is not accepted"):
+        check(configs(("A", {}), ("B", {"precision": "fp64"})))
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--repeats", "0", "--config", "--max-steps 4"], "Error: Invalid value for '--repeats': 0 is not in the range x>=1."),
+    (["--repeats", "2", "--config", "--max-stepz 4"],  # click's own words follow (and its suggestions)
+     "Error: Invalid value for '--config': '--max-stepz 4': No such option"),
+    (["--repeats", "2", "--config", "--max-steps four"],
+     ("Error: Invalid value for '--config': '--max-steps four': Invalid value for '--max-steps': "
+      "'four' is not a valid integer.")),
+])
+def test_cli_bad_input_is_one_line_naming_the_value(args, line, tracking_uri):
+    before = len(mlflow.search_runs(search_all_experiments=True))
+    res = CliRunner().invoke(main, ["study", *args])
+    last = res.output.strip().splitlines()[-1]
+    assert res.exit_code == 2 and last.startswith(line) and res.output.count("Error") == 1
+    assert "--max-stepz" not in args[-1] or "--max-stepz" in last[len(line):]
+    assert len(mlflow.search_runs(search_all_experiments=True)) == before  # nothing was created
+
+
+def _child(client, exp, parent, config, repeat, tps, mbs):
+    tags = {PARENT_TAG: parent, names.STUDY_CONFIG: str(config), names.STUDY_REPEAT: str(repeat),
+            names.ACCEL_SHORT: "cpu", names.ACCEL_COUNT: "1", names.MODEL_NAME: "llama-tiny",
+            names.MICRO_BATCH_SIZE: str(mbs), names.PAR_STRATEGY: "single", names.STABILITY: "stable"}
+    run = client.create_run(exp, run_name=f"tiny-mbs{mbs}" + (f"-{repeat}" if repeat > 1 else ""), tags=tags)
+    client.log_metric(run.info.run_id, names.SUM_TOKENS_PER_SEC, tps)
+    client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def test_comparisons_leave_the_study_parent_out_and_take_its_children_as_repeats(tracking_uri):
+    from mlflow_llmeff.report.repeats import configurations
+    from mlflow_llmeff.report.source import select_runs
+    from mlflow_llmeff.train.study import StudyResult
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("study-groups")
+    parent = client.create_run(exp, run_name="study-2x2", tags={names.STUDY: "2 configurations x 2 repeats, "
+                                                                              "round-robin"}).info.run_id
+    client.set_terminated(parent, "FINISHED")
+    for config, repeat, tps, mbs in ((1, 1, 1000.0, 1), (2, 1, 3000.0, 2), (1, 2, 1200.0, 1), (2, 2, 3100.0, 2)):
+        _child(client, exp, parent, config, repeat, tps, mbs)
+    sel = select_runs(client, "study-groups")
+    assert len(sel.runs) == 4 and parent not in {r.run_id for r in sel.runs} and sel.study_runs == 1
+    assert sel.scope().endswith("; 1 study parent run (llmeff study's: their children are compared) left out")
+    a, b = configurations(sel.runs)
+    e = next(c for c in (a, b) if c.tag(names.MICRO_BATCH_SIZE) == "1").estimate(names.SUM_TOKENS_PER_SEC)
+    # 1,000 and 1,200: mean 1,100, s = 200 / sqrt(2) = 141.42, half = t(0.975, 1) 12.706 x 141.42 / sqrt(2) = 1,270.6
+    assert (e.mean, e.n, e.method) == (1100.0, 2, "repeats")
+    assert (e.low, e.high) == (0.0, pytest.approx(1100 + 12.706 * 100.0))
+    lines = summary_lines(client, StudyResult(parent, exp))
+    # 3,000 and 3,100: mean 3,050, half = 12.706 x 50 = 635.3
+    assert lines[1] == ("configuration 2 (tiny-mbs2 (+1 repeat)): 3,050 [2,415, 3,685] (2 repeats, t) tokens/s: "
+                        "mean of 2 repeats, 95% Student-t interval across them (df 1)")
+    assert lines[-1] == f"compare: llmeff compare --experiment 'study-groups' --filter \"tags.`{PARENT_TAG}` = '{parent}'\""
+
+
+def test_a_real_study_of_two_configurations_twice(tracking_uri):
+    res = CliRunner().invoke(main, ["study", "--repeats", "2", "--experiment", "study-real",
+                                    "--config", TINY + " --micro-batch-size 1", "--config", TINY + " --micro-batch-size 2"])
+    assert res.exit_code == 0, res.output
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name("study-real").experiment_id
+    runs = client.search_runs([exp], order_by=["attributes.start_time ASC"])
+    parent = next(r for r in runs if names.STUDY in r.data.tags)
+    kids = [r for r in runs if r.info.run_id != parent.info.run_id]
+    assert [(r.data.tags[names.STUDY_CONFIG], r.data.tags[names.STUDY_REPEAT]) for r in kids] == [
+        ("1", "1"), ("2", "1"), ("1", "2"), ("2", "2")]
+    assert {r.data.tags[PARENT_TAG] for r in kids} == {parent.info.run_id}
+    assert [r.info.status for r in runs] == ["FINISHED"] * 5 and not parent.data.metrics
+    # one stem per configuration, the repeat with a unique suffix (tracking/naming.py)
+    assert [r.info.run_name for r in kids] == ["tiny-single-fp32-gbt32-s32-cpu", "tiny-single-fp32-gbt64-s32-cpu",
+                                               "tiny-single-fp32-gbt32-s32-cpu-2", "tiny-single-fp32-gbt64-s32-cpu-2"]
+    for r in kids:  # each child's clock starts at its own run, not at this process's start or the run before
+        assert r.data.metrics[names.SUM_WALL_S] <= (r.info.end_time - r.info.start_time) / 1000 + 0.5
+        assert r.data.metrics[names.SUM_STEPS] == 4
+    assert f"llmeff study: parent run {parent.info.run_id}, 2 configurations x 2 repeats, round-robin" in res.output
+    assert "configuration 1 (tiny-single-fp32-gbt32-s32-cpu (+1 repeat)): " in res.output
+    assert "mean of 2 repeats, 95% Student-t interval across them (df 1)" in res.output
+    tps = [r.data.metrics[names.SUM_TOKENS_PER_SEC] for r in kids if r.data.tags[names.STUDY_CONFIG] == "1"]
+    mean = sum(tps) / 2
+    half = 12.706 * abs(tps[0] - tps[1]) / 2  # t(0.975, 1) x s / sqrt(2), s = |a - b| / sqrt(2)
+    from mlflow_llmeff.report.repeats import configurations
+    from mlflow_llmeff.report.source import select_runs
+
+    sel = select_runs(client, "study-real")
+    assert sel.study_runs == 1 and len(sel.runs) == 4
+    one = next(c for c in configurations(sel.runs) if c.tag(names.MICRO_BATCH_SIZE) == "1")
+    e = one.estimate(names.SUM_TOKENS_PER_SEC)
+    assert (e.mean, e.n) == (pytest.approx(mean), 2) and e.high == pytest.approx(mean + half)
+    assert math.isfinite(e.low) and e.low == pytest.approx(max(0.0, mean - half))
