@@ -221,7 +221,10 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     The plan states its assumptions (:func:`state_assumptions`: master-weight precision,
     optimizer, bytes per parameter of weights, gradients and optimizer state) and the accelerator:
     ``accelerator`` (assumed, as before), ``accelerator_given``, ``accelerator_assumed``,
-    ``accelerator_alias_taken`` and, when one was, ``accelerator_alias``.
+    ``accelerator_alias_taken`` and, when one was, ``accelerator_alias``. ``engine_installed``
+    says whether the strategy's engine (DeepSpeed for ``deepspeed_zero*``) can be imported here,
+    and ``engine_missing``, only when it cannot, the line naming how to install it: the figures
+    do not need it.
 
     Raises:
         ValueError: for degrees that do not fit the processes.
@@ -232,6 +235,7 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
 
     config = load_config(cfg.model)
     world = cfg.num_processes * cfg.num_machines
+    missing = get(strategy).engine_missing()  # looked up, not imported: the plan needs no engine
     degrees = get(strategy).degrees(world, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
                                     processes_per_node=cfg.num_processes)
     counts = param_counts(config)
@@ -255,7 +259,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
         accel["accelerator_alias"] = accelerator_alias
     out = {
         "model": cfg.model, "accelerator": accelerator_short, **accel, "devices": world, "strategy": strategy,
-        "degrees": degrees.describe(), "precision": precision, **state_assumptions(strategy, precision, degrees),
+        "degrees": degrees.describe(), "engine_installed": missing is None,
+        **({"engine_missing": missing} if missing else {}),
+        "precision": precision, **state_assumptions(strategy, precision, degrees),
         "params_total": counts["total"],
         "params_non_embedding": counts["non_embedding"],
         "params_active": counts["active"], "layers": shape.layers, "hidden": shape.hidden,
