@@ -8,7 +8,11 @@ Memory per device (bytes) is estimated from the model shape, not measured:
   DeepSpeed ZeRO keeps its working weights and gradients in the run's precision (2 + 2 B in
   16-bit, 4 + 4 B in fp32) plus K = 12 B of fp32 master weights and moments per parameter; stage 1
   shards the 12, stage 2 also the gradients, stage 3 everything (Rajbhandari et al. 2020, "ZeRO",
-  Sec. 5, Fig. 1). Tensor parallelism splits the parameters of the layer matrices its plan names
+  Sec. 5, Fig. 1). As DeepSpeed 0.19 runs it (read in its source, checked on CPU engines): 16-bit
+  stages 1 and 2 add the fp32 copy of the rank's gradient partition the step makes (4 B / dp);
+  stage 3 holds, in forward and backward, its tensors of at most 1e5 elements whole on every rank
+  (``stage3_param_persistence_threshold``) and, at the step, an fp32 copy of the gradient partition
+  (4 B / dp, fp32 runs too), whichever is larger (:func:`model_state_bytes`). Tensor parallelism splits the parameters of the layer matrices its plan names
   over ``tp`` ranks (embeddings, norms and the LM head stay whole); 2-D (fsdp_tp) then shards each
   rank's part over ``dp_shard``.
 * Activations kept for the backward pass, per layer and token (16-bit activations; x2 for fp32),
