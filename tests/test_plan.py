@@ -47,7 +47,8 @@ def test_unknown_strategy_rejected():
     ("hsdp", dict(dp=4, dp_shard=2), 8.0),                     # / the shard group, not / dp
     ("deepspeed_zero1", dict(dp=2, precision="fp32"), 4 + 4 + 6.0),   # fp32 working copy + 12 B / 2
     ("deepspeed_zero2", dict(dp=2, precision="fp32"), 4 + 2 + 6.0),
-    ("deepspeed_zero3", dict(dp=2, precision="fp32"), 2 + 2 + 6.0),
+    # + the fp32 copy of the gradient partition ZeRO-3's step makes (flatten copies, in fp32 too): 4 / 2
+    ("deepspeed_zero3", dict(dp=2, precision="fp32"), 2 + 2 + 2 + 6.0),
 ])
 def test_model_state_bytes_per_parameter_by_sharding(strategy, kw, per_param):
     assert sum(model_state_bytes(1000, strategy, **kw)) / 1000 == per_param
@@ -271,3 +272,39 @@ def test_plan_json_for_a_deepspeed_strategy_is_json_alone_on_stdout():
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads(r.stdout)
     assert (plan["accelerator_assumed"], plan["bytes_per_param_gradients"]) == ("H100-SXM", 2 + 4)  # bf16 + fp32 copy
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_plan_of_a_deepspeed_strategy_needs_no_deepspeed(tracking_uri, monkeypatch, as_json):
+    # a machine without DeepSpeed: `import deepspeed` fails (a None entry in sys.modules), the plan is arithmetic
+    from click.testing import CliRunner
+
+    from mlflow_llmeff.cli import main
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    args = ["plan", "--model", "llama-tiny", "--seq-len", "128", "--micro-batch-size", "1", "--num-processes", "2",
+            "--parallelism", "deepspeed_zero3", "--precision", "bf16", "--accelerator", "H100-SXM"]
+    r = CliRunner().invoke(main, args + (["--json"] if as_json else []))
+    assert r.exit_code == 0, r.output
+    install = "parallelism='deepspeed_zero3' needs the deepspeed package: install it after torch " \
+              "(pip install 'mlflow-llmeff[deepspeed]')"
+    if as_json:
+        plan = json.loads(r.stdout)
+        assert (plan["engine_installed"], plan["engine_missing"]) == (False, install)
+        # bf16 ZeRO-3 over 2 ranks: 2/2 weights + (2 + 4)/2 gradients + 12/2 optimizer = 10 B/param
+        p = plan["params_total"]
+        assert plan["memory_weights_gib"] * 2**30 == 1.0 * p and plan["memory_gradients_gib"] * 2**30 == 3.0 * p
+    else:
+        lines = [line.split(None, 1) for line in r.stdout.splitlines()]
+        assert ["engine_installed", "no"] in lines and ["engine_missing", install] in lines
+
+
+def test_training_a_deepspeed_strategy_without_deepspeed_is_one_line(monkeypatch):
+    from mlflow_llmeff.train.config import TrainConfig, validate
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    cfg = TrainConfig(parallelism="deepspeed_zero2", num_processes=2)
+    with pytest.raises(ValueError, match=r"^parallelism='deepspeed_zero2' needs the deepspeed package: install it "
+                                         r"after torch \(pip install 'mlflow-llmeff\[deepspeed\]'\)$"):
+        validate(cfg, cuda_available=False, bf16_supported=True)
+    validate(cfg, cuda_available=False, bf16_supported=True, engine=False)  # the plan's check passes

@@ -98,32 +98,53 @@ def tensor_bytes(x) -> int:
 
 
 def _deepspeed_state_bytes(model, zero) -> tuple[int, int]:
-    """:func:`model_state_bytes` of a DeepSpeed ZeRO run (DeepSpeed 0.19's optimizer attributes).
+    """:func:`model_state_bytes` of a DeepSpeed ZeRO run (DeepSpeed 0.19's optimizer attributes), the
+    most held at one moment of a step (``planning/plan.py`` ``model_state_bytes`` predicts the same).
 
-    Weights: the module's parameters (ZeRO-3: each one's ``ds_tensor`` partition, and the whole
-    tensor where DeepSpeed keeps it). Optimizer: the
+    Weights: the module's parameters (ZeRO-3: each one's ``ds_tensor`` partition). Optimizer: the
     torch optimizer's state on the flat partitions plus the fp32 master partitions
     (``single_partition_of_fp32_groups``, ZeRO-3 ``fp32_partitioned_groups_flat``). Gradients:
     ZeRO-1 keeps whole gradients (reduced at the step), ZeRO-2 and 3 a partition of the master
-    partition's size in the weights' dtype.
+    partition's size in the weights' dtype; in 16-bit runs the step adds the fp32 copy of that
+    partition (``stage_1_and_2.py`` ``single_grad_partition = flat_grad_partition.to(fp32)``).
+    ZeRO-3 holds two states in turn (``stage3.py`` ``step``): in forward and backward the parameters
+    of at most ``stage3_param_persistence_threshold`` elements (``ds_persist``) are whole on every rank
+    besides their partitions (counted whole even where ``empty_partition_cache`` released them since),
+    with any other parameter still gathered; at the step those are partitioned and the step holds an
+    fp32 copy of the gradient partition (``_prepare_fp32_grad_for_sub_group``: ``flatten`` copies, in
+    fp32 too). The larger of the two is returned.
     """
     import torch
 
     params = list(model.parameters())
     stage3 = type(zero).__name__.endswith("Stage3")
     nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in params)
-    # ZeRO-3 keeps its partition (ds_tensor) and, for parameters under stage3_param_persistence_threshold
-    # (1e5 elements by default) or still gathered, the whole tensor too: both are held
-    weights = sum(tensor_bytes(p.data) + (tensor_bytes(p.ds_tensor) if stage3 and hasattr(p, "ds_tensor") else 0)
-                  for p in params)
     master = zero.fp32_partitioned_groups_flat if stage3 else zero.single_partition_of_fp32_groups
     master_bytes, master_numel = tensor_bytes(master), sum(t.numel() for t in master)
     moments = sum(tensor_bytes(v) for st in zero.optimizer.state.values() for v in st.values()
                   if torch.is_tensor(v) and v.dim() > 0)
     elem = params[0].element_size() if params else 4
-    stage = 3 if stage3 else int(getattr(zero, "partition_gradients", False)) + 1
-    grads = sum(p.numel() for p in params) * elem if stage == 1 else master_numel * elem
-    return weights + grads + master_bytes + moments, nparams
+    master_elem = master[0].element_size() if len(master) else 4
+    if not stage3:
+        stage = int(getattr(zero, "partition_gradients", False)) + 1
+        grads = sum(p.numel() for p in params) * elem if stage == 1 else master_numel * elem
+        step_copy = master_numel * master_elem if elem != master_elem else 0  # fp32 runs step on the partition
+        return sum(tensor_bytes(p.data) for p in params) + grads + step_copy + master_bytes + moments, nparams
+    partitions = sum(tensor_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else tensor_bytes(p.data) for p in params)
+    whole = 0
+    for p in params:
+        if not hasattr(p, "ds_tensor"):
+            continue
+        if getattr(p, "ds_persist", False):
+            # on one rank the partition is the whole tensor (DeepSpeed gathers into its storage)
+            whole += p.ds_numel * elem if p.ds_tensor.numel() < p.ds_numel else 0
+        else:
+            whole += tensor_bytes(p.data)  # still gathered when read (normally released: empty)
+    buffer = getattr(zero, "grad_partitions_flat_buffer", None)
+    grads = tensor_bytes(buffer) if torch.is_tensor(buffer) else master_numel * elem
+    forward = partitions + whole + grads + master_bytes + moments
+    step = partitions + grads + master_numel * master_elem + master_bytes + moments
+    return max(forward, step), nparams
 
 
 def peak_memory_gib(device) -> tuple[float, float, str]:

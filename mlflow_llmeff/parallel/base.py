@@ -86,6 +86,17 @@ class Strategy:
     def check(self, *, cuda: bool, precision: str) -> None:
         """Raise ``ValueError`` (one line, the measured reason) when this strategy cannot run here."""
 
+    def engine_missing(self, *, load: bool = False) -> str | None:
+        """One line naming the package this strategy's engine needs and how to install it, when that
+        package cannot be imported here; None when nothing is missing (torch and Accelerate only).
+        ``load`` imports the package (an install that is found but fails to import counts as
+        missing); without it the package is only looked up (``importlib.util.find_spec``, no import).
+
+        Training needs the engine (:func:`mlflow_llmeff.train.config.validate` raises this line);
+        ``llmeff plan`` does not (its figures are arithmetic) and reports it instead.
+        """
+        return None
+
     def check_model(self, config, degrees: Degrees) -> None:
         """Raise ``ValueError`` when the model's shape does not divide over ``degrees``."""
 

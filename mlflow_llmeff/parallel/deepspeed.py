@@ -48,12 +48,19 @@ class ZeRO(Strategy):
             raise ValueError(f"parallelism={self.name!r} partitions over all {world} processes (dp_shard={dp_shard} given)")
         return Degrees(dp_shard=world)
 
-    def check(self, *, cuda: bool, precision: str) -> None:
+    def engine_missing(self, *, load: bool = False) -> str | None:
+        import importlib.util
+
         try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            raise ValueError(f"parallelism={self.name!r} needs the deepspeed package: install it after torch "
-                             "(pip install 'mlflow-llmeff[deepspeed]')") from None
+            if load:
+                import deepspeed  # noqa: F401
+            found = load or importlib.util.find_spec("deepspeed") is not None
+        except (ImportError, ValueError):  # not installed, a None entry in sys.modules, a broken parent
+            found = False
+        if found:
+            return None
+        return (f"parallelism={self.name!r} needs the deepspeed package: install it after torch "
+                "(pip install 'mlflow-llmeff[deepspeed]')")
 
     def build_ops(self, *, cuda: bool, builders=None, clock=time.perf_counter, say=print) -> float:
         """Build (or load from the cache) the C++ ops DeepSpeed would JIT-compile while the

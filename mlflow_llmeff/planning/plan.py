@@ -8,7 +8,11 @@ Memory per device (bytes) is estimated from the model shape, not measured:
   DeepSpeed ZeRO keeps its working weights and gradients in the run's precision (2 + 2 B in
   16-bit, 4 + 4 B in fp32) plus K = 12 B of fp32 master weights and moments per parameter; stage 1
   shards the 12, stage 2 also the gradients, stage 3 everything (Rajbhandari et al. 2020, "ZeRO",
-  Sec. 5, Fig. 1). Tensor parallelism splits the parameters of the layer matrices its plan names
+  Sec. 5, Fig. 1). As DeepSpeed 0.19 runs it (read in its source, checked on CPU engines): 16-bit
+  stages 1 and 2 add the fp32 copy of the rank's gradient partition the step makes (4 B / dp);
+  stage 3 holds, in forward and backward, its tensors of at most 1e5 elements whole on every rank
+  (``stage3_param_persistence_threshold``) and, at the step, an fp32 copy of the gradient partition
+  (4 B / dp, fp32 runs too), whichever is larger (:func:`model_state_bytes`). Tensor parallelism splits the parameters of the layer matrices its plan names
   over ``tp`` ranks (embeddings, norms and the LM head stay whole); 2-D (fsdp_tp) then shards each
   rank's part over ``dp_shard``.
 * Activations kept for the backward pass, per layer and token (16-bit activations; x2 for fp32),
@@ -54,9 +58,28 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer + act
 
 
+#: DeepSpeed's default ``stage3_param_persistence_threshold`` (elements; DeepSpeed 0.19
+#: ``runtime/zero/config.py``, ``param_persistence_threshold = 1e5``): ZeRO-3 keeps every parameter of
+#: at most this many elements whole on every rank (``parameter_offload.py``
+#: ``mark_persistent_parameters``). Our configs leave it unset: Accelerate's plugin fills it (10 x
+#: hidden) only where a config file says ``"auto"``.
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+
+
 def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | None = None, tp: int = 1,
-                      tp_params: int = 0, precision: str = "bf16") -> tuple[float, float, float]:
+                      tp_params: int = 0, precision: str = "bf16",
+                      persistent_params: int = 0) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per device for ``params`` parameters (see the module docstring).
+
+    DeepSpeed ZeRO-3 holds the most at one of two moments, and the triple is that moment's
+    (DeepSpeed 0.19 ``stage3.py`` ``step``): during forward and backward, the weight partitions,
+    the ``persistent_params`` whole on every rank (over ``dp > 1`` ranks; on one rank the whole
+    tensor is the partition), the gradient partitions in the run's precision, the fp32 master
+    weights and moments; at the optimizer step the persistent parameters are partitioned
+    (``_partition_all_parameters``, gathered again in ``_post_step``) and the step holds an fp32
+    copy of the rank's gradient partition (``_prepare_fp32_grad_for_sub_group``: ``flatten(...)``
+    copies, in fp32 runs too), 4 B/param / dp. The larger of ``b x persistent_params`` and
+    ``4 params / dp`` decides.
 
     Args:
         params: model parameters.
@@ -66,6 +89,7 @@ def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | No
         tp: tensor-parallel degree.
         tp_params: parameters the tensor-parallel plan splits.
         precision: the run's precision (DeepSpeed keeps its working weights and gradients in it).
+        persistent_params: parameters in tensors ZeRO-3 keeps whole (:func:`persistent_param_count`).
 
     Raises:
         ValueError: for an unknown strategy or ``dp < 1``.
@@ -82,17 +106,21 @@ def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | No
     if strategy == "tp":
         return 4 * local, 4 * local, 8 * local
     b = 2.0 if precision in ("bf16", "fp16") else 4.0
-    # 16-bit ZeRO also holds each rank's gradient partition in fp32 for the optimizer step (DeepSpeed
-    # 0.19 stage_1_and_2.py: single_grad_partition = flat_grad_partition.to(fp32); stage3.py
-    # _prepare_fp32_grad_for_sub_group), the 4 B/param / dp that DeepSpeed's own estimators count in
-    # their 18 B/param (docs/parallelism.md); fp32 runs step on their gradients as they are
+    # 16-bit ZeRO-1/2 also hold each rank's gradient partition in fp32 for the optimizer step (DeepSpeed
+    # 0.19 stage_1_and_2.py: single_grad_partition = flat_grad_partition.to(fp32)), the 4 B/param / dp
+    # that DeepSpeed's own estimators count in their 18 B/param (docs/parallelism.md); fp32 runs step
+    # on their flat gradient partition as it is (.to(fp32) returns it)
     fp32_grads = 4 * p / dp if b == 2.0 else 0.0
     if strategy == "deepspeed_zero1":
         return b * p, b * p + fp32_grads, 12 * p / dp
     if strategy == "deepspeed_zero2":
         return b * p, b * p / dp + fp32_grads, 12 * p / dp
     if strategy == "deepspeed_zero3":
-        return b * p / dp, b * p / dp + fp32_grads, 12 * p / dp
+        whole = b * float(persistent_params) if dp > 1 else 0.0  # forward and backward
+        step_grads = 4 * p / dp  # the optimizer step, in fp32 runs too
+        if whole > step_grads:
+            return b * p / dp + whole, b * p / dp, 12 * p / dp
+        return b * p / dp, b * p / dp + step_grads, 12 * p / dp
     raise ValueError(f"strategy={strategy!r} is not accepted; use one of: single, ddp, fsdp, hsdp, tp, fsdp_tp, "
                      "deepspeed_zero1/2/3")
 
@@ -113,9 +141,13 @@ def state_assumptions(strategy: str, precision: str, degrees=None) -> dict:
     w, g, o = model_state_bytes(1, strategy, 1, precision=precision)
     deepspeed = strategy.startswith("deepspeed_")
     sixteen = precision in ("bf16", "fp16")
-    if deepspeed and sixteen:
+    if deepspeed:
         held_w = f"{precision} working weights ({w:g} B)"
-        held_g = f"{precision} gradients ({g - 4:g} B) + the fp32 copy of the rank's partition the step uses (4 B)"
+        if strategy == "deepspeed_zero3":
+            held_w += (f"; tensors of at most {ZERO3_PERSISTENCE_THRESHOLD:,} elements also whole on every rank "
+                       "during forward and backward (stage3_param_persistence_threshold)")
+        held_g = (f"{precision} gradients ({g - 4:g} B) + the fp32 copy of the rank's partition the step uses (4 B)"
+                  if sixteen or strategy == "deepspeed_zero3" else f"{precision} gradients ({g:g} B)")
         opt = "fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq in fp32 (8 B)"
     else:
         held_w = ("fp32 weights, the master copy; autocast runs the matmuls in " + precision
@@ -141,6 +173,25 @@ def state_assumptions(strategy: str, precision: str, degrees=None) -> dict:
             "bytes_per_param_weights": w, "bytes_per_param_gradients": g, "bytes_per_param_optimizer": o,
             "bytes_per_param_model_state": w + g + o, "weights_held_as": held_w, "gradients_held_as": held_g,
             "optimizer_state": opt, "model_state_sharding": how}
+
+
+_PERSISTENT: dict[tuple[str, int], int] = {}
+
+
+def persistent_param_count(config, threshold: int = ZERO3_PERSISTENCE_THRESHOLD) -> int:
+    """Parameters in the tensors DeepSpeed ZeRO-3 keeps whole on every rank: those of at most
+    ``threshold`` elements (:data:`ZERO3_PERSISTENCE_THRESHOLD`; DeepSpeed 0.19
+    ``parameter_offload.py`` ``mark_persistent_parameters``: ``ds_numel <= param_threshold``, tied
+    tensors once), counted on the model built from ``config`` on the meta device (cached per config)."""
+    key = (config.to_json_string(use_diff=False), threshold)
+    if key not in _PERSISTENT:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        _PERSISTENT[key] = sum(p.numel() for p in model.parameters() if p.numel() <= threshold)
+    return _PERSISTENT[key]
 
 
 def parameter_split(config) -> dict[str, int]:
@@ -185,8 +236,10 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
     tp = degrees.tp if degrees is not None else 1
     cp = degrees.cp if degrees is not None else 1
     shard = degrees.dp_shard if degrees is not None and degrees.dp_shard > 1 else None
+    persistent = persistent_param_count(config) if strategy == "deepspeed_zero3" else 0
     w, g, o = model_state_bytes(split["total"], strategy, degrees.dp if degrees is not None else dp, dp_shard=shard,
-                                tp=tp, tp_params=split["tensor_parallel"], precision=precision)
+                                tp=tp, tp_params=split["tensor_parallel"], precision=precision,
+                                persistent_params=persistent)
     a, ac = activation_bytes(config, seq_len, micro_batch_size, precision=precision, eager_attention=eager_attention,
                              tp=tp, cp=cp)
     return MemoryEstimate(w, g, o, a, ac)
@@ -221,7 +274,10 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     The plan states its assumptions (:func:`state_assumptions`: master-weight precision,
     optimizer, bytes per parameter of weights, gradients and optimizer state) and the accelerator:
     ``accelerator`` (assumed, as before), ``accelerator_given``, ``accelerator_assumed``,
-    ``accelerator_alias_taken`` and, when one was, ``accelerator_alias``.
+    ``accelerator_alias_taken`` and, when one was, ``accelerator_alias``. ``engine_installed``
+    says whether the strategy's engine (DeepSpeed for ``deepspeed_zero*``) can be imported here,
+    and ``engine_missing``, only when it cannot, the line naming how to install it: the figures
+    do not need it.
 
     Raises:
         ValueError: for degrees that do not fit the processes.
@@ -232,6 +288,7 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
 
     config = load_config(cfg.model)
     world = cfg.num_processes * cfg.num_machines
+    missing = get(strategy).engine_missing()  # looked up, not imported: the plan needs no engine
     degrees = get(strategy).degrees(world, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
                                     processes_per_node=cfg.num_processes)
     counts = param_counts(config)
@@ -255,7 +312,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
         accel["accelerator_alias"] = accelerator_alias
     out = {
         "model": cfg.model, "accelerator": accelerator_short, **accel, "devices": world, "strategy": strategy,
-        "degrees": degrees.describe(), "precision": precision, **state_assumptions(strategy, precision, degrees),
+        "degrees": degrees.describe(), "engine_installed": missing is None,
+        **({"engine_missing": missing} if missing else {}),
+        "precision": precision, **state_assumptions(strategy, precision, degrees),
         "params_total": counts["total"],
         "params_non_embedding": counts["non_embedding"],
         "params_active": counts["active"], "layers": shape.layers, "hidden": shape.hidden,

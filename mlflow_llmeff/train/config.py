@@ -127,12 +127,16 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a positive integer (>= 1)")
 
 
-def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_supported: bool | None = None) -> None:
+def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_supported: bool | None = None,
+             engine: bool = True) -> None:
     """Check every setting cheaply (configs only, no weights, no data read) before heavy work.
 
     Args:
         cfg: the settings.
         cuda_available / bf16_supported: injected for tests; probed through torch when None.
+        engine: the strategy's engine must be importable here (training; the strategy's
+            ``engine_missing`` line names the package to install). ``llmeff plan`` passes False: its
+            figures are arithmetic and it says instead that the engine is not installed.
 
     Raises:
         ValueError: one line naming the bad value and the accepted ones.
@@ -194,6 +198,9 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     strategy = get_strategy(cfg)
     strategy.check(cuda=cuda_available, precision=resolve_precision(cfg, cuda_available=cuda_available,
                                                                    bf16_supported=bf16_supported))
+    missing = strategy.engine_missing(load=True) if engine else None
+    if missing:
+        raise ValueError(missing)
     degrees = resolve_degrees(cfg)  # raises when the degrees do not fit the processes
     if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
         raise ValueError(f"checkpoint_dir={cfg.checkpoint_dir!r} exists and is not a directory")

@@ -161,7 +161,7 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
         if alias:
             print(f"llmeff: accelerator {alias}", file=sys.stderr)  # stdout stays the plan (--json parses)
         cuda, bf16 = accelerator_short.lower() != "cpu", True
-    validate(cfg, cuda_available=cuda, bf16_supported=bf16)
+    validate(cfg, cuda_available=cuda, bf16_supported=bf16, engine=False)  # the plan is arithmetic
     precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
     strategy = resolve_strategy(cfg, cfg.num_processes)
     price, _ = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
