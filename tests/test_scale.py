@@ -13,6 +13,7 @@ Named so the name search's first page misses one: run 0 (the oldest) is ``STEM``
 from __future__ import annotations
 
 import csv
+import html
 import io
 import time
 

@@ -66,9 +66,8 @@ def run_set_digest(runs, group_by: str, baseline: str) -> str:
     and the page's grouping and baseline (a new point or a finished run changes it)."""
     h = hashlib.sha1()
     h.update(json.dumps([group_by, baseline]).encode())
-    for r in sorted(runs, key=lambda r: r.run_id):
-        h.update(json.dumps([r.run_id, r.status, sorted(r.metrics.items()), sorted(r.tags.items())],
-                            default=str).encode())
+    for r in sorted(runs, key=lambda r: r.run_id):  # repr: exact for str and float, a third of json's time
+        h.update(repr((r.run_id, r.status, sorted(r.metrics.items()), sorted(r.tags.items()))).encode())
     return h.hexdigest()[:20]
 
 
