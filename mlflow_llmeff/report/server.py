@@ -23,10 +23,13 @@ status 400/404, never a stack trace.
 The runs are read from the server's store in one pass of plain SQL over its tables (runs, latest
 metrics, tags, params: :func:`mlflow_llmeff.report.source.select_runs`; MLflow's ``search_runs``
 builds an ORM object per value, 5.9 s for 1,000 runs), every run of the selection, however many;
-metric histories are read only for what the figures draw. A page whose run set (its digest, below),
-query and figures were served before is served again from memory without being built
-(``PAGE_CACHE_SIZE`` pages): the second request of an unchanged experiment costs one read of its
-runs (bench/page.py measures it at 50, 1,000 and 10,000 runs; docs/compare.md).
+metric histories are read only for what the figures draw. A page whose run set (its digest, below)
+and query were served before is served again from memory without being built (``PAGE_CACHE_SIZE``
+pages; its figures section filled on each request from the figures as they are then): the second
+request of an unchanged experiment costs one read of its runs (bench/page.py measures it at 50,
+1,000 and 10,000 runs; docs/compare.md). The "All runs" table shows the first
+:data:`~mlflow_llmeff.report.render.RUNS_SHOWN` runs and says how many of how many, with where every
+run is (``?all_runs=1``, MLflow's run list filtered the same way, report.csv/report.md).
 
 Figures are drawn once per run set, in the background: they are cached by a digest of the compared
 runs (ids, status, latest metric values, tags) and the page's grouping and baseline, and served
