@@ -16,7 +16,9 @@ start times; ``--api`` logs every run through MlflowClient instead, about 30 ms 
     python bench/page.py --runs 50,1000          # docs/compare.md has the measured table
 
 Target (issue 31): the second request under 2 s at 1,000 runs on this machine, growth no worse than
-linear (issue 21: under 2 s for 50 runs).
+linear (issue 21: under 2 s for 50 runs): from 1,000 runs up, the second request's growth over the
+runs' growth at most GROWTH_LIMIT (1.3: linear within this shared machine's noise). The page's
+runs table shows the first 200 runs (docs/compare.md), so the page's size stops growing there.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: The second request's target (s) at TARGET_RUNS runs.
 TARGET_S, TARGET_RUNS = 2.0, 1000
+#: From TARGET_RUNS runs up, the second request's growth / the runs' growth above this is worse than
+#: linear beyond this shared machine's noise (+-30% between runs of the bench).
+GROWTH_LIMIT = 1.3
 #: Runs logged through the API before the rest are copied (three repeats of each standard run).
 TEMPLATES = 15
 
@@ -188,7 +193,14 @@ def main() -> int:
                f"(target under {TARGET_S:g} s up to {TARGET_RUNS:,} runs)" if missed else
                f"target met: second request under {TARGET_S:g} s up to {TARGET_RUNS:,} runs")
     print(verdict)
-    return 1 if missed else 0
+    steep = [(a, b) for a, b in zip(rows, rows[1:]) if a["runs"] >= TARGET_RUNS and b["runs"] > a["runs"]
+             and (b["second"] / a["second"]) / (b["runs"] / a["runs"]) > GROWTH_LIMIT]
+    for a, b in steep:
+        print(f"target missed: the second request grew {(b['second'] / a['second']) / (b['runs'] / a['runs']):.2f}x "
+              f"linear from {a['runs']:,} to {b['runs']:,} runs (limit {GROWTH_LIMIT:g})")
+    if rows and not steep and len(rows) > 1:
+        print(f"growth met: no worse than {GROWTH_LIMIT:g}x linear from {TARGET_RUNS:,} runs up")
+    return 1 if missed or steep else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ configuration first (the trial: report.md listed it last, the order the runs wer
 
 from __future__ import annotations
 
+import csv
+import io
+
 from click.testing import CliRunner
 
 from mlflow_llmeff import names
@@ -52,6 +55,48 @@ def test_report_md_and_html_list_the_best_configuration_first(tracking_uri, tmp_
     html = (folder / "report.html").read_text()
     table = html[html.index("<table id='headline'"):html.index("</table>", html.index("<table id='headline'"))]
     assert _order(table) == BEST_FIRST
+    # every run, in the same order: the best configuration's repeats first (newest first within one)
+    runs = ["llama-tiny-cpu-1x-single-fp32-s128-gbt4096", "llama-tiny-cpu-1x-single-fp32-s128-gbt1024-2",
+            "llama-tiny-cpu-1x-single-fp32-s128-gbt1024", "llama-tiny-cpu-2x-ddp-fp32-s128-gbt2048",
+            "llama-160m-cpu-1x-single-fp32-s128-gbt1024"]
+    assert [row["run"] for row in csv.DictReader(io.StringIO((folder / "report.csv").read_text()))] == runs
+    all_runs = md[md.index("## All runs"):]
+    assert [ln.split("[")[1].split("]")[0] for ln in all_runs.splitlines() if ln.startswith("| [")] == runs
+
+
+def _records():
+    """Seven runs: three configurations (tokens/s per device 30, 20, 10; the middle one has three
+    repeats) and one FAILED run without summary figures, newest first."""
+    from mlflow_llmeff.report.calc import RunRecord
+
+    def run(i, tps, model, status="FINISHED"):
+        metrics = {} if tps is None else {names.SUM_TOKENS_PER_SEC: tps, names.SUM_DEVICE_TOKENS_PER_SEC: tps}
+        return RunRecord(f"id{i}", f"r{i}", status, "1", metrics, {names.MODEL_NAME: model, names.ACCEL_COUNT: "1",
+                                                                   names.STABILITY: "stable"}, {})
+
+    return [run(0, None, "x", "FAILED"), run(1, 10.0, "c"), run(2, 20.0, "b"), run(3, 21.0, "b"), run(4, 30.0, "a"),
+            run(5, 19.0, "b"), run(6, 11.0, "c")]
+
+
+def test_the_pages_runs_table_shows_the_first_runs_and_says_how_many_of_how_many():
+    from mlflow_llmeff.report.render import build_report, to_csv, to_html, to_markdown
+    from mlflow_llmeff.report.source import Selection
+
+    rep = build_report(None, Selection("1", "seven", "", _records()), group_by="model.name", plots=False)
+    page = to_html(rep, max_runs=3, rest_html="<a href='?all_runs=1'>every run</a>")
+    assert "All runs: 3 of 7 runs shown x " in page
+    note = page[page.index("<p class='warn' id='runs-shown'>"):].split("</p>")[0]
+    assert note.endswith("3 of 7 runs shown (the best configuration's repeats first, in report.csv's order); 1 of "
+                         "the runs not shown is unfinished or without summary figures. Every run: "
+                         "<a href='?all_runs=1'>every run</a>.")
+    # the best configuration (a: 30) then b's repeats (20, 21, 19 in the selection's order)
+    assert [row.split("'")[0] for row in page.split("data-run-id='")[1:]] == ["id4", "id2", "id3"]
+    # the files keep every run, the unfinished one last
+    rows = list(csv.DictReader(io.StringIO(to_csv(rep))))
+    assert [row["run_id"] for row in rows] == ["id4", "id2", "id3", "id5", "id1", "id6", "id0"]
+    assert sum(ln.startswith("| [") or ln.startswith("| **[") for ln in to_markdown(rep).splitlines()) == 7
+    whole = to_html(rep)  # report.html: every run, nothing to say
+    assert "All runs: 7 runs x " in whole and whole.count("data-run-id=") == 7 and "runs-shown" not in whole
 
 
 def test_configurations_without_the_figure_come_last_in_their_order():

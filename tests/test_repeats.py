@@ -309,3 +309,18 @@ def test_the_carbon_pareto_draws_no_single_run_as_beaten_within_the_floor():
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["front (within noise)"]
     assert "between-run floor" in fig.axes[0].get_title()
+
+
+def test_a_configuration_splits_its_repeats_and_estimates_each_figure_once(monkeypatch):
+    from mlflow_llmeff.report import repeats
+
+    calls = []
+    real = repeats.is_stable
+    monkeypatch.setattr(repeats, "is_stable", lambda r: calls.append(r) or real(r))
+    c, = configurations([run(f"r{i}", 1, 1000.0 + i, 900.0, 1100.0) for i in range(10)])
+    first = c.estimate(names.SUM_TOKENS_PER_SEC)
+    for _ in range(5):  # the headline, scaling and notes ask again and again
+        assert c.estimate(names.SUM_TOKENS_PER_SEC) is first and len(c.used) == 10 and c.unstable == []
+    assert len(calls) == 20  # one pass over the 10 repeats for each half of the split, not one per question
+    c.runs.append(run("r10", 1, 2000.0, 900.0, 1100.0))  # a repeat added: split and estimate again
+    assert len(c.used) == 11 and c.estimate(names.SUM_TOKENS_PER_SEC).n == 11

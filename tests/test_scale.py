@@ -13,6 +13,7 @@ Named so the name search's first page misses one: run 0 (the oldest) is ``STEM``
 from __future__ import annotations
 
 import csv
+import html
 import io
 import time
 
@@ -164,7 +165,9 @@ def test_compare_reports_all_1001_runs(big, tmp_path, monkeypatch):
     assert "1001 runs of 'scale' compared" in r.output
     rows = list(csv.DictReader(io.StringIO((tmp_path / "o" / "report.csv").read_text())))
     assert sorted(row["run_id"] for row in rows) == sorted(ids)
-    assert "1,001 runs compared: every active run of the experiment" in (tmp_path / "o" / "report.md").read_text()
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "1,001 runs compared: every active run of the experiment" in md
+    assert sum(ln.startswith("| [") for ln in md[md.index("## All runs"):].splitlines()) == 1001
 
 
 @pytest.mark.slow
@@ -183,7 +186,16 @@ def test_the_page_first_screen_says_it_shows_all_1001_runs(big, tmp_path, monkey
     page = app.test_client().get(f"/llmeff/experiments/{exp_id}").get_data(as_text=True)
     count = page.index("<p class='note' id='run-count'>1,001 runs compared: every active run of the experiment</p>")
     assert count < page.index("<table id='headline'")  # above the answer: on the first screen
-    assert "All runs: 1001 runs" in page
+    # the runs table shows the first 200 and says so, with where every run is; report.csv keeps all
+    # 1,001 (test_compare_reports_all_1001_runs)
+    assert "All runs: 200 of 1,001 runs shown x " in page and page.count("data-run-id=") == 200
+    assert "<p class='warn' id='runs-shown'>200 of 1,001 runs shown (the best configuration's" in page
+    link = page.split("<a id='all-runs-link' href='")[1].split("'")[0].replace("&amp;", "&")
+    assert link == f"/llmeff/experiments/{exp_id}?all_runs=1"
+    every = app.test_client().get(link).get_data(as_text=True)
+    assert "All runs: 1,001 runs x " in every and every.count("data-run-id=") == 1001 and "runs-shown" not in every
+    bad = app.test_client().get(f"/llmeff/experiments/{exp_id}?all_runs=yes")
+    assert bad.status_code == 400 and "all_runs='yes' is not accepted; give all_runs=1" in bad.get_data(as_text=True)
 
 
 # ------------------------------------------------------- the server's store read by SQL, cached pages
@@ -245,11 +257,15 @@ def test_an_unchanged_page_is_served_again_and_a_new_point_rebuilds_it(five_stor
     srv._drawing.get(digest, srv.threading.Event()).wait(120)  # the figures drawn
     second = web.get(url).get_data(as_text=True)
     third = web.get(url).get_data(as_text=True)
-    assert len(builds) == 2 and third == second  # built with the drawn figures once, then served again
+    # built once: the second request (figures drawn by then) is the first page with its figures filled in
+    assert len(builds) == 1 and third == second
+    drawn, notes = srv._cached(digest)
+    assert second.count(f"/llmeff/figures/{digest}/") == len(drawn) > 0 and all(html.escape(n) in second for n in notes)
+    assert first.split("<h2>Figures</h2>")[0] == second.split("<h2>Figures</h2>")[0]
     run_id = client.search_runs([exp_id], max_results=1)[0].info.run_id
     client.log_metric(run_id, names.SUM_TOKENS_PER_SEC, 99_000.0, step=60)
     fourth = web.get(url).get_data(as_text=True)
-    assert len(builds) == 3 and "99000" in fourth
+    assert len(builds) == 2 and "99000" in fourth
 
 
 def test_a_store_whose_tables_the_sql_read_does_not_know_falls_back_to_mlflows_search():

@@ -23,9 +23,12 @@ from mlflow_llmeff.report.source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",
            "scaling_lines", "headline_text", "best_first", "DEFAULT_GROUP_BY", "Reliability", "reliability",
-           "reliability_text"]
+           "reliability_text", "ordered_runs", "figures_html", "RUNS_SHOWN"]
 
 DEFAULT_GROUP_BY = "accelerator.name,parallelism.strategy,precision"
+#: Rows of the efficiency page's "All runs" table (``to_html(max_runs=...)``); the page says how many of
+#: how many it shows and links to the rest (report.csv and report.md list every run).
+RUNS_SHOWN = 200
 _TAG_KEYS = {d.key for d in names.TAGS}
 
 
@@ -146,11 +149,24 @@ def _fmt(v) -> str:
     return f"{r:g}" if abs(r) < 1e15 else f"{r:.4g}"
 
 
-def table_rows(rep: Report) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the table (strings; one row per run, numbers to 4 significant digits)."""
+def ordered_runs(rep: Report) -> list[RunRecord]:
+    """Every run of ``rep`` in the order the runs tables list them: the best configuration's repeats
+    first (configurations as :func:`best_first` ranks them, each one's stable repeats first), then
+    the runs in no configuration (unfinished, no summary) in the selection's order (newest first)."""
+    seen, out = set(), []
+    for c in rep.configs:
+        for r in c.used:
+            seen.add(r.run_id)
+            out.append(r)
+    return out + [r for r in rep.runs if r.run_id not in seen]
+
+
+def table_rows(rep: Report, runs: list[RunRecord] | None = None) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the table (strings; one row per run of ``runs``, default
+    :func:`ordered_runs`; numbers to 4 significant digits)."""
     head = ["run", "status", "group"] + rep.tag_columns + [header(k) for k in rep.columns] + ["note"]
     rows = []
-    for r in rep.runs:
+    for r in (ordered_runs(rep) if runs is None else runs):
         rows.append([r.label, r.status, rep.group_of(r)] + [r.tags.get(k, "") for k in rep.tag_columns]
                     + [_fmt(r.metrics.get(k)) for k in rep.columns] + [rep.row_note(r)])
     return head, rows
@@ -305,9 +321,10 @@ def to_markdown(rep: Report) -> str:
         lines += [""] + [f"- {n}" for n in h.footnotes[1:]] + ([""] if h.footnotes[1:] else [])
         lines += ["## All runs", ""]
     lines += [f"> **WARNING** {w.text()}" for w in rep.warnings] + ([""] if rep.warnings else [])
-    head, rows = table_rows(rep)
+    runs = ordered_runs(rep)
+    head, rows = table_rows(rep, runs)
     lines += ["| " + " | ".join(_md_cell(h) for h in head) + " |", "|" + " --- |" * len(head)]
-    for r, row in zip(rep.runs, rows):
+    for r, row in zip(runs, rows):
         cells = [f"[{_md_cell(row[0])}]({rep.url(r)})"] + [_md_cell(c) for c in row[1:]]
         if rep.missing_summary(r):
             cells[0] = f"**{cells[0]} (no summary)**"
@@ -321,11 +338,12 @@ def to_markdown(rep: Report) -> str:
 
 def to_csv(rep: Report) -> str:
     """The table as CSV (plus the run id and UI link of each run)."""
-    head, rows = table_rows(rep)
+    runs = ordered_runs(rep)
+    head, rows = table_rows(rep, runs)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(head + ["run_id", "url"])
-    for r, row in zip(rep.runs, rows):
+    for r, row in zip(runs, rows):
         w.writerow(row + [r.run_id, rep.url(r)])
     return buf.getvalue()
 
@@ -407,20 +425,31 @@ def _headline_html(rep: Report) -> str:
     return "\n".join(out)
 
 
-def _runs_table_html(rep: Report) -> str:
+def _runs_table_html(rep: Report, max_runs: int | None = None, rest_html: str = "") -> str:
     e = html.escape
-    head, rows = table_rows(rep)
+    every = ordered_runs(rep)
+    runs = every if max_runs is None else every[:max_runs]
+    head, rows = table_rows(rep, runs)
 
     def breakable(h: str) -> str:  # headers wrap after '/' and '_' rather than inside words
         return e(h).replace("/", "/<wbr>").replace("_", "_<wbr>").replace(".", ".<wbr>")
 
     chooser = "".join(f"<label><input type='checkbox' checked data-col='{i}'>{e(h.split(' [')[0])}</label>"
                       for i, h in enumerate(head) if i > 0)
-    out = [f"<details id='all-runs'><summary>All runs: {len(rows)} runs x {len(head)} columns (summary figures, "
-           "conditions that differ, final evals, time to quality)</summary>",
-           f"<div id='chooser'>Columns: {chooser}</div><div class='scroll'>",
+    shown = (f"{len(rows):,} runs" if len(runs) == len(every) else
+             f"{len(rows):,} of {len(every):,} runs shown")
+    out = [f"<details id='all-runs'><summary>All runs: {shown} x {len(head)} columns (summary figures, "
+           "conditions that differ, final evals, time to quality)</summary>"]
+    if len(runs) < len(every):  # never a silent cap: how many are left out and where every run is
+        hidden = sum(1 for r in every[len(runs):] if rep.missing_summary(r))
+        marked = (f"; {hidden:,} of the runs not shown {'is' if hidden == 1 else 'are'} unfinished or without "
+                  "summary figures" if hidden else "")
+        out.append(f"<p class='warn' id='runs-shown'>{len(rows):,} of {len(every):,} runs shown (the best "
+                   f"configuration's repeats first, in report.csv's order){marked}. Every run: "
+                   + (rest_html or "report.csv and report.md of <code>llmeff compare</code>") + ".</p>")
+    out += [f"<div id='chooser'>Columns: {chooser}</div><div class='scroll'>",
            "<table id='runs'><thead><tr>" + "".join(f"<th>{breakable(h)}</th>" for h in head) + "</tr></thead><tbody>"]
-    for r, row in zip(rep.runs, rows):
+    for r, row in zip(runs, rows):
         cls = " class='nosummary'" if rep.missing_summary(r) else (" class='run notcomparable'" if rep.row_note(r)
                                                                    else " class='run'")
         cells = [f"<a href='{e(rep.url(r))}' target='_top'>{e(row[0])}</a>"] + [e(c) for c in row[1:]]
@@ -429,7 +458,18 @@ def _runs_table_html(rep: Report) -> str:
     return "\n".join(out)
 
 
-def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | None = None) -> str:
+def figures_html(sources: dict[str, str], notes: list[str]) -> str:
+    """The page's figures section: an image per figure (``sources``: name -> its URL or data URI),
+    then one line per figure left out (``notes``)."""
+    e = html.escape
+    out = ["<h2>Figures</h2><div class='figs'>"]
+    out += [f"<img alt='{e(name)}' title='{e(name)}' src='{e(src)}'>" for name, src in sources.items()]
+    out.append("</div>" + "".join(f"<p class='note'>{e(n)}</p>" for n in notes))
+    return "\n".join(out)
+
+
+def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | None = None,
+            max_runs: int | None = None, rest_html: str = "", figures_block: str | None = None) -> str:
     """The report as one HTML page that leads with the answer: the headline table of configurations
     (sortable), the warnings that change it, then every run (one click away, with a column chooser),
     scaling efficiency and the figures.
@@ -439,6 +479,11 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
         extra_head: HTML placed under the title (the server page's filter form).
         figure_urls: figure name -> URL to load it from (the server page); default: every figure
             inlined as a base64 PNG, so the file opens anywhere without its folder.
+        max_runs: rows of the "All runs" table (default: every run); fewer runs shown than there are
+            is said on the table ("200 of 10,000 runs shown") with ``rest_html`` (HTML: where every
+            run is; default: report.csv and report.md).
+        figures_block: HTML put where the figures go instead of :func:`figures_html` (the server page
+            fills it on each request).
     """
     e = html.escape
     sel = rep.selection
@@ -450,7 +495,7 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
         out.append(f"<p class='note'>Filter: <code>{e(sel.filter_string)}</code></p>")
     out.append(_headline_html(rep))
     out += [f"<div class='warn'>WARNING: {e(w.text())}</div>" for w in rep.warnings]
-    out.append(_runs_table_html(rep))
+    out.append(_runs_table_html(rep, max_runs, rest_html))
     rel_html = _reliability_html(rep)
     if rel_html:
         out.append(rel_html)
@@ -458,13 +503,11 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
     lines = scaling_lines(rep)
     out.append("<ul id='scaling'>" + "".join(f"<li>{e(s)}</li>" for s in lines) + "</ul>" if lines
                else "<p class='note'>No configurations that differ only in device count.</p>")
-    out.append("<h2>Figures</h2><div class='figs'>")
-    names_ = list(figure_urls) if figure_urls is not None else list(rep.figures)
-    for name in names_:
-        src = (figure_urls[name] if figure_urls is not None
-               else "data:image/png;base64," + base64.b64encode(rep.figures[name]).decode())
-        out.append(f"<img alt='{e(name)}' title='{e(name)}' src='{e(src)}'>")
-    out.append("</div>" + "".join(f"<p class='note'>{e(n)}</p>" for n in rep.notes))
+    if figures_block is None:
+        sources = (dict(figure_urls) if figure_urls is not None else
+                   {name: "data:image/png;base64," + base64.b64encode(png).decode() for name, png in rep.figures.items()})
+        figures_block = figures_html(sources, rep.notes)
+    out.append(figures_block)
     out.append("<p class='note'>Formulas and what is comparable: docs/compare.md and docs/stability.md of "
                f"mlflow_llmeff. Conditions shown when they differ: {e(', '.join(CONDITION_TAGS))}.</p>")
     out.append(f"<script>{_JS}</script></body></html>")

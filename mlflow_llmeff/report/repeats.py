@@ -209,25 +209,47 @@ class Configuration:
         key: the values of :data:`CONFIG_TAGS`.
         runs: every finished repeat with a summary, in the order given.
         label: the first stable repeat's run name (else the first's), and the repeat count.
+
+    The split into stable and unstable repeats and each figure's estimate are computed once for a
+    given set of runs (recomputed when runs are added): a run's values changed in place after its
+    figure was estimated are not seen.
     """
 
     key: tuple
     runs: list[RunRecord] = field(default_factory=list)
+    #: what :meth:`_split` and :meth:`estimate` computed, for the runs as they were (their count):
+    #: a report asks for them over a hundred times (headline, scaling, notes), each a pass over the runs
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _remembered(self, what, compute):
+        n = len(self.runs)
+        got = self._memo.get(what)
+        if got is None or got[0] != n:
+            got = self._memo[what] = (n, compute())
+        return got[1]
+
+    def _split(self) -> tuple[list[RunRecord], list[RunRecord]]:
+        def split():
+            stable = [r for r in self.runs if is_stable(r)]
+            return stable, [r for r in self.runs if not is_stable(r)]
+
+        return self._remembered("split", split)
 
     @property
     def stable(self) -> list[RunRecord]:
-        return [r for r in self.runs if is_stable(r)]
+        return list(self._split()[0])
 
     @property
     def used(self) -> list[RunRecord]:
         """The repeats the figures use: every one (a repeat is a sample; an unstable one is named,
         not dropped), the stable ones first."""
-        return self.stable + self.unstable
+        stable, unstable = self._split()
+        return stable + unstable
 
     @property
     def unstable(self) -> list[RunRecord]:
         """Repeats tagged unstable (in the figures, and named by :meth:`note`)."""
-        return [r for r in self.runs if not is_stable(r)]
+        return list(self._split()[1])
 
     @property
     def label(self) -> str:
@@ -250,6 +272,9 @@ class Configuration:
         e-Handbook 1.3.6.7.2), the low end clipped at 0 (no summary figure is negative). One repeat:
         :func:`_single_run_estimate`.
         """
+        return self._remembered(("estimate", key), lambda: self._estimate(key))
+
+    def _estimate(self, key: str) -> Estimate | None:
         have = [r for r in self.used if _finite(r, key)]
         if not have:
             return None

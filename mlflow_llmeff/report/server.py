@@ -23,10 +23,13 @@ status 400/404, never a stack trace.
 The runs are read from the server's store in one pass of plain SQL over its tables (runs, latest
 metrics, tags, params: :func:`mlflow_llmeff.report.source.select_runs`; MLflow's ``search_runs``
 builds an ORM object per value, 5.9 s for 1,000 runs), every run of the selection, however many;
-metric histories are read only for what the figures draw. A page whose run set (its digest, below),
-query and figures were served before is served again from memory without being built
-(``PAGE_CACHE_SIZE`` pages): the second request of an unchanged experiment costs one read of its
-runs (bench/page.py measures it at 50, 1,000 and 10,000 runs; docs/compare.md).
+metric histories are read only for what the figures draw. A page whose run set (its digest, below)
+and query were served before is served again from memory without being built (``PAGE_CACHE_SIZE``
+pages; its figures section filled on each request from the figures as they are then): the second
+request of an unchanged experiment costs one read of its runs (bench/page.py measures it at 50,
+1,000 and 10,000 runs; docs/compare.md). The "All runs" table shows the first
+:data:`~mlflow_llmeff.report.render.RUNS_SHOWN` runs and says how many of how many, with where every
+run is (``?all_runs=1``, MLflow's run list filtered the same way, report.csv/report.md).
 
 Figures are drawn once per run set, in the background: they are cached by a digest of the compared
 runs (ids, status, latest metric values, tags) and the page's grouping and baseline, and served
@@ -66,9 +69,8 @@ def run_set_digest(runs, group_by: str, baseline: str) -> str:
     and the page's grouping and baseline (a new point or a finished run changes it)."""
     h = hashlib.sha1()
     h.update(json.dumps([group_by, baseline]).encode())
-    for r in sorted(runs, key=lambda r: r.run_id):
-        h.update(json.dumps([r.run_id, r.status, sorted(r.metrics.items()), sorted(r.tags.items())],
-                            default=str).encode())
+    for r in sorted(runs, key=lambda r: r.run_id):  # repr: exact for str and float, a third of json's time
+        h.update(repr((r.run_id, r.status, sorted(r.metrics.items()), sorted(r.tags.items()))).encode())
     return h.hexdigest()[:20]
 
 
@@ -312,7 +314,7 @@ def _page_report(store, experiment_id: str, args, sel=None):
 
 #: Pages served again without building them: by run set (digest), query and filter-form values.
 PAGE_CACHE_SIZE = 16
-_pages: "OrderedDict[str, str]" = OrderedDict()
+_pages: "OrderedDict[str, tuple[str, str]]" = OrderedDict()
 
 
 def _page_key(digest: str, args, every) -> str:
@@ -338,11 +340,33 @@ def _draw_again(digest: str, args):
         return _drawing.get(digest)
 
 
+#: Where a cached page's figures section goes: filled on every request from its run set's figures as
+#: they are then (being drawn: every figure's URL; drawn: the drawn ones and why any was left out).
+_FIGURES_MARK = "<!--llmeff:figures-->"
+
+
+def _rest_html(exp_id: str, args, filter_text: str) -> str:
+    """Where every run of a page whose runs table is cut to ``RUNS_SHOWN`` is: this page with
+    ``all_runs=1``, MLflow's run list filtered the same way, report.csv/report.md."""
+    from urllib.parse import quote, urlencode
+
+    e = html.escape
+    query = urlencode([(k, v) for k, v in args.items(multi=True) if k != "all_runs"] + [("all_runs", "1")])
+    mlflow_list = ui_experiment_url(_ui_root(), exp_id) + (f"&searchFilter={quote(filter_text)}" if filter_text else "")
+    return (f"<a id='all-runs-link' href='{base()}/experiments/{e(exp_id)}?{e(query)}'>this page with every run</a> "
+            f"(<code>?all_runs=1</code>, about 0.5 KiB a run), <a href='{e(mlflow_list)}' target='_top'>MLflow's run "
+            "list</a> (filtered the same way), or report.csv and report.md of <code>llmeff compare</code>")
+
+
 def experiment_page(experiment_id: str):
-    """``/llmeff/experiments/<id>``: the comparison report of one experiment, live from the store."""
+    """``/llmeff/experiments/<id>``: the comparison report of one experiment, live from the store.
+
+    The "All runs" table shows the first :data:`mlflow_llmeff.report.render.RUNS_SHOWN` runs (the best
+    configuration's first) and says how many of how many, with links to the rest; ``?all_runs=1``
+    shows every run."""
     from flask import request
 
-    from mlflow_llmeff.report.render import to_html
+    from mlflow_llmeff.report.render import RUNS_SHOWN, to_html
     from mlflow_llmeff.report.source import select_runs
 
     store = _store()
@@ -358,19 +382,27 @@ def experiment_page(experiment_id: str):
         return _forbidden(exp.experiment_id)
     from mlflow_llmeff.report.render import DEFAULT_GROUP_BY
 
+    all_runs = args.get("all_runs", "")
+    if all_runs not in ("", "0", "1"):
+        return _page("llmeff: error", f"<p class='error'>all_runs={html.escape(all_runs)!r} is not accepted; give "
+                                      "all_runs=1 (every run in the table) or leave it out (the first "
+                                      f"{RUNS_SHOWN})</p>", 400)
+    rep = None
     try:
         sel = select_runs(store, exp.experiment_id, filter_string(args))
         # the filter form offers the values of every run: a second search only when a filter is on
         every = sel.runs if not sel.filter_string else select_runs(store, exp.experiment_id, "").runs
         group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
         digest = figures_key(exp.experiment_id, sel.runs, group_by, baseline or "")
-        hit = _cached(digest)
-        key = _page_key(digest, args, every) if hit is not None else None
+        key = _page_key(digest, args, every)
         with _lock:
-            text = _pages.get(key) if key else None
-            if text is not None:
+            parts = _pages.get(key)
+            if parts is not None:
                 _pages.move_to_end(key)
-        if text is None:
+        hit = _cached(digest)
+        with _lock:
+            drawing = digest in _drawing
+        if parts is None or (hit is None and not drawing):  # a figure set dropped: its report draws it again
             sel, rep, group_by, baseline = _page_report(store, exp.experiment_id, args, sel)
     except ValueError as e:
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
@@ -378,27 +410,28 @@ def experiment_page(experiment_id: str):
                      400)
     from flask import Response
 
-    if text is not None:  # the same runs, figures and query as a page served before: served again
-        return Response(text, mimetype="text/html")
     from mlflow_llmeff.report.plots import FIGURES
+    from mlflow_llmeff.report.render import figures_html
 
-    if hit is None:  # drawn in the background; the page does not wait (each image does)
+    if hit is None and rep is not None:  # drawn in the background; the page does not wait (each image does)
         _start_drawing(store, rep, digest)
-        shown = [name for name, _ in FIGURES]
-    else:
-        shown, rep.notes = list(hit[0]), list(hit[1])
+    shown, notes = ([name for name, _ in FIGURES], []) if hit is None else (list(hit[0]), list(hit[1]))
+    if parts is None:  # the page without its figures, kept for every request of the same runs and query
+        text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figures_block=_FIGURES_MARK,
+                       max_runs=None if all_runs == "1" else RUNS_SHOWN,
+                       rest_html=_rest_html(exp.experiment_id, args, sel.filter_string))
+        head, _, tail = text.partition(_FIGURES_MARK)
+        parts = (head, tail)
+        with _lock:
+            _pages[key] = parts
+            while len(_pages) > PAGE_CACHE_SIZE:
+                _pages.popitem(last=False)
     from urllib.parse import urlencode
 
     query = urlencode([("experiment", exp.experiment_id)] + [(k, v) for k, v in args.items(multi=True)
                                                              if k != "experiment"])
     urls = {name: f"{base()}/figures/{digest}/{name}?{query}" for name in shown}
-    text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figure_urls=urls)
-    if key is not None:
-        with _lock:
-            _pages[key] = text
-            while len(_pages) > PAGE_CACHE_SIZE:
-                _pages.popitem(last=False)
-    return Response(text, mimetype="text/html")
+    return Response(parts[0] + figures_html(urls, notes) + parts[1], mimetype="text/html")
 
 
 def register(app) -> None:
