@@ -6,7 +6,8 @@ folder and a free loopback port; as root, as the ``postgres`` user), creates a d
 ``mlflow server --app-name llmeff --backend-store-uri postgresql+psycopg://... --workers 2`` over
 it. The five standard runs (tests/five_runs.py) are logged to it over HTTP and to a sqlite store;
 ``llmeff compare`` and the page must give the same figures from both; so must a 2-process training job
-logged to it, SIGKILLed and resumed, against its copy in sqlite. Nothing else is needed from
+logged to it, SIGKILLed and resumed, against its copy in sqlite; an outbox synced into it lands once.
+Nothing else is needed from
 CI: the cluster and the server stop with the module.
 """
 
@@ -289,3 +290,51 @@ def test_a_two_process_job_killed_and_resumed_on_the_postgres_server_is_one_run(
     page_sq = app.test_client().get(f"/llmeff/experiments/{exp}").get_data(as_text=True)
     assert re.search(r"\b1 runs? compared", page_pg), page_pg[:2000]
     assert _headline(page_pg) == _headline(page_sq)
+
+
+def test_an_outbox_syncs_into_the_postgres_server_once(server, tmp_path, monkeypatch):
+    """A run that never reached the server (its creation and points spilled to the outbox while it was
+    down) is created by ``llmeff sync`` on the PostgreSQL-backed server with its original start time,
+    every point once; the same outbox synced again (the id file gone) finds that run, makes no second."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.cli import main
+    from mlflow_llmeff.tracking.logger import RunLogger
+
+    class Down:
+        def __getattr__(self, name):
+            def call(*a, **kw):
+                raise MlflowException("Connection refused", error_code="TEMPORARILY_UNAVAILABLE")
+
+            return call
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    local = "local-" + "b" * 32
+    spec = {"experiment_name": "pg-outbox", "experiment_id": None, "run_name": "tiny-late", "unique": False,
+            "start_ms": 1_700_000_000_000, "tags": {"mlflow.user": "me"}}
+    log = RunLogger(local, Down(), first=[{"create": spec}], send_interval_s=0.0, outbox_dir=str(tmp_path), wait_s=0.2)
+    for step in (1, 2):
+        log.log_metrics({names.TRAIN_TOKENS: 64.0 * step}, step)
+    assert log.close("FINISHED") is False  # nothing delivered: all of it in the outbox
+    spilled = (tmp_path / f"{local}.jsonl").read_text()
+
+    def sync() -> None:
+        r = CliRunner().invoke(main, ["sync", str(tmp_path)])
+        assert r.exit_code == 0, r.output
+
+    sync()
+    client = mlflow.MlflowClient(server)
+    exp = client.get_experiment_by_name("pg-outbox").experiment_id
+    [run] = client.search_runs([exp])
+    assert (run.info.run_name, run.info.start_time, run.info.status) == ("tiny-late", 1_700_000_000_000, "FINISHED")
+    assert run.data.tags[names.OUTBOX_LOCAL_ID] == local
+    (tmp_path / f"{local}.jsonl").write_text(spilled)  # delivered again (a copy of the outbox)
+    (tmp_path / f"{local}.run_id").unlink(missing_ok=True)
+    sync()
+    [again] = client.search_runs([exp])
+    assert again.info.run_id == run.info.run_id
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, names.TRAIN_TOKENS)) == \
+        [(1, 64.0), (2, 128.0)]
