@@ -274,23 +274,25 @@ def test_auth_reader_and_admin_see_what_they_may_read(servers):
 
 
 @pytest.mark.slow
-def test_auth_page_in_chromium_with_basic_credentials_shows_the_headline_table(servers, tmp_path):
+@pytest.mark.parametrize("mode", ["auth", "plain"])  # basic-auth (2 workers); 4 uvicorn workers behind /mlflow
+def test_the_page_in_chromium_shows_the_headline_table(servers, tmp_path, mode):
     if not os.path.exists(CHROMIUM):
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} missing: .ci/run installs Debian's chromium package")
         pytest.skip(f"{CHROMIUM} missing (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
-    url, exps = servers["auth"]
+    url, exps = servers[mode]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
-            context = browser.new_context(http_credentials={"username": READER[0], "password": READER[1]})
+            context = browser.new_context(**({"http_credentials": {"username": READER[0], "password": READER[1]}}
+                                             if mode == "auth" else {}))
             page = context.new_page()
             response = page.goto(f"{url}/llmeff/experiments/{exps['five']}", wait_until="load")
             assert response.status == 200
             page.wait_for_function("Array.from(document.images).every(i => i.complete)", timeout=120_000)
-            page.screenshot(path=str(tmp_path / "auth-page.png"), full_page=True)
+            page.screenshot(path=str(tmp_path / f"{mode}-page.png"), full_page=True)
             images = page.evaluate("Array.from(document.images).map(i => i.complete && i.naturalWidth > 0)")
             configs = page.locator("table#headline tbody tr td:first-child").all_inner_texts()
             verdicts = page.locator("table#headline tbody tr td:nth-child(5)").all_inner_texts()
@@ -305,4 +307,4 @@ def test_auth_page_in_chromium_with_basic_credentials_shows_the_headline_table(s
                        "llama-tiny-cpu-2x-ddp-fp32-s128-gbt2048", "llama-160m-cpu-1x-single-fp32-s128-gbt1024"]
     assert verdicts[0] == "best (2 within noise)" and verdicts[3] == "0.0411x best"
     assert runs == 5
-    assert (tmp_path / "auth-page.png").stat().st_size > 0
+    assert (tmp_path / f"{mode}-page.png").stat().st_size > 0
