@@ -5,7 +5,7 @@ fixture starts three servers at once over one SQLite store holding the five stan
 and a second experiment (``secret``):
 
 * ``plain``: ``--app-name llmeff --workers 4 --static-prefix /mlflow --allowed-hosts ...`` (uvicorn);
-* ``auth``: ``--app-name llmeff-auth`` (MLflow basic-auth with the pages, report/auth.py), default
+* ``auth``: ``--app-name llmeff-auth --workers 4`` (MLflow basic-auth with the pages, report/auth.py), default
   permission NO_PERMISSIONS, user ``reader`` granted READ on ``five``, user ``nobody`` no grant;
 * ``gunicorn``: ``--app-name llmeff --workers 2 --gunicorn-opts ...`` (two gunicorn workers).
 """
@@ -108,6 +108,41 @@ def test_a_figure_key_that_is_not_the_experiments_run_set_is_never_drawn(five_ap
     assert app.test_client().get(f"/llmeff/figures/{'0' * 20}/loss?experiment={exp_id}").status_code == 404
 
 
+def test_basic_auths_set_up_runs_under_one_lock_per_configuration(tmp_path, monkeypatch):
+    """Four workers set basic-auth up at once on one fresh user database (a worker died: table already
+    exists): ``create_app`` holds an exclusive lock, per ``MLFLOW_AUTH_CONFIG_PATH``, over it."""
+    import fcntl
+
+    from flask import Flask
+    from mlflow.server import auth as mlflow_auth
+
+    from mlflow_llmeff.report import auth
+
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "a.ini"))
+    path = auth.setup_lock_path()
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "b.ini"))
+    assert auth.setup_lock_path() != path  # another configuration, another lock
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "a.ini"))
+    seen = []
+
+    def fake_create_app(app):
+        with open(path, "a+") as other:  # a second worker's attempt, from another open file
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("free")
+                fcntl.flock(other, fcntl.LOCK_UN)
+            except BlockingIOError:
+                seen.append("held")
+        return app
+
+    monkeypatch.setattr(mlflow_auth, "create_app", fake_create_app)
+    app = Flask("t")
+    assert auth.create_app(app) is app
+    assert seen == ["held"]
+    with open(path, "a+") as after:  # released once set up
+        fcntl.flock(after, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def test_the_pages_apply_the_permission_check_the_app_holds(five_app):
     app, exp_id = five_app
     web = app.test_client()
@@ -145,7 +180,7 @@ def servers(store):
            "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN[1], "MLFLOW_FLASK_SERVER_SECRET_KEY": "llmeff-test-secret"}
     modes = {"plain": ["--app-name", "llmeff", "--workers", "4", "--static-prefix", "/mlflow",
                        "--allowed-hosts", "127.0.0.1:*,localhost:*"],
-             "auth": ["--app-name", "llmeff-auth", "--workers", "2"],
+             "auth": ["--app-name", "llmeff-auth", "--workers", "4"],
              # MLflow puts its own -w <--workers> after the --gunicorn-opts: workers go in --workers
              "gunicorn": ["--app-name", "llmeff", "--workers", "2", "--gunicorn-opts", "--timeout 120"]}
     procs, urls = {}, {}
@@ -164,6 +199,8 @@ def servers(store):
                 if proc.poll() is not None or time.time() > deadline:
                     pytest.fail(f"{mode} server did not start: {(root / f'{mode}.log').read_text()[-3000:]}")
                 time.sleep(0.5)
+        # four workers set basic-auth up on one fresh user database: none may die doing it
+        assert "Traceback" not in (root / "auth.log").read_text(), (root / "auth.log").read_text()[-3000:]
         api = urls["auth"] + "/api/2.0/mlflow/users/create"
         for user in (READER, NOBODY):
             assert _http(api, user=ADMIN, method="POST", body={"username": user[0], "password": user[1]})[0] == 200
@@ -274,7 +311,7 @@ def test_auth_reader_and_admin_see_what_they_may_read(servers):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["auth", "plain"])  # basic-auth (2 workers); 4 uvicorn workers behind /mlflow
+@pytest.mark.parametrize("mode", ["auth", "plain"])  # basic-auth; 4 uvicorn workers behind /mlflow (both 4 workers)
 def test_the_page_in_chromium_shows_the_headline_table(servers, tmp_path, mode):
     if not os.path.exists(CHROMIUM):
         if os.environ.get("CI"):

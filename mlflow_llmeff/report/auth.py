@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from mlflow_llmeff.report import server
 
-__all__ = ["create_app", "readable"]
+__all__ = ["create_app", "readable", "setup_lock", "setup_lock_path"]
 
 
 def readable(experiment_ids: list[str]) -> list[str]:
@@ -47,6 +47,44 @@ def _authenticate():
     if not isinstance(result, Authorization):  # an authorization_function returning anything else: refuse
         return auth.make_forbidden_response()
     return None
+
+
+def setup_lock_path() -> str:
+    """The lock file of :func:`setup_lock`: one per basic-auth configuration (``MLFLOW_AUTH_CONFIG_PATH``),
+    in the temporary folder."""
+    import hashlib
+    import os
+    import tempfile
+
+    key = hashlib.sha1(os.path.abspath(os.environ.get("MLFLOW_AUTH_CONFIG_PATH", "basic_auth.ini")).encode())
+    return os.path.join(tempfile.gettempdir(), f"llmeff-auth-setup-{key.hexdigest()[:16]}.lock")
+
+
+def setup_lock():
+    """An exclusive lock (``fcntl.flock``) over basic-auth's set-up in this process.
+
+    ``mlflow.server.auth.create_app`` migrates its user database and creates the admin user when
+    each server worker starts; ``--workers 4`` ran it four times at once on one fresh database, and a
+    worker died with ``sqlite3.OperationalError: table workspace_permissions already exists`` (1 start
+    in 3 here, MLflow 3.17). Under the lock the workers set up one after another; the later ones find
+    the tables made. Where ``fcntl`` is missing (not POSIX) it locks nothing."""
+    import contextlib
+
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def held():
+        with open(setup_lock_path(), "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    return held()
 
 
 class _Mount:
@@ -92,6 +130,7 @@ def create_app(app=None):
     if not hasattr(auth, "filter_experiment_ids"):
         raise RuntimeError("llmeff-auth needs mlflow.server.auth.filter_experiment_ids (a newer MLflow)")
     app = app or mlflow_app
-    served = auth.create_app(app)
+    with setup_lock():
+        served = auth.create_app(app)
     app.wsgi_app = _Mount(app.wsgi_app, pages_app(), server.base())
     return served
