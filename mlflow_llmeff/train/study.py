@@ -320,5 +320,8 @@ def summary_lines(client, result: StudyResult) -> list[str]:
         lines.append(f"note: configurations {', '.join(str(i) for i in sorted(same))} differ in no condition tag; llmeff compare "
                      "takes their runs as repeats of one configuration")
     exp = client.get_experiment(result.experiment_id).name
-    lines.append(f"compare: llmeff compare --experiment {exp!r} --filter \"{query}\"")
+    # shell-quoted as a user pastes it: in double quotes bash ran the filter's backticks as a command
+    import shlex
+
+    lines.append(f"compare: llmeff compare --experiment {shlex.quote(exp)} --filter {shlex.quote(query)}")
     return lines
