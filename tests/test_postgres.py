@@ -138,12 +138,12 @@ def both(server, tmp_path_factory):
     return server, exp_pg, sqlite, exp_sq
 
 
-def _compare(uri: str, out, monkeypatch) -> tuple[str, list[dict]]:
+def _compare(uri: str, out, monkeypatch, experiment: str = "five") -> tuple[str, list[dict]]:
     from mlflow_llmeff.cli import main
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    r = CliRunner().invoke(main, ["compare", "--experiment", "five", "--out", str(out)], catch_exceptions=False)
+    r = CliRunner().invoke(main, ["compare", "--experiment", experiment, "--out", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     rows = list(csv.DictReader(io.StringIO((out / "report.csv").read_text())))
     return r.output, [{k: v for k, v in row.items() if k not in ("run_id", "url")} for row in rows]
@@ -164,7 +164,8 @@ def _headline(page: str) -> str:
     return re.sub(r"href='[^']*'", "href=''", table)  # run links carry each store's ids
 
 
-def test_the_page_of_the_postgres_server_shows_the_sqlite_figures(both, tmp_path, monkeypatch):
+def _pages(server: str, exp_pg: str, sqlite: str, exp_sq: str, tmp_path, monkeypatch) -> tuple[str, str]:
+    """An experiment's page from the PostgreSQL server, and its sqlite copy's from the pages app in this process."""
     import tempfile
 
     import mlflow
@@ -172,14 +173,17 @@ def test_the_page_of_the_postgres_server_shows_the_sqlite_figures(both, tmp_path
 
     from mlflow_llmeff.report import server as srv
 
-    server, exp_pg, sqlite, exp_sq = both
     with urllib.request.urlopen(f"{server}/llmeff/experiments/{exp_pg}", timeout=120) as r:
         page_pg = r.read().decode()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(srv, "_store", lambda: mlflow.MlflowClient(sqlite))
     app = Flask("t")
     srv.register(app)
-    page_sq = app.test_client().get(f"/llmeff/experiments/{exp_sq}").get_data(as_text=True)
+    return page_pg, app.test_client().get(f"/llmeff/experiments/{exp_sq}").get_data(as_text=True)
+
+
+def test_the_page_of_the_postgres_server_shows_the_sqlite_figures(both, tmp_path, monkeypatch):
+    page_pg, page_sq = _pages(*both, tmp_path, monkeypatch)
     assert "5 runs compared: every active run of the experiment" in page_pg
     assert _headline(page_pg) == _headline(page_sq)
     assert page_pg.count("<tr class='run'") == 5
@@ -235,11 +239,9 @@ def test_a_two_process_job_killed_and_resumed_on_the_postgres_server_is_one_run(
     """The job is one FINISHED run (2 attempts, 1 failure), every step's tokens once; copied into a
     sqlite store, it gives the same report row and the same page headline as on the server."""
     import mlflow
-    from flask import Flask
     from mlflow.entities import Metric, Param, RunTag
 
     from mlflow_llmeff import names
-    from mlflow_llmeff.report import server as srv
 
     first, second, runs = trained
     assert first.returncode != 0, first.stderr[-2000:]  # the kill
@@ -266,28 +268,12 @@ def test_a_two_process_job_killed_and_resumed_on_the_postgres_server_is_one_run(
                      params=[Param(k, v) for k, v in run.data.params.items()] if i == 0 else [])
     sq.set_terminated(copy, "FINISHED", end_time=run.info.end_time)
 
-    from mlflow_llmeff.cli import main
-
-    rows = {}
-    for where, uri in (("pg", server), ("sq", sqlite)):
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        out = tmp_path / where
-        r = CliRunner().invoke(main, ["compare", "--experiment", "pgtrain", "--out", str(out)], catch_exceptions=False)
-        assert r.exit_code == 0, r.output
-        rows[where] = [{k: v for k, v in row.items() if k not in ("run_id", "url")}
-                       for row in csv.DictReader(io.StringIO((out / "report.csv").read_text()))]
-    assert len(rows["pg"]) == 1 and rows["pg"] == rows["sq"]
+    _, rows_pg = _compare(server, tmp_path / "pg", monkeypatch, "pgtrain")
+    _, rows_sq = _compare(sqlite, tmp_path / "sq", monkeypatch, "pgtrain")
+    assert len(rows_pg) == 1 and rows_pg == rows_sq
 
     pg_exp = mlflow.MlflowClient(server).get_experiment_by_name("pgtrain").experiment_id
-    with urllib.request.urlopen(f"{server}/llmeff/experiments/{pg_exp}", timeout=120) as resp:
-        page_pg = resp.read().decode()
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(srv, "_store", lambda: mlflow.MlflowClient(sqlite))
-    app = Flask("t")
-    srv.register(app)
-    page_sq = app.test_client().get(f"/llmeff/experiments/{exp}").get_data(as_text=True)
+    page_pg, page_sq = _pages(server, pg_exp, sqlite, exp, tmp_path, monkeypatch)
     assert re.search(r"\b1 runs? compared", page_pg), page_pg[:2000]
     assert _headline(page_pg) == _headline(page_sq)
 
