@@ -67,6 +67,17 @@ def test_at_autocorrelation_0_9_over_100_steps_the_interval_is_mostly_refused_an
         assert given * (1 - coverage) <= 0.004, (given, coverage)  # 0 and 3 runs of 1,000 miss
 
 
+def test_no_refusal_threshold_meets_the_0_9_over_100_cell_and_keeps_the_honest_runs():
+    # docs/stability.md, "What a higher minimum would do": the product's 20 effective steps keeps
+    # 90% of the runs at 0.5/100 and still gives a few at 0.9/100; 35, which gives none there of
+    # these 1,000 (constant tokens), refuses most of the honest runs at 0.5/100 and 0.9/400.
+    def given(rho, n, k):
+        return float(st.throughput_intervals(*simulate(rho, n, False), min_effective_steps=k)["given"].mean())
+
+    assert given(0.5, 100, 20) >= 0.90 and given(0.9, 400, 20) >= 0.50 and given(0.9, 100, 20) > 0
+    assert given(0.9, 100, 35) == 0 and given(0.5, 100, 35) < 0.5 and given(0.9, 400, 35) < 0.1
+
+
 @pytest.mark.parametrize("rho, n, at_least", [(0.0, 100, 1.0), (0.5, 100, 0.90), (0.9, 400, 0.50)])
 def test_the_interval_is_given_where_the_steps_carry_enough_information(rho, n, at_least):
     for varying_tokens in (False, True):
