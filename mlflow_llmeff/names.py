@@ -1,7 +1,7 @@
 """Every metric key, tag key and param name mlflow_llmeff logs, as constants.
 
-This module is the single source of truth for the metric standard in ``../shared/METRICS.md``;
-``docs/metrics.md`` is generated from it by ``python -m mlflow_llmeff.names`` (a test keeps the
+This module is the single source of truth for the metric and tag keys (counting rules and formulas:
+``docs/formulas.md``); ``docs/metrics.md`` is generated from it by ``python -m mlflow_llmeff.names`` (a test keeps the
 two in sync). Keys obey MLflow's rule (letters, digits, ``_ . - /`` and spaces) and carry units.
 
 Each constant is declared with :func:`_metric` or :func:`_tag` so that the docs generator can list
@@ -308,7 +308,7 @@ STABILITY_METHOD = _tag("stability.method", "the stall and instability threshold
 CONTENTION = _tag("contention", "what else used the machine during the steady window: 'quiet: ...' or 'contended: ...' with the other processes' share of host CPU (the top ones named), steal, and on CUDA other processes on the run's devices, slowdown reasons, lowest SM clock, temperature, power limit")
 STRAGGLER_RANK = _tag("straggler.rank", "the rank with the slowest mean forward time per steady step, and its host")
 # --------------------------------------------------------------------------- setups that change the counting
-# (METRICS.md, "Setups that change the counting": FP8 and other precisions whose peak differs)
+# (docs/formulas.md, "Setups that change the counting": FP8 and other precisions whose peak differs)
 SUM_MFU_BF16_PEAK = _metric("summary/mfu_bf16_peak", "fraction", "steady-state MFU against the device's dense BF16 peak whatever the compute dtype (beside summary/mfu, whose denominator llmeff.peak.precision names), so FP8 and BF16 runs compare on one scale", S)
 FLOPS_COUNTER_GAP = _tag("flops.counter_gap", "set when FlopCounterMode's count of a real step came out below the formula's hardware FLOPs: the share it counted and the modules it could not see (custom ops, fused expert kernels); HFU then uses the analytic ratio, never the lower count")
 PEAK_PRECISION = _tag("peak.precision", "the dtype whose dense peak is MFU's denominator (the dtype the matmuls ran in: fp8, bf16, fp16, tf32, fp32); set where a peak is known")
@@ -325,8 +325,8 @@ def render_docs() -> str:
         "# Metric and tag keys",
         "",
         "Generated from `mlflow_llmeff/names.py` by `python -m mlflow_llmeff.names > docs/metrics.md`;",
-        "do not edit by hand. Formulas and their sources are in `docs/formulas.md`; the standard is",
-        "`../shared/METRICS.md`.",
+        "do not edit by hand. Counting rules, formulas and their sources: `docs/formulas.md`; how sure",
+        "a figure is: `docs/stability.md`; how time is accounted: `docs/time.md`.",
         "",
     ]
     groups: dict[str, list[KeyDoc]] = {}
