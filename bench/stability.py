@@ -27,8 +27,8 @@ Exits 1 when a simulation target is missed (and says which cell), 0 otherwise.
     python bench/stability.py --sim-only --frontier   # and the refusal threshold's trade-off (a minute)
 
 ``--frontier`` also prints, for minimum effective steps of 20 (the product's) to 35, the share of
-runs given an interval at autocorrelation 0.5 over 100 steps and 0.9 over 400 (where METRICS.md
-asks for one), and the share given and its coverage at 0.9 over 100 steps (about 5 independent
+runs given an interval at autocorrelation 0.5 over 100 steps and 0.9 over 400 (where docs/stability.md,
+"What the interval is held to", asks for one), and the share given and its coverage at 0.9 over 100 steps (about 5 independent
 steps, where an interval should be refused): a measurement of what any threshold on the estimated
 effective sample size can do, not a target.
 """
@@ -45,7 +45,7 @@ import tempfile
 
 CELLS = [(rho, n) for rho in (0.0, 0.5, 0.9) for n in (100, 400, 1000)]
 MU, SIGMA, TOKENS = 0.010, 0.1, 1000.0  # the model of tests/test_intervals.py: true throughput TOKENS / MU
-#: least share of runs given an interval (METRICS.md, "Intervals that hold their level"; issue 28)
+#: least share of runs given an interval (docs/stability.md, "What the interval is held to")
 GIVEN = {(0.0, 100): 1.0, (0.5, 100): 0.90, (0.9, 400): 0.50}
 
 

@@ -1,8 +1,8 @@
 """Communication arithmetic: bus bandwidth, link peaks, exposed time and bytes per step (pure).
 
 No torch, no I/O: the probe and the step sampler (:mod:`mlflow_llmeff.meters.commprobe`) measure, this
-module turns their timings and sizes into the figures of ``../shared/METRICS.md`` ("Parallelism
-and communication"), and ``llmeff plan`` predicts the same bytes per step from the model shape.
+module turns their timings and sizes into the figures of ``docs/parallelism.md``
+("Communication"), and ``llmeff plan`` predicts the same bytes per step from the model shape.
 
 Bus bandwidth follows nccl-tests (``doc/PERFORMANCE.md`` of github.com/NVIDIA/nccl-tests):
 ``algbw = size / time`` and ``busbw = algbw x factor`` with the factor of the collective over

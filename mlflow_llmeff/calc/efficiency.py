@@ -1,7 +1,7 @@
 """Energy units and efficiency ratios: J to kWh, J per token, average power, TFLOP/s per W.
 
 Pure arithmetic (standard library only); the energy meters that measure the joules are in
-:mod:`mlflow_llmeff.meters.energy`. Formulas: METRICS.md (energy and efficiency rows).
+:mod:`mlflow_llmeff.meters.energy`. Formulas: ``docs/energy_carbon_cost.md`` (energy and efficiency rows).
 """
 
 from __future__ import annotations

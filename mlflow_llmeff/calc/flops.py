@@ -15,10 +15,10 @@ layer, where ``k`` is the number of keys a query attends to (training: 3 x the f
 Conventions (``convention=``):
   * ``megatron`` (default): causal attention counted once, i.e. a query attends on average
     ``s/2`` keys (Megatron-LM ``num_floating_point_operations`` since 2025-03; NeMo
-    ``flops_formulas.llama3``). For a SwiGLU decoder this is exactly the METRICS.md formula
+    ``flops_formulas.llama3``). For a SwiGLU decoder this is exactly the formula of ``docs/formulas.md``
     ``L*h^2*(12 + 12*g/n + 18*f/h + 6*s/h) + 6*h*V``.
   * ``palm``: no causal discount, ``6N + 12*L*h*s`` (PaLM App. B; nanoGPT, torchtitan,
-    llm-foundry). Norm weights and biases are left out of ``N``, as in the METRICS.md table.
+    llm-foundry). Norm weights and biases are left out of ``N``, as in ``docs/formulas.md``'s reference values.
 
 The formula reads each family's own config fields (:data:`FORMULA_TYPES`): head width apart from
 hidden/heads, query and key/value heads, gated or plain MLP and its width, MoE routed experts with
@@ -192,7 +192,7 @@ def flops_per_token(config, seq_len: float | Sequence[float], convention: str = 
     one token goes through in layer ``l`` (:meth:`ModelShape.layer_weights`: Q/K/V/O or the MLA
     projections; the dense MLP, or the router, the ``top_k`` routed experts and the shared
     experts) and ``k_l`` its mean attended keys (:func:`mean_attended_keys`, with the layer's
-    window or chunk). For Llama with ``n*d = h`` this is the METRICS.md formula
+    window or chunk). For Llama with ``n*d = h`` this is the formula of ``docs/formulas.md``
     ``L*h^2*(12 + 12*g/n + 18*f/h + 6*s/h) + 6*h*V``. Derivation and sources in the module
     docstring and ``docs/formulas.md``. A :class:`CountedFlops` gives its counted weight FLOPs plus
     its counted attention cost per key times the same ``k_l``.

@@ -291,6 +291,6 @@ def goodput(parts: dict[str, float]) -> float | None:
     """``productive / wall`` of :func:`breakdown`, a fraction in [0, 1].
 
     Returns:
-        None for zero wall time: a share of no time is undefined, not 0 (METRICS.md).
+        None for zero wall time: a share of no time is undefined, not 0 (``docs/formulas.md``).
     """
     return parts["productive"] / parts["wall"] if parts["wall"] > 0 else None

@@ -3,8 +3,8 @@
 A *job* is one MLflow run; each process start that continues it (after a crash, a kill, a
 preemption, an elastic restart) is an *attempt*. This module is a pure calculator over the job's
 attempts ledger (one :class:`Attempt` per process start, oldest first, all times on one clock in
-seconds, e.g. Unix time); it reads no clock and no file. The figures (``../shared/METRICS.md``,
-"Reliability across a job's life"; ``docs/time.md``):
+seconds, e.g. Unix time); it reads no clock and no file. The figures (``docs/time.md``,
+"Reliability across a job's life"):
 
 * ``down`` (``summary/badput_down_s``): the sum over gaps of the next attempt's process start
   minus the failed attempt's last sign of life (its last completed step, heartbeat or exit

@@ -1,7 +1,7 @@
 """How steady a run's steady state was: step-time dispersion, stalls, the interval of the mean throughput.
 
-A pure calculator (no I/O, no torch, no clock; ``../shared/METRICS.md``, "Uncertainty and
-stability" and "Intervals that hold their level"). Input: the post-warm-up optimizer steps of a
+A pure calculator (no I/O, no torch, no clock; ``docs/stability.md``, "Per run", and its
+"What the interval is held to"). Input: the post-warm-up optimizer steps of a
 run, each with its seconds and its tokens. Output: :class:`Stability`, whose figures sit beside
 the run's steady-state mean.
 
@@ -10,7 +10,7 @@ the run's steady-state mean.
 * Percentiles are linear interpolation between order statistics (Hyndman & Fan 1996, definition
   7; NumPy's and R's default). ``cv`` is the sample standard deviation (n - 1) over the mean;
   undefined (None) for one step.
-* A stall is a step longer than :data:`STALL_FACTOR` x the median step (METRICS.md).
+* A stall is a step longer than :data:`STALL_FACTOR` x the median step (``docs/stability.md``).
 * The 95% interval of the mean throughput (:func:`throughput_interval`) allows for autocorrelated
   step times (a slow stretch of many steps: another job, throttling). The mean is the ratio
   estimator ``R = sum(tokens) / sum(seconds)``; linearized (the delta method for a ratio, Cochran
@@ -58,7 +58,7 @@ __all__ = ["STALL_FACTOR", "P90_P50_LIMIT", "STALL_SHARE_LIMIT", "CI_HALF_WIDTH_
            "MIN_EFFECTIVE_STEPS", "Stability", "Interval", "percentile", "autocorrelation", "autocorrelation_time",
            "short_run_tau", "throughput_intervals", "throughput_interval", "analyse", "verdict", "straggler", "THRESHOLDS_TEXT"]
 
-#: A step longer than this many median steps is a stall (METRICS.md).
+#: A step longer than this many median steps is a stall (docs/stability.md, "Per run").
 STALL_FACTOR = 5.0
 #: Unstable when the 90th percentile step is more than this many median steps.
 P90_P50_LIMIT = 1.5

@@ -1,6 +1,6 @@
 """Windowed tokens/s and step timing: a pure calculator (no I/O, no torch, no clock).
 
-Counting rules (``../shared/METRICS.md``): a step is one optimizer step; tokens are non-padding
+Counting rules (``docs/formulas.md``, "Counting rules"): a step is one optimizer step; tokens are non-padding
 input tokens summed over micro-batches and data-parallel ranks; the first ``warmup_steps`` steps of
 every attempt (a fresh process, also after a resume) are excluded from steady-state figures;
 throughput over an interval is tokens in the interval divided by its step time (the interval's

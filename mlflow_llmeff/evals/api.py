@@ -13,7 +13,7 @@ from mlflow_llmeff.evals import data, hellaswag, mmlu
 __all__ = ["EvalResult", "TASK_NAMES", "check_inputs", "evaluate", "expand_tasks", "log_to_mlflow", "mlflow_metrics"]
 
 TASK_NAMES = ("mmlu", "hellaswag") + tuple(f"mmlu_{s}" for s in data.MMLU_SUBJECTS)
-# the keys METRICS.md fixes; other metrics are logged as "eval/<metric>"
+# the keys docs/metrics.md lists; other metrics are logged as "eval/<metric>"
 _STANDARD_KEYS = {"mmlu/acc": names.EVAL_MMLU_ACC, "hellaswag/acc": names.EVAL_HELLASWAG_ACC,
                   "hellaswag/acc_norm": names.EVAL_HELLASWAG_ACC_NORM}
 

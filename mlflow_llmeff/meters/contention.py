@@ -1,6 +1,6 @@
 """What else used the machine while a run trained: host CPU taken by other processes, steal, and on
 CUDA devices other processes, clock-throttle reasons, SM clock against its maximum, temperature and
-the power limit (``../shared/METRICS.md``, "Uncertainty and stability").
+the power limit (``docs/stability.md``, "What else used the machine").
 
 Readers take their sources as arguments (``/proc/stat`` text, a ``pynvml`` module such as
 :func:`mlflow_llmeff.testing.fake_nvml`), so every path runs in tests without the hardware; the

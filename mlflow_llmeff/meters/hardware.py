@@ -435,7 +435,7 @@ def resolve_peak(info: AcceleratorInfo, dtype: str,
 
 @dataclass(frozen=True)
 class Denominators:
-    """MFU's denominator and the BF16 peak it is compared on (METRICS.md, "Setups that change the counting").
+    """MFU's denominator and the BF16 peak it is compared on (``docs/formulas.md``, "MFU and HFU").
 
     Attributes:
         tflops: dense peak TFLOP/s per device of ``precision`` (MFU's denominator), or None.

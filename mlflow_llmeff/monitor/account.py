@@ -5,7 +5,7 @@ about the model's arithmetic: its shape (formula, else counted on the meta devic
 :func:`~mlflow_llmeff.meters.flopcount.resolve`), what activation checkpointing recomputes, the dense
 peak per device (datasheet, ``peak_tflops=``, or measured) and the hardware-to-model FLOPs ratio
 that turns MFU into HFU: counted by ``FlopCounterMode`` on one early step, else analytic
-(:func:`~mlflow_llmeff.calc.flops.hardware_model_ratio`). Formulas: ``../shared/METRICS.md``.
+(:func:`~mlflow_llmeff.calc.flops.hardware_model_ratio`). Formulas: ``docs/formulas.md``.
 """
 
 from __future__ import annotations

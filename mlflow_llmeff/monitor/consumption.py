@@ -7,7 +7,7 @@ run recorded: the crashed attempt's last logged point, or its checkpoint, whiche
 (:meth:`Consumption.resume`). Cost follows the wall time, which already holds the crashed
 attempt's lost progress (:mod:`mlflow_llmeff.calc.goodput`).
 
-Formulas (``../shared/METRICS.md``, *Cost, energy, carbon*):
+Formulas (``docs/energy_carbon_cost.md``):
 
 * ``energy/total_kwh = J / 3.6e6`` of the measured devices of every rank (NVML, RAPL);
 * ``carbon/total_kg_co2e = kWh x intensity / 1000`` with codecarbon's grid intensity;
@@ -211,7 +211,7 @@ class Consumption:
         self._mark = (self.total_j, tokens, wall_s)
 
     def summary(self, wall_s: float, tokens: int, device_tflops: float | None) -> dict[str, float]:
-        """End-of-run ``summary/*`` consumption figures (keys of ``../shared/METRICS.md``).
+        """End-of-run ``summary/*`` consumption figures (keys of ``docs/metrics.md``).
 
         Args:
             wall_s: the run's wall time, all attempts, s.

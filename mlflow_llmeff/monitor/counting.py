@@ -1,4 +1,4 @@
-"""Token counting on the device: the counts of ``../shared/METRICS.md`` from a batch's tensors.
+"""Token counting on the device: the counts of ``docs/formulas.md`` ("Counting rules") from a batch.
 
 Counts accumulate in one small int64 tensor on the batch's device, so counting never forces a
 host-device synchronization; :meth:`BatchCounter.take` reads (and, across ranks, sums) them at a
@@ -63,8 +63,8 @@ def _packed_starts(position_ids=None, seq_idx=None, shape=None):
 class BatchCounter:
     """Accumulates non-padding, padded and loss-bearing tokens, sequences and ``sum(l^2)``.
 
-    A sequence is a row of the batch, or, in a packed batch, each document of a row (METRICS.md,
-    "Setups that change the counting"): documents are read from ``cu_seqlens`` (cumulative
+    A sequence is a row of the batch, or, in a packed batch, each document of a row (``docs/formulas.md``,
+    "Variable-length and packed batches"): documents are read from ``cu_seqlens`` (cumulative
     lengths, flash-attention style), ``seq_idx`` (document index per token) or ``position_ids``
     that restart at each document (transformers' ``DataCollatorWithFlattening``).
 

@@ -4,7 +4,7 @@ It is the only place that counts tokens, keeps the clock, reads energy, computes
 HFU, cost, carbon, goodput and time-to-quality, and talks to the logger; the training entrypoint
 (``mlflow_llmeff/train/loop.py``) drives it exactly as a user's loop does, and the autolog
 integrations drive the same object, so every figure means the same on every path
-(``../shared/METRICS.md``):
+(``docs/formulas.md``, "Counting rules"):
 
 * tokens are non-padding input tokens (``attention_mask.sum()``), counted on the device
   (:class:`~mlflow_llmeff.monitor.counting.StepTally`), summed over ranks at window edges (end of warm-up,

@@ -115,7 +115,7 @@ def log_eval(mon, values: dict[str, float], step: int) -> None:
 
 
 def log_ttq(mon, newly, step: int) -> None:
-    """``ttq/<target>_*`` at the first step the targets ``newly`` are reached (METRICS.md, Time-to-quality);
+    """``ttq/<target>_*`` at the first step the targets ``newly`` are reached (``docs/time.md``, "Time to quality");
     a collective (pending steps are accounted, consumption read over ranks)."""
     if mon._pending_steps:
         mon._edge()

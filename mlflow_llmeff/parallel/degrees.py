@@ -6,8 +6,8 @@ of one tensor-parallel group are consecutive, so on one machine they share its f
 ``dp = dp_replicate x dp_shard`` ranks see different data. The ranks of one tensor- or
 pipeline-parallel group hold copies of the same tokens; the ``cp`` ranks of a context-parallel
 group each hold a different slice of the same sequences. Every token of the global batch is counted
-exactly once (``../shared/METRICS.md``, "Setups that change the counting"): :func:`token_counting`
-is the one rule, for every strategy and combination of degrees.
+exactly once (``docs/parallelism.md``, "What changes with the strategy, and what does not"):
+:func:`token_counting` is the one rule, for every strategy and combination of degrees.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class TokenCounting:
         slices: ``cp`` when the context-parallel ranks counted slices of each sequence, else 1.
             Each sequence then appears as one row on each of its ``slices`` ranks (samples are
             divided by it) and a slice of ``l/cp`` tokens counts ``(l/cp)^2``, so the cp slices of
-            one sequence sum to ``l^2/cp``; attention FLOPs use the full length (METRICS.md), so
+            one sequence sum to ``l^2/cp``; attention FLOPs use the full length (``docs/formulas.md``), so
             ``sum(l^2)`` is multiplied by it. Exact for sequences split into equal slices (torch's
             ``context_parallel`` and Megatron's load-balanced split of full rows).
     """
@@ -110,7 +110,7 @@ class TokenCounting:
 
 
 def token_counting(degrees: Degrees, *, cp_counts_slices: bool = True) -> TokenCounting:
-    """The one token-counting rule for ``degrees`` (every strategy; METRICS.md, "Setups that change the counting").
+    """The one token-counting rule for ``degrees`` (every strategy; ``docs/formulas.md``, "Counting rules").
 
     Data-parallel ranks (replicas and shards alike: DDP, FSDP, HSDP, ZeRO) hold different
     sequences; tensor- and pipeline-parallel peers hold copies of them; context-parallel ranks hold

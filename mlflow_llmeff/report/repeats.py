@@ -47,7 +47,7 @@ CONFIG_TAGS = (names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.NOD
                names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
                names.V_LLMEFF)
 
-#: Scaling efficiency above this is flagged (METRICS.md).
+#: Scaling efficiency above this is flagged (docs/compare.md, "Scaling efficiency").
 SUPERLINEAR = 1.05
 
 # Two-sided 95% Student-t quantiles t_{0.975, df}, df = 1..30 (any statistics table, e.g. NIST/SEMATECH

@@ -3,7 +3,7 @@
 Order of choice (:func:`open_run`): an explicit ``run_id`` (a resumed checkpoint's run); the
 active run; ``MLFLOW_RUN_ID`` (set by ``mlflow run`` for the child process; named as below while
 it has no metrics yet); otherwise a new run
-in ``experiment_name`` (or MLflow's current experiment), named as ``../shared/METRICS.md`` says.
+in ``experiment_name`` (or MLflow's current experiment), named as ``docs/training.md`` ("Logging") says.
 A run the meter opened or resumed is the meter's to end; an active run the user started stays
 open for the user.
 

@@ -1,7 +1,7 @@
 """The job across its attempts: which MLflow run it is, how each attempt ended, a per-step heartbeat.
 
 A *job* is one MLflow run; every process start that continues it is an *attempt*
-(``../shared/METRICS.md``, "Reliability across a job's life"; ``docs/time.md``). Rank 0 keeps three
+(``docs/time.md``, "Reliability across a job's life"). Rank 0 keeps three
 files in the checkpoint directory (and the launcher a fourth):
 
 ``llmeff_job.json``

@@ -3,8 +3,8 @@
 
 NVML's counter belongs to the whole physical GPU. A MIG instance (or a GPU in MIG mode) and a GPU
 that another process uses during the run are therefore not measured as the run's
-(:func:`whole_gpu_reason`, :func:`other_processes`; ``../shared/METRICS.md``, "Setups that
-change the counting"): they are named in :attr:`EnergyMeter.unmeasured` with the reason, and
+(:func:`whole_gpu_reason`, :func:`other_processes`; ``docs/energy_carbon_cost.md``, "Partial
+measurement"): they are named in :attr:`EnergyMeter.unmeasured` with the reason, and
 ``summary/energy_coverage`` counts them as unmeasured. No share is guessed (NVML gives no
 per-process or per-instance energy).
 
