@@ -303,7 +303,7 @@ STUDY_REPEAT = _tag("study.repeat", "on a study's child run: its repeat of its c
                     "every configuration's repeat i before any repeat i+1)")
 WALL_VS_DURATION = _tag("wall.vs_duration", "why MLflow's Duration and summary/wall_s differ: where each starts and ends (set-up before the run's creation, the end-of-run report, attempts of a resumed run)")
 STABILITY = _tag("stability", "'stable', or 'unstable: <why>' naming each figure past its threshold (p90/p50 step time, stalls, interval width, too few steps); docs/stability.md")
-SUMMARY_ABSENT = _tag("summary.absent", "summary/* figures that are undefined for this run and so not logged (never as 0 or 1), each '<key>: <why>', joined by '; ' (e.g. summary/step_time_cv of a single steady step)")
+SUMMARY_ABSENT = _tag("summary.absent", "summary/* figures that are undefined for this run and so not logged (never as 0 or 1), each '<key>: <why>' (keys with one why named together, comma-separated), joined by '; ' (e.g. summary/step_time_cv of a single steady step); comparisons name a repeat left out of a figure with this why")
 STABILITY_METHOD = _tag("stability.method", "the stall and instability thresholds and the interval method behind llmeff.stability and summary/tokens_per_sec_ci95_*")
 CONTENTION = _tag("contention", "what else used the machine during the steady window: 'quiet: ...' or 'contended: ...' with the other processes' share of host CPU (the top ones named), steal, and on CUDA other processes on the run's devices, slowdown reasons, lowest SM clock, temperature, power limit")
 STRAGGLER_RANK = _tag("straggler.rank", "the rank with the slowest mean forward time per steady step, and its host")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
+from mlflow_llmeff.report.calc import absent_why
 from mlflow_llmeff.report.repeats import METHOD_NOTE, Configuration, Estimate, best_index, floor_for, versus_best
 
 __all__ = ["Cell", "Headline", "headline", "QUALITY_KEYS"]
@@ -153,8 +154,10 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             else:
                 notes.add("an empty MFU: neither a datasheet peak nor a measured peak (see llmeff.peak.source)")
         usd = c.estimate(names.SUM_USD_PER_BTOK)
-        if usd is None:
-            notes.add("an empty USD cell: no price per device-hour (there is no default price for "
+        if usd is None:  # why, as the run says: an undefined cost, or no price
+            why = absent_why(c.runs[0], names.SUM_USD_PER_BTOK)
+            notes.add(f"an empty USD cell ({c.label}): {why}" if why else
+                      "an empty USD cell: no price per device-hour (there is no default price for "
                       f"{c.tag(names.ACCEL_SHORT) or 'this device'}; give device_hour_usd)")
         carbon = c.estimate(names.SUM_KG_CO2E_PER_BTOK)
         carbon_cell = _est_cell(carbon)
@@ -169,7 +172,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
         stand = standing.get(i, "")
         rows.append([
             Cell(c.label, c.label, f"{len(c.runs)} run(s)", links[i] if links else ""),
-            Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices or 0)),
+            Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices) if c.devices else None),  # unknown sorts last
             layout_cell(c),
             _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
             Cell(stand, 0.0 if stand.startswith("best") else (1.0 if "within noise" in stand else 2.0), best_title),
@@ -187,3 +190,4 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                 per_config.append(f"{c.label}: {what} from {e.n} of {len(c.runs)} repeats; left out: "
                                   + "; ".join(e.left_out))
     return Headline(cols, rows, configs, [METHOD_NOTE] + sorted(notes) + per_config)
+
