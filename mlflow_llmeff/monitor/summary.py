@@ -20,6 +20,7 @@ from mlflow_llmeff.calc.reliability import with_down
 from mlflow_llmeff.meters import collectives
 from mlflow_llmeff.meters.probes import model_state_bytes
 from mlflow_llmeff.monitor import points
+from mlflow_llmeff.monitor.assembly import assumed_tag
 from mlflow_llmeff.monitor.conditions import unwrap_model
 
 __all__ = ["conclude", "figures", "stability_figures", "headline", "end_tags"]
@@ -246,6 +247,7 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
         tags[names.AUTOLOG_NOTE] = note
     if getattr(mon, "_absent", None):
         tags[names.SUMMARY_ABSENT] = absent_text(mon._absent)
+    tags.update(assumed_tag(mon))
     tags[names.WALL_VS_DURATION] = wall_vs_duration(getattr(mon, "_created_after_s", None))
     return tags
 
