@@ -342,7 +342,7 @@ def _patch_accelerate(module) -> None:
 @autologging_integration(INTEGRATION)
 def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd: float | None = None,
             measure_energy: str = "auto", peak_tflops: float | None = None, usd_per_kwh: float | None = None,
-            country_iso_code: str | None = "USA", cloud_provider: str | None = None, cloud_region: str | None = None,
+            country_iso_code: str | None = None, cloud_provider: str | None = None, cloud_region: str | None = None,
             targets: str | None = None, tags: dict[str, str] | None = None, disable: bool = False,
             silent: bool = False) -> None:
     """Log the standard efficiency metrics and condition tags of HF Trainer, Accelerate and PyTorch loops.
@@ -361,7 +361,8 @@ def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd:
         measure_energy: ``auto``, ``nvml``, ``rapl`` or ``none`` (``none`` also turns codecarbon off).
         peak_tflops: dense peak TFLOP/s per device (default: the datasheet table; CPUs have none).
         usd_per_kwh: energy price added to the cost, USD/kWh (measured energy only).
-        country_iso_code, cloud_provider, cloud_region: where the machines are (codecarbon, offline).
+        country_iso_code, cloud_provider, cloud_region: where the machines are (codecarbon, offline); with
+            none of them the USA's grid, recorded in ``llmeff.assumed``.
         targets: time-to-quality targets on evaluations the integration sees, e.g. ``"val_loss<=2.0"``
             (HF Trainer's ``eval_loss`` is ``val_loss``).
         tags: extra tags for every run (keys MLflow refuses are mapped to allowed ones).

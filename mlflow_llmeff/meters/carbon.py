@@ -31,7 +31,16 @@ from typing import Any, Mapping
 
 from mlflow_llmeff import names
 
-__all__ = ["CodecarbonEstimate", "CarbonTracker", "FakeCarbonTracker", "check_location", "grid_intensity_g_per_kwh"]
+__all__ = ["CodecarbonEstimate", "CarbonTracker", "FakeCarbonTracker", "check_location", "grid_intensity_g_per_kwh",
+           "DEFAULT_COUNTRY", "resolve_location", "PUE"]
+
+#: The grid country taken when the user gives neither a country nor a cloud region (recorded in
+#: ``llmeff.assumed``: it sets the carbon figures, and the user's grid may differ by a factor of 10).
+DEFAULT_COUNTRY = "USA"
+
+#: Power usage effectiveness applied: 1, the devices' energy alone (no data-centre cooling or power
+#: delivery), for our measured energy and for codecarbon's estimate alike (``pue=1.0``).
+PUE = 1.0
 
 _log = logging.getLogger(__name__)
 
@@ -131,6 +140,25 @@ def grid_intensity_g_per_kwh(
     return kg * 1000.0, f"{head}, {where}"
 
 
+def resolve_location(country_iso_code: str | None, cloud_provider: str | None = None,
+                     cloud_region: str | None = None) -> tuple[str | None, str | None]:
+    """The country whose grid intensity applies, and the note of an assumption when none was given.
+
+    A given country (any case) is kept; with a cloud provider or region, codecarbon's cloud table
+    decides and no country is needed; with neither, :data:`DEFAULT_COUNTRY` is taken and the note
+    says so (for ``llmeff.assumed``), since carbon figures then rest on a grid the user never named.
+
+    Returns:
+        ``(country or None, note or None)``.
+    """
+    if country_iso_code:
+        return country_iso_code, None
+    if cloud_provider or cloud_region:
+        return None, None
+    return DEFAULT_COUNTRY, (f"{DEFAULT_COUNTRY} (no country_iso_code or cloud region given, so carbon uses "
+                             f"codecarbon's {DEFAULT_COUNTRY} grid intensity: pass country_iso_code)")
+
+
 def check_location(*, country_iso_code: str | None, cloud_provider: str | None = None,
                    cloud_region: str | None = None) -> None:
     """Refuse a country or cloud region codecarbon does not know, before any work.
@@ -174,7 +202,8 @@ class CarbonTracker:
     not start codecarbon's tracker (one per node) but still knows the grid intensity.
 
     Args:
-        country_iso_code: ISO alpha-3 country of the machines (param ``country_iso_code``).
+        country_iso_code: ISO alpha-3 country of the machines (param ``country_iso_code``); None with
+            no cloud region: :data:`DEFAULT_COUNTRY`, an assumption :meth:`assumptions` names.
         cloud_provider: cloud provider code as in codecarbon's ``impact.csv`` (param ``cloud_provider``).
         cloud_region: cloud region (param ``cloud_region``).
         enabled: False turns everything off (``measure_energy=none``).
@@ -192,7 +221,7 @@ class CarbonTracker:
     def __init__(
         self,
         *,
-        country_iso_code: str | None = "USA",
+        country_iso_code: str | None = None,
         cloud_provider: str | None = None,
         cloud_region: str | None = None,
         enabled: bool = True,
@@ -200,7 +229,7 @@ class CarbonTracker:
         measure_power_secs: float = 15.0,
         env: Mapping[str, str] | None = None,
     ):
-        self.country_iso_code = country_iso_code
+        self.country_iso_code, self.assumed_country = resolve_location(country_iso_code, cloud_provider, cloud_region)
         self.cloud_provider = cloud_provider
         self.cloud_region = cloud_region
         self.enabled = enabled
@@ -246,7 +275,7 @@ class CarbonTracker:
                 electricitymaps_api_token=None,  # no Electricity Maps API call
                 allow_multiple_runs=True,  # no /tmp/.codecarbon.lock, no SIGINT/SIGTERM handlers
                 force_carbon_intensity_g_co2e_kwh=None,  # same intensity as grid_intensity_g_per_kwh
-                pue=1.0,
+                pue=PUE,
                 log_level=level,
                 tracking_mode=self.tracking_mode,
                 measure_power_secs=self.measure_power_secs,
@@ -356,6 +385,19 @@ class CarbonTracker:
             out[names.CARBON_ESTIMATE_KG] = self.kg_co2e(self.estimate.kwh)
         return out
 
+    def assumptions(self) -> dict[str, str]:
+        """What the carbon figures assume that the user did not give, for ``llmeff.assumed``: the
+        default grid country, and (once a grid intensity is known) PUE 1; ``{}`` when disabled."""
+        out: dict[str, str] = {}
+        if not self.enabled or (self.source.startswith("none: ") and self.source != "none: not started"):
+            return out  # no carbon figures (disabled, codecarbon missing or failing): nothing rests on a grid
+        if self.assumed_country:
+            out["country_iso_code"] = self.assumed_country
+        if self.intensity_g_per_kwh is not None:
+            out["pue"] = (f"{PUE:g} (carbon/* is the devices' energy x grid intensity: no data-centre cooling or "
+                          "power delivery overhead)")
+        return out
+
     def tags(self, *, energy_source: str | None = None) -> dict[str, str]:
         """``llmeff.carbon.*`` tags.
 
@@ -391,6 +433,7 @@ class FakeCarbonTracker(CarbonTracker):
 
     def __init__(self, intensity_g_per_kwh: float = 400.0) -> None:
         super().__init__(enabled=True)
+        self.assumed_country = None  # its intensity is fixed, not any country's
         self._fixed = float(intensity_g_per_kwh)
         self._running: tuple[float, float] | None = None
         self.started = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from mlflow_llmeff import names
 from mlflow_llmeff.calc import cost as cost_mod
 from mlflow_llmeff.calc.throughput import ThroughputMeter
 from mlflow_llmeff.meters import energy as en
@@ -25,7 +26,7 @@ from mlflow_llmeff.monitor.consumption import Consumption
 from mlflow_llmeff.monitor.contention import ContentionMeter
 from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
 
-__all__ = ["PRECISIONS", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
+__all__ = ["PRECISIONS", "assumed_tag", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
 
 #: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -102,6 +103,11 @@ def read_model(mon, model, model_config, precision, strategy, compile, act_ckpt)
         except Exception:  # noqa: BLE001 - a model without parameters
             mon._device = None
     mon.precision = precision or (infer_precision(inner) if inner is not None else "fp32")
+    mon._assumed = {}  # input -> what was taken and why (llmeff.assumed)
+    if precision is None:  # the peak MFU divides by follows it
+        mon._assumed["precision"] = (
+            f"{mon.precision} (read off the model parameters' dtype, but matmuls under torch.autocast run in "
+            "another: pass precision=)" if inner is not None else "fp32 (no model to read a dtype from: pass precision=)")
     mon.strategy = strategy or infer_strategy(model, mon.world_size)
     mon.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
     mon.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
@@ -126,10 +132,20 @@ def set_up_measurement(mon, peak_tflops, measure_peak, device_hour_usd, usd_per_
         mon._account.measure_peak(mon.precision, mon._device)
     price, price_source = cost_mod.device_hour_price(mon.accelerator.short, device_hour_usd)
     mon._cost_tags = cost_mod.cost_tags(price, price_source, usd_per_kwh)
+    if device_hour_usd is None and price is not None:  # a list price the user did not give
+        mon._assumed["device_hour_usd"] = f"{price:g} USD per device-hour ({price_source}: pass device_hour_usd for yours)"
     mon._carbon = carbon_tracker or CarbonTracker(
         country_iso_code=country_iso_code, cloud_provider=cloud_provider, cloud_region=cloud_region,
         enabled=measure_energy != "none")
     mon._consumption = Consumption(devices=mon.world_size, device_hour_usd=price, usd_per_kwh=usd_per_kwh)
+
+
+def assumed_tag(mon) -> dict[str, str]:
+    """``{llmeff.assumed: ...}``: what the monitor took for the user (precision, list price) and what its
+    carbon figures assume (grid country, PUE), each ``<input>: <value> (<why>)``; ``{}`` when nothing."""
+    carbon = getattr(mon, "_carbon", None)
+    found = {**getattr(mon, "_assumed", {}), **(carbon.assumptions() if hasattr(carbon, "assumptions") else {})}
+    return {names.ASSUMED: "; ".join(f"{k}: {v}" for k, v in found.items())} if found else {}
 
 
 def set_up_step_timing(mon, model, contention_meter) -> None:

@@ -18,6 +18,7 @@ import os
 import time
 
 from mlflow_llmeff import names
+from mlflow_llmeff.monitor import assembly
 from mlflow_llmeff.monitor import conditions as cond
 from mlflow_llmeff.tracking import runs
 from mlflow_llmeff.tracking.logger import RunLogger
@@ -181,6 +182,7 @@ def condition_tags(mon) -> dict[str, str]:
         tags[names.PAR_CP] = str(mon._counting.slices)
     if a.peak_tflops is not None:
         tags[names.PEAK_PRECISION] = a.peak_precision
+    tags.update(assembly.assumed_tag(mon))  # end_tags completes it (PUE once the grid intensity is known)
     # a user's loop: its data-parallel ranks hold sharded state under FSDP and ZeRO-3 (llmeff train
     # passes its layout's own degrees as tags, which win)
     shard = dp if str(mon.strategy or "").startswith(_SHARDED_STRATEGIES) else 1

@@ -12,7 +12,8 @@ Formulas (``docs/energy_carbon_cost.md``):
 * ``energy/total_kwh = J / 3.6e6`` of the measured devices of every rank (NVML, RAPL);
 * ``carbon/total_kg_co2e = kWh x intensity / 1000`` with codecarbon's grid intensity;
 * codecarbon's CPU/RAM *estimate* is kept apart (``energy/estimate/*``, ``carbon/estimate_kg_co2e``);
-* ``cost/total_usd = device_hour_usd x devices x wall_s / 3600 (+ measured kWh x usd_per_kwh)``.
+* ``cost/total_usd = device_hour_usd x devices x wall_s / 3600 (+ measured kWh x usd_per_kwh)``; with
+  ``usd_per_kwh`` and energy not measured on every device, no cost (never the energy priced at 0 kWh).
 
 Partial measurement is a state of its own: ``summary/energy_coverage`` = measured devices / devices
 of the run (each physical device once, however many ranks own it). Below 1, every run total and
@@ -167,10 +168,19 @@ class Consumption:
         """Cost of ``wall_s`` seconds (all attempts) on every device, plus priced measured energy."""
         if self.device_hour_usd is None:
             return None
-        if self.usd_per_kwh and self.measured and not self.complete:
-            return None  # the energy part would price only the measured devices
+        if self.usd_per_kwh and not self.complete:
+            return None  # the energy part would price only the measured devices, or none (never 0 kWh)
         return total_cost_usd(device_hour_usd=self.device_hour_usd, devices=self.devices, wall_s=wall_s,
-                              kwh=self.total_kwh or 0.0, usd_per_kwh=self.usd_per_kwh)
+                              kwh=self.total_kwh if self.usd_per_kwh else 0.0, usd_per_kwh=self.usd_per_kwh)
+
+    def absent(self) -> dict[str, str]:
+        """``summary/*`` cost figures undefined for this run, with why (``llmeff.summary.absent``): with an
+        energy price, a cost needs every device's energy; ``{}`` when the cost is given or unpriced."""
+        if self.device_hour_usd is None or not self.usd_per_kwh or self.complete:
+            return {}
+        why = ("usd_per_kwh given but no energy is measured to price" if not self.measured else
+               "usd_per_kwh given but only some devices' energy is measured (llmeff.energy.coverage)")
+        return {names.SUM_COST_USD: why, names.SUM_USD_PER_BTOK: why}
 
     # ------------------------------------------------------------------------------ figures
     def totals(self, wall_s: float) -> dict[str, float]:
@@ -260,6 +270,8 @@ class Consumption:
             wall_s: ``summary/wall_s``, s.
         """
         out: dict[str, str] = {}
+        if self.usd_per_kwh and not self.measured and self.device_hour_usd is not None:
+            out[names.COST_USD_PER_KWH] = f"{self.usd_per_kwh:g} (cost/* omitted: no energy is measured to price)"
         if self.domains > 0:
             text = f"{min(self.measured_domains, self.domains)}/{self.domains} devices measured"
             if self.unmeasured:

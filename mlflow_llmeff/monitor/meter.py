@@ -100,7 +100,7 @@ class EfficiencyMonitor:
             caller started earlier (e.g. at process start) so that the energy covers the set-up too;
             a started meter is not restarted (``llmeff.energy.span``).
         country_iso_code, cloud_provider, cloud_region: where the machines are, for codecarbon's
-            grid intensity (offline).
+            grid intensity (offline); with none of them the USA's, recorded in ``llmeff.assumed``.
         carbon_tracker: a :class:`~mlflow_llmeff.meters.carbon.CarbonTracker` to use instead (tests).
         measure_peak: measure the achievable matmul peak (cached per device and dtype) for
             ``summary/mfu_measured_peak``.
@@ -148,7 +148,7 @@ class EfficiencyMonitor:
                  run_name: str | None = None, experiment_name: str | None = None,
                  tags: dict[str, str] | None = None, params: dict[str, str] | None = None,
                  device_hour_usd: float | None = None, usd_per_kwh: float | None = None,
-                 measure_energy: str = "auto", energy_meter=None, country_iso_code: str | None = "USA",
+                 measure_energy: str = "auto", energy_meter=None, country_iso_code: str | None = None,
                  cloud_provider: str | None = None, cloud_region: str | None = None, carbon_tracker=None,
                  measure_peak: bool = True, targets: str | None = None, start_step: int = 0,
                  resume_state: dict | None = None, started_at: float | None = None,

@@ -20,6 +20,7 @@ from mlflow_llmeff.calc.reliability import with_down
 from mlflow_llmeff.meters import collectives
 from mlflow_llmeff.meters.probes import model_state_bytes
 from mlflow_llmeff.monitor import points
+from mlflow_llmeff.monitor.assembly import assumed_tag
 from mlflow_llmeff.monitor.conditions import unwrap_model
 
 __all__ = ["conclude", "figures", "stability_figures", "headline", "end_tags"]
@@ -92,6 +93,11 @@ def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float
             out[names.SUM_BADPUT[c]] = parts[c]
     rates = mon._meter.summary()
     tflops = None
+    if rates is None or tokens == 0:  # no steady rate: a rate over no time, or of no counted token
+        why = ("no token counted (pass batch= or tokens= to step())" if rates is not None else
+               f"no steady-state step time (all {mon._meter.step} steps were warm-up, or took no time)")
+        for key in (names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TOKENS_PER_SEC, names.SUM_STEP_TIME_S):
+            _absent(mon, key, why)
     if rates is not None and tokens == 0:
         points.note_nothing_counted(mon)
         rates = None
@@ -104,6 +110,8 @@ def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float
     out.update(_memory_figures(mon, collective))
     # cost and energy over the attempts' time: no device is held or read while no attempt runs
     out.update(mon._consumption.summary(parts["wall"] - parts.get("down", 0.0), tokens, tflops))
+    for key, why in mon._consumption.absent().items():
+        _absent(mon, key, why)
     out.update(mon._extra_summary)
     return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
@@ -114,14 +122,25 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
     s = mon._steps.analyse()
     mon._stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
     out: dict[str, float] = {}
-    if s is not None:
+    if s is None:  # no steady step that took time: no spread, percentile or interval of one
+        for key in (names.SUM_STEP_TIME_P50_S, names.SUM_STEP_TIME_P90_S, names.SUM_STEP_TIME_CV, names.SUM_STALL_S,
+                    names.SUM_STALLS, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH):
+            _absent(mon, key, "no steady-state step time")
+    else:
         out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s,
                     names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
         if s.cv is not None:
             out[names.SUM_STEP_TIME_CV] = s.cv
         else:
             _absent(mon, names.SUM_STEP_TIME_CV, f"{s.steps} steady step (a spread needs at least 2)")
-        if s.ci95 is not None:
+        if s.ci95 is None:  # refused: llmeff.stability says the same in its words
+            why = (f"{s.steps} steady step{'' if s.steps == 1 else 's'} (an interval needs at least {st.MIN_STEPS})"
+                   if s.steps < st.MIN_STEPS
+                   else f"too few independent steps ({s.n_eff:.1f} of {s.steps}; at least "
+                        f"{st.MIN_EFFECTIVE_STEPS:g} needed)" if s.n_eff is not None else "no steady tokens")
+            for key in (names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH):
+                _absent(mon, key, why)
+        else:
             # centred on the mean the summary reports (the same steps; they differ by float32
             # storage in checkpoints and device-event rounding only); without that mean, no interval
             tps = _steady_tps(mon)
@@ -134,12 +153,20 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
     contention, tags = mon._contention.finish(collective)
     out.update(contention)
     mon._stability_tags.update(tags)
+    if not collective and mon.world_size > 1:
+        _absent(mon, names.SUM_STRAGGLER_RATIO, "the run ended on rank 0 only: the other ranks' forward times "
+                "could not be gathered (llmeff.autolog.note)")
     if collective and mon.world_size > 1:
         mine = [0.0] * mon.world_size
         mine[mon.rank] = mon._fwd_s / mon._fwd_steps if mon._fwd_steps else 0.0
         per_rank = collectives.all_reduce(mine)
         found = st.straggler(per_rank) if all(v > 0 for v in per_rank) else None
-        if found is not None:
+        if found is None:  # a ratio over a rank with no timed forward is undefined, never 1.0
+            idle = [str(r) for r, v in enumerate(per_rank) if v <= 0]
+            _absent(mon, names.SUM_STRAGGLER_RATIO,
+                    f"no timed forward in a steady step on rank{'s' if len(idle) > 1 else ''} {', '.join(idle)}"
+                    if idle else "the median rank's forward time is 0")
+        else:
             out[names.SUM_STRAGGLER_RATIO] = found[0]
             mon._stability_tags[names.STRAGGLER_RANK] = (
                 f"rank {found[1]}: mean forward {per_rank[found[1]] * 1e3:.4g} ms/step vs median "
@@ -181,8 +208,14 @@ def _memory_figures(mon, collective: bool) -> dict[str, float]:
         out[names.SUM_BYTES_PER_PARAM] = alloc * 2**30 / max(1, nparams)
     if mon._optimizer is not None:
         state_bytes, model_params = model_state_bytes(inner, mon._optimizer)
-        bpp = state_bytes / max(1, model_params)
-        out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = collectives.all_reduce([bpp], "max")[0] if collective else bpp
+        # bytes over no parameter are undefined, never 0 (-1: this rank has no figure; max over ranks)
+        bpp = state_bytes / model_params if model_params > 0 else -1.0
+        if collective:
+            bpp = collectives.all_reduce([bpp], "max")[0]
+        if bpp >= 0:
+            out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = bpp
+        else:
+            _absent(mon, names.SUM_MODEL_STATE_BYTES_PER_PARAM, "the model has no parameters")
     return out
 
 
@@ -213,9 +246,19 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
     if note:
         tags[names.AUTOLOG_NOTE] = note
     if getattr(mon, "_absent", None):
-        tags[names.SUMMARY_ABSENT] = "; ".join(f"{k}: {why}" for k, why in mon._absent.items())
+        tags[names.SUMMARY_ABSENT] = absent_text(mon._absent)
+    tags.update(assumed_tag(mon))
     tags[names.WALL_VS_DURATION] = wall_vs_duration(getattr(mon, "_created_after_s", None))
     return tags
+
+
+def absent_text(absent: dict[str, str]) -> str:
+    """``llmeff.summary.absent``: ``<key>: <why>`` joined by ``; ``, keys with the same why named together
+    (``summary/a, summary/b: <why>``), in the order they were found."""
+    by_why: dict[str, list[str]] = {}
+    for key, why in absent.items():
+        by_why.setdefault(why, []).append(key)
+    return "; ".join(f"{', '.join(keys)}: {why}" for why, keys in by_why.items())
 
 
 def wall_vs_duration(created_after_s: float | None) -> str:

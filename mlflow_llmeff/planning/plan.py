@@ -358,6 +358,8 @@ def format_plan(plan: dict) -> str:
     for k, v in plan.items():
         if isinstance(v, bool):
             v = "yes" if v else "no"
+        elif isinstance(v, dict):  # e.g. assumed: '<input>: <what was taken>' joined by '; '
+            v = "; ".join(f"{a}: {b}" for a, b in v.items()) or "nothing"
         elif isinstance(v, float):
             v = f"{v:,.4g}" if abs(v) < 1e6 else f"{v:.4e}"
         elif isinstance(v, int):

@@ -16,7 +16,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.calc import reliability as _rel
 
 __all__ = ["RunRecord", "Incomparability", "round_sig", "unit_of", "header", "metric_columns",
-           "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok",
+           "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok", "absent_why",
            "CONDITION_TAGS", "COMPARABILITY", "Fleet", "Failure", "CauseRow", "fleet_reliability",
            "parse_failures", "failures_by_cause"]
 
@@ -227,6 +227,20 @@ def pareto_front(points: list[tuple[float, float]], *, maximize_x: bool, maximiz
         if not dominated:
             front.append(i)
     return sorted(front, key=lambda i: points[i][0])
+
+
+_ABSENT_ENTRY = re.compile(r"; (?=summary/)")
+
+
+def absent_why(r: RunRecord, key: str) -> str | None:
+    """Why run ``r`` holds no ``key``, as its ``llmeff.summary.absent`` tag says (entries
+    ``<key>[, <key>...]: <why>`` joined by ``; ``); None when the tag does not name the key (an older
+    run, or a figure that was never measured rather than undefined)."""
+    for entry in _ABSENT_ENTRY.split(r.tags.get(names.SUMMARY_ABSENT, "")):
+        keys, sep, why = entry.partition(": ")
+        if sep and key in (k.strip() for k in keys.split(",")):
+            return why
+    return None
 
 
 def carbon_per_btok(r: RunRecord) -> tuple[float | None, bool]:

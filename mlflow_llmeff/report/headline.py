@@ -9,12 +9,14 @@ has no datasheet peak and no default price) instead of leaving a silent gap.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
+from mlflow_llmeff.report.calc import absent_why
 from mlflow_llmeff.report.repeats import METHOD_NOTE, Configuration, Estimate, best_index, floor_for, versus_best
 
-__all__ = ["Cell", "Headline", "headline", "QUALITY_KEYS"]
+__all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS"]
 
 #: Quality figures shown (the final eval value each run holds), in this order.
 QUALITY_KEYS = ((names.EVAL_HELLASWAG_ACC_NORM, "HellaSwag"), (names.EVAL_MMLU_ACC, "MMLU"),
@@ -153,8 +155,10 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             else:
                 notes.add("an empty MFU: neither a datasheet peak nor a measured peak (see llmeff.peak.source)")
         usd = c.estimate(names.SUM_USD_PER_BTOK)
-        if usd is None:
-            notes.add("an empty USD cell: no price per device-hour (there is no default price for "
+        if usd is None:  # why, as the run says: an undefined cost, or no price
+            why = absent_why(c.runs[0], names.SUM_USD_PER_BTOK)
+            notes.add(f"an empty USD cell ({c.label}): {why}" if why else
+                      "an empty USD cell: no price per device-hour (there is no default price for "
                       f"{c.tag(names.ACCEL_SHORT) or 'this device'}; give device_hour_usd)")
         carbon = c.estimate(names.SUM_KG_CO2E_PER_BTOK)
         carbon_cell = _est_cell(carbon)
@@ -169,7 +173,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
         stand = standing.get(i, "")
         rows.append([
             Cell(c.label, c.label, f"{len(c.runs)} run(s)", links[i] if links else ""),
-            Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices or 0)),
+            Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices) if c.devices else None),  # unknown sorts last
             layout_cell(c),
             _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
             Cell(stand, 0.0 if stand.startswith("best") else (1.0 if "within noise" in stand else 2.0), best_title),
@@ -186,4 +190,20 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             if e is not None and e.left_out:
                 per_config.append(f"{c.label}: {what} from {e.n} of {len(c.runs)} repeats; left out: "
                                   + "; ".join(e.left_out))
-    return Headline(cols, rows, configs, [METHOD_NOTE] + sorted(notes) + per_config)
+    return Headline(cols, rows, configs, [METHOD_NOTE] + sorted(notes) + per_config + assumed_notes(configs))
+
+
+_ENTRY = re.compile(r"; (?=[a-z_]+: )")  # llmeff.assumed: '<input>: <value> (<why>)' joined by '; '
+
+
+def assumed_notes(configs: list[Configuration]) -> list[str]:
+    """One line per assumption the runs record (``llmeff.assumed``: a list price, the grid country,
+    a precision read off the parameters, ...), naming the configurations it holds for, so a figure
+    resting on a guess is never shown as if the user had given its input."""
+    holders: dict[str, list[str]] = {}
+    for c in configs:
+        for entry in sorted({e for r in c.used for e in _ENTRY.split(r.tags.get(names.ASSUMED, "")) if e}):
+            holders.setdefault(entry, []).append(c.label)
+    everyone = len(configs) > 1
+    return [f"assumed ({names.ASSUMED}) for {'every configuration' if everyone and len(labels) == len(configs) else ', '.join(labels)}: "
+            f"{entry}" for entry, labels in holders.items()]

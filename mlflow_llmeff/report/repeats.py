@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import RunRecord
+from mlflow_llmeff.report.calc import RunRecord, absent_why
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "Estimate", "Configuration",
            "configurations", "t_quantile_975", "within_noise", "versus_best", "best_index", "ScalingRow",
@@ -201,6 +201,12 @@ def _finite(r: RunRecord, key: str) -> bool:
     return v is not None and math.isfinite(v)
 
 
+def _left_out(r: RunRecord, key: str) -> str:
+    """``"<run>: <why>"`` for a repeat without a finite ``key``: the why its ``llmeff.summary.absent`` gives."""
+    why = absent_why(r, key)
+    return f"{r.label}: no {key} ({why})" if why else f"{r.label}: no finite {key}"
+
+
 @dataclass
 class Configuration:
     """Finished runs with equal :data:`CONFIG_TAGS`: repeats of one configuration.
@@ -278,7 +284,7 @@ class Configuration:
         have = [r for r in self.used if _finite(r, key)]
         if not have:
             return None
-        left_out = tuple(f"{r.label}: no finite {key}" for r in self.used if not _finite(r, key))
+        left_out = tuple(_left_out(r, key) for r in self.used if not _finite(r, key))
         if len(have) == 1:
             return _single_run_estimate(have[0], key, left_out)
         vals = [r.metrics[key] for r in have]

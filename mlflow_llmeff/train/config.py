@@ -79,7 +79,7 @@ class TrainConfig:
     device_hour_usd: float = field(default=0.0, metadata={"help": "price per device-hour in USD (0: the dated default table, none for CPU)"})
     usd_per_kwh: float = field(default=0.0, metadata={"help": "energy price in USD/kWh added to the cost (0: energy not priced)"})
     measure_energy: str = field(default="auto", metadata={"help": "auto (NVML counters, NVML power, RAPL), nvml, rapl, none"})
-    country_iso_code: str = field(default="USA", metadata={"help": "ISO 3166 alpha-3 country of the machines, for codecarbon's grid intensity (offline)"})
+    country_iso_code: str = field(default="", metadata={"help": "ISO 3166 alpha-3 country of the machines, for codecarbon's grid intensity (offline); '' with no cloud region: USA, recorded in llmeff.assumed"})
     cloud_provider: str = field(default="", metadata={"help": "cloud provider in codecarbon's cloud table (gcp) for a per-region grid intensity; elsewhere give country_iso_code"})
     cloud_region: str = field(default="", metadata={"help": "cloud region (e.g. us-central1), with cloud_provider"})
     dry_run: bool = field(default=False, metadata={"help": "plan only: parameters, FLOPs, memory per device, fit and predictions; no training"})

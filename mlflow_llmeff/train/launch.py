@@ -132,9 +132,12 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
 
     Works on a CPU machine for any preset (the model is built on the meta device). Planning for
     an accelerator other than this machine's (``accelerator_short``, e.g. ``H100-SXM``) resolves
-    ``precision=auto`` as bf16 there and checks the fit against its datasheet memory. Under
-    ``mlflow run`` the plan is logged to the run as ``plan/*`` metrics and the tags
-    ``llmeff.dry_run=true`` and ``llmeff.plan.fit``.
+    ``precision=auto`` as bf16 where its datasheet row lists bf16 matrix units (else fp32) and checks
+    the fit against its datasheet memory. What the plan takes for the user (an alias such as
+    ``H100`` for ``H100-SXM``, that precision, a price from the dated default table) is its field
+    ``assumed`` (``<input>: <what was taken and why>``), beside ``device_hour_usd`` and its
+    ``device_hour_usd_source``. Under ``mlflow run`` the plan is logged to the run as ``plan/*``
+    metrics and the tags ``llmeff.dry_run=true``, ``llmeff.plan.fit`` and ``llmeff.assumed``.
     """
     import json as _json
 
@@ -160,15 +163,30 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
         accelerator_short, alias = hw.resolve_short(accelerator_short)  # H100 -> H100-SXM, with a note
         if alias:
             print(f"llmeff: accelerator {alias}", file=sys.stderr)  # stdout stays the plan (--json parses)
-        cuda, bf16 = accelerator_short.lower() != "cpu", True
+        cuda = accelerator_short.lower() != "cpu"
+        row = next((r for r in hw.PEAK_TABLE if r.short == accelerator_short), None)
+        bf16 = not cuda or (row is not None and "bf16" in row.tflops)  # its datasheet's matrix units
     validate(cfg, cuda_available=cuda, bf16_supported=bf16, engine=False)  # the plan is arithmetic
     precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
     strategy = resolve_strategy(cfg, cfg.num_processes)
-    price, _ = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
+    price, price_source = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
+    assumed = {}  # input -> what the plan took and why (also the plan run's llmeff.assumed)
+    if alias:
+        assumed["accelerator"] = alias
+    if not here and cfg.precision == "auto":
+        units = ("is a CPU" if not cuda else
+                 f"datasheet {'lists' if bf16 else 'lists no'} bf16 matrix units")
+        assumed["precision"] = (f"auto taken as {precision} ({accelerator_short} {units}, not probed: llmeff train "
+                                "resolves auto on the machine itself)")
+    if not cfg.device_hour_usd and price is not None:
+        assumed["device_hour_usd"] = f"{price:g} USD per device-hour ({price_source}: pass device_hour_usd for yours)"
     plan = add_predictions(make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy,
                                      accelerator_given=given, accelerator_alias=alias),
                            cfg, client=mlflow.MlflowClient(), accelerator_short=accelerator_short, strategy=strategy,
                            device_hour_usd=price)
+    plan["device_hour_usd"] = price  # None (JSON null): no price, no predicted_usd
+    plan["device_hour_usd_source"] = price_source
+    plan["assumed"] = assumed
     if here:
         verdict = fit_here(cfg)
     else:
@@ -189,6 +207,11 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     return 0
 
 
+def assumed_text(assumed: dict[str, str]) -> str:
+    """``llmeff.assumed``'s value: ``<input>: <value> (<why>)`` joined by ``; ``."""
+    return "; ".join(f"{k}: {v}" for k, v in assumed.items())
+
+
 def _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision) -> None:
     import mlflow
 
@@ -204,6 +227,8 @@ def _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision) -
             names.GLOBAL_BATCH_TOKENS: str(global_batch_tokens(cfg))}
     # the stem llmeff train gives the configuration (tracking/naming.py), after "plan-"
     name = "plan-" + study_name(parts_from_tags(tags, cfg.eval_tasks))
+    if plan.get("assumed"):  # what the plan took for the user: an alias, auto precision there, a list price
+        tags[names.ASSUMED] = assumed_text(plan["assumed"])
     for k, v in {"mlflow.runName": name, **tags, names.PLAN_FIT: line}.items():
         client.set_tag(run_id, k, v)
     for k, v in plan.items():
