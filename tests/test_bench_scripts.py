@@ -1,0 +1,104 @@
+"""The bench scripts can fail: the GPU check exits 1 naming the steps that failed, and every name the
+bench scripts import from the package exists (a module moved in the house move and left behind in a
+shell heredoc is a check that can never run)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import pathlib
+import re
+import stat
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+_FROM = re.compile(r"^\s*from (mlflow_llmeff[\w.]*) import ([\w, ]+)", re.M)
+
+
+def _imports() -> list[tuple[str, str, str]]:
+    """``(file, module, name)`` for each ``from mlflow_llmeff... import name`` in bench/ (python and shell)."""
+    out = []
+    for path in sorted(BENCH.iterdir()):
+        if path.suffix == ".py":
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlflow_llmeff"):
+                    out += [(path.name, node.module, a.name) for a in node.names]
+        elif path.suffix == ".sh":
+            for mod, names in _FROM.findall(path.read_text()):
+                out += [(path.name, mod, n.strip()) for n in names.split(",") if n.strip()]
+    return out
+
+
+def _missing(found) -> list[str]:
+    from mlflow_llmeff import MOVED
+
+    missing = []
+    for file, mod, name in found:
+        old = f"{mod}.{name}"[len("mlflow_llmeff."):]
+        if old in MOVED or mod[len("mlflow_llmeff."):] in MOVED:  # served by the old-path shim only
+            missing.append(f"{file}: from {mod} import {name} (moved to mlflow_llmeff.{MOVED.get(old, old)})")
+            continue
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            missing.append(f"{file}: from {mod} import {name} (no module {mod})")
+            continue
+        if not hasattr(m, name):
+            try:
+                importlib.import_module(f"{mod}.{name}")
+            except ImportError:
+                missing.append(f"{file}: from {mod} import {name}")
+    return missing
+
+
+def test_every_name_a_bench_script_imports_from_the_package_exists_at_its_path():
+    found = _imports()
+    assert ("gpu_check.sh", "mlflow_llmeff.meters", "commprobe") in found  # the heredoc is read
+    assert len(found) >= 10
+    assert _missing(found) == []
+
+
+def test_the_scan_names_a_moved_path_and_a_name_that_is_gone():
+    # the old heredoc line (commprobe moved to meters/ in the house move) and a name that never was
+    found = [("gpu_check.sh", m, n) for m, n in _FROM.findall(
+        "    from mlflow_llmeff import commprobe\nfrom mlflow_llmeff.calc import nosuchthing\n")]
+    assert _missing(found) == [
+        "gpu_check.sh: from mlflow_llmeff import commprobe (moved to mlflow_llmeff.meters.commprobe)",
+        "gpu_check.sh: from mlflow_llmeff.calc import nosuchthing"]
+
+
+def _stubs(tmp_path: pathlib.Path, failing: str) -> dict:
+    """A PATH whose ``python3`` prints 0 (no GPU) and exits 1 when its arguments contain ``failing``
+    ("" fails every call), 0 otherwise, and whose ``nvidia-smi`` exits 0; ``OUT`` in ``tmp_path``."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    fail = f'case "$*" in *"{failing}"*) exit 1;; esac\n' if failing else "exit 1\n"
+    for name, body in (("python3", "echo 0\n" + fail + "exit 0\n"), ("nvidia-smi", "exit 0\n")):
+        p = bin_ / name
+        p.write_text("#!/bin/sh\n" + body)
+        p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    return {**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "OUT": str(tmp_path / "out")}
+
+
+def _gpu_check(env: dict) -> tuple[int, str]:
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=60)
+    return r.returncode, r.stdout.strip().splitlines()[-1]
+
+
+def test_the_gpu_check_exits_1_naming_each_failed_step(tmp_path):
+    rc, last = _gpu_check(_stubs(tmp_path, ""))
+    assert (rc, last) == (1, "NOT MET: gpu tests (exit 1);peak (exit 1);bf16 train (exit 1);fsdp train (exit 1);"
+                             "link (exit 1);summary (exit 1)")
+    assert (tmp_path / "out" / "verdict.txt").read_text().strip() == last
+
+
+def test_an_early_failed_step_fails_the_gpu_check(tmp_path):
+    # only the gpu tests fail (python3 -m pytest): the steps after them pass, and the script still exits 1
+    # (before, the exit status was the last step's: 0)
+    assert _gpu_check(_stubs(tmp_path, "-m pytest")) == (1, "NOT MET: gpu tests (exit 1)")
+
+
+def test_the_gpu_check_exits_0_when_every_step_ran(tmp_path):
+    assert _gpu_check(_stubs(tmp_path, "nosuchargument")) == (0, "met: every step ran")
