@@ -92,7 +92,7 @@ def test_refused_before_any_run_and_force_skips_the_check(tracking_uri, monkeypa
 
 
 @pytest.mark.slow
-def test_the_headline_command_on_this_machine_refuses_in_seconds_and_the_failed_run_says_why(tracking_uri, tmp_path):
+def test_the_headline_command_on_this_machine_refuses_before_building_the_model_and_the_failed_run_says_why(tracking_uri, tmp_path):
     # The case: `mlflow run . -P model=llama-7b` on a 24 GiB CPU grew to 22.9 GB and was killed.
     env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri)
     env.pop("MLFLOW_RUN_ID", None)
