@@ -63,6 +63,27 @@ def _install_finder():
 _install_finder()
 
 
+def _plain_warning(message, category, filename, lineno, line=None, *, _base=None):
+    """One line for this package's own warnings (text starting ``mlflow_llmeff``): the message and its
+    category, without Python's ``file:line:`` prefix and the echoed source line, which name our
+    code, not the user's; every other warning is formatted as before (``_base``)."""
+    text = str(message)
+    if text.startswith("mlflow_llmeff"):
+        return f"{text} ({category.__name__})\n"
+    return _base(message, category, filename, lineno, line)
+
+
+def _install_warning_format():
+    import functools
+    import warnings
+
+    if getattr(warnings.formatwarning, "func", None) is not _plain_warning:
+        warnings.formatwarning = functools.partial(_plain_warning, _base=warnings.formatwarning)
+
+
+_install_warning_format()
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib

@@ -6,6 +6,8 @@ import os
 
 import click
 
+from mlflow_llmeff.names import shorten
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mlflow-llmeff")
@@ -456,7 +458,7 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001
         raise click.UsageError(f"--model {model_dir!r} is not a loadable causal LM directory or hub id "
-                               f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+                               f"({type(e).__name__}: {shorten(str(e).splitlines()[0], 160)})") from None
     if found is False:
         click.echo(f"llmeff: the tracking server did not answer when run {run_id} was looked up; scoring goes on, "
                    "and the results wait in the outbox if it still does not answer")

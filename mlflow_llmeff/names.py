@@ -320,6 +320,35 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND_VALUE = "custom_model_development"
 
 
+def shorten(text: str, limit: int) -> str:
+    """``text`` whole when it fits in ``limit`` characters; else cut at a word boundary and marked.
+
+    The cut text ends ``... <last whole word> … (<N> more characters)``, ``N`` the characters left
+    out, and is at most ``limit`` characters long. It is cut at the last space within the room left,
+    or mid-word only when the room holds no space in its second half (a path, a hash). Used wherever
+    an error or a tag is cut to fit a line or MLflow's limits, so a reader sees that it was cut and
+    by how much.
+
+    Args:
+        text: any text.
+        limit: the most characters to return, >= 1.
+
+    Raises:
+        ValueError: for a ``limit`` below 1.
+    """
+    if limit < 1:
+        raise ValueError(f"limit={limit!r} is not accepted; give at least 1 character")
+    if len(text) <= limit:
+        return text
+    room = limit - len(f" \u2026 ({len(text):,} more characters)")
+    if room < 1:
+        return text[:limit]
+    space = text.rfind(" ", 0, room + 1)
+    cut = space if space >= room // 2 else room
+    head = text[:cut].rstrip()
+    return f"{head} \u2026 ({len(text) - len(head):,} more characters)"
+
+
 def render_docs() -> str:
     """Return ``docs/metrics.md`` as Markdown generated from the constants above."""
     out = [

@@ -26,6 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mlflow_llmeff.names import shorten
+
 __all__ = ["DATA_DIR_ENV", "HELLASWAG_HUB", "HUB", "LAYOUT", "MMLU_HUB", "MMLU_SUBJECTS", "load_hellaswag",
            "load_mmlu", "resolve_data_dir"]
 
@@ -75,7 +77,7 @@ def _hub_rows(repo: str, config: str | None, split: str) -> tuple[dict, ...]:
     except Exception as e:  # noqa: BLE001 - one line instead of the library's stack trace
         what = f"{repo}" + (f" (config {config!r}, split {split!r})" if config else f" (split {split!r})")
         raise ValueError(f"{what} could not be loaded from the Hugging Face hub or the datasets cache "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); without network "
+                         f"({type(e).__name__}: {shorten(str(e).splitlines()[0], 120) if str(e) else ''}); without network "
                          f"access give a local copy with --data-dir DIR (eval_data_dir) or ${DATA_DIR_ENV}; "
                          f"{LAYOUT}") from None
     return tuple(ds)

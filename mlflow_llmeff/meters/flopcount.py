@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from mlflow_llmeff.calc import flops as fl
 from mlflow_llmeff.calc.model_shape import _get
+from mlflow_llmeff.names import shorten
 
 __all__ = ["METHOD_FORMULA", "METHOD_META", "METHOD_NONE", "FlopsSource", "resolve", "count_on_meta",
            "measure_step_flops"]
@@ -182,7 +183,7 @@ def _count_on_meta(config, recompute, lengths) -> fl.CountedFlops:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+    return f"{type(e).__name__}: {shorten(text[0], 200)}" if text else type(e).__name__
 
 
 def _build(config):

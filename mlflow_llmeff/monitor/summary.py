@@ -22,6 +22,7 @@ from mlflow_llmeff.meters.probes import model_state_bytes
 from mlflow_llmeff.monitor import points
 from mlflow_llmeff.monitor.assembly import assumed_tag
 from mlflow_llmeff.monitor.conditions import unwrap_model
+from mlflow_llmeff.names import shorten
 
 __all__ = ["conclude", "figures", "stability_figures", "headline", "end_tags"]
 
@@ -73,7 +74,7 @@ def _job_figures(mon) -> dict[str, str]:
     try:
         metrics, tags, mon._job_note = mon._job_figures(time.time())
     except Exception as e:  # noqa: BLE001 - reliability figures never stop the run's end
-        return {names.RELIABILITY_WHY: f"not computed: {type(e).__name__}: {str(e)[:300]}"}
+        return {names.RELIABILITY_WHY: f"not computed: {type(e).__name__}: {shorten(str(e), 300)}"}
     mon._extra_summary.update({k: float(v) for k, v in metrics.items()})
     return dict(tags)
 

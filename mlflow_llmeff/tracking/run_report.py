@@ -11,6 +11,7 @@ summary figure, shown as a table in the artifact viewer) and ``log_figure`` (``e
 from __future__ import annotations
 
 from mlflow_llmeff import names
+from mlflow_llmeff.names import shorten
 
 __all__ = ["FORMULAS", "build_report_dict", "log_run_report"]
 
@@ -155,5 +156,5 @@ def log_run_report(client, run_id: str) -> str | None:
             client.log_figure(run_id, fig, path)
         return None
     except Exception as e:  # noqa: BLE001 - a report must never stop or fail the run
-        first = str(e).splitlines()[0][:300] if str(e) else ""
+        first = shorten(str(e).splitlines()[0], 300) if str(e) else ""
         return f"efficiency report not (fully) logged: {type(e).__name__}: {first}"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+from mlflow_llmeff.names import shorten
 
 __all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
 
@@ -141,7 +142,7 @@ def _call(fn, wait: float | None, what: str, gave_up: threading.Event | None = N
     except Exception as e:  # noqa: BLE001
         if getattr(e, "error_code", None) in _REFUSALS:
             raise
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        first = shorten((str(e).strip().splitlines() or [""])[0], 200)
         raise _Unanswered(f"{type(e).__name__}: {first}") from None
 
 
@@ -291,7 +292,7 @@ def error_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     own = isinstance(exc, ValueError) or getattr(exc, "one_line", False)  # messages written to be the line
     line = text if own else f"{type(exc).__name__}: {text}".rstrip(": ")
-    return line[:2000]
+    return shorten(line, 2000)
 
 
 def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str | None = None,

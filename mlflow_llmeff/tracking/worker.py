@@ -26,6 +26,7 @@ from collections import deque
 
 from mlflow_llmeff.tracking import delivery, outbox
 from mlflow_llmeff.tracking.delivery import WAIT_ENV
+from mlflow_llmeff.names import shorten
 
 __all__ = ["DeliveryWorker"]
 
@@ -412,4 +413,4 @@ def _reason(error: Exception) -> str:
     """First line of ``error``'s message, at most 200 characters."""
     msg = str(getattr(error, "message", None) or error).strip().splitlines()
     text = f"{type(error).__name__}: {msg[0] if msg else ''}"
-    return text if len(text) <= 200 else text[:197] + "..."
+    return shorten(text, 200)

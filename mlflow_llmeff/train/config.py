@@ -19,6 +19,7 @@ NAN_POLICIES = ("fail", "skip_step")
 ATTN_IMPLS = ("sdpa", "eager")
 ENERGY_MODES = ("auto", "nvml", "rapl", "none")
 from mlflow_llmeff.train.data import PACKING_MODES  # noqa: E402 - stdlib imports only
+from mlflow_llmeff.names import shorten
 
 
 @dataclass
@@ -228,7 +229,7 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
             load_tokenizer(cfg.model)
         except Exception as e:  # noqa: BLE001 - one line instead of the library's stack trace
             raise ValueError(f"model {cfg.model!r} has no usable tokenizer ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:160]}); save one beside the weights "
+                             f"{shorten(str(e).splitlines()[0], 160)}); save one beside the weights "
                              f"(tokenizer.save_pretrained) or use a preset") from None
     limit = max_positions(config)
     if limit is not None and cfg.seq_len > limit:

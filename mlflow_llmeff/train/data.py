@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlflow_llmeff.names import shorten
+
 DEFAULT_DATASET = "python-docs"
 CACHE_DIR_ENV = "LLMEFF_CACHE_DIR"
 PACK_BATCH_DOCS = 1000  # documents per batched map call; packing carries no tokens across batches
@@ -156,7 +158,7 @@ def load_text(dataset: str, *, text_field: str = "text", streaming: bool = False
             ds = datasets.load_dataset(dataset, split="train", streaming=streaming)
         except Exception as e:  # noqa: BLE001 - one line, not a deep stack trace
             raise ValueError(f"dataset {dataset!r} could not be loaded with datasets.load_dataset "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); accepted: "
+                             f"({type(e).__name__}: {shorten(str(e).splitlines()[0], 200) if str(e) else ''}); accepted: "
                              f"{ACCEPTED}") from None
         return _text_column(ds, text_field, dataset), kind, dataset
     groups = _dir_files(dataset) if kind == "text_dir" else {
@@ -168,7 +170,7 @@ def load_text(dataset: str, *, text_field: str = "text", streaming: bool = False
             part = datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming, **kw)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"dataset {dataset!r}: {builder} files could not be read ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+                             f"{shorten(str(e).splitlines()[0], 200) if str(e) else ''})") from None
         parts.append(_text_column(part, "text" if builder == "text" else text_field, dataset))
     ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return ds, kind, dataset

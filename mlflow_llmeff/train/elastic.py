@@ -17,6 +17,8 @@ import os
 import runpy
 import sys
 
+from mlflow_llmeff.names import shorten
+
 NO_FILE = "-"  # FILE when nothing is to be kept (no job folder)
 
 
@@ -40,7 +42,7 @@ def failure_records(error: BaseException) -> list[dict]:
         sig = None if sig in (None, "<N/A>") else sig
         out.append({"rank": int(rank), "local_rank": getattr(f, "local_rank", None), "pid": getattr(f, "pid", None),
                     "exitcode": exitcode, "signal": sig, "unix": float(getattr(f, "timestamp", 0) or 0),
-                    "message": str(getattr(f, "message", "") or "")[:300]})
+                    "message": shorten(str(getattr(f, "message", "") or ""), 300)})
     return sorted(out, key=lambda r: (r["unix"], r["rank"]))
 
 

@@ -21,6 +21,7 @@ from mlflow_llmeff.train import checkpoint as ckpt
 from mlflow_llmeff.train import faults
 from mlflow_llmeff.train.config import TrainConfig, resolve_precision, validate
 from mlflow_llmeff.train.messages import message_style
+from mlflow_llmeff.names import shorten
 
 # test hooks: see train/faults.py
 KILL_AT_STEP_ENV, RAISE_AT_STEP_ENV = faults.ENV["kill_at_step"], faults.ENV["raise_at_step"]
@@ -287,7 +288,7 @@ def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
                            if k.endswith("_gbps"))
             print(f"llmeff: communication busbw GB/s ({result.describe().split(':')[0]}): {bw}")
     except Exception as e:  # noqa: BLE001 - a failed probe is a tag, never the end of training
-        monitor.set_tags({names.COMM_PROBE: f"failed: {type(e).__name__}: {str(e)[:300]}"})
+        monitor.set_tags({names.COMM_PROBE: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
 
 def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
@@ -378,7 +379,7 @@ def _sampled_comm(sampler, monitor) -> None:
         monitor.add_summary(metrics)
         monitor.set_tags(tags)
     except Exception as e:  # noqa: BLE001 - measurement never stops training
-        monitor.set_tags({names.COMM_SAMPLED: f"failed: {type(e).__name__}: {str(e)[:300]}"})
+        monitor.set_tags({names.COMM_SAMPLED: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
 
 def _next_batch(batches, step: int, first_micro: bool) -> dict:
@@ -500,7 +501,7 @@ def _why(e: BaseException, step: int) -> str:
 
     if isinstance(e, torch.OutOfMemoryError):
         e.llmeff_step = step  # for the command line's one line
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = shorten((str(e).strip().splitlines() or [""])[0], 300)
         return (f"out of memory at step {step} ({first}); a smaller micro_batch_size with more grad_accum, "
                 "activation_checkpointing=true, bf16, or more devices with fsdp need less (see llmeff plan)")
     return error_line(e)

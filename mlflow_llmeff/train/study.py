@@ -33,6 +33,7 @@ from typing import Callable
 
 from mlflow_llmeff import names
 from mlflow_llmeff.train.config import TrainConfig, validate
+from mlflow_llmeff.names import shorten
 
 __all__ = ["StudyConfig", "Child", "Outcome", "StudyResult", "schedule", "check", "run_study", "TrainRunner",
            "summary_lines", "PARENT_TAG"]
@@ -255,7 +256,7 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     secrets = environment_secrets()
     client.log_param(parent, "repeats", str(repeats))
     for i, c in enumerate(configs, 1):
-        client.log_param(parent, f"config_{i}", clean(f"config_{i}", c.options, secrets)[:6000])
+        client.log_param(parent, f"config_{i}", shorten(clean(f"config_{i}", c.options, secrets), 6000))
     runner = runner or TrainRunner(client, exp_id)
     result = StudyResult(parent, exp_id)
     echo(f"llmeff study: parent run {parent}, {what} ({len(children)} runs)")
@@ -276,7 +277,7 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     failed = result.failed
     if failed:
         why = "; ".join(f"configuration {c.config} repeat {c.repeat} (run {o.run_id}): {o.error}" for c, o in failed)
-        line = f"{len(failed)} of {len(children)} runs failed: {why}"[:2000]
+        line = shorten(f"{len(failed)} of {len(children)} runs failed: {why}", 2000)
         client.set_tag(parent, names.ERROR, line)
         client.set_tag(parent, "mlflow.note.content", f"Failed: {line}")
     else:
