@@ -284,8 +284,14 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
     from mlflow_llmeff.meters.hardware import default_cache_dir, detect_accelerator, measure_matmul_peak, resolve_peak
 
     info = detect_accelerator(device_type=None if device is None else device.split(":")[0])
+    assumed = {}  # input -> what was taken and why (as the plan's and the run's llmeff.assumed)
+    if device is None:
+        assumed["device"] = (f"{info.device_type} ({'a CUDA device is present' if info.device_type == 'cuda' else 'no CUDA device'}"
+                             ": pass --device)")
     device = device or info.device_type
-    dtype = dtype or ("bf16" if info.device_type == "cuda" else "fp32")
+    if dtype is None:
+        dtype = "bf16" if info.device_type == "cuda" else "fp32"
+        assumed["dtype"] = f"{dtype} (the default on {info.device_type}: pass --dtype)"
     try:
         measured = measure_matmul_peak(dtype, device, refresh=refresh)
     except ValueError as e:
@@ -294,7 +300,7 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
     out = {"device": info.name, "short": info.short, "dtype": dtype, "measured_tflops": measured,
            "datasheet_tflops": peak, "datasheet_source": source,
            "measured_fraction_of_datasheet": None if peak is None else measured / peak,
-           "cache": str(default_cache_dir() / "mamf.json")}
+           "cache": str(default_cache_dir() / "mamf.json"), "assumed": assumed}
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
@@ -304,6 +310,8 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
     else:
         click.echo(f"datasheet peak: {peak:g} TFLOP/s dense ({measured / peak:.1%} reached); {source}")
     click.echo(f"cache: {out['cache']}")
+    if assumed:
+        click.echo("assumed: " + "; ".join(f"{k}: {v}" for k, v in assumed.items()))
 
 
 # ---- energy / carbon / cost commands

@@ -384,6 +384,33 @@ def test_quality_against_cost_and_ttq_bars_use_the_targets():
     assert pareto_front([(2.0, 0.31), (1.5, 0.33), (3.0, 0.30)], maximize_x=False, maximize_y=True) == [1]
 
 
+def test_a_run_without_a_memory_figure_is_drawn_hollow_not_at_the_smallest_marker():
+    from mlflow_llmeff.report import plots
+    from mlflow_llmeff.report.render import build_report
+    from mlflow_llmeff.report.source import Selection
+
+    # 4 GiB is the largest: 30 + 300 x 1 = 330; 1 GiB: 30 + 300 / 4 = 105; none: the middle, 180, hollow
+    assert plots.marker_sizes([1.0, None, 4.0]) == ([105.0, 180.0, 330.0], [False, True, False])
+    assert plots.marker_sizes([None]) == ([180.0], [True])
+    runs = []
+    for i, mem in enumerate((2.0, None)):
+        r = rec(str(i), 1, 1000.0)
+        r.metrics.update({names.EVAL_VAL_LOSS: 3.0 - i, names.SUM_COST_USD: 1.0 + i})
+        if mem is not None:
+            r.metrics[names.MEM_MAX_ALLOC] = mem
+        runs.append(r)
+    rep = build_report(None, Selection("1", "e", "", runs), plots=False)
+    fig = plots.fig_quality_cost(rep, lambda run_id, key: [])
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == ("final eval/val_loss (marker area: memory per device; hollow: no memory figure)")
+    from matplotlib.collections import PathCollection  # the scatter's points (the error bars are lines)
+
+    faces = {tuple(off): (fc[3], size) for sc in ax.collections if isinstance(sc, PathCollection)
+             for off, fc, size in zip(sc.get_offsets(), sc.get_facecolors(), sc.get_sizes())}
+    assert faces[(1.0, 3.0)] == (1.0, 330.0)  # 2 GiB, the largest: filled, the largest marker
+    assert faces[(2.0, 2.0)] == (0.0, 180.0)  # no memory figure: an outline of the middle size
+
+
 def test_reports_mask_secrets_in_tags_logged_by_anyone(tracking_uri, tmp_path, monkeypatch):
     # a run logged by another tool (no llmeff masking): its error names a URL with credentials and
     # the value of a secret environment variable, and it has a secret-named param

@@ -189,6 +189,20 @@ def test_cli_peak_json_reads_the_cache(tmp_path, monkeypatch):
     out = json.loads(result.output)
     assert out["measured_tflops"] == 0.25 and out["datasheet_tflops"] is None
     assert out["datasheet_source"].startswith("unknown:")
+    assert out["assumed"] == {}  # both given: nothing assumed
+    from mlflow_llmeff.meters import hardware as hw
+
+    cpu = AcceleratorInfo("AMD EPYC", "cpu", 1, None, "cpu", None, None, "cpu")
+    monkeypatch.setattr(hw, "detect_accelerator", lambda count=1, device_type=None: cpu)  # also on a GPU host
+    result = CliRunner().invoke(main, ["peak", "--json"])  # neither given: cpu and fp32, said so
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["dtype"] == "fp32" and out["measured_tflops"] == 0.25
+    assert out["assumed"] == {"device": "cpu (no CUDA device: pass --device)",
+                              "dtype": "fp32 (the default on cpu: pass --dtype)"}
+    text = CliRunner().invoke(main, ["peak"]).output
+    assert text.splitlines()[-1] == ("assumed: device: cpu (no CUDA device: pass --device); "
+                                     "dtype: fp32 (the default on cpu: pass --dtype)")
 
 
 # --------------------------------------------------------------------------- on a GPU

@@ -135,14 +135,38 @@ def fig_tokens_per_device(rep, history):
     return fig
 
 
-def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None):
+#: Marker areas (points^2) of :func:`marker_sizes`: the smallest memory figure and the largest.
+MARKER_AREA_MIN, MARKER_AREA_MAX = 30.0, 330.0
+
+
+def marker_sizes(memory_gib: list) -> tuple[list[float], list[bool]]:
+    """Marker areas in proportion to each run's peak memory per device, and which runs have none.
+
+    Args:
+        memory_gib: per run, peak memory per device in GiB, or None where the run has no memory figure.
+
+    Returns:
+        ``(areas, hollow)``: areas in points^2, :data:`MARKER_AREA_MIN` + (:data:`MARKER_AREA_MAX` -
+        :data:`MARKER_AREA_MIN`) x memory / the largest memory; a run without a figure gets the middle
+        area and ``hollow`` True (drawn as an outline: an unknown memory is not the smallest one).
+    """
+    known = [m for m in memory_gib if m is not None]
+    top = max(known, default=0.0) or 1.0
+    mid = (MARKER_AREA_MIN + MARKER_AREA_MAX) / 2
+    areas = [mid if m is None else MARKER_AREA_MIN + (MARKER_AREA_MAX - MARKER_AREA_MIN) * m / top for m in memory_gib]
+    return areas, [m is None for m in memory_gib]
+
+
+def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, sizes=None, hollow=None):
     """Configurations as points with their 95% intervals; the front is :func:`noisy_pareto_front`
     (never beaten within noise), so a point worse only within noise is drawn on it: a single run is
-    beaten only beyond the between-run floor, and never where its kind of machine has none measured."""
+    beaten only beyond the between-run floor, and never where its kind of machine has none measured.
+    ``sizes``: marker areas; ``hollow``: points drawn as outlines (their size figure is unknown)."""
     plt = _plt()
     front = noisy_pareto_front(list(zip(xs, ys)), maximize_x=maximize_x, maximize_y=maximize_y)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     s = sizes or [40] * len(xs)
+    hollow = hollow or [False] * len(xs)
 
     def err(es):
         return [[e.mean - e.low if e.has_interval else 0 for e in es], [e.high - e.mean if e.has_interval else 0 for e in es]]
@@ -153,7 +177,8 @@ def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, s
             continue
         ax.errorbar([xs[i].mean for i in idx], [ys[i].mean for i in idx], xerr=err([xs[i] for i in idx]),
                     yerr=err([ys[i] for i in idx]), fmt="none", ecolor=colour, lw=1, zorder=2)
-        ax.scatter([xs[i].mean for i in idx], [ys[i].mean for i in idx], s=[s[i] for i in idx], color=colour,
+        ax.scatter([xs[i].mean for i in idx], [ys[i].mean for i in idx], s=[s[i] for i in idx],
+                   facecolors=["none" if hollow[i] else colour for i in idx], edgecolors=colour,
                    label=label, zorder=3)
         lo, hi = min(x.mean for x in xs), max(x.mean for x in xs)
         for i in idx:
@@ -272,12 +297,11 @@ def fig_quality_cost(rep, history):
         xs, ys = [r.metrics[names.SUM_COST_USD] for r in sel], [r.metrics[names.EVAL_VAL_LOSS] for r in sel]
         eval_key, xlabel, ylabel = names.EVAL_VAL_LOSS, "run cost (summary/cost_usd)", "final eval/val_loss"
     higher_better = "loss" not in eval_key and "perplexity" not in eval_key
-    mem = [r.metrics.get(names.MEM_MAX_ALLOC) for r in sel]
-    top = max((m for m in mem if m), default=0) or 1
-    sizes = [30 + 300 * (m or 0) / top for m in mem]
+    sizes, hollow = marker_sizes([r.metrics.get(names.MEM_MAX_ALLOC) for r in sel])
     xs, ys = ([Estimate(v, None, None, 1, "no interval") for v in vals] for vals in (xs, ys))
-    return _pareto(sel, xs, ys, xlabel=xlabel, ylabel=ylabel + " (marker area: memory per device)",
-                   title="Quality against cost", maximize_x=False, maximize_y=higher_better, sizes=sizes)
+    area = "marker area: memory per device" + ("; hollow: no memory figure" if any(hollow) else "")
+    return _pareto(sel, xs, ys, xlabel=xlabel, ylabel=f"{ylabel} ({area})", title="Quality against cost",
+                   maximize_x=False, maximize_y=higher_better, sizes=sizes, hollow=hollow)
 
 
 def _one_run_each(rep) -> list:
