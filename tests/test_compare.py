@@ -210,7 +210,7 @@ def test_compare_writes_table_html_and_plots(experiment, tmp_path):
     assert "#/experiments/" in html and "/runs/" in html and "?workflowType=machine_learning" in html
     # the interval method said once, single runs carry the cpu floor, and sources ship with the package
     md = (out / "report.md").read_text()
-    assert "Student's t across a configuration's repeats" in md and "1,000 +-81% floor" in md
+    assert "Student's t across a configuration's repeats" in md and "1,000 [190, 1,810] floor" in md
     assert "../" not in html + md and "docs/stability.md" in html
 
 

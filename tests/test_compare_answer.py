@@ -43,7 +43,7 @@ def test_compare_prints_the_headline_table_best_first(tracking_uri, tmp_path):
     assert [r[:len(b)] for r, b in zip(rows, BEST_FIRST)] == BEST_FIRST
     # a single run carries the machine's between-run floor (+-81% on CPU, docs/stability.md), not its own
     # interval: the default's repeats and the 2-process run (30,500) are within noise of it
-    assert "47,500 +-81% floor" in rows[0] and "best (2 within noise)" in rows[0]
+    assert "47,500 [9,025, 85,975] floor" in rows[0] and "best (2 within noise)" in rows[0]
     assert "0.0411x best" in rows[3]  # 1,950 / 47,500
 
 

@@ -156,7 +156,7 @@ def test_compare_over_the_postgres_server_gives_the_sqlite_figures(both, tmp_pat
     assert len(rows_pg) == 5 and rows_pg == rows_sq
     table = lambda out: [ln for ln in out.splitlines() if not ln.startswith("report: ")]  # noqa: E731
     assert table(out_pg) == table(out_sq)  # the headline table and scaling lines, to the character
-    assert "47,500 +-81% floor" in out_pg  # a single run carries the between-run floor (docs/stability.md)
+    assert "47,500 [9,025, 85,975] floor" in out_pg  # a single run carries the between-run floor (docs/stability.md)
 
 
 def _headline(page: str) -> str:

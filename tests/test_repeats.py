@@ -59,11 +59,16 @@ def test_a_single_run_carries_the_between_run_floor_not_its_own_interval():
     # per device 500 +- 81% (the cpu floor), not the run's own [450, 550]
     assert (e.mean, e.method, e.floor.half_width) == (500.0, "floor", 0.81)
     assert (e.low, e.high) == (pytest.approx(95.0), pytest.approx(905.0))
-    assert e.text() == "500 +-81% (1 run, between-run floor of cpu)"
+    assert e.text() == "500 [95, 905] (1 run, between-run floor of cpu)"
     # a per-token cost moves against throughput: 50 / (1 + 0.81) .. 50 / (1 - 0.81)
     c.runs[0].metrics[names.SUM_USD_PER_BTOK] = 50.0
     usd = c.estimate(names.SUM_USD_PER_BTOK)
     assert (usd.low, usd.high) == (pytest.approx(27.624, abs=1e-3), pytest.approx(263.158, abs=1e-3))
+    # its bounds are printed: -45% / +426% is not "+-81%" (a trial read 0.084 +-81% as [0.016, 0.152])
+    assert usd.text() == "50 [27.62, 263] (1 run, between-run floor of cpu)"
+    assert usd.how().startswith("one run: its throughput +-81%, the between-run floor of cpu (")
+    assert usd.how().endswith("), so this figure / (1 -+ 0.81); not its own interval")
+    assert e.how().endswith("), so this figure x (1 +- 0.81); not its own interval")
     assert c.estimate(names.SUM_STEP_TIME_P50_S) is None
 
 
@@ -157,6 +162,15 @@ def test_two_single_runs_further_apart_than_the_floor_are_ranked():
     assert versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "0.1x best", 1: "best"}
     pts = [(Estimate(1.0, 1.0, 1.0, 1, "measured peak"), c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)) for c in cs]
     assert noisy_pareto_front(pts, maximize_x=False, maximize_y=True) == [1]
+
+
+def test_the_only_configuration_with_a_figure_is_not_called_best():
+    # one configuration (a trial's compare of one experiment labelled it "best", against nothing)
+    assert versus_best(configurations([run("a", 1, 100.0)]), names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "only one with this figure"}
+    # two configurations, one without the figure: still nothing to be best against
+    cs = configurations([run("a", 1, 100.0), run("b", 2, 300.0)])
+    del cs[1].runs[0].metrics[names.SUM_DEVICE_TOKENS_PER_SEC]
+    assert versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "only one with this figure"}
 
 
 def test_two_repeats_one_stalled_and_a_two_process_configuration():
@@ -284,7 +298,7 @@ def test_the_headline_states_its_method_once_and_names_the_unstable_repeat_with_
     h = headline(cs)
     tps = h.columns.index("tokens/s per device [95%]")
     # the t interval over both repeats (hand-computed above), and the single run +- the cpu floor
-    assert [row[tps].text for row in h.rows] == ["6,377 [1,498, 11,256]", "1,000 +-81% floor"]
+    assert [row[tps].text for row in h.rows] == ["6,377 [1,498, 11,256]", "1,000 [190, 1,810] floor"]
     assert h.rows[0][tps].title == "mean of 2 repeats, 95% Student-t interval across them (df 1)"
     assert "own interval" not in h.rows[1][tps].title.replace("not its own interval", "")
     assert h.footnotes[0] == METHOD_NOTE

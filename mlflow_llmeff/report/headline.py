@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import absent_why
-from mlflow_llmeff.report.repeats import METHOD_NOTE, Configuration, Estimate, best_index, floor_for, versus_best
+from mlflow_llmeff.report.repeats import METHOD_NOTE, ONLY_ONE, Configuration, Estimate, best_index, floor_for, versus_best
 
 __all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS"]
 
@@ -55,14 +55,15 @@ def _g(v: float) -> str:
 
 
 def _est_cell(e: Estimate | None, *, pct: bool = False) -> Cell:
-    """The figure with its interval; a single run's floor stated beside it (``6,761 +-81% floor``);
-    the method and any repeat left out in the cell's title."""
+    """The figure with its interval; a single run's floor bounds marked (``6,761 [1,285, 12,237] floor``: its
+    bounds, not ``+-81%``, which a per-token figure's ``/ (1 -+ f)`` is not); the method and any repeat left
+    out in the cell's title."""
     if e is None:
         return Cell("", None)
     fmt = (lambda v: f"{v:.1%}") if pct else _g
     left = f" ({len(e.left_out)} left out)" if e.left_out else ""
     if e.method == "floor":
-        return Cell(f"{fmt(e.mean)} +-{e.floor.half_width:.0%} floor{left}", e.mean, e.how())
+        return Cell(f"{fmt(e.mean)} [{fmt(e.low)}, {fmt(e.high)}] floor{left}", e.mean, e.how())
     if not e.has_interval:
         return Cell(f"{fmt(e.mean)}{' (1 run)' if e.n == 1 else ''}{left}", e.mean, e.how())
     return Cell(f"{fmt(e.mean)} [{fmt(e.low)}, {fmt(e.high)}]{left}", e.mean, e.how())
@@ -176,7 +177,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices) if c.devices else None),  # unknown sorts last
             layout_cell(c),
             _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
-            Cell(stand, 0.0 if stand.startswith("best") else (1.0 if "within noise" in stand else 2.0), best_title),
+            Cell(stand, 0.0 if stand.startswith("best") or stand == ONLY_ONE else (1.0 if "within noise" in stand else 2.0), best_title),
             mfu_cell, _est_cell(usd), carbon_cell,
             Cell(f"{good:.2f}" if good is not None else "", good),
             _quality(c), _stability(c)])

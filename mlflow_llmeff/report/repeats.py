@@ -35,7 +35,7 @@ from mlflow_llmeff.report.calc import RunRecord, absent_why
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "Estimate", "Configuration",
            "configurations", "t_quantile_975", "within_noise", "versus_best", "best_index", "ScalingRow",
-           "scaling_efficiency", "noisy_pareto_front", "is_stable", "SAME_JOB", "METHOD_NOTE"]
+           "scaling_efficiency", "noisy_pareto_front", "is_stable", "SAME_JOB", "METHOD_NOTE", "ONLY_ONE"]
 
 #: Condition tags that define a configuration (equal on every repeat). Measured conditions (what
 #: else used the machine, stability) and provenance that does not change the work (git commit,
@@ -161,8 +161,11 @@ class Estimate:
         if self.method == "repeats":
             text = f"mean of {self.n} repeats, 95% Student-t interval across them (df {self.n - 1})"
         elif self.method == "floor":
-            text = (f"one run: its figure +-{self.floor.half_width:.0%}, the between-run floor of "
-                    f"{self.kind or 'this kind of machine'} ({self.floor.source}); not its own interval")
+            f = f"{self.floor.half_width:g}"
+            inverse = self.high - self.mean > self.mean - self.low  # a per-token figure: / (1 -+ f)
+            text = (f"one run: its throughput +-{self.floor.half_width:.0%}, the between-run floor of "
+                    f"{self.kind or 'this kind of machine'} ({self.floor.source}), so this figure "
+                    f"{f'/ (1 -+ {f})' if inverse else f'x (1 +- {f})'}; not its own interval")
         elif self.method == "no interval" and self.n == 1:
             text = (f"one run, no between-run floor measured for {self.kind or 'this kind of machine'}: "
                     "no interval, not ranked (repeat it)")
@@ -173,10 +176,11 @@ class Estimate:
         return text
 
     def text(self, fmt=_num) -> str:
-        """``6,377 [1,498, 11,256] (2 repeats, t)`` / ``6,761 +-81% (1 run, between-run floor of cpu)`` /
-        ``6,761 (1 run, no interval)``."""
+        """``6,377 [1,498, 11,256] (2 repeats, t)`` / ``6,761 [1,285, 12,237] (1 run, between-run floor of cpu)``
+        / ``6,761 (1 run, no interval)``. A floor's bounds are printed, not ``+-f``: a figure that falls as
+        throughput rises (seconds or kg per token) spreads to ``/ (1 -+ f)``, not ``+-f``."""
         if self.method == "floor":
-            return f"{fmt(self.mean)} +-{self.floor.half_width:.0%} (1 run, between-run floor of {self.kind})"
+            return f"{fmt(self.mean)} [{fmt(self.low)}, {fmt(self.high)}] (1 run, between-run floor of {self.kind})"
         if not self.has_interval:
             return f"{fmt(self.mean)} ({'1 run, ' if self.n == 1 else ''}no interval)"
         how = f"{self.n} repeats, t" if self.method == "repeats" else self.method
@@ -337,7 +341,8 @@ def versus_best(configs: list[Configuration], key: str, *, higher_is_better: boo
     """Per configuration index: ``best``, ``within noise of best`` or ``0.62x best``.
 
     The best is the best mean (:func:`best_index`); a configuration is ranked below it only when their
-    intervals do not overlap. When others are within noise of it, the best is ``best (N within noise)``.
+    intervals do not overlap. When others are within noise of it, the best is ``best (N within noise)``;
+    the only configuration with the figure is ``only one with this figure`` (nothing to be best against).
     """
     est = [c.estimate(key) for c in configs]
     best = best_index(configs, key, higher_is_better=higher_is_better)
@@ -352,8 +357,15 @@ def versus_best(configs: list[Configuration], key: str, *, higher_is_better: boo
             tied += 1
         else:
             out[i] = f"{e.mean / est[best].mean:.3g}x best"
-    out[best] = f"best ({tied} within noise)" if tied else "best"
+    if sum(e is not None for e in est) == 1:
+        out[best] = ONLY_ONE
+    else:
+        out[best] = f"best ({tied} within noise)" if tied else "best"
     return out
+
+
+#: :func:`versus_best` of the only configuration with the figure.
+ONLY_ONE = "only one with this figure"
 
 
 def best_index(configs: list[Configuration], key: str, *, higher_is_better: bool = True) -> int | None:
