@@ -1,6 +1,7 @@
 """llmeff study: the round-robin order and the parent/child wiring (an injected runner), bad input as one
 line, comparisons that leave the study's parent out and take its children as repeats (hand-computed
-t-interval), and one real study of 2 configurations x 2 repeats of the tiniest runs, in this process."""
+t-interval), each child in a process of its own (the command, the attempt's start it is handed, its one-line
+error), and one real study of 2 configurations x 2 repeats of the tiniest runs."""
 
 from __future__ import annotations
 
@@ -111,6 +112,57 @@ def test_the_runner_hands_each_child_run_to_the_training_and_records_a_failure(t
             assert (run.info.status, run.data.tags[names.ERROR]) == ("FAILED", "seq_len=64 is refused here")
             assert run.info.run_name == f"study-config2-repeat{child.repeat}"
     assert client.get_run(res.parent_run_id).info.status == "FAILED"
+
+
+class FakePopen:
+    """Stands for the child process: records its command and environment, prints ``lines`` on stderr."""
+
+    seen: list = []
+
+    def __init__(self, lines, code):
+        self.lines, self.code = lines, code
+
+    def __call__(self, cmd, *, env, stderr, text, bufsize):
+        FakePopen.seen.append((cmd, env))
+        self.stderr = iter(self.lines)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait(self):
+        return self.code
+
+
+def test_a_one_device_child_trains_in_a_process_of_its_own(tracking_uri, monkeypatch, capsys):
+    import dataclasses
+    import json
+    import sys
+
+    from mlflow_llmeff.train import launch as launch_mod
+    from mlflow_llmeff.train.job import START_ENV
+    from mlflow_llmeff.train.study import TrainRunner
+
+    cfg = TrainConfig(model="llama-tiny", dataset="synthetic", max_steps=4, seq_len=32, measure_energy="none")
+    FakePopen.seen = []
+    monkeypatch.setattr(launch_mod.subprocess, "Popen", FakePopen(["step 1\n"], 0))
+    runner = TrainRunner(mlflow.MlflowClient(), "0")  # the study's default launch
+    assert runner.launch(cfg, started_unix=1700000000.25) == 0
+    (cmd, env), = FakePopen.seen
+    # the per-process entry accelerate launch runs, handed the whole config and the child's own start
+    assert cmd[:4] == [sys.executable, "-m", "mlflow_llmeff.train.loop", "--config-json"]
+    assert json.loads(cmd[4]) == dataclasses.asdict(cfg) and env[START_ENV] == "1700000000.25"
+    assert capsys.readouterr().err == "step 1\n"  # its stderr passes through
+    # the child's last 'error: <line>' is the child's error, as one line (no traceback, no exit code alone)
+    monkeypatch.setattr(launch_mod.subprocess, "Popen", FakePopen(["step 1\n", "error: diverged at step 3\n"], 1))
+    with pytest.raises(launch_mod.ChildError, match=r"^diverged at step 3$") as e:
+        runner.launch(cfg, started_unix=1.0)
+    assert e.value.code == 1
+    monkeypatch.setattr(launch_mod.subprocess, "Popen", FakePopen(["Killed\n"], -9))
+    assert runner.launch(cfg, started_unix=1.0) == -9  # no line of its own: the study names the exit code
 
 
 def test_schedule_and_check_refuse_bad_input_naming_the_value(tmp_path):

@@ -69,15 +69,20 @@ def fit_here(cfg: TrainConfig):
                        cpu=not cuda, bf16_ok=bf16)
 
 
-def launch(cfg: TrainConfig, *, started_unix: float | None = None) -> int:
+def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: bool = False) -> int:
     """Validate ``cfg`` and check that it fits (cheap, before heavy work), then train. Returns the exit code.
 
     Args:
         cfg: the settings.
         started_unix: the attempt's start, unix seconds: where its ``summary/wall_s`` and the job's clock
             begin. Default: this process's start (``llmeff train``: imports and set-up are ``init``).
-            ``llmeff study`` (train/study.py) runs several children in one process and passes each one's
-            own start, so a repeat's wall time never holds the repeats before it.
+            ``llmeff study`` (train/study.py) passes each child's own start, so a repeat's wall time
+            never holds the repeats before it.
+        own_process: train one device in a process of its own (``python -m mlflow_llmeff.train.loop``),
+            as several devices always are, instead of in this one. ``llmeff study`` sets it: in one
+            process only the first repeat would pay the imports and set-up that every real job pays
+            (a trial: 6.45 s of init and goodput 0.20 on the first child, 0.09-0.17 s and 0.79-0.85
+            on the three after it), so repeats would differ by their place in the order.
 
     Raises:
         ValueError: bad settings, as one line naming the value and the accepted ones.
@@ -97,7 +102,10 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None) -> int:
         raise FitError(verdict.line(message_style()))
     from mlflow_llmeff.train.config import get_strategy
 
-    if cfg.num_processes == 1 and cfg.num_machines == 1 and not get_strategy(cfg).needs_launcher:
+    single = cfg.num_processes == 1 and cfg.num_machines == 1 and not get_strategy(cfg).needs_launcher
+    if single and own_process:
+        return _train_in_own_process(cfg, time.time() if started_unix is None else float(started_unix))
+    if single:
         from mlflow_llmeff.meters.probes import process_start_perf_counter
         from mlflow_llmeff.train.loop import run_training
 
@@ -125,6 +133,46 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None) -> int:
     if job:  # how the attempt ended where rank 0 could not say (killed, or stopped after another rank was lost)
         jobs.Job(cfg.checkpoint_dir).close_open(rc, elastic.read_failures(failures_path))
     return rc
+
+
+def own_process_command(cfg: TrainConfig, started_unix: float) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that train ``cfg`` on one device in a process of its own: the
+    per-process entry ``accelerate launch`` runs, with the attempt's start in ``$LLMEFF_ATTEMPT_START_UNIX``
+    (its ``summary/wall_s`` and ``init`` begin there, the interpreter's start and imports inside them)."""
+    from mlflow_llmeff.train import job as jobs
+
+    env = dict(os.environ)
+    env[jobs.START_ENV] = repr(float(started_unix))
+    return [sys.executable, "-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))], env
+
+
+def _train_in_own_process(cfg: TrainConfig, started_unix: float) -> int:
+    """Run :func:`own_process_command`; its stderr passes through line by line, and a last ``error: <line>``
+    it printed (a refused setting, a known ending) is raised here as that line.
+
+    Raises:
+        ValueError: the child's one-line error (exit code 2: bad settings; others: the line as printed).
+    """
+    cmd, env = own_process_command(cfg, started_unix)
+    last = None
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            if line.startswith("error: "):
+                last = line[len("error: "):].rstrip("\n")
+        rc = proc.wait()
+    if rc != 0 and last:
+        raise ChildError(last, rc)
+    return rc
+
+
+class ChildError(ValueError):
+    """A training process of its own ended with ``error: <line>`` (:func:`_train_in_own_process`);
+    ``code`` is its exit status."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(line)
+        self.code = code
 
 
 def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: bool = False) -> int:
