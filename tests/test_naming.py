@@ -170,3 +170,33 @@ def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypat
               "seq_len": 128, "micro_batch_size": 8, "grad_accum": 1}
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert failed_run_name(params) == STEM  # was 'tiny-s128-cpu': strategy and precision auto, no batch
+
+
+def test_a_failed_run_never_takes_the_name_of_a_finished_repeat(tracking_uri, monkeypatch):
+    """A trial: `mlflow run . -P max_steps=-5` failed and was named like the 50-step run that had
+    finished in the same experiment, so a comparison note naming that run was ambiguous."""
+    import mlflow
+
+    from mlflow_llmeff.tracking.runs import record_failure
+
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("failed-names")
+    done = client.create_run(exp, run_name=STEM).info.run_id
+    client.set_terminated(done, "FINISHED")
+    failed = client.create_run(exp, run_name="launcher-random-name").info.run_id
+    assert record_failure("max_steps=-5 must be a positive integer (>= 1)", run_id=failed, run_name=STEM)
+    run = client.get_run(failed)
+    assert run.info.run_name == STEM + "-2" and client.get_run(done).info.run_name == STEM
+    assert run.data.tags[names.ERROR] == "max_steps=-5 must be a positive integer (>= 1)"
+    # a second failure of the same configuration: the next suffix (its own name does not count)
+    again = client.create_run(exp).info.run_id
+    record_failure("again", run_id=again, run_name=STEM)
+    assert client.get_run(again).info.run_name == STEM + "-3"
+    # a read that fails: the stem (a name is cosmetic; the failure is still written)
+    def down(*a, **k):
+        raise ConnectionError("the store is down")
+
+    monkeypatch.setattr("mlflow_llmeff.tracking.runs.unique_run_name", down)
+    last = client.create_run(exp).info.run_id
+    record_failure("down", run_id=last, run_name=STEM)
+    assert client.get_run(last).info.run_name == STEM

@@ -298,7 +298,11 @@ def error_line(exc: BaseException) -> str:
 def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str | None = None,
                    run_name: str | None = None) -> bool:
     """Write why a run failed onto it: ``llmeff.error``, the run's description, ``tags``, and (when
-    given) its name, so a run that failed before training is named like the others.
+    given) its name, so a run that failed before training is named like the others: the configuration's
+    stem made unique in the experiment (``...-cpu-3``; :func:`unique_run_name`), so that it never takes
+    the name of a finished repeat (a trial's failed run was named like the run that finished beside it,
+    and a comparison naming runs by name could no longer tell them apart). The name is read within
+    5 s at most (``delivery.bounded``); unanswered, the stem is kept.
 
     For the launcher's run under ``mlflow run`` (``MLFLOW_RUN_ID``) when ``run_id`` is None. Never
     raises; returns True when something was written.
@@ -309,9 +313,19 @@ def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str
     try:
         from mlflow import MlflowClient
 
+        from mlflow_llmeff.tracking import delivery
         from mlflow_llmeff.tracking.logger import RunLogger
 
-        logger = RunLogger(run_id, MlflowClient())
+        client = MlflowClient()
+        if run_name:
+            try:
+                run_name = delivery.bounded(
+                    lambda: unique_run_name(client, client.get_run(run_id).info.experiment_id, run_name,
+                                            exclude_run_id=run_id),
+                    min(5.0, delivery.delivery_wait_s()), "reading the names taken")
+            except Exception:  # noqa: BLE001 - a name is cosmetic: the stem it is
+                pass
+        logger = RunLogger(run_id, client)
         named = {"mlflow.runName": run_name} if run_name else {}
         logger.set_tags({**(tags or {}), **named, names.ERROR: message, "mlflow.note.content": f"Failed: {message}"})
         logger.close(None)  # delivered, or in the outbox with how to send it
