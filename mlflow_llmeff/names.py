@@ -247,6 +247,7 @@ FLOPS_METHOD = _tag("flops.method", "how FLOPs per token were obtained: 'formula
 PEAK_TFLOPS = _tag("peak.tflops", "dense peak TFLOP/s per device for the compute dtype")
 PEAK_SOURCE = _tag("peak.source", "datasheet of the peak, 'user' or 'unknown' with the reason")
 PEAK_MEASURED_TFLOPS = _tag("peak.measured_tflops", "measured achievable matmul TFLOP/s (MAMF) on this device")
+PEAK_MEASURED_AT = _tag("peak.measured_at", "when and on what that peak was measured: `<local ISO time> (measured in this run: <key>)` or `(read from the cache: <key>)`, the key naming the device, the CPU's threads (a CPU figure moves with `OMP_NUM_THREADS`), the dtype and torch; `llmeff peak --json` gives `from_cache`, `measured_at`, `measured_on`; absent when no peak was measured")
 HFU_METHOD = _tag("hfu.method", "how hardware FLOPs per step were counted (FlopCounterMode step, analytic attention), or why not")
 MFU_WARNING = _tag("mfu.warning", "set when MFU came out above 1 (an error in the inputs)")
 ENERGY_SOURCE = _tag("energy.source", "nvml_counter, nvml_power, rapl, codecarbon_estimate, none")

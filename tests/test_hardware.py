@@ -178,6 +178,7 @@ def test_measured_peak_rejects_what_it_cannot_measure(dtype, device, match, tmp_
 
 def test_cli_peak_json_reads_the_cache(tmp_path, monkeypatch):
     from mlflow_llmeff.cli import main
+    from mlflow_llmeff.meters import hardware as hw_mod
 
     monkeypatch.setenv("LLMEFF_CACHE_DIR", str(tmp_path))
     measure_matmul_peak("fp32", "cpu", sizes=(64,), min_time_s=0.01)
@@ -189,6 +190,9 @@ def test_cli_peak_json_reads_the_cache(tmp_path, monkeypatch):
     out = json.loads(result.output)
     assert out["measured_tflops"] == 0.25 and out["datasheet_tflops"] is None
     assert out["datasheet_source"].startswith("unknown:")
+    # a cached figure says so, when it was measured and on what (a CPU's is per thread count)
+    assert out["from_cache"] is True and out["measured_at"] == cache[out["measured_on"]]["measured_at"]
+    assert out["measured_on"] == f"cpu|{hw_mod._cpu_model()} threads={torch.get_num_threads()}|fp32|torch {torch.__version__}"
     assert out["assumed"] == {}  # both given: nothing assumed
     from mlflow_llmeff.meters import hardware as hw
 
@@ -201,6 +205,8 @@ def test_cli_peak_json_reads_the_cache(tmp_path, monkeypatch):
     assert out["assumed"] == {"device": "cpu (no CUDA device: pass --device)",
                               "dtype": "fp32 (the default on cpu: pass --dtype)"}
     text = CliRunner().invoke(main, ["peak"]).output
+    assert text.splitlines()[0].endswith(f" 0.250 TFLOP/s (read from the cache: measured {out['measured_at']} on "
+                                         f"{out['measured_on']}; --refresh measures again)")
     assert text.splitlines()[-1] == ("assumed: device: cpu (no CUDA device: pass --device); "
                                      "dtype: fp32 (the default on cpu: pass --dtype)")
 
@@ -217,6 +223,24 @@ def test_gpu_detection_and_measured_bf16_peak_below_datasheet(tmp_path):
     # the lent GPUs (H100, H200, A100) are in the datasheet table: a missing peak is a fault, not a pass
     assert peak is not None, f"{info.name}: no datasheet bf16 peak ({source})"
     assert 0.3 * peak < measured < 1.0 * peak
+
+
+def test_the_run_says_when_and_on_what_its_measured_peak_was_measured(tmp_path, monkeypatch):
+    from mlflow_llmeff.meters import hardware as hw_mod
+    from mlflow_llmeff.monitor.account import FlopsAccount as Account
+
+    monkeypatch.setenv("LLMEFF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hw_mod, "_CPU_SIZES", (64,))
+    on = f"cpu|{hw_mod._cpu_model()} threads={torch.get_num_threads()}|fp32|torch {torch.__version__}"
+    first = Account()
+    first.measure_peak("fp32", None)
+    stamp = json.loads((tmp_path / "mamf.json").read_text())[on]["measured_at"]
+    assert first.measured_peak_at == f"{stamp} (measured in this run: {on})"
+    again = Account()
+    again.measure_peak("fp32", None)
+    assert again.measured_peak == first.measured_peak
+    assert again.measured_peak_at == f"{stamp} (read from the cache: {on})"
+    assert Account().measured_peak_at is None  # nothing measured: no tag
 
 
 def test_measured_peak_accepts_a_ddp_rank_cpu_device(tmp_path):

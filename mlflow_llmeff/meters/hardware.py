@@ -28,6 +28,7 @@ from mlflow_llmeff import names
 
 __all__ = [
     "DTYPES",
+    "peak_record",
     "AcceleratorInfo",
     "PeakEntry",
     "PeakRow",
@@ -553,6 +554,26 @@ def _time_matmul(n: int, dtype: str, device: str, min_time_s: float) -> float:
         spent += dt
         reps += 1
     return 2.0 * n**3 / best / 1e12
+
+
+def peak_record(dtype: str, device: str, *, cache_dir: str | Path | None = None) -> dict | None:
+    """The cached measurement :func:`measure_matmul_peak` would return for ``dtype`` on ``device``, with
+    what it was measured on: ``{"tflops", "sizes", "measured_at" (local time, ISO 8601), "key"}``, ``key``
+    naming the device, the CPU's threads (a CPU figure moves with ``OMP_NUM_THREADS``: 0.10 TFLOP/s on
+    1 thread against 0.034 on 2 on a shared 2-core machine), the dtype and torch. None when nothing is
+    cached for it (or the cache is unreadable)."""
+    if device.startswith("cpu:"):
+        device = "cpu"
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    try:
+        cache = json.loads((path / "mamf.json").read_text())
+        key = _cache_key(device, dtype)
+    except (OSError, ValueError, RuntimeError, AssertionError):
+        return None
+    entry = cache.get(key) if isinstance(cache, dict) else None
+    if not isinstance(entry, dict) or "tflops" not in entry:
+        return None
+    return {**entry, "key": key}
 
 
 def measure_matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Path | None = None,

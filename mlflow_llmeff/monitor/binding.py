@@ -182,6 +182,8 @@ def condition_tags(mon) -> dict[str, str]:
         tags[names.PAR_CP] = str(mon._counting.slices)
     if a.peak_tflops is not None:
         tags[names.PEAK_PRECISION] = a.peak_precision
+    if a.measured_peak_at:
+        tags[names.PEAK_MEASURED_AT] = a.measured_peak_at
     tags.update(assembly.assumed_tag(mon))  # end_tags completes it (PUE once the grid intensity is known)
     # a user's loop: its data-parallel ranks hold sharded state under FSDP and ZeRO-3 (llmeff train
     # passes its layout's own degrees as tags, which win)
