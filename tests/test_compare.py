@@ -384,6 +384,16 @@ def test_quality_against_cost_and_ttq_bars_use_the_targets():
     assert pareto_front([(2.0, 0.31), (1.5, 0.33), (3.0, 0.30)], maximize_x=False, maximize_y=True) == [1]
 
 
+def test_figure_labels_are_cut_between_parts_and_keep_the_repeat_suffix():
+    from mlflow_llmeff.report.plots import short
+
+    # a trial's pareto_carbon.png read 'tiny-single-fp32-gbt512-s128-cp...' for both repeats
+    assert short("tiny-single-fp32-gbt512-s128-cpu-2", 32) == "tiny-single-fp32-gbt512-\u2026cpu-2"
+    assert short("tiny-single-fp32-gbt512-s128-cpu", 32) == "tiny-single-fp32-gbt512-s128-cpu"  # fits: whole
+    assert short("hellaswag_acc_norm_ge_0.30", 24) == "hellaswag_acc_\u2026ge_0.30"
+    assert short("a" * 50, 10) == "a" * 9 + "\u2026"  # no parts: cut and marked
+
+
 def test_a_run_without_a_memory_figure_is_drawn_hollow_not_at_the_smallest_marker():
     from mlflow_llmeff.report import plots
     from mlflow_llmeff.report.render import build_report

@@ -99,8 +99,26 @@ def png(fig) -> bytes:
 
 
 def short(label: str, n: int = 40) -> str:
-    """``label`` cut to ``n`` characters with an ellipsis (figures keep their full names in the table)."""
-    return label if len(label) <= n else label[: n - 1] + "\u2026"
+    """``label`` in at most ``n`` characters for a figure (the table keeps full names): whole when it
+    fits, else its first parts and its last two (``-`` ``_`` ``/`` or space end a part) joined by ``…``,
+    so the cut falls between parts and a repeat's suffix stays:
+    ``tiny-single-fp32-gbt512-s128-cpu-2`` in 32 is ``tiny-single-fp32-gbt512-…cpu-2`` (before:
+    ``tiny-single-fp32-gbt512-s128-cp…``, the repeats of one configuration alike). A label without
+    parts short enough is cut at ``n - 1`` characters and marked."""
+    import re
+
+    if len(label) <= n:
+        return label
+    parts = re.split(r"(?<=[-_/ ])", label)
+    tail = "".join(parts[-2:]) if len(parts) > 2 else ""
+    head, room = "", n - 1 - len(tail)
+    for p in parts[:-2]:
+        if len(head) + len(p) > room:
+            break
+        head += p
+    if not tail or not head:
+        return label[: n - 1] + "\u2026"
+    return f"{head}\u2026{tail}"
 
 
 def _summarised(runs: list[RunRecord]) -> list[RunRecord]:

@@ -143,6 +143,19 @@ def best_first(configs: list[Configuration]) -> list[Configuration]:
 
 # ---------------------------------------------------------------------------------------------- text
 def _fmt(v) -> str:
+    """A figure of the "All runs" table: from 1,000 up, whole with thousands separators (``38,115``, as in
+    the configurations' table; 4 significant figures showed ``38110`` beside it, which reads as exact);
+    below, 4 significant figures (``0.4123``, ``27.62``); from 1e15, ``1.235e+15``."""
+    if v is None:
+        return ""
+    v = float(v)
+    if 1e3 <= abs(v) < 1e15:
+        return f"{v:,.0f}"
+    return _fmt_csv(v)
+
+
+def _fmt_csv(v) -> str:
+    """A figure of report.csv: 4 significant figures, no separators (a spreadsheet reads it as a number)."""
     if v is None:
         return ""
     r = round_sig(float(v), 4)
@@ -161,14 +174,16 @@ def ordered_runs(rep: Report) -> list[RunRecord]:
     return out + [r for r in rep.runs if r.run_id not in seen]
 
 
-def table_rows(rep: Report, runs: list[RunRecord] | None = None) -> tuple[list[str], list[list[str]]]:
+def table_rows(rep: Report, runs: list[RunRecord] | None = None, fmt=None) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the table (strings; one row per run of ``runs``, default
-    :func:`ordered_runs`; numbers to 4 significant digits)."""
+    :func:`ordered_runs`; numbers as ``fmt`` writes them, default :func:`_fmt`: whole with thousands
+    separators from 1,000, else 4 significant digits)."""
+    fmt = fmt or _fmt
     head = ["run", "status", "group"] + rep.tag_columns + [header(k) for k in rep.columns] + ["note"]
     rows = []
     for r in (ordered_runs(rep) if runs is None else runs):
         rows.append([r.label, r.status, rep.group_of(r)] + [r.tags.get(k, "") for k in rep.tag_columns]
-                    + [_fmt(r.metrics.get(k)) for k in rep.columns] + [rep.row_note(r)])
+                    + [fmt(r.metrics.get(k)) for k in rep.columns] + [rep.row_note(r)])
     return head, rows
 
 
@@ -339,7 +354,7 @@ def to_markdown(rep: Report) -> str:
 def to_csv(rep: Report) -> str:
     """The table as CSV (plus the run id and UI link of each run)."""
     runs = ordered_runs(rep)
-    head, rows = table_rows(rep, runs)
+    head, rows = table_rows(rep, runs, fmt=_fmt_csv)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(head + ["run_id", "url"])
