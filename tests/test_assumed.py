@@ -135,3 +135,15 @@ def test_the_comparison_footnotes_name_each_assumption_and_whom_it_holds_for():
     h = headline(configurations(runs))
     assert h.footnotes[-2:] == [f"assumed (llmeff.assumed) for every configuration: {country}",
                                 f"assumed (llmeff.assumed) for run-1 (+1 repeat): {price}"]
+
+
+def test_the_terminal_says_what_was_assumed_not_only_the_tag():
+    from mlflow_llmeff.monitor.assembly import assumed_line
+
+    ct = CarbonTracker(env={})  # no country, no cloud region: the USA's grid
+    ct.intensity_g_per_kwh = 369.5  # as start() sets it: PUE 1 is then assumed too
+    found = {"precision": "fp32 (no model to read a dtype from: pass precision=)",
+             "device_hour_usd": LAMBDA_H100, **ct.assumptions()}
+    assert assumed_line(found) == ("assumed for you: precision fp32, device_hour_usd 3.99 USD per device-hour, "
+                                   "country_iso_code USA, pue 1 (why and how to give yours: tag llmeff.assumed)")
+    assert assumed_line({}) is None  # nothing assumed: no line

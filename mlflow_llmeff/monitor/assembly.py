@@ -26,7 +26,7 @@ from mlflow_llmeff.monitor.consumption import Consumption
 from mlflow_llmeff.monitor.contention import ContentionMeter
 from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
 
-__all__ = ["PRECISIONS", "assumed_tag", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
+__all__ = ["PRECISIONS", "assumptions", "assumed_tag", "assumed_line", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
 
 #: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -140,12 +140,27 @@ def set_up_measurement(mon, peak_tflops, measure_peak, device_hour_usd, usd_per_
     mon._consumption = Consumption(devices=mon.world_size, device_hour_usd=price, usd_per_kwh=usd_per_kwh)
 
 
-def assumed_tag(mon) -> dict[str, str]:
-    """``{llmeff.assumed: ...}``: what the monitor took for the user (precision, list price) and what its
-    carbon figures assume (grid country, PUE), each ``<input>: <value> (<why>)``; ``{}`` when nothing."""
+def assumptions(mon) -> dict[str, str]:
+    """What the monitor took for the user (precision, list price) and what its carbon figures assume
+    (grid country, PUE): ``{input: '<value> (<why>)'}``, empty when nothing was assumed."""
     carbon = getattr(mon, "_carbon", None)
-    found = {**getattr(mon, "_assumed", {}), **(carbon.assumptions() if hasattr(carbon, "assumptions") else {})}
+    return {**getattr(mon, "_assumed", {}), **(carbon.assumptions() if hasattr(carbon, "assumptions") else {})}
+
+
+def assumed_tag(mon) -> dict[str, str]:
+    """``{llmeff.assumed: ...}``: :func:`assumptions`, each ``<input>: <value> (<why>)`` joined by ``; ``;
+    ``{}`` when nothing."""
+    found = assumptions(mon)
     return {names.ASSUMED: "; ".join(f"{k}: {v}" for k, v in found.items())} if found else {}
+
+
+def assumed_line(found: dict[str, str]) -> str | None:
+    """The terminal's line of :func:`assumptions`: ``assumed for you: country_iso_code USA, pue 1 (why and
+    how to give yours: tag llmeff.assumed)``, each value up to its ``(why)``; None when nothing."""
+    if not found:
+        return None
+    told = ", ".join(f"{k} {v.split(' (')[0]}" for k, v in found.items())
+    return f"assumed for you: {told} (why and how to give yours: tag {names.ASSUMED})"
 
 
 def set_up_step_timing(mon, model, contention_meter) -> None:

@@ -542,6 +542,11 @@ def _print_summary(monitor, summary: dict, reliability: str | None = None) -> No
              ", goodput undefined (no wall time)"))
     if monitor.stability:
         print(f"llmeff: {monitor.stability}")
+    from mlflow_llmeff.monitor.assembly import assumed_line, assumptions
+
+    told = assumed_line(assumptions(monitor))  # not only in a tag: the figures rest on it
+    if told:
+        print(f"llmeff: {told}")
     if reliability and summary.get(names.SUM_ATTEMPTS, 1) > 1:
         print(f"llmeff: {reliability}")
     if monitor.spilled_to:  # the server has not taken the run: the outbox line said how to send it
