@@ -314,8 +314,30 @@ def test_an_eval_batch_size_that_differs_is_a_column_not_a_warning(tracking_uri,
     assert {row["run"]: row[names.EVAL_BATCH_SIZE] for row in rows} == {"bs8": "8", "bs16": "16"}
 
 
+def test_an_unknown_experiment_names_the_ones_there_are():
+    from types import SimpleNamespace
+
+    from mlflow_llmeff.report.source import _known_experiments
+
+    class Client:
+        def __init__(self, names_, fail=False):
+            self.names, self.fail = names_, fail
+
+        def search_experiments(self, max_results, order_by):
+            if self.fail:
+                raise ConnectionError("down")
+            assert order_by == ["creation_time DESC"]
+            return [SimpleNamespace(name=n) for n in self.names][:max_results]
+
+    assert _known_experiments(Client(["cmp", "empty", "Default"])) == "accepted: 'cmp', 'empty', 'Default'"
+    many = [f"e{i}" for i in range(12)]
+    assert _known_experiments(Client(many)) == ("accepted: " + ", ".join(repr(n) for n in many[:10])
+                                                + " and more (mlflow experiments search lists them)")
+    assert _known_experiments(Client([], fail=True)) == "give an experiment name or id that exists in this tracking store"
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--experiment", "nope"], "Error: experiment 'nope' not found"),
+    (["--experiment", "nope"], "Error: experiment 'nope' not found; accepted: "),
     (["--experiment", "empty"], "Error: experiment 'empty' has no runs to compare"),
     (["--experiment", "cmp", "--filter", "metrics.x >>> 1"], "Error: bad filter 'metrics.x >>> 1': "),
     (["--experiment", "cmp", "--filter", "tags.`llmeff.precision` = 'fp8'"],
@@ -331,6 +353,8 @@ def test_bad_input_is_one_line(experiment, tmp_path, args, message):
     err_lines = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
     assert len(err_lines) == 1 and err_lines[0].startswith(message), r.output
     assert "Traceback" not in r.output
+    if args[1] == "nope":  # the experiments there are, by name
+        assert "'cmp'" in err_lines[0] and "'empty'" in err_lines[0]
 
 
 @pytest.mark.slow

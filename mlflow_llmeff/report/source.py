@@ -64,9 +64,22 @@ def _experiment(client, experiment: str):
         except Exception:  # noqa: BLE001 - an unknown id is reported below
             exp = None
     if exp is None:
-        raise ValueError(f"experiment {experiment!r} not found (give an experiment name or id that exists in "
-                         f"this tracking store)")
+        raise ValueError(f"experiment {experiment!r} not found; {_known_experiments(client)}")
     return exp
+
+
+def _known_experiments(client, limit: int = 10) -> str:
+    """``accepted: 'a', 'b' (+N more)``: the active experiments' names, newest first (one page of at most
+    ``limit``), or what to give when none can be read."""
+    try:
+        page = client.search_experiments(max_results=limit + 1, order_by=["creation_time DESC"])
+    except Exception:  # noqa: BLE001 - the list is a help, not the error
+        page = []
+    if not page:
+        return "give an experiment name or id that exists in this tracking store"
+    shown = ", ".join(repr(e.name) for e in page[:limit])
+    more = " and more (mlflow experiments search lists them)" if len(page) > limit else ""
+    return f"accepted: {shown}{more}"
 
 
 def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
