@@ -127,6 +127,18 @@ def test_runs_differing_in_a_measurement_condition_are_not_comparable(tag, what,
     assert warns[0].text() == f"not comparable: {what} ({tag}) differs: 8 (run-a); 16 (run-b)"
 
 
+def test_runs_of_different_lengths_are_not_comparable_on_goodput():
+    # a trial pooled a 50-step run (goodput 0.12) and two 300-step ones (0.51) as one configuration
+    runs = [rec(i, 1, 1000.0) for i in "abc"]
+    for r, steps, goodput in zip(runs, ("50", "300", "300"), (0.12, 0.51, 0.51)):
+        r.params["max_steps"], r.metrics[names.SUM_GOODPUT] = steps, goodput
+    w, = comparability_warnings(runs)
+    assert w.text() == "not comparable: run length (params.max_steps) differs: 50 (run-a); 300 (run-b, run-c)"
+    for r in runs:  # no goodput compared: the length changes no figure the runs have
+        del r.metrics[names.SUM_GOODPUT]
+    assert comparability_warnings(runs) == []
+
+
 def test_a_condition_that_changes_no_figure_the_runs_have_is_no_warning():
     # a peak source matters where MFU against it is compared; CPU runs without a datasheet MFU: no warning
     a, b = rec("a", 1, 1000.0, **{names.PEAK_SOURCE: "x"}), rec("b", 1, 1000.0, **{names.PEAK_SOURCE: "y"})

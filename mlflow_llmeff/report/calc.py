@@ -90,6 +90,9 @@ COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None, (names.SUM_DEVI
                  ("few-shot count", names.EVAL_NUM_FEWSHOT, "eval_num_fewshot", (names.EVAL_MMLU_ACC,), None),
                  ("eval documents", names.EVAL_DOCUMENTS, None, _BENCH, None),
                  ("dataset", names.DATASET, None, None, None),
+                 # goodput = productive / wall: set-up and the final save are paid once per run, so a
+                 # 50-step run's goodput (a trial: 0.12) is not a 300-step run's (0.51) at equal speed
+                 ("run length", "params.max_steps", "max_steps", (names.SUM_GOODPUT,), None),
                  ("llmeff version", names.V_LLMEFF, None, None, None))
 
 _UNITS = {d.key: d.unit for d in names.METRICS}
