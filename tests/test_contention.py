@@ -229,15 +229,17 @@ def test_a_run_beside_processes_that_take_the_cpu_reports_their_share(tracking_u
 @pytest.mark.slow
 @pytest.mark.serial
 def test_processes_that_interrupt_the_steady_window_make_the_run_unstable(tracking_uri, tmp_path):
-    # the loop runs at nice 19: while two burners run, it gets ~1.5% of a CPU and its steps stall
-    proc, progress = start_loop(tmp_path, "--steps", "120", "--nice", "19")
+    # the loop runs at nice 19: while two burners run, it gets ~1.5% of a CPU and its steps stall.
+    # It holds after step 50 (a declared pause, no step's time) until the burners run: on a quiet
+    # machine it otherwise finished its 120 steps within the 0.5 s the burners were given to start
+    go = tmp_path / "go"
+    proc, progress = start_loop(tmp_path, "--steps", "120", "--nice", "19", "--hold-at", "50", "--go", str(go))
     wait_step(progress, 50, proc)
     burn = burners(2)
     try:
-        time.sleep(0.5)  # the burners are running (a shell starts in ms; 4 steps of the loop take 20 ms)
-        with open(progress) as f:
-            now = int(f.read() or 0)
-        wait_step(progress, now + 3, proc)  # three steps at ~1.5% of a CPU
+        time.sleep(0.5)  # the burners are running (a shell starts in ms)
+        go.touch()
+        wait_step(progress, 53, proc)  # three steps at ~1.5% of a CPU
     finally:
         stop(burn)
     run = finish(proc)

@@ -1,7 +1,9 @@
 """A fixed amount of CPU work per step, measured by EfficiencyMonitor: the real run of the contention tests.
 
 ``--progress FILE`` is rewritten with the step number after every step, so the test can start and
-stop other processes at chosen steps. Prints ``run_id=<id>`` at the end.
+stop other processes at chosen steps. ``--hold-at N --go FILE`` waits after step N until FILE exists,
+inside a declared pause (``monitor.pause("other")``: not a step's time), so a test can start other
+processes before the loop goes on however fast it runs. Prints ``run_id=<id>`` at the end.
 """
 
 import argparse
@@ -17,6 +19,8 @@ p.add_argument("--steps", type=int, default=150)
 p.add_argument("--size", type=int, default=192, help="matrix side: the step's work")
 p.add_argument("--progress", default=None)
 p.add_argument("--nice", type=int, default=0)
+p.add_argument("--hold-at", type=int, default=0, help="after this step, wait (paused) until --go exists")
+p.add_argument("--go", default=None)
 p.add_argument("--sleep-ms", type=float, default=0.0,
                help="each step sleeps this long instead of computing: its time is the timer's, not a CPU share")
 args = p.parse_args()
@@ -41,5 +45,9 @@ for step in range(1, args.steps + 1):
         with open(args.progress + ".tmp", "w") as f:
             f.write(str(step))
         os.replace(args.progress + ".tmp", args.progress)
+    if step == args.hold_at:
+        with mon.pause("other"):  # declared: the wait is no step's time
+            while not os.path.exists(args.go):
+                time.sleep(0.005)
 mon.finish()
 print(f"run_id={mon.run_id}")
