@@ -130,10 +130,16 @@ def test_runs_differing_in_a_measurement_condition_are_not_comparable(tag, what,
 def test_runs_of_different_lengths_are_not_comparable_on_goodput():
     # a trial pooled a 50-step run (goodput 0.12) and two 300-step ones (0.51) as one configuration
     runs = [rec(i, 1, 1000.0) for i in "abc"]
-    for r, steps, goodput in zip(runs, ("50", "300", "300"), (0.12, 0.51, 0.51)):
-        r.params["max_steps"], r.metrics[names.SUM_GOODPUT] = steps, goodput
+    for r, steps, goodput in zip(runs, (50, 300, 300), (0.12, 0.51, 0.51)):
+        r.metrics[names.SUM_STEPS], r.metrics[names.SUM_GOODPUT] = float(steps), goodput
     w, = comparability_warnings(runs)
-    assert w.text() == "not comparable: run length (params.max_steps) differs: 50 (run-a); 300 (run-b, run-c)"
+    assert w.text() == ("not comparable: run length (optimizer steps) (summary/steps) differs: 50 (run-a); "
+                        "300 (run-b, run-c)")
+    # equal lengths: no warning, whichever path logged them (a trial: only the Trainer logs max_steps,
+    # so a max_steps condition called the plain loop's 8 steps 'unknown' beside the Trainer's 8)
+    runs[0].metrics[names.SUM_STEPS] = 300.0
+    runs[1].params["max_steps"] = "300"
+    assert comparability_warnings(runs) == []
     for r in runs:  # no goodput compared: the length changes no figure the runs have
         del r.metrics[names.SUM_GOODPUT]
     assert comparability_warnings(runs) == []

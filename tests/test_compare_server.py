@@ -182,6 +182,17 @@ def test_server_page_bad_input_is_one_line(server, sweep, query, status, line):
     assert body.count("class='error'") == 1 and line in body and "Traceback" not in body
 
 
+def test_a_drop_down_and_a_filter_together_select_the_runs_both_match(server, sweep):
+    from mlflow_llmeff.report.server import filter_string
+
+    assert filter_string({"precision": "fp32", "filter": "metrics.`summary/tokens_per_sec` > 3000"}) == (
+        "tags.`llmeff.precision` = 'fp32' and metrics.`summary/tokens_per_sec` > 3000")  # was '... and (...)': 400
+    _, exp_id, _ = sweep
+    page = urllib.request.urlopen(f"{server}/llmeff/experiments/{exp_id}?accelerator.count=2&filter="
+                                  "metrics.%60summary%2Ftokens_per_sec%60%20%3E%200", timeout=30)
+    assert page.status == 200 and page.read().decode().count("data-run-id=") == 1  # one row, as the drop-down alone
+
+
 def test_server_page_unknown_experiment_is_404(server):
     import urllib.error
 

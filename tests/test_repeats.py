@@ -69,6 +69,11 @@ def test_a_single_run_carries_the_between_run_floor_not_its_own_interval():
     assert usd.how().startswith("one run: its throughput +-81%, the between-run floor of cpu (")
     assert usd.how().endswith("), so this figure / (1 -+ 0.81); not its own interval")
     assert e.how().endswith("), so this figure x (1 +- 0.81); not its own interval")
+    # the direction is recorded, not read off the bounds: a trial's 2,014 [383, 3,646] (symmetric up to
+    # rounding) was called '/ (1 -+ 0.81)' when its high side came out a hair wider
+    c2, = configurations([run("b", 1, 2014.0)])
+    e2 = c2.estimate(names.SUM_TOKENS_PER_SEC)
+    assert not e2.inverse and e2.how().endswith("x (1 +- 0.81); not its own interval")
     assert c.estimate(names.SUM_STEP_TIME_P50_S) is None
 
 
@@ -305,6 +310,29 @@ def test_the_headline_states_its_method_once_and_names_the_unstable_repeat_with_
     assert f"run-s (+1 repeat): 1 unstable repeat kept in the figures: run-u 5,993 tokens/s ({unstable})" in h.footnotes
     stability = h.columns.index("stability")
     assert h.rows[0][stability].text == "1 of 2 unstable (kept)"
+
+
+def test_an_empty_mfu_and_an_empty_quality_say_why_as_the_run_does():
+    from mlflow_llmeff.report.headline import headline
+
+    # a trial: a run that never left warm-up was footnoted 'neither a datasheet peak nor a measured
+    # peak' although it had a measured peak; its MFU is empty because it has no steady tokens/s
+    warm = run("w", 1, 0.0)
+    del warm.metrics[names.SUM_TOKENS_PER_SEC], warm.metrics[names.SUM_DEVICE_TOKENS_PER_SEC]
+    why = "no steady-state step time (all 3 steps were warm-up, or took no time)"
+    warm.tags[names.SUMMARY_ABSENT] = f"{names.SUM_TOKENS_PER_SEC}, {names.SUM_DEVICE_TOKENS_PER_SEC}: {why}"
+    warm.metrics[names.SUM_GOODPUT] = 0.0  # a config needs a figure to be one; goodput is the one left
+    h = headline(configurations([warm]))
+    assert f"an empty tokens/s and MFU (run-w): {why}" in h.footnotes
+    assert not any(n.startswith("an empty MFU: neither") for n in h.footnotes)
+    assert ("an empty quality reached: no HellaSwag or MMLU score, eval/val_loss or time-to-quality target was "
+            "logged (llmeff train: --eval-tasks, --targets; docs/evals.md)") in h.footnotes
+    # a run with tokens/s but no peak at all: the peak note, and a quality figure: no quality note
+    r = run("p", 1, 100.0)
+    r.metrics[names.EVAL_VAL_LOSS] = 2.5
+    h = headline(configurations([r]))
+    assert "an empty MFU: neither a datasheet peak nor a measured peak (see llmeff.peak.source)" in h.footnotes
+    assert not any(n.startswith("an empty quality") for n in h.footnotes)
 
 
 def test_the_carbon_pareto_draws_no_single_run_as_beaten_within_the_floor():

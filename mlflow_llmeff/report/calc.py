@@ -91,8 +91,9 @@ COMPARABILITY = (("FLOPs convention", names.FLOPS_FORMULA, None, (names.SUM_DEVI
                  ("eval documents", names.EVAL_DOCUMENTS, None, _BENCH, None),
                  ("dataset", names.DATASET, None, None, None),
                  # goodput = productive / wall: set-up and the final save are paid once per run, so a
-                 # 50-step run's goodput (a trial: 0.12) is not a 300-step run's (0.51) at equal speed
-                 ("run length", "params.max_steps", "max_steps", (names.SUM_GOODPUT,), None),
+                 # 50-step run's goodput (a trial: 0.12) is not a 300-step run's (0.51) at equal speed;
+                 # the steps every path counts (summary/steps), not max_steps, which only some log
+                 ("run length (optimizer steps)", names.SUM_STEPS, None, (names.SUM_GOODPUT,), None),
                  ("llmeff version", names.V_LLMEFF, None, None, None))
 
 _UNITS = {d.key: d.unit for d in names.METRICS}
@@ -150,9 +151,12 @@ def metric_columns(runs: list[RunRecord]) -> list[str]:
 
 
 def _condition(r: RunRecord, tag: str, param: str | None) -> str | None:
+    """The condition's value: its tag, else its param, else (a count such as ``summary/steps``) its metric."""
     v = r.tags.get(tag)
     if v is None and param is not None:
         v = r.params.get(param)
+    if v is None and isinstance(r.metrics.get(tag), (int, float)):
+        v = f"{r.metrics[tag]:g}"
     return v
 
 

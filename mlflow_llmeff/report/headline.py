@@ -154,7 +154,11 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                 notes.add("* MFU against the measured matmul peak of the device (no datasheet peak: "
                           "llmeff.peak.source says why)")
             else:
-                notes.add("an empty MFU: neither a datasheet peak nor a measured peak (see llmeff.peak.source)")
+                steady = absent_why(c.runs[0], names.SUM_DEVICE_TOKENS_PER_SEC)
+                if steady and c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) is None:  # no rate: nothing to divide
+                    notes.add(f"an empty tokens/s and MFU ({c.label}): {steady}")
+                else:
+                    notes.add("an empty MFU: neither a datasheet peak nor a measured peak (see llmeff.peak.source)")
         usd = c.estimate(names.SUM_USD_PER_BTOK)
         if usd is None:  # why, as the run says: an undefined cost, or no price
             why = absent_why(c.runs[0], names.SUM_USD_PER_BTOK)
@@ -171,6 +175,10 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                                    f"codecarbon's CPU+RAM estimate; {carbon_cell.title}")
                 notes.add("est.: kg CO2e from codecarbon's CPU+RAM estimate (no measured energy)")
         good = _mean(c, names.SUM_GOODPUT)
+        quality = _quality(c)
+        if not quality.text:
+            notes.add("an empty quality reached: no HellaSwag or MMLU score, eval/val_loss or time-to-quality "
+                      "target was logged (llmeff train: --eval-tasks, --targets; docs/evals.md)")
         stand = standing.get(i, "")
         rows.append([
             Cell(c.label, c.label, f"{len(c.runs)} run(s)", links[i] if links else ""),
@@ -180,7 +188,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             Cell(stand, 0.0 if stand.startswith("best") or stand == ONLY_ONE else (1.0 if "within noise" in stand else 2.0), best_title),
             mfu_cell, _est_cell(usd), carbon_cell,
             Cell(f"{good:.2f}" if good is not None else "", good),
-            _quality(c), _stability(c)])
+            quality, _stability(c)])
     per_config = []  # every repeat that is unstable (kept) or left out of a figure, named with its value and why
     for c in configs:
         if c.note():

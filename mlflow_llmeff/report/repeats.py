@@ -134,6 +134,8 @@ class Estimate:
         floor: the :class:`Floor` of a ``floor`` estimate.
         left_out: one ``"<run>: <why>"`` per repeat of the configuration left out of this figure.
         kind: the kind of machine (``llmeff.accelerator.short``) of a single-run estimate.
+        inverse: a ``floor`` estimate of a figure that falls as throughput rises (``/ (1 -+ f)``),
+            recorded where it is made (inferred from the bounds it was decided by float rounding).
     """
 
     mean: float
@@ -144,6 +146,7 @@ class Estimate:
     floor: Floor | None = None
     left_out: tuple[str, ...] = ()
     kind: str | None = None
+    inverse: bool = False
 
     @property
     def has_interval(self) -> bool:
@@ -162,7 +165,7 @@ class Estimate:
             text = f"mean of {self.n} repeats, 95% Student-t interval across them (df {self.n - 1})"
         elif self.method == "floor":
             f = f"{self.floor.half_width:g}"
-            inverse = self.high - self.mean > self.mean - self.low  # a per-token figure: / (1 -+ f)
+            inverse = self.inverse  # a per-token figure: / (1 -+ f)
             text = (f"one run: its throughput +-{self.floor.half_width:.0%}, the between-run floor of "
                     f"{self.kind or 'this kind of machine'} ({self.floor.source}), so this figure "
                     f"{f'/ (1 -+ {f})' if inverse else f'x (1 +- {f})'}; not its own interval")
@@ -196,7 +199,8 @@ def _single_run_estimate(r: RunRecord, key: str, left_out: tuple[str, ...]) -> E
     if fl is not None and key in _WITH_TPS:
         return Estimate(v, v * (1 - fl.half_width), v * (1 + fl.half_width), 1, "floor", fl, left_out, kind)
     if fl is not None and key in _AGAINST_TPS:  # throughput in x (1 +- f): the per-token figure in / (1 -+ f)
-        return Estimate(v, v / (1 + fl.half_width), v / (1 - fl.half_width), 1, "floor", fl, left_out, kind)
+        return Estimate(v, v / (1 + fl.half_width), v / (1 - fl.half_width), 1, "floor", fl, left_out, kind,
+                        inverse=True)
     return Estimate(v, None, None, 1, "no interval", None, left_out, kind)
 
 

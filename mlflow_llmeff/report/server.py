@@ -265,6 +265,9 @@ def experiments_page():
 def filter_string(args) -> str:
     """The MLflow search filter of the page's query: each condition-tag filter ANDed with ``filter``.
 
+    Joined with ``and`` alone: MLflow's filter grammar has AND and no parentheses, so ``(filter)``
+    made every drop-down plus filter a 400 (a trial); since there is no OR, the plain join is exact.
+
     Args:
         args: the request's query parameters (a mapping).
     """
@@ -274,7 +277,7 @@ def filter_string(args) -> str:
         if value:
             parts.append(f"tags.`{key}` = '{value.replace(chr(39), '')}'")
     if args.get("filter"):
-        parts.append(f"({args['filter']})" if parts else args["filter"])
+        parts.append(args["filter"])
     return " and ".join(parts)
 
 
