@@ -65,6 +65,26 @@ def test_a_window_of_a_fake_proc_stat_through_the_meter(tmp_path):
     assert got[names.SYS_HOST_STEAL] == 0.0
 
 
+def test_a_steady_window_of_a_few_cpu_ticks_gives_no_host_share(tmp_path):
+    # a trial: 7 steady steps of 25 ms, 30 ticks, 1 of them steal: 'contended: ... steal 3.3%'
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  0 0 0 0 0 0 0 0\n")
+    m = ContentionMeter(proc_stat=str(stat), env={}, pid=os.getpid())
+    m.begin(collective=False)
+    stat.write_text("cpu  10 0 0 19 0 0 0 1\n")  # 30 ticks: 1 of steal is 3.3%, a resolution of 3.3%
+    summary, tags = m.finish(collective=False)
+    why = "30 CPU ticks in the steady window (a host share needs at least 100, 1% resolution)"
+    assert summary == {} and m.absent_why == why
+    assert tags[names.CONTENTION] == f"unknown: host CPU share not measured: {why}"
+    m = ContentionMeter(proc_stat=str(stat), env={}, pid=os.getpid())
+    stat.write_text("cpu  0 0 0 0 0 0 0 0\n")
+    m.begin(collective=False)
+    stat.write_text("cpu  2 0 0 97 0 0 0 1\n")  # 100 ticks: measured (1% steal, at most 2% other)
+    summary, tags = m.finish(collective=False)
+    assert summary[names.SUM_HOST_STEAL] == pytest.approx(0.01) and m.absent_why is None
+    assert tags[names.CONTENTION].startswith("quiet: other processes ")
+
+
 def test_the_process_tree_is_scanned_at_the_window_edges_and_at_most_every_refresh_period(tmp_path, monkeypatch):
     # the scan reads every process's /proc/<pid>/stat: ~7 ms on a busy host, a third of a small
     # model's step when it ran at every logged step (bench/overhead.py measured 3.2% inside our calls)

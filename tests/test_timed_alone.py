@@ -53,8 +53,12 @@ def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_pat
     assert ratio >= 1.0 and slowest >= median
     assert ratio == pytest.approx(slowest / median, rel=2e-3)  # the tag gives each time to 4 digits
     # both ranks' processes are ours: the host figure is there, whatever else this machine runs
-    assert 0.0 <= run.data.metrics[names.SUM_HOST_OTHER_CPU] <= 1.0
-    assert run.data.tags[names.CONTENTION].startswith(("quiet: ", "contended: "))
+    if names.SUM_HOST_OTHER_CPU in run.data.metrics:  # a steady window of 100 CPU ticks or more
+        assert 0.0 <= run.data.metrics[names.SUM_HOST_OTHER_CPU] <= 1.0
+        assert run.data.tags[names.CONTENTION].startswith(("quiet: ", "contended: "))
+    else:  # shorter: absent, and why
+        assert run.data.tags[names.CONTENTION].startswith("unknown: host CPU share not measured: ")
+        assert names.SUM_HOST_OTHER_CPU in run.data.tags[names.SUMMARY_ABSENT]
     assert "step/s" not in r.stderr and "s/step" not in r.stderr  # no progress bar when not a terminal
 
 

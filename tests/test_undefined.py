@@ -25,8 +25,27 @@ def tracking_uri(module_store, monkeypatch):
     yield from use_store(module_store, monkeypatch)
 
 
+def _static_proc_stat() -> str:
+    """A /proc/stat that never moves: these runs' host share is then deterministic (0 CPU ticks in the
+    steady window: absent, and said why), not whatever the real machine's few ticks were."""
+    import tempfile
+
+    f = tempfile.NamedTemporaryFile("w", prefix="llmeff-stat-", delete=False)
+    f.write("cpu  0 0 0 0 0 0 0 0\n")
+    f.close()
+    return f.name
+
+
+STAT = _static_proc_stat()
+NO_TICKS = ("summary/host_other_cpu_fraction, summary/host_steal_fraction: 0 CPU ticks in the steady window "
+            "(a host share needs at least 100, 1% resolution)")
+
+
 def monitor(clock, **kw) -> EfficiencyMonitor:
-    return EfficiencyMonitor(clock=clock, measure_energy="none", measure_peak=False, report=False, **kw)
+    from mlflow_llmeff.monitor.contention import ContentionMeter
+
+    return EfficiencyMonitor(clock=clock, measure_energy="none", measure_peak=False, report=False,
+                             contention_meter=ContentionMeter(proc_stat=STAT, env={}), **kw)
 
 
 def test_one_steady_step_logs_no_step_time_cv_and_says_why(tracking_uri):
@@ -41,7 +60,8 @@ def test_one_steady_step_logs_no_step_time_cv_and_says_why(tracking_uri):
     assert run.data.metrics[names.SUM_STEP_TIME_P50_S] == pytest.approx(0.010)  # one step has a median
     assert run.data.tags[names.SUMMARY_ABSENT] == (
         "summary/step_time_cv: 1 steady step (a spread needs at least 2); "
-        "summary/tokens_per_sec_ci95_low, summary/tokens_per_sec_ci95_high: 1 steady step (an interval needs at least 10)")
+        "summary/tokens_per_sec_ci95_low, summary/tokens_per_sec_ci95_high: 1 steady step (an interval needs at least 10); "
+        + NO_TICKS)
 
 
 def test_two_steady_steps_log_the_spread_and_only_the_interval_is_absent(tracking_uri):
@@ -54,7 +74,8 @@ def test_two_steady_steps_log_the_spread_and_only_the_interval_is_absent(trackin
     assert out[names.SUM_STEP_TIME_CV] == pytest.approx(2 ** 0.5 * 0.010 / 0.020, rel=1e-6)
     # the spread is defined; only the interval of 2 steps is not, and the tag says so
     assert mlflow.MlflowClient().get_run(mon.run_id).data.tags[names.SUMMARY_ABSENT] == (
-        "summary/tokens_per_sec_ci95_low, summary/tokens_per_sec_ci95_high: 2 steady steps (an interval needs at least 10)")
+        "summary/tokens_per_sec_ci95_low, summary/tokens_per_sec_ci95_high: 2 steady steps (an interval needs at least 10); "
+        + NO_TICKS)
 
 
 def test_no_wall_time_logs_no_goodput_and_says_why(tracking_uri):
@@ -96,7 +117,7 @@ def test_a_run_that_never_left_warm_up_logs_no_rate_and_says_why(tracking_uri):
         "summary/tokens_per_sec, summary/device_tokens_per_sec, summary/step_time_s: no steady-state step time "
         "(all 3 steps were warm-up, or took no time); summary/step_time_p50_s, summary/step_time_p90_s, "
         "summary/step_time_cv, summary/stall_s, summary/stalls, summary/tokens_per_sec_ci95_low, "
-        "summary/tokens_per_sec_ci95_high: no steady-state step time")
+        "summary/tokens_per_sec_ci95_high: no steady-state step time; " + NO_TICKS)
 
 
 def _stub(**kw):

@@ -59,6 +59,7 @@ class ContentionMeter:
         self._tree_at: float | None = None
         self._gpu: ct.GpuConditions | None = None
         self.gpu_why: str | None = None
+        self.absent_why: str | None = None  # why the host shares are absent (llmeff.summary.absent)
         if nvml is not None or (device is not None and getattr(device, "type", None) == "cuda"):
             self._gpu = self._open_gpu(device, env, nvml, gpu_devices, gpu_period_s)
 
@@ -216,6 +217,13 @@ class ContentionMeter:
                 texts.append(f"{host}: host CPU not read (/proc/stat unreadable)")
                 continue
             own = sum(r["own_s"] for r in rs)
+            ticks = lead["h1"].total - lead["h0"].total
+            if ticks < ct.MIN_WINDOW_TICKS:  # a share of a few ticks (or none): no 1% resolution
+                why = (f"{ticks} CPU ticks in the steady window (a host share needs at least "
+                       f"{ct.MIN_WINDOW_TICKS}, 1% resolution)")
+                texts.append(f"{host + ': ' if len(hosts) > 1 else ''}host CPU share not measured: {why}")
+                self.absent_why = why
+                continue
             fr = ct.host_fractions(lead["h0"], lead["h1"], own)
             if fr is None:
                 continue
@@ -241,7 +249,7 @@ class ContentionMeter:
         if other_max is not None:
             summary[names.SUM_HOST_OTHER_CPU] = other_max
             summary[names.SUM_HOST_STEAL] = steal_max
-        word = "contended" if contended else "quiet"
+        word = "contended" if contended else ("quiet" if other_max is not None or gpus else "unknown")
         return summary, {names.CONTENTION: f"{word}: " + "; ".join(texts)}
 
     def close(self) -> None:
