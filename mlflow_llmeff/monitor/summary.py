@@ -128,12 +128,17 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
                     names.SUM_STALLS, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH):
             _absent(mon, key, "no steady-state step time")
     else:
-        out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s,
-                    names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
+        out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s})
         if s.cv is not None:
             out[names.SUM_STEP_TIME_CV] = s.cv
         else:
             _absent(mon, names.SUM_STEP_TIME_CV, f"{s.steps} steady step (a spread needs at least 2)")
+        if s.steps >= 3:
+            out.update({names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
+        else:  # a step over 5x the median of 1 or 2 steps cannot exist: a count of 0 would say nothing
+            for key in (names.SUM_STALL_S, names.SUM_STALLS):
+                _absent(mon, key, f"{s.steps} steady step{'' if s.steps == 1 else 's'} (a stall is a step over "
+                                  f"{st.STALL_FACTOR:g}x the median: none can be among fewer than 3)")
         if s.ci95 is None:  # refused: llmeff.stability says the same in its words
             why = (f"{s.steps} steady step{'' if s.steps == 1 else 's'} (an interval needs at least {st.MIN_STEPS})"
                    if s.steps < st.MIN_STEPS
