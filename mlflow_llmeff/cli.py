@@ -281,8 +281,7 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
     """Measure (or read the cache of) the achievable matmul TFLOP/s, next to the datasheet peak."""
     import json
 
-    from mlflow_llmeff.meters.hardware import (default_cache_dir, detect_accelerator, measure_matmul_peak, peak_record,
-                                               resolve_peak)
+    from mlflow_llmeff.meters.hardware import default_cache_dir, detect_accelerator, matmul_peak, resolve_peak
 
     info = detect_accelerator(device_type=None if device is None else device.split(":")[0])
     assumed = {}  # input -> what was taken and why (as the plan's and the run's llmeff.assumed)
@@ -294,22 +293,21 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
         dtype = "bf16" if info.device_type == "cuda" else "fp32"
         assumed["dtype"] = f"{dtype} (the default on {info.device_type}: pass --dtype)"
     try:
-        cached = not refresh and peak_record(dtype, device) is not None
-        measured = measure_matmul_peak(dtype, device, refresh=refresh)
+        m = matmul_peak(dtype, device, refresh=refresh)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    rec = peak_record(dtype, device) or {}
+    measured = m.tflops
     peak, source = resolve_peak(info, dtype)
     out = {"device": info.name, "short": info.short, "dtype": dtype, "measured_tflops": measured,
-           "from_cache": cached, "measured_at": rec.get("measured_at"), "measured_on": rec.get("key"),
+           "from_cache": m.from_cache, "measured_at": m.measured_at, "measured_on": m.key,
            "datasheet_tflops": peak, "datasheet_source": source,
            "measured_fraction_of_datasheet": None if peak is None else measured / peak,
            "cache": str(default_cache_dir() / "mamf.json"), "assumed": assumed}
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
-    when = (f" (read from the cache: measured {rec.get('measured_at', 'at an unknown time')} on {rec.get('key')}; "
-            "--refresh measures again)" if cached else "")
+    when = (f" (read from the cache: measured {m.measured_at or 'at an unknown time'} on {m.key}; "
+            "--refresh measures again)" if m.from_cache else "")
     click.echo(f"{info.name} ({info.short}), {dtype}: measured {measured:.3f} TFLOP/s{when}")
     if peak is None:
         click.echo(f"datasheet peak: {source}")

@@ -28,7 +28,8 @@ from mlflow_llmeff import names
 
 __all__ = [
     "DTYPES",
-    "peak_record",
+    "PeakMeasurement",
+    "matmul_peak",
     "AcceleratorInfo",
     "PeakEntry",
     "PeakRow",
@@ -556,29 +557,35 @@ def _time_matmul(n: int, dtype: str, device: str, min_time_s: float) -> float:
     return 2.0 * n**3 / best / 1e12
 
 
-def peak_record(dtype: str, device: str, *, cache_dir: str | Path | None = None) -> dict | None:
-    """The cached measurement :func:`measure_matmul_peak` would return for ``dtype`` on ``device``, with
-    what it was measured on: ``{"tflops", "sizes", "measured_at" (local time, ISO 8601), "key"}``, ``key``
-    naming the device, the CPU's threads (a CPU figure moves with ``OMP_NUM_THREADS``: 0.10 TFLOP/s on
-    1 thread against 0.034 on 2 on a shared 2-core machine), the dtype and torch. None when nothing is
-    cached for it (or the cache is unreadable)."""
-    if device.startswith("cpu:"):
-        device = "cpu"
-    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    try:
-        cache = json.loads((path / "mamf.json").read_text())
-        key = _cache_key(device, dtype)
-    except (OSError, ValueError, RuntimeError, AssertionError):
-        return None
-    entry = cache.get(key) if isinstance(cache, dict) else None
-    if not isinstance(entry, dict) or "tflops" not in entry:
-        return None
-    return {**entry, "key": key}
+@dataclass(frozen=True)
+class PeakMeasurement:
+    """A measured achievable matmul peak (:func:`matmul_peak`) and what it was measured on.
+
+    Attributes:
+        tflops: TFLOP/s per device.
+        measured_at: local time of the measurement, ISO 8601 (None for a cache entry without one).
+        key: what it was measured on: the device, the CPU's threads (a CPU figure moves with
+            ``OMP_NUM_THREADS``: 0.10 TFLOP/s on 1 thread against 0.034 on 2 on a shared 2-core
+            machine), the dtype and torch.
+        from_cache: read from ``mamf.json`` rather than measured by this call.
+    """
+
+    tflops: float
+    measured_at: str | None
+    key: str
+    from_cache: bool
 
 
 def measure_matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Path | None = None,
                         refresh: bool = False, sizes: Sequence[int] | None = None,
                         min_time_s: float = 0.2) -> float:
+    """:func:`matmul_peak`'s TFLOP/s alone (same arguments, same errors)."""
+    return matmul_peak(dtype, device, cache_dir=cache_dir, refresh=refresh, sizes=sizes, min_time_s=min_time_s).tflops
+
+
+def matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Path | None = None,
+                refresh: bool = False, sizes: Sequence[int] | None = None,
+                min_time_s: float = 0.2) -> PeakMeasurement:
     """Measured achievable matmul TFLOP/s (MAMF) for a dtype on a device, cached per device.
 
     Times square matmuls of each size in ``sizes`` (``2*n^3`` FLOPs each, device synchronized
@@ -596,7 +603,8 @@ def measure_matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: 
         min_time_s: time spent repeating each size (seconds; the best repeat counts).
 
     Returns:
-        TFLOP/s (1e12 FLOP/s) per device.
+        A :class:`PeakMeasurement`: TFLOP/s (1e12 FLOP/s) per device, when and on what it was measured,
+        and whether it came from the cache.
 
     Raises:
         ValueError: for a dtype outside :data:`DTYPES`, ``tf32``/``fp8`` on CPU, or a CUDA device
@@ -625,7 +633,7 @@ def measure_matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: 
         except (OSError, ValueError):
             cache = {}
     if not refresh and isinstance(cache.get(key), dict) and "tflops" in cache[key]:
-        return float(cache[key]["tflops"])
+        return PeakMeasurement(float(cache[key]["tflops"]), cache[key].get("measured_at"), key, True)
 
     sizes = tuple(sizes) if sizes else (_GPU_SIZES if is_cuda else _CPU_SIZES)
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32 if is_cuda else None
@@ -638,7 +646,8 @@ def measure_matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: 
         if is_cuda:
             torch.backends.cuda.matmul.allow_tf32 = prev_tf32
 
-    cache[key] = {"tflops": best, "sizes": list(sizes), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    cache[key] = {"tflops": best, "sizes": list(sizes), "measured_at": stamp}
     try:
         path.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(".json.tmp")
@@ -646,4 +655,4 @@ def measure_matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: 
         tmp.replace(file)
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time
-    return best
+    return PeakMeasurement(best, stamp, key, False)

@@ -83,13 +83,12 @@ class FlopsAccount:
         dev = device
         where = "cpu" if dev is None or dev.type == "cpu" else str(dev)
         try:
-            cached = hw.peak_record(precision, where) is not None
-            self.measured_peak = hw.measure_matmul_peak(precision, where)
+            m = hw.matmul_peak(precision, where)
+            self.measured_peak = m.tflops
             self.measured_peak_note = f"{self.measured_peak:.4g}"
-            rec = hw.peak_record(precision, where)
-            if rec is not None:  # when and on what (a cached CPU figure is per thread count)
-                self.measured_peak_at = (f"{rec.get('measured_at', 'unknown time')} "
-                                         f"({'read from the cache' if cached else 'measured in this run'}: {rec['key']})")
+            # when and on what (a cached CPU figure is per thread count)
+            self.measured_peak_at = (f"{m.measured_at or 'unknown time'} "
+                                     f"({'read from the cache' if m.from_cache else 'measured in this run'}: {m.key})")
         except Exception as e:  # noqa: BLE001 - an unmeasurable peak leaves mfu_measured_peak out, with the reason
             self.measured_peak_note = f"unknown: {type(e).__name__}: {e}"
         if dev is not None and dev.type == "cuda":  # its matrices must not count in the run's peak memory

@@ -224,10 +224,7 @@ class ContentionMeter:
                 texts.append(f"{host + ': ' if len(hosts) > 1 else ''}host CPU share not measured: {why}")
                 self.absent_why = why
                 continue
-            fr = ct.host_fractions(lead["h0"], lead["h1"], own)
-            if fr is None:
-                continue
-            other, steal = fr
+            other, steal = ct.host_fractions(lead["h0"], lead["h1"], own)  # ticks > 0 here: never None
             ours = {p for r in rs for p in r["pids"]} | self._pids0
             cpus = os.cpu_count() or 1
             top = ct.top_others(lead.get("procs0", {}), lead.get("procs1", {}), lead["window_s"], cpus,

@@ -165,10 +165,9 @@ class Estimate:
             text = f"mean of {self.n} repeats, 95% Student-t interval across them (df {self.n - 1})"
         elif self.method == "floor":
             f = f"{self.floor.half_width:g}"
-            inverse = self.inverse  # a per-token figure: / (1 -+ f)
             text = (f"one run: its throughput +-{self.floor.half_width:.0%}, the between-run floor of "
                     f"{self.kind or 'this kind of machine'} ({self.floor.source}), so this figure "
-                    f"{f'/ (1 -+ {f})' if inverse else f'x (1 +- {f})'}; not its own interval")
+                    f"{f'/ (1 -+ {f})' if self.inverse else f'x (1 +- {f})'}; not its own interval")
         elif self.method == "no interval" and self.n == 1:
             text = (f"one run, no between-run floor measured for {self.kind or 'this kind of machine'}: "
                     "no interval, not ranked (repeat it)")

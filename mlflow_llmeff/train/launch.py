@@ -26,7 +26,7 @@ def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict
 
     strategy = get_strategy(cfg)
     flags = strategy.launcher_args(cuda=cuda)
-    script = ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
+    script = _loop_script(cfg)
     if cfg.num_processes * cfg.num_machines == 1 and "--multi_gpu" in flags:
         # one process that needs a process group (FSDP2 on one GPU): accelerate launch refuses
         # --multi_gpu below 2 processes; its multi-GPU launcher is torchrun, so run that directly
@@ -135,6 +135,11 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
     return rc
 
 
+def _loop_script(cfg: TrainConfig) -> list[str]:
+    """``-m mlflow_llmeff.train.loop --config-json <cfg>``: the per-process entry every launcher runs."""
+    return ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
+
+
 def own_process_command(cfg: TrainConfig, started_unix: float) -> tuple[list[str], dict[str, str]]:
     """The command and environment that train ``cfg`` on one device in a process of its own: the
     per-process entry ``accelerate launch`` runs, with the attempt's start in ``$LLMEFF_ATTEMPT_START_UNIX``
@@ -143,7 +148,7 @@ def own_process_command(cfg: TrainConfig, started_unix: float) -> tuple[list[str
 
     env = dict(os.environ)
     env[jobs.START_ENV] = repr(float(started_unix))
-    return [sys.executable, "-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))], env
+    return [sys.executable, *_loop_script(cfg)], env
 
 
 def _train_in_own_process(cfg: TrainConfig, started_unix: float) -> int:
