@@ -116,7 +116,14 @@ def test_a_run_that_never_left_warm_up_logs_no_rate_and_says_why(tracking_uri):
     assert out[names.SUM_TOKENS] == 3000.0
     for key in (names.SUM_TOKENS_PER_SEC, names.SUM_STEP_TIME_S, names.SUM_STEP_TIME_P50_S, names.SUM_TPS_CI95_LOW):
         assert key not in out
+    # the warm-up excess is warm-up time above as many steady steps: with no steady step it is unknown,
+    # and so is the productive time (goodput was logged 0.0: a trial); the wall time is still measured,
+    # 3 x 10 ms of steps on the injected clock
+    assert names.SUM_GOODPUT not in out and names.SUM_BADPUT["warmup"] not in out
+    assert out[names.SUM_WALL_S] == pytest.approx(0.030, abs=1e-9)
     assert tags[names.SUMMARY_ABSENT] == (
+        "summary/goodput, summary/badput_warmup_s: no steady-state step (all 3 steps were warm-up): the warm-up "
+        "excess over steady speed, and so the productive time, is unknown; "
         "summary/tokens_per_sec, summary/device_tokens_per_sec, summary/step_time_s: no steady-state step time "
         "(all 3 steps were warm-up, or took no time); summary/step_time_p50_s, summary/step_time_p90_s, "
         "summary/step_time_cv, summary/stall_s, summary/stalls, summary/tokens_per_sec_ci95_low, "

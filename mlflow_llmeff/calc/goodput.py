@@ -263,7 +263,9 @@ def breakdown(seconds: dict[str, float], warmup_steps: int, steady_steps: int, *
         ``productive`` plus every other entry but ``wall`` equals ``wall``.
 
     The warm-up excess is ``max(0, warm - warmup_steps * steady / steady_steps)`` over the step
-    seconds net of data wait (all of ``warm`` when no steady step ran), capped at ``warm``.
+    seconds net of data wait, capped at ``warm``; when no steady step ran it is all of ``warm``, an
+    upper bound (nothing to measure it against): the monitor then logs neither it nor goodput
+    (``docs/time.md``).
     """
     s = seconds
     warm = max(0.0, s["warmup_step"] - s["warmup_data_wait"])

@@ -89,8 +89,16 @@ def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float
                              names.SUM_WALL_S: parts["wall"], names.SUM_GOODPUT: goodput(parts)}
     if out[names.SUM_GOODPUT] is None:
         _absent(mon, names.SUM_GOODPUT, "no wall time (a share of no time is undefined)")
+    unknown_excess = None  # the warm-up excess is measured against the steady step time
+    if mon._ledger.steady_steps == 0 and mon._ledger.warmup_steps > 0:
+        unknown_excess = "compile" if mon.compiled else "warmup"
+        why = (f"no steady-state step (all {mon._ledger.warmup_steps} steps were warm-up): the warm-up excess "
+               "over steady speed, and so the productive time, is unknown")
+        out[names.SUM_GOODPUT] = None
+        _absent(mon, names.SUM_GOODPUT, why)
+        _absent(mon, names.SUM_BADPUT[unknown_excess], why)
     for c in names.BADPUT_CATEGORIES:
-        if c in parts:
+        if c in parts and c != unknown_excess:
             out[names.SUM_BADPUT[c]] = parts[c]
     rates = mon._meter.summary()
     tflops = None
