@@ -366,3 +366,44 @@ def test_a_configuration_splits_its_repeats_and_estimates_each_figure_once(monke
     assert len(calls) == 20  # one pass over the 10 repeats for each half of the split, not one per question
     c.runs.append(run("r10", 1, 2000.0, 900.0, 1100.0))  # a repeat added: split and estimate again
     assert len(c.used) == 11 and c.estimate(names.SUM_TOKENS_PER_SEC).n == 11
+
+
+def test_the_cpu_floor_holds_down_to_the_shortest_runs_it_was_measured_on():
+    from mlflow_llmeff.report.repeats import BETWEEN_RUN_FLOOR, steady_steps
+
+    # docs/stability.md, "How short a run it holds for": the three pooled sets and two sets of shorter
+    # runs (57 and 47 steady steps) pool to 0.69 (df 17, t(0.975, 17) = 2.110): inside 0.81, which
+    # therefore holds from 47 steady steps
+    groups = ([8921, 13187, 13126, 16513, 13121], [25950, 25719, 6664, 20709, 12636], [11745, 19279],
+              [10764, 12905, 8363, 19428, 19704], [41364, 38123, 35345, 33733, 22328])
+    ss = sum(sum((v / (sum(g) / len(g)) - 1) ** 2 for v in g) for g in groups)
+    df = sum(len(g) - 1 for g in groups)
+    assert df == 17 and 2.110 * math.sqrt(ss / df) == pytest.approx(0.6945, abs=1e-3)
+    assert BETWEEN_RUN_FLOOR["cpu"].min_steady_steps == 47
+
+    def short(run_id, tps, steps, devices=1):  # a run of `steps` optimizer steps, 3 of them warm-up
+        r = run(run_id, devices, tps, **{names.WARMUP_STEPS: "3"})
+        r.metrics[names.SUM_STEPS] = float(steps)
+        return r
+
+    # the trial: autolog examples of 10 steps (7 steady) were given +-81% and could be ranked
+    a, b = short("a", 1000.0, 10), short("b", 9000.0, 10, devices=2)
+    assert steady_steps(a) == 7
+    cs = configurations([a, b])
+    e = cs[0].estimate(names.SUM_TOKENS_PER_SEC)
+    assert (e.method, e.has_interval, e.short_of) == ("no interval", False, (7, 47))
+    assert e.how() == ("one run of 7 steady steps: the between-run floor of cpu was measured on runs of 47 or "
+                       "more, so no interval, not ranked (repeat it, or run longer)")
+    assert cs[0].estimate(names.SUM_USD_PER_BTOK) is None  # not logged: no estimate at all
+    # 9x apart, and still not ranked: neither has an interval
+    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "within noise of best", 1: "best (1 within noise)"}
+    # 50 steps (47 steady, the README's first run) carry the floor: 1,000 x (1 +- 0.81)
+    e = configurations([short("c", 1000.0, 50)])[0].estimate(names.SUM_TOKENS_PER_SEC)
+    assert (e.method, e.low, e.high) == ("floor", pytest.approx(190.0), pytest.approx(1810.0))
+    # the headline table footnotes the short run
+    from mlflow_llmeff.report.headline import headline
+
+    h = headline(cs)
+    assert ("a single run shorter than the runs its machine's between-run floor was measured on has no interval "
+            "and is not ranked (repeat it, or run longer): run-a (7 steady steps, the floor's runs 47 or more), "
+            "run-b (7 steady steps, the floor's runs 47 or more)") in h.footnotes

@@ -142,6 +142,13 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
         if unmeasured:
             notes.add(f"a single run of {', '.join(unmeasured)} has no interval: no between-run floor is "
                       "measured for that kind of machine (docs/stability.md); it is not ranked: repeat it")
+        short = [(c.label, e.short_of) for c in configs if len(c.runs) == 1
+                 and (e := c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)) is not None and e.short_of is not None]
+        if short:
+            notes.add("a single run shorter than the runs its machine's between-run floor was measured on has no "
+                      "interval and is not ranked (repeat it, or run longer): "
+                      + ", ".join(f"{label} ({got} steady steps, the floor's runs {least} or more)"
+                                  for label, (got, least) in short))
     for i, c in enumerate(configs):
         mfu = c.estimate(names.SUM_MFU)
         if mfu is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord, absent_why
 
-__all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "Estimate", "Configuration",
+__all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "steady_steps", "Estimate", "Configuration",
            "configurations", "t_quantile_975", "within_noise", "versus_best", "best_index", "ScalingRow",
            "scaling_efficiency", "noisy_pareto_front", "is_stable", "SAME_JOB", "METHOD_NOTE", "ONLY_ONE"]
 
@@ -72,19 +72,26 @@ class Floor:
     Attributes:
         half_width: relative half width (0.81 = +-81% of the run's figure), in [0, 1).
         source: where it was measured (a section of ``docs/stability.md``).
+        min_steady_steps: steady steps of the shortest runs it was measured on: a shorter run's
+            spread between runs was not measured (fewer steps average less of the machine's load
+            away), so it gets no interval from this floor and is not ranked.
     """
 
     half_width: float
     source: str
+    min_steady_steps: int = 0
 
 
 #: Measured between-run floors by kind of machine (``llmeff.accelerator.short``). ``cpu``: 12 runs in
 #: 3 configurations repeated on the shared 2-core CPU machine (docs/stability.md, "Between-run
-#: floor"): pooled between-run CV 0.356 (df 9), t(0.975, 9) x 0.356 = 0.806, rounded up. A kind not
-#: listed has no measured floor: its single runs carry no interval and are never ranked.
+#: floor"): pooled between-run CV 0.356 (df 9), t(0.975, 9) x 0.356 = 0.806, rounded up; two sets of
+#: shorter runs (57 and 47 steady steps: CV 0.36, 0.21) spread no wider (pooled with them: 0.69), so it holds from 47
+#: steady steps, and a shorter run gets no interval. A kind not listed has no measured floor: its
+#: single runs carry no interval and are never ranked.
 BETWEEN_RUN_FLOOR = {
     "cpu": Floor(0.81, "docs/stability.md, 'Between-run floor': pooled CV 0.356 of 12 repeats of 3 "
-                       "configurations on a shared 2-core CPU machine (df 9), x t(0.975, 9) = 2.262"),
+                       "configurations on a shared 2-core CPU machine (df 9), x t(0.975, 9) = 2.262; "
+                       "held by sets of runs down to 47 steady steps", min_steady_steps=47),
 }
 
 #: How the comparison's intervals are made, said once beside every table and figure that uses them.
@@ -136,6 +143,8 @@ class Estimate:
         kind: the kind of machine (``llmeff.accelerator.short``) of a single-run estimate.
         inverse: a ``floor`` estimate of a figure that falls as throughput rises (``/ (1 -+ f)``),
             recorded where it is made (inferred from the bounds it was decided by float rounding).
+        short_of: ``(steady steps, the floor's minimum)`` of a single run too short for its kind's
+            floor (:attr:`Floor.min_steady_steps`): no interval.
     """
 
     mean: float
@@ -147,6 +156,7 @@ class Estimate:
     left_out: tuple[str, ...] = ()
     kind: str | None = None
     inverse: bool = False
+    short_of: tuple[int, int] | None = None
 
     @property
     def has_interval(self) -> bool:
@@ -168,6 +178,10 @@ class Estimate:
             text = (f"one run: its throughput +-{self.floor.half_width:.0%}, the between-run floor of "
                     f"{self.kind or 'this kind of machine'} ({self.floor.source}), so this figure "
                     f"{f'/ (1 -+ {f})' if self.inverse else f'x (1 +- {f})'}; not its own interval")
+        elif self.method == "no interval" and self.short_of is not None:
+            text = (f"one run of {self.short_of[0]} steady steps: the between-run floor of {self.kind} was "
+                    f"measured on runs of {self.short_of[1]} or more, so no interval, not ranked (repeat it, "
+                    "or run longer)")
         elif self.method == "no interval" and self.n == 1:
             text = (f"one run, no between-run floor measured for {self.kind or 'this kind of machine'}: "
                     "no interval, not ranked (repeat it)")
@@ -189,12 +203,24 @@ class Estimate:
         return f"{fmt(self.mean)} [{fmt(self.low)}, {fmt(self.high)}] ({how})"
 
 
+def steady_steps(r: RunRecord) -> int | None:
+    """The run's steady-state steps, ``summary/steps`` less ``llmeff.warmup_steps``; None when either is not logged."""
+    try:
+        return max(0, int(r.metrics[names.SUM_STEPS]) - int(r.tags[names.WARMUP_STEPS]))
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
 def _single_run_estimate(r: RunRecord, key: str, left_out: tuple[str, ...]) -> Estimate:
     """One run's figure with the between-run floor of its kind of machine, where the figure follows
-    its throughput (proportionally or inversely) and a floor is measured; else no interval."""
+    its throughput (proportionally or inversely), a floor is measured and the run is at least as long
+    as the runs it was measured on (:attr:`Floor.min_steady_steps`); else no interval."""
     v = r.metrics[key]
     kind = r.tags.get(names.ACCEL_SHORT)
     fl = floor_for(kind)
+    steady = steady_steps(r)
+    if fl is not None and steady is not None and steady < fl.min_steady_steps and key in _WITH_TPS + _AGAINST_TPS:
+        return Estimate(v, None, None, 1, "no interval", None, left_out, kind, short_of=(steady, fl.min_steady_steps))
     if fl is not None and key in _WITH_TPS:
         return Estimate(v, v * (1 - fl.half_width), v * (1 + fl.half_width), 1, "floor", fl, left_out, kind)
     if fl is not None and key in _AGAINST_TPS:  # throughput in x (1 +- f): the per-token figure in / (1 -+ f)
