@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import click
@@ -9,7 +10,64 @@ import click
 from mlflow_llmeff.names import shorten
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """A :class:`click.Group` whose usage errors are one line on stderr: ``Error: <message>``, exit code 2.
+
+    Click shows a usage error as the command's usage, a ``Try '... --help' for help.`` line, a blank
+    line and then ``Error: ...``; the project's rule is one line naming the value and the accepted
+    ones, which Click's message already does (the choices, the close option names, the type, the
+    range). Every usage error passes through this group's :meth:`make_context` (its own options) or
+    :meth:`invoke` (resolving, parsing and running a command); there it is raised again as a plain
+    ``UsageError`` of its message joined onto one line and without its context, which is what makes
+    Click print the message alone. ``--help`` and ``llmeff`` with no command (the help) are unchanged.
+    """
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _one_line_usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+    def resolve_command(self, ctx, args):
+        """Click's, with the accepted commands named when the one given is unknown (Click names only close ones)."""
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            if args[0].startswith("-"):  # the group's own options were parsed again: not a command name
+                raise
+            raise click.UsageError(f"{e.format_message()} Commands: {', '.join(self.list_commands(ctx))}.",
+                                   ctx) from None
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors():
+    """Raise a usage error again as one line without its context (:class:`OneLineErrors`)."""
+    try:
+        yield
+    except click.UsageError as e:
+        if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: `llmeff` alone
+            raise  # shows the help
+        lines = (line.strip() for line in e.format_message().splitlines())
+        raise click.UsageError(" ".join(line for line in lines if line)) from None
+
+
+class IntRange(click.IntRange):
+    """:class:`click.IntRange` whose error for a non-integer names the range, as its error for an integer
+    outside does (``'abc' is not an integer in the range x>=1.``; Click says ``'abc' is not a valid
+    integer range.``). Help is unchanged (``INTEGER RANGE``)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str):
+            try:
+                int(value)
+            except ValueError:
+                self.fail(f"{value!r} is not an integer in the range {self._describe_range()}.", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mlflow-llmeff")
 def main() -> None:
     """Standard efficiency metrics for LLM training runs in MLflow."""
@@ -181,7 +239,7 @@ def _study_config(text: str):
 
 
 @main.command("study")
-@click.option("--repeats", type=click.IntRange(min=1), required=True,
+@click.option("--repeats", type=IntRange(min=1), required=True,
               help="Runs of every configuration; the study runs repeat 1 of each, then repeat 2 of each, ...")
 @click.option("--config", "configs", multiple=True, required=True,
               help='The llmeff train options of one configuration, quoted, e.g. --config "--model llama-tiny '
@@ -221,12 +279,12 @@ def study_cmd(repeats: int, configs: tuple[str, ...], experiment: str | None) ->
 @main.command("flops")
 @click.option("--model", required=True,
               help="Preset name (llama-7b, gpt2-124m, ...), a local HF model directory (config.json) or a hub id.")
-@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sequence.")
-@click.option("--micro-batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--seq-len", type=IntRange(min=1), required=True, help="Tokens per sequence.")
+@click.option("--micro-batch-size", type=IntRange(min=1), default=1, show_default=True,
               help="Sequences per micro-batch per device.")
-@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--grad-accum", type=IntRange(min=1), default=1, show_default=True,
               help="Micro-batches per optimizer step.")
-@click.option("--num-processes", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--num-processes", type=IntRange(min=1), default=1, show_default=True,
               help="Data-parallel devices.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, num_processes: int,
@@ -353,7 +411,7 @@ def energy_probe_cmd(measure_energy: str, country_iso_code: str, cloud_provider:
 
 
 @main.command("models")
-@click.option("--seq-len", type=click.IntRange(min=2), default=2048, show_default=True,
+@click.option("--seq-len", type=IntRange(min=2), default=2048, show_default=True,
               help="Sequence length of the FLOPs and activation figures (capped at a model's positions).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list instead of a table.")
 def models_cmd(seq_len: int, as_json: bool) -> None:
@@ -569,13 +627,13 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
               help="'python-docs', a .txt/.jsonl/.json/.parquet file or directory, or a HF dataset id.")
 @click.option("--model", default="llama-tiny", show_default=True,
               help="Preset or model directory / hub id whose tokenizer is used (as llmeff train --model).")
-@click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True, help="Tokens per block.")
+@click.option("--seq-len", type=IntRange(min=2), default=128, show_default=True, help="Tokens per block.")
 @click.option("--packing", type=click.BOOL, default=True, show_default=True,
               help="Join documents into full seq_len blocks (true) or one padded row per document (false).")
 @click.option("--text-field", default="text", show_default=True, help="Text column of .jsonl/.parquet/hub data.")
 @click.option("--data-cache-dir", default="", help="Token cache directory ('' = $LLMEFF_CACHE_DIR or "
                                                    "~/.cache/mlflow_llmeff/tokens), as llmeff train --data-cache-dir.")
-@click.option("--tokenize-workers", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--tokenize-workers", type=IntRange(min=0), default=0, show_default=True,
               help="Tokenizing processes (datasets map num_proc; 0 = one per CPU for large data).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def prepare_data_cmd(dataset: str, model: str, seq_len: int, packing: bool, text_field: str, data_cache_dir: str,

@@ -1,0 +1,63 @@
+"""The llmeff command line's usage errors: one line ``Error: <message>`` naming the value and the accepted
+ones, exit code 2, no usage block or ``Try '... --help'`` hint; the help unchanged."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from mlflow_llmeff.cli import OneLineErrors, main
+
+COMMANDS = "compare, energy-probe, eval, flops, models, peak, plan, prepare-data, prices, study, sync, train"
+
+
+@pytest.mark.parametrize("args, line", [
+    # a missing option
+    (["compare"], "Error: Missing option '--experiment'."),
+    # an unknown option: Click's close match stays on the line
+    (["compare", "--experiment", "x", "--group-bi", "a"], "Error: No such option '--group-bi'. Did you mean '--group-by'?"),
+    (["--bogus"], "Error: No such option '--bogus'."),
+    # a bad integer, float, integer range and choice
+    (["train", "--max-steps", "1.5"], "Error: Invalid value for '--max-steps': '1.5' is not a valid integer."),
+    (["train", "--learning-rate", "abc"], "Error: Invalid value for '--learning-rate': 'abc' is not a valid float."),
+    (["flops", "--model", "llama-tiny", "--seq-len", "abc"],
+     "Error: Invalid value for '--seq-len': 'abc' is not an integer in the range x>=1."),
+    (["flops", "--model", "llama-tiny", "--seq-len", "0"], "Error: Invalid value for '--seq-len': 0 is not in the range x>=1."),
+    (["peak", "--dtype", "fp64"],
+     "Error: Invalid value for '--dtype': 'fp64' is not one of 'fp32', 'tf32', 'bf16', 'fp16', 'fp8'."),
+    # a missing argument
+    (["sync"], "Error: Missing argument 'FOLDER'."),
+    # an unknown command: the close one and every accepted one
+    (["trian"], f"Error: No such command 'trian'. Did you mean 'train'? Commands: {COMMANDS}."),
+    (["nosuchcmd"], f"Error: No such command 'nosuchcmd'. Commands: {COMMANDS}."),
+])
+def test_a_usage_error_is_one_line_naming_the_value_and_the_accepted_ones(args, line):
+    r = CliRunner().invoke(main, args, prog_name="llmeff")
+    assert (r.exit_code, r.output) == (2, line + "\n")
+
+
+def test_a_commands_own_usage_error_is_one_line():
+    r = CliRunner().invoke(main, ["train", "--model", "llama-99b"], prog_name="llmeff")
+    assert r.exit_code == 2 and r.output.count("\n") == 1
+    assert r.output.startswith("Error: unknown model 'llama-99b'; accepted: a preset (llama-tiny, ")
+
+
+def test_a_missing_choice_joins_clicks_list_of_choices_onto_the_line():
+    @click.group(cls=OneLineErrors)
+    def cli():
+        pass
+
+    @cli.command()
+    @click.option("--kind", type=click.Choice(["a", "b"]), required=True)
+    def go(kind):
+        pass
+
+    r = CliRunner().invoke(cli, ["go"], prog_name="x")
+    assert (r.exit_code, r.output) == (2, "Error: Missing option '--kind'. Choose from: a, b\n")
+
+
+def test_help_is_unchanged():
+    r = CliRunner().invoke(main, ["compare", "--help"], prog_name="llmeff")
+    assert r.exit_code == 0 and r.output.startswith("Usage: llmeff compare [OPTIONS]\n\n  Compare runs on efficiency")
+    assert "  --seq-len INTEGER RANGE         Tokens per sequence.  [x>=1; required]\n" in CliRunner().invoke(main, ["flops", "--help"]).output
