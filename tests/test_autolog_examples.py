@@ -21,11 +21,14 @@ EXAMPLES = REPO / "examples"
 OUR_PREFIXES = ("train/", "throughput/", "summary/", "memory/", "energy/", "cost/", "carbon/", "eval/")
 
 
-def run_script(args: list[str], uri: str, timeout: int = 240) -> None:
+def run_script(args: list[str], uri: str, timeout: int = 240) -> str:
+    """Run an example; returns its stderr."""
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("MLFLOW_RUN_ID", None)
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "llmeff: run " not in r.stdout  # the user's stdout is their program's
+    return r.stderr
 
 
 def only_run(uri: str):
@@ -49,6 +52,16 @@ def assert_standard(run, tokens: int, count: str, strategy: str, integration: st
         assert key in t, key
 
 
+def assert_closing_line(stderr: str, run) -> None:
+    """One closing line (main rank only) naming the run and its steady tokens/s as logged."""
+    lines = [line for line in stderr.splitlines() if line.startswith("llmeff: run ")]
+    tps = run.data.metrics[names.SUM_TOKENS_PER_SEC]
+    steps, tokens = int(run.data.metrics[names.SUM_STEPS]), int(run.data.metrics[names.SUM_TOKENS])
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"llmeff: run {run.info.run_name} ({run.info.run_id}): {steps} steps, "
+                               f"{tokens:,} tokens, {tps:,.0f} tokens/s steady state "), lines[0]
+
+
 def assert_no_duplicate_points(run) -> list[str]:
     client = mlflow.MlflowClient()
     ours = [k for k in run.data.metrics if k.startswith(OUR_PREFIXES)]
@@ -60,9 +73,10 @@ def assert_no_duplicate_points(run) -> list[str]:
 
 def test_plain_pytorch_example(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    run_script([sys.executable, str(EXAMPLES / "plain_pytorch.py")], uri)
+    err = run_script([sys.executable, str(EXAMPLES / "plain_pytorch.py")], uri)
     run = only_run(uri)
     assert_standard(run, 394, "1", "single", "pytorch")  # 2 epochs x 197 bytes
+    assert_closing_line(err, run)
     assert run.data.metrics[names.TRAIN_PADDED_TOKENS] == 436  # 2 x (50 + 64 + 54 + 50)
     assert run.data.metrics[names.TRAIN_LOSS_TOKENS] == 378  # 394 - 16 sequences
     assert_no_duplicate_points(run)
@@ -71,9 +85,10 @@ def test_plain_pytorch_example(tmp_path):
 @pytest.mark.slow
 def test_accelerate_example_one_process(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    run_script([sys.executable, str(EXAMPLES / "accelerate_loop.py")], uri)
+    err = run_script([sys.executable, str(EXAMPLES / "accelerate_loop.py")], uri)
     run = only_run(uri)
     assert_standard(run, 1536, "1", "single", "accelerate")  # 6 steps x 2 x 4 x 32
+    assert_closing_line(err, run)
     assert run.data.tags[names.GRAD_ACCUM] == "2" and run.data.metrics[names.SUM_STEPS] == 6
 
 
@@ -85,11 +100,12 @@ def test_accelerate_example_ddp_two_cpu_processes_one_run_tokens_summed(tmp_path
            str(EXAMPLES / "accelerate_loop.py")]
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     try:
-        run_script(cmd, uri, timeout=300)
+        err = run_script(cmd, uri, timeout=300)
     finally:
         os.environ.pop("ACCELERATE_USE_CPU", None)
     run = only_run(uri)
     assert_standard(run, 3072, "2", "ddp", "accelerate")  # 2 processes x 1536
+    assert_closing_line(err, run)
     assert run.data.metrics[names.SUM_STEPS] == 6  # optimizer steps, not steps x ranks
     assert_no_duplicate_points(run)
 
@@ -97,9 +113,10 @@ def test_accelerate_example_ddp_two_cpu_processes_one_run_tokens_summed(tmp_path
 @pytest.mark.slow
 def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
+    err = run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
     run = only_run(uri)
     assert_standard(run, 394, "1", "single", "trainer")  # 8 steps = 2 epochs x 197 bytes
+    assert_closing_line(err, run)
     ours = assert_no_duplicate_points(run)
     assert "loss" in run.data.metrics  # the Trainer's own callback logged into the same run
     trainer_keys = set(run.data.metrics) - set(ours)
@@ -111,7 +128,8 @@ def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(tmp
 @pytest.mark.slow
 def test_hf_trainer_without_mlflow_reporting_gets_its_own_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
+    err = run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
     run = only_run(uri)
     assert_standard(run, 394, "1", "single", "trainer")
+    assert_closing_line(err, run)
     assert "loss" not in run.data.metrics

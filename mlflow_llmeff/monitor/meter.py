@@ -46,7 +46,7 @@ from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger
 from mlflow_llmeff.calc.throughput import ThroughputMeter
 from mlflow_llmeff.evals.targets import parse_targets
 from mlflow_llmeff.meters import collectives
-from mlflow_llmeff.monitor import assembly, binding, lifecycle, points, summary
+from mlflow_llmeff.monitor import assembly, binding, closing, lifecycle, points, summary
 from mlflow_llmeff.monitor.assembly import PRECISIONS, check_args
 from mlflow_llmeff.monitor.conditions import infer_precision, infer_strategy, unwrap_model
 from mlflow_llmeff.monitor.counting import StepTally
@@ -589,6 +589,7 @@ class EfficiencyMonitor:
             self._fail(e)
         finally:
             self._close(status)
+        closing.print_closing_line(self)  # llmeff: run <name> (<id>): ... tokens/s ... (main rank, stderr)
         return self._summary
 
     def end_at_exit(self, status: str) -> None:

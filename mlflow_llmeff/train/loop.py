@@ -531,38 +531,27 @@ def _save_model(path: str, t) -> None:
 
 
 def _print_summary(monitor, summary: dict, reliability: str | None = None) -> None:
-    tps = summary.get(names.SUM_TOKENS_PER_SEC)
-    low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
-    interval = f" [95% interval {low:,.0f}-{high:,.0f}]" if low is not None and high is not None else ""
-    print(f"llmeff: run {monitor.run_id}: {int(summary.get(names.SUM_STEPS, 0))} steps, "
-          f"{int(summary.get(names.SUM_TOKENS, 0)):,} tokens, "
-          + (f"{tps:,.0f} tokens/s steady state{interval}, " if tps else "")
-          + f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s"
-          + (f", goodput {summary[names.SUM_GOODPUT]:.2f}" if summary.get(names.SUM_GOODPUT) is not None else
-             ", goodput undefined (no wall time)"))
+    """The run's report on stdout: the closing line every path prints (monitor/closing.py), its stability,
+    what was assumed, the job's reliability line after a restart, and where to open the run."""
+    from mlflow_llmeff.monitor.assembly import assumed_line, assumptions
+    from mlflow_llmeff.monitor.closing import closing_line, run_identity
+
+    # the server took the run (nothing waits in the outbox): its name and experiment, one bounded read
+    name, exp_id = (None, None) if monitor.spilled_to else run_identity(monitor.run_id)
+    print(closing_line(summary, run_id=monitor.run_id, run_name=name, absent=getattr(monitor, "_absent", None)))
     if monitor.stability:
         print(f"llmeff: {monitor.stability}")
-    from mlflow_llmeff.monitor.assembly import assumed_line, assumptions
-
     told = assumed_line(assumptions(monitor))  # not only in a tag: the figures rest on it
     if told:
         print(f"llmeff: {told}")
     if reliability and summary.get(names.SUM_ATTEMPTS, 1) > 1:
         print(f"llmeff: {reliability}")
-    if monitor.spilled_to:  # the server has not taken the run: the outbox line said how to send it
-        return
-    try:
+    if exp_id is not None:  # None: the run waits in the outbox (its line said how to send it) or was not read
         import mlflow
 
-        from mlflow_llmeff.tracking import delivery
         from mlflow_llmeff.tracking.runs import run_url_line
 
-        client = mlflow.MlflowClient()
-        exp_id = delivery.bounded(lambda: client.get_run(monitor.run_id).info.experiment_id,
-                                  min(5.0, delivery.delivery_wait_s()), "reading the run's experiment")
         print(f"llmeff: {run_url_line(mlflow.get_tracking_uri(), exp_id, monitor.run_id)}")
-    except Exception:  # noqa: BLE001 - a printed link is cosmetic
-        pass
 
 
 def _attempt_start_perf() -> float:

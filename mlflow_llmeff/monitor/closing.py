@@ -1,0 +1,100 @@
+"""The run's closing line on the terminal: what it trained, how fast (steady tokens/s with its interval,
+MFU) and which run holds it, the same on every path.
+
+``llmeff train`` prints it on its stdout with the rest of its report (loop.py); a monitor in anyone
+else's loop (``autolog()``, an explicit :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`) prints it
+once, on the main rank, on stderr, when it finishes (:func:`print_closing_line`): a user's stdout is
+their own program's. ``autolog(silent=True)`` silences it. Printing never raises into training.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mlflow_llmeff import names
+
+__all__ = ["closing_line", "run_identity", "print_closing_line", "AUTOLOG_INTEGRATIONS"]
+
+#: ``llmeff.autolog.integration`` values of a monitor that ``mlflow_llmeff.autolog()`` created
+AUTOLOG_INTEGRATIONS = ("trainer", "accelerate", "pytorch")
+#: the name ``autolog()`` is registered under with MLflow (``autologging/hooks.py``, ``INTEGRATION``)
+_AUTOLOG_NAME = "mlflow_llmeff"
+
+
+def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str | None = None,
+                 absent: dict[str, str] | None = None) -> str:
+    """``llmeff: run <name> (<id>): <steps> steps, <tokens> tokens, <tokens/s> tokens/s steady state [95%
+    interval <low>-<high>], MFU <x>%, wall <s> s, goodput <fraction>``.
+
+    A figure the summary does not hold says why (``absent``: ``llmeff.summary.absent``'s ``{key: why}``):
+    no steady tokens/s, or no interval around it. MFU is against the datasheet peak, else against the
+    measured matmul peak (said so), else left out.
+
+    Args:
+        summary: the run's ``summary/*`` metrics (:meth:`EfficiencyMonitor.finish`).
+        run_id: the MLflow run id (or ``local-...``).
+        run_name: the run's name, when known.
+        absent: why a ``summary/*`` figure is undefined, by key.
+    """
+    absent = absent or {}
+    who = f"{run_name} ({run_id})" if run_name else f"{run_id}"
+    parts = [f"{int(summary.get(names.SUM_STEPS, 0))} steps", f"{int(summary.get(names.SUM_TOKENS, 0)):,} tokens"]
+    tps = summary.get(names.SUM_TOKENS_PER_SEC)
+    if tps is None:
+        why = absent.get(names.SUM_TOKENS_PER_SEC)
+        parts.append("no steady-state tokens/s" + (f" ({why})" if why else ""))
+    else:
+        low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
+        if low is not None and high is not None:
+            interval = f" [95% interval {low:,.0f}-{high:,.0f}]"
+        else:
+            why = absent.get(names.SUM_TPS_CI95_LOW)
+            interval = f" [no 95% interval: {why}]" if why else ""
+        parts.append(f"{tps:,.0f} tokens/s steady state{interval}")
+    if summary.get(names.SUM_MFU) is not None:
+        parts.append(f"MFU {100 * summary[names.SUM_MFU]:.3g}%")
+    elif summary.get(names.SUM_MFU_MEASURED_PEAK) is not None:
+        parts.append(f"MFU {100 * summary[names.SUM_MFU_MEASURED_PEAK]:.3g}% of the measured matmul peak")
+    parts.append(f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s")
+    goodput = summary.get(names.SUM_GOODPUT)
+    parts.append(f"goodput {goodput:.2f}" if goodput is not None else "goodput undefined (no wall time)")
+    return f"llmeff: run {who}: " + ", ".join(parts)
+
+
+def run_identity(run_id: str | None) -> tuple[str | None, str | None]:
+    """``(run name, experiment id)`` of ``run_id`` read from the tracking server, waiting at most 5 s
+    (or the delivery wait, when shorter); ``(None, None)`` when it cannot be read."""
+    if not run_id or run_id.startswith("local-"):
+        return None, None
+    try:
+        import mlflow
+
+        from mlflow_llmeff.tracking import delivery
+
+        info = delivery.bounded(lambda: mlflow.MlflowClient().get_run(run_id).info,
+                                min(5.0, delivery.delivery_wait_s()), "reading the run's name")
+        return info.run_name, info.experiment_id
+    except Exception:  # noqa: BLE001 - a name on the terminal is cosmetic
+        return None, None
+
+
+def print_closing_line(mon) -> None:
+    """Print :func:`closing_line` of a finished monitor on stderr: main rank only, not for ``llmeff train``
+    (it prints its own report), not under ``autolog(silent=True)``. Never raises."""
+    try:
+        if not (mon.is_main and mon.summary and mon.run_id) or mon._integration == "train":
+            return
+        if mon._integration in AUTOLOG_INTEGRATIONS and _autolog_silent():
+            return
+        name = None if mon.spilled_to else run_identity(mon.run_id)[0]  # the server took the run: ask its name
+        line = closing_line(mon.summary, run_id=mon.run_id, run_name=name, absent=getattr(mon, "_absent", None))
+        print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a closing line never stops training
+        pass
+
+
+def _autolog_silent() -> bool:
+    """``autolog(silent=True)`` was given (MLflow keeps an integration's settings)."""
+    from mlflow.utils.autologging_utils import get_autologging_config
+
+    return bool(get_autologging_config(_AUTOLOG_NAME, "silent", False))

@@ -1,0 +1,132 @@
+"""The closing ``llmeff: run ...`` line: its text from a summary (hand-made figures), and a finished monitor
+printing it once on stderr, on the main rank only, never for llmeff train (it prints its own report), never
+under ``autolog(silent=True)``, never raising."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+import torch
+
+import mlflow_llmeff
+from mlflow_llmeff import names
+from mlflow_llmeff.meters import collectives
+from mlflow_llmeff.monitor import closing
+from mlflow_llmeff.monitor.closing import closing_line
+from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+from mlflow_llmeff.testing import FakeClock
+
+from conftest import use_store
+
+BASE = {names.SUM_STEPS: 12.0, names.SUM_TOKENS: 1200.0, names.SUM_WALL_S: 6.21, names.SUM_GOODPUT: 0.88}
+
+
+@pytest.fixture
+def tracking_uri(module_store, monkeypatch):
+    yield from use_store(module_store, monkeypatch)
+    mlflow_llmeff.autolog(disable=True)
+
+
+@pytest.mark.parametrize("extra, absent, tail", [
+    ({names.SUM_TOKENS_PER_SEC: 2345.6, names.SUM_TPS_CI95_LOW: 2300.4, names.SUM_TPS_CI95_HIGH: 2390.5,
+      names.SUM_MFU: 0.4125},
+     {}, "2,346 tokens/s steady state [95% interval 2,300-2,390], MFU 41.2%, wall 6.2 s, goodput 0.88"),
+    ({names.SUM_TOKENS_PER_SEC: 200.0, names.SUM_MFU_MEASURED_PEAK: 0.0204},
+     {names.SUM_TPS_CI95_LOW: "7 steady steps (an interval needs at least 10)"},
+     "200 tokens/s steady state [no 95% interval: 7 steady steps (an interval needs at least 10)], "
+     "MFU 2.04% of the measured matmul peak, wall 6.2 s, goodput 0.88"),
+    ({}, {names.SUM_TOKENS_PER_SEC: "no token counted (pass batch= or tokens= to step())"},
+     "no steady-state tokens/s (no token counted (pass batch= or tokens= to step())), wall 6.2 s, goodput 0.88"),
+])
+def test_the_line_says_the_rate_its_interval_or_why_none_and_mfu_when_known(extra, absent, tail):
+    line = closing_line({**BASE, **extra}, run_id="abc123", run_name="tiny-single-fp32-cpu", absent=absent)
+    assert line == f"llmeff: run tiny-single-fp32-cpu (abc123): 12 steps, 1,200 tokens, {tail}"
+
+
+def test_without_a_name_the_run_is_its_id():
+    line = closing_line({**BASE, names.SUM_GOODPUT: None}, run_id="local-1")
+    assert line == ("llmeff: run local-1: 12 steps, 1,200 tokens, no steady-state tokens/s, wall 6.2 s, "
+                    "goodput undefined (no wall time)")
+
+
+def _plain_loop(**kwargs) -> EfficiencyMonitor:
+    """12 steps of 0.5 s and 100 tokens each, the first one warm-up: 1,100 steady tokens in 5.5 s = 200 tokens/s."""
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=4, warmup_steps=1, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False, **kwargs)
+    for _ in range(12):
+        clock.t += 0.5
+        mon.step(tokens=100, samples=4)
+    return mon
+
+
+def _llmeff_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "llmeff:" in line]
+
+
+def test_a_monitored_loop_prints_one_closing_line_with_its_name_and_tokens_per_sec_on_stderr(tracking_uri, capsys):
+    mon = _plain_loop()
+    capsys.readouterr()
+    summary = mon.finish()
+    out, err = capsys.readouterr()
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    tps = run.data.metrics[names.SUM_TOKENS_PER_SEC]
+    assert tps == summary[names.SUM_TOKENS_PER_SEC] == 200.0  # by hand: 1,100 tokens in 11 x 0.5 s
+    (line,) = _llmeff_lines(err)
+    assert line.startswith(f"llmeff: run {run.info.run_name} ({mon.run_id}): 12 steps, 1,200 tokens, "
+                           f"{tps:,.0f} tokens/s steady state [")
+    assert "llmeff:" not in out
+    mon.finish()  # a second finish prints nothing more
+    assert _llmeff_lines(capsys.readouterr().err) == []
+
+
+def test_a_second_rank_prints_no_closing_line(tracking_uri, monkeypatch, capsys):
+    # rank 1 of 2 (no process group: every reduction is its own numbers)
+    monkeypatch.setattr(collectives, "world_and_rank", lambda: (2, 1))
+    mon = _plain_loop()
+    assert not mon.is_main
+    mon.finish()
+    assert _llmeff_lines(capsys.readouterr().err) == []
+
+
+def test_llmeff_trains_monitor_leaves_the_line_to_the_entrypoint(tracking_uri, capsys):
+    mon = _plain_loop(integration="train")  # loop.py prints it on stdout with the rest of its report
+    mon.finish()
+    assert _llmeff_lines(capsys.readouterr().err) == []
+
+
+def test_a_failure_while_printing_never_reaches_the_loop(tracking_uri, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no terminal")
+
+    monkeypatch.setattr(closing, "closing_line", broken)
+    mon = _plain_loop()
+    assert mon.finish()[names.SUM_TOKENS_PER_SEC] == 200.0
+    assert _llmeff_lines(capsys.readouterr().err) == []
+
+
+@pytest.mark.parametrize("silent, lines", [(False, 1), (True, 0)])
+def test_autolog_prints_the_line_unless_silent(tracking_uri, capsys, silent, lines):
+    from transformers import LlamaForCausalLM
+
+    from mlflow_llmeff.models.build import load_config
+
+    mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none", silent=silent)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(load_config("llama-tiny"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.arange(16).view(2, 8) + 3
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    run_id = mlflow_llmeff.autologging.active_monitor().run_id
+    capsys.readouterr()
+    mlflow.end_run()  # the run ends: the summary, then the line
+    found = _llmeff_lines(capsys.readouterr().err)
+    assert len(found) == lines
+    if lines:
+        run = mlflow.MlflowClient().get_run(run_id)
+        tps = run.data.metrics[names.SUM_TOKENS_PER_SEC]
+        assert found[0].startswith(f"llmeff: run {run.info.run_name} ({run_id}): 3 steps, 48 tokens, "
+                                   f"{tps:,.0f} tokens/s steady state [no 95% interval: 2 steady steps")
