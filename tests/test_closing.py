@@ -44,9 +44,10 @@ def test_the_line_says_the_rate_its_interval_or_why_none_and_mfu_when_known(extr
 
 
 def test_without_a_name_the_run_is_its_id():
-    line = closing_line({**BASE, names.SUM_GOODPUT: None}, run_id="local-1")
+    line = closing_line({**BASE, names.SUM_GOODPUT: None}, run_id="local-1",
+                        absent={names.SUM_GOODPUT: "no wall time (a share of no time is undefined)"})
     assert line == ("llmeff: run local-1: 12 steps, 1,200 tokens, no steady-state tokens/s, wall 6.2 s, "
-                    "goodput undefined (no wall time)")
+                    "goodput undefined (no wall time (a share of no time is undefined))")
 
 
 def _plain_loop(**kwargs) -> EfficiencyMonitor:

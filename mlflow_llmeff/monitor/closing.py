@@ -57,7 +57,11 @@ def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str
         parts.append(f"MFU {100 * summary[names.SUM_MFU_MEASURED_PEAK]:.3g}% of the measured matmul peak")
     parts.append(f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s")
     goodput = summary.get(names.SUM_GOODPUT)
-    parts.append(f"goodput {goodput:.2f}" if goodput is not None else "goodput undefined (no wall time)")
+    if goodput is not None:
+        parts.append(f"goodput {goodput:.2f}")
+    else:  # why, as llmeff.summary.absent says it (no wall time, or no steady step to measure warm-up against)
+        why = absent.get(names.SUM_GOODPUT)
+        parts.append("goodput undefined" + (f" ({why})" if why else ""))
     return f"llmeff: run {who}: " + ", ".join(parts)
 
 
