@@ -105,3 +105,69 @@ def test_step_tally_reads_packed_keys_of_a_collator_batch():
         tally.add_batch(collator(feats))
         got = tally.take(steps=1)
         assert (got.tokens, got.samples, got.sum_len_sq, got.loss_tokens) == (9, 3, 29, 6)
+
+
+# ------------------------------------------------------------------ padded shapes (dynamic padding, packing)
+def _padded(rows: int, t: int) -> dict:
+    """``rows`` rows padded to ``t`` positions, the first ``t - j`` of row ``j`` real (dynamic padding)."""
+    mask = (torch.arange(t)[None, :] < (t - torch.arange(rows))[:, None]).long()
+    return {"input_ids": torch.zeros(rows, t, dtype=torch.long), "attention_mask": mask}
+
+
+def _tally(shapes):
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    tally = StepTally()
+    for rows, t in shapes:
+        tally.add_batch(_padded(rows, t))
+    return tally
+
+
+def test_one_padded_shape_in_every_batch_does_not_vary():
+    r = _tally([(2, 25)] * 4).shapes
+    assert (r.seq, r.batch, r.varies) == ((25, 25), (2, 2), False)
+
+
+def test_padded_lengths_that_change_between_batches_vary_with_their_range():
+    r = _tally([(2, 25), (2, 23), (2, 25), (2, 24)]).shapes
+    assert (r.seq, r.seq_varies, r.batch_varies, r.varies) == ((23, 25), True, False, True)
+
+
+def test_packed_rows_of_varying_length_vary():
+    from transformers import DataCollatorWithFlattening
+
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    tally = StepTally()
+    for lengths in ((3, 2, 4), (5, 5)):  # one row of 9, then one of 10 positions
+        tally.add_batch(DataCollatorWithFlattening()([{"input_ids": list(range(3, 3 + n))} for n in lengths]))
+    assert (tally.shapes.seq, tally.shapes.batch) == ((9, 10), (1, 1))
+
+
+def test_a_smaller_last_batch_is_a_partial_batch_not_a_varying_size():
+    # 7 rows in batches of 2 (drop_last=False): 2, 2, 2, 1
+    assert _tally([(2, 8), (2, 8), (2, 8), (1, 8)]).shapes.batch == (2, 2)
+
+
+def test_a_smaller_batch_that_another_follows_varies_the_size():
+    r = _tally([(2, 8), (1, 8), (2, 8)]).shapes  # a second epoch after a partial batch, or a ramp
+    assert (r.batch, r.batch_varies, r.seq_varies) == ((1, 2), True, False)
+    assert _tally([(1, 8), (2, 8)]).shapes.batch == (1, 2)  # a larger latest batch counts at once
+
+
+def test_shapes_do_not_change_what_is_counted():
+    got = _tally([(2, 25), (2, 23)]).take(steps=2)
+    assert (got.tokens, got.padded_tokens) == (25 + 24 + 23 + 22, 2 * 25 + 2 * 23)
+
+
+def test_a_checkpoints_shapes_continue_in_the_resumed_tally():
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    state = _tally([(2, 25), (2, 23), (1, 24)]).shape_state()
+    assert state == [23, 25, 1, 2]  # the run went on: its latest batch was no last batch
+    resumed = StepTally()
+    resumed.load_shape_state(state)
+    assert (resumed.shapes.seq, resumed.shapes.batch) == ((23, 25), (1, 2))
+    resumed.add_batch(_padded(2, 24))
+    assert (resumed.shapes.seq, resumed.shapes.batch) == ((23, 25), (1, 2))
+    assert StepTally().shape_state() is None and StepTally().shapes is None

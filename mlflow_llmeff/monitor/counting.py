@@ -7,6 +7,8 @@ window edge.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mlflow_llmeff.calc.throughput import Counts
 
 # Positions in the on-device accumulator; padded positions are shapes, kept as an int.
@@ -170,6 +172,36 @@ class BatchCounter:
         return int(self._acc[_TOKENS]), int(self._acc[_SUM_LEN_SQ])
 
 
+@dataclass(frozen=True)
+class ShapeRange:
+    """The padded shapes of a run's micro-batches: what a collator padding each batch to its longest
+    row (dynamic padding) or packing documents into one row of varying length makes vary.
+
+    Attributes:
+        seq: ``(shortest, longest)`` padded length ``T`` of a micro-batch, positions (``>= 1``).
+        batch: ``(smallest, largest)`` micro-batch size ``B``, rows (``>= 1``); a smaller last
+            micro-batch of the run is left out (a data loader's partial last batch, ``drop_last=False``).
+    """
+
+    seq: tuple[int, int]
+    batch: tuple[int, int]
+
+    @property
+    def seq_varies(self) -> bool:
+        """True when the padded length was not the same in every micro-batch."""
+        return self.seq[0] != self.seq[1]
+
+    @property
+    def batch_varies(self) -> bool:
+        """True when the micro-batch size was not the same in every micro-batch (but a smaller last one)."""
+        return self.batch[0] != self.batch[1]
+
+    @property
+    def varies(self) -> bool:
+        """True when either varied: the sequence length and the global batch are then no condition of the run."""
+        return self.seq_varies or self.batch_varies
+
+
 class StepTally:
     """What a meter counts between two window edges: tokens of every micro-batch and their losses.
 
@@ -180,6 +212,9 @@ class StepTally:
     Attributes:
         first_shape: ``(micro batch, seq len, micro-batches in the first step)`` as first seen.
         micro: micro-batches counted in the step in progress.
+
+    Every counted batch's padded shape ``(B, T)`` is also kept as a range (:attr:`shapes`), read
+    off the tensor's shape (host ints, no synchronization).
     """
 
     _FIELDS = ("tokens", "padded_tokens", "loss_tokens", "samples", "sum_len_sq")
@@ -193,6 +228,10 @@ class StepTally:
         self.loss_host = [0.0, 0]  # sum and count of float losses
         self.micro = 0
         self.first_shape: tuple[int, int, int] | None = None
+        # [shortest T, longest T, smallest B, largest B] of the micro-batches before the latest one, and
+        # the latest (B, T): a smaller latest B may be the data loader's partial last batch (ShapeRange)
+        self._earlier: list[int] | None = None
+        self._latest: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------------------ counting
     def add_batch(self, batch) -> None:
@@ -218,9 +257,51 @@ class StepTally:
             self.counter, self.device = BatchCounter(ref.device), ref.device
         tensor = (lambda x: x if torch.is_tensor(x) else None)
         self.counter.add(ids, mask, tensor(labels), tensor(pos), tensor(cu), tensor(seq_idx))
+        shape = ref.shape if ref.dim() == 2 else (1, ref.shape[-1])
+        b, t = int(shape[0]), int(shape[1])
         if self.first_shape is None:
-            shape = ref.shape if ref.dim() == 2 else (1, ref.shape[-1])
-            self.first_shape = (int(shape[0]), int(shape[1]), 0)
+            self.first_shape = (b, t, 0)
+        self._note_shape(b, t)
+
+    def _note_shape(self, b: int, t: int) -> None:
+        """Keep micro-batch ``(B, T)`` as the latest shape; the one before joins the earlier range."""
+        if self._latest is not None:
+            self._earlier = self._fold(self._earlier, *self._latest)
+        self._latest = (b, t)
+
+    @staticmethod
+    def _fold(rng: list[int] | None, b: int, t: int) -> list[int]:
+        if rng is None:
+            return [t, t, b, b]
+        return [min(rng[0], t), max(rng[1], t), min(rng[2], b), max(rng[3], b)]
+
+    @property
+    def shapes(self) -> ShapeRange | None:
+        """The padded lengths and micro-batch sizes counted so far (None before a batch with a shape).
+
+        The latest micro-batch counts in full for its length; its size only when it is not smaller
+        than the earlier ones: a smaller one may be the data loader's partial last batch, and it is
+        folded in (the size then varies) only when another batch follows it.
+        """
+        if self._latest is None:
+            return None
+        b, t = self._latest
+        lo_t, hi_t, lo_b, hi_b = self._earlier or (t, t, b, b)
+        return ShapeRange(seq=(min(lo_t, t), max(hi_t, t)), batch=(lo_b, max(hi_b, b)))
+
+    def shape_state(self) -> list[int] | None:
+        """The shapes counted so far for a checkpoint, ``[shortest T, longest T, smallest B, largest B]``:
+        a resumed run continues after the latest batch, so it is no last batch and joins the range."""
+        if self._latest is None:
+            return None
+        return self._fold(self._earlier, *self._latest)
+
+    def load_shape_state(self, state: list[int] | None) -> None:
+        """Continue the shapes of :meth:`shape_state` (None: none were counted)."""
+        if state:
+            lo_t, hi_t, lo_b, hi_b = (int(v) for v in state)
+            self._earlier = [lo_t, hi_t, lo_b, hi_b]
+            self._latest = (hi_b, hi_t)  # a shape inside the range: folding it in changes nothing
 
     def add_numbers(self, tokens, padded_tokens=None, loss_tokens=None, samples=None, sum_len_sq=None) -> None:
         """Count a micro-batch given as numbers (defaults as in :meth:`EfficiencyMonitor.count`)."""
