@@ -5,7 +5,8 @@ token ids, two per batch, padded by the collator. ``max_steps=8`` covers the sen
 twice (in shuffled order), so the run's ``train/tokens`` must be 2 x 197 = 394 non-padding tokens.
 With ``--report-to mlflow`` the Trainer's own MLflow callback logs into the same, single run. Either
 way the run is named from its configuration, ``llama-single-fp32-cpu`` (``-2``, ``-3``, ... for
-the repeats in one experiment), unless ``TrainingArguments(run_name=...)`` names it.
+the repeats in one experiment; the padded length varies, 23 to 32, so ``llmeff.seq_len`` is
+``dynamic`` and the name has no batch or length part), unless ``TrainingArguments(run_name=...)`` names it.
 
     MLFLOW_TRACKING_URI=sqlite:///mlflow.db python examples/hf_trainer.py --report-to mlflow
 """

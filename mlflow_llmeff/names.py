@@ -236,10 +236,15 @@ MODEL_PARAMS = _tag("model.params", "total parameters")
 MODEL_NON_EMB_PARAMS = _tag("model.non_embedding_params", "parameters minus the input embedding (and learned positions)")
 MODEL_LAYERS = _tag("model.layers", "decoder layers")
 MODEL_HIDDEN = _tag("model.hidden", "hidden size")
-SEQ_LEN = _tag("seq_len", "tokens per sequence")
-MICRO_BATCH_SIZE = _tag("micro_batch_size", "sequences per micro-batch per device")
+SEQ_LEN = _tag("seq_len", "tokens per sequence: the padded length of a micro-batch (positions); 'dynamic' when it was not the same in every micro-batch (a collator padding each batch to its longest row, packing into rows of varying length), the lengths seen then in llmeff.seq_len.range")
+SEQ_LEN_RANGE = _tag("seq_len.range", "'<shortest>-<longest>' padded length of the micro-batches (positions, e.g. '23-25'), set only when llmeff.seq_len is 'dynamic'; a measured condition, not part of a configuration (llmeff compare groups runs by the 'dynamic' alone)")
+MICRO_BATCH_SIZE = _tag("micro_batch_size", "sequences (rows) per micro-batch per device; 'dynamic' when it was not the same in every micro-batch (a smaller last micro-batch, a data loader's partial batch, does not count), the sizes seen then in llmeff.micro_batch_size.range")
+MICRO_BATCH_SIZE_RANGE = _tag("micro_batch_size.range", "'<smallest>-<largest>' rows per micro-batch (e.g. '4-8'), set only when llmeff.micro_batch_size is 'dynamic'; a measured condition, not part of a configuration")
 GRAD_ACCUM = _tag("grad_accum", "micro-batches per optimizer step")
-GLOBAL_BATCH_TOKENS = _tag("global_batch_tokens", "seq_len x micro_batch_size x grad_accum x data-parallel degree")
+GLOBAL_BATCH_TOKENS = _tag("global_batch_tokens", "seq_len x micro_batch_size x grad_accum x data-parallel degree (positions, padding included); 'dynamic' when seq_len or micro_batch_size is: a run name then has no gbt (nor, for seq_len, s) part")
+#: The value of llmeff.seq_len, llmeff.micro_batch_size and llmeff.global_batch_tokens when the batch
+#: shape varied between micro-batches (docs/autolog.md, "Batch shape and run name: dynamic padding and packing").
+SHAPE_DYNAMIC = "dynamic"
 ACT_CKPT = _tag("activation_checkpointing", "true / false")
 COMPILE = _tag("compile", "torch.compile used: true / false")
 FLOPS_FORMULA = _tag("flops.formula", "FLOPs-per-token convention and its source")

@@ -267,3 +267,77 @@ def test_autolog_enabled_after_the_optimizer_still_gives_a_run_and_says_so(track
     run = mlflow.MlflowClient().get_run(run_id)
     assert run.data.metrics[names.SUM_STEPS] == 4.0 and run.data.metrics[names.TRAIN_TOKENS] == 4 * 8
     assert "after the optimizer was built" in run.data.tags[names.AUTOLOG_NOTE]
+
+
+# ------------------------------------------------------------ dynamic padding: the shape is no condition
+@pytest.fixture
+def experiment(tracking_uri, monkeypatch, request):
+    """A fresh experiment of its own (run names are unique per experiment), left again at teardown."""
+    import mlflow.tracking.fluent as fluent
+
+    monkeypatch.setattr(fluent, "_active_experiment_id", None)  # restored at teardown
+    return mlflow.set_experiment(f"shapes-{request.node.name}").experiment_id
+
+
+def padded_loop(shapes: list[tuple[int, int]]):
+    """A plain loop under autolog, one optimizer step per ``(rows, t)``: ``rows`` rows padded to the
+    longest, ``t`` (row ``j`` holds ``t - j`` tokens), as a collator padding each batch does; its run."""
+    mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none")
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for rows, t in shapes:
+        model(**batch([t - j for j in range(rows)], t)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    run_id = AL.active_monitor().run_id
+    mlflow.end_run()
+    mlflow_llmeff.autolog(disable=True)
+    return mlflow.MlflowClient().get_run(run_id)
+
+
+def shape_tags(run) -> dict[str, str]:
+    return {k: v for k, v in run.data.tags.items()
+            if k.startswith((names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM, names.GLOBAL_BATCH_TOKENS))}
+
+
+def test_padded_lengths_that_vary_make_seq_len_and_global_batch_dynamic_and_drop_them_from_the_name(experiment):
+    first = padded_loop([(2, 25), (2, 23)] * 3)  # the first batch padded to 25: named ...-gbt50-s25-... at step 1
+    second = padded_loop([(2, 23), (2, 25)] * 3)  # the first padded to 23: ...-gbt46-s23-... at step 1
+    for run in (first, second):
+        assert shape_tags(run) == {names.SEQ_LEN: "dynamic", names.SEQ_LEN_RANGE: "23-25",
+                                   names.MICRO_BATCH_SIZE: "2", names.GRAD_ACCUM: "1",
+                                   names.GLOBAL_BATCH_TOKENS: "dynamic"}
+    # one configuration, one stem: the second is its repeat
+    assert [first.info.run_name, second.info.run_name] == ["llama-single-fp32-cpu", "llama-single-fp32-cpu-2"]
+
+
+def test_varying_padded_lengths_still_count_the_non_padding_tokens(experiment):
+    run = padded_loop([(2, 25), (2, 23)] * 3)
+    m = run.data.metrics
+    assert m[names.SUM_TOKENS] == 3 * ((25 + 24) + (23 + 22)) == 282  # row j of a batch padded to t: t - j tokens
+    assert m[names.TRAIN_PADDED_TOKENS] == 3 * (2 * 25 + 2 * 23) == 288
+    assert m[names.TRAIN_LOSS_TOKENS] == 282 - 6 * 2  # one token per row carries no loss
+
+
+def test_a_constant_shape_keeps_its_batch_parts_and_tags(experiment):
+    run = padded_loop([(2, 25)] * 4)
+    assert shape_tags(run) == {names.SEQ_LEN: "25", names.MICRO_BATCH_SIZE: "2", names.GRAD_ACCUM: "1",
+                               names.GLOBAL_BATCH_TOKENS: "50"}
+    assert run.info.run_name == "llama-single-fp32-gbt50-s25-cpu"
+    assert run.data.metrics[names.SUM_TOKENS] == 4 * (25 + 24)
+
+
+def test_a_partial_last_batch_is_no_varying_batch_size(experiment):
+    # 7 rows of one length in batches of 2 (drop_last=False): the last batch holds 1 row
+    run = padded_loop([(2, 25)] * 3 + [(1, 25)])
+    assert shape_tags(run) == {names.SEQ_LEN: "25", names.MICRO_BATCH_SIZE: "2", names.GRAD_ACCUM: "1",
+                               names.GLOBAL_BATCH_TOKENS: "50"}
+    assert run.info.run_name == "llama-single-fp32-gbt50-s25-cpu"
+
+
+def test_a_micro_batch_size_that_varies_drops_the_global_batch_but_keeps_the_length(experiment):
+    run = padded_loop([(2, 25), (1, 25), (2, 25), (2, 25)])
+    assert shape_tags(run) == {names.SEQ_LEN: "25", names.MICRO_BATCH_SIZE: "dynamic",
+                               names.MICRO_BATCH_SIZE_RANGE: "1-2", names.GRAD_ACCUM: "1",
+                               names.GLOBAL_BATCH_TOKENS: "dynamic"}
+    assert run.info.run_name == "llama-single-fp32-s25-cpu"

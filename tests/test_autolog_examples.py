@@ -79,6 +79,9 @@ def test_plain_pytorch_example(tmp_path):
     assert_closing_line(err, run)
     assert run.data.metrics[names.TRAIN_PADDED_TOKENS] == 436  # 2 x (50 + 64 + 54 + 50)
     assert run.data.metrics[names.TRAIN_LOSS_TOKENS] == 378  # 394 - 16 sequences
+    # each batch padded to its longer sentence, 25, 32, 27, 25 bytes: no fixed length, no gbt/s parts
+    assert (run.data.tags[names.SEQ_LEN], run.data.tags[names.SEQ_LEN_RANGE]) == ("dynamic", "25-32")
+    assert run.info.run_name == "llama-single-fp32-cpu"
     assert_no_duplicate_points(run)
 
 

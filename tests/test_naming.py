@@ -42,6 +42,13 @@ def test_every_condition_gives_its_part_in_the_fixed_order():
     assert study_name(parts_from_tags(tags, "hellaswag,mmlu")) == "Qwen3-0.6B-zero3x8-hs+mmlu-bf16-gbt4M-s4k-h100"
 
 
+def test_a_batch_shape_that_varied_gives_no_batch_or_seq_part():
+    dynamic = {**BASE, names.SEQ_LEN: "dynamic", names.GLOBAL_BATCH_TOKENS: "dynamic"}  # dynamic padding
+    assert study_name(parts_from_tags(dynamic)) == "tiny-single-fp32-cpu"
+    sizes = {**BASE, names.GLOBAL_BATCH_TOKENS: "dynamic"}  # only the micro-batch size varied
+    assert study_name(parts_from_tags(sizes)) == "tiny-single-fp32-s128-cpu"
+
+
 def test_a_run_without_conditions_has_an_empty_stem():
     assert study_name(parts_from_tags({})) == ""
 
@@ -129,6 +136,53 @@ def test_autologs_own_run_gets_the_batch_parts_at_its_first_step(meter):
     meter._name_parts = binding.name_parts(meter)  # created before any step: no batch shape yet
     assert study_name(meter._name_parts) == "tiny-ddp2-fp32-cpu"
     assert _first_step(meter) == [STEM]  # the trial's HF Trainer run stayed 'llama-single-fp32-cpu'
+
+
+def _shaped(meter, given: dict | None = None):
+    """The stand-in meter after a first step of 8 rows padded to 128 (what binding.varying_shape reads)."""
+    from types import SimpleNamespace
+
+    from mlflow_llmeff.monitor import binding
+
+    meter.is_main, meter.world_size = True, 2
+    meter._tally = SimpleNamespace(first_shape=(8, 128, 1))
+    meter._counting = SimpleNamespace(slices=1, copies=1)
+    meter._given_tags, meter._name_given = set(given or {}), (dict(given or {}), None)
+    meter._name_parts = binding.name_parts(meter, given)
+    return meter
+
+
+def test_a_padded_length_that_varies_names_autologs_run_again_without_its_batch_parts(meter):
+    from mlflow_llmeff.monitor import binding
+    from mlflow_llmeff.monitor.counting import ShapeRange
+
+    _shaped(meter)
+    assert _first_step(meter) == [STEM]
+    tags = binding.varying_shape(meter, ShapeRange(seq=(100, 128), batch=(8, 8)))
+    assert meter._logger.renamed == [STEM, "tiny-ddp2-fp32-cpu"]
+    assert tags == {names.SEQ_LEN: "dynamic", names.SEQ_LEN_RANGE: "100-128", names.GLOBAL_BATCH_TOKENS: "dynamic"}
+    binding.varying_shape(meter, ShapeRange(seq=(90, 128), batch=(8, 8)))  # the end of the run: a wider range
+    assert meter._logger.renamed == [STEM, "tiny-ddp2-fp32-cpu"]  # the same stem: no second rename
+
+
+def test_a_shape_that_did_not_vary_changes_no_tag_and_no_name(meter):
+    from mlflow_llmeff.monitor import binding
+    from mlflow_llmeff.monitor.counting import ShapeRange
+
+    _shaped(meter)
+    assert binding.varying_shape(meter, ShapeRange(seq=(128, 128), batch=(8, 8))) == {}
+    assert binding.varying_shape(meter, None) == {} and meter._logger.renamed == []
+
+
+def test_llmeff_trains_own_shape_tags_win_over_a_varying_shape(meter):
+    from mlflow_llmeff.monitor import binding
+    from mlflow_llmeff.monitor.counting import ShapeRange
+
+    given = {names.MODEL_NAME: "llama-tiny", names.SEQ_LEN: "128", names.MICRO_BATCH_SIZE: "8",
+             names.GLOBAL_BATCH_TOKENS: "2048"}  # what train/loop.py passes
+    _shaped(meter, given)
+    assert binding.varying_shape(meter, ShapeRange(seq=(100, 128), batch=(4, 8))) == {}
+    assert meter._logger.renamed == []  # its name keeps the parts it gave
 
 
 def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypatch):

@@ -14,6 +14,8 @@ import sys
 import mlflow
 import pytest
 
+from mlflow_llmeff import names
+
 from test_autolog_examples import EXAMPLES, run_script
 
 pytestmark = pytest.mark.slow
@@ -24,7 +26,9 @@ def test_the_trainers_own_run_and_autologs_run_share_the_configurations_name(tmp
     run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
     run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
     runs = mlflow.MlflowClient(uri).search_runs(["0"], order_by=["attributes.start_time ASC"])
-    # the batch parts from the first step (2 rows padded to 23 bytes, seed 0), as llmeff train names its runs
-    # (until issue 31 autolog's runs kept the name they got before it: 'llama-single-fp32-cpu')
-    assert [r.info.run_name for r in runs] == ["llama-single-fp32-gbt46-s23-cpu", "llama-single-fp32-gbt46-s23-cpu-2"]
+    # the collator pads each batch to its longest row (23 to 32 bytes): the sequence length and the global
+    # batch are no condition, so no gbt/s parts (they were the first step's, 'gbt46-s23', whichever
+    # sentences the shuffle put first, until a trial split repeats of one script into configurations)
+    assert [r.info.run_name for r in runs] == ["llama-single-fp32-cpu", "llama-single-fp32-cpu-2"]
+    assert {r.data.tags[names.SEQ_LEN] for r in runs} == {"dynamic"}
     assert "loss" in runs[0].data.metrics  # the first is the Trainer's own run (its callback logged into it)

@@ -187,8 +187,8 @@ def stop_meters(mon) -> None:
 
 
 def resume(mon, state: dict) -> None:
-    """Continue counters, clock, consumption, step times, reached targets and the counted HFU ratio from
-    a checkpoint's state (:meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.state_dict`)."""
+    """Continue counters, clock, consumption, step times, reached targets, the counted HFU ratio and the
+    batch shapes seen from a checkpoint's state (:meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.state_dict`)."""
     mon._meter = ThroughputMeter(num_devices=mon.world_size, warmup_steps=mon.warmup_steps)
     mon._meter.load_state_dict(state["throughput"])
     mon._ledger.load_state_dict(state["ledger"])
@@ -197,3 +197,4 @@ def resume(mon, state: dict) -> None:
     mon._consumption.resume(state.get("consumption", {}), {})
     mon._steps.load_state_dict(state.get("step_times"))
     mon._account.load(state.get("hfu_counted"))  # counted in an earlier attempt: not again
+    mon._tally.load_shape_state(state.get("shapes"))  # a length that varied before the checkpoint still did

@@ -25,7 +25,7 @@ from mlflow_llmeff.tracking.logger import RunLogger
 from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
 
 __all__ = ["open_run", "account_crashed_tail", "condition_tags", "model_name", "name_parts", "write_heartbeat",
-           "read_heartbeat", "tag_shape", "HEARTBEAT_KEYS"]
+           "read_heartbeat", "tag_shape", "varying_shape", "HEARTBEAT_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ def name_adopted_run(mon, experiment_id: str) -> str:
 def rename_when_shaped(mon, shape: dict[str, str]) -> None:
     """A run this meter named before its first step (``mon._name_parts``) is named again with the
     batch shape's parts (global batch, sequence length) once that step told them, so its name is
-    the one ``llmeff train`` gives the same configuration; the uniqueness search runs on the
-    logger's delivery thread (the step never waits)."""
+    the one ``llmeff train`` gives the same configuration, and again without them when the shape
+    varies (:func:`varying_shape`); the uniqueness search runs on the logger's delivery thread
+    (the step never waits)."""
     before = getattr(mon, "_name_parts", None)
     if before is None:
         return
@@ -195,20 +196,51 @@ def condition_tags(mon) -> dict[str, str]:
     return tags
 
 
+def _first_shape_tags(mon) -> dict[str, str]:
+    """The shape tags of the first step's first micro-batch (:func:`~mlflow_llmeff.monitor.conditions.shape_tags`)."""
+    b, s, ga = mon._tally.first_shape
+    rule = mon._counting
+    # a context-parallel rank saw a slice: the sequence is cp slices long
+    return cond.shape_tags(b, s * rule.slices, max(1, ga), mon.world_size // (rule.copies * rule.slices))
+
+
 def tag_shape(mon) -> None:
     """Tag the batch shape of the first step (batch size, sequence length, accumulation, global batch),
     once, leaving out the tags the caller gave; inside the first step, so the tags do not wait."""
     mon._shape_tags_pending = False
     if mon._tally.first_shape is not None and mon.is_main:
-        b, s, ga = mon._tally.first_shape
-        rule = mon._counting
+        shape = _first_shape_tags(mon)
         given = getattr(mon, "_given_tags", set())
-        # a context-parallel rank saw a slice: the sequence is cp slices long
-        shape = cond.shape_tags(b, s * rule.slices, max(1, ga), mon.world_size // (rule.copies * rule.slices))
         tags = {k: v for k, v in shape.items() if k not in given}
         if tags:
             mon._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
         rename_when_shaped(mon, shape)
+
+
+def varying_shape(mon, shapes) -> dict[str, str]:
+    """The tags of a batch shape that varied between micro-batches (dynamic padding, packing):
+    ``llmeff.seq_len`` / ``micro_batch_size`` / ``global_batch_tokens`` = ``dynamic`` and the ranges
+    seen (:func:`~mlflow_llmeff.monitor.conditions.varying_shape_tags`), leaving out the tags the
+    caller gave. A run this meter named (:func:`rename_when_shaped`) is named again without the
+    parts that are no condition of it (``gbt``, and ``s`` when the length varied): two runs of one
+    dynamic-padding script get one stem whatever their first batch was. The rename waits on the
+    logger's delivery thread; the caller sets the returned tags ({} on other ranks or when nothing
+    varied).
+
+    Args:
+        shapes: the :class:`~mlflow_llmeff.monitor.counting.ShapeRange` counted so far (this rank's
+            inside a step, every rank's at the end), or None.
+    """
+    if shapes is None or not shapes.varies or not mon.is_main or mon._tally.first_shape is None:
+        return {}
+    slices = mon._counting.slices
+    dynamic = cond.varying_shape_tags((shapes.seq[0] * slices, shapes.seq[1] * slices), shapes.batch)
+    given = getattr(mon, "_given_tags", set())
+    ranges = {names.SEQ_LEN: names.SEQ_LEN_RANGE, names.MICRO_BATCH_SIZE: names.MICRO_BATCH_SIZE_RANGE}
+    # a range explains a 'dynamic' value: none beside a length or size the caller gave
+    dropped = given | {ranges[k] for k in ranges if k in given}
+    rename_when_shaped(mon, {**_first_shape_tags(mon), **dynamic})
+    return {k: v for k, v in dynamic.items() if k not in dropped}
 
 
 def write_heartbeat(path: str, run_id: str | None, step: int, m: dict[str, float]) -> None:

@@ -13,7 +13,8 @@ import sys
 from mlflow_llmeff import names
 
 __all__ = ["unwrap_model", "infer_precision", "infer_strategy", "is_compiled", "uses_activation_checkpointing",
-           "recompute_plan", "model_name", "condition_tags", "FLOPS_FORMULA_NOTE", "WARMUP_NOTE"]
+           "recompute_plan", "model_name", "condition_tags", "shape_tags", "varying_shape_tags", "FLOPS_FORMULA_NOTE",
+           "WARMUP_NOTE"]
 
 FLOPS_FORMULA_NOTE = ("megatron: L*h^2*(12+12g/n+18f/h+6s/h)+6hV per token, causal attention counted once "
                       "(Megatron-LM num_floating_point_operations); palm beside it")
@@ -201,3 +202,25 @@ def shape_tags(micro_batch_size: int, seq_len: int, grad_accum: int, world: int)
     """``llmeff.seq_len``, ``micro_batch_size``, ``grad_accum`` and ``global_batch_tokens``."""
     return {names.SEQ_LEN: str(seq_len), names.MICRO_BATCH_SIZE: str(micro_batch_size),
             names.GRAD_ACCUM: str(grad_accum), names.GLOBAL_BATCH_TOKENS: str(seq_len * micro_batch_size * grad_accum * world)}
+
+
+def varying_shape_tags(seq: tuple[int, int], batch: tuple[int, int]) -> dict[str, str]:
+    """The shape tags of a run whose padded length or micro-batch size varied between micro-batches
+    (:class:`~mlflow_llmeff.monitor.counting.ShapeRange`): the varying ones and the global batch
+    are ``dynamic`` (no condition of the run, and no part of its name) and the range seen is beside them.
+
+    Args:
+        seq: ``(shortest, longest)`` padded length, positions (a context-parallel run: the full sequence).
+        batch: ``(smallest, largest)`` rows per micro-batch.
+
+    Returns:
+        ``{}`` when neither varied.
+    """
+    tags: dict[str, str] = {}
+    for (lo, hi), key, range_key in ((seq, names.SEQ_LEN, names.SEQ_LEN_RANGE),
+                                     (batch, names.MICRO_BATCH_SIZE, names.MICRO_BATCH_SIZE_RANGE)):
+        if lo != hi:
+            tags.update({key: names.SHAPE_DYNAMIC, range_key: f"{lo}-{hi}"})
+    if tags:
+        tags[names.GLOBAL_BATCH_TOKENS] = names.SHAPE_DYNAMIC
+    return tags

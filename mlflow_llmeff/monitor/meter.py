@@ -180,6 +180,7 @@ class EfficiencyMonitor:
         self._job_note: str | None = None
         self._totals_step = -1  # step of the last logged running totals
         self._shape_tags_pending = True
+        self._shape_varied = False  # the padded length or micro-batch size varied (tagged 'dynamic')
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
         self._counting = assembly.token_counting(self.world_size, data_parallel_size, context_parallel_size)
@@ -353,6 +354,12 @@ class EfficiencyMonitor:
                 self._pending_step_s.append(seconds)
             if self._shape_tags_pending:
                 binding.tag_shape(self)
+            shapes = None if self._shape_varied else self._tally.shapes
+            if shapes is not None and shapes.varies:  # the first step whose batch shape differs: once
+                self._shape_varied = True  # the end of the run tags the final range
+                tags = binding.varying_shape(self, shapes)
+                if tags:
+                    self._logger.set_tags(tags, synchronous=False)  # inside a step: no wait
             if at_edge:
                 self._at_edge(step, log_now)
         except Exception as e:  # noqa: BLE001 - never stop training
@@ -555,7 +562,8 @@ class EfficiencyMonitor:
                 "ledger": self._ledger.state_dict(), "consumption": self._consumption.state_dict(),
                 "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
                 "hfu_counted": self._account.state(),
-                "step_times": self._steps.state_dict(), "saved_at_unix": time.time()}
+                "step_times": self._steps.state_dict(), "shapes": self._tally.shape_state(),
+                "saved_at_unix": time.time()}
 
     def flush(self) -> None:
         """Send every buffered point and wait until the tracking server has it (rank 0)."""

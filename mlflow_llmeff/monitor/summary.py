@@ -5,8 +5,10 @@ wall time and its goodput breakdown (:func:`~mlflow_llmeff.calc.goodput.breakdow
 throughput, TFLOP/s, MFU and HFU (:class:`~mlflow_llmeff.monitor.account.FlopsAccount`), memory per
 parameter, and the consumption totals (energy, carbon, cost). :func:`stability_figures` adds the
 dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
-:func:`end_tags` the tags that say where each figure comes from. These functions read the
-monitor's state (``mon``); with ``collective`` they reduce over ranks (call on every rank).
+:func:`end_tags` the tags that say where each figure comes from, and :func:`batch_shapes` the padded
+shapes of every rank's micro-batches (a shape that varied is tagged ``dynamic`` at the end). These
+functions read the monitor's state (``mon``); with ``collective`` they reduce over ranks (call on
+every rank).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from mlflow_llmeff.calc.goodput import breakdown, goodput
 from mlflow_llmeff.calc.reliability import with_down
 from mlflow_llmeff.meters import collectives
 from mlflow_llmeff.meters.probes import model_state_bytes
-from mlflow_llmeff.monitor import points
+from mlflow_llmeff.monitor import binding, points
 from mlflow_llmeff.monitor.assembly import assumed_tag
 from mlflow_llmeff.monitor.conditions import unwrap_model
+from mlflow_llmeff.monitor.counting import ShapeRange
 from mlflow_llmeff.names import shorten
 
-__all__ = ["conclude", "figures", "stability_figures", "headline", "end_tags"]
+__all__ = ["conclude", "figures", "stability_figures", "batch_shapes", "headline", "end_tags"]
 
 
 def conclude(mon, collective: bool) -> dict[str, float]:
@@ -51,8 +54,10 @@ def conclude(mon, collective: bool) -> dict[str, float]:
     mon._absent = {}  # summary/* key -> why it is undefined for this run (llmeff.summary.absent)
     out = figures(mon, seconds, collective)
     out.update(stability_figures(mon, collective))
+    shapes = batch_shapes(mon, collective)
     if mon.is_main:
-        tags = {**end_tags(mon, note), **job_tags}
+        # a batch shape that varied: 'dynamic', the ranges over the whole run, the name without gbt/s
+        tags = {**end_tags(mon, note), **binding.varying_shape(mon, shapes), **job_tags}
         if (mon._end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
                 and "mlflow.note.content" not in getattr(mon, "_given_tags", ())):  # a failure keeps its why
             tags["mlflow.note.content"] = headline(mon, out)
@@ -62,6 +67,20 @@ def conclude(mon, collective: bool) -> dict[str, float]:
         mon._logger.log_metrics(out, max(step, 0))
         points.warn_mfu(mon, out.get(names.SUM_MFU), "summary")
     return out
+
+
+def batch_shapes(mon, collective: bool) -> ShapeRange | None:
+    """The padded lengths and micro-batch sizes of the run's micro-batches (:attr:`StepTally.shapes
+    <mlflow_llmeff.monitor.counting.StepTally.shapes>`), over every rank with ``collective`` (one
+    ``max`` all-reduce of the negated minima and the maxima); None when no batch had a shape."""
+    mine = mon._tally.shapes
+    if not collective or mon.world_size == 1:
+        return mine
+    none = -(2 ** 62)  # a rank without a shaped batch: below every negated minimum, and a maximum of 0
+    v = collectives.all_reduce([-mine.seq[0], mine.seq[1], -mine.batch[0], mine.batch[1]] if mine else
+                               [none, 0, none, 0], "max", dtype="int64")
+    lo_t, hi_t, lo_b, hi_b = (int(x) for x in v)
+    return ShapeRange(seq=(-lo_t, hi_t), batch=(-lo_b, hi_b)) if hi_t > 0 else None
 
 
 def _job_figures(mon) -> dict[str, str]:

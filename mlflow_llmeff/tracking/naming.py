@@ -2,7 +2,9 @@
 
 A name is made of short parts, one per condition (``tiny``, ``ddp2``, ``hs+mmlu``, ``bf16``,
 ``gbt4k``, ``s4k``, ``h100``), always in the order of :data:`PARTS` (model, layout, evals,
-precision, global batch, sequence length, accelerator); a condition the run lacks gives no part.
+precision, global batch, sequence length, accelerator); a condition the run lacks gives no part, and
+so does a batch shape that varied between micro-batches (``llmeff.seq_len=dynamic``, dynamic padding
+or packing: ``llama-single-fp32-cpu``).
 So the same configuration has the same name stem in every experiment and for every repeat, and a
 name can be read (and searched: ``attributes.run_name LIKE 'tiny-ddp2-%'``) without knowing which
 other runs existed when it was made. A repeat index (``-2``, ``-3``) is added only when a run of the
@@ -83,6 +85,7 @@ def parts_from_tags(tags: Mapping[str, str], eval_tasks: str | None = None) -> d
         out["evals"] = "+".join(_EVAL_SHORT.get(t, t) for t in tasks)
     if tags.get(names.PRECISION):
         out["precision"] = tags[names.PRECISION]
+    # a value that is no count ('dynamic': the shape varied between micro-batches) gives no part
     for part, key, prefix in (("batch", names.GLOBAL_BATCH_TOKENS, "gbt"), ("seq", names.SEQ_LEN, "s")):
         try:
             out[part] = prefix + human_count(tags[key])
