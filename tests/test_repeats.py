@@ -139,6 +139,23 @@ def test_conditions_that_differ_make_different_configurations():
     assert [[r.run_id for r in c.runs] for c in cs] == [["a", "c"], ["b"]]
 
 
+DYNAMIC = {names.SEQ_LEN: "dynamic", names.GLOBAL_BATCH_TOKENS: "dynamic"}  # dynamic padding (docs/autolog.md)
+
+
+def test_dynamic_padding_runs_are_one_configuration_apart_from_fixed_length_runs():
+    cs = configurations([run("d1", 1, 10.0, **DYNAMIC, **{names.SEQ_LEN_RANGE: "23-25"}),
+                         run("fixed", 1, 10.0),
+                         run("d2", 1, 11.0, **DYNAMIC, **{names.SEQ_LEN_RANGE: "23-32"})])  # the range is measured
+    assert [[r.run_id for r in c.runs] for c in cs] == [["d1", "d2"], ["fixed"]]
+
+
+def test_two_dynamic_batches_are_not_taken_for_one_batch_in_scaling():
+    row, = scaling_efficiency([run("one", 1, 1000.0, **DYNAMIC), run("two", 2, 1800.0, **DYNAMIC)])
+    assert row.kind == "batch varies" and row.efficiency == pytest.approx(0.9)  # 1800 / (1000 x 2)
+    row, = scaling_efficiency([run("one", 1, 1000.0, **DYNAMIC), run("two", 2, 2400.0, **DYNAMIC)])
+    assert any(f.startswith("the batch shape varied within runs") for f in row.flags)  # 1.2: flagged
+
+
 def test_overlapping_intervals_are_within_noise_and_not_ranked():
     a, b, c = (Estimate(100, 90, 110, 2, "repeats"), Estimate(105, 95, 115, 2, "repeats"),
                Estimate(200, 190, 210, 2, "repeats"))

@@ -419,7 +419,9 @@ class ScalingRow:
         efficiency: ``T(N) / (T(N0) * N / N0)``, 1 = linear.
         low, high: its interval (both None without intervals on both sides; ``high`` None alone when
             the baseline's interval reaches 0: no upper bound).
-        kind: ``strong`` (same global batch tokens), ``weak`` (same batch per device) or ``batch differs``.
+        kind: ``strong`` (same global batch tokens), ``weak`` (same batch per device), ``batch varies``
+            (a side's batch shape varied within its runs, ``llmeff.global_batch_tokens=dynamic``: neither
+            can be told) or ``batch differs``.
         flags: why a value above :data:`SUPERLINEAR` may not be real (empty otherwise).
     """
 
@@ -535,6 +537,8 @@ def _scale_group(members: list[Configuration], baseline: str | None, label: str)
 
 def _kind(c: Configuration, base: Configuration) -> str:
     gbt, gbt0 = c.tag(names.GLOBAL_BATCH_TOKENS), base.tag(names.GLOBAL_BATCH_TOKENS)
+    if names.SHAPE_DYNAMIC in (gbt, gbt0):  # two 'dynamic' batches are not the same batch
+        return "batch varies"
     if gbt and gbt == gbt0:
         return "strong"
     if _batch_per_device(c) is not None and _batch_per_device(c) == _batch_per_device(base):
@@ -568,6 +572,9 @@ def _superlinear_flags(c: Configuration, base: Configuration, eff: float, low: f
                      "(a smaller working set fits caches better)")
     if kind == "batch differs":
         flags.append("the batch differs: the ratio mixes scaling with a batch-size effect")
+    if kind == "batch varies":
+        flags.append("the batch shape varied within runs (dynamic padding or packing, llmeff.seq_len.range): "
+                     "strong or weak scaling cannot be told, and the ratio may mix in a batch-size effect")
     return flags
 
 
