@@ -276,6 +276,11 @@ def experiment(tracking_uri, monkeypatch, request):
     import mlflow.tracking.fluent as fluent
 
     monkeypatch.setattr(fluent, "_active_experiment_id", None)  # restored at teardown
+    # set_experiment exports MLFLOW_EXPERIMENT_ID (for subprocesses): gone again at teardown, or the
+    # next test's subprocess on this worker looks for this store's experiment in its own (setenv records
+    # the variable's absence, which delenv alone does not)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID")
     return mlflow.set_experiment(f"shapes-{request.node.name}").experiment_id
 
 
