@@ -155,6 +155,27 @@ def test_a_smaller_batch_that_another_follows_varies_the_size():
     assert _tally([(1, 8), (2, 8)]).shapes.batch == (1, 2)  # a larger latest batch counts at once
 
 
+def test_the_cheap_varies_flag_agrees_with_the_range_after_every_batch():
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    # (shapes noted so far, whether they vary): hand-read from the partial-last-batch rule
+    cases = [([(2, 8)], False), ([(2, 8), (2, 8)], False), ([(2, 8), (1, 8)], False),  # a partial last batch
+             ([(2, 8), (1, 8), (2, 8)], True), ([(2, 8), (3, 8)], True), ([(2, 8), (2, 9)], True),
+             ([(2, 8), (1, 9)], True)]  # a smaller last batch of another length: the length varies
+    for shapes, varies in cases:
+        tally = _tally(shapes)
+        assert (tally.varies, tally.shapes.varies) == (varies, varies), shapes
+    assert StepTally().varies is False
+    flat = StepTally()
+    flat.load_shape_state([8, 8, 2, 2])
+    assert flat.varies is False
+    flat.add_batch(_padded(2, 9))
+    assert flat.varies is True
+    resumed = StepTally()
+    resumed.load_shape_state([23, 25, 1, 2])
+    assert resumed.varies is True
+
+
 def test_shapes_do_not_change_what_is_counted():
     got = _tally([(2, 25), (2, 23)]).take(steps=2)
     assert (got.tokens, got.padded_tokens) == (25 + 24 + 23 + 22, 2 * 25 + 2 * 23)

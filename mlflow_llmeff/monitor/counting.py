@@ -232,6 +232,7 @@ class StepTally:
         # the latest (B, T): a smaller latest B may be the data loader's partial last batch (ShapeRange)
         self._earlier: list[int] | None = None
         self._latest: tuple[int, int] | None = None
+        self._varied = False  # shapes.varies, kept as each shape is noted (read on every step)
 
     # ------------------------------------------------------------------------------ counting
     def add_batch(self, batch) -> None:
@@ -268,12 +269,22 @@ class StepTally:
         if self._latest is not None:
             self._earlier = self._fold(self._earlier, *self._latest)
         self._latest = (b, t)
+        if not self._varied and self._earlier is not None:
+            lo_t, hi_t, lo_b, hi_b = self._earlier
+            # as in shapes: the latest length counts in full, its size only when not smaller
+            self._varied = lo_t != hi_t or lo_b != hi_b or t != lo_t or b > hi_b
 
     @staticmethod
     def _fold(rng: list[int] | None, b: int, t: int) -> list[int]:
         if rng is None:
             return [t, t, b, b]
         return [min(rng[0], t), max(rng[1], t), min(rng[2], b), max(rng[3], b)]
+
+    @property
+    def varies(self) -> bool:
+        """``shapes.varies`` without building :attr:`shapes` (a bool kept as shapes are counted;
+        read on every step)."""
+        return self._varied
 
     @property
     def shapes(self) -> ShapeRange | None:
@@ -302,6 +313,7 @@ class StepTally:
             lo_t, hi_t, lo_b, hi_b = (int(v) for v in state)
             self._earlier = [lo_t, hi_t, lo_b, hi_b]
             self._latest = (hi_b, hi_t)  # a shape inside the range: folding it in changes nothing
+            self._varied = lo_t != hi_t or lo_b != hi_b
 
     def add_numbers(self, tokens, padded_tokens=None, loss_tokens=None, samples=None, sum_len_sq=None) -> None:
         """Count a micro-batch given as numbers (defaults as in :meth:`EfficiencyMonitor.count`)."""

@@ -354,10 +354,9 @@ class EfficiencyMonitor:
                 self._pending_step_s.append(seconds)
             if self._shape_tags_pending:
                 binding.tag_shape(self)
-            shapes = None if self._shape_varied else self._tally.shapes
-            if shapes is not None and shapes.varies:  # the first step whose batch shape differs: once
+            if not self._shape_varied and self._tally.varies:  # the first step whose batch shape differs: once
                 self._shape_varied = True  # the end of the run tags the final range
-                tags = binding.varying_shape(self, shapes)
+                tags = binding.varying_shape(self, self._tally.shapes)
                 if tags:
                     self._logger.set_tags(tags, synchronous=False)  # inside a step: no wait
             if at_edge:
