@@ -12,6 +12,7 @@ part of its constructor that talks to MLflow, kept out of the step's story.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -234,7 +235,7 @@ def varying_shape(mon, shapes) -> dict[str, str]:
     if shapes is None or not shapes.varies or not mon.is_main or mon._tally.first_shape is None:
         return {}
     slices = mon._counting.slices
-    dynamic = cond.varying_shape_tags((shapes.seq[0] * slices, shapes.seq[1] * slices), shapes.batch)
+    dynamic = cond.varying_shape_tags(dataclasses.replace(shapes, seq=(shapes.seq[0] * slices, shapes.seq[1] * slices)))
     given = getattr(mon, "_given_tags", set())
     ranges = {names.SEQ_LEN: names.SEQ_LEN_RANGE, names.MICRO_BATCH_SIZE: names.MICRO_BATCH_SIZE_RANGE}
     # a range explains a 'dynamic' value: none beside a length or size the caller gave

@@ -204,22 +204,23 @@ def shape_tags(micro_batch_size: int, seq_len: int, grad_accum: int, world: int)
             names.GRAD_ACCUM: str(grad_accum), names.GLOBAL_BATCH_TOKENS: str(seq_len * micro_batch_size * grad_accum * world)}
 
 
-def varying_shape_tags(seq: tuple[int, int], batch: tuple[int, int]) -> dict[str, str]:
-    """The shape tags of a run whose padded length or micro-batch size varied between micro-batches
-    (:class:`~mlflow_llmeff.monitor.counting.ShapeRange`): the varying ones and the global batch
-    are ``dynamic`` (no condition of the run, and no part of its name) and the range seen is beside them.
+def varying_shape_tags(shapes) -> dict[str, str]:
+    """The shape tags of a run whose padded length or micro-batch size varied between micro-batches:
+    the varying ones and the global batch are ``dynamic`` (no condition of the run, and no part of
+    its name) and the range seen is beside them.
 
     Args:
-        seq: ``(shortest, longest)`` padded length, positions (a context-parallel run: the full sequence).
-        batch: ``(smallest, largest)`` rows per micro-batch.
+        shapes: a :class:`~mlflow_llmeff.monitor.counting.ShapeRange`; ``seq`` in positions (a
+            context-parallel run: the full sequence), ``batch`` in rows per micro-batch.
 
     Returns:
         ``{}`` when neither varied.
     """
     tags: dict[str, str] = {}
-    for (lo, hi), key, range_key in ((seq, names.SEQ_LEN, names.SEQ_LEN_RANGE),
-                                     (batch, names.MICRO_BATCH_SIZE, names.MICRO_BATCH_SIZE_RANGE)):
-        if lo != hi:
+    for varies, (lo, hi), key, range_key in (
+            (shapes.seq_varies, shapes.seq, names.SEQ_LEN, names.SEQ_LEN_RANGE),
+            (shapes.batch_varies, shapes.batch, names.MICRO_BATCH_SIZE, names.MICRO_BATCH_SIZE_RANGE)):
+        if varies:
             tags.update({key: names.SHAPE_DYNAMIC, range_key: f"{lo}-{hi}"})
     if tags:
         tags[names.GLOBAL_BATCH_TOKENS] = names.SHAPE_DYNAMIC
