@@ -14,6 +14,11 @@ scoring). "positions/doc" = input positions the model actually runs per document
 included), counted by a forward pre-hook on the model for both sides. HellaSwag is scored 0-shot.
 Documents come from --data-dir, else $LLMEFF_DATA_DIR, else the hub (cais/mmlu, Rowan/hellaswag).
 Needs `pip install lm-eval`.
+
+Targets (docs/evals.md, "Cross-check and speed"): HellaSwag 1.8x with the byte vocabulary (259) and
+2.5x with 32000; few-shot MMLU 3x at either. 0-shot MMLU and a --model have none (printed so).
+The script exits 1 naming every missed target (``target NOT met``), as when predictions differ;
+``--target R`` puts one ratio in place of every target (a check of the check: ``--target 100``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,37 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
+#: Median speed-up targets over the harness: (task group, vocabulary) -> ratio; MMLU only few-shot
+#: (docs/evals.md, "Cross-check and speed").
+TARGETS = {("hellaswag", 259): 1.8, ("hellaswag", 32000): 2.5, ("mmlu", 259): 3.0, ("mmlu", 32000): 3.0}
+
+
+def target_for(label: str, vocab: int | None, shots: int, override: float | None = None) -> float | None:
+    """The median ratio ``label`` (``hellaswag``, or an MMLU group or subject) must reach with
+    ``vocab`` and ``shots``; None where there is none (0-shot MMLU, a model of its own, another
+    vocabulary), unless ``override`` puts one ratio in place of every target."""
+    if override is not None:
+        return override
+    if vocab is None:
+        return None
+    group = "hellaswag" if label == "hellaswag" else "mmlu"
+    if group == "mmlu" and shots == 0:
+        return None
+    return TARGETS.get((group, vocab))
+
+
+def missed_targets(rows: list[tuple[str, int | None, int, float]], override: float | None = None) -> list[str]:
+    """``'<label> vocab <v>: <ratio>x < <target>x'`` for each ``(label, vocab, shots, median ratio)``
+    below its :func:`target_for`."""
+    out = []
+    for label, vocab, shots, ratio in rows:
+        target = target_for(label, vocab, shots, override)
+        if target is not None and ratio < target:
+            out.append(f"{label} vocab {vocab if vocab else 'model'}: {ratio:.2f}x < {target:g}x")
+    return out
 
 def _positions_counter(model):
     """A forward pre-hook counting the input positions of every call of the model's decoder (both
@@ -74,6 +108,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds of both sides (order alternating); the median ratio is printed")
+    ap.add_argument("--target", type=float, default=None,
+                    help="one median ratio in place of every target (default: the targets of the docstring)")
     args = ap.parse_args()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -103,7 +139,7 @@ def main() -> None:
     if mmlu:
         groups.insert(0, ("mmlu" if len(mmlu) > 1 else mmlu[0], mmlu, args.num_fewshot))
     vocabs = [None] if args.model else [int(v) for v in args.vocabs.split(",")]
-    failed = []
+    failed, rows = [], []
     for vocab in vocabs:
         model, tok = _build(args, vocab)
         params = sum(p.numel() for p in model.parameters())
@@ -135,13 +171,23 @@ def main() -> None:
             n = len(ours.examples)
             ratios = sorted(t / o for t, o in zip(theirs_s, ours_s))
             a, b = n / statistics.median(ours_s), n / statistics.median(theirs_s)
+            target = target_for(label, vocab, shots, args.target)
             print(f"{label:<12}{shots:>6}{n:>6}{a:>11.1f}{b:>9.1f}{statistics.median(ratios):>7.2f}x"
                   f"{pos['ours'] / n:>14.0f}{pos['harness'] / n:>9.0f}{str(same):>12}"
-                  f"   rounds: {' '.join(f'{x:.2f}' for x in ratios)}")
+                  f"   rounds: {' '.join(f'{x:.2f}' for x in ratios)}"
+                  f"   target: {f'{target:g}x' if target is not None else 'none'}")
+            rows.append((label, vocab, shots, statistics.median(ratios)))
             if not same:
                 failed.append((vocab, label))
+    missed = missed_targets(rows, args.target)
+    if missed:
+        print(f"target NOT met: {'; '.join(missed)}", file=sys.stderr)
+    else:
+        print("targets met" if any(target_for(*r[:3], args.target) is not None for r in rows) else "no target applies")
     if failed:
-        raise SystemExit(f"predictions differ: {failed}")
+        print(f"predictions differ: {failed}", file=sys.stderr)
+    if missed or failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

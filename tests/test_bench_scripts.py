@@ -12,6 +12,8 @@ import re
 import stat
 import subprocess
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 _FROM = re.compile(r"^\s*from (mlflow_llmeff[\w.]*) import ([\w, ]+)", re.M)
@@ -102,3 +104,38 @@ def test_an_early_failed_step_fails_the_gpu_check(tmp_path):
 
 def test_the_gpu_check_exits_0_when_every_step_ran(tmp_path):
     assert _gpu_check(_stubs(tmp_path, "nosuchargument")) == (0, "met: every step ran")
+
+
+def _evals_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_evals", BENCH / "evals.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # its module level imports nothing heavy (lm-eval is imported in main)
+    return mod
+
+
+def test_the_evals_bench_names_each_missed_speed_up_target():
+    ev = _evals_bench()
+    rows = [("hellaswag", 259, 0, 1.79), ("hellaswag", 32000, 0, 2.58), ("mmlu", 259, 5, 2.9),
+            ("mmlu", 259, 0, 1.2),  # 0-shot MMLU has no target (docs/evals.md)
+            ("mmlu_anatomy", 32000, 5, 10.4)]
+    assert ev.missed_targets(rows) == ["hellaswag vocab 259: 1.79x < 1.8x", "mmlu vocab 259: 2.90x < 3x"]
+    assert ev.missed_targets([("hellaswag", 259, 0, 1.83), ("hellaswag", 32000, 0, 2.5)]) == []
+    assert ev.missed_targets([("hellaswag", None, 0, 0.5)]) == []  # a model of one's own: no target
+    assert ev.missed_targets([("mmlu", 259, 0, 1.2)], override=100) == ["mmlu vocab 259: 1.20x < 100x"]
+
+
+@pytest.mark.slow
+def test_the_evals_bench_exits_1_on_an_impossible_target(tmp_path, shared_data):
+    import sys
+
+    from conftest import require
+
+    require("lm_eval", "pip install -e '.[dev]'")
+    r = subprocess.run([sys.executable, str(BENCH / "evals.py"), "--tasks", "hellaswag", "--limit", "4",
+                        "--rounds", "1", "--vocabs", "259", "--hidden", "64", "--layers", "1", "--target", "100",
+                        "--data-dir", str(shared_data)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "target NOT met: hellaswag vocab 259: " in r.stderr and "x < 100x" in r.stderr
+    assert "   target: 100x" in r.stdout
