@@ -85,7 +85,8 @@ def test_a_single_run_of_a_machine_without_a_measured_floor_has_no_interval_and_
     assert (e.method, e.has_interval) == ("no interval", False)
     assert "no between-run floor measured for H100-SXM" in e.how()
     # 3x apart, each run's own interval +-1%: still no ranking, the next run could differ as much
-    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "within noise of best", 1: "best (1 within noise)"}
+    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "not ranked (no interval)",
+                                                         1: "best (1 not ranked: no interval)"}
 
 
 def test_the_cpu_floor_is_what_the_documented_repeats_give():
@@ -412,8 +413,9 @@ def test_the_cpu_floor_holds_down_to_the_shortest_runs_it_was_measured_on():
     assert e.how() == ("one run of 7 steady steps: the between-run floor of cpu was measured on runs of 47 or "
                        "more, so no interval, not ranked (repeat it, or run longer)")
     assert cs[0].estimate(names.SUM_USD_PER_BTOK) is None  # not logged: no estimate at all
-    # 9x apart, and still not ranked: neither has an interval
-    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "within noise of best", 1: "best (1 within noise)"}
+    # 9x apart, and still not ranked: neither has an interval (and neither is called within noise of the other)
+    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "not ranked (no interval)",
+                                                         1: "best (1 not ranked: no interval)"}
     # 50 steps (47 steady, the README's first run) carry the floor: 1,000 x (1 +- 0.81)
     e = configurations([short("c", 1000.0, 50)])[0].estimate(names.SUM_TOKENS_PER_SEC)
     assert (e.method, e.low, e.high) == ("floor", pytest.approx(190.0), pytest.approx(1810.0))
@@ -424,3 +426,24 @@ def test_the_cpu_floor_holds_down_to_the_shortest_runs_it_was_measured_on():
     assert ("a single run shorter than the runs its machine's between-run floor was measured on has no interval "
             "and is not ranked (repeat it, or run longer): run-a (7 steady steps, the floor's runs 47 or more), "
             "run-b (7 steady steps, the floor's runs 47 or more)") in h.footnotes
+
+
+def test_a_configuration_without_an_interval_is_not_ranked_and_not_called_within_noise():
+    # the trial: three 5-7-step example runs beside one 47-step run read 'within noise of best',
+    # the best 'best (3 within noise)', though the footnote said they had no interval
+    def steps(run_id, tps, n, **tags):
+        r = run(run_id, 1, tps, **{names.WARMUP_STEPS: "3"}, **tags)
+        r.metrics[names.SUM_STEPS] = float(n)
+        return r
+
+    cs = configurations([steps("best", 30_000.0, 50), steps("near", 25_000.0, 50, **{names.PRECISION: "bf16"}),
+                         steps("short", 2_729.0, 10, **{names.MODEL_NAME: "llama"}),
+                         steps("far", 3_000.0, 50, **{names.MODEL_NAME: "llama-1b"})])
+    # floors: best 30,000 x (1 +- 0.81) = [5,700, 54,300], near [4,750, 45,250] overlap; far [570, 5,430] does not
+    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {
+        0: "best (1 within noise, 1 not ranked: no interval)", 1: "within noise of best",
+        2: "not ranked (no interval)", 3: "0.1x best"}
+    # the best by mean without an interval: the others, with theirs, are not ranked against it either
+    cs = configurations([steps("short", 90_000.0, 10), steps("long", 30_000.0, 50, **{names.PRECISION: "bf16"})])
+    assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "best (1 not ranked: no interval)",
+                                                         1: "not ranked (best has no interval)"}

@@ -367,21 +367,28 @@ def within_noise(a: Estimate | None, b: Estimate | None) -> bool:
 
 
 def versus_best(configs: list[Configuration], key: str, *, higher_is_better: bool = True) -> dict[int, str]:
-    """Per configuration index: ``best``, ``within noise of best`` or ``0.62x best``.
+    """Per configuration index: ``best``, ``within noise of best``, ``not ranked (no interval)`` or ``0.62x best``.
 
     The best is the best mean (:func:`best_index`); a configuration is ranked below it only when their
-    intervals do not overlap. When others are within noise of it, the best is ``best (N within noise)``;
-    the only configuration with the figure is ``only one with this figure`` (nothing to be best against).
+    intervals do not overlap. Two intervals that overlap are ``within noise``; where either side has no
+    interval (a single run shorter than its machine's floor, a kind of machine with none measured)
+    nothing is known of the noise, and the label says so (``not ranked (no interval)``, or ``not
+    ranked (best has no interval)``) rather than claim the two are within it. The best is then
+    ``best (N within noise, M not ranked: no interval)``, naming only the parts there are; the only
+    configuration with the figure is ``only one with this figure`` (nothing to be best against).
     """
     est = [c.estimate(key) for c in configs]
     best = best_index(configs, key, higher_is_better=higher_is_better)
     if best is None:
         return {}
-    out, tied = {}, 0
+    out, tied, unranked = {}, 0, 0
     for i, e in enumerate(est):
         if e is None or i == best:
             continue
-        if within_noise(e, est[best]):
+        if not e.has_interval or not est[best].has_interval:
+            out[i] = NOT_RANKED if not e.has_interval else NOT_RANKED_BEST
+            unranked += 1
+        elif within_noise(e, est[best]):
             out[i] = "within noise of best"
             tied += 1
         else:
@@ -389,8 +396,14 @@ def versus_best(configs: list[Configuration], key: str, *, higher_is_better: boo
     if sum(e is not None for e in est) == 1:
         out[best] = ONLY_ONE
     else:
-        out[best] = f"best ({tied} within noise)" if tied else "best"
+        parts = ([f"{tied} within noise"] if tied else []) + ([f"{unranked} not ranked: no interval"] if unranked else [])
+        out[best] = f"best ({', '.join(parts)})" if parts else "best"
     return out
+
+
+#: :func:`versus_best` of a configuration without an interval, and of one beside a best without one.
+NOT_RANKED = "not ranked (no interval)"
+NOT_RANKED_BEST = "not ranked (best has no interval)"
 
 
 #: :func:`versus_best` of the only configuration with the figure.
