@@ -116,7 +116,7 @@ def test_the_trial_configuration_with_an_unstable_repeat_covers_it():
     assert (e.mean, e.n, e.method) == (6377.0, 2, "repeats")
     assert e.low == pytest.approx(1497.9, abs=0.1) and e.high == pytest.approx(11256.1, abs=0.1)
     assert e.low <= 5993.0 <= e.high
-    assert c.note() == f"1 unstable repeat kept in the figures: run-u 5,993 tokens/s ({unstable})"
+    assert c.note() == f"1 unstable repeat kept in the figures: run-u 5,993 tokens/s per device ({unstable})"
 
 
 def test_a_repeat_without_the_figure_is_named_as_left_out():
@@ -131,7 +131,7 @@ def test_a_repeat_without_the_figure_is_named_as_left_out():
 def test_both_repeats_unstable_are_both_in_the_figure():
     both, = configurations([run("x", 1, 10.0, stability=STALLED), run("y", 1, 12.0, stability=STALLED)])
     assert len(both.used) == 2 and both.estimate(names.SUM_TOKENS_PER_SEC).mean == 11.0
-    assert both.note().startswith("no stable repeat, all 2 in the figures: run-x 10 tokens/s")
+    assert both.note().startswith("no stable repeat, all 2 in the figures: run-x 10 tokens/s per device")
 
 
 def test_conditions_that_differ_make_different_configurations():
@@ -325,7 +325,7 @@ def test_the_headline_states_its_method_once_and_names_the_unstable_repeat_with_
     assert h.rows[0][tps].title == "mean of 2 repeats, 95% Student-t interval across them (df 1)"
     assert "own interval" not in h.rows[1][tps].title.replace("not its own interval", "")
     assert h.footnotes[0] == METHOD_NOTE
-    assert f"run-s (+1 repeat): 1 unstable repeat kept in the figures: run-u 5,993 tokens/s ({unstable})" in h.footnotes
+    assert f"run-s (+1 repeat): 1 unstable repeat kept in the figures: run-u 5,993 tokens/s per device ({unstable})" in h.footnotes
     stability = h.columns.index("stability")
     assert h.rows[0][stability].text == "1 of 2 unstable (kept)"
 
@@ -447,3 +447,12 @@ def test_a_configuration_without_an_interval_is_not_ranked_and_not_called_within
     cs = configurations([steps("short", 90_000.0, 10), steps("long", 30_000.0, 50, **{names.PRECISION: "bf16"})])
     assert versus_best(cs, names.SUM_TOKENS_PER_SEC) == {0: "best (1 not ranked: no interval)",
                                                          1: "not ranked (best has no interval)"}
+
+
+def test_a_single_unstable_runs_note_gives_its_per_device_figure_once_with_its_reason():
+    # the trial: 'llama-ddp2-...: the run is unstable: llama-ddp2-... 22,668 tokens/s (unstable: ...)' under
+    # a table of 11,334 tokens/s per device: the name twice, 'unstable' twice, the global figure
+    why = "unstable: only 5 steady steps (fewer than 10: no interval); p90/p50 step time 1.61 (> 1.5)"
+    c, = configurations([run("ddp", 2, 22_668.0, stability=why)])
+    assert c.note() == ("the run is unstable at 11,334 tokens/s per device: only 5 steady steps "
+                        "(fewer than 10: no interval); p90/p50 step time 1.61 (> 1.5)")

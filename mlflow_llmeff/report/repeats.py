@@ -335,14 +335,20 @@ class Configuration:
         if not bad:
             return ""
 
-        def one(r: RunRecord) -> str:
-            tps = r.metrics.get(names.SUM_TOKENS_PER_SEC)
-            value = f" {_num(tps)} tokens/s" if tps is not None else ""
-            return f"{r.label}{value} ({r.tags.get(names.STABILITY, 'no stability tag (older run)')})"
+        def value(r: RunRecord) -> str:  # the table's figure: tokens/s per device
+            tps = r.metrics.get(names.SUM_DEVICE_TOKENS_PER_SEC, r.metrics.get(names.SUM_TOKENS_PER_SEC))
+            return f"{_num(tps)} tokens/s per device" if tps is not None else ""
 
+        def one(r: RunRecord) -> str:
+            v = value(r)
+            return f"{r.label}{' ' + v if v else ''} ({r.tags.get(names.STABILITY, 'no stability tag (older run)')})"
+
+        if len(self.runs) == 1:  # the row is the run: no second name, no second 'unstable'
+            r = bad[0]
+            tag = r.tags.get(names.STABILITY, "no stability tag (older run)")
+            why = tag.split(":", 1)[1].strip() if tag.startswith("unstable:") else tag
+            return f"the run is unstable{' at ' + value(r) if value(r) else ''}: {why}"
         why = "; ".join(one(r) for r in bad)
-        if len(self.runs) == 1:
-            return f"the run is unstable: {why}"
         if len(bad) == len(self.runs):
             return f"no stable repeat, all {len(bad)} in the figures: {why}"
         return f"{len(bad)} unstable repeat{'s' if len(bad) > 1 else ''} kept in the figures: {why}"
