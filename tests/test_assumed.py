@@ -61,8 +61,8 @@ def test_what_the_user_gave_is_not_an_assumption(tracking_uri, monkeypatch):
     tags = _run(device_hour_usd=2.0, precision="bf16")  # no carbon (measure_energy=none): no grid assumed
     assert names.ASSUMED not in tags and tags[names.COST_SOURCE] == "user (device_hour_usd)"
     tags = _run(model=torch.nn.Linear(4, 4), device_hour_usd=2.0)  # a loop that may run under autocast
-    assert tags[names.ASSUMED] == ("precision: fp32 (read off the model parameters' dtype, but matmuls under "
-                                   "torch.autocast run in another: pass precision=)")
+    assert tags[names.ASSUMED] == ("precision: fp32 (read off the model parameters' dtype; matmuls under "
+                                   "torch.autocast run in the autocast dtype instead: then pass precision=)")
 
 
 def test_the_grid_country_is_assumed_only_when_no_place_is_given():

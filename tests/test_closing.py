@@ -73,9 +73,14 @@ def test_a_monitored_loop_prints_one_closing_line_with_its_name_and_tokens_per_s
     run = mlflow.MlflowClient().get_run(mon.run_id)
     tps = run.data.metrics[names.SUM_TOKENS_PER_SEC]
     assert tps == summary[names.SUM_TOKENS_PER_SEC] == 200.0  # by hand: 1,100 tokens in 11 x 0.5 s
-    (line,) = _llmeff_lines(err)
+    line, verdict, *rest = _llmeff_lines(err)
     assert line.startswith(f"llmeff: run {run.info.run_name} ({mon.run_id}): 12 steps, 1,200 tokens, "
                            f"{tps:,.0f} tokens/s steady state [")
+    # then the verdict, as llmeff train prints it, and where to open the run (the local store's UI)
+    assert verdict == f"llmeff: {run.data.tags[names.STABILITY]}" and verdict.startswith("llmeff: ")
+    assert rest[-1].startswith(f"llmeff: view run: mlflow ui --backend-store-uri {tracking_uri} then open ")
+    assert rest[-1].endswith(f"/runs/{mon.run_id}?workflowType=machine_learning")
+    assert [x for x in rest[:-1] if not x.startswith("llmeff: assumed for you: ")] == []
     assert "llmeff:" not in out
     mon.finish()  # a second finish prints nothing more
     assert _llmeff_lines(capsys.readouterr().err) == []
@@ -124,7 +129,7 @@ def test_autolog_prints_the_line_unless_silent(tracking_uri, capsys, silent, lin
     run_id = mlflow_llmeff.autologging.active_monitor().run_id
     capsys.readouterr()
     mlflow.end_run()  # the run ends: the summary, then the line
-    found = _llmeff_lines(capsys.readouterr().err)
+    found = [line for line in _llmeff_lines(capsys.readouterr().err) if line.startswith("llmeff: run ")]
     assert len(found) == lines
     if lines:
         run = mlflow.MlflowClient().get_run(run_id)

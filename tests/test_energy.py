@@ -303,5 +303,5 @@ def test_energy_not_measured_note_is_said_once_a_machine_not_once_a_process(tmp_
         make_meter("auto", device_indices=None, env={"LOCAL_RANK": "1"}, rapl_root=missing)
         assert [r.getMessage() for r in caplog.records] == []  # rank 1 of the machine: silent
         m = make_meter("auto", device_indices=None, env={"LOCAL_RANK": "0"}, rapl_root=missing)
-    assert [r.getMessage()[:51] for r in caplog.records] == ["energy not measured here (no CUDA device, no readab"]
+    assert [r.getMessage()[:59] for r in caplog.records] == ["llmeff: energy not measured here (no CUDA device, no readab"]
     assert "no CUDA device" in m.why  # every process still tags why

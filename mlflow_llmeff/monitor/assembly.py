@@ -106,8 +106,8 @@ def read_model(mon, model, model_config, precision, strategy, compile, act_ckpt)
     mon._assumed = {}  # input -> what was taken and why (llmeff.assumed)
     if precision is None:  # the peak MFU divides by follows it
         mon._assumed["precision"] = (
-            f"{mon.precision} (read off the model parameters' dtype, but matmuls under torch.autocast run in "
-            "another: pass precision=)" if inner is not None else "fp32 (no model to read a dtype from: pass precision=)")
+            f"{mon.precision} (read off the model parameters' dtype; matmuls under torch.autocast run in "
+            "the autocast dtype instead: then pass precision=)" if inner is not None else "fp32 (no model to read a dtype from: pass precision=)")
     mon.strategy = strategy or infer_strategy(model, mon.world_size)
     mon.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
     mon.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None

@@ -1,10 +1,13 @@
-"""The run's closing line on the terminal: what it trained, how fast (steady tokens/s with its interval,
-MFU) and which run holds it, the same on every path.
+"""The run's closing report on the terminal, the same on every path (:func:`report_lines`): the closing
+line (what it trained, how fast: steady tokens/s with its interval, MFU, and which run holds it), its
+stability verdict (``llmeff: stable`` or ``llmeff: unstable: <why>``), what was assumed for the user,
+and where to open the run.
 
-``llmeff train`` prints it on its stdout with the rest of its report (loop.py); a monitor in anyone
-else's loop (``autolog()``, an explicit :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`) prints it
-once, on the main rank, on stderr, when it finishes (:func:`print_closing_line`): a user's stdout is
-their own program's. ``autolog(silent=True)`` silences it. Printing never raises into training.
+``llmeff train`` prints them on its stdout (loop.py, with the job's reliability line after a restart);
+a monitor in anyone else's loop (``autolog()``, an explicit
+:class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`) prints them once, on the main rank, on stderr,
+when it finishes (:func:`print_closing_line`): a user's stdout is their own program's.
+``autolog(silent=True)`` silences them. Printing never raises into training.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import sys
 
 from mlflow_llmeff import names
 
-__all__ = ["closing_line", "run_identity", "print_closing_line", "AUTOLOG_INTEGRATIONS"]
+__all__ = ["closing_line", "report_lines", "run_identity", "print_closing_line", "AUTOLOG_INTEGRATIONS"]
 
 #: ``llmeff.autolog.integration`` values of a monitor that ``mlflow_llmeff.autolog()`` created
 AUTOLOG_INTEGRATIONS = ("trainer", "accelerate", "pytorch")
@@ -82,18 +85,44 @@ def run_identity(run_id: str | None) -> tuple[str | None, str | None]:
         return None, None
 
 
+def report_lines(mon, summary: dict[str, float], reliability: str | None = None) -> list[str]:
+    """The closing report of a finished monitor, each line ``llmeff: ...``: :func:`closing_line`, the
+    stability verdict (``llmeff.stability``), what was assumed (``llmeff.assumed``), ``reliability``
+    (the job's line, given only after a restart) and where to open the run (when the server holds it).
+
+    The run's name and experiment are read from the tracking server once, bounded
+    (:func:`run_identity`); a run waiting in the outbox has neither (its line said how to send it).
+    """
+    from mlflow_llmeff.monitor.assembly import assumed_line, assumptions
+
+    name, exp_id = (None, None) if mon.spilled_to else run_identity(mon.run_id)
+    lines = [closing_line(summary, run_id=mon.run_id, run_name=name, absent=getattr(mon, "_absent", None))]
+    if mon.stability:
+        lines.append(f"llmeff: {mon.stability}")
+    told = assumed_line(assumptions(mon))  # not only in a tag: the figures rest on it
+    if told:
+        lines.append(f"llmeff: {told}")
+    if reliability:
+        lines.append(f"llmeff: {reliability}")
+    if exp_id is not None:
+        import mlflow
+
+        from mlflow_llmeff.tracking.runs import run_url_line
+
+        lines.append(f"llmeff: {run_url_line(mlflow.get_tracking_uri(), exp_id, mon.run_id)}")
+    return lines
+
+
 def print_closing_line(mon) -> None:
-    """Print :func:`closing_line` of a finished monitor on stderr: main rank only, not for ``llmeff train``
+    """Print :func:`report_lines` of a finished monitor on stderr: main rank only, not for ``llmeff train``
     (it prints its own report), not under ``autolog(silent=True)``. Never raises."""
     try:
         if not (mon.is_main and mon.summary and mon.run_id) or mon._integration == "train":
             return
         if mon._integration in AUTOLOG_INTEGRATIONS and _autolog_silent():
             return
-        name = None if mon.spilled_to else run_identity(mon.run_id)[0]  # the server took the run: ask its name
-        line = closing_line(mon.summary, run_id=mon.run_id, run_name=name, absent=getattr(mon, "_absent", None))
-        print(line, file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001 - a closing line never stops training
+        print("\n".join(report_lines(mon, mon.summary)), file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a closing report never stops training
         pass
 
 

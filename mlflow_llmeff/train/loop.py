@@ -531,27 +531,13 @@ def _save_model(path: str, t) -> None:
 
 
 def _print_summary(monitor, summary: dict, reliability: str | None = None) -> None:
-    """The run's report on stdout: the closing line every path prints (monitor/closing.py), its stability,
-    what was assumed, the job's reliability line after a restart, and where to open the run."""
-    from mlflow_llmeff.monitor.assembly import assumed_line, assumptions
-    from mlflow_llmeff.monitor.closing import closing_line, run_identity
+    """The run's report on stdout: the closing report every path prints (monitor/closing.py: the closing
+    line, its stability, what was assumed, where to open the run), with the job's reliability line after
+    a restart."""
+    from mlflow_llmeff.monitor.closing import report_lines
 
-    # the server took the run (nothing waits in the outbox): its name and experiment, one bounded read
-    name, exp_id = (None, None) if monitor.spilled_to else run_identity(monitor.run_id)
-    print(closing_line(summary, run_id=monitor.run_id, run_name=name, absent=getattr(monitor, "_absent", None)))
-    if monitor.stability:
-        print(f"llmeff: {monitor.stability}")
-    told = assumed_line(assumptions(monitor))  # not only in a tag: the figures rest on it
-    if told:
-        print(f"llmeff: {told}")
-    if reliability and summary.get(names.SUM_ATTEMPTS, 1) > 1:
-        print(f"llmeff: {reliability}")
-    if exp_id is not None:  # None: the run waits in the outbox (its line said how to send it) or was not read
-        import mlflow
-
-        from mlflow_llmeff.tracking.runs import run_url_line
-
-        print(f"llmeff: {run_url_line(mlflow.get_tracking_uri(), exp_id, monitor.run_id)}")
+    restarted = reliability and summary.get(names.SUM_ATTEMPTS, 1) > 1
+    print("\n".join(report_lines(monitor, summary, reliability if restarted else None)))
 
 
 def _attempt_start_perf() -> float:
