@@ -251,7 +251,8 @@ def test_static_prefix_page_links_and_images_carry_the_prefix(servers):
     assert f"href='/mlflow/#/experiments/{exps['five']}/runs?" in listing.decode()
     _, _, page = _http(f"{url}/llmeff/experiments/{exps['five']}")
     text = page.decode()
-    assert all(src.startswith("/mlflow/llmeff/figures/") for src in _figure_urls(page))
+    figures = _figure_urls(page)
+    assert figures and all(src.startswith("/mlflow/llmeff/figures/") for src in figures)
     assert f"action='/mlflow/llmeff/experiments/{exps['five']}'" in text
     assert re.findall(r"href='(/[^']*)'", text) and all(h.startswith("/mlflow/") for h in re.findall(r"href='(/[^']*)'", text))
     assert _http(_origin(url) + f"/llmeff/experiments/{exps['five']}")[0] == 404  # not outside the prefix
