@@ -189,8 +189,10 @@ def main() -> int:
     print()
     print("\n".join(growth_table(rows)))
     missed = [r for r in rows if r["runs"] <= TARGET_RUNS and r["second"] >= TARGET_S]
+    untested = not any(r["runs"] <= TARGET_RUNS for r in rows)  # nothing measured that the target covers
     verdict = (f"target missed: second request {missed[0]['second']:.2f} s at {missed[0]['runs']:,} runs "
                f"(target under {TARGET_S:g} s up to {TARGET_RUNS:,} runs)" if missed else
+               f"target not measured: no run count up to {TARGET_RUNS:,} (give one in --runs)" if untested else
                f"target met: second request under {TARGET_S:g} s up to {TARGET_RUNS:,} runs")
     print(verdict)
     steep = [(a, b) for a, b in zip(rows, rows[1:]) if a["runs"] >= TARGET_RUNS and b["runs"] > a["runs"]
@@ -200,7 +202,7 @@ def main() -> int:
               f"linear from {a['runs']:,} to {b['runs']:,} runs (limit {GROWTH_LIMIT:g})")
     if rows and not steep and len(rows) > 1:
         print(f"growth met: no worse than {GROWTH_LIMIT:g}x linear from {TARGET_RUNS:,} runs up")
-    return 1 if missed or steep else 0
+    return 1 if missed or steep or untested else 0
 
 
 if __name__ == "__main__":
