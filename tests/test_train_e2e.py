@@ -163,6 +163,8 @@ def test_cpu_run_logs_cost_identity_and_never_reports_an_estimate_as_measured(tr
         assert m[names.CARBON_ESTIMATE_KG] > 0 and "estimate" in tags[names.ENERGY_WHY]
     assert float(tags[names.CARBON_INTENSITY]) > 0
     assert out["summary"][names.SUM_TOKENS] == 6 * 2 * 32
+    # no checkpoint folder: no job to count attempts over, said why (never a made-up attempts = 1)
+    assert names.SUM_ATTEMPTS not in m and tags[names.RELIABILITY_WHY].startswith("no checkpoint_dir: no job ledger")
 
 
 @pytest.mark.slow

@@ -81,6 +81,21 @@ def test_two_steady_steps_log_the_spread_and_only_the_interval_is_absent(trackin
         + NO_TICKS)
 
 
+def test_a_monitored_loop_logs_no_attempts_and_says_why(tracking_uri):
+    # the trial: no summary/attempts and no why; docs/metrics.md's '1 = never restarted' read as always there
+    t = [0.0]
+    mon = monitor(lambda: t[0], log_every_n_steps=10, warmup_steps=1)
+    for _ in range(3):
+        t[0] += 0.010
+        mon.step(tokens=1000)
+    out = mon.finish()
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    assert names.SUM_ATTEMPTS not in out and names.SUM_FAILURES not in run.data.metrics
+    assert run.data.tags[names.RELIABILITY_WHY] == (
+        "a monitored loop sees one process, not its job's restarts: no summary/attempts, failures, down time "
+        "or MTBF (llmeff train with --checkpoint-dir counts them)")
+
+
 def test_no_wall_time_logs_no_goodput_and_says_why(tracking_uri):
     mon = monitor(lambda: 5.0, log_every_n_steps=10, warmup_steps=1)  # a clock that never moves
     for _ in range(3):

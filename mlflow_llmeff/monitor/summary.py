@@ -83,11 +83,21 @@ def batch_shapes(mon, collective: bool) -> ShapeRange | None:
     return ShapeRange(seq=(-lo_t, hi_t), batch=(-lo_b, hi_b)) if hi_t > 0 else None
 
 
+#: ``llmeff.reliability.why`` of a run without a job ledger: ``llmeff train`` without a checkpoint folder,
+#: and every monitor in a user's own loop (it sees one process, not the job's restarts).
+NO_JOB_TRAIN = ("no checkpoint_dir: no job ledger, so no summary/attempts, failures, down time or MTBF (a "
+                "restart could not resume this run; give --checkpoint-dir)")
+NO_JOB_LOOP = ("a monitored loop sees one process, not its job's restarts: no summary/attempts, failures, down "
+               "time or MTBF (llmeff train with --checkpoint-dir counts them)")
+
+
 def _job_figures(mon) -> dict[str, str]:
     """The job's reliability figures at the clock's end (EfficiencyMonitor.set_job_figures): its
     metrics join the summary, its line the description; returns its tags."""
-    if mon._job_figures is None or not mon.is_main:
+    if not mon.is_main:
         return {}
+    if mon._job_figures is None:  # absent, and why (never a made-up 'attempts 1')
+        return {names.RELIABILITY_WHY: NO_JOB_TRAIN if mon._integration == "train" else NO_JOB_LOOP}
     import time
 
     try:
