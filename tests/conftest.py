@@ -149,6 +149,24 @@ def _no_active_run_leaks():
             pytest.fail(f"the test left MLflow run {run.info.run_id} active")
 
 
+def process_start_unix_of(pid: int) -> float:
+    """Unix time (s) process ``pid`` started, read here off the OS: ``/proc/<pid>/stat`` field 22
+    (clock ticks since boot, proc(5)) on the boot clock, moved to the wall clock now. The product reads
+    its own start the same way (``probes.process_start_unix``: ``/proc/self/stat``), so both see the same
+    tick; they differ only by how far the wall clock moved against the boot clock between the two reads
+    (NTP slewing: at most 0.5 ms a second). Read it while the process runs (right after ``Popen``)."""
+    import time
+
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # the name in (...) may hold spaces
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+#: Allowance for two readings of one process start (:func:`process_start_unix_of` against the
+#: product's): a 10 ms clock tick (SC_CLK_TCK = 100) and 1 ms, a bound on the clocks' drift between them.
+START_TICK_S = 0.011
+
+
 def free_port() -> int:
     """A TCP port free on the loopback address now."""
     import socket
