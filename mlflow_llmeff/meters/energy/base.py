@@ -31,10 +31,11 @@ _warned: set[str] = set()
 
 
 def _warn_once(msg: str) -> None:
-    """Log ``msg`` as a warning the first time it is seen in this process."""
+    """Log ``msg`` as a warning, ``llmeff: <msg>`` like every line the package prints, the first time it is
+    seen in this process."""
     if msg not in _warned:
         _warned.add(msg)
-        _log.warning(msg)
+        _log.warning(f"llmeff: {msg}")
 
 
 class _Unavailable(Exception):

@@ -139,7 +139,7 @@ def make_meter(
     why = "; ".join(reasons)
     short = "NVML unavailable for this process's GPUs" if device_indices else "no CUDA device, no readable RAPL"
     if env.get("LOCAL_RANK", "0") == "0":  # once a machine, not once a process (the reason is the machine's)
-        _warn_once(f"llmeff: energy not measured here ({short}): only codecarbon's estimate is logged "
+        _warn_once(f"energy not measured here ({short}): only codecarbon's estimate is logged "
                    "(tag llmeff.energy.why and `llmeff energy-probe` say why)")
     return NullMeter(why, owned=owned, clock=clock)
 
