@@ -58,6 +58,7 @@ def missed_targets(rows: list[tuple[str, int | None, int, float]], override: flo
             out.append(f"{label} vocab {vocab if vocab else 'model'}: {ratio:.2f}x < {target:g}x")
     return out
 
+
 def _positions_counter(model):
     """A forward pre-hook counting the input positions of every call of the model's decoder (both
     sides run it: the harness through the model, our scorer also directly, see

@@ -344,10 +344,10 @@ class Configuration:
             return f"{r.label}{' ' + v if v else ''} ({r.tags.get(names.STABILITY, 'no stability tag (older run)')})"
 
         if len(self.runs) == 1:  # the row is the run: no second name, no second 'unstable'
-            r = bad[0]
+            r, v = bad[0], value(bad[0])
             tag = r.tags.get(names.STABILITY, "no stability tag (older run)")
             why = tag.split(":", 1)[1].strip() if tag.startswith("unstable:") else tag
-            return f"the run is unstable{' at ' + value(r) if value(r) else ''}: {why}"
+            return f"the run is unstable{' at ' + v if v else ''}: {why}"
         why = "; ".join(one(r) for r in bad)
         if len(bad) == len(self.runs):
             return f"no stable repeat, all {len(bad)} in the figures: {why}"
