@@ -38,8 +38,8 @@ the run's steady-state mean.
   half width of 10% it is within 0.2% of the mean of ``R_hat +- t * se``. Below
   :data:`MIN_EFFECTIVE_STEPS` effective steps no interval is given and the verdict says
   ``too few independent steps (<n_eff> of <n>)``. Just above that minimum the interval is widened
-  (:func:`near_minimum_widening`: x :data:`NEAR_MINIMUM_WIDENING` below :data:`NEAR_MINIMUM_FULL` x
-  the minimum, tapering to 1 at :data:`NEAR_MINIMUM_END` x): an interval is stated only for runs
+  (:func:`near_minimum_widening`: x :data:`NEAR_MINIMUM_WIDENING` at the minimum, tapering to 1 at
+  :data:`NEAR_MINIMUM_END` x the minimum): an interval is stated only for runs
   that pass the minimum, so it must hold its level among the runs that pass, and the runs of
   strong autocorrelation that pass (their slow stretch spans the whole run, so they look like
   runs of weaker correlation) pass just above it, where nothing the run measured tells them from
@@ -64,8 +64,8 @@ from typing import Sequence
 
 __all__ = ["STALL_FACTOR", "P90_P50_LIMIT", "STALL_SHARE_LIMIT", "CI_HALF_WIDTH_LIMIT", "MIN_STEPS",
            "MIN_EFFECTIVE_STEPS", "Stability", "Interval", "percentile", "autocorrelation", "autocorrelation_time",
-           "short_run_tau", "near_minimum_widening", "NEAR_MINIMUM_WIDENING", "NEAR_MINIMUM_FULL",
-           "NEAR_MINIMUM_END", "throughput_intervals", "throughput_interval", "analyse", "verdict", "straggler", "THRESHOLDS_TEXT"]
+           "short_run_tau", "near_minimum_widening", "NEAR_MINIMUM_WIDENING", "NEAR_MINIMUM_END",
+           "throughput_intervals", "throughput_interval", "analyse", "verdict", "straggler", "THRESHOLDS_TEXT"]
 
 #: A step longer than this many median steps is a stall (docs/stability.md, "Per run").
 STALL_FACTOR = 5.0
@@ -80,14 +80,13 @@ MIN_STEPS = 10
 #: Fewer effective (independent) steps than this, ``n / tau``, give no interval (docs/stability.md: the most
 #: that still gives one in 90% of the runs at autocorrelation 0.5 over 100 steps and in half at 0.9 over 400).
 MIN_EFFECTIVE_STEPS = 20.0
-#: Near the minimum the interval's half width (log scale) is multiplied by this (:func:`near_minimum_widening`;
-#: measured, docs/stability.md, "Near the minimum": the least that covers 0.95 of the runs given an interval
-#: at every AR(1) autocorrelation leaving 5 or more independent steps, 100 to 1,000 steps).
-NEAR_MINIMUM_WIDENING = 4.0
-#: ... for fewer effective steps than this many times the minimum (24 for the minimum of 20) ...
-NEAR_MINIMUM_FULL = 1.2
-#: ... tapering linearly to 1x at this many times the minimum (30 for 20) and above.
-NEAR_MINIMUM_END = 1.5
+#: At the minimum of effective steps the interval's half width (log scale) is multiplied by this, tapering
+#: linearly to 1 at :data:`NEAR_MINIMUM_END` x the minimum (:func:`near_minimum_widening`; measured,
+#: docs/stability.md, "Near the minimum": about the least that covers 0.95 of the runs given an interval at
+#: every AR(1) autocorrelation that leaves 5 or more independent steps, 100 to 1,000 steps).
+NEAR_MINIMUM_WIDENING = 3.2
+#: ... and 1 from this many times the minimum (35 effective steps for the minimum of 20).
+NEAR_MINIMUM_END = 1.75
 #: The correction for the sample mean never more than doubles the long-run variance.
 _MAX_MEAN_CORRECTION = 2.0
 #: Student's t degrees of freedom are this share of the window's asymptotic ``n / (2M + 1)``: the window
@@ -102,8 +101,8 @@ THRESHOLDS_TEXT = (f"stall = step > {STALL_FACTOR:g}x median; unstable when p90/
                    f"{MIN_EFFECTIVE_STEPS:g} effective steps (n / integrated autocorrelation time, no interval); "
                    "interval: ratio estimator linearized (delta method), long-run variance over Geyer's initial "
                    "monotone sequence window, Student's t on n/(2(2M+1)) degrees of freedom, log scale; half width x "
-                   f"{NEAR_MINIMUM_WIDENING:g} below {NEAR_MINIMUM_FULL * MIN_EFFECTIVE_STEPS:g} effective steps, "
-                   f"tapering to 1x at {NEAR_MINIMUM_END * MIN_EFFECTIVE_STEPS:g} (docs/stability.md)")
+                   f"{NEAR_MINIMUM_WIDENING:g} at {MIN_EFFECTIVE_STEPS:g} effective steps, tapering to 1x at "
+                   f"{NEAR_MINIMUM_END * MIN_EFFECTIVE_STEPS:g} (docs/stability.md)")
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -236,10 +235,10 @@ def short_run_tau(rho):
 def near_minimum_widening(n_eff, min_effective_steps: float = MIN_EFFECTIVE_STEPS):
     """The factor on the interval's half width (log scale) of a run with ``n_eff`` effective steps.
 
-    ``NEAR_MINIMUM_WIDENING`` (4) below ``NEAR_MINIMUM_FULL`` x ``min_effective_steps`` (24 of 20),
-    then linearly down to 1 at ``NEAR_MINIMUM_END`` x ``min_effective_steps`` (30 of 20), 1 above;
-    1 everywhere when ``min_effective_steps <= 0`` (no run is refused, so none is selected). The
-    reason is selection: an interval is stated only for runs with at least ``min_effective_steps``,
+    ``1 + (NEAR_MINIMUM_WIDENING - 1) (END - n_eff) / (END - min_effective_steps)`` between the minimum
+    and ``END = NEAR_MINIMUM_END x min_effective_steps`` (3.2 at 20 effective steps, 1 from 35), the
+    same 3.2 below the minimum (where no interval is given), 1 above; 1 everywhere when
+    ``min_effective_steps <= 0`` (no run is refused, so none is selected). The reason is selection: an interval is stated only for runs with at least ``min_effective_steps``,
     and a run of strong autocorrelation passes that screen exactly when its slow stretch spans the
     whole run and its estimated autocorrelation time comes out a third to a quarter of the truth;
     it then passes just above the minimum, among honest runs that nothing it measured tells it from
@@ -265,8 +264,8 @@ def near_minimum_widening(n_eff, min_effective_steps: float = MIN_EFFECTIVE_STEP
     if min_effective_steps <= 0:
         f = np.ones_like(x)
     else:
-        full, end = NEAR_MINIMUM_FULL * min_effective_steps, NEAR_MINIMUM_END * min_effective_steps
-        f = 1.0 + (NEAR_MINIMUM_WIDENING - 1.0) * np.clip((end - x) / (end - full), 0.0, 1.0)
+        end = NEAR_MINIMUM_END * min_effective_steps
+        f = 1.0 + (NEAR_MINIMUM_WIDENING - 1.0) * np.clip((end - x) / (end - min_effective_steps), 0.0, 1.0)
     return float(f) if f.ndim == 0 else f
 
 
