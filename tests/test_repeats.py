@@ -10,7 +10,7 @@ import pytest
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord
 from mlflow_llmeff.report.repeats import (Estimate, configurations, noisy_pareto_front, scaling_efficiency,
-                                          t_quantile_975, versus_best, within_noise)
+                                          standing_order, t_quantile_975, versus_best, within_noise)
 
 BASE = {names.ACCEL_SHORT: "cpu", names.ACCEL_NAME: "Test CPU", names.PRECISION: "fp32",
         names.MODEL_NAME: "llama-tiny", names.SEQ_LEN: "128", names.MICRO_BATCH_SIZE: "8", names.GRAD_ACCUM: "1",
@@ -194,6 +194,16 @@ def test_the_only_configuration_with_a_figure_is_not_called_best():
     cs = configurations([run("a", 1, 100.0), run("b", 2, 300.0)])
     del cs[1].runs[0].metrics[names.SUM_DEVICE_TOKENS_PER_SEC]
     assert versus_best(cs, names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "only one with this figure"}
+
+
+@pytest.mark.parametrize("label, order", [
+    ("best", 0), ("best (2 within noise, 1 not ranked: no interval)", 0), ("only one with this figure", 0),
+    ("within noise of best", 1), ("not ranked (no interval)", 1), ("not ranked (best has no interval)", 1),
+    ("0.62x best", 2), ("", 2)])
+def test_one_predicate_sorts_every_standing_label_for_the_table_and_the_hatching(label, order):
+    # the headline table sorts by it and the throughput bars hatch order 1: both read it here, not by
+    # matching words of their own
+    assert standing_order(label) == order
 
 
 def test_two_repeats_one_stalled_and_a_two_process_configuration():

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import absent_why
-from mlflow_llmeff.report.repeats import METHOD_NOTE, ONLY_ONE, Configuration, Estimate, best_index, floor_for, versus_best
+from mlflow_llmeff.report.repeats import (METHOD_NOTE, Configuration, Estimate, best_index, floor_for,
+                                          standing_order, versus_best)
 
 __all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS"]
 
@@ -192,7 +193,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices) if c.devices else None),  # unknown sorts last
             layout_cell(c),
             _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
-            Cell(stand, 0.0 if stand.startswith("best") or stand == ONLY_ONE else (1.0 if "within noise" in stand or stand.startswith("not ranked") else 2.0), best_title),
+            Cell(stand, float(standing_order(stand)), best_title),
             mfu_cell, _est_cell(usd), carbon_cell,
             Cell(f"{good:.2f}" if good is not None else "", good),
             quality, _stability(c)])

@@ -16,7 +16,7 @@ from typing import Callable
 
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord
-from mlflow_llmeff.report.repeats import Estimate, noisy_pareto_front, versus_best
+from mlflow_llmeff.report.repeats import Estimate, noisy_pareto_front, standing_order, versus_best
 
 __all__ = ["draw_all", "png", "FIGURES"]
 
@@ -142,7 +142,7 @@ def fig_tokens_per_device(rep, history):
     bars = ax.bar(range(len(configs)), [e.mean for e in est], color=[colours[rep.group_of(c.runs[0])] for c in configs],
                   yerr=err, capsize=4, ecolor="0.2")
     for i, b in enumerate(bars):
-        if standing.get(i, "").startswith(("within noise", "not ranked")) or not est[i].has_interval:
+        if standing_order(standing.get(i, "")) == 1 or not est[i].has_interval:
             b.set_hatch("//")
     ax.set_xticks(range(len(configs)), [short(c.label, 32) for c in configs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s per device (steady state)")

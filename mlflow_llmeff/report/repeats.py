@@ -412,6 +412,16 @@ NOT_RANKED = "not ranked (no interval)"
 NOT_RANKED_BEST = "not ranked (best has no interval)"
 
 
+def standing_order(label: str) -> int:
+    """Where a :func:`versus_best` label sorts: 0 the best (or the only one), 1 unranked against it (within
+    noise, or not ranked for want of an interval), 2 ranked below it (``0.62x best``) or no label."""
+    if label.startswith("best") or label == ONLY_ONE:
+        return 0
+    if label.startswith("within noise") or label in (NOT_RANKED, NOT_RANKED_BEST):
+        return 1
+    return 2
+
+
 #: :func:`versus_best` of the only configuration with the figure.
 ONLY_ONE = "only one with this figure"
 
