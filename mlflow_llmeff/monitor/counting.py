@@ -270,9 +270,17 @@ class StepTally:
             self._earlier = self._fold(self._earlier, *self._latest)
         self._latest = (b, t)
         if not self._varied and self._earlier is not None:
-            lo_t, hi_t, lo_b, hi_b = self._earlier
-            # as in shapes: the latest length counts in full, its size only when not smaller
-            self._varied = lo_t != hi_t or lo_b != hi_b or t != lo_t or b > hi_b
+            lo_t, hi_t, lo_b, hi_b = self._with_latest(self._earlier, b, t)
+            self._varied = lo_t != hi_t or lo_b != hi_b
+
+    @staticmethod
+    def _with_latest(earlier: list[int] | None, b: int, t: int) -> tuple[int, int, int, int]:
+        """``(shortest T, longest T, smallest B, largest B)`` of the earlier range with the latest
+        micro-batch ``(b, t)``: its length counts in full, its size only when not smaller (a smaller
+        one may be the data loader's partial last batch; :attr:`shapes` and :attr:`varies` both
+        read this one rule)."""
+        lo_t, hi_t, lo_b, hi_b = earlier or (t, t, b, b)
+        return min(lo_t, t), max(hi_t, t), lo_b, max(hi_b, b)
 
     @staticmethod
     def _fold(rng: list[int] | None, b: int, t: int) -> list[int]:
@@ -296,9 +304,8 @@ class StepTally:
         """
         if self._latest is None:
             return None
-        b, t = self._latest
-        lo_t, hi_t, lo_b, hi_b = self._earlier or (t, t, b, b)
-        return ShapeRange(seq=(min(lo_t, t), max(hi_t, t)), batch=(lo_b, max(hi_b, b)))
+        lo_t, hi_t, lo_b, hi_b = self._with_latest(self._earlier, *self._latest)
+        return ShapeRange(seq=(lo_t, hi_t), batch=(lo_b, hi_b))
 
     def shape_state(self) -> list[int] | None:
         """The shapes counted so far for a checkpoint, ``[shortest T, longest T, smallest B, largest B]``:
