@@ -5,8 +5,11 @@ noise, and scaling efficiency with its interval (``docs/stability.md``, "Compari
 A pure calculator over :class:`~mlflow_llmeff.report.calc.RunRecord` values (no MLflow, no drawing).
 The run, not the step, is the unit of replication:
 
-* A **configuration** is the set of finished runs whose :data:`CONFIG_TAGS` are all equal: they
-  are repeats, samples of one configuration's figure.
+* A **configuration** is the set of finished runs whose :data:`CONFIG_TAGS` are all equal and that
+  ran the same number of optimizer steps (``summary/steps``): they are repeats, samples of one
+  configuration's figure. Run length is part of it because goodput (set-up is paid once a run),
+  the quality reached and whether the between-run floor holds all change with it: a 50-step and a
+  300-step run averaged into one row describe neither (a trial's val loss 3.06 of 2.378 and 3.750).
 * Its **estimate** of a figure (:class:`Estimate`) is, with two or more repeats, the mean over
   **every** repeat holding the figure with a 95% Student-t interval across them (df = repeats - 1):
   an unstable repeat (``llmeff.stability``) is a sample like any other and stays in (a stall is a
@@ -360,7 +363,8 @@ def configurations(runs: list[RunRecord]) -> list[Configuration]:
     for r in runs:
         if not r.comparable:
             continue
-        key = tuple(r.tags.get(k) for k in CONFIG_TAGS)
+        steps = r.metrics.get(names.SUM_STEPS)
+        key = tuple(r.tags.get(k) for k in CONFIG_TAGS) + (int(steps) if steps is not None else None,)
         out.setdefault(key, Configuration(key)).runs.append(r)
     return list(out.values())
 
