@@ -152,12 +152,12 @@ def test_a_widened_interval_is_the_plain_one_times_the_factor_on_the_log_scale()
 
 def test_the_verdict_says_an_interval_was_widened_near_the_minimum():
     s = st.Stability(steps=100, mean_step_s=0.01, p50_step_s=0.01, p90_step_s=0.011, cv=0.1, stalls=0, stall_s=0.0,
-                     total_s=1.0, tokens_per_sec=1000.0, ci95=(800.0, 1250.0), n_eff=22.04, tau=4.537, widening=2.91)
-    # half width (1250 - 800) / 2 / 1000 = 22.5%
-    assert st.verdict(s) == ("unstable: 95% interval +-22% of the mean (> 10%; widened 2.91x: 22.0 independent steps of "
-                             "100 is near the minimum of 20)")
+                     total_s=1.0, tokens_per_sec=1000.0, ci95=(880.0, 1120.0), n_eff=22.04, tau=4.537, widening=2.91)
+    # half width (1120 - 880) / 2 / 1000 = 12%, both sides 12%
+    assert st.verdict(s) == ("unstable: 95% interval +-12% of the mean (> 10%; widened 2.91x: 22.0 independent steps of "
+                             "100 is near the minimum of 20, a longer run has more)")
     plain = st.Stability(**{**s.__dict__, "widening": 1.0})
-    assert st.verdict(plain) == "unstable: 95% interval +-22% of the mean (> 10%)"
+    assert st.verdict(plain) == "unstable: 95% interval +-12% of the mean (> 10%)"
 
 
 def test_geyer_sums_pairs_up_to_the_first_that_is_not_positive_and_keeps_them_non_increasing():

@@ -62,7 +62,21 @@ def test_two_stalls_in_100_steps_hand_computed():
     assert math.log(s.tokens_per_sec / low) == pytest.approx(rel, rel=1e-9)
     assert rel == pytest.approx(2.009 * 0.542904, rel=1e-3)  # [7,673, 67,937] tokens/s: never below 0
     v = st.verdict(s)
-    assert v.startswith("unstable: ") and "2 stalls = 3.4 s of 4.38 s step time" in v and "95% interval +-" in v
+    # lopsided on the log scale: 1 - 7,673 / 22,831 = 66% below, 67,937 / 22,831 - 1 = 198% above, half width
+    # (67,937 - 7,673) / 2 / 22,831 = 132%
+    assert v == ("unstable: 2 stalls = 3.4 s of 4.38 s step time (steps over 5x the median step of 0.01 s); "
+                 "95% interval -66% / +198% of the mean (half width 132% > 10%)")
+
+
+@pytest.mark.parametrize("low, high, words", [
+    (890.0, 1110.0, "+-11% of the mean (> 10%"),
+    (897.0, 1103.0, "+-10.3% of the mean (> 10%"),  # never '+-10% ... (> 10%)'
+    (899.6, 1100.4, "+-10.04% of the mean (> 10%"),
+    (800.0, 1250.0, "-20% / +25% of the mean (half width 22% > 10%"),
+    (496.8, 2013.4, "-50% / +101% of the mean (half width 76% > 10%")])
+def test_an_interval_is_told_by_its_two_sides_when_they_differ_and_never_rounded_onto_the_threshold(low, high, words):
+    # the second and third: a half width of 10.3% and 10.04% printed '+-10% (> 10%)', contradicting itself (a trial)
+    assert st.interval_words(low, high, 1000.0) == words
 
 
 def test_the_same_run_without_stalls_is_stable_with_a_narrow_interval():

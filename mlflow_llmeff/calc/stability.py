@@ -64,7 +64,7 @@ from typing import Sequence
 
 __all__ = ["STALL_FACTOR", "P90_P50_LIMIT", "STALL_SHARE_LIMIT", "CI_HALF_WIDTH_LIMIT", "MIN_STEPS",
            "MIN_EFFECTIVE_STEPS", "Stability", "Interval", "percentile", "autocorrelation", "autocorrelation_time",
-           "short_run_tau", "near_minimum_widening", "NEAR_MINIMUM_WIDENING", "NEAR_MINIMUM_END",
+           "short_run_tau", "near_minimum_widening", "interval_words", "NEAR_MINIMUM_WIDENING", "NEAR_MINIMUM_END",
            "throughput_intervals", "throughput_interval", "analyse", "verdict", "straggler", "THRESHOLDS_TEXT"]
 
 #: A step longer than this many median steps is a stall (docs/stability.md, "Per run").
@@ -449,10 +449,32 @@ def _g(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _share_over(x: float, limit: float) -> str:
+    """``x`` as a percentage with the fewest decimals (0 to 3) that still show it is over ``limit``
+    (a half width of 10.3% against 10% reads ``10.3%``, never ``10%``)."""
+    for d in range(4):
+        if round(x * 100, d) > limit * 100:
+            return f"{x * 100:.{d}f}%"
+    return f"{x * 100:.3f}%"
+
+
+def interval_words(low: float, high: float, mean: float, limit: float = CI_HALF_WIDTH_LIMIT) -> str:
+    """An interval as shares of its mean against a half-width ``limit``: ``+-20% of the mean (> 10%``
+    when both sides round alike, else ``-50% / +101% of the mean (half width 76% > 10%`` (the
+    interval is symmetric on the log scale, so a wide one is lopsided: ``+-76%`` misread [1,338,
+    5,422] around 2,693). The bracket is left open for the caller to add to and close."""
+    down, up = 1 - low / mean, high / mean - 1
+    half = (high - low) / 2 / mean
+    if f"{down:.0%}" == f"{up:.0%}":
+        return f"+-{_share_over(half, limit)} of the mean (> {limit:.0%}"
+    return f"-{down:.0%} / +{up:.0%} of the mean (half width {_share_over(half, limit)} > {limit:.0%}"
+
+
 def verdict(s: Stability | None) -> str:
     """``stable``, or ``unstable: <why>`` naming every figure past its threshold.
 
-    E.g. ``unstable: 2 stalls = 3.4 s of 4.37 s step time; 95% interval +-38% of the mean``, or
+    E.g. ``unstable: 2 stalls = 3.4 s of 4.37 s step time (...); 95% interval +-38% of the mean (> 10%)``,
+    ``95% interval -50% / +101% of the mean (half width 76% > 10%)`` for a wide (lopsided) one, or
     ``unstable: too few independent steps (9.9 of 100)`` when no interval could be given.
     """
     if s is None:
@@ -467,13 +489,14 @@ def verdict(s: Stability | None) -> str:
         why.append(f"p90/p50 step time {_g(ratio)} (> {P90_P50_LIMIT:g})")
     if s.stalls and s.stall_s > STALL_SHARE_LIMIT * s.total_s:
         why.append(f"{s.stalls} stall{'s' if s.stalls > 1 else ''} = {_g(s.stall_s)} s of {_g(s.total_s)} s step time"
-                   f" (steps > {STALL_FACTOR:g}x the median {_g(s.p50_step_s)} s)")
+                   f" (steps over {STALL_FACTOR:g}x the median step of {_g(s.p50_step_s)} s)")
     if s.ci95 is not None and s.tokens_per_sec > 0:
         half = (s.ci95[1] - s.ci95[0]) / 2 / s.tokens_per_sec
         if half > CI_HALF_WIDTH_LIMIT:
             near = (f"; widened {s.widening:.3g}x: {s.n_eff:.1f} independent steps of {s.steps} is near the "
-                    f"minimum of {MIN_EFFECTIVE_STEPS:g}" if s.widening and s.widening > 1 and s.n_eff else "")
-            why.append(f"95% interval +-{half:.0%} of the mean (> {CI_HALF_WIDTH_LIMIT:.0%}{near})")
+                    f"minimum of {MIN_EFFECTIVE_STEPS:g}, a longer run has more" if s.widening and s.widening > 1
+                    and s.n_eff else "")
+            why.append(f"95% interval {interval_words(s.ci95[0], s.ci95[1], s.tokens_per_sec)}{near})")
     return "unstable: " + "; ".join(why) if why else "stable"
 
 
