@@ -43,6 +43,17 @@ def test_the_line_says_the_rate_its_interval_or_why_none_and_mfu_when_known(extr
     assert line == f"llmeff: run tiny-single-fp32-cpu (abc123): 12 steps, 1,200 tokens, {tail}"
 
 
+def test_the_largest_loss_is_named_beside_goodput_when_it_is_a_tenth_of_the_wall_or_more():
+    # a trial's 50-step run: goodput 0.25 read as three quarters of training wasted; 9.9 s of 13.9 s were set-up
+    summary = {**BASE, names.SUM_WALL_S: 13.9, names.SUM_GOODPUT: 0.25, names.SUM_BADPUT["init"]: 9.9,
+               names.SUM_BADPUT["eval"]: 0.12, names.SUM_BADPUT["warmup"]: 0.3}
+    line = closing_line(summary, run_id="abc123")
+    assert line.endswith("wall 13.9 s, goodput 0.25 (largest loss: set-up before the first step, 9.9 s)")
+    # the largest under 10% of the wall (1.3 s of 13.9 s) is not worth a word
+    summary[names.SUM_BADPUT["init"]] = 1.3
+    assert closing_line(summary, run_id="abc123").endswith("wall 13.9 s, goodput 0.25")
+
+
 def test_without_a_name_the_run_is_its_id():
     line = closing_line({**BASE, names.SUM_GOODPUT: None}, run_id="local-1",
                         absent={names.SUM_GOODPUT: "no wall time (a share of no time is undefined)"})

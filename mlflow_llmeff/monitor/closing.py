@@ -24,14 +24,25 @@ AUTOLOG_INTEGRATIONS = ("trainer", "accelerate", "pytorch")
 _AUTOLOG_NAME = "mlflow_llmeff"
 
 
+#: the closing line's words for a badput category (names.BADPUT_CATEGORIES; docs/time.md)
+_LOSS_WORDS = {"init": "set-up before the first step", "warmup": "warm-up", "compile": "compilation",
+               "data_wait": "waiting for data", "eval": "evals", "checkpoint_save": "checkpoint saves",
+               "checkpoint_load": "checkpoint loads", "lost_progress": "work redone after a failure",
+               "other": "time outside steps", "down": "down time between attempts"}
+#: the largest badput is named beside goodput when it is at least this share of the wall time
+_LOSS_SHARE = 0.10
+
+
 def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str | None = None,
                  absent: dict[str, str] | None = None) -> str:
     """``llmeff: run <name> (<id>): <steps> steps, <tokens> tokens, <tokens/s> tokens/s steady state [95%
-    interval <low>-<high>], MFU <x>%, wall <s> s, goodput <fraction>``.
+    interval <low>-<high>], MFU <x>%, wall <s> s, goodput <fraction> (largest loss: <what>, <s> s)``.
 
     A figure the summary does not hold says why (``absent``: ``llmeff.summary.absent``'s ``{key: why}``):
     no steady tokens/s, or no interval around it. MFU is against the datasheet peak, else against the
-    measured matmul peak (said so), else left out.
+    measured matmul peak (said so), else left out. The largest ``summary/badput_*_s`` is named beside
+    goodput when it is at least 10% of the wall time (a trial read "goodput 0.25" of a 50-step run
+    as three quarters of training wasted: 9.9 s of its 13.9 s were set-up).
 
     Args:
         summary: the run's ``summary/*`` metrics (:meth:`EfficiencyMonitor.finish`).
@@ -61,7 +72,11 @@ def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str
     parts.append(f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s")
     goodput = summary.get(names.SUM_GOODPUT)
     if goodput is not None:
-        parts.append(f"goodput {goodput:.2f}")
+        wall = summary.get(names.SUM_WALL_S) or 0.0
+        losses = [(summary.get(names.SUM_BADPUT[c]) or 0.0, c) for c in names.BADPUT_CATEGORIES]
+        lost, what = max(losses)
+        worst = f" (largest loss: {_LOSS_WORDS[what]}, {lost:.1f} s)" if wall > 0 and lost >= _LOSS_SHARE * wall else ""
+        parts.append(f"goodput {goodput:.2f}{worst}")
     else:  # why, as llmeff.summary.absent says it (no wall time, or no steady step to measure warm-up against)
         why = absent.get(names.SUM_GOODPUT)
         parts.append("goodput undefined" + (f" ({why})" if why else ""))
