@@ -95,7 +95,16 @@ def test_without_a_peak_no_precision_tag_and_no_bf16_figure(tracking_uri):
     mon.step(tokens=64, samples=2)
     s = mon.finish()
     assert names.SUM_MFU not in s and names.SUM_MFU_BF16_PEAK not in s  # CPU: no datasheet peak
-    assert names.PEAK_PRECISION not in mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert names.PEAK_PRECISION not in tags
+    # MFU, its palm twin and HFU are absent and say why (a trial found HFU gone with no word of why), and so is
+    # the measured-peak MFU of a monitor told not to measure one
+    no_peak = ("no dense datasheet peak for this device and precision (llmeff.peak.source: unknown: CPUs have no "
+               "datasheet peak in the table; see summary/mfu_measured_peak (llmeff peak) or pass peak_tflops)")
+    assert (f"summary/mfu, summary/mfu_palm, summary/hfu: {no_peak}; "
+            "summary/mfu_measured_peak: no measured matmul peak (not measured (measure_peak=False))") in \
+        tags[names.SUMMARY_ABSENT]
+    assert names.SUM_HFU not in s and names.SUM_DEVICE_TFLOPS in s
 
 
 # ------------------------------------------------------------------------------ a counter that cannot see

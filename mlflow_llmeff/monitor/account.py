@@ -184,6 +184,30 @@ class FlopsAccount:
             out[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(tflops, self.measured_peak)
         return out, tflops
 
+    def absent_figures(self, out: dict[str, float]) -> dict[str, str]:
+        """Why each FLOPs figure :meth:`summary_figures` left out of ``out`` is undefined for this run
+        (``llmeff.summary.absent``): no FLOPs per token, no dense peak for the device (MFU, its palm
+        twin and HFU; a trial found HFU gone with no word of why), no hardware-to-model ratio, no
+        measured peak. Only the figures that follow a steady rate: call it when there was one."""
+        why: dict[str, str] = {}
+        if self.shape is None:
+            for key in (names.SUM_DEVICE_TFLOPS, names.SUM_MFU, names.SUM_MFU_PALM, names.SUM_HFU,
+                        names.SUM_MFU_MEASURED_PEAK):
+                why[key] = f"no FLOPs per token ({self.fpt_note.removeprefix('unknown: ')})"
+            return why
+        if names.SUM_MFU not in out:
+            no_peak = (f"no dense datasheet peak for this device and precision (llmeff.peak.source: "
+                       f"{self.peak_source or 'unknown'})")
+            for key in (names.SUM_MFU, names.SUM_MFU_PALM, names.SUM_HFU):
+                why[key] = no_peak
+            if names.SUM_MFU_MEASURED_PEAK in out:
+                why[names.SUM_MFU] += "; against the measured matmul peak: summary/mfu_measured_peak"
+        elif names.SUM_HFU not in out:
+            why[names.SUM_HFU] = f"no hardware-to-model FLOPs ratio (llmeff.hfu.method: {self.hfu_note})"
+        if names.SUM_MFU_MEASURED_PEAK not in out:
+            why[names.SUM_MFU_MEASURED_PEAK] = f"no measured matmul peak ({self.measured_peak_note})"
+        return why
+
     # ------------------------------------------------------------------------------ checkpoints
     def state(self) -> list | None:
         """``[ratio, note]`` once the ratio was counted (a resumed attempt does not count again), else None."""

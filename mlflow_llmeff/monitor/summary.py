@@ -145,6 +145,8 @@ def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float
                     names.SUM_STEP_TIME_S: rates.step_time_s})
         flops_figures, tflops = mon._account.summary_figures(rates)
         out.update(flops_figures)
+        for key, why in mon._account.absent_figures(flops_figures).items():
+            _absent(mon, key, why)
     out.update(_memory_figures(mon, collective))
     # cost and energy over the attempts' time: no device is held or read while no attempt runs
     out.update(mon._consumption.summary(parts["wall"] - parts.get("down", 0.0), tokens, tflops))
