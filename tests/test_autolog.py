@@ -170,28 +170,40 @@ def parts_add_up(m: dict) -> float:
     return m[names.SUM_GOODPUT] * m[names.SUM_WALL_S] + sum(m.get(k, 0.0) for k in names.SUM_BADPUT.values())
 
 
-def test_an_eval_inside_a_plain_loop_is_timed_as_eval_not_as_a_step(tracking_uri):
-    import time
+def test_an_eval_inside_a_plain_loop_is_timed_as_eval_not_as_a_step(tracking_uri, monkeypatch):
+    from mlflow_llmeff.autologging import hooks
+    from mlflow_llmeff.testing import FakeClock
 
+    # the monitor autolog starts runs on a clock only this test moves (autolog() takes no clock: its
+    # settings hand the monitor one more keyword argument)
+    clock = FakeClock(100.0)
+    given = hooks._Settings.monitor_kwargs
+    monkeypatch.setattr(hooks._Settings, "monitor_kwargs", lambda self: {**given(self), "clock": clock})
     mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none")
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(1, 5):
-        model(**batch([8, 8])).loss.backward()
+        model(**batch([8, 8])).loss.backward()  # step 1's forward starts the monitor, and its clock
+        clock.t += 0.01  # each optimizer step takes 10 ms
         opt.step()
         opt.zero_grad()
         if step == 2:  # the loop's own evaluation, as users write it
             model.eval()
             with torch.no_grad():
+                model(**batch([8]))  # opens the eval pause
+                clock.t += 1.0  # a slow eval data loader: 1 s
                 model(**batch([8]))
-                time.sleep(1.0)  # a slow eval data loader
-                model(**batch([8]))
-            model.train()
+            model.train()  # the pause closes at step 3's training forward
     run_id = AL.active_monitor().run_id
-    mlflow.end_run()
+    mlflow.end_run()  # the clock has not moved since step 4
     m = mlflow.MlflowClient().get_run(run_id).data.metrics
-    assert m[names.SUM_BADPUT["eval"]] >= 1.0
-    assert m[names.SUM_STEP_TIME_S] < 0.5  # a tiny model's step takes milliseconds: the eval is not in it
+    # by hand: 4 steps x 0.01 s + the 1 s eval = 1.04 s of wall, from the monitor's start (step 1's
+    # forward) to the end; the eval is exactly its 1 s, every steady step (2, 3, 4) exactly 0.01 s.
+    # An eval landing in step 3 makes that step 1.01 s: a mean of (0.01 + 1.01 + 0.01) / 3 = 0.343 s
+    # (to 1e-12 s: the float rounding of the clock's sums, about 1e-14 s here)
+    assert m[names.SUM_BADPUT["eval"]] >= 1.0 and m[names.SUM_BADPUT["eval"]] == pytest.approx(1.0, abs=1e-12)
+    assert m[names.SUM_STEP_TIME_S] == pytest.approx(0.01, abs=1e-12)
+    assert m[names.SUM_WALL_S] == pytest.approx(1.04, abs=1e-12)
     assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=1e-9)
     assert m[names.TRAIN_TOKENS] == 4 * 16  # the eval's tokens are not training tokens
 
