@@ -15,7 +15,11 @@ from mlflow_llmeff import names
 from mlflow_llmeff.cli import main
 from mlflow_llmeff.train.config import TrainConfig
 from mlflow_llmeff.train.study import PARENT_TAG, Outcome, StudyConfig, check, run_study, schedule, summary_lines
-from conftest import use_store
+from conftest import START_TICK_S, use_store
+
+#: How long after the end of ``summary/wall_s`` its point is stamped: the clock stops, the summary is
+#: built, then its points are made (20-37 ms measured: tests/test_timed_alone.py); 0.25 s allows a loaded machine.
+STAMP_LAG_S = 0.25
 
 TINY = "--model llama-tiny --dataset synthetic --max-steps 4 --seq-len 32 --warmup-steps 1 --log-every-n-steps 2 " \
        "--measure-energy none --val-fraction 0"
@@ -239,7 +243,17 @@ def test_comparisons_leave_the_study_parent_out_and_take_its_children_as_repeats
     assert echo.stdout.splitlines() == words[2:] and echo.stderr == ""
 
 
-def test_a_real_study_of_two_configurations_twice(tracking_uri):
+def test_a_real_study_of_two_configurations_twice(tracking_uri, monkeypatch):
+    from mlflow_llmeff.train import launch as launch_mod
+
+    handed = []  # the start the study hands each child's launch, unix s, in the order run
+    real_launch = launch_mod.launch
+
+    def launch(cfg, *, started_unix=None, own_process=False):
+        handed.append(started_unix)
+        return real_launch(cfg, started_unix=started_unix, own_process=own_process)
+
+    monkeypatch.setattr(launch_mod, "launch", launch)  # TrainRunner takes it from the module when built
     res = CliRunner().invoke(main, ["study", "--repeats", "2", "--experiment", "study-real",
                                     "--config", TINY + " --micro-batch-size 1", "--config", TINY + " --micro-batch-size 2"])
     assert res.exit_code == 0, res.output
@@ -255,6 +269,18 @@ def test_a_real_study_of_two_configurations_twice(tracking_uri):
     # one stem per configuration, the repeat with a unique suffix (tracking/naming.py)
     assert [r.info.run_name for r in kids] == ["tiny-single-fp32-gbt32-s32-cpu", "tiny-single-fp32-gbt64-s32-cpu",
                                                "tiny-single-fp32-gbt32-s32-cpu-2", "tiny-single-fp32-gbt64-s32-cpu-2"]
+    # each start handed over comes after the parent's start, or the previous child's end (MLflow's
+    # times, in ms rounded down), and before its own run is created
+    assert len(handed) == 4 and parent.info.start_time / 1000 <= handed[0]
+    for before, r, started in zip([None, *kids], kids, handed):
+        assert before is None or before.info.end_time / 1000 <= started
+        assert started <= r.info.start_time / 1000 + 1e-3
+        # its summary/wall_s runs from that start (the child process gets it in $LLMEFF_ATTEMPT_START_UNIX;
+        # its run, made about 1 ms later, is the launcher's run it starts at too) to the summary, whose
+        # point is stamped just after: to a tick below, STAMP_LAG_S above (21-27 ms measured)
+        [point] = client.get_metric_history(r.info.run_id, names.SUM_WALL_S)
+        stamped_s = point.timestamp / 1000 - started
+        assert stamped_s - STAMP_LAG_S <= r.data.metrics[names.SUM_WALL_S] <= stamped_s + START_TICK_S
     for r in kids:  # each child's clock starts at its own run, not at this process's start or the run before
         assert r.data.metrics[names.SUM_WALL_S] <= (r.info.end_time - r.info.start_time) / 1000 + 0.5
         assert r.data.metrics[names.SUM_STEPS] == 4
