@@ -50,7 +50,12 @@ def _one_line_usage_errors():
         if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # click >= 8.2: `llmeff` alone
             raise  # shows the help
         lines = (line.strip() for line in e.format_message().splitlines())
-        raise click.UsageError(" ".join(line for line in lines if line)) from None
+        message = " ".join(line for line in lines if line)
+        if isinstance(e, click.NoSuchOption) and e.ctx is not None:  # Click names only close ones: name them all
+            accepted = sorted({o for p in e.ctx.command.params if isinstance(p, click.Option) for o in p.opts
+                               if o.startswith("--")} | {"--help"})
+            message += f" Options: {', '.join(accepted)}."
+        raise click.UsageError(message) from None
 
 
 class IntRange(click.IntRange):

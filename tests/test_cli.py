@@ -15,10 +15,12 @@ COMMANDS = "compare, energy-probe, eval, flops, models, peak, plan, prepare-data
 @pytest.mark.parametrize("args, line", [
     # a missing option
     (["compare"], "Error: Missing option '--experiment'."),
-    # an unknown option: Click's close match stays on the line
+    # an unknown option: Click's close match stays on the line, and every accepted one follows (a trial's
+    # '--sort' named only '--out')
     (["compare", "--experiment", "x", "--group-bi", "a"],
-     "Error: No such option '--group-bi'. Did you mean '--group-by'?"),
-    (["--bogus"], "Error: No such option '--bogus'."),
+     "Error: No such option '--group-bi'. Did you mean '--group-by'? Options: --baseline, --experiment, --filter, "
+     "--group-by, --help, --log-to-mlflow, --out, --ui-url."),
+    (["--bogus"], "Error: No such option '--bogus'. Options: --help, --version."),
     # a bad integer, float, integer range and choice
     (["train", "--max-steps", "1.5"], "Error: Invalid value for '--max-steps': '1.5' is not a valid integer."),
     (["train", "--learning-rate", "abc"], "Error: Invalid value for '--learning-rate': 'abc' is not a valid float."),
