@@ -115,19 +115,21 @@ def _row(kind: str, label: str, n: int, runs: int, given, covered, half, target:
     share, count = float(given.mean()), int(given.sum())
     cover = float(covered.mean()) if count else math.nan
     width = float(np.median(np.expm1(half))) if count else math.nan
-    flag = ""
+    flag = "" if count >= MIN_GIVEN else f"  (fewer than {MIN_GIVEN} given: too few to measure; raise --sim-runs)"
     if count >= MIN_GIVEN and not cover >= target:
         missed.append(f"{kind} tokens, {label}, {n} steps: coverage {cover:.3f} < {target:g}")
         flag = "  NOT MET"
-    print(f"{kind:<9} {label:>24} {n:>6} {runs:>8,} {share:>8.2%} {count:>7,} {cover:>9.3f} {width:>17.1%}{flag}")
+    print(f"{kind:<9} {label:>24} {n:>6} {runs:>10,} {share:>11.2%} {count:>10,} {cover:>9.3f} {width:>17.1%}{flag}")
 
 
 def simulation(runs: int, target: float) -> list[str]:
     """Print the simulated coverage tables; returns the cells that miss ``target`` or a least share given."""
-    print(f"Simulated coverage of the 95% interval ({runs} runs a cell, {RARE[(0.9, 100)]}x at 0.9/100; AR(1) step "
-          f"times, 10 ms +- 10%):\n")
-    head = (f"{'tokens':<9} {'':>24} {'steps':>6} {'runs':>8} {'given':>8} {'count':>7} {'coverage':>9} "
-            f"{'median half width':>17}")
+    print(f"Simulated coverage of the 95% interval: AR(1) step times of 10 ms +- 10%, {runs:,} simulated runs a "
+          f"cell\n({runs * RARE[(0.9, 100)]:,} at autocorrelation 0.9 over 100 steps, where an interval is rarely "
+          "given); 'share given' and 'runs given' count the runs that got an interval, 'coverage' the share of "
+          "those whose interval holds the true throughput:\n")
+    head = (f"{'tokens':<9} {'step times':>24} {'steps':>6} {'runs':>10} {'share given':>11} {'runs given':>10} "
+            f"{'coverage':>9} {'median half width':>17}")
     print(head)
     missed: list[str] = []
     for varying in (False, True):
@@ -140,15 +142,17 @@ def simulation(runs: int, target: float) -> list[str]:
                 missed.append(f"{kind} tokens, autocorrelation {rho:g}, {n} steps: given in {given.mean():.1%} of "
                               f"runs < {GIVEN[(rho, n)]:.0%}")
                 print("  NOT MET: given too rarely")
-    print(f"\nThe same effective sample size at other lengths (autocorrelation 1 - c / n; {SAME_N_EFF_RUNS[10]}, "
-          f"{SAME_N_EFF_RUNS[20]} and {SAME_N_EFF_RUNS[40]}x the runs at c = 10, 20 and 40):\n")
+    print(f"\nThe same effective sample size at other lengths: autocorrelation 1 - c / n leaves about c / 2 "
+          f"independent steps in n (c = 10: 0.9 over 100 steps above); {SAME_N_EFF_RUNS[10]}, {SAME_N_EFF_RUNS[20]} "
+          f"and {SAME_N_EFF_RUNS[40]} times the runs at c = 10, 20 and 40:\n")
     print(head)
     for varying in (False, True):
         kind = "varying" if varying else "constant"
         for c, n in SAME_N_EFF:
             k = runs * SAME_N_EFF_RUNS[c]
             _row(kind, f"c = {c} (rho {1 - c / n:g})", n, k, *intervals(1 - c / n, n, k, varying)[:3], target, missed)
-    print(f"\ntargets: coverage >= {target:g} wherever at least {MIN_GIVEN} runs are given an interval; given in "
+    print(f"\ntargets: coverage >= {target:g} in every cell (measured where at least {MIN_GIVEN} runs got an "
+          "interval, so that a coverage means something; a cell with fewer says so); given in "
           + ", ".join(f"{v:.0%} of runs at autocorrelation {r:g} from {n} steps" for (r, n), v in GIVEN.items()))
     return missed
 
