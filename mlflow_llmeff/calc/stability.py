@@ -238,8 +238,9 @@ def near_minimum_widening(n_eff, min_effective_steps: float = MIN_EFFECTIVE_STEP
     ``1 + (NEAR_MINIMUM_WIDENING - 1) (END - n_eff) / (END - min_effective_steps)`` between the minimum
     and ``END = NEAR_MINIMUM_END x min_effective_steps`` (3.2 at 20 effective steps, 1 from 35), the
     same 3.2 below the minimum (where no interval is given), 1 above; 1 everywhere when
-    ``min_effective_steps <= 0`` (no run is refused, so none is selected). The reason is selection: an interval is stated only for runs with at least ``min_effective_steps``,
-    and a run of strong autocorrelation passes that screen exactly when its slow stretch spans the
+    ``min_effective_steps <= 0`` (no run is refused, so none is selected). The reason is selection:
+    an interval is stated only for runs with at least ``min_effective_steps``, and a run of strong
+    autocorrelation passes that screen exactly when its slow stretch spans the
     whole run and its estimated autocorrelation time comes out a third to a quarter of the truth;
     it then passes just above the minimum, among honest runs that nothing it measured tells it from
     (docs/stability.md, "Near the minimum", measures both; the Neyman-Pearson most powerful test
@@ -247,9 +248,10 @@ def near_minimum_widening(n_eff, min_effective_steps: float = MIN_EFFECTIVE_STEP
     keeping 90% of the second). The interval must hold its level among the runs that pass
     (selective inference: Fithian, Sun & Taylor 2014, "Optimal inference after model selection",
     arXiv:1410.2597; Berk, Brown, Buja, Zhang & Zhao 2013, "Valid post-selection inference",
-    Ann. Statist. 41(2)), so near the screen it is wide. The three constants are measured: the
-    least widening that covers 0.95 of the runs given an interval at every autocorrelation
-    leaving 5 or more independent steps, over 100 to 1,000 steps (``bench/stability.py``).
+    Ann. Statist. 41(2)), so near the screen it is wide. The two constants are measured: about the
+    least widening that covers 0.95 of the runs given an interval at every AR(1) autocorrelation
+    leaving 5 or more independent steps, over 100 to 1,000 steps (docs/stability.md says how they
+    were searched; ``bench/stability.py`` and tests/test_intervals.py check them on other seeds).
 
     Args:
         n_eff: effective steps, a float or an array.
