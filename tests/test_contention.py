@@ -275,7 +275,11 @@ def test_a_quiet_run_is_stable_with_a_small_other_share(tracking_uri, tmp_path):
     # made one compute run in three unstable); what stays to check is that the meter's own work at
     # window edges (counted as other, not as a step) and the verdict's thresholds call a quiet run
     # stable, and that the figures call it quiet. Nice -10: other jobs of a shared machine yield to it.
-    proc, _ = start_loop(tmp_path, "--steps", "300", "--sleep-ms", "10", "--nice", "-10")
+    # Each step sleeps 10 ms plus an independent 0-2 ms (seeded): sleeps of exactly 10 ms vary by tens of
+    # microseconds, so the timer's own slow drift was most of their spread and made them look correlated
+    # over ~30 steps (a fresh-clone CI: 'too few independent steps (10.0 of 297)' on a quiet machine); a
+    # spread of 0.6 ms a step that is independent by construction leaves the drift a few per cent of it
+    proc, _ = start_loop(tmp_path, "--steps", "300", "--sleep-ms", "10", "--jitter-ms", "2", "--nice", "-10")
     run = finish(proc)
     assert run.data.metrics[names.SUM_HOST_OTHER_CPU] < 0.15, run.data.tags[names.CONTENTION]
     assert run.data.tags[names.STABILITY] == "stable", (run.data.tags[names.STABILITY], run.data.metrics)

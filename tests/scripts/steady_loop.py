@@ -23,7 +23,11 @@ p.add_argument("--hold-at", type=int, default=0, help="after this step, wait (pa
 p.add_argument("--go", default=None)
 p.add_argument("--sleep-ms", type=float, default=0.0,
                help="each step sleeps this long instead of computing: its time is the timer's, not a CPU share")
+p.add_argument("--jitter-ms", type=float, default=0.0,
+               help="and this much more, drawn uniformly and independently each step (seeded): independent "
+                    "step-to-step spread that swamps the timer's slow drift")
 args = p.parse_args()
+jitter = __import__("random").Random(0)
 if args.nice:
     os.nice(args.nice)
 torch.manual_seed(0)
@@ -34,7 +38,7 @@ mon = EfficiencyMonitor(model=model, log_every_n_steps=10, warmup_steps=3, measu
                         measure_peak=False, report=False)
 for step in range(1, args.steps + 1):
     if args.sleep_ms > 0:
-        time.sleep(args.sleep_ms / 1000)
+        time.sleep((args.sleep_ms + jitter.uniform(0.0, args.jitter_ms)) / 1000)
     else:
         y = x
         for _ in range(4):
