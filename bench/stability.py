@@ -96,25 +96,33 @@ def blocks(rho: float, n: int, runs: int, varying: bool, block: int = 20_000):
 
 
 def intervals(rho: float, n: int, runs: int, varying: bool):
-    """``(given, covered, half, widening)`` arrays over ``runs`` simulated runs (``half``, the half width on the
-    log scale, and ``widening`` where given)."""
+    """``(given, err, rel, widening)`` arrays over ``runs`` simulated runs: ``given`` for every run, and for the
+    runs given an interval ``|log(mean / truth)|``, the interval's half width on the log scale (``[mean
+    exp(-rel), mean exp(rel)]`` holds the truth exactly when ``err <= rel``) and its widening."""
     import numpy as np
 
     truth = TOKENS / MU
     out = []
     for r in blocks(rho, n, runs, varying):
         g = r["given"]
-        out.append((g, (r["low"][g] <= truth) & (truth <= r["high"][g]),
-                    np.log(r["high"][g] / r["mean"][g]), r["widening"][g]))
+        out.append((g, np.abs(np.log(r["mean"][g] / truth)), np.log(r["high"][g] / r["mean"][g]), r["widening"][g]))
     return tuple(np.concatenate(a) for a in zip(*out))
 
 
-def _row(kind: str, label: str, n: int, runs: int, given, covered, half, target: float, missed: list[str]) -> None:
+def half_width(rel):
+    """The relative half width ``(high - low) / 2 / mean`` of log-scale half widths ``rel``: ``sinh(rel)``, what
+    the stability verdict holds against its 10%."""
+    import numpy as np
+
+    return np.sinh(rel)
+
+
+def _row(kind: str, label: str, n: int, runs: int, given, err, rel, target: float, missed: list[str]) -> None:
     import numpy as np
 
     share, count = float(given.mean()), int(given.sum())
-    cover = float(covered.mean()) if count else math.nan
-    width = float(np.median(np.expm1(half))) if count else math.nan
+    cover = float(np.mean(err <= rel)) if count else math.nan
+    width = float(np.median(half_width(rel))) if count else math.nan
     flag = "" if count >= MIN_GIVEN else f"  (fewer than {MIN_GIVEN} given: too few to measure; raise --sim-runs)"
     if count >= MIN_GIVEN and not cover >= target:
         missed.append(f"{kind} tokens, {label}, {n} steps: coverage {cover:.3f} < {target:g}")
@@ -136,8 +144,8 @@ def simulation(runs: int, target: float) -> list[str]:
         kind = "varying" if varying else "constant"
         for rho, n in CELLS:
             k = runs * RARE.get((rho, n), 1)
-            given, covered, half, _ = intervals(rho, n, k, varying)
-            _row(kind, f"autocorrelation {rho:g}", n, k, given, covered, half, target, missed)
+            given, err, rel, _ = intervals(rho, n, k, varying)
+            _row(kind, f"autocorrelation {rho:g}", n, k, given, err, rel, target, missed)
             if given.mean() < GIVEN.get((rho, n), 0.0):
                 missed.append(f"{kind} tokens, autocorrelation {rho:g}, {n} steps: given in {given.mean():.1%} of "
                               f"runs < {GIVEN[(rho, n)]:.0%}")
@@ -197,16 +205,13 @@ def widening(runs: int) -> None:
           f"{st.NEAR_MINIMUM_END * st.MIN_EFFECTIVE_STEPS:g}), with and without it:\n")
     print(f"{'tokens':<9} {'cell':>10} {'given':>7} {'coverage':>9} {'without':>8} {'median half width':>18} "
           f"{'without':>8} {'half width > 10%':>17} {'without':>8}")
-    truth = TOKENS / MU
     for varying in (False, True):
         for rho, n, k in ((0.5, 100, 1), (0.9, 100, RARE[(0.9, 100)]), (0.9, 400, 1), (0.975, 400, 60)):
-            parts = [(r["given"], np.log(r["high"] / r["mean"])[r["given"]], r["widening"][r["given"]],
-                      np.abs(np.log(r["mean"] / truth))[r["given"]]) for r in blocks(rho, n, k * runs, varying)]
-            g, wide, widening_, err = (np.concatenate(a) for a in zip(*parts))
-            rel = wide / widening_
-            row = [float(np.mean(err <= wide)), float(np.mean(err <= rel)), float(np.median(np.expm1(wide))),
-                   float(np.median(np.expm1(rel))), float(np.mean(np.expm1(wide) > 0.1)),
-                   float(np.mean(np.expm1(rel) > 0.1))]
+            g, err, wide, factor = intervals(rho, n, k * runs, varying)
+            rel = wide / factor
+            row = [float(np.mean(err <= wide)), float(np.mean(err <= rel)), float(np.median(half_width(wide))),
+                   float(np.median(half_width(rel))), float(np.mean(half_width(wide) > st.CI_HALF_WIDTH_LIMIT)),
+                   float(np.mean(half_width(rel) > st.CI_HALF_WIDTH_LIMIT))]
             print(f"{'varying' if varying else 'constant':<9} {f'{rho:g}/{n}':>10} {g.mean():>7.2%} {row[0]:>9.3f} "
                   f"{row[1]:>8.3f} {row[2]:>18.1%} {row[3]:>8.1%} {row[4]:>17.0%} {row[5]:>8.0%}")
 
