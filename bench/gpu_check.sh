@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# One short GPU check for a lent device machine (about 6 minutes on one GPU, 9 on two): the
-# gpu-marked tests, a bf16 training run of llama-160m with NVML energy, the measured matmul peak,
-# and what CPU cannot check of the parallelism strategies (docs/parallelism.md): FSDP2 in bf16 on
-# one GPU with its sharded checkpoint, the link NVML reports and its datasheet peak, and with two
+# One short GPU check for a lent device machine (about 5 minutes on one GPU): the gpu-marked tests,
+# the measured matmul peak, llmeff's figures against references (bench/gpu_reference.py: a Llama-1B bf16
+# run of llmeff train beside a bare PyTorch loop of the same model, tokens/s ratio and MFU by hand from
+# the datasheet), and what CPU cannot check of the parallelism strategies (docs/parallelism.md): FSDP2 in
+# bf16 on one GPU with its sharded checkpoint, the link NVML reports and its datasheet peak, and with two
 # or more GPUs NCCL bus bandwidth (ddp), ZeRO-2 and tensor parallelism. Results land in $OUT (or
 # ./gpu_check_out) for the session to read; every step runs even when an earlier one fails, and
 # the script exits 1 at the end naming the steps that failed ("NOT MET: ..."), 0 when all ran.
+#
+# The device machine reaches no package index: what its image lacks (MLflow, codecarbon, datasets, ...)
+# travels as wheels in ./.whl (see docs/training.md, "A GPU check"), installed into a folder that a .pth
+# file appends to sys.path, so the image's own torch, numpy and pandas stay first.
 set -uo pipefail
 failed=()
 check() { [ "$1" -eq 0 ] || failed+=("$2 (exit $1)"); }
@@ -13,18 +18,27 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MLFLOW_TRACKING_URI="sqlite:///$OUT/mlflow.db" CODECARBON_LOG_LEVEL=error
-python3 -m pip install -q -e '.[dev]' 2>&1 | tail -2
-python3 -m pip install -q -e '.[deepspeed]' 2>&1 | tail -2   # after torch: keeps the machine's CUDA build
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/llmeff-site .whl/*.whl 2>&1 | tail -2
+  echo /tmp/llmeff-site > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/llmeff-carried.pth"
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this checkout even if -e failed
+else
+  python3 -m pip install -q -e '.[dev]' 2>&1 | tail -2
+  python3 -m pip install -q -e '.[deepspeed]' 2>&1 | tail -2   # after torch: keeps the machine's CUDA build
+fi
+python3 -c "import torch, transformers, accelerate, mlflow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'mlflow', mlflow.__version__)" 2>&1 | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
 nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt"
-python3 -m pytest -q -m gpu 2>&1 | tee "$OUT/pytest_gpu.txt"; check "${PIPESTATUS[0]}" "gpu tests"
-python3 -m mlflow_llmeff peak --dtype bf16 --device cuda --json 2>&1 | tee "$OUT/peak.json"; check "${PIPESTATUS[0]}" peak
-python3 -m mlflow_llmeff train --model llama-160m --dataset synthetic --seq-len 1024 --micro-batch-size 8 \
-  --max-steps 30 --log-every-n-steps 10 --precision bf16 --experiment-name gpu-single 2>&1 | tail -5 | tee "$OUT/train.txt"
-check "${PIPESTATUS[0]}" "bf16 train"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_train_gpu.py tests/test_hardware.py 2>&1 | tee "$OUT/pytest_gpu.txt"
+check "${PIPESTATUS[0]}" "gpu tests"
+timeout 120 python3 -m mlflow_llmeff peak --dtype bf16 --device cuda --json 2>&1 | tee "$OUT/peak.json"; check "${PIPESTATUS[0]}" peak
+# llmeff train beside a bare loop of the same Llama-1B in bf16: tokens/s ratio and MFU against the datasheet
+timeout 300 python3 bench/gpu_reference.py --out "$OUT" 2>&1 | tee "$OUT/reference.txt"
+check "${PIPESTATUS[0]}" reference
 
 # FSDP2 in bf16 on one GPU (a process group of one, through accelerate launch), sharded checkpoint
-python3 -m mlflow_llmeff train --model llama-160m --dataset synthetic --seq-len 1024 --micro-batch-size 8 \
+timeout 180 python3 -m mlflow_llmeff train --model llama-160m --dataset synthetic --seq-len 1024 --micro-batch-size 8 \
   --max-steps 20 --log-every-n-steps 5 --precision bf16 --parallelism fsdp --num-processes 1 \
   --checkpoint-dir "$OUT/ck_fsdp" --experiment-name gpu-fsdp 2>&1 | tail -5 | tee "$OUT/train_fsdp.txt"
 check "${PIPESTATUS[0]}" "fsdp train"

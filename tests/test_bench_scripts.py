@@ -91,7 +91,7 @@ def _gpu_check(env: dict) -> tuple[int, str]:
 
 def test_the_gpu_check_exits_1_naming_each_failed_step(tmp_path):
     rc, last = _gpu_check(_stubs(tmp_path, ""))
-    assert (rc, last) == (1, "NOT MET: gpu tests (exit 1);peak (exit 1);bf16 train (exit 1);fsdp train (exit 1);"
+    assert (rc, last) == (1, "NOT MET: gpu tests (exit 1);peak (exit 1);reference (exit 1);fsdp train (exit 1);"
                              "link (exit 1);summary (exit 1)")
     assert (tmp_path / "out" / "verdict.txt").read_text().strip() == last
 
@@ -139,3 +139,43 @@ def test_the_evals_bench_exits_1_on_an_impossible_target(tmp_path, shared_data):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "target NOT met: hellaswag vocab 259: " in r.stderr and "x < 100x" in r.stderr
     assert "   target: 100x" in r.stdout
+
+
+def _reference_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_reference", BENCH / "gpu_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # its module level imports nothing of torch or mlflow
+    return mod
+
+
+def test_the_gpu_reference_writes_the_flops_formula_out_by_hand_and_agrees_with_the_package():
+    from mlflow_llmeff.calc.flops import flops_per_token
+    from mlflow_llmeff.models.presets import load_config
+
+    ref = _reference_bench()
+    # Llama-1B (TinyLlama shape): L22 h2048 n32 g4 f5632 V32000, s = 2048, by hand:
+    # 22 * 2048^2 * (12 + 12*4/32 + 18*5632/2048 + 6*2048/2048) + 6*2048*32000
+    # = 92,274,688 * (12 + 1.5 + 49.5 + 6) + 393,216,000 = 6,366,953,472 + 393,216,000
+    assert ref.flops_per_token(22, 2048, 32, 4, 5632, 32000, 2048) == 6_760_169_472
+    assert flops_per_token(load_config("llama-1b"), 2048) == 6_760_169_472  # the bench's hand formula is the package's
+
+
+def test_the_gpu_reference_names_each_missed_target():
+    ref = _reference_bench()
+    fpt = 6_760_169_472
+    # llmeff 60,000 tok/s between bare loops of 62,000 and 61,000: ratio 60,000 / 61,500 = 0.9756;
+    # MFU by hand 60,000 x 6.760169472e9 / 989.4e12 = 0.40996
+    lines, missed = ref.verdict(llmeff_tps=60_000, bare_tps=[62_000, 61_000], mfu=0.40996, peak_tag="989.4", fpt=fpt,
+                                peak_tflops=989.4, ratio_target=0.95, mfu_rel=0.01)
+    assert missed == []
+    assert "ratio 0.9756 (target >= 0.95: met)" in lines[0]
+    assert "by hand 0.4100" in lines[1]
+    lines, missed = ref.verdict(llmeff_tps=50_000, bare_tps=[62_000, 61_000], mfu=0.45, peak_tag="312", fpt=fpt,
+                                peak_tflops=989.4, ratio_target=0.95, mfu_rel=0.01)
+    # 50,000 / 61,500 = 0.8130; by hand 50,000 x 6.760169472e9 / 989.4e12 = 0.34163, and 0.45 is 31.7% above it
+    assert missed == ["tokens/s ratio 0.8130 < 0.95", "summary/mfu 0.4500 vs 0.3416 by hand",
+                      "llmeff.peak.tflops 312 != 989.4"]
+    assert ref.verdict(llmeff_tps=60_000, bare_tps=[60_000], mfu=None, peak_tag=None, fpt=fpt, peak_tflops=989.4,
+                       ratio_target=0.95, mfu_rel=0.01)[1] == ["summary/mfu absent"]
