@@ -37,7 +37,7 @@ from mlflow_llmeff.calc.model_shape import _get
 from mlflow_llmeff.names import shorten
 
 __all__ = ["METHOD_FORMULA", "METHOD_META", "METHOD_NONE", "FlopsSource", "resolve", "count_on_meta",
-           "measure_step_flops"]
+           "measure_step_flops", "step_counter", "sdpa_flops", "sdpa_backward_flops"]
 
 METHOD_FORMULA = "formula"
 METHOD_META = "meta_count"
@@ -249,6 +249,95 @@ def _checkpoint(model, recompute: fl.Recompute) -> None:
             layer.gradient_checkpointing = i in recompute.layers
 
 
+# --------------------------------------------------------------------------- a counter that never stops a step
+def sdpa_flops(query_shape, key_shape, value_shape) -> int:
+    """Forward FLOPs of one scaled-dot-product attention call, grouped-query attention included.
+
+    ``2 b h_q s_q s_k (d_qk + d_v)``: the score matmul ``Q K^T`` and the weighted sum ``P V``, each
+    key/value head broadcast to the ``h_q / h_kv`` query heads of its group (the kernels do the same
+    work as for ``h_q`` key/value heads); no causal discount, as torch counts fused kernels. It is
+    ``torch.utils.flop_counter.sdpa_flop_count`` of torch >= 2.12; torch 2.11 asserts equal head
+    counts there, and a GQA model (Llama-1B's 32/4 heads) stopped its first training step on an H200
+    inside the counter (bench/gpu_check.sh, 2026-12-04).
+
+    Args:
+        query_shape: ``(b, h_q, s_q, d_qk)``; key_shape ``(b, h_kv, s_k, d_qk)``; value_shape ``(b, h_kv, s_k, d_v)``.
+
+    Raises:
+        ValueError: shapes that do not fit together (``h_q`` not a multiple of ``h_kv``, ...).
+    """
+    b, h_q, s_q, d_q = query_shape
+    b2, h_kv, s_k, d_k = key_shape
+    b3, h_v, s_v, d_v = value_shape
+    if not (b == b2 == b3 and h_kv == h_v and d_q == d_k and s_k == s_v) or h_kv < 1 or h_q % h_kv:
+        raise ValueError(f"attention shapes q={tuple(query_shape)} k={tuple(key_shape)} v={tuple(value_shape)} "
+                         "do not fit (query heads a multiple of key/value heads)")
+    return 2 * b * h_q * s_q * s_k * (d_q + d_v)
+
+
+def sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape) -> int:
+    """Backward FLOPs of one scaled-dot-product attention call, grouped-query attention included.
+
+    ``2 b h_q s_q s_k (3 d_qk + 2 d_v)``: the scores recomputed (``Q K^T``), ``dP = dO V^T``,
+    ``dV = P^T dO``, ``dQ = dS K`` and ``dK = dS^T Q`` (torch.utils.flop_counter's
+    ``sdpa_backward_flop_count``, with grouped key/value heads as in :func:`sdpa_flops`).
+
+    Raises:
+        ValueError: shapes that do not fit together.
+    """
+    b, h_q, s_q, d_q = query_shape
+    _, _, s_k, _ = key_shape
+    d_v = value_shape[3]
+    sdpa_flops(query_shape, key_shape, value_shape)  # the same shape checks
+    if tuple(grad_out_shape) != (b, h_q, s_q, d_v):
+        raise ValueError(f"attention gradient shape {tuple(grad_out_shape)} is not (b, h_q, s_q, d_v)")
+    return 2 * b * h_q * s_q * s_k * (3 * d_q + 2 * d_v)
+
+
+def step_counter():
+    """A ``torch.utils.flop_counter.FlopCounterMode`` for counting a real training step that never
+    stops the step it counts.
+
+    Every formula torch registers runs inside the step's own dispatch; one that raises (a shape it
+    does not expect, as torch 2.11's attention formula does for grouped-query attention) would end
+    the user's training in its first step. Here each formula that raises counts 0 for that call and
+    names its op in the counter's ``llmeff_failed_ops`` (a set), so the count comes out below the
+    formula and is treated as a counter gap (HFU keeps the analytic ratio, never a lower count);
+    the fused attention kernels (flash, memory-efficient, cuDNN; forward and backward) are counted
+    with :func:`sdpa_flops` / :func:`sdpa_backward_flops`, which know grouped key/value heads.
+    """
+    import torch
+    from torch.utils import flop_counter as tfc
+
+    failed: set[str] = set()
+
+    def never_raises(formula, op):
+        def count(*args, **kwargs):
+            try:
+                return formula(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a count is never worth the step
+                failed.add(str(op))
+                return 0
+        count._get_raw = True  # already takes tensors (torch's shape_wrapper), FlopCounterMode calls it as is
+        return count
+
+    aten = torch.ops.aten
+    own = {}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        if hasattr(aten, name):
+            own[getattr(aten, name)] = tfc.shape_wrapper(
+                lambda q, k, v, *a, out_shape=None, **kw: sdpa_flops(q, k, v))
+        if hasattr(aten, name + "_backward"):
+            own[getattr(aten, name + "_backward")] = tfc.shape_wrapper(
+                lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flops(g, q, k, v))
+    mapping = {op: never_raises(own.get(op, f), op) for op, f in tfc.flop_registry.items()}
+    mapping.update({op: never_raises(f, op) for op, f in own.items() if op not in mapping})
+    counter = tfc.FlopCounterMode(display=False, custom_mapping=mapping)
+    counter.llmeff_failed_ops = failed
+    return counter
+
+
 def measure_step_flops(step_fn: Callable[[], object]) -> int:
     """Count the FLOPs one real training step executes, with ``torch.utils.flop_counter``.
 
@@ -267,9 +356,7 @@ def measure_step_flops(step_fn: Callable[[], object]) -> int:
     Returns:
         FLOPs counted on this process (int).
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    counter = step_counter()
     with counter:
         step_fn()
     return int(counter.get_total_flops())
@@ -296,6 +383,7 @@ class CounterGap:
     counted: float
     expected: float
     unseen: tuple[str, ...] = ()
+    failed_ops: tuple[str, ...] = ()
 
     def note(self) -> str:
         """One line for the ``llmeff.flops.counter_gap`` tag."""
@@ -303,27 +391,33 @@ class CounterGap:
         seen = (f"modules it could not see: {', '.join(self.unseen[:8])}"
                 + (f" and {len(self.unseen) - 8} more" if len(self.unseen) > 8 else "")) if self.unseen else \
             "no module with weights counted zero (a kernel inside a counted module is invisible)"
+        if self.failed_ops:
+            seen += f"; ops whose FLOPs formula failed (counted 0): {', '.join(self.failed_ops)}"
         return (f"FlopCounterMode counted {share:.1%} of the formula's hardware FLOPs on a real step; {seen}; "
                 "HFU uses the analytic ratio (the count is a measurement gap, not lower hardware FLOPs)")
 
 
-def counter_gap(counted: float, expected: float, unseen=(), *, tolerance: float = GAP_TOLERANCE) -> CounterGap | None:
-    """The gap when ``counted`` is below ``expected`` by more than ``tolerance`` (a fraction), else None.
+def counter_gap(counted: float, expected: float, unseen=(), *, tolerance: float = GAP_TOLERANCE,
+                failed_ops=()) -> CounterGap | None:
+    """The gap when ``counted`` is below ``expected`` by more than ``tolerance`` (a fraction), or when
+    any op's formula failed inside the count (``failed_ops``: the count is incomplete whatever its
+    size), else None.
 
     Args:
         counted: FLOPs a real step counted (this rank's, scaled as the caller compares them).
         expected: the formula's hardware FLOPs for the same tokens
             (:func:`~mlflow_llmeff.calc.flops.hardware_flops_per_token` x tokens).
         unseen: :func:`unseen_modules` of the step.
+        failed_ops: ops whose formula raised and counted 0 (:func:`step_counter`'s ``llmeff_failed_ops``).
 
     Raises:
         ValueError: for a negative count or a non-positive expectation.
     """
     if counted < 0 or not expected > 0:
         raise ValueError(f"counted={counted!r} must be >= 0 and expected={expected!r} > 0 FLOPs")
-    if counted >= expected * (1.0 - tolerance):
+    if counted >= expected * (1.0 - tolerance) and not failed_ops:
         return None
-    return CounterGap(float(counted), float(expected), tuple(unseen))
+    return CounterGap(float(counted), float(expected), tuple(unseen), tuple(sorted(failed_ops)))
 
 
 @contextmanager

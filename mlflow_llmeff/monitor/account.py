@@ -116,14 +116,15 @@ class FlopsAccount:
         return cache[s_eff]
 
     def count_ratio(self, counted: float, tokens: int, sq: int, *, step: int, device, model_parallel: int,
-                    unseen=()) -> None:
+                    unseen=(), failed_ops=()) -> None:
         """Set the HFU ratio from ``counted`` FLOPs (``FlopCounterMode``) of one step of ``tokens`` tokens
         whose squared sequence lengths sum to ``sq``; ``step`` is the attempt's step number it names.
 
         A count below the formula's hardware FLOPs for the same tokens (by more than
         :data:`~mlflow_llmeff.meters.flopcount.GAP_TOLERANCE`) is a measurement gap, never a lower
         HFU: the analytic ratio stays, :attr:`counter_gap` says so and names ``unseen``
-        (:func:`~mlflow_llmeff.meters.flopcount.unseen_modules`: the modules the counter could not see).
+        (:func:`~mlflow_llmeff.meters.flopcount.unseen_modules`: the modules the counter could not see);
+        so is any count in which an op's formula failed (``failed_ops``, counted 0), whatever its size.
         """
         if tokens <= 0 or counted <= 0:
             return
@@ -143,7 +144,7 @@ class FlopsAccount:
         from mlflow_llmeff.meters.flopcount import counter_gap
 
         expected = fl.hardware_flops_per_token(self.shape, s_eff, self.recompute) * tokens / r
-        gap = counter_gap(counted, expected, unseen)
+        gap = counter_gap(counted, expected, unseen, failed_ops=failed_ops)
         self.hfu_counted = True
         if gap is not None:  # what the counter could not see is a gap in the count, not in the hardware
             self.counter_gap = f"step {step}: {gap.note()}"

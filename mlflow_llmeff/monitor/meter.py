@@ -454,11 +454,9 @@ class EfficiencyMonitor:
         if self._off or self.compiled or self._account.shape is None or self._account.hfu_counted:
             yield
             return
-        from torch.utils.flop_counter import FlopCounterMode
+        from mlflow_llmeff.meters.flopcount import modules_that_run, step_counter, unseen_modules
 
-        from mlflow_llmeff.meters.flopcount import modules_that_run, unseen_modules
-
-        counter = FlopCounterMode(display=False)
+        counter = step_counter()  # a formula that raises counts 0 and is named, never ends the step
         before = self._tally.peek_tokens()
         with modules_that_run() as rows, counter:
             yield
@@ -468,7 +466,7 @@ class EfficiencyMonitor:
                                       step=self.step_count + 1, device=self._device,
                                       model_parallel=self._model_parallel,
                                       unseen=unseen_modules(self._model, counter.get_flop_counts(), rows)
-                                      if self._model is not None else ())
+                                      if self._model is not None else (), failed_ops=counter.llmeff_failed_ops)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
