@@ -11,7 +11,7 @@ calls, as the meter does. What is checked, each a line of the output and a targe
   (target >= ``--ratio-target``, default 0.95: the meter, data loading and logging cost at most 5% of
   a GPU step of a 1B model);
 * **MFU**: ``summary/mfu`` against a hand computation from the datasheet: llmeff's own tokens/s x
-  the FLOPs per token of METRICS.md's formula, written out here independently of
+  the FLOPs per token of docs/formulas.md's formula, written out here independently of
   ``mlflow_llmeff.calc.flops`` (``L h^2 (12 + 12 g/n + 18 f/h + 6 s/h) + 6 h V``, Megatron-LM's
   ``num_floating_point_operations`` with causal attention counted once) / the dense bf16 peak of
   the device's datasheet row (``--peak-tflops``, default the H100/H200 SXM 989.4 TFLOP/s of NVIDIA's
@@ -38,7 +38,7 @@ import time
 
 
 def flops_per_token(L: int, h: int, n: int, g: int, f: int, V: int, s: float) -> float:
-    """Model FLOPs per token of a SwiGLU decoder, METRICS.md's ``megatron`` formula (causal once)."""
+    """Model FLOPs per token of a SwiGLU decoder, docs/formulas.md's ``megatron`` formula (causal once)."""
     return L * h * h * (12 + 12 * g / n + 18 * f / h + 6 * s / h) + 6 * h * V
 
 
