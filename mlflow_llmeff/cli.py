@@ -616,6 +616,10 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
     click.echo(f"{n} run{'s' if n != 1 else ''} of {rep.selection.experiment_name!r} compared: {rep.selection.scope()}")
     click.echo("Configurations, best first (repeats as samples; within noise = intervals overlap, not ranked):")
     click.echo(headline_text(rep))
+    from mlflow_llmeff.report.mlperf import text_lines
+
+    for line in text_lines(rep.targets):  # time, energy and cost to each target, MLPerf-scored
+        click.echo(line)
     reliability = reliability_text(rep)
     if reliability:
         click.echo(reliability)
