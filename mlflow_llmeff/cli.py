@@ -244,25 +244,43 @@ def _study_config(text: str):
 
 
 @main.command("study")
-@click.option("--repeats", type=IntRange(min=1), required=True,
-              help="Runs of every configuration; the study runs repeat 1 of each, then repeat 2 of each, ...")
-@click.option("--config", "configs", multiple=True, required=True,
+@click.option("--repeats", type=IntRange(min=1), default=None,
+              help="Runs of every configuration, each with its configuration's seed; the study runs repeat 1 of "
+                   "each, then repeat 2 of each, ...")
+@click.option("--seeds", type=IntRange(min=1), default=None,
+              help="Runs of every configuration, run i with seed <the configuration's seed> + i - 1 (MLPerf-style "
+                   "runs: init, data order and validation split differ); instead of --repeats.")
+@click.option("--target", default=None,
+              help="Quality target every run trains to (or to its --max-steps cap), e.g. 'val_loss<=3.0', "
+                   "'hellaswag/acc_norm>=0.3'; 'val_loss=3.0' reads <= for a loss and >= for an accuracy. "
+                   "Results are scored as MLPerf Training scores them and each run gets an MLPerf-style log "
+                   "(docs/compare.md). The configurations need --eval-every N.")
+@click.option("--config", "configs", multiple=True,
               help='The llmeff train options of one configuration, quoted, e.g. --config "--model llama-tiny '
-                   '--micro-batch-size 4"; give --config once per configuration.')
+                   '--micro-batch-size 4"; give --config once per configuration [default with --seeds: one '
+                   'configuration of llmeff train\'s defaults].')
 @click.option("--experiment", default=None,
               help="MLflow experiment of the study's parent run and its children [default: the one the "
                    "configurations name, else MLflow's current].")
-def study_cmd(repeats: int, configs: tuple[str, ...], experiment: str | None) -> None:
+def study_cmd(repeats: int | None, seeds: int | None, target: str | None, configs: tuple[str, ...],
+              experiment: str | None) -> None:
     """Run each configuration N times, interleaved (A1 B1 A2 B2 ...), as children of one MLflow parent run.
 
     Each child is a normal llmeff train run; llmeff compare takes a configuration's children as its
-    repeats (mean and 95% Student-t interval across them). docs/stability.md, "Repeats".
+    repeats (mean and 95% Student-t interval across them). docs/stability.md, "Repeats". With --target
+    each run trains to the target or its step cap and the configuration's time, energy and cost to it
+    are scored as MLPerf Training scores a benchmark (docs/compare.md, "Time to target, MLPerf-style").
     """
     from mlflow_llmeff.train.study import run_study, summary_lines
 
-    parsed = [_study_config(text) for text in configs]
+    if (repeats is None) == (seeds is None):
+        raise click.UsageError("give one of --repeats N (the same seed) or --seeds N (seed + i - 1 for run i)")
+    if not configs and seeds is None:
+        raise click.UsageError("Missing option '--config': give the llmeff train options of each configuration")
+    parsed = [_study_config(text) for text in configs] or [_study_config("")]
     try:
-        result = run_study(parsed, repeats, experiment=experiment, echo=click.echo)
+        result = run_study(parsed, repeats or seeds, experiment=experiment, echo=click.echo, seeds=seeds is not None,
+                           target=target)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     import mlflow
