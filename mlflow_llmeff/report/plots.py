@@ -385,8 +385,8 @@ def fig_ttq(rep, history):
     ax.barh(y, [b[2] for b in bars], color="tab:green",
             xerr=[[b[2] - b[3] for b in bars], [b[4] - b[2] for b in bars]], capsize=3)
     ax.set_yticks(y, [f"{short(b[0], 28)}: {short(b[1], 24)}" for b in bars], fontsize=7)
-    ax.set_xlabel("wall seconds to the target (olympic mean; bar: lowest-highest run averaged)")
-    ax.set_title("Time to target, MLPerf scoring" + (f" ({len(left)} without a result: see the table)" if left else ""))
+    ax.set_xlabel("wall s to the target: olympic mean (bar: runs averaged)", fontsize=8)
+    ax.set_title("Time to target, MLPerf-scored" + (f" ({len(left)} without a result)" if left else ""), fontsize=9)
     return fig
 
 

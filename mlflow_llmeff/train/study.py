@@ -331,8 +331,8 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     echo(f"llmeff study: parent run {parent}, {what} ({len(children)} runs)")
     try:
         for n, child in enumerate(children, 1):
-            echo(f"llmeff study: run {n} of {len(children)}: configuration {child.config}, repeat {child.repeat} "
-                 f"of {repeats}")
+            echo(f"llmeff study: run {n} of {len(children)}: configuration {child.config}, {unit} {child.repeat} "
+                 f"of {repeats}" + (f" (seed {child.cfg.seed})" if seeds else ""))
             tags = {PARENT_TAG: parent, names.STUDY_CONFIG: str(child.config), names.STUDY_REPEAT: str(child.repeat)}
             if spec:
                 tags[names.STUDY_TARGET] = spec
@@ -341,7 +341,8 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
             if goals and outcome.code == 0:  # its MLPerf-style result log (the first target's eval)
                 from mlflow_llmeff.tracking.mllog import log_result
 
-                echo(f"llmeff study: {log_result(client, outcome.run_id, goals[0].eval_key, goals[0].key, outcome.started_unix)}")
+                logged = log_result(client, outcome.run_id, goals[0].eval_key, goals[0].key, outcome.started_unix)
+                echo(f"llmeff study: run {outcome.run_id}: {logged}")
             if outcome.code:
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
