@@ -301,7 +301,7 @@ COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare -
 COMPARE_EXPERIMENT = _tag("compare.experiment", "on a comparison run: the compared experiment's name")
 COMPARE_FILTER = _tag("compare.filter", "on a comparison run: the MLflow search filter used ('' = all runs)")
 STUDY = _tag("study", "on a study's parent run (llmeff study, train/study.py): '<k> configurations x <n> repeats, "
-             "round-robin'; its children (mlflow.parentRunId) are the training runs, it has no summary figures "
+             "round-robin' ('seeds' with --seeds; ', each to <target> or its step cap' with --target); its children (mlflow.parentRunId) are the training runs, it has no summary figures "
              "itself, and comparisons (llmeff compare, the efficiency page) leave it out")
 STUDY_CONFIG = _tag("study.config", "on a study's child run: which of the study's configurations it is, 1..k in the "
                     "order of --config (the parent's params config_<i> hold each one's options)")

@@ -15,10 +15,10 @@ require("mlperf_logging", "pip install mlperf-logging (a dependency of mlflow_ll
 
 #: A seed that reached its target at step 20: job start 1,000,000 ms, 12.5 s of set-up, 2.25 s to the target.
 REACHED = mllog.RunFacts(seed=3, global_batch_size=8, seq_len=64, grad_accum=1, job_start_ms=1_000_000, init_s=12.5,
-                         wall_s=15.0, evals=((10, 1_013_400, 4.78), (20, 1_014_740, 4.34)), target_s=2.25, steps=20,
-                         platform="1xAMD EPYC 7B13", precision="fp32",
+                         wall_s=15.0, evals=((10, 1_013_400, 4.78), (20, 1_014_740, 4.34), (20, 1_014_900, 4.34)),
+                         target_s=2.25, steps=20, platform="1xAMD EPYC 7B13", precision="fp32",
                          params={"max_steps": 30, "opt_base_learning_rate": 0.001, "opt_name": "adamw",
-                                 "train_samples": 6920, "eval_samples": 8})
+                                 "train_samples": 6920, "eval_samples": 8}, reached_step=20)
 
 
 def lines(path) -> list[dict]:
@@ -33,8 +33,10 @@ def test_a_reached_targets_log_passes_the_compliance_checker(tmp_path):
     assert (by_key["init_start"]["time_ms"], by_key["init_stop"]["time_ms"]) == (1_000_000, 1_012_500)
     assert by_key["run_start"]["time_ms"] == 1_012_500 and by_key["run_stop"]["time_ms"] == 1_014_750
     assert by_key["run_stop"]["metadata"]["status"] == "success"
-    assert [(g["value"], g["metadata"]["samples_count"]) for g in got if g["key"] == "eval_accuracy"] == [
-        (4.78, 80), (4.34, 160)]  # step x 8 sequences
+    # step x 8 sequences; the eval that reached the target last (a final eval after it, at step 20 again, is not
+    # the run's: its clock stopped), its time capped at run_stop
+    assert [(g["value"], g["metadata"]["samples_count"], g["time_ms"]) for g in got if g["key"] == "eval_accuracy"] == [
+        (4.78, 80, 1_013_400), (4.34, 160, 1_014_740)]
     assert (by_key["submission_benchmark"]["value"], by_key["submission_division"]["value"],
             by_key["submission_status"]["value"], by_key["cache_clear"]["value"]) == ("llama31_8b", "open", "research",
                                                                                      False)
@@ -46,8 +48,8 @@ def test_a_reached_targets_log_passes_the_compliance_checker(tmp_path):
 def test_a_seed_that_never_reached_it_is_an_aborted_run_that_passes_too(tmp_path):
     import dataclasses
 
-    aborted = dataclasses.replace(REACHED, target_s=None, steps=30,
-                                  evals=REACHED.evals + ((30, 1_015_900, 4.30),))
+    aborted = dataclasses.replace(REACHED, target_s=None, steps=30, reached_step=None,
+                                  evals=REACHED.evals[:2] + ((30, 1_014_950, 4.30),))
     path = mllog.write_log(aborted, str(tmp_path / "result_2.txt"))
     stop = [g for g in lines(path) if g["key"] == "run_stop"][0]
     # it stopped at its cap: job start + 15.0 s of wall, 30 steps x 8 sequences

@@ -187,6 +187,14 @@ def test_schedule_and_check_refuse_bad_input_naming_the_value(tmp_path):
     (["--repeats", "2", "--config", "--max-steps four"],
      ("Error: Invalid value for '--config': '--max-steps four': Invalid value for '--max-steps': "
       "'four' is not a valid integer.")),
+    (["--repeats", "2", "--seeds", "2", "--config", "--max-steps 4"], "Error: give --repeats N (the same seed) or "
+                                                                      "--seeds N (seed + i - 1 for run i)"),
+    (["--repeats", "2"], "Error: give --repeats N (the same seed) or --seeds N (seed + i - 1 for run i), and with "
+                         "--repeats a --config per configuration"),
+    (["--seeds", "2", "--target", "bleu=0.3", "--config", "--eval-every 5"],
+     "Error: target metric 'bleu' is unknown, so 'metric=value' cannot say whether to reach it from above or below"),
+    (["--seeds", "2", "--target", "val_loss=3"],  # llmeff train's defaults evaluate only at the end
+     "Error: configuration 1 (''): --eval-every 0 evaluates only at the end, so no run stops at val_loss<=3"),
 ])
 def test_cli_bad_input_is_one_line_naming_the_value(args, line, tracking_uri):
     before = len(mlflow.search_runs(search_all_experiments=True))

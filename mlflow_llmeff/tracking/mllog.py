@@ -68,6 +68,8 @@ class RunFacts:
         wall_s: the job's wall time (``summary/wall_s``), seconds.
         evals: ``(step, stamp in ms, value)`` of every eval of the target's metric, by step.
         target_s: the time to the target (``ttq/<target>_wall_s``), None when not reached.
+        reached_step: the step whose eval reached it (``llmeff.ttq.<target>=reached_at_step_<n>``); evals
+            after it are not the run's (MLPerf stops the clock there). None when not reached or not told.
         steps: optimizer steps trained (``summary/steps``).
         platform: ``<count>x<accelerator name>``.
         precision: the ``llmeff.precision`` tag (``fp8``, ``bf16``, ...).
@@ -88,6 +90,7 @@ class RunFacts:
     platform: str
     precision: str = ""
     params: dict = field(default_factory=dict)
+    reached_step: int | None = None
 
 
 #: llmeff.precision -> MLPerf's lowest_numerical_precision_in_linear values.
@@ -113,13 +116,13 @@ def events(f: RunFacts) -> list[tuple[str, str, object, dict, int]]:
     out += [("end", "init_stop", None, {}, run_start), ("start", "run_start", None, {}, run_start)]
     last_step, last_t = 0, run_start
     for step, stamp, value in f.evals:
-        if reached and stamp > stop + 1000 and step > last_step:  # evals after the one that reached it
-            break
         t = min(max(stamp, last_t), stop)
         out += [("start", "block_start", None, {"samples_count": last_step * f.global_batch_size}, last_t),
                 ("end", "block_stop", None, {"samples_count": step * f.global_batch_size}, t),
                 ("event", "eval_accuracy", value, {"samples_count": step * f.global_batch_size, "step": step}, t)]
         last_step, last_t = step, t
+        if reached and f.reached_step is not None and step >= f.reached_step:  # the clock stopped at this eval
+            break
     out.append(("end", "run_stop", None, {"status": "success" if reached else "aborted",
                                           "samples_count": (last_step if reached else f.steps) * f.global_batch_size},
                 stop))
@@ -199,13 +202,15 @@ def facts_from_run(client, run_id: str, eval_key: str, stem: str, started_unix: 
     if eval_key not in (names.EVAL_VAL_LOSS, names.EVAL_VAL_PPL) and docs:
         extra["eval_samples"] = int(docs.group(1))
     target = m.get(f"ttq/{stem}_wall_s")
+    at = re.fullmatch(r"reached_at_step_(\d+)", tags.get(names.TTQ_TAG_PREFIX + stem, ""))
     return RunFacts(seed=int(params.get("seed", "0") or 0), global_batch_size=gbs, seq_len=seq_len, grad_accum=accum,
                     job_start_ms=(round(started_unix * 1000) if started_unix is not None
                                   else int(wall_point.timestamp - round(wall * 1000))),
                     init_s=float(m.get(names.SUM_BADPUT["init"], 0.0)), wall_s=wall, evals=evals, target_s=target,
                     steps=int(m[names.SUM_STEPS]),
                     platform=f"{tags.get(names.ACCEL_COUNT, '1')}x{tags.get(names.ACCEL_NAME, 'unknown')}",
-                    precision=tags.get(names.PRECISION, ""), params=extra)
+                    precision=tags.get(names.PRECISION, ""), params=extra,
+                    reached_step=int(at.group(1)) if at and target is not None else None)
 
 
 @dataclass(frozen=True)
