@@ -244,25 +244,38 @@ def _study_config(text: str):
 
 
 @main.command("study")
-@click.option("--repeats", type=IntRange(min=1), required=True,
-              help="Runs of every configuration; the study runs repeat 1 of each, then repeat 2 of each, ...")
-@click.option("--config", "configs", multiple=True, required=True,
+@click.option("--repeats", type=IntRange(min=1), default=None,
+              help="Runs of every configuration, same seed; the study runs repeat 1 of each, then repeat 2, ...")
+@click.option("--seeds", type=IntRange(min=1), default=None,
+              help="Runs of every configuration, run i with its seed + i - 1 (init, data order, split); not --repeats.")
+@click.option("--target", default=None,
+              help="Quality target every run trains to or to its --max-steps cap ('val_loss<=3.0'; 'val_loss=3.0': <= "
+                   "for a loss, >= for an accuracy), scored as MLPerf Training does, an MLPerf-style log per run "
+                   "(docs/compare.md); the configurations need --eval-every N.")
+@click.option("--config", "configs", multiple=True,
               help='The llmeff train options of one configuration, quoted, e.g. --config "--model llama-tiny '
-                   '--micro-batch-size 4"; give --config once per configuration.')
+                   '--micro-batch-size 4"; give --config once per configuration [default with --seeds: one '
+                   'configuration of llmeff train\'s defaults].')
 @click.option("--experiment", default=None,
               help="MLflow experiment of the study's parent run and its children [default: the one the "
                    "configurations name, else MLflow's current].")
-def study_cmd(repeats: int, configs: tuple[str, ...], experiment: str | None) -> None:
+def study_cmd(repeats: int | None, seeds: int | None, target: str | None, configs: tuple[str, ...],
+              experiment: str | None) -> None:
     """Run each configuration N times, interleaved (A1 B1 A2 B2 ...), as children of one MLflow parent run.
 
     Each child is a normal llmeff train run; llmeff compare takes a configuration's children as its
-    repeats (mean and 95% Student-t interval across them). docs/stability.md, "Repeats".
+    repeats (mean and 95% Student-t interval across them). docs/stability.md, "Repeats"; with --target,
+    docs/compare.md, "Time to target, MLPerf-style".
     """
     from mlflow_llmeff.train.study import run_study, summary_lines
 
-    parsed = [_study_config(text) for text in configs]
+    if (repeats is None) == (seeds is None) or not (configs or seeds):
+        raise click.UsageError("give --repeats N (the same seed) or --seeds N (seed + i - 1 for run i), and with "
+                               "--repeats a --config per configuration (llmeff train options)")
+    parsed = [_study_config(text) for text in configs] or [_study_config("")]
     try:
-        result = run_study(parsed, repeats, experiment=experiment, echo=click.echo)
+        result = run_study(parsed, repeats or seeds, experiment=experiment, echo=click.echo, seeds=seeds is not None,
+                           target=target)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     import mlflow
@@ -599,6 +612,7 @@ def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
 def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_mlflow, ui_url) -> None:
     """Compare runs on efficiency: table, scaling efficiency, Pareto fronts (reads any tracking URI)."""
     from mlflow_llmeff.report.compare import compare
+    from mlflow_llmeff.report.mlperf import text_lines
     from mlflow_llmeff.report.render import headline_text, reliability_text, scaling_lines
 
     try:
@@ -616,6 +630,8 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
     click.echo(f"{n} run{'s' if n != 1 else ''} of {rep.selection.experiment_name!r} compared: {rep.selection.scope()}")
     click.echo("Configurations, best first (repeats as samples; within noise = intervals overlap, not ranked):")
     click.echo(headline_text(rep))
+    for line in text_lines(rep.targets):  # time, energy and cost to each target, MLPerf-scored
+        click.echo(line)
     reliability = reliability_text(rep)
     if reliability:
         click.echo(reliability)

@@ -301,12 +301,18 @@ COMPARE_RUN_IDS = _tag("compare.run_ids", "on a comparison run (llmeff compare -
 COMPARE_EXPERIMENT = _tag("compare.experiment", "on a comparison run: the compared experiment's name")
 COMPARE_FILTER = _tag("compare.filter", "on a comparison run: the MLflow search filter used ('' = all runs)")
 STUDY = _tag("study", "on a study's parent run (llmeff study, train/study.py): '<k> configurations x <n> repeats, "
-             "round-robin'; its children (mlflow.parentRunId) are the training runs, it has no summary figures "
+             "round-robin' ('seeds' with --seeds; ', each to <target> or its step cap' with --target); its children (mlflow.parentRunId) are the training runs, it has no summary figures "
              "itself, and comparisons (llmeff compare, the efficiency page) leave it out")
 STUDY_CONFIG = _tag("study.config", "on a study's child run: which of the study's configurations it is, 1..k in the "
                     "order of --config (the parent's params config_<i> hold each one's options)")
 STUDY_REPEAT = _tag("study.repeat", "on a study's child run: its repeat of its configuration, 1..n (the study ran "
                     "every configuration's repeat i before any repeat i+1)")
+STUDY_TARGET = _tag("study.target", "on a study's parent and children run to a quality target (llmeff study --target): the "
+                    "target, e.g. 'val_loss<=3.0'; each child ran to it or to its step cap (max_steps, stop_at_targets "
+                    "true), and comparisons score the configuration's runs as MLPerf Training does (docs/compare.md)")
+MLLOG = _tag("mllog", "on a run trained to a target in a study: 'mllog/result_<seed>.txt: ...', its MLPerf-style result "
+             "log (mlperf-logging; checked against the rules every MLPerf Training 6.0.0 benchmark shares, not an "
+             "MLPerf submission) and its run_stop status (success: reached; aborted: not), or 'not written: <why>'")
 WALL_VS_DURATION = _tag("wall.vs_duration", "why MLflow's Duration and summary/wall_s differ: where each starts and ends (set-up before the run's creation, the end-of-run report, attempts of a resumed run)")
 STABILITY = _tag("stability", "'stable', or 'unstable: <why>' naming each figure past its threshold (p90/p50 step time, stalls, interval width, too few steps); docs/stability.md")
 SUMMARY_ABSENT = _tag("summary.absent", "summary/* figures that are undefined for this run and so not logged (never as 0 or 1), each '<key>: <why>' (keys with one why named together, comma-separated), joined by '; ' (e.g. summary/step_time_cv of a single steady step); comparisons name a repeat left out of a figure with this why")
@@ -318,6 +324,10 @@ STRAGGLER_RANK = _tag("straggler.rank", "the rank with the slowest mean forward 
 # (docs/formulas.md, "Setups that change the counting": FP8 and other precisions whose peak differs)
 SUM_MFU_BF16_PEAK = _metric("summary/mfu_bf16_peak", "fraction", "steady-state MFU against the device's dense BF16 peak whatever the compute dtype (beside summary/mfu, whose denominator llmeff.peak.precision names), so FP8 and BF16 runs compare on one scale", S)
 FLOPS_COUNTER_GAP = _tag("flops.counter_gap", "set when FlopCounterMode's count of a real step came out below the formula's hardware FLOPs: the share it counted and the modules it could not see (custom ops, fused expert kernels); HFU then uses the analytic ratio, never the lower count")
+PRECISION_SOURCE = _tag("precision.source", "where llmeff.precision comes from: 'option' (given), 'parameters' (read off the "
+                        "weights' dtype), or 'modules: <n> of <m> Linear layers are <class>' when FP8 layers were found "
+                        "in the model (torchao Float8Linear; TransformerEngine Linear, LayerNormLinear, "
+                        "LayerNormMLP or TransformerLayer running FP8), which win over the option")
 PEAK_PRECISION = _tag("peak.precision", "the dtype whose dense peak is MFU's denominator (the dtype the matmuls ran in: fp8, bf16, fp16, tf32, fp32); set where a peak is known")
 
 TTQ_TAG_PREFIX = "llmeff.ttq."

@@ -97,3 +97,19 @@ def test_case_a_every_target_key_is_accepted_by_mlflow():
     keys = [*t.metric_keys().values(), t.not_reached_tag]
     assert keys[0] == "ttq/val_loss_le_9.5_wall_s" and t.not_reached_tag == "llmeff.ttq.val_loss_le_9.5"
     assert all(key_accepted(k) for k in keys)
+
+
+# llmeff study --target's 'metric=value': the operator from the metric
+@pytest.mark.parametrize("spec, op", [("val_loss=3.0", "<="), ("val_perplexity=20", "<="), ("mmlu/acc=0.3", ">="),
+                                      ("hellaswag/acc_norm=0.3", ">="), ("mmlu_anatomy/acc=0.4", ">=")])
+def test_the_equals_form_reads_a_loss_as_at_most_and_an_accuracy_as_at_least(spec, op):
+    t, = parse_targets(spec, equals=True)
+    assert t.op == op and str(t) == spec.replace("=", op)
+
+
+def test_the_equals_form_is_refused_where_it_is_not_asked_for_or_the_direction_is_unknown():
+    with pytest.raises(ValueError, match=r"^target 'val_loss=3.0' is not accepted; write metric>=value"):
+        parse_targets("val_loss=3.0")
+    with pytest.raises(ValueError, match=r"^target metric 'bleu' is unknown, so 'metric=value' cannot say whether "
+                                         r"to reach it from above or below; write metric>=value"):
+        parse_targets("bleu=0.3", equals=True)

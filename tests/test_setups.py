@@ -15,7 +15,7 @@ from mlflow_llmeff.models.build import load_config
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 from mlflow_llmeff.testing import FakeClock
 
-from conftest import use_store
+from conftest import require, use_store
 
 
 @pytest.fixture
@@ -105,6 +105,102 @@ def test_without_a_peak_no_precision_tag_and_no_bf16_figure(tracking_uri):
             "summary/mfu_measured_peak: no measured matmul peak (not measured (measure_peak=False))") in \
         tags[names.SUMMARY_ABSENT]
     assert names.SUM_HFU not in s and names.SUM_DEVICE_TFLOPS in s
+
+
+# ------------------------------------------------------------------------------ FP8 read off the modules that run
+#: torchao's float8 training layer as the detection sees it: the class name and module path of
+#: torchao.float8.float8_linear.Float8Linear (torchao's kernels need CUDA; this stand-in runs nn.Linear's forward)
+Float8Linear = type("Float8Linear", (torch.nn.Linear,), {"__module__": "torchao.float8.float8_linear"})
+#: TransformerEngine's te.Linear as the detection sees it: fp8 is set by its first forward under fp8_autocast
+TeLinear = type("Linear", (torch.nn.Linear,), {"__module__": "transformer_engine.pytorch.module.linear", "fp8": False})
+
+
+def _tiny_with(layer_class, keep_head: bool = True):
+    """llama-tiny with its linear layers turned into ``layer_class`` (the LM head kept, as torchtitan's float8
+    filter keeps it); returns the model and how many layers were converted."""
+    from mlflow_llmeff.models.build import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama-tiny")
+    n = 0
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Linear and not (keep_head and name == "lm_head"):
+            m.__class__, n = layer_class, n + 1
+    return model, n
+
+
+def test_a_model_converted_to_torchao_float8_is_tagged_fp8_against_the_fp8_peak(monkeypatch, tracking_uri):
+    # the trial: torchao's Float8Linear layers under a launcher's bf16 were tagged bf16, and MFU divided by
+    # the BF16 peak read twice what the FP8 peak gives
+    monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: H100)
+    model, n = _tiny_with(Float8Linear)
+    assert n == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model=model, precision="bf16", clock=clock,
+                            measure_energy="none", measure_peak=False, device_hour_usd=0.0)
+    assert mon.precision == "fp8"
+    per_step = 2e12 * 0.5 / 676_992  # 2 TFLOP/s per device at s = 32 (the test above)
+    for _ in range(2):
+        clock.t += 0.5
+        mon.step(tokens=per_step, samples=per_step / 32, sum_len_sq=per_step * 32)
+    s = mon.finish()
+    assert s[names.SUM_MFU] == pytest.approx(2 / 1978.9, rel=1e-5)  # the FP8 dense peak of an H100 SXM
+    assert s[names.SUM_MFU_BF16_PEAK] == pytest.approx(2 / 989.4, rel=1e-5)
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert (tags[names.PRECISION], tags[names.PEAK_PRECISION], tags[names.PEAK_TFLOPS]) == ("fp8", "fp8", "1978.9")
+    assert tags[names.PRECISION_SOURCE] == ("modules: 14 of 15 Linear layers are "
+                                            "torchao.float8.float8_linear.Float8Linear")
+    assert "-fp8-" in mlflow.MlflowClient().get_run(mon.run_id).info.run_name
+
+
+def test_torchaos_own_float8_conversion_is_read_as_fp8(monkeypatch, tracking_uri):
+    # torchao's real convert_to_float8_training (pure Python on CPU; its kernels are not run here): the
+    # class path the detection reads is torchao's own; without a filter it converts the LM head too
+    torchao_float8 = require("torchao.float8", "pip install torchao (the dev extra)")
+    monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: H100)
+    model, _ = _tiny_with(torch.nn.Linear)
+    torchao_float8.convert_to_float8_training(model)
+    mon = EfficiencyMonitor(model=model, precision="bf16", measure_energy="none", measure_peak=False,
+                            device_hour_usd=0.0)
+    mon.finish()
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert (tags[names.PRECISION], tags[names.PEAK_PRECISION]) == ("fp8", "fp8")
+    assert tags[names.PRECISION_SOURCE] == ("modules: 15 of 15 Linear layers are "
+                                            "torchao.float8.float8_linear.Float8Linear")
+
+
+def test_a_plain_model_keeps_the_given_precision_and_says_where_it_came_from(monkeypatch, tracking_uri):
+    monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: H100)
+    model, _ = _tiny_with(torch.nn.Linear)
+    mon = EfficiencyMonitor(model=model, precision="bf16", measure_energy="none", measure_peak=False,
+                            device_hour_usd=0.0)
+    mon.finish()
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert (tags[names.PRECISION], tags[names.PRECISION_SOURCE], tags[names.PEAK_TFLOPS]) == ("bf16", "option", "989.4")
+
+
+def test_transformer_engine_layers_under_fp8_autocast_switch_the_run_to_fp8_after_the_first_step(monkeypatch,
+                                                                                                tracking_uri):
+    # te.Linear cannot tell before its first forward: init_fp8_metadata sets fp8 under fp8_autocast
+    monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: H100)
+    model, n = _tiny_with(TeLinear)
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, model=model, precision="bf16", clock=clock,
+                            measure_energy="none", measure_peak=False, device_hour_usd=0.0)
+    assert mon.precision == "bf16"  # no forward yet: nothing says FP8
+    for m in model.modules():  # the first forward under te.fp8_autocast
+        if isinstance(m, TeLinear):
+            m.fp8 = True
+    per_step = 2e12 * 0.5 / 676_992
+    for _ in range(3):
+        clock.t += 0.5
+        mon.step(tokens=per_step, samples=per_step / 32, sum_len_sq=per_step * 32)
+    s = mon.finish()
+    assert mon.precision == "fp8" and s[names.SUM_MFU] == pytest.approx(2 / 1978.9, rel=1e-5)
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert (tags[names.PRECISION], tags[names.PEAK_PRECISION], tags[names.PEAK_TFLOPS]) == ("fp8", "fp8", "1978.9")
+    assert tags[names.PRECISION_SOURCE] == (f"modules: {n} of 15 Linear layers are "
+                                            "transformer_engine.pytorch.module.linear.Linear")
 
 
 # ------------------------------------------------------------------------------ a counter that cannot see

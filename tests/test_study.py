@@ -187,6 +187,14 @@ def test_schedule_and_check_refuse_bad_input_naming_the_value(tmp_path):
     (["--repeats", "2", "--config", "--max-steps four"],
      ("Error: Invalid value for '--config': '--max-steps four': Invalid value for '--max-steps': "
       "'four' is not a valid integer.")),
+    (["--repeats", "2", "--seeds", "2", "--config", "--max-steps 4"], "Error: give --repeats N (the same seed) or "
+                                                                      "--seeds N (seed + i - 1 for run i)"),
+    (["--repeats", "2"], "Error: give --repeats N (the same seed) or --seeds N (seed + i - 1 for run i), and with "
+                         "--repeats a --config per configuration"),
+    (["--seeds", "2", "--target", "bleu=0.3", "--config", "--eval-every 5"],
+     "Error: target metric 'bleu' is unknown, so 'metric=value' cannot say whether to reach it from above or below"),
+    (["--seeds", "2", "--target", "val_loss=3"],  # llmeff train's defaults evaluate only at the end
+     "Error: configuration 1 (''): --eval-every 0 evaluates only at the end, so no run stops at val_loss<=3"),
 ])
 def test_cli_bad_input_is_one_line_naming_the_value(args, line, tracking_uri):
     before = len(mlflow.search_runs(search_all_experiments=True))
@@ -299,3 +307,81 @@ def test_a_real_study_of_two_configurations_twice(tracking_uri, monkeypatch):
     e = one.estimate(names.SUM_TOKENS_PER_SEC)
     assert (e.mean, e.n) == (pytest.approx(mean), 2) and e.high == pytest.approx(mean + half)
     assert math.isfinite(e.low) and e.low == pytest.approx(max(0.0, mean - half))
+
+
+def test_a_study_to_a_target_needs_evals_during_training_and_one_target():
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.study import StudyConfig, to_target
+
+    with pytest.raises(ValueError, match=r"^configuration 1 \(''\): --eval-every 0 evaluates only at the end, so "
+                                         r"no run stops at val_loss<=3.0; give --eval-every N"):
+        to_target([StudyConfig("", TrainConfig())], "val_loss=3.0")
+    with pytest.raises(ValueError, match=r"--targets 'val_loss<=2.0' and the study's --target 'val_loss<=3.0' differ"):
+        to_target([StudyConfig("x", TrainConfig(eval_every=5, targets="val_loss<=2.0"))], "val_loss<=3.0")
+    [c], [t] = to_target([StudyConfig("x", TrainConfig(eval_every=5))], "hellaswag/acc_norm=0.3")
+    assert (c.cfg.targets, c.cfg.stop_at_targets, t.key) == ("hellaswag/acc_norm>=0.3", True, "hellaswag_acc_norm_ge_0.3")
+
+
+def test_seeds_give_each_repeat_its_own_seed():
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.study import schedule
+
+    kids = schedule([TrainConfig(seed=7), TrainConfig(seed=0, seq_len=64)], 3, seeds=True)
+    assert [(k.config, k.repeat, k.cfg.seed) for k in kids] == [(1, 1, 7), (2, 1, 0), (1, 2, 8), (2, 2, 1),
+                                                                (1, 3, 9), (2, 3, 2)]
+    assert {k.cfg.seed for k in schedule([TrainConfig(seed=7)], 3)} == {7}  # --repeats: the machine's noise alone
+
+
+def test_a_real_study_of_three_seeds_to_a_target_is_scored_as_mlperf_does_with_checked_logs(tracking_uri, tmp_path):
+    # seeds 0, 1, 2 of llama-tiny to val_loss<=4.35 within 30 steps (python-docs text, evals every 5 steps):
+    # each stops at the eval that reaches it or at its cap; each gets an MLPerf-style log that the compliance
+    # checker passes; the study scores the three as MLPerf does
+    from mlflow_llmeff.calc.mlperf import olympic
+    from mlflow_llmeff.report.repeats import configurations
+    from mlflow_llmeff.report.source import select_runs
+    from mlflow_llmeff.tracking.mllog import check_log
+
+    config = ("--model llama-tiny --max-steps 30 --seq-len 64 --eval-every 5 --val-blocks 8 --warmup-steps 1 "
+              "--log-every-n-steps 5 --measure-energy none")
+    res = CliRunner().invoke(main, ["study", "--seeds", "3", "--target", "val_loss=4.35", "--experiment", "seeds-real",
+                                    "--config", config])
+    assert res.exit_code == 0, res.output
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name("seeds-real").experiment_id
+    runs = client.search_runs([exp], order_by=["attributes.start_time ASC"])
+    parent = next(r for r in runs if names.STUDY in r.data.tags)
+    kids = [r for r in runs if r.info.run_id != parent.info.run_id]
+    assert parent.data.tags[names.STUDY_TARGET] == "val_loss<=4.35"
+    assert parent.data.params == {"seeds": "3", "target": "val_loss<=4.35", "config_1": config}
+    assert [r.data.params["seed"] for r in kids] == ["0", "1", "2"]
+    times = []
+    for r in kids:
+        losses = [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, names.EVAL_VAL_LOSS)]
+        first = next((step for step, v in sorted(losses) if v <= 4.35), None)
+        wall = r.data.metrics.get("ttq/val_loss_le_4.35_wall_s")
+        # it stopped at the eval that reached the target, else ran to its cap
+        assert (wall is not None) == (first is not None)
+        assert r.data.metrics[names.SUM_STEPS] == (first if first is not None else 30)
+        times.append(wall)
+        seed = r.data.params["seed"]
+        status = "success" if wall is not None else "aborted"
+        assert r.data.tags[names.MLLOG].startswith(f"mllog/result_{seed}.txt: MLPerf-style result log")
+        assert r.data.tags[names.MLLOG].endswith(f"run_stop {status}")
+        local = client.download_artifacts(r.info.run_id, f"mllog/result_{seed}.txt", str(tmp_path))
+        check = check_log(local)
+        assert check.ok, check.output
+        text = open(local, encoding="utf-8").read()
+        assert f'"key": "seed", "value": {seed}' in text and f'"status": "{status}"' in text
+    # one configuration of the three seeds, whatever steps each ran
+    c, = configurations(select_runs(client, "seeds-real").runs)
+    assert len(c.runs) == 3
+    o = olympic(times)
+    print(f"seeds to val_loss<=4.35: {times}; olympic {o.score} ({o.why})")
+    line = next(s for s in res.output.splitlines() if ": to val_loss_le_4.35: " in s)
+    reached = sum(t is not None for t in times)
+    assert f": to val_loss_le_4.35: {reached} of 3 runs reached it; time " in line
+    if o.valid:  # the middle run's time (three runs: the fastest and the slowest dropped)
+        assert o.score == sorted(t if t is not None else math.inf for t in times)[1]
+        assert f"time {o.score:.3g} s [" in line or f"time {o.score:,.0f} s [" in line
+    else:
+        assert f"time invalid: {3 - reached} of 3 not reached" in line

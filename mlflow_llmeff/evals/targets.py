@@ -10,7 +10,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.evals.data import MMLU_SUBJECTS
 from mlflow_llmeff.tracking import keys
 
-__all__ = ["TARGET_METRICS", "Target", "canonical_value", "parse_targets"]
+__all__ = ["TARGET_METRICS", "Target", "canonical_value", "parse_targets", "better_direction"]
 
 # eval keys without the "eval/" prefix, from names.py; plus "mmlu_<subject>/acc" (checked by pattern)
 TARGET_METRICS: tuple[str, ...] = tuple(
@@ -19,6 +19,10 @@ TARGET_METRICS: tuple[str, ...] = tuple(
 )
 _SUBJECT_METRICS = frozenset(f"mmlu_{s}/acc" for s in MMLU_SUBJECTS)
 _TARGET_RE = re.compile(r"^\s*([A-Za-z0-9_/]+)\s*(>=|<=)\s*([^\s]+)\s*$")
+# ``metric=value`` (``llmeff study --target``): the operator follows from the metric (better_direction)
+_EQUALS_RE = re.compile(r"^\s*([A-Za-z0-9_/]+)\s*=\s*([^\s<>=]+)\s*$")
+#: Metrics a lower value of is better (losses); every other target metric is an accuracy, higher is better.
+_LOWER_IS_BETTER = frozenset(k[len("eval/"):] for k in (names.EVAL_VAL_LOSS, names.EVAL_VAL_PPL))
 _ANY_TARGET_RE = re.compile(r"^\s*([A-Za-z0-9_./-]+?)\s*(>=|<=)\s*([^\s]+)\s*$")
 # a plain decimal number: optional sign, digits with an optional fraction or a leading-dot fraction,
 # optional exponent; ASCII digits only (no "inf", "nan", "1_000", "0x10", "1.")
@@ -96,7 +100,22 @@ def canonical_value(text: str) -> str:
     return out
 
 
-def parse_targets(spec: str | None, *, any_metric: bool = False) -> list[Target]:
+def better_direction(metric: str) -> str:
+    """The operator a target on ``metric`` takes: ``"<="`` for a loss or perplexity (minimised), ``">="`` for
+    an accuracy (MMLU, HellaSwag, an MMLU subject: maximised).
+
+    Raises:
+        ValueError: for a metric not among :data:`TARGET_METRICS` and ``mmlu_<subject>/acc``.
+    """
+    if metric in _LOWER_IS_BETTER:
+        return "<="
+    if metric in TARGET_METRICS or metric in _SUBJECT_METRICS:
+        return ">="
+    raise ValueError(f"target metric {metric!r} is unknown, so 'metric=value' cannot say whether to reach it from "
+                     f"above or below; {_ACCEPTED}")
+
+
+def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = False) -> list[Target]:
     """Parse a comma-separated target list; ``None`` or ``""`` gives ``[]``.
 
     A value must be a plain decimal number: optional sign, then digits with an optional ``.digits``
@@ -108,6 +127,8 @@ def parse_targets(spec: str | None, *, any_metric: bool = False) -> list[Target]
         spec: e.g. ``"val_loss<=1.9,hellaswag/acc_norm>=0.30"``.
         any_metric: accept any metric name (letters, digits, ``_ . - /``), e.g. one a loop reports
             with ``EfficiencyMonitor.log_eval``; False (``llmeff train``) accepts the evals it runs.
+        equals: also accept ``metric=value`` for a metric :func:`better_direction` knows, read as
+            ``val_loss<=value`` for a loss and ``acc>=value`` for an accuracy (``llmeff study --target``).
 
     Raises:
         ValueError: one line naming the bad target and the accepted metrics, operators and values.
@@ -122,6 +143,11 @@ def parse_targets(spec: str | None, *, any_metric: bool = False) -> list[Target]
         if not part.strip():
             raise ValueError(f"targets {spec!r} hold an empty target (a comma too many); {_ACCEPTED}")
         m = (_ANY_TARGET_RE if any_metric else _TARGET_RE).match(part)
+        bare = _EQUALS_RE.match(part) if equals and not m and not any_metric else None
+        if bare:
+            metric, written = bare.groups()
+            part = f"{metric}{better_direction(metric)}{written}"
+            m = _TARGET_RE.match(part)
         if not m:
             raise ValueError(f"target {part.strip()!r} is not accepted; {_ACCEPTED}")
         metric, op, written = m.groups()

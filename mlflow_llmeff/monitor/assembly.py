@@ -24,6 +24,7 @@ from mlflow_llmeff.monitor.conditions import (infer_precision, infer_strategy, i
                                               uses_activation_checkpointing)
 from mlflow_llmeff.monitor.consumption import Consumption
 from mlflow_llmeff.monitor.contention import ContentionMeter
+from mlflow_llmeff.monitor.precision import fp8_layers
 from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
 
 __all__ = ["PRECISIONS", "assumptions", "assumed_tag", "assumed_line", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
@@ -104,7 +105,11 @@ def read_model(mon, model, model_config, precision, strategy, compile, act_ckpt)
             mon._device = None
     mon.precision = precision or (infer_precision(inner) if inner is not None else "fp32")
     mon._assumed = {}  # input -> what was taken and why (llmeff.assumed)
-    if precision is None:  # the peak MFU divides by follows it
+    mon.precision_source = "option" if precision else "parameters"
+    found = fp8_layers(model) if model is not None else None
+    if found is not None:  # FP8 layers run the matmuls, whatever was given (docs/formulas.md)
+        mon.precision, mon.precision_source = "fp8", found.source()
+    elif precision is None:  # the peak MFU divides by follows it
         mon._assumed["precision"] = (
             f"{mon.precision} (read off the model parameters' dtype; matmuls under torch.autocast run in "
             "the autocast dtype instead: then pass precision=)" if inner is not None else "fp32 (no model to read a dtype from: pass precision=)")
@@ -127,6 +132,7 @@ def set_up_measurement(mon, peak_tflops, measure_peak, device_hour_usd, usd_per_
     mon._energy = energy_meter
     if not mon._energy.started:  # first: the energy's span starts here (a caller may start it earlier)
         mon._energy.start()
+    mon._user_peak_tflops = peak_tflops  # a precision found after the first step re-resolves with it
     mon._account.resolve_peak(mon.accelerator, mon.precision, peak_tflops)
     if measure_peak:
         mon._account.measure_peak(mon.precision, mon._device)

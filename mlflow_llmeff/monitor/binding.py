@@ -21,12 +21,13 @@ import time
 from mlflow_llmeff import names
 from mlflow_llmeff.monitor import assembly
 from mlflow_llmeff.monitor import conditions as cond
+from mlflow_llmeff.monitor.precision import fp8_layers
 from mlflow_llmeff.tracking import runs
 from mlflow_llmeff.tracking.logger import RunLogger
 from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
 
 __all__ = ["open_run", "account_crashed_tail", "condition_tags", "model_name", "name_parts", "write_heartbeat",
-           "read_heartbeat", "tag_shape", "varying_shape", "HEARTBEAT_KEYS"]
+           "read_heartbeat", "tag_shape", "fp8_after_first_step", "varying_shape", "HEARTBEAT_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ def condition_tags(mon) -> dict[str, str]:
         tags[names.PAR_CP] = str(mon._counting.slices)
     if a.peak_tflops is not None:
         tags[names.PEAK_PRECISION] = a.peak_precision
+    tags[names.PRECISION_SOURCE] = getattr(mon, "precision_source", "option")
     if a.measured_peak_at:
         tags[names.PEAK_MEASURED_AT] = a.measured_peak_at
     tags.update(assembly.assumed_tag(mon))  # end_tags completes it (PUE once the grid intensity is known)
@@ -209,6 +211,9 @@ def tag_shape(mon) -> None:
     """Tag the batch shape of the first step (batch size, sequence length, accumulation, global batch),
     once, leaving out the tags the caller gave; inside the first step, so the tags do not wait."""
     mon._shape_tags_pending = False
+    late = fp8_after_first_step(mon)
+    if late and mon.is_main:
+        mon._logger.set_tags(late, synchronous=False)
     if mon._tally.first_shape is not None and mon.is_main:
         shape = _first_shape_tags(mon)
         given = getattr(mon, "_given_tags", set())
@@ -216,6 +221,29 @@ def tag_shape(mon) -> None:
         if tags:
             mon._logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
         rename_when_shaped(mon, shape)
+
+
+def fp8_after_first_step(mon) -> dict[str, str]:
+    """After the first step, FP8 layers that could not tell before their first forward (TransformerEngine
+    under ``fp8_autocast``: :mod:`mlflow_llmeff.monitor.precision`): the run's precision becomes ``fp8``,
+    MFU's denominator the FP8 peak (the warm-up step logged no MFU yet), and the returned tags say so
+    ({} when nothing changed). The measured matmul peak stays the one of set-up (``llmeff.peak.measured_at``
+    names its dtype). On every rank; the caller tags on rank 0."""
+    if mon.precision == "fp8" or mon._model is None:
+        return {}
+    found = fp8_layers(mon._model)
+    if found is None:
+        return {}
+    mon.precision, mon.precision_source = "fp8", found.source()
+    mon._assumed.pop("precision", None)
+    a = mon._account
+    a.resolve_peak(mon.accelerator, "fp8", getattr(mon, "_user_peak_tflops", None))
+    tags = {names.PRECISION: "fp8", names.PRECISION_SOURCE: mon.precision_source,
+            names.PEAK_TFLOPS: f"{a.peak_tflops:g}" if a.peak_tflops else "unknown", names.PEAK_SOURCE: a.peak_source}
+    if a.peak_tflops is not None:
+        tags[names.PEAK_PRECISION] = a.peak_precision
+    given = getattr(mon, "_given_tags", set())
+    return {k: v for k, v in tags.items() if k not in given or k == names.PRECISION_SOURCE}
 
 
 def varying_shape(mon, shapes) -> dict[str, str]:

@@ -18,7 +18,7 @@ from mlflow_llmeff.calc import reliability as _rel
 __all__ = ["RunRecord", "Incomparability", "round_sig", "unit_of", "header", "metric_columns",
            "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok", "absent_why",
            "CONDITION_TAGS", "COMPARABILITY", "Fleet", "Failure", "CauseRow", "fleet_reliability",
-           "parse_failures", "failures_by_cause"]
+           "parse_failures", "failures_by_cause", "run_length", "stopped_at_targets"]
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,33 @@ def metric_columns(runs: list[RunRecord]) -> list[str]:
     return summary + [k for k in EVAL_COLUMNS if k in keys] + sorted(k for k in keys if k.startswith("ttq/"))
 
 
+def stopped_at_targets(r: RunRecord) -> bool:
+    """True for a run ``llmeff train`` (or ``llmeff study --target``) ran to its targets: params
+    ``stop_at_targets=true`` and non-empty ``targets``; its length is set by when a target was reached."""
+    return r.params.get("stop_at_targets", "").lower() == "true" and bool(r.params.get("targets", "").strip())
+
+
+def run_length(r: RunRecord) -> int | str | None:
+    """The run's length as part of its configuration's identity.
+
+    A run that stopped at its targets (:func:`stopped_at_targets`) has a length its seed decides, so
+    its identity is what it ran to: ``"to <targets>, at most <max_steps> steps"`` (seeds to one target
+    with one step cap are repeats of one configuration, MLPerf-style, the one that never reached it
+    included). Any other run: its optimizer steps, ``summary/steps`` (None when not logged): a
+    50-step and a 300-step run are not repeats (goodput, quality and the between-run floor change
+    with length).
+    """
+    if stopped_at_targets(r):
+        return f"to {r.params['targets'].strip()}, at most {r.params.get('max_steps', '?')} steps"
+    steps = r.metrics.get(names.SUM_STEPS)
+    return int(steps) if steps is not None else None
+
+
 def _condition(r: RunRecord, tag: str, param: str | None) -> str | None:
-    """The condition's value: its tag, else its param, else (a count such as ``summary/steps``) its metric."""
+    """The condition's value: its tag, else its param, else (a count such as ``summary/steps``) its metric;
+    a run's length is :func:`run_length`."""
+    if tag == names.SUM_STEPS and stopped_at_targets(r):
+        return str(run_length(r))
     v = r.tags.get(tag)
     if v is None and param is not None:
         v = r.params.get(param)

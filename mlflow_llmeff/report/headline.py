@@ -17,7 +17,17 @@ from mlflow_llmeff.report.calc import absent_why
 from mlflow_llmeff.report.repeats import (METHOD_NOTE, Configuration, Estimate, best_index, floor_for,
                                           standing_order, versus_best)
 
-__all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS"]
+__all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS", "MFU_COLUMN", "MFU_NOTE"]
+
+#: The MFU column's header: its denominator named. An FP8 run's MFU against the BF16 peak is "too good to
+#: be true" (torchtitan #560), against the FP8 peak it reads lower than a BF16 run's for the same speed
+#: (TransformerEngine #1151, on Databricks' FP8 figures): one denominator for every row, and said.
+MFU_COLUMN = "MFU (BF16 peak)"
+#: The footnote of a column holding BF16-peak figures.
+MFU_NOTE = ("MFU (BF16 peak): achieved model TFLOP/s per device / the device's dense BF16 datasheet peak "
+            "(summary/mfu_bf16_peak), for every precision, so FP8, BF16 and FP32 runs share one denominator; "
+            "summary/mfu, against the peak of the dtype the matmuls ran in (llmeff.peak.precision: fp8 for an "
+            "FP8 run), is in the runs table")
 
 #: Quality figures shown (the final eval value each run holds), in this order.
 QUALITY_KEYS = ((names.EVAL_HELLASWAG_ACC_NORM, "HellaSwag"), (names.EVAL_MMLU_ACC, "MMLU"),
@@ -86,6 +96,11 @@ def _quality(c: Configuration) -> Cell:
     if targets:
         reached = [k for k in targets if all(r.tags.get(k, "").startswith("reached") for r in c.used if k in r.tags)]
         parts.append(f"{len(reached)}/{len(targets)} targets")
+        for k in targets:  # a target some repeats reached: by how many (the time to it: docs/compare.md)
+            given = [r for r in c.used if k in r.tags]
+            got = sum(r.tags[k].startswith("reached") for r in given)
+            if 0 < got < len(given):
+                parts.append(f"{k[len(names.TTQ_TAG_PREFIX):]} by {got} of {len(given)} runs")
     title = "HellaSwag acc_norm, MMLU acc, final eval/val_loss (means over the repeats); time-to-quality targets reached"
     return Cell(", ".join(parts), sort, title if parts else "")
 
@@ -128,10 +143,11 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
     Columns: configuration, devices, layout (strategy and degrees), tokens/s per device [95% interval:
     Student's t across repeats, a single run +- its machine's between-run floor; the method is the
     first footnote, :data:`~mlflow_llmeff.report.repeats.METHOD_NOTE`], vs best (never a ranking
-    within noise), MFU (against the datasheet peak, else against the measured matmul peak, marked),
+    within noise), MFU against the device's dense BF16 peak whatever the precision (``summary/mfu_bf16_peak``:
+    one denominator for FP8 and BF16 runs, :data:`MFU_NOTE`; else against the measured matmul peak, marked),
     USD and kg CO2e per 1e9 tokens, goodput, quality reached, stability.
     """
-    cols = ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best", "MFU", "USD / 1e9 tokens",
+    cols = ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best", MFU_COLUMN, "USD / 1e9 tokens",
             "kg CO2e / 1e9 tokens", "goodput", "quality reached", "stability"]
     standing = versus_best(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
     best = best_index(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
@@ -151,9 +167,10 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                       + ", ".join(f"{label} ({got} steady steps, the floor's runs {least} or more)"
                                   for label, (got, least) in short))
     for i, c in enumerate(configs):
-        mfu = c.estimate(names.SUM_MFU)
+        mfu = c.estimate(names.SUM_MFU_BF16_PEAK)  # one denominator across precisions (docs/formulas.md)
         if mfu is not None:
             mfu_cell = _est_cell(mfu, pct=True)
+            notes.add(MFU_NOTE)
         else:
             mp = c.estimate(names.SUM_MFU_MEASURED_PEAK)
             mfu_cell = _est_cell(mp, pct=True)
@@ -165,6 +182,11 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                 steady = absent_why(c.runs[0], names.SUM_DEVICE_TOKENS_PER_SEC)
                 if steady and c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) is None:  # no rate: nothing to divide
                     notes.add(f"an empty tokens/s and MFU ({c.label}): {steady}")
+                elif c.estimate(names.SUM_MFU) is not None:  # against another dtype's peak only: not this column's
+                    notes.add(f"an empty MFU ({c.label}): no BF16 peak is known for "
+                              f"{c.tag(names.ACCEL_SHORT) or 'its device'}; its summary/mfu (against the "
+                              f"{c.tag(names.PEAK_PRECISION) or c.tag(names.PRECISION) or '?'} peak, "
+                              "llmeff.peak.precision) is in the runs table")
                 else:
                     notes.add("an empty MFU: neither a datasheet peak nor a measured peak (see llmeff.peak.source)")
         usd = c.estimate(names.SUM_USD_PER_BTOK)

@@ -364,22 +364,29 @@ def fig_loss(rep, history):
 
 
 def fig_ttq(rep, history):
-    """Bars: wall seconds to reach each target (``ttq/<target>_wall_s``), one bar per configuration
-    and target (the mean over the repeats that reached it)."""
-    bars = []
-    for c in rep.configs:
-        keys = sorted({k for r in c.used for k in r.metrics if k.startswith("ttq/") and k.endswith("_wall_s")})
-        for k in keys:
-            vals = [r.metrics[k] for r in c.used if k in r.metrics]
-            bars.append((c.label, k[len("ttq/"):-len("_wall_s")], sum(vals) / len(vals)))
+    """Bars: wall seconds to reach each target, one bar per configuration and target: the MLPerf
+    olympic mean of its runs with the range of the runs averaged (:mod:`mlflow_llmeff.report.mlperf`:
+    fastest and slowest dropped, a run that did not reach the target counted as the slowest; one or two
+    runs that all reached it: their mean), never a mean over only the runs that reached it. A
+    configuration without a result is named in the note."""
+    bars, left = [], []
+    for ts in getattr(rep, "targets", []):
+        shown = ts.figure("wall_s")  # one or two runs that all reached it: their mean, said in the table
+        if shown is not None:
+            bars.append((ts.config.label, ts.target, *shown[:3]))
+        else:
+            left.append(f"{short(ts.config.label, 40)} to {ts.target}: {ts.wall.why}")
     if not bars:
-        return "ttq.png: no run reached a time-to-quality target (ttq/*_wall_s)"
+        why = "; ".join(left) if left else "no run was given a time-to-quality target (targets=)"
+        return f"ttq.png: no configuration has an MLPerf-scored time to a target ({why})"
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, max(2.6, 0.9 + 0.35 * len(bars))))
-    ax.barh(range(len(bars)), [b[2] for b in bars], color="tab:green")
-    ax.set_yticks(range(len(bars)), [f"{short(b[0], 28)}: {short(b[1], 24)}" for b in bars], fontsize=7)
-    ax.set_xlabel("wall seconds to the target")
-    ax.set_title("Time to quality")
+    y = range(len(bars))
+    ax.barh(y, [b[2] for b in bars], color="tab:green",
+            xerr=[[b[2] - b[3] for b in bars], [b[4] - b[2] for b in bars]], capsize=3)
+    ax.set_yticks(y, [f"{short(b[0], 28)}: {short(b[1], 24)}" for b in bars], fontsize=7)
+    ax.set_xlabel("wall s to the target: olympic mean (bar: runs averaged)", fontsize=8)
+    ax.set_title("Time to target, MLPerf-scored" + (f" ({len(left)} without a result)" if left else ""), fontsize=9)
     return fig
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import (CONDITION_TAGS, Fleet, Incomparability, RunRecord, comparability_warnings,
                    differing_tags, failures_by_cause, fleet_reliability, header, metric_columns, round_sig)
+from mlflow_llmeff.report.mlperf import html_section, markdown as targets_markdown, target_scores
 from mlflow_llmeff.report.repeats import Configuration, ScalingRow, configurations, scaling_efficiency
 from mlflow_llmeff.report.source import Selection, metric_history, ui_run_url
 
@@ -47,6 +48,8 @@ class Report:
         figures: PNG bytes by file name (``tokens_per_device.png``, ...), in display order.
         notes: one line per figure left out, saying why.
         ui_base: base address of the MLflow UI for run links (``""`` = relative to the server).
+        targets: each configuration's MLPerf-style scores to each target its runs carry
+            (:func:`mlflow_llmeff.report.mlperf.target_scores`).
     """
 
     selection: Selection
@@ -59,6 +62,7 @@ class Report:
     figures: dict[str, bytes] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     ui_base: str = ""
+    targets: list = field(default_factory=list)
 
     @property
     def runs(self) -> list[RunRecord]:
@@ -125,6 +129,7 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     tag_cols = [k for k in differing_tags(runs) if k not in keys]
     rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
                  scaling_efficiency(runs, baseline), best_first(configurations(runs)), ui_base=ui_base)
+    rep.targets = target_scores(rep.configs, [r for r in runs if not r.comparable])
     if plots:
         from mlflow_llmeff.report import plots as pl
 
@@ -334,6 +339,7 @@ def to_markdown(rep: Report) -> str:
                   "| " + " | ".join(h.columns) + " |", "|" + " --- |" * len(h.columns)]
         lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in h.rows]
         lines += [""] + [f"- {n}" for n in h.footnotes[1:]] + ([""] if h.footnotes[1:] else [])
+        lines += targets_markdown(rep.targets)
         lines += ["## All runs", ""]
     lines += [f"> **WARNING** {w.text()}" for w in rep.warnings] + ([""] if rep.warnings else [])
     runs = ordered_runs(rep)
@@ -509,6 +515,7 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
     if sel.filter_string:
         out.append(f"<p class='note'>Filter: <code>{e(sel.filter_string)}</code></p>")
     out.append(_headline_html(rep))
+    out.append(html_section(rep.targets))
     out += [f"<div class='warn'>WARNING: {e(w.text())}</div>" for w in rep.warnings]
     out.append(_runs_table_html(rep, max_runs, rest_html))
     rel_html = _reliability_html(rep)

@@ -10,6 +10,10 @@ The run, not the step, is the unit of replication:
   configuration's figure. Run length is part of it because goodput (set-up is paid once a run),
   the quality reached and whether the between-run floor holds all change with it: a 50-step and a
   300-step run averaged into one row describe neither (a trial's val loss 3.06 of 2.378 and 3.750).
+  Runs that stopped at their targets are the exception: their length is the seed's outcome, so
+  their identity is what they ran to and their step cap (:func:`~mlflow_llmeff.report.calc.run_length`),
+  and every seed, the one that never reached the target too, is a repeat (scored MLPerf-style:
+  :mod:`mlflow_llmeff.report.mlperf`).
 * Its **estimate** of a figure (:class:`Estimate`) is, with two or more repeats, the mean over
   **every** repeat holding the figure with a 95% Student-t interval across them (df = repeats - 1):
   an unstable repeat (``llmeff.stability``) is a sample like any other and stays in (a stall is a
@@ -34,10 +38,10 @@ import math
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import RunRecord, absent_why
+from mlflow_llmeff.report.calc import RunRecord, absent_why, run_length
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "steady_steps", "Estimate", "Configuration",
-           "configurations", "t_quantile_975", "within_noise", "versus_best", "best_index", "ScalingRow",
+           "configurations", "config_key", "t_quantile_975", "within_noise", "versus_best", "best_index", "ScalingRow",
            "scaling_efficiency", "noisy_pareto_front", "is_stable", "SAME_JOB", "METHOD_NOTE", "ONLY_ONE"]
 
 #: Condition tags that define a configuration (equal on every repeat). Measured conditions (what
@@ -357,15 +361,19 @@ class Configuration:
         return f"{len(bad)} unstable repeat{'s' if len(bad) > 1 else ''} kept in the figures: {why}"
 
 
+def config_key(r: RunRecord) -> tuple:
+    """A run's configuration: its :data:`CONFIG_TAGS` and its length (:func:`~mlflow_llmeff.report.calc.run_length`:
+    the optimizer steps, or for a run stopped at its targets what it ran to)."""
+    return tuple(r.tags.get(k) for k in CONFIG_TAGS) + (run_length(r),)
+
+
 def configurations(runs: list[RunRecord]) -> list[Configuration]:
     """The configurations of the finished runs with a summary, in order of first appearance."""
     out: dict[tuple, Configuration] = {}
     for r in runs:
         if not r.comparable:
             continue
-        steps = r.metrics.get(names.SUM_STEPS)
-        key = tuple(r.tags.get(k) for k in CONFIG_TAGS) + (int(steps) if steps is not None else None,)
-        out.setdefault(key, Configuration(key)).runs.append(r)
+        out.setdefault(config_key(r), Configuration(config_key(r))).runs.append(r)
     return list(out.values())
 
 

@@ -65,12 +65,13 @@ class Child:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a runner says of one child: its run id, its exit code (0: finished) and, for a failure,
-    the one line of why."""
+    """What a runner says of one child: its run id, its exit code (0: finished), for a failure the one
+    line of why, and the start its clock counted from (unix s; None when the runner does not say)."""
 
     run_id: str
     code: int = 0
     error: str | None = None
+    started_unix: float | None = None
 
 
 @dataclass
@@ -99,9 +100,14 @@ def _for_repeat(cfg: TrainConfig, repeat: int) -> TrainConfig:
     return dataclasses.replace(cfg, **change) if change else cfg
 
 
-def schedule(configs: list[TrainConfig], repeats: int) -> list[Child]:
+def schedule(configs: list[TrainConfig], repeats: int, *, seeds: bool = False) -> list[Child]:
     """The study's runs in the order they run: round-robin, repeat 1 of every configuration, then
     repeat 2 of every one, ... (``len(configs) x repeats`` children).
+
+    Args:
+        seeds: each repeat its own seed: repeat ``i`` trains with the configuration's ``seed + i - 1``
+            (``llmeff study --seeds``: init, data order and validation split differ, as MLPerf's runs do);
+            False: every repeat the configuration's seed (``--repeats``: the machine's noise alone).
 
     Raises:
         ValueError: ``repeats`` below 1, or no configuration.
@@ -110,7 +116,46 @@ def schedule(configs: list[TrainConfig], repeats: int) -> list[Child]:
         raise ValueError(f"repeats={repeats!r} is not accepted; give a positive integer (>= 1)")
     if not configs:
         raise ValueError("a study needs at least one configuration (--config \"<llmeff train options>\")")
-    return [Child(i + 1, r, _for_repeat(cfg, r)) for r in range(1, repeats + 1) for i, cfg in enumerate(configs)]
+
+    def child(i: int, cfg: TrainConfig, r: int) -> Child:
+        cfg = _for_repeat(cfg, r)
+        return Child(i + 1, r, dataclasses.replace(cfg, seed=cfg.seed + r - 1) if seeds else cfg)
+
+    return [child(i, cfg, r) for r in range(1, repeats + 1) for i, cfg in enumerate(configs)]
+
+
+def to_target(configs: list[StudyConfig], target: str) -> tuple[list[StudyConfig], list]:
+    """The configurations set to train to ``target`` or their step cap: ``targets`` the target in canonical
+    form, ``stop_at_targets`` true (each run then stops at the eval that reaches it, or at ``max_steps``).
+
+    Args:
+        target: ``metric<=value`` / ``metric>=value`` (evals/targets.py), or ``metric=value`` for a loss
+            (read ``<=``) or an accuracy (read ``>=``); several comma-separated.
+
+    Returns:
+        ``(configurations, targets)``, the parsed :class:`~mlflow_llmeff.evals.targets.Target` list.
+
+    Raises:
+        ValueError: a target that does not parse, a configuration whose own ``--targets`` differ, or one
+            that evaluates only at its end (``--eval-every 0``: a run would never stop early).
+    """
+    from mlflow_llmeff.evals.targets import parse_targets
+
+    targets = parse_targets(target, equals=True)
+    if not targets:
+        raise ValueError(f"--target {target!r} is not accepted; give e.g. 'val_loss<=3.0' or 'hellaswag/acc_norm>=0.3'")
+    spec = ",".join(str(t) for t in targets)
+    out = []
+    for i, c in enumerate(configs, 1):
+        where = f"configuration {i} ({c.options!r})"
+        own = {str(t) for t in parse_targets(c.cfg.targets)} if c.cfg.targets else set()
+        if own and own != {str(t) for t in targets}:
+            raise ValueError(f"{where}: --targets {c.cfg.targets!r} and the study's --target {spec!r} differ; give one")
+        if c.cfg.eval_every < 1:
+            raise ValueError(f"{where}: --eval-every {c.cfg.eval_every} evaluates only at the end, so no run stops at "
+                             f"{spec}; give --eval-every N (steps between evals) in --config")
+        out.append(StudyConfig(c.options, dataclasses.replace(c.cfg, targets=spec, stop_at_targets=True)))
+    return out, targets
 
 
 def check(configs: list[StudyConfig], experiment: str | None = None) -> list[TrainConfig]:
@@ -213,7 +258,7 @@ class TrainRunner:
         if code != 0:
             error = error or f"the training ended with exit code {code}"
             self._end_if_open(run_id, "FAILED", error, record_failure)
-        return Outcome(run_id, code, error)
+        return Outcome(run_id, code, error, started)
 
     def _end_if_open(self, run_id: str, status: str, why: str, record_failure) -> None:
         """End a child its training left open (it failed before its meter started) with ``why`` on it."""
@@ -226,12 +271,20 @@ class TrainRunner:
 
 
 def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | None = None, client=None,
-              runner: Runner | None = None, echo: Callable[[str], None] = print) -> StudyResult:
+              runner: Runner | None = None, echo: Callable[[str], None] = print, seeds: bool = False,
+              target: str | None = None) -> StudyResult:
     """Run ``repeats`` repeats of every configuration in round-robin order under one parent run.
+
+    With ``target`` every child trains to it or to its step cap (:func:`to_target`) and, once it
+    ended, gets its MLPerf-style result log (``mllog/result_<seed>.txt``,
+    :func:`mlflow_llmeff.tracking.mllog.log_result`); :func:`summary_lines` then scores each
+    configuration as MLPerf Training does (:mod:`mlflow_llmeff.report.mlperf`).
 
     Args:
         configs: the configurations, in the order of ``--config``.
         repeats: runs per configuration, >= 1.
+        seeds: each repeat its own seed (:func:`schedule`; ``llmeff study --seeds N``).
+        target: the quality target every run trains to (``llmeff study --target``), None for none.
         experiment: the experiment of the parent and its children (created when missing); default: the
             one the configurations name, else MLflow's current experiment.
         client: an ``mlflow.MlflowClient`` (default: a new one for the current tracking URI).
@@ -247,8 +300,11 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
     from mlflow_llmeff.tracking.redact import clean, environment_secrets
 
+    goals = []
+    if target:
+        configs, goals = to_target(configs, target)
     cfgs = check(configs, experiment)
-    children = schedule(cfgs, repeats)  # validates repeats before any run exists
+    children = schedule(cfgs, repeats, seeds=seeds)  # validates repeats before any run exists
     if mlflow.active_run() is not None:
         raise ValueError(f"MLflow run {mlflow.active_run().info.run_id} is active: llmeff study creates its own "
                          "parent run and children; end the active run first")
@@ -256,11 +312,18 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     exp_id = experiment_id(client, {"experiment_name": cfgs[0].experiment_name or None})
     ensure_experiment_kind(client, exp_id)
     k = len(configs)
-    what = f"{k} configuration{'s' if k != 1 else ''} x {repeats} repeat{'s' if repeats != 1 else ''}, round-robin"
+    unit = "seed" if seeds else "repeat"
+    what = f"{k} configuration{'s' if k != 1 else ''} x {repeats} {unit}{'s' if repeats != 1 else ''}, round-robin"
+    spec = cfgs[0].targets if goals else ""
+    if spec:
+        what += f", each to {spec} or its step cap"
+    parent_tags = {names.STUDY: what, **({names.STUDY_TARGET: spec} if spec else {})}
     parent = client.create_run(exp_id, run_name=unique_run_name(client, exp_id, f"study-{k}x{repeats}"),
-                               tags=with_context({names.STUDY: what})).info.run_id
+                               tags=with_context(parent_tags)).info.run_id
     secrets = environment_secrets()
-    client.log_param(parent, "repeats", str(repeats))
+    client.log_param(parent, "seeds" if seeds else "repeats", str(repeats))
+    if spec:
+        client.log_param(parent, "target", spec)
     for i, c in enumerate(configs, 1):
         client.log_param(parent, f"config_{i}", shorten(clean(f"config_{i}", c.options, secrets), 6000))
     runner = runner or TrainRunner(client, exp_id)
@@ -268,11 +331,18 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     echo(f"llmeff study: parent run {parent}, {what} ({len(children)} runs)")
     try:
         for n, child in enumerate(children, 1):
-            echo(f"llmeff study: run {n} of {len(children)}: configuration {child.config}, repeat {child.repeat} "
-                 f"of {repeats}")
+            echo(f"llmeff study: run {n} of {len(children)}: configuration {child.config}, {unit} {child.repeat} "
+                 f"of {repeats}" + (f" (seed {child.cfg.seed})" if seeds else ""))
             tags = {PARENT_TAG: parent, names.STUDY_CONFIG: str(child.config), names.STUDY_REPEAT: str(child.repeat)}
+            if spec:
+                tags[names.STUDY_TARGET] = spec
             outcome = runner(child, tags)
             result.children.append((child, outcome))
+            if goals and outcome.code == 0:  # its MLPerf-style result log (the first target's eval)
+                from mlflow_llmeff.tracking.mllog import log_result
+
+                logged = log_result(client, outcome.run_id, goals[0].eval_key, goals[0].key, outcome.started_unix)
+                echo(f"llmeff study: run {outcome.run_id}: {logged}")
             if outcome.code:
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
@@ -294,11 +364,15 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
 
 def summary_lines(client, result: StudyResult) -> list[str]:
     """Each configuration's steady tokens/s over its finished repeats, mean and 95% Student-t interval
-    across them (:meth:`mlflow_llmeff.report.repeats.Configuration.estimate`), and how to compare them.
+    across them (:meth:`mlflow_llmeff.report.repeats.Configuration.estimate`), for a study to a target
+    its time, energy and cost to it scored as MLPerf Training scores a benchmark
+    (:func:`mlflow_llmeff.report.mlperf.text_lines`, a failed child counted as not converged), and how
+    to compare them.
 
     Grouped by ``llmeff.study.config``; a note says when two configurations differ in no condition tag
     (``llmeff compare`` pools such runs as repeats of one configuration).
     """
+    from mlflow_llmeff.report.mlperf import config_scores, text_lines
     from mlflow_llmeff.report.repeats import CONFIG_TAGS, Configuration
     from mlflow_llmeff.report.source import select_runs
 
@@ -312,14 +386,19 @@ def summary_lines(client, result: StudyResult) -> list[str]:
         return int(v) if v.isdigit() else 0
 
     by_config: dict[int, Configuration] = {}
+    failed: dict[int, list] = {}
     for r in sorted(runs, key=lambda r: number(r, names.STUDY_REPEAT)):
         if r.comparable:  # finished with its summary (report/calc.py)
             by_config.setdefault(number(r, names.STUDY_CONFIG), Configuration(())).runs.append(r)
-    lines = []
+        elif r.status in ("FAILED", "KILLED"):  # a run to a target that failed: not converged (MLPerf)
+            failed.setdefault(number(r, names.STUDY_CONFIG), []).append(r)
+    lines, scores = [], []
     for i, c in sorted(by_config.items()):
         e = c.estimate(names.SUM_TOKENS_PER_SEC)
         figure = f"{e.text()} tokens/s: {e.how()}" if e else "no summary/tokens_per_sec"
         lines.append(f"configuration {i} ({c.label}): {figure}")
+        scores += config_scores(c, failed.get(i, []))
+    lines += text_lines(scores)  # time, energy and cost to the target, MLPerf-scored (none without targets)
     keys: dict[tuple, list[int]] = {}
     for i, c in by_config.items():
         keys.setdefault(tuple(c.runs[0].tags.get(t) for t in CONFIG_TAGS), []).append(i)
