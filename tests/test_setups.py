@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+
 from contextlib import nullcontext
 
 import mlflow
@@ -156,7 +159,12 @@ def test_a_model_converted_to_torchao_float8_is_tagged_fp8_against_the_fp8_peak(
 def test_torchaos_own_float8_conversion_is_read_as_fp8(monkeypatch, tracking_uri):
     # torchao's real convert_to_float8_training (pure Python on CPU; its kernels are not run here): the
     # class path the detection reads is torchao's own; without a filter it converts the LM head too
-    torchao_float8 = require("torchao.float8", "pip install torchao (the dev extra)")
+    # torchao lives outside the venv (.ci/run: .venv/torchao): installed, transformers imports it at every
+    # model build (1.4 s a process)
+    folder = os.environ.get("LLMEFF_TORCHAO_DIR", str(pathlib.Path(__file__).resolve().parents[1] / ".venv" / "torchao"))
+    if os.path.isdir(folder):
+        monkeypatch.syspath_prepend(folder)
+    torchao_float8 = require("torchao.float8", "pip install --no-deps --target .venv/torchao torchao")
     monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: H100)
     model, _ = _tiny_with(torch.nn.Linear)
     torchao_float8.convert_to_float8_training(model)
