@@ -23,6 +23,14 @@ from mlflow_llmeff.meters import contention as ct
 
 #: Seconds between scans for our process tree's members (DataLoader workers, compile workers).
 TREE_REFRESH_S = 10.0
+#: Why ``system/device/throttled`` is absent from an interval (``llmeff.interval.absent``): no slowdown
+#: was read, and some device's reasons could not be (a 0 would say "not throttled"; ``llmeff.contention``
+#: names the devices).
+THROTTLE_UNKNOWN = ("NVML could not read some device's clocks-event reasons and none it read was a slowdown "
+                    "(llmeff.contention names the devices)")
+#: Why ``system/device/other_processes`` is absent: none seen, and some device's processes could not be listed.
+OTHERS_UNKNOWN = ("NVML could not list some device's processes (or listed pids of another PID namespace) and "
+                  "none it listed was another's (llmeff.contention names the devices)")
 
 __all__ = ["ContentionMeter"]
 
@@ -60,6 +68,7 @@ class ContentionMeter:
         self._gpu: ct.GpuConditions | None = None
         self.gpu_why: str | None = None
         self.absent_why: str | None = None  # why the host shares are absent (llmeff.summary.absent)
+        self.interval_why: dict[str, str] = {}  # system/* keys the last interval left out, and why
         if nvml is not None or (device is not None and getattr(device, "type", None) == "cuda"):
             self._gpu = self._open_gpu(device, env, nvml, gpu_devices, gpu_period_s)
 
@@ -134,7 +143,7 @@ class ContentionMeter:
         self._last_host, self._last_own = host, own
         d = [host.busy - h0.busy, host.total - h0.total, host.steal - h0.steal] if host and h0 else [0, 0, 0]
         gpu = self._gpu_interval()
-        local = [d_own, *map(float, d), gpu[0], gpu[1], gpu[2], gpu[3], gpu[4], gpu[5]]
+        local = [d_own, *map(float, d), *gpu]
         if collective:
             sums = collectives.all_reduce(local[:4])
             maxes = collectives.all_reduce(local[4:], op="max")
@@ -145,8 +154,9 @@ class ContentionMeter:
             hz = float(os.sysconf("SC_CLK_TCK"))
             out[names.SYS_HOST_OTHER_CPU] = min(1.0, max(0.0, (busy - d_own * hz) / total))
             out[names.SYS_HOST_STEAL] = min(1.0, max(0.0, steal / total))
+        self.interval_why = {}
         if self._gpu is not None or collective:
-            samples, neg_clock, neg_frac, temp, others, throttled = local[4:]
+            samples, neg_clock, neg_frac, temp, others, throttled, others_unknown, throttle_unknown = local[4:]
             if samples > 0:
                 if neg_clock > -1e17:
                     out[names.SYS_DEV_SM_CLOCK] = -neg_clock
@@ -154,25 +164,35 @@ class ContentionMeter:
                     out[names.SYS_DEV_SM_CLOCK_FRAC] = -neg_frac
                 if temp > -1e17:
                     out[names.SYS_DEV_TEMP] = temp
-                out[names.SYS_DEV_OTHER_PROCS] = others
-                out[names.SYS_DEV_THROTTLED] = throttled
+                # a count or a 0 is only what NVML could read: an unread device may hold the rest
+                if others or not others_unknown:
+                    out[names.SYS_DEV_OTHER_PROCS] = others
+                else:
+                    self.interval_why[names.SYS_DEV_OTHER_PROCS] = OTHERS_UNKNOWN
+                if throttled or not throttle_unknown:
+                    out[names.SYS_DEV_THROTTLED] = throttled
+                else:
+                    self.interval_why[names.SYS_DEV_THROTTLED] = THROTTLE_UNKNOWN
         return out
 
     def _gpu_interval(self) -> list[float]:
-        """``[samples, -min clock, -min clock fraction, max temperature, other processes, throttled]``
-        (negated minima so that one max-reduction serves all; -1e18 = unknown)."""
+        """``[samples, -min clock, -min clock fraction, max temperature, other processes, throttled,
+        other processes unknown, throttle unknown]`` (negated minima so that one max-reduction serves
+        all; -1e18 = unknown; the last two 1 when some device's processes / clocks-event reasons
+        could not be read)."""
         none = -1e18
         if self._gpu is None:
-            return [0.0, none, none, none, 0.0, 0.0]
+            return [0.0, none, none, none, 0.0, 0.0, 0.0, 0.0]
         try:
             self._gpu.sample()
             a = self._gpu.take_interval()
         except Exception:  # noqa: BLE001
-            return [0.0, none, none, none, 0.0, 0.0]
+            return [0.0, none, none, none, 0.0, 0.0, 0.0, 0.0]
         return [float(a["samples"]), -a["min_clock_mhz"] if a["min_clock_mhz"] is not None else none,
                 -a["min_clock_frac"] if a["min_clock_frac"] is not None else none,
                 a["max_temp_c"] if a["max_temp_c"] is not None else none, float(len(a["others"])),
-                1.0 if a["throttle"] & ~ct.BENIGN_THROTTLE else 0.0]
+                1.0 if a["throttle"] & ~ct.BENIGN_THROTTLE else 0.0,
+                1.0 if a["procs_unread"] or not a["pids_visible"] else 0.0, 1.0 if a["throttle_unread"] else 0.0]
 
     # ------------------------------------------------------------------------------ the end
     def finish(self, collective: bool = True) -> tuple[dict[str, float], dict[str, str]]:
@@ -267,7 +287,9 @@ def _merge_gpu(windows: list[dict]) -> dict:
     throttle = 0
     for w in windows:
         throttle |= int(w.get("throttle", 0))
+    union = {k: set().union(*(w.get(k, ()) for w in windows)) for k in ("throttle_read", "throttle_unread",
+                                                                        "procs_unread")}
     return {"samples": sum(w.get("samples", 0) for w in windows), "min_clock_mhz": pick("min_clock_mhz", min),
             "min_clock_frac": pick("min_clock_frac", min), "max_temp_c": pick("max_temp_c", max),
             "min_power_limit_w": pick("min_power_limit_w", min), "throttle": throttle, "others": others,
-            "pids_visible": all(w.get("pids_visible", True) for w in windows)}
+            "pids_visible": all(w.get("pids_visible", True) for w in windows), **union}
