@@ -99,7 +99,7 @@ class FakeProcess:
     """
 
     pid: int
-    usedGpuMemory: int = 0  # noqa: N815 - NVML's attribute name
+    usedGpuMemory: int | None = 0  # noqa: N815 - NVML's attribute name; None: NVML_VALUE_NOT_AVAILABLE
 
 
 @dataclass

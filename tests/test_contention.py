@@ -166,6 +166,39 @@ def test_an_unreadable_device_leaves_its_fields_out_without_failing():
     assert s.sm_clock_mhz is None and s.temperature_c is None and s.other_pids is None and s.throttle is None
 
 
+def test_a_process_whose_device_memory_nvml_does_not_give_is_listed_with_memory_unknown_not_0_gib():
+    clock = FakeClock()
+    gpu = fake_gpu(clock, processes=[FakeProcess(os.getpid(), 2**30), FakeProcess(4242, None)])
+    s = ct.read_device(fake_nvml([gpu]), UUID, gpu, own_pids=[os.getpid()])
+    assert s.other_pids == {4242: None}  # was {4242: 0}, shown as '2.0 GiB'-style '0.0 GiB'
+    meter = ContentionMeter(nvml=fake_nvml([gpu]), gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
+    meter.begin(collective=False)
+    assert "GPU: 1 other process (pid 4242, memory unknown)" in meter.finish(collective=False)[1][names.CONTENTION]
+
+
+def test_the_other_share_of_the_host_is_absent_when_our_own_cpu_time_is_unreadable(tmp_path, monkeypatch):
+    # psutil fails on our process tree: our CPU seconds were taken as 0, so all 100 busy ticks read as others'
+    # (100 / 202 = 49.5%); steal needs no own time and stays: 2 / 202
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  0 0 0 0 0 0 0 0\n")
+
+    def unreadable(pid=None):
+        raise psutil.AccessDenied(pid)
+
+    monkeypatch.setattr(ct, "own_tree", unreadable)
+    m = ContentionMeter(proc_stat=str(stat), env={})
+    m.begin(collective=False)
+    stat.write_text("cpu  100 0 0 100 0 0 0 2\n")  # busy 100, idle 100, steal 2: 202 ticks
+    out = m.interval(collective=False)
+    why = "the CPU time of the run's own processes could not be read (psutil)"
+    assert names.SYS_HOST_OTHER_CPU not in out and out[names.SYS_HOST_STEAL] == pytest.approx(2 / 202)
+    assert m.interval_why == {names.SYS_HOST_OTHER_CPU: why}
+    summary, tags = m.finish(collective=False)
+    assert summary == {names.SUM_HOST_STEAL: pytest.approx(2 / 202)} and m.absent_why == why
+    # neither quiet nor contended: the share that decides it is unknown (steal 1.0% is under 2%)
+    assert tags[names.CONTENTION] == f"unknown: other processes' share of host CPU not measured: {why}; steal 1.0%"
+
+
 UUID_B = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
 THROTTLE_UNKNOWN = ("system/device/throttled: NVML could not read some device's clocks-event reasons and none it "
                     "read was a slowdown (llmeff.contention names the devices)")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["HostCpu", "parse_proc_stat", "read_host_cpu", "own_tree_cpu_s", "own_tree_pids", "own_tree", "host_fractions",
            "process_cpu_snapshot", "top_others", "DeviceSample", "read_device", "GpuConditions", "throttle_names",
-           "host_text", "gpu_text", "throttle_text", "gpu_contended", "CONTENDED_CPU_FRACTION", "CONTENDED_STEAL_FRACTION", "THROTTLE_REASONS",
+           "host_text", "gpu_text", "throttle_text", "larger_memory", "gpu_contended", "CONTENDED_CPU_FRACTION", "CONTENDED_STEAL_FRACTION", "THROTTLE_REASONS",
            "BENIGN_THROTTLE"]
 
 #: A window is ``contended`` when other processes used more than this share of the host's CPU time.
@@ -216,7 +216,7 @@ class DeviceSample:
         temperature_c: GPU temperature.
         power_limit_w: enforced power limit.
         other_pids: compute processes on the device that are not ours, with their device memory
-            bytes; None when NVML cannot list them.
+            bytes (None where NVML does not give it); None when NVML cannot list them.
         pids_visible: False when NVML lists processes but none of ours although we use the device
             (a container's PID namespace: NVML reports host pids, so none can be told apart).
     """
@@ -227,7 +227,7 @@ class DeviceSample:
     throttle: int | None
     temperature_c: float | None
     power_limit_w: float | None
-    other_pids: dict[int, int] | None
+    other_pids: dict[int, int | None] | None
     pids_visible: bool = True
 
 
@@ -236,6 +236,18 @@ def _try(fn: Callable[[], Any]) -> Any:
         return fn()
     except Exception:  # noqa: BLE001 - NVMLError (Not Supported, ...) leaves the field unknown
         return None
+
+
+def _memory(proc: Any) -> int | None:
+    """A process's device memory in bytes, None where NVML does not give it (``usedGpuMemory`` None:
+    NVML_VALUE_NOT_AVAILABLE), never 0 bytes for unknown."""
+    mem = getattr(proc, "usedGpuMemory", None)
+    return int(mem) if mem is not None else None
+
+
+def larger_memory(a: int | None, b: int | None) -> int | None:
+    """The larger of two device-memory readings (bytes), a known one over an unknown (None) one."""
+    return b if a is None else a if b is None else max(a, b)
 
 
 def read_device(nvml: Any, uuid: str, handle: Any, own_pids: Iterable[int]) -> DeviceSample:
@@ -247,7 +259,7 @@ def read_device(nvml: Any, uuid: str, handle: Any, own_pids: Iterable[int]) -> D
     ours = set(own_pids)
     others, visible = None, True
     if procs is not None:
-        pids = {int(p.pid): int(getattr(p, "usedGpuMemory", 0) or 0) for p in procs}
+        pids = {int(p.pid): _memory(p) for p in procs}
         others = {pid: mem for pid, mem in pids.items() if pid not in ours}
         visible = not pids or bool(ours & set(pids))
         if not visible:  # none of ours among them: pids from another namespace, not comparable
@@ -373,7 +385,7 @@ def _fold(agg: dict, s: DeviceSample) -> None:
         agg["throttle_read"].add(s.uuid)
     if s.other_pids:
         for pid, mem in s.other_pids.items():
-            agg["others"][pid] = max(mem, agg["others"].get(pid, 0))
+            agg["others"][pid] = larger_memory(mem, agg["others"].get(pid))
     elif s.other_pids is None and s.pids_visible:
         agg["procs_unread"].add(s.uuid)
     agg["pids_visible"] = agg["pids_visible"] and s.pids_visible
@@ -385,7 +397,8 @@ def gpu_text(window: dict) -> str:
     parts = []
     others = window.get("others") or {}
     if others:
-        listed = ", ".join(f"pid {pid}, {mem / 2**30:.1f} GiB" for pid, mem in sorted(others.items())[:3])
+        listed = ", ".join(f"pid {pid}, {mem / 2**30:.1f} GiB" if mem is not None else f"pid {pid}, memory unknown"
+                           for pid, mem in sorted(others.items())[:3])
         parts.append(f"{len(others)} other process{'es' if len(others) > 1 else ''} ({listed})")
     elif not window.get("pids_visible", True):
         parts.append("other processes unknown (NVML pids are from another PID namespace)")

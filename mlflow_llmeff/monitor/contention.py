@@ -28,6 +28,9 @@ TREE_REFRESH_S = 10.0
 #: names the devices).
 THROTTLE_UNKNOWN = ("NVML could not read some device's clocks-event reasons and none it read was a slowdown "
                     "(llmeff.contention names the devices)")
+#: Why the host's other share is absent: psutil could not read the CPU time of this run's processes, so the
+#: busy time that is not theirs is unknown (taking it as 0 s would call the run's own CPU time others').
+OWN_UNKNOWN = "the CPU time of the run's own processes could not be read (psutil)"
 #: Why ``system/device/other_processes`` is absent: none seen, and some device's processes could not be listed.
 OTHERS_UNKNOWN = ("NVML could not list some device's processes (or listed pids of another PID namespace) and "
                   "none it listed was another's (llmeff.contention names the devices)")
@@ -94,8 +97,9 @@ class ContentionMeter:
     def _host_reading(self) -> ct.HostCpu | None:
         return ct.read_host_cpu(self._proc_stat) if self._lr0 else None
 
-    def _own_s(self, fresh: bool = False) -> float:
-        """CPU seconds of our process tree. The tree itself (a scan of every process on the host,
+    def _own_s(self, fresh: bool = False) -> float | None:
+        """CPU seconds of our process tree (None when psutil cannot read it: the host's other share is
+        then unknown, not all of the busy time). The tree itself (a scan of every process on the host,
         ~7 ms on a busy one: a third of a small model's step) is found again at most every
         :data:`TREE_REFRESH_S` and at the window's start and end (``fresh``); in between, the known
         processes are read. A worker started meanwhile joins at the next scan with all its CPU
@@ -106,7 +110,7 @@ class ContentionMeter:
                 self._procs, self._tree_at = ct.own_tree(self._pid), now
             return ct.own_tree_cpu_s(procs=self._procs)
         except Exception:  # noqa: BLE001
-            return 0.0
+            return None
 
     def _pids(self) -> list[int]:
         try:
@@ -138,25 +142,29 @@ class ContentionMeter:
         if not self._begun:
             return {}
         host, own = self._host_reading(), self._own_s()
-        d_own = own - self._last_own
+        own_unknown = own is None or self._last_own is None
+        d_own = 0.0 if own_unknown else own - self._last_own
         h0 = self._last_host
         self._last_host, self._last_own = host, own
         d = [host.busy - h0.busy, host.total - h0.total, host.steal - h0.steal] if host and h0 else [0, 0, 0]
         gpu = self._gpu_interval()
-        local = [d_own, *map(float, d), *gpu]
+        local = [d_own, *map(float, d), *gpu, float(own_unknown)]
         if collective:
             sums = collectives.all_reduce(local[:4])
             maxes = collectives.all_reduce(local[4:], op="max")
             local = sums + maxes
         out: dict[str, float] = {}
         d_own, busy, total, steal = local[:4]
+        self.interval_why = {}
         if total > 0:
             hz = float(os.sysconf("SC_CLK_TCK"))
-            out[names.SYS_HOST_OTHER_CPU] = min(1.0, max(0.0, (busy - d_own * hz) / total))
             out[names.SYS_HOST_STEAL] = min(1.0, max(0.0, steal / total))
-        self.interval_why = {}
+            if local[-1]:  # some rank's own CPU time unread: the rest of the busy time is not all others'
+                self.interval_why[names.SYS_HOST_OTHER_CPU] = OWN_UNKNOWN
+            else:
+                out[names.SYS_HOST_OTHER_CPU] = min(1.0, max(0.0, (busy - d_own * hz) / total))
         if self._gpu is not None or collective:
-            samples, neg_clock, neg_frac, temp, others, throttled, others_unknown, throttle_unknown = local[4:]
+            samples, neg_clock, neg_frac, temp, others, throttled, others_unknown, throttle_unknown = local[4:-1]
             if samples > 0:
                 if neg_clock > -1e17:
                     out[names.SYS_DEV_SM_CLOCK] = -neg_clock
@@ -204,7 +212,9 @@ class ContentionMeter:
 
         if not self._begun:
             return {}, {names.CONTENTION: "unknown: no steady-state window (all steps were warm-up)"}
-        rec = {"host": self._host, "lr0": self._lr0, "own_s": self._own_s(fresh=True) - self._own0,
+        own = self._own_s(fresh=True)
+        rec = {"host": self._host, "lr0": self._lr0,
+               "own_s": own - self._own0 if own is not None and self._own0 is not None else None,
                "pids": self._pids(), "window_s": self._clock() - self._t0}
         if self._lr0:
             rec["h0"], rec["h1"] = self._host0, self._host_reading()
@@ -236,14 +246,22 @@ class ContentionMeter:
             if lead is None:
                 texts.append(f"{host}: host CPU not read (/proc/stat unreadable)")
                 continue
-            own = sum(r["own_s"] for r in rs)
             ticks = lead["h1"].total - lead["h0"].total
+            if ticks >= ct.MIN_WINDOW_TICKS and any(r["own_s"] is None for r in rs):  # others' busy time unknown
+                steal = ct.host_fractions(lead["h0"], lead["h1"], 0.0)[1]
+                texts.append(f"{host + ': ' if len(hosts) > 1 else ''}other processes' share of host CPU not "
+                             f"measured: {OWN_UNKNOWN}; steal {steal:.1%}")
+                self.absent_why = OWN_UNKNOWN
+                steal_max = steal if steal_max is None else max(steal_max, steal)
+                contended |= steal > ct.CONTENDED_STEAL_FRACTION
+                continue
             if ticks < ct.MIN_WINDOW_TICKS:  # a share of a few ticks (or none): no 1% resolution
                 why = (f"{ticks} CPU ticks in the steady window (a host share needs at least "
                        f"{ct.MIN_WINDOW_TICKS}, 1% resolution)")
                 texts.append(f"{host + ': ' if len(hosts) > 1 else ''}host CPU share not measured: {why}")
                 self.absent_why = why
                 continue
+            own = sum(r["own_s"] for r in rs)
             other, steal = ct.host_fractions(lead["h0"], lead["h1"], own)  # ticks > 0 here: never None
             ours = {p for r in rs for p in r["pids"]} | self._pids0
             cpus = os.cpu_count() or 1
@@ -265,6 +283,7 @@ class ContentionMeter:
         summary = {}
         if other_max is not None:
             summary[names.SUM_HOST_OTHER_CPU] = other_max
+        if steal_max is not None:
             summary[names.SUM_HOST_STEAL] = steal_max
         word = "contended" if contended else ("quiet" if other_max is not None or gpus else "unknown")
         return summary, {names.CONTENTION: f"{word}: " + "; ".join(texts)}
@@ -280,10 +299,10 @@ def _merge_gpu(windows: list[dict]) -> dict:
         vals = [w[key] for w in windows if w.get(key) is not None]
         return fn(vals) if vals else None
 
-    others: dict[int, int] = {}
+    others: dict[int, int | None] = {}
     for w in windows:
         for pid, mem in (w.get("others") or {}).items():
-            others[pid] = max(mem, others.get(pid, 0))
+            others[pid] = ct.larger_memory(mem, others.get(pid))
     throttle = 0
     for w in windows:
         throttle |= int(w.get("throttle", 0))

@@ -198,9 +198,10 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
     contention, tags = mon._contention.finish(collective)
     out.update(contention)
     why = getattr(mon._contention, "absent_why", None)
-    if why and names.SUM_HOST_OTHER_CPU not in contention:
+    if why:
         for key in (names.SUM_HOST_OTHER_CPU, names.SUM_HOST_STEAL):
-            _absent(mon, key, why)
+            if key not in contention:
+                _absent(mon, key, why)
     mon._stability_tags.update(tags)
     if not collective and mon.world_size > 1:
         _absent(mon, names.SUM_STRAGGLER_RATIO, "the run ended on rank 0 only: the other ranks' forward times "
