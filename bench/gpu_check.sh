@@ -30,7 +30,7 @@ fi
 python3 -c "import torch, transformers, accelerate, mlflow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'mlflow', mlflow.__version__)" 2>&1 | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
 nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_train_gpu.py tests/test_hardware.py 2>&1 | tee "$OUT/pytest_gpu.txt"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/test_train_gpu.py tests/test_hardware.py tests/test_gpu_conditions.py 2>&1 | tee "$OUT/pytest_gpu.txt"
 check "${PIPESTATUS[0]}" "gpu tests"
 timeout 120 python3 -m mlflow_llmeff peak --dtype bf16 --device cuda --json 2>&1 | tee "$OUT/peak.json"; check "${PIPESTATUS[0]}" peak
 # llmeff train beside a bare loop of the same Llama-1B in bf16: tokens/s ratio and MFU against the datasheet

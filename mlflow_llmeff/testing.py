@@ -99,7 +99,7 @@ class FakeProcess:
     """
 
     pid: int
-    usedGpuMemory: int = 0  # noqa: N815 - NVML's attribute name
+    usedGpuMemory: int | None = 0  # noqa: N815 - NVML's attribute name; None: NVML_VALUE_NOT_AVAILABLE
 
 
 @dataclass
@@ -116,10 +116,10 @@ class FakeGpu:
         readable: False for a device whose every reading fails (e.g. lost from the bus).
         name: product name.
         sm_clock_mhz, max_sm_clock_mhz: current and maximum SM clock.
-        throttle_reasons: bit mask of :data:`THROTTLE_BITS`.
+        throttle_reasons: bit mask of :data:`THROTTLE_BITS`; None: NVML answers "Not Supported".
         temperature_c: GPU temperature.
         power_limit_w: enforced power limit.
-        processes: compute processes on the device.
+        processes: compute processes on the device; None: NVML answers "Not Supported".
         mig_mode: 1 on a physical GPU whose MIG mode is enabled (``nvmlDeviceGetMigMode``), else 0.
         parent: set on a MIG instance (a device of its own UUID ``MIG-...``): its physical GPU, whose
             energy counter it reports (NVML's counter belongs to the whole GPU).
@@ -136,10 +136,10 @@ class FakeGpu:
     name: str = "NVIDIA H100 80GB HBM3"
     sm_clock_mhz: int = 1980
     max_sm_clock_mhz: int = 1980
-    throttle_reasons: int = 0
+    throttle_reasons: int | None = 0
     temperature_c: int = 45
     power_limit_w: float = 700.0
-    processes: list[FakeProcess] = field(default_factory=list)
+    processes: list[FakeProcess] | None = field(default_factory=list)
     mig_mode: int = 0
     parent: "FakeGpu | None" = None
 
@@ -161,6 +161,13 @@ class FakeGpu:
     def power_mw(self) -> int:
         self._check()
         return round(self.watts * 1000)
+
+    def supported(self, value):
+        """``value``, or NVML's "Not Supported" error for a reading the device does not give (None)."""
+        self._check()
+        if value is None:
+            raise FakeNvmlError("Not Supported")
+        return value
 
 
 def fake_nvml(gpus: list[FakeGpu], instances: list[FakeGpu] = ()) -> types.SimpleNamespace:
@@ -208,11 +215,11 @@ def fake_nvml(gpus: list[FakeGpu], instances: list[FakeGpu] = ()) -> types.Simpl
         nvmlDeviceGetPowerUsage=lambda g: g.power_mw(),  # mW
         nvmlDeviceGetClockInfo=checked(lambda g, kind: g.sm_clock_mhz),
         nvmlDeviceGetMaxClockInfo=checked(lambda g, kind: g.max_sm_clock_mhz),
-        nvmlDeviceGetCurrentClocksEventReasons=checked(lambda g: g.throttle_reasons),
-        nvmlDeviceGetCurrentClocksThrottleReasons=checked(lambda g: g.throttle_reasons),
+        nvmlDeviceGetCurrentClocksEventReasons=lambda g: g.supported(g.throttle_reasons),
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda g: g.supported(g.throttle_reasons),
         nvmlDeviceGetTemperature=checked(lambda g, sensor: g.temperature_c),
         nvmlDeviceGetEnforcedPowerLimit=checked(lambda g: round(g.power_limit_w * 1000)),  # mW
-        nvmlDeviceGetComputeRunningProcesses=checked(lambda g: list(g.processes)),
+        nvmlDeviceGetComputeRunningProcesses=lambda g: list(g.supported(g.processes)),
         nvmlDeviceGetMigMode=checked(lambda g: (g.mig_mode, g.mig_mode)),  # (current, pending)
         nvmlDeviceIsMigDeviceHandle=lambda g: int(g.parent is not None),
         nvmlDeviceGetDeviceHandleFromMigDeviceHandle=lambda g: g.parent if g.parent is not None else g,

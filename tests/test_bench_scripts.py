@@ -179,3 +179,45 @@ def test_the_gpu_reference_names_each_missed_target():
                       "llmeff.peak.tflops 312 != 989.4"]
     assert ref.verdict(llmeff_tps=60_000, bare_tps=[60_000], mfu=None, peak_tag=None, fpt=fpt, peak_tflops=989.4,
                        ratio_target=0.95, mfu_rel=0.01)[1] == ["summary/mfu absent"]
+
+
+def _data_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_data", BENCH / "data.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # its module level imports the standard library only
+    return mod
+
+
+# two training runs that meet their targets: trainer RSS 1.2 GB, set-up 40 s then 2 s (0.05), the cache read
+FIRST = {"peak_trainer_rss_gb": 1.2, "setup_s": 40.0, "hit": False}
+SECOND = {"peak_trainer_rss_gb": 1.1, "setup_s": 2.0, "hit": True}
+
+
+def test_the_data_bench_counts_a_skipped_throughput_target_as_not_measured_never_as_met():
+    data = _data_bench()
+    met = {"bare_s": 10.0, "ours_s": 12.5}  # 0.80x >= 0.70x
+    assert data.verdict(FIRST, SECOND, met, None) == ([], [])
+    # --skip-throughput: the 0.70x target has no figure. It read as met before, and the script exited 0
+    assert data.verdict(FIRST, SECOND, None, None) == (
+        [], ["throughput ours / bare >= 0.70x (--skip-throughput)"])
+    assert data.verdict(FIRST, SECOND, None, None, bpe_asked=True)[1] == [
+        "throughput ours / bare >= 0.70x (--skip-throughput)",
+        "BPE: throughput ours / bare >= 0.70x (--skip-throughput with --bpe)"]
+    # measured and missed: 10 / 20 = 0.50x, and the 2nd set-up 5 s of 40 (0.125)
+    assert data.verdict(FIRST, {**SECOND, "setup_s": 5.0}, {"bare_s": 10.0, "ours_s": 20.0}, None) == (
+        ["2nd / 1st data set-up < 0.10", "throughput ours / bare >= 0.70x"], [])
+
+
+def test_the_data_bench_exits_1_saying_not_measured_when_its_throughput_step_is_skipped(monkeypatch, capsys):
+    data = _data_bench()
+    runs = iter([dict(FIRST, tokens=1000, blocks=8, peak_rss_gb=1.5, peak_anon_gb=1.0, wall_s=50.0),
+                 dict(SECOND, tokens=1000, blocks=8, peak_rss_gb=1.4, peak_anon_gb=0.9, wall_s=10.0)])
+    monkeypatch.setattr(data, "train_once", lambda *a, **k: next(runs))  # no training: the verdict's exit only
+    monkeypatch.setattr(data, "generate", lambda path, size_mb, seed=0: open(path, "w").write("{}\n") and 1)
+    monkeypatch.setattr("sys.argv", ["data.py", "--size-mb", "0.001", "--skip-throughput"])
+    with pytest.raises(SystemExit) as done:
+        data.main()
+    assert done.value.code == 1
+    assert capsys.readouterr().err.strip() == "target NOT MEASURED: throughput ours / bare >= 0.70x (--skip-throughput)"

@@ -162,7 +162,104 @@ def test_an_unreadable_device_leaves_its_fields_out_without_failing():
     clock = FakeClock()
     gpu = fake_gpu(clock, readable=False)
     s = ct.read_device(fake_nvml([gpu]), UUID, gpu, own_pids=[os.getpid()])
-    assert s.sm_clock_mhz is None and s.temperature_c is None and s.other_pids is None and s.throttle == 0
+    # throttle was 0 here: "no reason set" for reasons never read
+    assert s.sm_clock_mhz is None and s.temperature_c is None and s.other_pids is None and s.throttle is None
+
+
+def test_a_process_whose_device_memory_nvml_does_not_give_is_listed_with_memory_unknown_not_0_gib():
+    clock = FakeClock()
+    gpu = fake_gpu(clock, processes=[FakeProcess(os.getpid(), 2**30), FakeProcess(4242, None)])
+    s = ct.read_device(fake_nvml([gpu]), UUID, gpu, own_pids=[os.getpid()])
+    assert s.other_pids == {4242: None}  # was {4242: 0}, shown as '2.0 GiB'-style '0.0 GiB'
+    meter = ContentionMeter(nvml=fake_nvml([gpu]), gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
+    meter.begin(collective=False)
+    assert "GPU: 1 other process (pid 4242, memory unknown)" in meter.finish(collective=False)[1][names.CONTENTION]
+
+
+def test_the_other_share_of_the_host_is_absent_when_our_own_cpu_time_is_unreadable(tmp_path, monkeypatch):
+    # psutil fails on our process tree: our CPU seconds were taken as 0, so all 100 busy ticks read as others'
+    # (100 / 202 = 49.5%); steal needs no own time and stays: 2 / 202
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  0 0 0 0 0 0 0 0\n")
+
+    def unreadable(pid=None):
+        raise psutil.AccessDenied(pid)
+
+    monkeypatch.setattr(ct, "own_tree", unreadable)
+    m = ContentionMeter(proc_stat=str(stat), env={})
+    m.begin(collective=False)
+    stat.write_text("cpu  100 0 0 100 0 0 0 2\n")  # busy 100, idle 100, steal 2: 202 ticks
+    out = m.interval(collective=False)
+    why = "the CPU time of the run's own processes could not be read (psutil)"
+    assert names.SYS_HOST_OTHER_CPU not in out and out[names.SYS_HOST_STEAL] == pytest.approx(2 / 202)
+    assert m.interval_why == {names.SYS_HOST_OTHER_CPU: why}
+    summary, tags = m.finish(collective=False)
+    assert summary == {names.SUM_HOST_STEAL: pytest.approx(2 / 202)} and m.absent_why == why
+    # neither quiet nor contended: the share that decides it is unknown (steal 1.0% is under 2%)
+    assert tags[names.CONTENTION] == f"unknown: other processes' share of host CPU not measured: {why}; steal 1.0%"
+
+
+UUID_B = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
+THROTTLE_UNKNOWN = ("system/device/throttled: NVML could not read some device's clocks-event reasons and none it "
+                    "read was a slowdown (llmeff.contention names the devices)")
+
+
+def test_clocks_event_reasons_nvml_does_not_support_are_none_and_read_ones_are_their_bits():
+    clock = FakeClock()
+    unsupported = fake_gpu(clock, throttle_reasons=None)
+    assert ct.read_device(fake_nvml([unsupported]), UUID, unsupported, own_pids=[]).throttle is None
+    slow = fake_gpu(clock, throttle_reasons=THROTTLE_BITS["hw_slowdown"] | THROTTLE_BITS["gpu_idle"])
+    assert ct.read_device(fake_nvml([slow]), UUID, slow, own_pids=[]).throttle == 0x8 | 0x1
+    assert ct.read_device(fake_nvml([fake_gpu(clock)]), UUID, fake_gpu(clock), own_pids=[]).throttle == 0
+
+
+def test_throttled_of_unreadable_reasons_is_absent_and_the_run_says_why(tracking_uri):
+    # the fault: reasons NVML could not read became 0, and system/device/throttled read 0, "not throttled"
+    clock = FakeClock()
+    gpu = fake_gpu(clock, throttle_reasons=None, processes=[FakeProcess(os.getpid(), 2**30)])
+    meter = ContentionMeter(nvml=fake_nvml([gpu]), gpu_devices=[(UUID, gpu)], gpu_period_s=None, env={})
+    mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=1, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False, contention_meter=meter)
+    for _ in range(6):
+        clock.t += 0.1
+        mon.step(tokens=100, samples=1, padded_tokens=100)
+    mon.finish()
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    assert names.SYS_DEV_THROTTLED not in run.data.metrics
+    assert run.data.metrics[names.SYS_DEV_OTHER_PROCS] == 0.0  # the processes were listed: none other
+    assert run.data.tags[names.INTERVAL_ABSENT] == THROTTLE_UNKNOWN
+    assert f"throttle: unknown (NVML could not read the clocks-event reasons of {UUID})" in run.data.tags[names.CONTENTION]
+
+
+def _two_gpu_meter(a: FakeGpu, b: FakeGpu) -> ContentionMeter:
+    m = ContentionMeter(nvml=fake_nvml([a, b]), gpu_devices=[(UUID, a), (UUID_B, b)], gpu_period_s=None, env={})
+    m.begin(collective=False)
+    return m
+
+
+def test_one_device_unread_one_read_says_which_and_reports_a_slowdown_it_read():
+    clock = FakeClock()
+    mine = [FakeProcess(os.getpid(), 2**30)]
+    quiet, unread = fake_gpu(clock, processes=mine), FakeGpu(UUID_B, "00000000:19:00.0", 500.0, clock,
+                                                              throttle_reasons=None, processes=None)
+    m = _two_gpu_meter(quiet, unread)
+    out = m.interval(collective=False)
+    # no slowdown on the one read, the other unknown: neither 0 nor 1; no other process listed on the one
+    # read, the other's list unknown: not 0 either
+    assert names.SYS_DEV_THROTTLED not in out and names.SYS_DEV_OTHER_PROCS not in out
+    assert m.interval_why[names.SYS_DEV_THROTTLED] == THROTTLE_UNKNOWN.split(": ", 1)[1]
+    _, tags = m.finish(collective=False)
+    assert (f"GPU: other processes unknown (NVML could not list them on {UUID_B}); throttle: none on {UUID}; "
+            f"unknown on the others (NVML could not read the clocks-event reasons of {UUID_B})") in tags[names.CONTENTION]
+    # a slowdown read on one device is known whatever the other says: 1
+    slow = fake_gpu(clock, processes=mine, throttle_reasons=THROTTLE_BITS["sw_power_cap"])
+    m = _two_gpu_meter(slow, FakeGpu(UUID_B, "00000000:19:00.0", 500.0, clock, throttle_reasons=None, processes=mine))
+    out = m.interval(collective=False)
+    assert (out[names.SYS_DEV_THROTTLED], out[names.SYS_DEV_OTHER_PROCS], m.interval_why) == (1.0, 0.0, {})
+    # both read, no slowdown: 0, the known "not throttled"
+    m = _two_gpu_meter(fake_gpu(clock, processes=mine),
+                       FakeGpu(UUID_B, "00000000:19:00.0", 500.0, clock, processes=mine))
+    assert m.interval(collective=False)[names.SYS_DEV_THROTTLED] == 0.0
 
 
 # --------------------------------------------------------------------------------- real runs here

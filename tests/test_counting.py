@@ -107,6 +107,62 @@ def test_step_tally_reads_packed_keys_of_a_collator_batch():
         assert (got.tokens, got.samples, got.sum_len_sq, got.loss_tokens) == (9, 3, 29, 6)
 
 
+# ------------------------------------------------------------------ what a micro-batch does not say
+def test_a_flat_tensor_without_document_marks_has_unknown_sequences_not_one_of_all_its_tokens():
+    # 64 ids in one (64,) tensor: 2 rows of 32 or 8 of 8 flattened look the same, so no sequence is guessed
+    c = BatchCounter()
+    c.add(torch.zeros(64, dtype=torch.long))
+    got = c.take(steps=1)
+    assert (got.tokens, got.padded_tokens) == (64, 64)
+    assert (got.samples_unknown, got.lengths_unknown, got.loss_unknown) == (1, 1, 1)
+    assert got.effective_seq_len is None  # was 64: one sequence of all the tokens
+    # documents marked: known again, 3 documents of 3, 2 and 4 (position_ids restarting)
+    c.add(torch.zeros(9, dtype=torch.long), position_ids=torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3]),
+          labels=torch.arange(9))
+    got = c.take(steps=1)
+    assert (got.samples, got.sum_len_sq, got.loss_tokens, got.lengths_unknown, got.samples_unknown) == (3, 29, 8, 0, 0)
+
+
+def test_a_2d_batch_gives_every_count_and_rows_are_its_sequences():
+    c = BatchCounter()
+    c.add(torch.zeros(8, 32, dtype=torch.long))
+    got = c.take(steps=1)
+    assert (got.samples, got.effective_seq_len, got.loss_tokens) == (8, 32.0, 8 * 31)
+    assert (got.padded_unknown, got.loss_unknown, got.samples_unknown, got.lengths_unknown) == (0, 0, 0, 0)
+
+
+def test_numbers_without_samples_or_lengths_count_them_as_unknown():
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    tally = StepTally()
+    tally.add_numbers(100)  # tokens alone
+    got = tally.take(steps=1)
+    assert (got.padded_unknown, got.loss_unknown, got.samples_unknown, got.lengths_unknown) == (1, 1, 1, 1)
+    assert got.effective_seq_len is None
+    tally.add_numbers(100, samples=4)  # equal lengths of 25: sum(l^2) = 4 x 625 = 2,500; loss 100 - 4
+    got = tally.take(steps=1)
+    assert (got.samples, got.sum_len_sq, got.loss_tokens, got.effective_seq_len) == (4, 2500, 96, 25.0)
+    assert (got.loss_unknown, got.samples_unknown, got.lengths_unknown, got.padded_unknown) == (0, 0, 0, 1)
+    tally.add_numbers(100, padded_tokens=128, loss_tokens=90, sum_len_sq=3000)  # lengths without samples
+    got = tally.take(steps=1)
+    assert (got.padded_tokens, got.loss_tokens, got.effective_seq_len) == (128, 90, 30.0)
+    assert (got.samples_unknown, got.lengths_unknown, got.padded_unknown) == (1, 0, 0)
+
+
+def test_unknowns_ride_the_reduce_as_sums_and_a_batch_beside_numbers_keeps_them():
+    from mlflow_llmeff.monitor.counting import REDUCE_LAYOUT, StepTally
+
+    tally = StepTally()
+    tally.add_batch({"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+    tally.add_numbers(10)
+    seen = []
+    got = tally.take(steps=1, reduce=lambda t: seen.append(t.tolist()) or t * 2)  # two identical ranks
+    assert dict(zip(REDUCE_LAYOUT, seen[0])) == {"tokens": 18, "loss_tokens": 6, "sum_len_sq": 32, "padded_tokens": 8,
+                                                 "samples": 2, "padded_unknown": 1, "loss_unknown": 1,
+                                                 "samples_unknown": 1, "lengths_unknown": 1}
+    assert (got.tokens, got.samples_unknown, got.effective_seq_len) == (36, 2, None)
+
+
 # ------------------------------------------------------------------ padded shapes (dynamic padding, packing)
 def _padded(rows: int, t: int) -> dict:
     """``rows`` rows padded to ``t`` positions, the first ``t - j`` of row ``j`` real (dynamic padding)."""

@@ -192,12 +192,21 @@ def test_the_first_two_lags_set_a_floor_under_geyers_time():
     assert st.short_run_tau([1.0, -0.5, 0.2, 0.0])[0] == 1.0
 
 
-def test_equal_input_gives_an_equal_interval():
-    seconds, tokens = simulate(0.5, 400, True)
-    a = st.throughput_interval(list(seconds[7]), list(tokens[7]))
-    assert a == st.throughput_interval(list(seconds[7]), list(tokens[7]))
-    r = st.throughput_intervals(seconds[7], tokens[7])  # the array path gives the same
-    assert (r["low"][0], r["high"][0]) == pytest.approx((a.low, a.high), rel=1e-12)
+def test_the_array_path_gives_each_row_its_own_interval_by_hand():
+    # three runs at once: the twelve steps of test_the_interval_of_twelve_steps_by_hand, the same steps taking
+    # twice as long, and the same steps in reverse order. Doubled seconds halve R to 1.5 tokens/s and leave
+    # z = 6 - 1.5 x 2s, its autocorrelations and se(R) / R as they were; reversed steps have the same
+    # lagged products, so the same tau 5/3, window, df 2 and interval. Each row: R x exp(+-0.925783)
+    secs = [1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 1.0, 3.0, 3.0, 3.0, 1.0]
+    rows = [secs, [2 * x for x in secs], secs[::-1]]
+    r = st.throughput_intervals(rows, [[6.0] * 12] * 3, min_effective_steps=0)
+    rel = 4.302653 * math.sqrt(20 / 12) / 2 / 3
+    means = [3.0, 1.5, 3.0]
+    assert r["mean"].tolist() == pytest.approx(means, abs=1e-12)
+    assert r["tau"].tolist() == pytest.approx([5 / 3] * 3, abs=1e-12) and r["lag"].tolist() == [1, 1, 1]
+    assert r["df"].tolist() == pytest.approx([2.0] * 3, abs=1e-12) and r["given"].tolist() == [True] * 3
+    assert r["low"].tolist() == pytest.approx([m * math.exp(-rel) for m in means], rel=1e-6)
+    assert r["high"].tolist() == pytest.approx([m * math.exp(rel) for m in means], rel=1e-6)
 
 
 def test_steps_without_tokens_have_no_interval_and_no_verdict_about_it():

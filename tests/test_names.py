@@ -42,6 +42,27 @@ def test_target_key_rejects_other_operators():
         names.target_key("val_loss", ">", "1", safe_key)
 
 
-def test_logging_warnings_tag_key():
-    assert names.LOGGING_WARNINGS == "llmeff.logging.warnings"
-    assert "llmeff.logging.warnings" in {d.key for d in names.TAGS}
+def test_every_tag_is_an_llmeff_key_documented_with_its_meaning():
+    # METRICS.md: tags are provenance under the llmeff. prefix; a reader finds each one's meaning in the docs
+    doc = names.render_docs()
+    for d in names.TAGS:
+        assert d.key.startswith("llmeff.") and d.meaning, d.key
+        assert f"| `{d.key}` | {d.meaning} |" in doc, d.key
+    for d in names.METRICS:
+        assert f"| `{d.key}` | {d.unit} | {d.meaning} |" in doc, d.key
+
+
+def test_the_logger_reports_what_it_changed_under_the_documented_warnings_tag(tracking_uri):
+    # what names.LOGGING_WARNINGS is for: the tag the run logger writes its renames to, documented in the docs
+    import mlflow
+
+    from mlflow_llmeff.tracking.logger import RunLogger
+
+    client = mlflow.MlflowClient()
+    run_id = client.create_run(client.create_experiment("names")).info.run_id
+    log = RunLogger(run_id)
+    log.log_metrics({"mfu(%)": 41.0}, 1)
+    log.close()
+    tags = client.get_run(run_id).data.tags
+    assert tags[names.LOGGING_WARNINGS] == "metric 'mfu(%)' renamed to 'mfu_pct'"
+    assert f"| `{names.LOGGING_WARNINGS}` |" in names.render_docs()

@@ -101,20 +101,48 @@ def test_a_single_run_of_a_machine_without_a_measured_floor_has_no_interval_and_
                                                          1: "best (1 not ranked: no interval)"}
 
 
-def test_the_cpu_floor_is_what_the_documented_repeats_give():
+def _documented_repeats() -> tuple[list[list[float]], list[list[float]], list[int]]:
+    """docs/stability.md, "Between-run floor": the tokens/s of the repeats the cpu floor pools (first table),
+    the shorter runs' sets (second table) and their steady steps, read from the page as a reader sees them."""
+    import pathlib
+    import re
+
+    text = pathlib.Path(__file__).parents[1].joinpath("docs", "stability.md").read_text()
+    section = text[text.index("## Between-run floor"):]
+    tables, rows = [], None
+    for line in section.splitlines():
+        if line.startswith("| repeats of one configuration"):
+            rows = []
+            tables.append(rows)
+        elif rows is not None and line.startswith("| ") and not line.startswith("| ---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.append(([float(v.replace(",", "")) for v in cells[1].split(", ")], cells[0], float(cells[2])))
+        elif rows is not None and not line.startswith("|"):
+            rows = None
+    pooled, short = tables[0], tables[1]
+    for values, _, cv in pooled + short:  # each row's CV as printed is its sample CV
+        m = sum(values) / len(values)
+        assert math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) / m == pytest.approx(cv, abs=5e-4)
+    steady = [int(re.search(r"\((\d+) steady", label).group(1)) for _, label, _ in short]
+    return [v for v, _, _ in pooled], [v for v, _, _ in short], steady
+
+
+def _pooled_half_width(groups: list[list[float]]) -> tuple[float, int]:
+    """``t(0.975, df) x s`` over ``groups`` (the page's formula: s^2 = sum of squared relative deviations / df),
+    with t from the product's table, and df."""
+    ss = sum(sum((v / (sum(g) / len(g)) - 1) ** 2 for v in g) for g in groups)
+    df = sum(len(g) - 1 for g in groups)
+    return t_quantile_975(df) * math.sqrt(ss / df), df
+
+
+def test_the_cpu_floor_is_what_the_repeats_on_the_page_give():
     from mlflow_llmeff.report.repeats import BETWEEN_RUN_FLOOR
 
-    # docs/stability.md, "Between-run floor": three configurations repeated on the shared 2-core machine
-    groups = ([8921, 13187, 13126, 16513, 13121], [25950, 25719, 6664, 20709, 12636], [11745, 19279])
-    ss, df = 0.0, 0
-    for g in groups:
-        m = sum(g) / len(g)
-        ss += sum((v / m - 1) ** 2 for v in g)  # relative deviations: CV^2 x (n - 1)
-        df += len(g) - 1
-    cv = math.sqrt(ss / df)
-    assert df == 9 and cv == pytest.approx(0.3565, abs=1e-4)
-    # t(0.975, 9) = 2.262 (table): 2.262 x 0.3565 = 0.806, rounded up to 0.81
-    assert BETWEEN_RUN_FLOOR["cpu"].half_width == 0.81 and 2.262 * cv == pytest.approx(0.806, abs=1e-3)
+    pooled, _, _ = _documented_repeats()
+    f, df = _pooled_half_width(pooled)
+    # df 4 + 4 + 1 = 9, s = 0.3565, t(0.975, 9) = 2.262: f = 0.806, rounded up to two places
+    assert df == 9 and f == pytest.approx(0.806, abs=1e-3)
+    assert BETWEEN_RUN_FLOOR["cpu"].half_width == math.ceil(f * 100) / 100
     assert "docs/stability.md" in BETWEEN_RUN_FLOOR["cpu"].source
 
 
@@ -413,13 +441,11 @@ def test_the_cpu_floor_holds_down_to_the_shortest_runs_it_was_measured_on():
 
     # docs/stability.md, "How short a run it holds for": the three pooled sets and two sets of shorter
     # runs (57 and 47 steady steps) pool to 0.69 (df 17, t(0.975, 17) = 2.110): inside 0.81, which
-    # therefore holds from 47 steady steps
-    groups = ([8921, 13187, 13126, 16513, 13121], [25950, 25719, 6664, 20709, 12636], [11745, 19279],
-              [10764, 12905, 8363, 19428, 19704], [41364, 38123, 35345, 33733, 22328])
-    ss = sum(sum((v / (sum(g) / len(g)) - 1) ** 2 for v in g) for g in groups)
-    df = sum(len(g) - 1 for g in groups)
-    assert df == 17 and 2.110 * math.sqrt(ss / df) == pytest.approx(0.6945, abs=1e-3)
-    assert BETWEEN_RUN_FLOOR["cpu"].min_steady_steps == 47
+    # therefore holds from the shortest of them, 47 steady steps
+    pooled, short, steady = _documented_repeats()
+    f, df = _pooled_half_width(pooled + short)
+    assert df == 17 and f == pytest.approx(0.6945, abs=1e-3) and f <= BETWEEN_RUN_FLOOR["cpu"].half_width
+    assert steady == [57, 47] and BETWEEN_RUN_FLOOR["cpu"].min_steady_steps == min(steady)
 
     def short(run_id, tps, steps, devices=1):  # a run of `steps` optimizer steps, 3 of them warm-up
         r = run(run_id, devices, tps, **{names.WARMUP_STEPS: "3"})

@@ -78,6 +78,7 @@ def test_failures_by_cause_from_two_runs_tags():
                               rec("b", 2050.0, 15.0, 2, 3, B_TAG, cost=40.0)])
     assert [(r.cause, r.count, r.details, r.lost_steps, r.down_s, r.recovery_s, r.cost_s) for r in rows] == [
         ("signal", 2, {"SIGKILL": 2}, 7, 30.0, 39.0, None), ("nan", 1, {"nan": 1}, 5, 5.0, 8.0, None)]
+    assert [(r.down_known, r.recovery_known) for r in rows] == [(2, 2), (1, 1)]
     assert [r.share for r in rows] == pytest.approx([2 / 3, 1 / 3])
 
 
@@ -104,11 +105,33 @@ def test_report_shows_experiment_configurations_and_causes():
     assert sorted(r[:5] for r in rel.config_rows) == [["a", "1", "2", "1", "1,000"], ["b", "1", "3", "2", "2,000"]]
     a_row = next(r for r in rel.config_rows if r[0] == "a")
     assert a_row[5] == "1,000 s [179, 39,498]"  # 2000/chi2(0.975, 4) = 2000/11.143, 2000/chi2(0.025, 2) = 2000/0.050636
-    assert rel.cause_rows[0] == ["signal", "2", "66.7%", "SIGKILL x2", "7", "30", "39", ""]
+    # run b's lost progress cannot be split between its two causes: the cost is unknown, said so (was "")
+    assert rel.cause_rows[0] == ["signal", "2", "66.7%", "SIGKILL x2", "7", "30", "39", "unknown"]
     md, page = to_markdown(rep), to_html(rep)
     assert "## Reliability" in md and "| signal | 2 | 66.7% | SIGKILL x2 |" in md
     assert "<table id='failures-by-cause'>" in page and "<table id='reliability'>" in page
     assert "signal  2" in reliability_text(rep)
+
+
+def test_a_failure_no_attempt_followed_has_unknown_down_and_recovery_never_summed_as_0():
+    # run c failed at attempt 2 and no third attempt has started: its down and recovery time are unknown.
+    # The fault: they were summed as 0, so the signal row read down 20 s, recovery 25 s for two failures
+    c_tag = ("attempt 1: signal (SIGKILL) at step 7, 12.0 s into the job, checkpoint 4, 3 steps redone, "
+             "down 20.0 s, recovery 25.0 s; attempt 2: signal (SIGTERM) at step 12, 70.0 s into the job, "
+             "checkpoint 10, 2 steps redone")
+    open_run = rec("c", 90.0, 20.0, 2, 2, c_tag)  # no summary/failure_cost_s: a failure has no recovery yet
+    (row,) = failures_by_cause([open_run])
+    assert (row.count, row.down_s, row.down_known, row.recovery_s, row.recovery_known, row.cost_s) == (
+        2, 20.0, 1, 25.0, 1, None)
+    assert reliability(report([open_run])).cause_rows == [
+        ["signal", "2", "100.0%", "SIGKILL x1, SIGTERM x1", "5", "20 (1 of 2 known)", "25 (1 of 2 known)", "unknown"]]
+    # none known: unknown, not 0
+    only_open = rec("d", 90.0, 0.0, 1, 1, "attempt 1: nan at step 12, 70.0 s into the job, checkpoint 10, "
+                                          "2 steps redone")
+    (row,) = failures_by_cause([only_open])
+    assert (row.down_s, row.recovery_s, row.down_known, row.recovery_known) == (None, None, 0, 0)
+    assert reliability(report([only_open])).cause_rows[0][5:] == ["unknown", "unknown", "unknown"]
+    # every one known: the plain sum (test_failures_by_cause_from_two_runs_tags: 30 s and 39 s)
 
 
 def test_no_failure_is_one_line_and_no_table():

@@ -330,7 +330,11 @@ def test_the_page_in_chromium_shows_the_headline_table(servers, tmp_path, mode):
             response = page.goto(f"{url}/llmeff/experiments/{exps['five']}", wait_until="load")
             assert response.status == 200
             page.wait_for_function("Array.from(document.images).every(i => i.complete)", timeout=120_000)
-            page.screenshot(path=str(tmp_path / f"{mode}-page.png"), full_page=True)
+            shot = page.screenshot(path=str(tmp_path / f"{mode}-page.png"), full_page=True)
+            # where the best configuration's name and the first figure sit on the page (CSS pixels, scale 1)
+            boxes = page.evaluate("""[document.querySelector('table#headline tbody tr td'), document.images[0]]
+                .map(e => { const r = e.getBoundingClientRect();
+                            return [r.left + scrollX, r.top + scrollY, r.right + scrollX, r.bottom + scrollY]; })""")
             images = page.evaluate("Array.from(document.images).map(i => i.complete && i.naturalWidth > 0)")
             configs = page.locator("table#headline tbody tr td:first-child").all_inner_texts()
             verdicts = page.locator("table#headline tbody tr td:nth-child(5)").all_inner_texts()
@@ -345,4 +349,20 @@ def test_the_page_in_chromium_shows_the_headline_table(servers, tmp_path, mode):
                        "llama-tiny-cpu-2x-ddp-fp32-s128-gbt2048", "llama-160m-cpu-1x-single-fp32-s128-gbt1024"]
     assert verdicts[0] == "best (2 within noise)" and verdicts[3] == "0.0411x best"
     assert runs == 5
-    assert (tmp_path / f"{mode}-page.png").stat().st_size > 0
+    # what the screenshot shows, not only that one was written (its size > 0 could not fail): the best
+    # configuration's cell holds drawn text, dark glyph pixels on a light cell (781 of 7,172 measured;
+    # a cell made transparent, or text the colour of its background, leaves 0), and the first figure is a
+    # drawn plot, 17% of it inked in about 950 colours (faded to 2% opacity: 0 inked, 45 colours). The DOM
+    # checks above see neither fault: the text and a loaded image are there either way
+    import io
+
+    from PIL import Image
+
+    page_png = Image.open(io.BytesIO(shot))
+    assert page_png.size[0] >= boxes[1][2] and page_png.size[1] >= boxes[0][3]
+    cell = list(page_png.convert("L").crop(tuple(round(v) for v in boxes[0])).getdata())
+    dark, light = sum(v < 100 for v in cell), sum(v > 200 for v in cell)
+    assert dark >= 50 and light > dark, (dark, light, len(cell))
+    figure = list(page_png.convert("RGB").crop(tuple(round(v) for v in boxes[1])).getdata())
+    inked = sum(min(px) < 200 for px in figure)  # axes, lines, labels: not the white of the canvas
+    assert inked >= 0.01 * len(figure) and len(set(figure)) >= 50, (inked, len(figure), len(set(figure)))

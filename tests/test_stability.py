@@ -95,9 +95,47 @@ def test_equal_steps_give_an_interval_of_zero_width_at_the_mean():
     assert s.ci95 == (s.tokens_per_sec, s.tokens_per_sec)
 
 
-def test_the_interval_is_the_same_for_the_same_steps():
+def _documented_interval(seconds: list[float], tokens: list[float]) -> tuple[float, float, float, int]:
+    """``(low, high, tau, M)`` by the method calc/stability.py's docstring and docs/stability.md state, written
+    apart from it (plain loops, no FFT, no arrays): ratio R, linearized z, autocovariances about the mean over n,
+    Geyer's initial monotone pairs, the AR(1)/ARMA(1,1) floor from the first two lags, the window's bias
+    correction (at most x2), Student's t on n / (2 (2M + 1)), log scale, widened near 20 effective steps."""
+    from scipy import stats
+
+    n = len(seconds)
+    r = sum(tokens) / sum(seconds)
+    z = [t - r * x for t, x in zip(tokens, seconds)]
+    zbar = sum(z) / n
+    gamma = [sum((z[i] - zbar) * (z[i + h] - zbar) for i in range(n - h)) / n for h in range(n)]
+    rho = [g / gamma[0] for g in gamma]
+    total, smallest, pairs = 0.0, math.inf, 0
+    for k in range(n // 2):
+        pair = rho[2 * k] + rho[2 * k + 1]
+        if pair <= 0:
+            break
+        smallest = min(smallest, pair)
+        total, pairs = total + smallest, pairs + 1
+    tau, lag = (-1 + 2 * total, 2 * pairs - 1) if -1 + 2 * total > 1 else (1.0, 0)
+    r1 = min(max(rho[1], -0.99), 0.99)
+    phi = min(max(rho[2] / r1, 0.0), 0.98, math.sqrt(r1)) if r1 > 0.3 else 0.0
+    tau = max(tau, (1 + r1) / (1 - r1), 1 + 2 * max(r1, 0.0) / (1 - phi), 1.0)
+    window = 2 * lag + 1
+    sigma2 = gamma[0] * tau * min(1 / (1 - window / n), 2.0)
+    rel = stats.t.ppf(0.975, n / (2 * window)) * math.sqrt(sigma2 / n) / (sum(seconds) / n) / r
+    widening = 1 + 2.2 * min(max((35 - n / tau) / 15, 0.0), 1.0)
+    return r * math.exp(-rel * widening), r * math.exp(rel * widening), tau, lag
+
+
+def test_the_interval_of_a_stalled_run_is_the_documented_methods_computed_apart():
+    # 60 steps of 10 ms with 1.7 s stalls at steps 5, 6 and 40, one token each: 10.58 tokens/s; the two
+    # adjacent stalls give the first lags their weight (tau 1.85 over a window M = 1), 32.5 effective
+    # steps, so widened 1.37x near the minimum: [1.248, 89.70] tokens/s
     secs = stalled(60, (5, 6, 40))
-    assert st.throughput_interval(secs, [1.0] * 60) == st.throughput_interval(secs, [1.0] * 60)
+    iv = st.throughput_interval(secs, [1.0] * 60)
+    low, high, tau, lag = _documented_interval(secs, [1.0] * 60)
+    assert (iv.tau, iv.lag) == (pytest.approx(tau, rel=1e-9), lag) and lag == 1
+    assert (iv.low, iv.high) == (pytest.approx(low, rel=1e-9), pytest.approx(high, rel=1e-9))
+    assert (iv.low, iv.high) == (pytest.approx(1.2483, abs=1e-4), pytest.approx(89.702, abs=1e-3))
 
 
 def test_the_interval_is_centred_on_the_ratio_of_sums_not_on_a_mean_of_rates():

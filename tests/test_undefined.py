@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import mlflow
 import pytest
+import torch
 
 from mlflow_llmeff import names
 from mlflow_llmeff.monitor import summary
@@ -231,3 +232,112 @@ def test_the_headline_sorts_an_unknown_device_count_last_not_as_0():
     h = headline(configurations([run]))
     devices = h.rows[0][h.columns.index("devices")]
     assert (devices.text, devices.sort) == ("", None)  # was sort 0.0: first in an ascending sort
+
+
+# ------------------------------------------------------------------ counts the loop did not give
+def _history(run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in mlflow.MlflowClient().get_metric_history(run_id, key)]
+
+
+def _two_logged_steps(**count) -> EfficiencyMonitor:
+    """Steps 1 (warm-up) and 2 of 1 s each on a fake clock, logged at step 2, each counting ``count``."""
+    t = [0.0]
+    mon = monitor(lambda: t[0], log_every_n_steps=2, warmup_steps=1)
+    for _ in range(2):
+        t[0] += 1.0
+        mon.step(**count)
+    mon.finish()
+    return mon
+
+
+def test_samples_per_sec_of_unknown_samples_is_absent_with_why_and_logged_when_given(tracking_uri):
+    # the fault: count(tokens=100) logged throughput/samples_per_sec 0.0, "no sequence a second"
+    mon = _two_logged_steps(tokens=100)
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert _history(mon.run_id, names.TPUT_SAMPLES) == [] and _history(mon.run_id, names.TPUT_TOKENS) == [(2, 100.0)]
+    # padded and loss-bearing tokens were not given either: no train/padded_tokens = tokens, no loss = tokens
+    assert _history(mon.run_id, names.TRAIN_PADDED_TOKENS) == [] and _history(mon.run_id, names.TRAIN_LOSS_TOKENS) == []
+    assert tags[names.INTERVAL_ABSENT] == (
+        "train/padded_tokens: padded positions unknown (a micro-batch counted as tokens= without padded_tokens=); "
+        "train/loss_tokens: loss-bearing tokens unknown (a micro-batch counted as tokens= without loss_tokens= or "
+        "samples=, or a flat (N,) batch without labels); "
+        "throughput/samples_per_sec: sequences unknown (a micro-batch counted as tokens= without samples=, or a flat "
+        "(N,) batch without position_ids, cu_seqlens or seq_idx)")
+    # given: 4 sequences of 25 in the steady second -> 4 samples/s; loss tokens 100 - 4 per step, padded given
+    mon = _two_logged_steps(tokens=100, samples=4, padded_tokens=128)
+    assert _history(mon.run_id, names.TPUT_SAMPLES) == [(2, 4.0)]
+    assert _history(mon.run_id, names.TRAIN_LOSS_TOKENS) == [(2, 192.0)]
+    assert _history(mon.run_id, names.TRAIN_PADDED_TOKENS) == [(2, 256.0)]
+    assert names.INTERVAL_ABSENT not in mlflow.MlflowClient().get_run(mon.run_id).data.tags
+
+
+LENGTHS_UNKNOWN = (
+    "sequence lengths unknown (a micro-batch counted as tokens= without samples= or sum_len_sq=, or a flat (N,) "
+    "batch without position_ids, cu_seqlens or seq_idx): attention FLOPs grow with the sequence length, and all "
+    "of a micro-batch's tokens taken as one sequence would grow with the micro-batch size")
+
+
+def _llama_tiny_steps(micro_batches, clock_s: float = 0.5) -> EfficiencyMonitor:
+    """llama-tiny (L 2, h 64, n 4, g 2, f 176, V 259) at a 2 TFLOP/s peak, no warm-up, 2 steps of
+    ``clock_s`` logged at step 2; each step counts the batches ``micro_batches`` gives (one per micro-batch)."""
+    from mlflow_llmeff.models.presets import load_config
+
+    t = [0.0]
+    mon = monitor(lambda: t[0], log_every_n_steps=2, warmup_steps=0, model_config=load_config("llama-tiny"),
+                  peak_tflops=2.0)
+    for _ in range(2):
+        t[0] += clock_s
+        *first, last = micro_batches()
+        for b in first:
+            mon.count(b)
+        mon.step(last)
+    mon.finish()
+    return mon
+
+
+def test_flops_of_a_micro_batch_of_2_or_8_rows_are_the_same_per_token(tracking_uri):
+    # 8 rows of 32 tokens a step, as one micro-batch of 8 or four of 2: s = 32 either way. FLOPs per token
+    # by hand (METRICS.md; tests/test_monitor.py): 2 x 4096 x (12 + 6 + 49.5 + 3) + 99,456 = 676,992;
+    # 512 tokens in 1 s -> 512 x 676,992 / 1e12 TFLOP/s, MFU that / 2
+    tflops = 512 * 676_992 / 1e12
+    for rows, micro in ((8, 1), (2, 4)):
+        mon = _llama_tiny_steps(lambda: [torch.zeros(rows, 32, dtype=torch.long)] * micro)
+        assert mon.summary[names.SUM_DEVICE_TFLOPS] == pytest.approx(tflops, rel=1e-12), rows
+        assert mon.summary[names.SUM_MFU] == pytest.approx(tflops / 2.0, rel=1e-12), rows
+        assert _history(mon.run_id, names.TPUT_DEVICE_MFU) == [(2, pytest.approx(tflops / 2.0, rel=1e-12))]
+
+
+def test_flops_of_unknown_sequence_lengths_are_absent_not_grown_with_the_micro_batch(tracking_uri):
+    # the same 256 tokens a step flattened to (256,) or four (64,): one sequence of all of them gave s = 256
+    # or 64, FLOPs per token 2 x 4096 x (67.5 + 6 x 256 / 64) + 99,456 = 849,024 vs 701,568 (+21%), an MFU
+    # that grew with the micro-batch; both are now absent, and the run says why
+    for micro in (1, 4):
+        mon = _llama_tiny_steps(lambda: [torch.zeros(256 // micro, dtype=torch.long)] * micro)
+        run = mlflow.MlflowClient().get_run(mon.run_id)
+        for key in (names.SUM_DEVICE_TFLOPS, names.SUM_MFU, names.SUM_MFU_PALM, names.SUM_HFU):
+            assert key not in mon.summary and key not in run.data.metrics
+        assert mon.summary[names.SUM_TOKENS_PER_SEC] == 512.0  # what is known stays
+        assert run.data.tags[names.SUMMARY_ABSENT].startswith(
+            "summary/device_tflops_per_sec, summary/mfu, summary/mfu_palm, summary/hfu, summary/mfu_measured_peak: "
+            + LENGTHS_UNKNOWN + ";")
+        assert _history(mon.run_id, names.TPUT_DEVICE_TFLOPS) == [] and _history(mon.run_id, names.TPUT_DEVICE_MFU) == []
+        assert (f"throughput/device/model_tflops_per_sec, throughput/device/mfu, throughput/device/hfu: "
+                f"{LENGTHS_UNKNOWN}") in run.data.tags[names.INTERVAL_ABSENT]
+
+
+def test_flops_of_counts_given_as_numbers_need_samples_or_sum_len_sq(tracking_uri):
+    from mlflow_llmeff.models.presets import load_config
+
+    def run(**count):
+        t = [0.0]
+        mon = monitor(lambda: t[0], log_every_n_steps=2, warmup_steps=0, model_config=load_config("llama-tiny"),
+                      peak_tflops=2.0)
+        for _ in range(2):
+            t[0] += 0.5
+            mon.step(**count)
+        return mon.finish()
+
+    assert names.SUM_MFU not in run(tokens=64)  # was s = 64: one sequence of the micro-batch's 64 tokens
+    # two sequences of 32 (equal lengths from samples=, or sum(l^2) = 2 x 32^2 given): 128 tokens/s x 676,992
+    for given in (dict(samples=2), dict(sum_len_sq=2048)):
+        assert run(tokens=64, **given)[names.SUM_MFU] == pytest.approx(128 * 676_992 / 1e12 / 2.0, rel=1e-12)

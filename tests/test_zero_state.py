@@ -131,23 +131,45 @@ def test_plan_against_deepspeeds_estimators(stage, precision, n, monkeypatch):
                         else (b + b + 12 + 4) * EST_P / n)
 
 
-def test_bench_model_zero3_persistent_tensors_give_the_measured_11_19():
+def _zero3_engine(model, n):
+    """A DeepSpeedZeroOptimizer_Stage3 over ``model``'s parameters on one of ``n`` ranks: each parameter
+    released with its partition, those of at most DeepSpeed's 100,000 elements ``ds_persist``."""
+    from mlflow_llmeff.planning.plan import ZERO3_PERSISTENCE_THRESHOLD
+
+    total = 0
+    for p in model.parameters():
+        p.ds_numel, p.ds_persist = p.numel(), p.numel() <= ZERO3_PERSISTENCE_THRESHOLD
+        p.ds_tensor = torch.zeros(p.numel() // n, dtype=p.dtype)
+        total += p.numel()
+        p.data = torch.empty(0, dtype=p.dtype)
+    zero = type("DeepSpeedZeroOptimizer_Stage3", (), {})()
+    zero.fp32_partitioned_groups_flat = [torch.zeros(total // n, dtype=torch.float32)]
+    zero.grad_partitions_flat_buffer = torch.zeros(total // n, dtype=torch.float32)
+    zero.optimizer = _adam(zero.fp32_partitioned_groups_flat)
+    return zero
+
+
+@pytest.mark.parametrize("n, per_param", [
+    # 2 ranks: the step's 20 / 2 + 4 / 2 = 12 B/param beats forward's 20 / 2 + 4 x 921,344 / 3,084,032 = 11.195
+    # (11.19: what bench/parallel.py measured on 2026-12-01, when the probe read the forward state only)
+    (2, 12.0),
+    # 8 ranks: the step holds 24 / 8 = 3; forward keeps the persistent tensors whole: 20 / 8 + 1.19499 = 3.69499
+    (8, 20 / 8 + 4 * 921_344 / 3_084_032),
+])
+def test_the_bench_models_zero3_state_by_hand_in_the_plan_and_the_probe(n, per_param):
     # bench/parallel.py's 4-layer Llama (hidden 256, 8/4 heads, MLP 704, vocab 259, untied): every tensor of
     # at most 100,000 elements stays whole under ZeRO-3: per layer q, o 256 x 256 = 65,536, k, v 256 x 128 =
-    # 32,768, two norms 256; embedding and LM head 259 x 256 = 66,304 each; final norm 256. The MLP
-    # matrices (256 x 704 = 180,224) are partitioned.
-    from transformers import LlamaConfig
+    # 32,768, two norms 256; embedding and LM head 259 x 256 = 66,304 each; final norm 256: 921,344 of the
+    # 3,084,032 parameters. The MLP matrices (256 x 704 = 180,224) are partitioned.
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from mlflow_llmeff.planning.plan import persistent_param_count
 
     cfg = LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
                       intermediate_size=704, vocab_size=259, max_position_embeddings=512)
-    total = 4 * (2 * 65_536 + 2 * 32_768 + 3 * 180_224 + 2 * 256) + 2 * 66_304 + 256
-    persistent = 4 * (2 * 65_536 + 2 * 32_768 + 2 * 256) + 2 * 66_304 + 256
-    assert (total, persistent) == (3_084_032, 921_344) and persistent_param_count(cfg) == persistent
-    w, g, o = planned_state(total, "deepspeed_zero3", 2, precision="fp32", persistent_params=persistent)
-    # forward and backward, fp32 over 2 ranks: 20 / 2 + 4 x 921,344 / 3,084,032 = 11.195 B/param, what
-    # bench/parallel.py measured on 2026-12-01 (11.19) when the probe read that state; the step holds
-    # 20 / 2 + 4 / 2 = 12, the larger, which the plan gives and the probe now reads
-    assert 10 + 4 * persistent / total == pytest.approx(11.19, rel=1e-3)
-    assert (w + g + o) / total == 12.0
+    assert persistent_param_count(cfg) == 921_344
+    planned = planned_state(3_084_032, "deepspeed_zero3", n, precision="fp32", persistent_params=921_344)
+    assert sum(planned) / 3_084_032 == pytest.approx(per_param, rel=1e-12)
+    model = LlamaForCausalLM(cfg)
+    nbytes, nparams = measured_state(model, _Wrapped(_zero3_engine(model, n)))
+    assert nparams == 3_084_032 and nbytes / nparams == pytest.approx(per_param, rel=1e-12)

@@ -12,7 +12,7 @@ synchronized instant.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 
@@ -28,6 +28,10 @@ class Counts:
         samples: sequences.
         sum_len_sq: sum over sequences of (non-padding length)^2, for the effective sequence length
             ``sum(l^2) / sum(l)`` that the FLOPs formula uses.
+        padded_unknown, loss_unknown, samples_unknown, lengths_unknown: micro-batches counted without
+            their padded positions, loss-bearing tokens, sequences or sequence lengths (counts passed
+            as numbers without them). Above 0, that figure of these counts is unknown: the figures
+            built on it are absent, never made of the others' defaults.
     """
 
     steps: int = 0
@@ -36,19 +40,22 @@ class Counts:
     loss_tokens: int = 0
     samples: int = 0
     sum_len_sq: int = 0
+    padded_unknown: int = 0
+    loss_unknown: int = 0
+    samples_unknown: int = 0
+    lengths_unknown: int = 0
 
     def __iadd__(self, other: "Counts") -> "Counts":
-        self.steps += other.steps
-        self.tokens += other.tokens
-        self.padded_tokens += other.padded_tokens
-        self.loss_tokens += other.loss_tokens
-        self.samples += other.samples
-        self.sum_len_sq += other.sum_len_sq
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
 
     @property
-    def effective_seq_len(self) -> float:
-        """``sum(l_i^2) / sum(l_i)``; 0.0 when no tokens were seen."""
+    def effective_seq_len(self) -> float | None:
+        """``sum(l_i^2) / sum(l_i)``, tokens; 0.0 when no tokens were seen, None when some micro-batch's
+        sequence lengths are unknown (``lengths_unknown``)."""
+        if self.lengths_unknown:
+            return None
         return self.sum_len_sq / self.tokens if self.tokens else 0.0
 
 
@@ -71,8 +78,9 @@ class Rates:
         return self.counts.tokens / self.elapsed_s
 
     @property
-    def samples_per_sec(self) -> float:
-        return self.counts.samples / self.elapsed_s
+    def samples_per_sec(self) -> float | None:
+        """Sequences per second; None when some micro-batch's sequences are unknown (``samples_unknown``)."""
+        return None if self.counts.samples_unknown else self.counts.samples / self.elapsed_s
 
     @property
     def device_tokens_per_sec(self) -> float:
@@ -82,24 +90,31 @@ class Rates:
     def step_time_s(self) -> float:
         return self.elapsed_s / self.counts.steps
 
-    def device_tflops_per_sec(self, flops_per_token: Callable[[float], float]) -> float:
-        """Achieved model TFLOP/s per device, given FLOPs/token as a function of effective seq len."""
-        return self.tokens_per_sec * flops_per_token(self.counts.effective_seq_len) / self.num_devices / 1e12
+    def device_tflops_per_sec(self, flops_per_token: Callable[[float], float]) -> float | None:
+        """Achieved model TFLOP/s per device, given FLOPs/token as a function of effective seq len; None
+        when the sequence lengths are unknown (attention FLOPs grow with them)."""
+        s = self.counts.effective_seq_len
+        if s is None:
+            return None
+        return self.tokens_per_sec * flops_per_token(s) / self.num_devices / 1e12
 
     def interval_metrics(self, flops_per_token: Callable[[float], float] | None = None,
                          peak_tflops: float | None = None, hfu_ratio: float | None = None) -> dict[str, float]:
         """The interval's ``train/step_time_s`` and ``throughput/*`` metrics, keyed as in names.py.
 
-        Achieved TFLOP/s needs ``flops_per_token`` (and tokens); MFU also needs ``peak_tflops``
-        (never clipped); HFU is MFU x ``hfu_ratio`` (hardware FLOPs per model FLOP,
-        :func:`mlflow_llmeff.calc.flops.hardware_model_ratio` or a counted step).
+        Achieved TFLOP/s needs ``flops_per_token`` (and tokens, and their sequence lengths); MFU also
+        needs ``peak_tflops`` (never clipped); HFU is MFU x ``hfu_ratio`` (hardware FLOPs per model FLOP,
+        :func:`mlflow_llmeff.calc.flops.hardware_model_ratio` or a counted step). Samples/s is left out
+        when the sequences are unknown, the FLOPs figures when their lengths are.
         """
         from mlflow_llmeff import names
         from mlflow_llmeff.calc.flops import utilization
 
         m = {names.TRAIN_STEP_TIME_S: self.step_time_s, names.TPUT_TOKENS: self.tokens_per_sec,
-             names.TPUT_SAMPLES: self.samples_per_sec, names.TPUT_DEVICE_TOKENS: self.device_tokens_per_sec}
-        if flops_per_token is not None and self.counts.tokens > 0:
+             names.TPUT_DEVICE_TOKENS: self.device_tokens_per_sec}
+        if self.samples_per_sec is not None:
+            m[names.TPUT_SAMPLES] = self.samples_per_sec
+        if flops_per_token is not None and self.counts.tokens > 0 and self.counts.effective_seq_len is not None:
             tflops = self.device_tflops_per_sec(flops_per_token)
             m[names.TPUT_DEVICE_TFLOPS] = tflops
             mfu = utilization(tflops, peak_tflops)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["HostCpu", "parse_proc_stat", "read_host_cpu", "own_tree_cpu_s", "own_tree_pids", "own_tree", "host_fractions",
            "process_cpu_snapshot", "top_others", "DeviceSample", "read_device", "GpuConditions", "throttle_names",
-           "host_text", "gpu_text", "gpu_contended", "CONTENDED_CPU_FRACTION", "CONTENDED_STEAL_FRACTION", "THROTTLE_REASONS",
+           "host_text", "gpu_text", "throttle_text", "larger_memory", "gpu_contended", "CONTENDED_CPU_FRACTION", "CONTENDED_STEAL_FRACTION", "THROTTLE_REASONS",
            "BENIGN_THROTTLE"]
 
 #: A window is ``contended`` when other processes used more than this share of the host's CPU time.
@@ -211,11 +211,12 @@ class DeviceSample:
     Attributes:
         uuid: NVML UUID.
         sm_clock_mhz, max_sm_clock_mhz: current and maximum SM clock (None when unreadable).
-        throttle: clocks-event reason bits (0 when unreadable).
+        throttle: clocks-event reason bits; None when NVML cannot read them (never 0, which says "no
+            reason set").
         temperature_c: GPU temperature.
         power_limit_w: enforced power limit.
         other_pids: compute processes on the device that are not ours, with their device memory
-            bytes; None when NVML cannot list them.
+            bytes (None where NVML does not give it); None when NVML cannot list them.
         pids_visible: False when NVML lists processes but none of ours although we use the device
             (a container's PID namespace: NVML reports host pids, so none can be told apart).
     """
@@ -223,10 +224,10 @@ class DeviceSample:
     uuid: str
     sm_clock_mhz: float | None
     max_sm_clock_mhz: float | None
-    throttle: int
+    throttle: int | None
     temperature_c: float | None
     power_limit_w: float | None
-    other_pids: dict[int, int] | None
+    other_pids: dict[int, int | None] | None
     pids_visible: bool = True
 
 
@@ -235,6 +236,18 @@ def _try(fn: Callable[[], Any]) -> Any:
         return fn()
     except Exception:  # noqa: BLE001 - NVMLError (Not Supported, ...) leaves the field unknown
         return None
+
+
+def _memory(proc: Any) -> int | None:
+    """A process's device memory in bytes, None where NVML does not give it (``usedGpuMemory`` None:
+    NVML_VALUE_NOT_AVAILABLE), never 0 bytes for unknown."""
+    mem = getattr(proc, "usedGpuMemory", None)
+    return int(mem) if mem is not None else None
+
+
+def larger_memory(a: int | None, b: int | None) -> int | None:
+    """The larger of two device-memory readings (bytes), a known one over an unknown (None) one."""
+    return b if a is None else a if b is None else max(a, b)
 
 
 def read_device(nvml: Any, uuid: str, handle: Any, own_pids: Iterable[int]) -> DeviceSample:
@@ -246,7 +259,7 @@ def read_device(nvml: Any, uuid: str, handle: Any, own_pids: Iterable[int]) -> D
     ours = set(own_pids)
     others, visible = None, True
     if procs is not None:
-        pids = {int(p.pid): int(getattr(p, "usedGpuMemory", 0) or 0) for p in procs}
+        pids = {int(p.pid): _memory(p) for p in procs}
         others = {pid: mem for pid, mem in pids.items() if pid not in ours}
         visible = not pids or bool(ours & set(pids))
         if not visible:  # none of ours among them: pids from another namespace, not comparable
@@ -256,10 +269,16 @@ def read_device(nvml: Any, uuid: str, handle: Any, own_pids: Iterable[int]) -> D
         uuid=uuid,
         sm_clock_mhz=_try(lambda: float(nvml.nvmlDeviceGetClockInfo(handle, sm_kind))),
         max_sm_clock_mhz=_try(lambda: float(nvml.nvmlDeviceGetMaxClockInfo(handle, sm_kind))),
-        throttle=int(_try(lambda: reasons_fn(handle)) or 0) if reasons_fn else 0,
+        throttle=_reasons(reasons_fn, handle),
         temperature_c=_try(lambda: float(nvml.nvmlDeviceGetTemperature(handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0)))),
         power_limit_w=limit / 1000.0 if limit is not None else None,  # mW -> W at the boundary
         other_pids=others, pids_visible=visible)
+
+
+def _reasons(reasons_fn: Callable[[Any], Any] | None, handle: Any) -> int | None:
+    """The clocks-event reason bits of a device, or None where NVML has no such call or it fails."""
+    bits = _try(lambda: reasons_fn(handle)) if reasons_fn else None
+    return int(bits) if bits is not None else None
 
 
 def throttle_names(bits: int, *, include_benign: bool = False) -> list[str]:
@@ -269,9 +288,12 @@ def throttle_names(bits: int, *, include_benign: bool = False) -> list[str]:
 
 
 def _empty() -> dict:
-    """An aggregate of no samples: the keys :func:`_fold` fills."""
+    """An aggregate of no samples: the keys :func:`_fold` fills. ``throttle_read`` / ``throttle_unread``:
+    the devices (UUIDs) whose clocks-event reasons were read / could not be read in some sample;
+    ``procs_unread``: the devices whose compute processes NVML could not list."""
     return {"samples": 0, "min_clock_frac": None, "min_clock_mhz": None, "max_temp_c": None,
-            "min_power_limit_w": None, "throttle": 0, "others": {}, "pids_visible": True}
+            "min_power_limit_w": None, "throttle": 0, "others": {}, "pids_visible": True,
+            "throttle_read": set(), "throttle_unread": set(), "procs_unread": set()}
 
 
 @dataclass
@@ -334,7 +356,9 @@ class GpuConditions:
     def window(self) -> dict | None:
         """The aggregate since :meth:`begin` (None before)."""
         with self._lock:
-            return None if self._window is None else dict(self._window, others=dict(self._window["others"]))
+            w = self._window
+            return None if w is None else dict(w, others=dict(w["others"]), **{
+                k: set(w[k]) for k in ("throttle_read", "throttle_unread", "procs_unread")})
 
     def close(self) -> None:
         self._stop.set()
@@ -354,10 +378,16 @@ def _fold(agg: dict, s: DeviceSample) -> None:
     if s.power_limit_w is not None:
         agg["min_power_limit_w"] = (s.power_limit_w if agg["min_power_limit_w"] is None
                                     else min(agg["min_power_limit_w"], s.power_limit_w))
-    agg["throttle"] |= s.throttle
+    if s.throttle is None:  # unread, not "no reason": a slowdown there is unknown
+        agg["throttle_unread"].add(s.uuid)
+    else:
+        agg["throttle"] |= s.throttle
+        agg["throttle_read"].add(s.uuid)
     if s.other_pids:
         for pid, mem in s.other_pids.items():
-            agg["others"][pid] = max(mem, agg["others"].get(pid, 0))
+            agg["others"][pid] = larger_memory(mem, agg["others"].get(pid))
+    elif s.other_pids is None and s.pids_visible:
+        agg["procs_unread"].add(s.uuid)
     agg["pids_visible"] = agg["pids_visible"] and s.pids_visible
 
 
@@ -367,14 +397,16 @@ def gpu_text(window: dict) -> str:
     parts = []
     others = window.get("others") or {}
     if others:
-        listed = ", ".join(f"pid {pid}, {mem / 2**30:.1f} GiB" for pid, mem in sorted(others.items())[:3])
+        listed = ", ".join(f"pid {pid}, {mem / 2**30:.1f} GiB" if mem is not None else f"pid {pid}, memory unknown"
+                           for pid, mem in sorted(others.items())[:3])
         parts.append(f"{len(others)} other process{'es' if len(others) > 1 else ''} ({listed})")
     elif not window.get("pids_visible", True):
         parts.append("other processes unknown (NVML pids are from another PID namespace)")
+    elif window.get("procs_unread"):
+        parts.append(f"other processes unknown (NVML could not list them on {_devices(window['procs_unread'])})")
     else:
         parts.append("no other process")
-    slow = throttle_names(window.get("throttle", 0))
-    parts.append("throttle: " + (", ".join(slow) if slow else "none"))
+    parts.append(throttle_text(window))
     if window.get("min_clock_mhz") is not None:
         frac = window.get("min_clock_frac")
         parts.append(f"SM clock >= {window['min_clock_mhz']:.0f} MHz" + (f" ({frac:.0%} of max)" if frac else ""))
@@ -383,6 +415,25 @@ def gpu_text(window: dict) -> str:
     if window.get("min_power_limit_w") is not None:
         parts.append(f"power limit {window['min_power_limit_w']:.0f} W")
     return "GPU: " + "; ".join(parts)
+
+
+def _devices(uuids) -> str:
+    return ", ".join(sorted(uuids))
+
+
+def throttle_text(window: dict) -> str:
+    """The slowdown reasons of an aggregate, saying which devices' reasons NVML could not read:
+    ``throttle: sw_thermal_slowdown``, ``throttle: none``, ``throttle: unknown (NVML could not read the
+    clocks-event reasons of GPU-b)`` or, mixed, ``throttle: none on GPU-a; unknown on GPU-b (...)``."""
+    slow = throttle_names(window.get("throttle", 0))
+    read, unread = set(window.get("throttle_read", ())), set(window.get("throttle_unread", ()))
+    seen = ", ".join(slow) if slow else "none"
+    why = f"NVML could not read the clocks-event reasons of {_devices(unread)}"
+    if not unread:
+        return f"throttle: {seen}"
+    if not read:
+        return f"throttle: unknown ({why})"
+    return f"throttle: {seen} on {_devices(read)}; unknown on the others ({why})"
 
 
 def gpu_contended(window: dict) -> bool:

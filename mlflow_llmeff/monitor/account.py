@@ -15,6 +15,7 @@ from mlflow_llmeff.calc import flops as fl
 from mlflow_llmeff.meters import hardware as hw
 from mlflow_llmeff.meters.flopcount import resolve
 from mlflow_llmeff.monitor.conditions import FLOPS_FORMULA_NOTE, recompute_plan
+from mlflow_llmeff.monitor.counting import UNKNOWN_WHY
 
 __all__ = ["FlopsAccount"]
 
@@ -160,14 +161,15 @@ class FlopsAccount:
     def interval_metrics(self, rates) -> dict[str, float]:
         """The ``throughput/*`` figures of one window (:meth:`~mlflow_llmeff.calc.throughput.Rates.interval_metrics`)."""
         fpt = self.fpt if self.shape is not None else None
-        return rates.interval_metrics(fpt, self.peak_tflops, self.ratio(rates.counts.effective_seq_len))
+        s_eff = rates.counts.effective_seq_len  # None: lengths unknown, no FLOPs figure
+        return rates.interval_metrics(fpt, self.peak_tflops, self.ratio(s_eff) if s_eff is not None else None)
 
     def summary_figures(self, rates) -> tuple[dict[str, float], float | None]:
         """The run's ``summary/device_tflops_per_sec``, MFU (megatron, palm), MFU against the device's
         BF16 peak (``summary/mfu_bf16_peak``, where the table has one), HFU and MFU against the
         measured peak from the steady-state ``rates``, with the TFLOP/s per device (None: unknown)."""
         out: dict[str, float] = {}
-        if self.shape is None or rates.counts.tokens <= 0:
+        if self.shape is None or rates.counts.tokens <= 0 or rates.counts.effective_seq_len is None:
             return out, None
         tflops = rates.device_tflops_per_sec(self.fpt)
         out[names.SUM_DEVICE_TFLOPS] = tflops
@@ -185,17 +187,22 @@ class FlopsAccount:
             out[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(tflops, self.measured_peak)
         return out, tflops
 
-    def absent_figures(self, out: dict[str, float]) -> dict[str, str]:
+    def absent_figures(self, out: dict[str, float], rates=None) -> dict[str, str]:
         """Why each FLOPs figure :meth:`summary_figures` left out of ``out`` is undefined for this run
-        (``llmeff.summary.absent``): no FLOPs per token, no dense peak for the device (MFU, its palm
-        twin and HFU; a trial found HFU gone with no word of why), no hardware-to-model ratio, no
-        measured peak. Only the figures that follow a steady rate: call it when there was one."""
+        (``llmeff.summary.absent``): no FLOPs per token, sequence lengths of the steady ``rates``
+        unknown (every FLOPs figure), no dense peak for the device (MFU, its palm twin and HFU; a
+        trial found HFU gone with no word of why), no hardware-to-model ratio, no measured peak.
+        Only the figures that follow a steady rate: call it when there was one."""
         why: dict[str, str] = {}
+        flops_keys = (names.SUM_DEVICE_TFLOPS, names.SUM_MFU, names.SUM_MFU_PALM, names.SUM_HFU,
+                      names.SUM_MFU_MEASURED_PEAK)
         if self.shape is None:
-            for key in (names.SUM_DEVICE_TFLOPS, names.SUM_MFU, names.SUM_MFU_PALM, names.SUM_HFU,
-                        names.SUM_MFU_MEASURED_PEAK):
+            for key in flops_keys:
                 why[key] = f"no FLOPs per token ({self.fpt_note.removeprefix('unknown: ')})"
             return why
+        if rates is not None and rates.counts.effective_seq_len is None:
+            extra = (names.SUM_MFU_BF16_PEAK,) if self.bf16_peak_tflops is not None else ()
+            return dict.fromkeys(flops_keys + extra, UNKNOWN_WHY["lengths"])
         if names.SUM_MFU not in out:
             no_peak = (f"no dense datasheet peak for this device and precision (llmeff.peak.source: "
                        f"{self.peak_source or 'unknown'})")

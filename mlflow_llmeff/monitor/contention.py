@@ -23,6 +23,17 @@ from mlflow_llmeff.meters import contention as ct
 
 #: Seconds between scans for our process tree's members (DataLoader workers, compile workers).
 TREE_REFRESH_S = 10.0
+#: Why ``system/device/throttled`` is absent from an interval (``llmeff.interval.absent``): no slowdown
+#: was read, and some device's reasons could not be (a 0 would say "not throttled"; ``llmeff.contention``
+#: names the devices).
+THROTTLE_UNKNOWN = ("NVML could not read some device's clocks-event reasons and none it read was a slowdown "
+                    "(llmeff.contention names the devices)")
+#: Why the host's other share is absent: psutil could not read the CPU time of this run's processes, so the
+#: busy time that is not theirs is unknown (taking it as 0 s would call the run's own CPU time others').
+OWN_UNKNOWN = "the CPU time of the run's own processes could not be read (psutil)"
+#: Why ``system/device/other_processes`` is absent: none seen, and some device's processes could not be listed.
+OTHERS_UNKNOWN = ("NVML could not list some device's processes (or listed pids of another PID namespace) and "
+                  "none it listed was another's (llmeff.contention names the devices)")
 
 __all__ = ["ContentionMeter"]
 
@@ -60,6 +71,7 @@ class ContentionMeter:
         self._gpu: ct.GpuConditions | None = None
         self.gpu_why: str | None = None
         self.absent_why: str | None = None  # why the host shares are absent (llmeff.summary.absent)
+        self.interval_why: dict[str, str] = {}  # system/* keys the last interval left out, and why
         if nvml is not None or (device is not None and getattr(device, "type", None) == "cuda"):
             self._gpu = self._open_gpu(device, env, nvml, gpu_devices, gpu_period_s)
 
@@ -85,8 +97,9 @@ class ContentionMeter:
     def _host_reading(self) -> ct.HostCpu | None:
         return ct.read_host_cpu(self._proc_stat) if self._lr0 else None
 
-    def _own_s(self, fresh: bool = False) -> float:
-        """CPU seconds of our process tree. The tree itself (a scan of every process on the host,
+    def _own_s(self, fresh: bool = False) -> float | None:
+        """CPU seconds of our process tree (None when psutil cannot read it: the host's other share is
+        then unknown, not all of the busy time). The tree itself (a scan of every process on the host,
         ~7 ms on a busy one: a third of a small model's step) is found again at most every
         :data:`TREE_REFRESH_S` and at the window's start and end (``fresh``); in between, the known
         processes are read. A worker started meanwhile joins at the next scan with all its CPU
@@ -97,7 +110,7 @@ class ContentionMeter:
                 self._procs, self._tree_at = ct.own_tree(self._pid), now
             return ct.own_tree_cpu_s(procs=self._procs)
         except Exception:  # noqa: BLE001
-            return 0.0
+            return None
 
     def _pids(self) -> list[int]:
         try:
@@ -129,24 +142,29 @@ class ContentionMeter:
         if not self._begun:
             return {}
         host, own = self._host_reading(), self._own_s()
-        d_own = own - self._last_own
+        own_unknown = own is None or self._last_own is None
+        d_own = 0.0 if own_unknown else own - self._last_own
         h0 = self._last_host
         self._last_host, self._last_own = host, own
         d = [host.busy - h0.busy, host.total - h0.total, host.steal - h0.steal] if host and h0 else [0, 0, 0]
         gpu = self._gpu_interval()
-        local = [d_own, *map(float, d), gpu[0], gpu[1], gpu[2], gpu[3], gpu[4], gpu[5]]
+        local = [d_own, *map(float, d), *gpu, float(own_unknown)]
         if collective:
             sums = collectives.all_reduce(local[:4])
             maxes = collectives.all_reduce(local[4:], op="max")
             local = sums + maxes
         out: dict[str, float] = {}
         d_own, busy, total, steal = local[:4]
+        self.interval_why = {}
         if total > 0:
             hz = float(os.sysconf("SC_CLK_TCK"))
-            out[names.SYS_HOST_OTHER_CPU] = min(1.0, max(0.0, (busy - d_own * hz) / total))
             out[names.SYS_HOST_STEAL] = min(1.0, max(0.0, steal / total))
+            if local[-1]:  # some rank's own CPU time unread: the rest of the busy time is not all others'
+                self.interval_why[names.SYS_HOST_OTHER_CPU] = OWN_UNKNOWN
+            else:
+                out[names.SYS_HOST_OTHER_CPU] = min(1.0, max(0.0, (busy - d_own * hz) / total))
         if self._gpu is not None or collective:
-            samples, neg_clock, neg_frac, temp, others, throttled = local[4:]
+            samples, neg_clock, neg_frac, temp, others, throttled, others_unknown, throttle_unknown = local[4:-1]
             if samples > 0:
                 if neg_clock > -1e17:
                     out[names.SYS_DEV_SM_CLOCK] = -neg_clock
@@ -154,25 +172,35 @@ class ContentionMeter:
                     out[names.SYS_DEV_SM_CLOCK_FRAC] = -neg_frac
                 if temp > -1e17:
                     out[names.SYS_DEV_TEMP] = temp
-                out[names.SYS_DEV_OTHER_PROCS] = others
-                out[names.SYS_DEV_THROTTLED] = throttled
+                # a count or a 0 is only what NVML could read: an unread device may hold the rest
+                if others or not others_unknown:
+                    out[names.SYS_DEV_OTHER_PROCS] = others
+                else:
+                    self.interval_why[names.SYS_DEV_OTHER_PROCS] = OTHERS_UNKNOWN
+                if throttled or not throttle_unknown:
+                    out[names.SYS_DEV_THROTTLED] = throttled
+                else:
+                    self.interval_why[names.SYS_DEV_THROTTLED] = THROTTLE_UNKNOWN
         return out
 
     def _gpu_interval(self) -> list[float]:
-        """``[samples, -min clock, -min clock fraction, max temperature, other processes, throttled]``
-        (negated minima so that one max-reduction serves all; -1e18 = unknown)."""
+        """``[samples, -min clock, -min clock fraction, max temperature, other processes, throttled,
+        other processes unknown, throttle unknown]`` (negated minima so that one max-reduction serves
+        all; -1e18 = unknown; the last two 1 when some device's processes / clocks-event reasons
+        could not be read)."""
         none = -1e18
         if self._gpu is None:
-            return [0.0, none, none, none, 0.0, 0.0]
+            return [0.0, none, none, none, 0.0, 0.0, 0.0, 0.0]
         try:
             self._gpu.sample()
             a = self._gpu.take_interval()
         except Exception:  # noqa: BLE001
-            return [0.0, none, none, none, 0.0, 0.0]
+            return [0.0, none, none, none, 0.0, 0.0, 0.0, 0.0]
         return [float(a["samples"]), -a["min_clock_mhz"] if a["min_clock_mhz"] is not None else none,
                 -a["min_clock_frac"] if a["min_clock_frac"] is not None else none,
                 a["max_temp_c"] if a["max_temp_c"] is not None else none, float(len(a["others"])),
-                1.0 if a["throttle"] & ~ct.BENIGN_THROTTLE else 0.0]
+                1.0 if a["throttle"] & ~ct.BENIGN_THROTTLE else 0.0,
+                1.0 if a["procs_unread"] or not a["pids_visible"] else 0.0, 1.0 if a["throttle_unread"] else 0.0]
 
     # ------------------------------------------------------------------------------ the end
     def finish(self, collective: bool = True) -> tuple[dict[str, float], dict[str, str]]:
@@ -184,7 +212,9 @@ class ContentionMeter:
 
         if not self._begun:
             return {}, {names.CONTENTION: "unknown: no steady-state window (all steps were warm-up)"}
-        rec = {"host": self._host, "lr0": self._lr0, "own_s": self._own_s(fresh=True) - self._own0,
+        own = self._own_s(fresh=True)
+        rec = {"host": self._host, "lr0": self._lr0,
+               "own_s": own - self._own0 if own is not None and self._own0 is not None else None,
                "pids": self._pids(), "window_s": self._clock() - self._t0}
         if self._lr0:
             rec["h0"], rec["h1"] = self._host0, self._host_reading()
@@ -216,14 +246,22 @@ class ContentionMeter:
             if lead is None:
                 texts.append(f"{host}: host CPU not read (/proc/stat unreadable)")
                 continue
-            own = sum(r["own_s"] for r in rs)
             ticks = lead["h1"].total - lead["h0"].total
+            if ticks >= ct.MIN_WINDOW_TICKS and any(r["own_s"] is None for r in rs):  # others' busy time unknown
+                steal = ct.host_fractions(lead["h0"], lead["h1"], 0.0)[1]
+                texts.append(f"{host + ': ' if len(hosts) > 1 else ''}other processes' share of host CPU not "
+                             f"measured: {OWN_UNKNOWN}; steal {steal:.1%}")
+                self.absent_why = OWN_UNKNOWN
+                steal_max = steal if steal_max is None else max(steal_max, steal)
+                contended |= steal > ct.CONTENDED_STEAL_FRACTION
+                continue
             if ticks < ct.MIN_WINDOW_TICKS:  # a share of a few ticks (or none): no 1% resolution
                 why = (f"{ticks} CPU ticks in the steady window (a host share needs at least "
                        f"{ct.MIN_WINDOW_TICKS}, 1% resolution)")
                 texts.append(f"{host + ': ' if len(hosts) > 1 else ''}host CPU share not measured: {why}")
                 self.absent_why = why
                 continue
+            own = sum(r["own_s"] for r in rs)
             other, steal = ct.host_fractions(lead["h0"], lead["h1"], own)  # ticks > 0 here: never None
             ours = {p for r in rs for p in r["pids"]} | self._pids0
             cpus = os.cpu_count() or 1
@@ -245,6 +283,7 @@ class ContentionMeter:
         summary = {}
         if other_max is not None:
             summary[names.SUM_HOST_OTHER_CPU] = other_max
+        if steal_max is not None:
             summary[names.SUM_HOST_STEAL] = steal_max
         word = "contended" if contended else ("quiet" if other_max is not None or gpus else "unknown")
         return summary, {names.CONTENTION: f"{word}: " + "; ".join(texts)}
@@ -260,14 +299,16 @@ def _merge_gpu(windows: list[dict]) -> dict:
         vals = [w[key] for w in windows if w.get(key) is not None]
         return fn(vals) if vals else None
 
-    others: dict[int, int] = {}
+    others: dict[int, int | None] = {}
     for w in windows:
         for pid, mem in (w.get("others") or {}).items():
-            others[pid] = max(mem, others.get(pid, 0))
+            others[pid] = ct.larger_memory(mem, others.get(pid))
     throttle = 0
     for w in windows:
         throttle |= int(w.get("throttle", 0))
+    union = {k: set().union(*(w.get(k, ()) for w in windows)) for k in ("throttle_read", "throttle_unread",
+                                                                        "procs_unread")}
     return {"samples": sum(w.get("samples", 0) for w in windows), "min_clock_mhz": pick("min_clock_mhz", min),
             "min_clock_frac": pick("min_clock_frac", min), "max_temp_c": pick("max_temp_c", max),
             "min_power_limit_w": pick("min_power_limit_w", min), "throttle": throttle, "others": others,
-            "pids_visible": all(w.get("pids_visible", True) for w in windows)}
+            "pids_visible": all(w.get("pids_visible", True) for w in windows), **union}

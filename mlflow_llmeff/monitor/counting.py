@@ -15,8 +15,31 @@ from mlflow_llmeff.calc.throughput import Counts
 _TOKENS, _LOSS, _SUM_LEN_SQ, _SAMPLES = range(4)
 
 #: The layout of the int64 counts tensor a ``reduce`` callable of :meth:`BatchCounter.take` and
-#: :meth:`StepTally.take` receives (and returns): one value per field, in this order.
-REDUCE_LAYOUT = ("tokens", "loss_tokens", "sum_len_sq", "padded_tokens", "samples")
+#: :meth:`StepTally.take` receives (and returns): one value per field, in this order. The last four
+#: count the micro-batches whose field was not given (:class:`~mlflow_llmeff.calc.throughput.Counts`).
+REDUCE_LAYOUT = ("tokens", "loss_tokens", "sum_len_sq", "padded_tokens", "samples",
+                 "padded_unknown", "loss_unknown", "samples_unknown", "lengths_unknown")
+
+#: Why each field of :class:`~mlflow_llmeff.calc.throughput.Counts` can be unknown: counts passed as
+#: numbers (``EfficiencyMonitor.count(tokens=...)``) without it, or a flat ``(N,)`` batch, which has no
+#: rows (:class:`BatchCounter`). A ``(B, T)`` batch gives all of them.
+UNKNOWN_WHY = {
+    "padded": "padded positions unknown (a micro-batch counted as tokens= without padded_tokens=)",
+    "loss": ("loss-bearing tokens unknown (a micro-batch counted as tokens= without loss_tokens= or samples=, "
+             "or a flat (N,) batch without labels)"),
+    "samples": ("sequences unknown (a micro-batch counted as tokens= without samples=, or a flat (N,) batch "
+                "without position_ids, cu_seqlens or seq_idx)"),
+    "lengths": ("sequence lengths unknown (a micro-batch counted as tokens= without samples= or sum_len_sq=, or "
+                "a flat (N,) batch without position_ids, cu_seqlens or seq_idx): attention FLOPs grow with the "
+                "sequence length, and all of a micro-batch's tokens taken as one sequence would grow with the "
+                "micro-batch size"),
+}
+
+
+def counts_from(steps: int, v) -> Counts:
+    """:class:`~mlflow_llmeff.calc.throughput.Counts` of ``steps`` steps from values in :data:`REDUCE_LAYOUT` order."""
+    return Counts(steps=steps, **{name: int(x) for name, x in zip(REDUCE_LAYOUT, v)})
+
 
 #: Keys of a batch mapping (or a forward's keyword arguments) that :class:`StepTally` reads: the
 #: ids, the padding mask, the labels and the three ways collators mark packed documents.
@@ -68,7 +91,9 @@ class BatchCounter:
     A sequence is a row of the batch, or, in a packed batch, each document of a row (``docs/formulas.md``,
     "Variable-length and packed batches"): documents are read from ``cu_seqlens`` (cumulative
     lengths, flash-attention style), ``seq_idx`` (document index per token) or ``position_ids``
-    that restart at each document (transformers' ``DataCollatorWithFlattening``).
+    that restart at each document (transformers' ``DataCollatorWithFlattening``). A flat ``(N,)``
+    tensor without one of those three has no rows, so its sequences and their lengths are unknown
+    (counted as such, :data:`UNKNOWN_WHY`), never taken as one sequence of all ``N`` tokens.
 
     Args:
         device: torch device of the accumulator (the batches' device).
@@ -79,6 +104,7 @@ class BatchCounter:
 
         self._acc = torch.zeros(4, dtype=torch.int64, device=device)
         self._padded = 0
+        self._unknown = {"loss_unknown": 0, "samples_unknown": 0, "lengths_unknown": 0}  # flat micro-batches
 
     def add(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, cu_seqlens=None,
             seq_idx=None) -> None:
@@ -107,7 +133,8 @@ class BatchCounter:
         ref = attention_mask if attention_mask is not None else input_ids
         if ref is None:
             raise ValueError("BatchCounter.add needs input_ids or attention_mask")
-        if ref.dim() == 1:
+        flat = ref.dim() == 1  # a flat stream: no rows, so no sequence unless documents are marked
+        if flat:
             ref = ref.unsqueeze(0)
         b, t = ref.shape
         dev = self._acc.device
@@ -127,6 +154,11 @@ class BatchCounter:
                 starts[:, 1:] |= real[:, 1:] & ~real[:, :-1]
             sum_sq, docs = _segments_len_sq(starts, real)
             tokens = real.sum(dtype=torch.int64)
+        elif flat:  # sequences and their lengths unknown: neither is guessed
+            tokens = ref.sum(dtype=torch.int64) if real is not None else torch.tensor(t, device=dev)
+            sum_sq = torch.zeros((), dtype=torch.int64, device=dev)
+            self._unknown["samples_unknown"] += 1
+            self._unknown["lengths_unknown"] += 1
         elif attention_mask is not None:
             lens = ref.sum(dim=1, dtype=torch.int64)
             tokens = lens.sum()
@@ -139,11 +171,15 @@ class BatchCounter:
             loss = (lab[:, 1:] != -100).sum()
         elif docs is not None:
             loss = tokens - docs
+        elif flat:  # one token per sequence carries no loss: how many sequences is unknown
+            loss = torch.zeros((), dtype=torch.int64, device=dev)
+            self._unknown["loss_unknown"] += 1
         elif attention_mask is not None:
             loss = (lens - 1).clamp(min=0).sum()
         else:
             loss = torch.tensor(b * (t - 1), device=dev)
-        samples = docs if docs is not None else torch.tensor(b, device=dev)
+        samples = (docs if docs is not None else torch.zeros((), dtype=torch.int64, device=dev) if flat
+                   else torch.tensor(b, device=dev))
         self._acc += torch.stack([x.to(device=dev, dtype=torch.int64).reshape(())
                                   for x in (tokens, loss, sum_sq, samples)])
         self._padded += b * t
@@ -158,18 +194,21 @@ class BatchCounter:
         """
         import torch
 
-        # layout: tokens, loss tokens, sum of squared lengths, padded, samples
-        padded = torch.tensor([self._padded], dtype=torch.int64, device=self._acc.device)
-        local = torch.cat((self._acc[:3], padded, self._acc[3:]))
+        # REDUCE_LAYOUT: tokens, loss tokens, sum of squared lengths, padded, samples, then the unknowns
+        unknown = [self._unknown.get(name, 0) for name in REDUCE_LAYOUT[5:]]
+        rest = torch.tensor([self._padded, *unknown], dtype=torch.int64, device=self._acc.device)
+        local = torch.cat((self._acc[:3], rest[:1], self._acc[3:], rest[1:]))
         v = (reduce(local) if reduce is not None else local).tolist()
         self._acc.zero_()
         self._padded = 0
-        return Counts(steps=steps, tokens=v[_TOKENS], padded_tokens=v[3], loss_tokens=v[_LOSS],
-                      samples=v[4], sum_len_sq=v[_SUM_LEN_SQ])
+        self._unknown = dict.fromkeys(self._unknown, 0)
+        return counts_from(steps, v)
 
-    def peek_tokens(self) -> tuple[int, int]:
-        """(tokens, sum of squared lengths) counted locally since the last take (synchronizes)."""
-        return int(self._acc[_TOKENS]), int(self._acc[_SUM_LEN_SQ])
+    def peek_tokens(self) -> tuple[int, int | None]:
+        """(tokens, sum of squared lengths) counted locally since the last take (synchronizes); the sum
+        is None when some micro-batch's lengths are unknown."""
+        sq = None if self._unknown["lengths_unknown"] else int(self._acc[_SUM_LEN_SQ])
+        return int(self._acc[_TOKENS]), sq
 
 
 @dataclass(frozen=True)
@@ -217,7 +256,7 @@ class StepTally:
     off the tensor's shape (host ints, no synchronization).
     """
 
-    _FIELDS = ("tokens", "padded_tokens", "loss_tokens", "samples", "sum_len_sq")
+    _FIELDS = REDUCE_LAYOUT
 
     def __init__(self) -> None:
         self.counter: BatchCounter | None = None
@@ -323,14 +362,35 @@ class StepTally:
             self._varied = lo_t != hi_t or lo_b != hi_b
 
     def add_numbers(self, tokens, padded_tokens=None, loss_tokens=None, samples=None, sum_len_sq=None) -> None:
-        """Count a micro-batch given as numbers (defaults as in :meth:`EfficiencyMonitor.count`)."""
+        """Count a micro-batch given as numbers (defaults as in :meth:`EfficiencyMonitor.count`).
+
+        What is not given and cannot be derived is counted as unknown (:data:`UNKNOWN_WHY`), never as a
+        guess: padded positions without ``padded_tokens``; loss-bearing tokens without ``loss_tokens``
+        or ``samples`` (with ``samples``: ``tokens - samples``, the causal shift); sequences without
+        ``samples``; sequence lengths without ``sum_len_sq`` or ``samples`` (with ``samples`` alone:
+        equal lengths, ``sum(l^2) = tokens^2 / samples``).
+        """
+        h = dict(zip(self._FIELDS, self.host))
         t = int(tokens)
-        s = int(samples) if samples is not None else 0
-        self.host[0] += t
-        self.host[1] += int(padded_tokens) if padded_tokens is not None else t
-        self.host[2] += int(loss_tokens) if loss_tokens is not None else (t - s if s else t)
-        self.host[3] += s
-        self.host[4] += int(sum_len_sq) if sum_len_sq is not None else (t * t // s if s else t * t)
+        s = int(samples) if samples is not None else None
+        h["tokens"] += t
+        if padded_tokens is not None:
+            h["padded_tokens"] += int(padded_tokens)
+        else:
+            h["padded_unknown"] += 1
+        if loss_tokens is not None or s is not None:
+            h["loss_tokens"] += int(loss_tokens) if loss_tokens is not None else t - s
+        else:
+            h["loss_unknown"] += 1
+        if s is not None:
+            h["samples"] += s
+        else:
+            h["samples_unknown"] += 1
+        if sum_len_sq is not None or s:
+            h["sum_len_sq"] += int(sum_len_sq) if sum_len_sq is not None else t * t // s
+        else:
+            h["lengths_unknown"] += 1
+        self.host = [h[f] for f in self._FIELDS]
 
     def add_loss(self, loss) -> None:
         """Add one micro-batch's mean loss (a 0-d tensor is summed on its device, unsynchronized)."""
@@ -357,21 +417,16 @@ class StepTally:
         """Counts since the last take, summed over ranks by ``reduce`` (a tensor -> tensor sum), and reset."""
         import torch
 
-        host = list(self.host)
+        host = list(self.host)  # in REDUCE_LAYOUT order
         self.host = [0] * len(self._FIELDS)
         if self.counter is not None:
-            # REDUCE_LAYOUT: tokens, loss tokens, sum of squared lengths, padded, samples
-            in_layout = [host[0], host[2], host[4], host[1], host[3]]
-
             def with_host(t):
-                t = t + torch.tensor(in_layout, dtype=torch.int64, device=t.device)
+                t = t + torch.tensor(host, dtype=torch.int64, device=t.device)
                 return reduce(t) if reduce is not None else t
 
             return self.counter.take(steps, reduce=with_host)
-        # host order: tokens, padded, loss, samples, sum_len_sq -> REDUCE_LAYOUT
-        t = torch.tensor([host[0], host[2], host[4], host[1], host[3]], dtype=torch.int64)
-        v = [int(x) for x in (reduce(t) if reduce is not None else t).tolist()]
-        return Counts(steps=steps, tokens=v[0], padded_tokens=v[3], loss_tokens=v[1], samples=v[4], sum_len_sq=v[2])
+        t = torch.tensor(host, dtype=torch.int64)
+        return counts_from(steps, (reduce(t) if reduce is not None else t).tolist())
 
     def peek_loss(self) -> tuple[float, int]:
         """This rank's (sum, count) of losses since the last take, without resetting (synchronizes)."""
@@ -390,7 +445,9 @@ class StepTally:
         self.loss_host = [0.0, 0]
         return s, n
 
-    def peek_tokens(self) -> tuple[int, int]:
-        """(tokens, sum of squared lengths) counted on this rank since the last take (synchronizes)."""
+    def peek_tokens(self) -> tuple[int, int | None]:
+        """(tokens, sum of squared lengths) counted on this rank since the last take (synchronizes); the
+        sum is None when some micro-batch's lengths are unknown."""
+        h = dict(zip(self._FIELDS, self.host))
         t, sq = (self.counter.peek_tokens() if self.counter is not None else (0, 0))
-        return t + self.host[0], sq + self.host[4]
+        return t + h["tokens"], None if h["lengths_unknown"] or sq is None else sq + h["sum_len_sq"]

@@ -298,12 +298,16 @@ class EfficiencyMonitor:
                 and ``labels`` ``(B, T)`` (-100 = no loss), or a ``(B, T)`` tensor of token ids.
                 Counted on the device, without synchronizing.
             tokens: non-padding tokens of this micro-batch on this rank (instead of ``batch``).
-            padded_tokens: input positions including padding (default: ``tokens``).
-            loss_tokens: loss-bearing tokens (default: ``tokens - samples`` when ``samples`` is known,
-                else ``tokens``).
-            samples: sequences (default 0: ``throughput/samples_per_sec`` then reads 0).
+            padded_tokens: input positions including padding (not given: ``train/padded_tokens`` is
+                absent, ``llmeff.interval.absent`` says why).
+            loss_tokens: loss-bearing tokens (default: ``tokens - samples`` when ``samples`` is given;
+                neither: ``train/loss_tokens`` is absent).
+            samples: sequences (not given: ``throughput/samples_per_sec`` is absent, never 0).
             sum_len_sq: sum of squared sequence lengths (default: ``tokens^2 / samples``, i.e. equal
-                lengths); sets the effective sequence length of the attention FLOPs.
+                lengths); sets the effective sequence length of the attention FLOPs. With neither
+                this nor ``samples`` the lengths are unknown and TFLOP/s, MFU and HFU are absent
+                (``llmeff.interval.absent``, ``llmeff.summary.absent``), never computed as one
+                sequence of all the tokens.
             loss: this micro-batch's mean loss (float or 0-d tensor; not synchronized).
         """
         if self._off:
@@ -461,7 +465,10 @@ class EfficiencyMonitor:
         with modules_that_run() as rows, counter:
             yield
         try:
-            tokens, sq = (a - b for a, b in zip(self._tally.peek_tokens(), before))
+            after = self._tally.peek_tokens()
+            if after[1] is None or before[1] is None:  # sequence lengths unknown: no model FLOPs to divide by
+                return
+            tokens, sq = (a - b for a, b in zip(after, before))
             self._account.count_ratio(float(counter.get_total_flops()), tokens, sq * self._counting.slices,
                                       step=self.step_count + 1, device=self._device,
                                       model_parallel=self._model_parallel,

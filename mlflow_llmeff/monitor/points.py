@@ -21,8 +21,9 @@ from mlflow_llmeff.meters import collectives
 from mlflow_llmeff.meters import energy as en
 from mlflow_llmeff.meters.probes import peak_memory_gib
 from mlflow_llmeff.monitor.binding import write_heartbeat
+from mlflow_llmeff.monitor.counting import UNKNOWN_WHY
 
-__all__ = ["reduce_counts", "time_steps", "log_interval", "log_eval", "log_ttq", "refresh_consumption", "note_energy_head_gap",
+__all__ = ["reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "log_eval", "log_ttq", "refresh_consumption", "note_energy_head_gap",
            "memory", "note_nothing_counted", "warn_mfu"]
 
 log = logging.getLogger("mlflow_llmeff.monitor.meter")  # the monitor's own logger, as before the split
@@ -42,14 +43,14 @@ def reduce_counts(mon, t):
     rule = mon._counting
     r, k = rule.copies, rule.slices
     if r > 1 or k > 1:
-        if r > 1 and bool((t % r).any()) and not getattr(mon, "_replica_warned", False):
+        counts = t[:5]  # REDUCE_LAYOUT: tokens, loss tokens, sum(l^2), padded, samples; then the unknowns,
+        if r > 1 and bool((counts % r).any()) and not getattr(mon, "_replica_warned", False):  # kept as sums
             mon._replica_warned = True
             warnings.warn(f"mlflow_llmeff: token counts summed over ranks are not a multiple of the {r} ranks of "
                           "a model-parallel group: its ranks counted different batches", stacklevel=3)
-        # REDUCE_LAYOUT: tokens, loss tokens, sum(l^2), padded, samples
         mul = torch.tensor([1, 1, k, 1, 1], dtype=t.dtype, device=t.device)
         div = torch.tensor([r, r, r, r, r * k], dtype=t.dtype, device=t.device)
-        t = t * mul // div
+        t = torch.cat((counts * mul // div, t[5:]))
     return t
 
 
@@ -66,6 +67,41 @@ def time_steps(mon, counts, window_s: float) -> None:
     mon._fwd_steps += counts.steps
 
 
+def absent_text(absent: dict[str, str]) -> str:
+    """``llmeff.summary.absent`` and ``llmeff.interval.absent``: ``<key>: <why>`` joined by ``; ``, keys
+    with the same why named together (``summary/a, summary/b: <why>``), in the order they were found."""
+    by_why: dict[str, list[str]] = {}
+    for key, why in absent.items():
+        by_why.setdefault(why, []).append(key)
+    return "; ".join(f"{', '.join(keys)}: {why}" for why, keys in by_why.items())
+
+
+def unknown_counts(mon, total, window) -> dict[str, str]:
+    """Interval keys that rest on a count the run was not given (:data:`~mlflow_llmeff.monitor.counting.UNKNOWN_WHY`):
+    the cumulative padded and loss-bearing tokens (``total``), samples/s and the FLOPs figures of the
+    steady ``window`` (its :class:`~mlflow_llmeff.calc.throughput.Counts`, or None); key -> why."""
+    why: dict[str, str] = {}
+    if total.padded_unknown:
+        why[names.TRAIN_PADDED_TOKENS] = UNKNOWN_WHY["padded"]
+    if total.loss_unknown:
+        why[names.TRAIN_LOSS_TOKENS] = UNKNOWN_WHY["loss"]
+    if window is not None and window.samples_unknown:
+        why[names.TPUT_SAMPLES] = UNKNOWN_WHY["samples"]
+    if window is not None and window.lengths_unknown and mon._account.shape is not None:
+        flops = (names.TPUT_DEVICE_TFLOPS,) + ((names.TPUT_DEVICE_MFU, names.TPUT_DEVICE_HFU)
+                                               if mon._account.peak_tflops is not None else ())
+        why.update(dict.fromkeys(flops, UNKNOWN_WHY["lengths"]))
+    return why
+
+
+def note_unknown(mon, why: dict[str, str]) -> None:
+    """Tag ``llmeff.interval.absent`` (rank 0) with every interval key left out so far for an unknown count."""
+    seen = getattr(mon, "_interval_absent", {})
+    if why and not why.items() <= seen.items():
+        mon._interval_absent = {**seen, **why}
+        mon._logger.set_tags({names.INTERVAL_ABSENT: absent_text(mon._interval_absent)}, synchronous=False)
+
+
 def log_interval(mon, step: int, collective: bool = True) -> None:
     """The interval metrics at a logged step (a collective: losses, energy and memory over ranks)."""
     total = mon._meter.total
@@ -74,6 +110,7 @@ def log_interval(mon, step: int, collective: bool = True) -> None:
     m: dict[str, float] = {names.TRAIN_TOKENS: total.tokens, names.TRAIN_PADDED_TOKENS: total.padded_tokens,
                            names.TRAIN_LOSS_TOKENS: total.loss_tokens,
                            names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
+    unknown = unknown_counts(mon, total, None)
     if loss_n:
         m[names.TRAIN_LOSS] = loss_sum / loss_n
         if not math.isfinite(m[names.TRAIN_LOSS]) and mon._nonfinite is None:
@@ -88,8 +125,13 @@ def log_interval(mon, step: int, collective: bool = True) -> None:
     if rates is not None:
         m.update(mon._account.interval_metrics(rates))
         warn_mfu(mon, m.get(names.TPUT_DEVICE_MFU), f"step {step}")
+        unknown = unknown_counts(mon, total, rates.counts)
+    for key in unknown:  # a count not given is left out, never its default
+        m.pop(key, None)
+    note_unknown(mon, unknown)
     m.update(mon._consumption.interval(mon._ledger.wall_s(), total.tokens))
     m.update(mon._contention.interval(collective))
+    note_unknown(mon, getattr(mon._contention, "interval_why", {}))
     mon._totals_step = step
     mon._latest = m
     mon._logger.log_metrics(m, step)

@@ -145,7 +145,7 @@ def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float
                     names.SUM_STEP_TIME_S: rates.step_time_s})
         flops_figures, tflops = mon._account.summary_figures(rates)
         out.update(flops_figures)
-        for key, why in mon._account.absent_figures(flops_figures).items():
+        for key, why in mon._account.absent_figures(flops_figures, rates).items():
             _absent(mon, key, why)
     out.update(_memory_figures(mon, collective))
     # cost and energy over the attempts' time: no device is held or read while no attempt runs
@@ -198,9 +198,10 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
     contention, tags = mon._contention.finish(collective)
     out.update(contention)
     why = getattr(mon._contention, "absent_why", None)
-    if why and names.SUM_HOST_OTHER_CPU not in contention:
+    if why:
         for key in (names.SUM_HOST_OTHER_CPU, names.SUM_HOST_STEAL):
-            _absent(mon, key, why)
+            if key not in contention:
+                _absent(mon, key, why)
     mon._stability_tags.update(tags)
     if not collective and mon.world_size > 1:
         _absent(mon, names.SUM_STRAGGLER_RATIO, "the run ended on rank 0 only: the other ranks' forward times "
@@ -295,19 +296,10 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
     if note:
         tags[names.AUTOLOG_NOTE] = note
     if getattr(mon, "_absent", None):
-        tags[names.SUMMARY_ABSENT] = absent_text(mon._absent)
+        tags[names.SUMMARY_ABSENT] = points.absent_text(mon._absent)
     tags.update(assumed_tag(mon))
     tags[names.WALL_VS_DURATION] = wall_vs_duration(getattr(mon, "_created_after_s", None))
     return tags
-
-
-def absent_text(absent: dict[str, str]) -> str:
-    """``llmeff.summary.absent``: ``<key>: <why>`` joined by ``; ``, keys with the same why named together
-    (``summary/a, summary/b: <why>``), in the order they were found."""
-    by_why: dict[str, list[str]] = {}
-    for key, why in absent.items():
-        by_why.setdefault(why, []).append(key)
-    return "; ".join(f"{', '.join(keys)}: {why}" for why, keys in by_why.items())
 
 
 def wall_vs_duration(created_after_s: float | None) -> str:

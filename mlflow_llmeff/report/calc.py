@@ -416,10 +416,12 @@ class CauseRow:
         share: count / all failures (0-1).
         details: each detail seen with its count, e.g. ``{"SIGKILL": 3}``.
         lost_steps: steps redone, summed.
-        down_s, recovery_s: seconds summed over its failures that a next attempt followed.
+        down_s, recovery_s: seconds summed over the failures whose down / recovery time is known
+            (a next attempt followed); None when none is known (never a sum of unknowns as 0).
         cost_s: failure cost (recovery + lost progress) summed, seconds; None when some of its
             failures' lost progress cannot be told apart (a run failing of several causes whose
-            tag does not give each failure's lost seconds).
+            tag does not give each failure's lost seconds) or their recovery is unknown.
+        down_known, recovery_known: failures whose down / recovery time is known (of ``count``).
     """
 
     cause: str
@@ -427,9 +429,11 @@ class CauseRow:
     share: float
     details: dict[str, int]
     lost_steps: int
-    down_s: float
-    recovery_s: float
+    down_s: float | None
+    recovery_s: float | None
     cost_s: float | None
+    down_known: int = 0
+    recovery_known: int = 0
 
 
 def failures_by_cause(runs: list[RunRecord]) -> list[CauseRow]:
@@ -439,7 +443,9 @@ def failures_by_cause(runs: list[RunRecord]) -> list[CauseRow]:
     seconds come from the tag's ``lost N s`` when present, else from the run: its
     ``summary/failure_cost_s`` minus the recoveries of its failures is the run's lost progress,
     which goes whole to the cause when all of the run's failures have that cause (otherwise the
-    cause's cost is None).
+    cause's cost is None). A failure no attempt followed yet has no down or recovery time: it is
+    not summed as 0, the row counts the failures whose times are known (``down_known``,
+    ``recovery_known``).
 
     Returns:
         ``[]`` when no run failed (or none holds the tag).
@@ -456,14 +462,15 @@ def failures_by_cause(runs: list[RunRecord]) -> list[CauseRow]:
         run_cost = r.metrics.get(names.SUM_FAILURE_COST_S)
         every_known = all(x.lost_s is not None and x.recovery_s is not None for x in fs)
         for x in fs:
-            d = rows.setdefault(x.cause, {"count": 0, "details": {}, "lost_steps": 0, "down": 0.0, "rec": 0.0,
+            d = rows.setdefault(x.cause, {"count": 0, "details": {}, "lost_steps": 0, "down": [], "rec": [],
                                           "cost": 0.0})
             d["count"] += 1
             key = x.detail or x.cause
             d["details"][key] = d["details"].get(key, 0) + 1
             d["lost_steps"] += x.lost_steps
-            d["down"] += x.down_s or 0.0
-            d["rec"] += x.recovery_s or 0.0
+            for part, v in (("down", x.down_s), ("rec", x.recovery_s)):
+                if v is not None:  # unknown (no next attempt yet): counted as unknown, never as 0 s
+                    d[part].append(v)
             if every_known:
                 d["cost"] = None if d["cost"] is None else d["cost"] + x.recovery_s + x.lost_s
         if not every_known:
@@ -474,6 +481,7 @@ def failures_by_cause(runs: list[RunRecord]) -> list[CauseRow]:
                 for c in causes:
                     rows[c]["cost"] = None
     total = sum(d["count"] for d in rows.values())
-    out = [CauseRow(c, d["count"], d["count"] / total, d["details"], d["lost_steps"], d["down"], d["rec"], d["cost"])
-           for c, d in rows.items()]
+    out = [CauseRow(c, d["count"], d["count"] / total, d["details"], d["lost_steps"],
+                    sum(d["down"]) if d["down"] else None, sum(d["rec"]) if d["rec"] else None, d["cost"],
+                    len(d["down"]), len(d["rec"])) for c, d in rows.items()]
     return sorted(out, key=lambda x: (-x.count, x.cause))

@@ -234,6 +234,13 @@ def _s(v: float | None) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
+def _known_sum(total: float | None, known: int, count: int) -> str:
+    """A sum over the failures whose figure is known: ``43``, ``43 (1 of 2 known)`` or ``unknown``."""
+    if total is None:
+        return "unknown"
+    return _s(total) + ("" if known == count else f" ({known} of {count} known)")
+
+
 def _mtbf_text(f: Fleet) -> str:
     if f.mtbf_s is None:
         return f"no failure (> {_s(f.low_s)} s, 95% lower bound)" if f.low_s is not None else "no failure"
@@ -272,7 +279,9 @@ def reliability(rep: Report) -> Reliability:
     for row in failures_by_cause(rep.runs):
         seen = ", ".join(f"{k} x{n}" for k, n in sorted(row.details.items(), key=lambda kv: (-kv[1], kv[0])))
         out.cause_rows.append([row.cause, str(row.count), f"{row.share:.1%}", seen, str(row.lost_steps),
-                               _s(row.down_s), _s(row.recovery_s), _s(row.cost_s)])
+                               _known_sum(row.down_s, row.down_known, row.count),
+                               _known_sum(row.recovery_s, row.recovery_known, row.count),
+                               "unknown" if row.cost_s is None else _s(row.cost_s)])
     return out
 
 
