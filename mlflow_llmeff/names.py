@@ -168,7 +168,7 @@ C = "communication (measured once at start over the run's process group, cached 
 COMM_ALLREDUCE_BUSBW = _metric("comm/allreduce_busbw_gbps", "GB/s", "all-reduce bus bandwidth: size / time x 2(n-1)/n (nccl-tests PERFORMANCE.md), 1e9 bytes/s", C)
 COMM_ALLGATHER_BUSBW = _metric("comm/allgather_busbw_gbps", "GB/s", "all-gather bus bandwidth: total output size / time x (n-1)/n (nccl-tests), 1e9 bytes/s", C)
 COMM_REDUCESCATTER_BUSBW = _metric("comm/reducescatter_busbw_gbps", "GB/s", "reduce-scatter bus bandwidth: total input size / time x (n-1)/n (nccl-tests), 1e9 bytes/s", C)
-COMM_BUSBW_UTIL = _metric("comm/busbw_utilization", "fraction", "all-reduce bus bandwidth / the link's datasheet peak (llmeff.comm.peak_gbps); absent when the peak is unknown", C)
+COMM_BUSBW_UTIL = _metric("comm/busbw_utilization", "fraction", "all-reduce bus bandwidth / the link's peak (llmeff.comm.peak_gbps; across machines the node's aggregate network rate, docs/parallelism.md); never clipped: above 1 llmeff.comm.peak.exceeded says why; absent when the peak is unknown", C)
 
 # --------------------------------------------------------------------------- time to quality
 TTQ_SUFFIXES = {
@@ -226,8 +226,9 @@ PAR_DP_REPLICATE = _tag("parallelism.dp_replicate", "data-parallel replicas whos
 PAR_TP = _tag("parallelism.tp", "tensor-parallel degree")
 PAR_PP = _tag("parallelism.pp", "pipeline-parallel degree")
 PAR_CP = _tag("parallelism.cp", "context-parallel degree")
-COMM_PEAK_GBPS = _tag("comm.peak_gbps", "datasheet peak bandwidth per device and direction of the link the collectives cross, GB/s; 'unknown' with the reason in llmeff.comm.peak.source")
-COMM_PEAK_SOURCE = _tag("comm.peak.source", "the link (NVLink generation, PCIe generation x16, InfiniBand/RoCE rate) and its datasheet, or 'unknown: <why>'")
+COMM_PEAK_GBPS = _tag("comm.peak_gbps", "busbw peak per rank and direction of the link the collectives cross, GB/s (one device's NVLink/PCIe link in a node; across machines the node's aggregate network rate); 'unknown' with the reason in llmeff.comm.peak.source")
+COMM_PEAK_SOURCE = _tag("comm.peak.source", "the link and where its rate comes from: NVLink generation, PCIe generation x16, InfiniBand/RoCE adapters (datasheets), the interface toward the head (its tc shaper's rate or sysfs line speed), or the link_peak_gbps option; or 'unknown: <why>'")
+COMM_PEAK_EXCEEDED = _tag("comm.peak.exceeded", "set only when comm/busbw_utilization is above 1 (logged as measured, never clipped): the busbw, the peak, and why a peak can be exceeded (a wrong peak or shaper burst; traffic that did not cross the link)")
 COMM_PROBE = _tag("comm.probe", "how the collective probe ran (backend, ranks, message size, iterations, measured or cached), or why it did not")
 COMM_SAMPLED = _tag("comm.sampled", "which steps were profiled for summary/comm_exposed_fraction and counted for summary/comm_bytes_per_step, or why none")
 PRECISION = _tag("precision", "fp32, bf16, fp16, fp8")

@@ -279,14 +279,18 @@ def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
             result = commprobe.measure(t.device, nodes=nodes(t.world), device_name=monitor.accelerator.name)
             backend = str(__import__("torch").distributed.get_backend())
             peak, why = commprobe.detect_link(t.device, backend=backend, nodes=nodes(t.world),
-                                              devices_per_node=cfg.num_processes)
+                                              devices_per_node=cfg.num_processes, head=os.environ.get("MASTER_ADDR"),
+                                              given_gbps=cfg.link_peak_gbps or None)
         metrics, tags = commprobe.probe_figures(result, peak, why)
         monitor.log_metrics(metrics, 0)
         monitor.set_tags(tags)
         if t.accelerator.is_main_process and result is not None:
             bw = ", ".join(f"{k.split('/')[1].split('_busbw')[0]} {v:.3g}" for k, v in metrics.items()
                            if k.endswith("_gbps"))
-            print(f"llmeff: communication busbw GB/s ({result.describe().split(':')[0]}): {bw}")
+            util = metrics.get(names.COMM_BUSBW_UTIL)
+            of = (f"; all-reduce {util:.3g} of the {peak.gbps:.4g} GB/s peak ({peak.link})" if util is not None
+                  else f"; peak {why}")
+            print(f"llmeff: communication busbw GB/s ({result.describe().split(':')[0]}): {bw}{of}")
     except Exception as e:  # noqa: BLE001 - a failed probe is a tag, never the end of training
         monitor.set_tags({names.COMM_PROBE: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
