@@ -141,7 +141,9 @@ SUM_STALL_S = _metric("summary/stall_s", "s", "seconds in steps longer than 5x t
 SUM_STALLS = _metric("summary/stalls", "steps", "steps longer than 5x the median step", S)
 SUM_HOST_OTHER_CPU = _metric("summary/host_other_cpu_fraction", "fraction", "share of the host's CPU time used by other processes during the steady window (/proc/stat minus the run's processes); the most contended host", S)
 SUM_HOST_STEAL = _metric("summary/host_steal_fraction", "fraction", "share of the host's CPU time stolen by the hypervisor during the steady window; the highest host", S)
-SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean forward (compute) time per steady step / the median rank's (>= 1; 2+ ranks)", S)
+SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean compute time per steady step (forward + backward + optimizer, before the collective waits) / the median rank's (>= 1; 2+ ranks); llmeff.straggler.rank names it, its host and phase", S)
+SUM_PHASE_STRAGGLER = {p: _metric(f"summary/{p}_straggler_ratio", "ratio", f"slowest rank's mean {p} time per steady step / the median rank's (>= 1; 2+ ranks)", S)
+                       for p in ("forward", "backward", "optimizer")}
 
 # ---- reliability across a job's life (attempts of one run; docs/time.md, calc/reliability.py)
 SUM_BADPUT_DOWN_S = SUM_BADPUT["down"]  # in BADPUT_CATEGORIES: productive + every badput = wall
@@ -314,7 +316,8 @@ SUMMARY_ABSENT = _tag("summary.absent", "summary/* figures that are undefined fo
 ASSUMED = _tag("assumed", "what the program assumed for the user where an input was not given or is ambiguous, each '<input>: <value> (<why>)', joined by '; ': a price from the dated default table, the default grid country (USA), PUE 1, a precision read off the parameters' dtype; llmeff plan: an accelerator alias taken, auto precision on another machine (also the plan's --json field 'assumed'); absent when nothing was assumed")
 STABILITY_METHOD = _tag("stability.method", "the stall and instability thresholds and the interval method behind llmeff.stability and summary/tokens_per_sec_ci95_*")
 CONTENTION = _tag("contention", "what else used the machine during the steady window: 'quiet: ...' or 'contended: ...' with the other processes' share of host CPU (the top ones named), steal, and on CUDA other processes on the run's devices, slowdown reasons, lowest SM clock, temperature, power limit")
-STRAGGLER_RANK = _tag("straggler.rank", "the rank with the slowest mean forward time per steady step, and its host")
+STRAGGLER_RANK = _tag("straggler.rank", "the rank with the largest mean compute time per steady step, its host and the phase (forward, backward, optimizer) with the most time above that phase's median rank, e.g. 'rank 1 on host node-1: backward 2.3x the median rank (...)', and its collective wait beside the median rank's")
+HOSTS = _tag("hosts", "each host of the run: its ranks, their mean compute time per steady step with its phases (forward, backward, optimizer) and their collective wait (step time minus compute), ms/step")
 # --------------------------------------------------------------------------- setups that change the counting
 # (docs/formulas.md, "Setups that change the counting": FP8 and other precisions whose peak differs)
 SUM_MFU_BF16_PEAK = _metric("summary/mfu_bf16_peak", "fraction", "steady-state MFU against the device's dense BF16 peak whatever the compute dtype (beside summary/mfu, whose denominator llmeff.peak.precision names), so FP8 and BF16 runs compare on one scale", S)
