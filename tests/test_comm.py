@@ -125,6 +125,16 @@ def test_gloo_across_machines_takes_the_interfaces_rate_or_says_why_not():
     assert peak is None and why.startswith("unknown: several machines (gloo); eth0 is a virtual interface; give")
 
 
+@pytest.mark.parametrize("peak, nccl, size", [
+    (None, True, 64 * 2**20), (None, False, 4 * 2**20),   # unknown peak: the defaults
+    (0.025, False, 16 * 2**20),                           # 200 Mbit/s: 12.5 MB in 0.5 s -> 16 MiB
+    (450.0, True, 64 * 2**20), (1.25, False, 64 * 2**20),  # fast links: capped at 64 MiB
+    (0.001, False, 4 * 2**20),                            # 8 Mbit/s: 4 MiB already lasts 4 s
+])
+def test_probe_messages_last_half_a_second_at_the_peak(peak, nccl, size):
+    assert comm.probe_message_bytes(peak, nccl=nccl) == size
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda: comm.internode_peak_gbps(0.0, 1), "rates must be > 0"),
     (lambda: comm.internode_peak_gbps(25.0, 0, 8), "nics=0, devices_per_node=8: both must be >= 1"),

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 __all__ = ["bus_factor", "algbw_gbps", "busbw_gbps", "LinkPeak", "LINKS", "link_peak", "nvlink_peak",
            "pcie_peak", "nic_peak", "internode_peak_gbps", "given_peak", "utilization", "union_length",
-           "exposed_time", "CommEstimate", "predict_bus_bytes"]
+           "exposed_time", "probe_message_bytes", "CommEstimate", "predict_bus_bytes"]
 
 #: Collectives the factors know (torch.distributed / c10d names).
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send", "recv")
@@ -290,6 +290,29 @@ def link_peak(*, backend: str, nodes: int, nvlink: tuple[int, int] | None = None
     if pcie is not None:
         return pcie_peak(*pcie), ""
     return None, "unknown: NVML reported neither NVLink nor a PCIe link for the GPU"
+
+
+#: Seconds a probe's all-reduce lasts at least, at the link's peak (:func:`probe_message_bytes`).
+PROBE_MIN_S = 0.5
+#: The probe's largest message (bytes): 64 MiB, nccl-tests' customary top size for bus bandwidth.
+PROBE_MAX_BYTES = 64 * 2**20
+
+
+def probe_message_bytes(peak_gbps: float | None, *, nccl: bool) -> int:
+    """Bytes of the probe's message: 64 MiB under NCCL, 4 MiB otherwise (gloo over loopback reaches its
+    plateau there within a second), doubled until one all-reduce lasts :data:`PROBE_MIN_S` at
+    ``peak_gbps`` (at most :data:`PROBE_MAX_BYTES`).
+
+    A slow or shaped link lets a burst through faster than its rate (a tbf bucket, a switch's
+    buffers: 256 KB at 200 Mbit/s is 6% of a 4 MiB all-reduce, which read 1.01 of the link); at
+    0.5 s of traffic such a burst is under 2%. Measured between two hosts over 200 Mbit/s
+    (tests/test_two_hosts.py): 16 MiB, 0.96-0.98 of the link.
+    """
+    size = (64 if nccl else 4) * 2**20
+    if peak_gbps and peak_gbps > 0:
+        while size < PROBE_MAX_BYTES and size < peak_gbps * 1e9 * PROBE_MIN_S:
+            size *= 2
+    return size
 
 
 # --------------------------------------------------------------------------- exposed time
