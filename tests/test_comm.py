@@ -83,8 +83,7 @@ def test_link_choice_and_unknown_with_the_reason():
 # ------------------------------------------------------------------ the peak across nodes (NR5-06)
 def test_nr5_06_eight_gpus_with_eight_200g_nics_read_0_96_not_7_68():
     # NVIDIA/nccl#812: 192 GB/s all-reduce busbw on 8 GPUs per node, 8 x 200 Gb/s NICs. The peak is the
-    # node's 8 x 25 = 200 GB/s; dividing it by the 8 GPUs (25 / 8 = 3.125 GB/s) read 192 / 25 = 7.68
-    # before (a NIC's rate, "per GPU": 200 Gb/s x 8 NICs / 8 GPUs)
+    # node's 8 x 25 = 200 GB/s; dividing it by the 8 GPUs (200 / 8 = 25 GB/s "per GPU") read 192 / 25 = 7.68
     peak, why = comm.link_peak(backend="nccl", nodes=2, nic=("InfiniBand HDR", 8), devices_per_node=8,
                                nvlink=(4, 18))
     assert why == "" and peak.gbps == 200.0

@@ -31,7 +31,7 @@ the cap). Rail-optimized nodes (one adapter per GPU, ``k = g``, each on its own 
 nccl-tests ``doc/PERFORMANCE.md`` (busbw is comparable to "the hardware peak bandwidth") and the
 NVIDIA answers in NVIDIA/nccl#812 and NVIDIA/nccl-tests#160/#196: 8 GPUs with 8 x 200 Gb/s NICs
 measure about 192 GB/s of all-reduce busbw against a peak of 8 x 25 = 200 GB/s, a utilization of
-0.96 (dividing the node's rate by its 8 GPUs, 25 / 8 GB/s, read 61 and was wrong).
+0.96 (the earlier formula divided the node's 200 GB/s by its 8 GPUs, 25 GB/s, and read 7.68).
 """
 
 from __future__ import annotations

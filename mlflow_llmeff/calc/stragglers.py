@@ -9,9 +9,10 @@ step time, and its host. Output: :class:`Stragglers`.
   is about the slowest rank's compute plus the communication, so the straggler is the rank with
   the largest compute time, and the others show its excess as collective wait: a rank's own wait
   never names it (the fast ranks wait longest).
-* ``ratio`` = the straggler's compute time / the median rank's (METRICS.md: "slowest rank's mean
-  step compute time / median rank's (before the collective waits)"; the median of an even count
-  is the mean of the middle two, so with 2 ranks it is the slower over their mean).
+* ``ratio`` = the straggler's compute time / the median rank's (the metric standard's "slowest
+  rank's mean step compute time / median rank's (before the collective waits)", docs/stability.md;
+  the median of an even count is the mean of the middle two, so with 2 ranks it is the slower
+  over their mean).
 * The phase named is the straggler's phase with the most seconds above that phase's median rank:
   a rank slow only in its backward is named in its backward, whatever its forward does; a uniform
   slowdown (a CPU-limited host) names its longest phase.
