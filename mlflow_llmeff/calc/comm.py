@@ -28,10 +28,13 @@ over the node's adapters, so the node's inter-node edges together carry ``2(n-1)
 adapters (each intra-node edge carries the same bytes over a device's own NVLink/PCIe link, hence
 the cap). Rail-optimized nodes (one adapter per GPU, ``k = g``, each on its own rail) read the same
 ``k R``; each rail then carries ``1/k`` of it, so the utilization of the node is also each rail's.
-nccl-tests ``doc/PERFORMANCE.md`` (busbw is comparable to "the hardware peak bandwidth") and the
-NVIDIA answers in NVIDIA/nccl#812 and NVIDIA/nccl-tests#160/#196: 8 GPUs with 8 x 200 Gb/s NICs
-measure about 192 GB/s of all-reduce busbw against a peak of 8 x 25 = 200 GB/s, a utilization of
-0.96 (the earlier formula divided the node's 200 GB/s by its 8 GPUs, 25 GB/s, and read 7.68).
+Sources: nccl-tests ``doc/PERFORMANCE.md`` (busbw is held against the hardware's peak bandwidth);
+NVIDIA's answers in NVIDIA/nccl#812 (a DGX-A100, 8 GPUs with 8 x 200 Gb/s InfiniBand cards,
+measures 192 GB/s of all-reduce busbw: 0.96 of 8 x 25 = 200 GB/s; the earlier formula divided the
+node's 200 GB/s by its 8 GPUs, 25 GB/s, and read 7.68) and NVIDIA/nccl#412 (one 200 Gb/s card
+under 8 GPUs: about 24 GB/s inter-node; more cards give more, up to the node's NVLink bandwidth:
+the cap); on two nodes NCCL's tree can exceed the network's rate (NVIDIA/nccl-tests#196,
+NVIDIA/nccl#946; see :func:`utilization`).
 """
 
 from __future__ import annotations
@@ -210,8 +213,11 @@ def utilization(busbw: float, peak_gbps: float) -> tuple[float, str | None]:
 
     A ratio above 1 means the peak is not this traffic's bound: it is wrong (a mistyped
     ``link_peak_gbps``, a shaper's burst allowance, a datasheet row for another link), or the bytes
-    did not all cross that link (ranks of one node exchange through shared memory or loopback;
-    NVLink SHARP or in-network reduction, or compression, moves fewer bytes than the ring's).
+    did not all cross that link: on two nodes NCCL's tree algorithm sends half the ring's bytes
+    over the network and its busbw reaches up to twice the network's rate (NVIDIA/nccl-tests#196,
+    NVIDIA/nccl#946: ``NCCL_ALGO=Ring`` measures the network); ranks of one node exchange through
+    shared memory or loopback; NVLink SHARP or in-network reduction, or compression, moves fewer
+    bytes than the ring's.
 
     Raises:
         ValueError: for ``peak_gbps <= 0`` or ``busbw < 0``.
@@ -223,8 +229,9 @@ def utilization(busbw: float, peak_gbps: float) -> tuple[float, str | None]:
         return ratio, None
     return ratio, (f"busbw {busbw:.4g} GB/s is {ratio:.3g}x the peak {peak_gbps:.4g} GB/s: the peak is not this "
                    "traffic's bound (a wrong link_peak_gbps or datasheet row, a shaper's burst allowance), or not "
-                   "every byte crossed that link (shared memory or loopback between ranks of one node, NVLink "
-                   "SHARP or in-network reduction, compression)")
+                   "every byte crossed that link (NCCL's tree on two nodes sends half the ring's bytes over the "
+                   "network, up to 2x: NCCL_ALGO=Ring measures the network; shared memory or loopback between "
+                   "ranks of one node; NVLink SHARP or in-network reduction; compression)")
 
 
 def _table() -> tuple[LinkPeak, ...]:
