@@ -212,6 +212,19 @@ def test_phase_timer_times_forward_backward_and_optimizer_of_active_steps_only()
     assert not model._forward_hooks and not model.weight._post_accumulate_grad_hooks
 
 
+def test_the_wait_after_the_last_gradient_is_not_backward():
+    # DDP's wait for its last all-reduces (and clipping) come after the last gradient: collective wait, not backward
+    clock = FakeClock()
+    model, opt, later = timed_model(clock)
+    t = PhaseTimer(model, lambda: True, clock, optimizer=opt)
+    later()
+    model(torch.ones(1, 2)).sum().backward()
+    clock.advance(2.0)
+    opt.step()
+    assert t.take() == {"forward": 0.25, "backward": 0.5, "optimizer": 0.125}
+    t.close()
+
+
 def test_a_backward_without_parameter_gradients_ends_at_the_optimizer_step():
     # an engine that accumulates gradients itself fires no parameter hook: the backward runs to the step
     clock = FakeClock()
