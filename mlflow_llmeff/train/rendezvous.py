@@ -176,7 +176,7 @@ def join(settings: dict, *, rank: int, address: str, port: int, timeout_s: float
         try:
             sock = socket.create_connection((address, port), timeout=min(left, 5.0))
         except OSError as e:
-            last = e.strerror or type(e).__name__
+            last = e.strerror or ("no answer" if isinstance(e, TimeoutError) else type(e).__name__)
             time.sleep(min(0.5, max(0.0, deadline - clock())))
     with sock:
         msg = {"rank": rank, "host": host or socket.gethostname(), "settings": settings}
