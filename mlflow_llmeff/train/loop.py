@@ -295,7 +295,7 @@ def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
     """Bus bandwidth of the run's process group and its link's peak, at step 0 (every rank; cached
     per machine, so seconds once). Never stops training."""
     from mlflow_llmeff.calc.comm import probe_message_bytes
-    from mlflow_llmeff.meters import commprobe
+    from mlflow_llmeff.meters import collectives, commprobe
     from mlflow_llmeff.monitor.conditions import nodes
 
     if t.world < 2 or not cfg.measure_comm:
@@ -309,6 +309,8 @@ def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
                                               devices_per_node=cfg.num_processes, head=os.environ.get("MASTER_ADDR"),
                                               given_gbps=cfg.link_peak_gbps or None)
             size = probe_message_bytes(peak.gbps if peak else None, nccl=backend == "nccl")  # >= 0.5 s at the peak
+            # every rank reads its own link: the probe's collectives need one size, the largest
+            size = int(collectives.all_reduce([float(size)], op="max")[0])
             result = commprobe.measure(t.device, nodes=nodes(t.world), device_name=monitor.accelerator.name,
                                        size_bytes=size)
         metrics, tags = commprobe.probe_figures(result, peak, why)
