@@ -141,7 +141,9 @@ SUM_STALL_S = _metric("summary/stall_s", "s", "seconds in steps longer than 5x t
 SUM_STALLS = _metric("summary/stalls", "steps", "steps longer than 5x the median step", S)
 SUM_HOST_OTHER_CPU = _metric("summary/host_other_cpu_fraction", "fraction", "share of the host's CPU time used by other processes during the steady window (/proc/stat minus the run's processes); the most contended host", S)
 SUM_HOST_STEAL = _metric("summary/host_steal_fraction", "fraction", "share of the host's CPU time stolen by the hypervisor during the steady window; the highest host", S)
-SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean forward (compute) time per steady step / the median rank's (>= 1; 2+ ranks)", S)
+SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean compute time per steady step (forward + backward + optimizer, before the collective waits) / the median rank's (>= 1; 2+ ranks); llmeff.straggler.rank names it, its host and phase", S)
+SUM_PHASE_STRAGGLER = {p: _metric(f"summary/{p}_straggler_ratio", "ratio", f"slowest rank's mean {p} time per steady step / the median rank's (>= 1; 2+ ranks)", S)
+                       for p in ("forward", "backward", "optimizer")}
 
 # ---- reliability across a job's life (attempts of one run; docs/time.md, calc/reliability.py)
 SUM_BADPUT_DOWN_S = SUM_BADPUT["down"]  # in BADPUT_CATEGORIES: productive + every badput = wall
@@ -168,7 +170,7 @@ C = "communication (measured once at start over the run's process group, cached 
 COMM_ALLREDUCE_BUSBW = _metric("comm/allreduce_busbw_gbps", "GB/s", "all-reduce bus bandwidth: size / time x 2(n-1)/n (nccl-tests PERFORMANCE.md), 1e9 bytes/s", C)
 COMM_ALLGATHER_BUSBW = _metric("comm/allgather_busbw_gbps", "GB/s", "all-gather bus bandwidth: total output size / time x (n-1)/n (nccl-tests), 1e9 bytes/s", C)
 COMM_REDUCESCATTER_BUSBW = _metric("comm/reducescatter_busbw_gbps", "GB/s", "reduce-scatter bus bandwidth: total input size / time x (n-1)/n (nccl-tests), 1e9 bytes/s", C)
-COMM_BUSBW_UTIL = _metric("comm/busbw_utilization", "fraction", "all-reduce bus bandwidth / the link's datasheet peak (llmeff.comm.peak_gbps); absent when the peak is unknown", C)
+COMM_BUSBW_UTIL = _metric("comm/busbw_utilization", "fraction", "all-reduce bus bandwidth / the link's peak (llmeff.comm.peak_gbps; across machines the node's aggregate network rate, docs/parallelism.md); never clipped: above 1 llmeff.comm.peak.exceeded says why; absent when the peak is unknown", C)
 
 # --------------------------------------------------------------------------- time to quality
 TTQ_SUFFIXES = {
@@ -226,8 +228,9 @@ PAR_DP_REPLICATE = _tag("parallelism.dp_replicate", "data-parallel replicas whos
 PAR_TP = _tag("parallelism.tp", "tensor-parallel degree")
 PAR_PP = _tag("parallelism.pp", "pipeline-parallel degree")
 PAR_CP = _tag("parallelism.cp", "context-parallel degree")
-COMM_PEAK_GBPS = _tag("comm.peak_gbps", "datasheet peak bandwidth per device and direction of the link the collectives cross, GB/s; 'unknown' with the reason in llmeff.comm.peak.source")
-COMM_PEAK_SOURCE = _tag("comm.peak.source", "the link (NVLink generation, PCIe generation x16, InfiniBand/RoCE rate) and its datasheet, or 'unknown: <why>'")
+COMM_PEAK_GBPS = _tag("comm.peak_gbps", "busbw peak per rank and direction of the link the collectives cross, GB/s (one device's NVLink/PCIe link in a node; across machines the node's aggregate network rate); 'unknown' with the reason in llmeff.comm.peak.source")
+COMM_PEAK_SOURCE = _tag("comm.peak.source", "the link and where its rate comes from: NVLink generation, PCIe generation x16, InfiniBand/RoCE adapters (datasheets), the interface toward the head (its tc shaper's rate or sysfs line speed), or the link_peak_gbps option; or 'unknown: <why>'")
+COMM_PEAK_EXCEEDED = _tag("comm.peak.exceeded", "set only when comm/busbw_utilization is above 1 (logged as measured, never clipped): the busbw, the peak, and why a peak can be exceeded (a wrong peak or shaper burst; traffic that did not cross the link)")
 COMM_PROBE = _tag("comm.probe", "how the collective probe ran (backend, ranks, message size, iterations, measured or cached), or why it did not")
 COMM_SAMPLED = _tag("comm.sampled", "which steps were profiled for summary/comm_exposed_fraction and counted for summary/comm_bytes_per_step, or why none")
 PRECISION = _tag("precision", "fp32, bf16, fp16, fp8")
@@ -320,7 +323,10 @@ INTERVAL_ABSENT = _tag("interval.absent", "interval metrics left out because a c
 ASSUMED = _tag("assumed", "what the program assumed for the user where an input was not given or is ambiguous, each '<input>: <value> (<why>)', joined by '; ': a price from the dated default table, the default grid country (USA), PUE 1, a precision read off the parameters' dtype; llmeff plan: an accelerator alias taken, auto precision on another machine (also the plan's --json field 'assumed'); absent when nothing was assumed")
 STABILITY_METHOD = _tag("stability.method", "the stall and instability thresholds and the interval method behind llmeff.stability and summary/tokens_per_sec_ci95_*")
 CONTENTION = _tag("contention", "what else used the machine during the steady window: 'quiet: ...' or 'contended: ...' with the other processes' share of host CPU (the top ones named), steal, and on CUDA other processes on the run's devices, slowdown reasons, lowest SM clock, temperature, power limit; 'throttle: unknown (NVML could not read the clocks-event reasons of <devices>)' where none could be read, 'throttle: <reasons or none> on <devices>; unknown on the others (...)' where some could not, and likewise 'other processes unknown (...)'")
-STRAGGLER_RANK = _tag("straggler.rank", "the rank with the slowest mean forward time per steady step, and its host")
+STRAGGLER_RANK = _tag("straggler.rank", "the rank with the largest mean compute time per steady step, its host and the phase (forward, backward, optimizer) with the most time above that phase's median rank, e.g. 'rank 1 on host node-1: backward 2.3x the median rank (...)', and its collective wait beside the median rank's")
+MACHINE_JOB_RUN = _tag("machine.job_run", "on a run a launcher made on machine_rank > 0 of a multi-machine job (mlflow run on each machine): the job's run, where rank 0 logs every figure; such a run logs nothing, is nested under the job's run (mlflow.parentRunId) and left out of llmeff compare")
+MACHINE_RUNS = _tag("machine_runs", "on a multi-machine job's run: the runs the other machines' launchers made (mlflow run on each machine), marked as parts of this run, each 'machine R (host): run ID'")
+HOSTS = _tag("hosts", "each host of the run: its ranks, their mean compute time per steady step with its phases (forward, backward, optimizer) and their collective wait (step time minus compute), ms/step")
 # --------------------------------------------------------------------------- setups that change the counting
 # (docs/formulas.md, "Setups that change the counting": FP8 and other precisions whose peak differs)
 SUM_MFU_BF16_PEAK = _metric("summary/mfu_bf16_peak", "fraction", "steady-state MFU against the device's dense BF16 peak whatever the compute dtype (beside summary/mfu, whose denominator llmeff.peak.precision names), so FP8 and BF16 runs compare on one scale", S)

@@ -53,8 +53,8 @@ def test_bad_input_is_one_line(bad, match):
     (comm.nvlink_peak(5, 18), "NVLink 5 x18", 900.0),       # B200: 1.8 TB/s bidirectional
     (comm.pcie_peak(4, 16), "PCIe 4.0 x16", 16 * 16 * 128 / 130 / 8),  # 31.5 GB/s
     (comm.pcie_peak(5, 16), "PCIe 5.0 x16", 32 * 16 * 128 / 130 / 8),  # 63.0 GB/s
-    (comm.nic_peak("InfiniBand NDR", 8, 8), "8 x InfiniBand NDR for 8 devices", 50.0),  # one 400G port per GPU
-    (comm.nic_peak("RoCE 200GbE", 2, 8), "2 x RoCE 200GbE for 8 devices", 6.25),
+    (comm.nic_peak("InfiniBand NDR", 8, 8), "8 x InfiniBand NDR for 8 devices", 400.0),  # the node's 8 x 50 GB/s
+    (comm.nic_peak("RoCE 200GbE", 2, 8), "2 x RoCE 200GbE for 8 devices", 50.0),          # 2 x 25, not / 8
 ])
 def test_link_peaks_from_datasheet_rates(peak, link, gbps):
     assert peak.link == link and peak.gbps == pytest.approx(gbps)
@@ -75,8 +75,74 @@ def test_link_choice_and_unknown_with_the_reason():
     assert peak.link == "PCIe 4.0 x16"
     peak, why = comm.link_peak(backend="nccl", nodes=2, nvlink=(4, 18))
     assert peak is None and "no InfiniBand/RoCE adapter rate" in why  # across machines the network decides
+    assert "give link_peak_gbps" in why
     peak, _ = comm.link_peak(backend="nccl", nodes=2, nic=("InfiniBand NDR", 8), devices_per_node=8)
-    assert peak.gbps == 50.0
+    assert peak.gbps == 400.0  # 8 x 400 Gb/s: the node's 400 GB/s (8 x NVLink 4 would allow 450)
+
+
+# ------------------------------------------------------------------ the peak across nodes (NR5-06)
+def test_nr5_06_eight_gpus_with_eight_200g_nics_read_0_96_not_7_68():
+    # NVIDIA/nccl#812: 192 GB/s all-reduce busbw on 8 GPUs per node, 8 x 200 Gb/s NICs. The peak is the
+    # node's 8 x 25 = 200 GB/s; dividing it by the 8 GPUs (200 / 8 = 25 GB/s "per GPU") read 192 / 25 = 7.68
+    peak, why = comm.link_peak(backend="nccl", nodes=2, nic=("InfiniBand HDR", 8), devices_per_node=8,
+                               nvlink=(4, 18))
+    assert why == "" and peak.gbps == 200.0
+    assert comm.utilization(192.0, peak.gbps) == (0.96, None)
+    assert comm.internode_peak_gbps(25.0, 8, 8) == 200.0
+
+
+def test_two_nodes_of_one_gpu_over_200_mbit_peak_at_the_link_rate():
+    # one 200 Mbit/s link per node, one rank per node: 200e6 / 8 / 1e9 = 0.025 GB/s
+    assert comm.internode_peak_gbps(200e6 / 8 / 1e9, 1, 1) == 0.025
+    assert comm.utilization(0.024, 0.025)[0] == pytest.approx(0.96)
+
+
+def test_fewer_nics_than_gpus_share_the_nodes_rate_not_a_per_gpu_slice():
+    # 8 GPUs, 2 x 400 Gb/s: the node's 100 GB/s (busbw is per rank but the ring's inter-node edges carry
+    # the node's bytes once); 8 GPUs, 1 x 100 Gb/s: 12.5 GB/s
+    assert comm.internode_peak_gbps(50.0, 2, 8) == 100.0
+    assert comm.nic_peak("InfiniBand EDR", 1, 8).gbps == 12.5
+    # 4 x 400 Gb/s (200 GB/s) on 8 GPUs behind PCIe 4.0 x16 (31.5 GB/s): a GPU's own link is the bound
+    assert comm.internode_peak_gbps(50.0, 4, 8, intra_gbps=31.5) == 31.5
+    assert comm.internode_peak_gbps(50.0, 4, 1, intra_gbps=31.5) == 200.0  # one GPU a node: no intra-node edge
+    peak, _ = comm.link_peak(backend="nccl", nodes=4, nic=("InfiniBand NDR", 4), devices_per_node=8, pcie=(4, 16))
+    assert peak.gbps == pytest.approx(16 * 16 * 128 / 130 / 8) and "below the network's 200 GB/s" in peak.link
+
+
+def test_a_given_peak_wins_and_a_measured_ratio_above_1_is_logged_with_why_never_clipped():
+    peak, why = comm.link_peak(backend="gloo", nodes=2, given_gbps=0.025)
+    assert (peak.gbps, peak.link, why) == (0.025, "link_peak_gbps", "")
+    ratio, note = comm.utilization(0.0275, 0.025)
+    assert ratio == pytest.approx(1.1) and note.startswith("busbw 0.0275 GB/s is 1.1x the peak 0.025 GB/s")
+    assert "loopback" in note
+
+
+def test_gloo_across_machines_takes_the_interfaces_rate_or_says_why_not():
+    eth = comm.LinkPeak("eth0 (tbf rate 200Mbit)", 0.025, "tc")
+    assert comm.link_peak(backend="gloo", nodes=2, interface=(eth, ""))[0] is eth
+    peak, why = comm.link_peak(backend="gloo", nodes=2, interface=(None, "eth0 is a virtual interface"))
+    assert peak is None and why.startswith("unknown: several machines (gloo); eth0 is a virtual interface; give")
+
+
+@pytest.mark.parametrize("peak, nccl, size", [
+    (None, True, 64 * 2**20), (None, False, 4 * 2**20),   # unknown peak: the defaults
+    (0.025, False, 16 * 2**20),                           # 200 Mbit/s: 12.5 MB in 0.5 s -> 16 MiB
+    (450.0, True, 64 * 2**20), (1.25, False, 64 * 2**20),  # fast links: capped at 64 MiB
+    (0.001, False, 4 * 2**20),                            # 8 Mbit/s: 4 MiB already lasts 4 s
+])
+def test_probe_messages_last_half_a_second_at_the_peak(peak, nccl, size):
+    assert comm.probe_message_bytes(peak, nccl=nccl) == size
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: comm.internode_peak_gbps(0.0, 1), "rates must be > 0"),
+    (lambda: comm.internode_peak_gbps(25.0, 0, 8), "nics=0, devices_per_node=8: both must be >= 1"),
+    (lambda: comm.given_peak(-1.0), "link_peak_gbps=-1.0 must be > 0 GB/s"),
+    (lambda: comm.utilization(1.0, 0.0), "need busbw >= 0 and peak > 0"),
+])
+def test_bad_peak_input_is_one_line(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
 
 
 def test_exposed_time_is_the_collective_time_no_compute_covers():
@@ -131,6 +197,10 @@ def test_probe_figures_without_a_peak_say_why():
     assert tags[names.COMM_PEAK_GBPS] == "unknown" and tags[names.COMM_PEAK_SOURCE] == "unknown: gloo"
     metrics, tags = probe_figures(r, comm.nvlink_peak(4, 18), "")
     assert metrics[names.COMM_BUSBW_UTIL] == 2.0 / 450.0 and tags[names.COMM_PEAK_GBPS] == "450"
+    assert names.COMM_PEAK_EXCEEDED not in tags
+    metrics, tags = probe_figures(r, comm.given_peak(1.6), "")  # 2.0 GB/s over a 1.6 GB/s peak: 1.25, kept
+    assert metrics[names.COMM_BUSBW_UTIL] == 1.25
+    assert tags[names.COMM_PEAK_EXCEEDED].startswith("all-reduce busbw 2 GB/s is 1.25x the peak 1.6 GB/s")
 
 
 def _probe_worker(rank: int, port: int, cache: str, out: str) -> None:

@@ -34,6 +34,13 @@ def check(**kw):
     (dict(resume="yes"), r"resume='yes' is not accepted; use one of: auto, never"),
     (dict(measure_energy="ipmi"), r"measure_energy='ipmi' is not accepted; use one of: auto, nvml, rapl, none"),
     (dict(device_hour_usd=-1.0), r"device_hour_usd=-1.0 must be >= 0 USD"),
+    # a wrong rank for the job's machines: machine_rank 2 of 2 machines
+    (dict(num_machines=2, machine_rank=2, main_process_ip="10.0.0.1"),
+     r"^machine_rank=2 with num_machines=2; machine_rank must be in 0\.\.1$"),
+    (dict(num_machines=2, machine_rank=1), r"^num_machines=2 needs main_process_ip \(the address of machine 0\)$"),
+    (dict(num_machines=2, main_process_ip="10.0.0.1", rendezvous_timeout_s=0.0),
+     r"^rendezvous_timeout_s=0.0 must be > 0 seconds$"),
+    (dict(link_peak_gbps=-0.025), r"^link_peak_gbps=-0.025 must be >= 0 GB/s \(0: read the link's rate\)$"),
 ])
 def test_bad_settings_raise_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:

@@ -3,6 +3,8 @@ stragglers; and the monitor's summary figures and tags with a fake clock (hand-c
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import math
 
 import mlflow
@@ -12,7 +14,7 @@ import torch
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import stability as st
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
-from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes
+from mlflow_llmeff.monitor.steptimes import DeviceStepClock, PhaseTimer, StepTimes
 from mlflow_llmeff.testing import FakeClock
 
 from conftest import use_store
@@ -182,7 +184,11 @@ def test_straggler_ratio_is_the_slowest_over_the_median(per_rank, ratio, rank):
 # ------------------------------------------------------------------------------------ step timing
 class FakeEvent:
     def __init__(self, clock):
+        self.clock = clock
         self.t = clock()
+
+    def record(self) -> None:
+        self.t = self.clock()
 
     def elapsed_time(self, end) -> float:
         return (end.t - self.t) * 1000.0  # ms, as CUDA events report
@@ -200,21 +206,100 @@ def test_device_step_clock_splits_the_window_by_event_times():
     assert dc.take() is None  # nothing pending
 
 
-def test_forward_timer_counts_active_forwards_only():
+def timed_model(clock, *, forward_s=0.25, backward_s=0.5, optimizer_s=0.125):
+    """A linear model and SGD whose forward, backward and step each move ``clock`` by a known time
+    (hooks registered after the timer's, so they run inside its spans)."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def later():
+        model.register_forward_pre_hook(tick(clock, forward_s))
+        model.weight.register_hook(tick(clock, backward_s))  # inside the backward, before accumulation
+        opt.register_step_pre_hook(tick(clock, optimizer_s))
+    return model, opt, later
+
+
+def tick(clock, seconds: float):
+    """A hook (any arguments) that moves ``clock`` by ``seconds`` and returns None (changes nothing)."""
+    def hook(*args):
+        clock.advance(seconds)
+    return hook
+
+
+def train_step(model, opt):
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_phase_timer_times_forward_backward_and_optimizer_of_active_steps_only():
     clock = FakeClock()
     active = [True]
-    model = torch.nn.Linear(2, 2)
-
-    def slow_forward(module, args):
-        clock.t += 0.25
-
-    t = ForwardTimer(model, lambda: active[0], clock)
-    h = model.register_forward_pre_hook(slow_forward)  # after the timer's: runs inside the timed span
-    model(torch.zeros(1, 2))
+    model, opt, later = timed_model(clock)
+    t = PhaseTimer(model, lambda: active[0], clock, optimizer=opt)
+    later()
+    train_step(model, opt)
+    train_step(model, opt)
     active[0] = False
-    model(torch.zeros(1, 2))  # an eval inside a pause: not counted
-    assert t.take() == pytest.approx(0.25)
-    t.close(), h.remove()
+    train_step(model, opt)  # inside a pause (or warm-up): not counted
+    with torch.no_grad():
+        model(torch.zeros(1, 2))  # an eval forward: not counted either
+    assert t.take() == {"forward": 0.5, "backward": 1.0, "optimizer": 0.25}
+    assert t.take() == {"forward": 0.0, "backward": 0.0, "optimizer": 0.0} and t.timed["optimizer"]
+    t.close()
+    assert not model._forward_hooks and not model.weight._post_accumulate_grad_hooks
+
+
+def test_the_wait_after_the_last_gradient_is_not_backward():
+    # DDP's wait for its last all-reduces (and clipping) come after the last gradient: collective wait, not backward
+    clock = FakeClock()
+    model, opt, later = timed_model(clock)
+    t = PhaseTimer(model, lambda: True, clock, optimizer=opt)
+    later()
+    model(torch.ones(1, 2)).sum().backward()
+    clock.advance(2.0)
+    opt.step()
+    assert t.take() == {"forward": 0.25, "backward": 0.5, "optimizer": 0.125}
+    t.close()
+
+
+def test_a_backward_without_parameter_gradients_ends_at_the_optimizer_step():
+    # an engine that accumulates gradients itself fires no parameter hook: the backward runs to the step
+    clock = FakeClock()
+    model, opt, later = timed_model(clock)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    inner = torch.nn.Linear(2, 2)
+    wrapped = torch.nn.Sequential(model, inner)
+    t = PhaseTimer(wrapped, lambda: True, clock, optimizer=opt)
+    for p in inner.parameters():
+        p.requires_grad_(False)  # after the timer hooked it: its gradients never accumulate
+    opt.register_step_pre_hook(tick(clock, 0.125))
+    x = torch.ones(1, 2, requires_grad=True)
+    x.register_hook(tick(clock, 0.75))  # the backward's work
+    wrapped(x).sum().backward()
+    clock.advance(0.5)  # the engine's gradient collectives, clipping: between the backward and the step
+    opt.step()
+    assert t.take() == {"forward": 0.0, "backward": 1.25, "optimizer": 0.125}
+    t.close()
+
+
+def test_phase_timer_on_cuda_events_ends_the_backward_at_the_last_gradient():
+    clock = FakeClock()
+    model, opt, later = timed_model(clock)
+    t = PhaseTimer(model, lambda: True, clock, event=lambda: FakeEvent(clock), optimizer=opt)
+    later()
+    train_step(model, opt)
+    assert t.take() == pytest.approx({"forward": 0.25, "backward": 0.5, "optimizer": 0.125})
+    t.close()
+
+
+def test_an_optimizer_without_step_hooks_is_not_timed():
+    clock = FakeClock()
+    model = torch.nn.Linear(2, 2)
+    t = PhaseTimer(model, lambda: True, clock, optimizer=SimpleNamespace(step=lambda: None))
+    assert t.timed == {"forward": True, "backward": True, "optimizer": False}
+    t.close()
 
 
 def test_step_times_survive_a_checkpoint_in_float32():
@@ -294,12 +379,14 @@ def test_a_failed_run_keeps_the_description_that_says_why(tracking_uri):
         "Failed: loss became NaN at step 12"
 
 
-def test_a_failing_timer_never_reaches_the_forward_pass():
+def test_a_failing_timer_never_reaches_the_training_step():
     def broken():
         raise RuntimeError("timer bug")
 
     model = torch.nn.Linear(2, 2)
-    t = ForwardTimer(model, broken, FakeClock())
-    assert model(torch.zeros(1, 2)).shape == (1, 2) and model(torch.zeros(1, 2)).shape == (1, 2)
-    assert t.take() == 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = PhaseTimer(model, broken, FakeClock(), optimizer=opt)
+    train_step(model, opt)
+    assert model(torch.zeros(1, 2)).shape == (1, 2)
+    assert t.take() == {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     t.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -62,12 +63,17 @@ def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_pat
         steps = [s for s, _ in history(run, key)]
         assert len(steps) == len(set(steps))
     assert run.info.run_name == "tiny-ddp2-fp32-gbt512-s64-cpu"  # 64 x 4 x 1 x 2
-    # per rank: the slower rank's forward time over the median's (2 ranks: over their mean), and who it was
-    # (a figure of two processes on a shared machine: no range of it is a check; the tag's own two times are)
+    # per rank: the slower rank's compute time (forward + backward + optimizer) over the median's (2 ranks: over
+    # their mean), who it was, on which host and in which phase (a figure of two processes on a shared machine:
+    # no range of it is a check; the tag's own two times are)
     ratio = run.data.metrics[names.SUM_STRAGGLER_RATIO]
-    got = re.match(r"rank [01]: mean forward ([0-9.]+) ms/step vs median ([0-9.]+) ms", run.data.tags[names.STRAGGLER_RANK])
+    host = re.escape(socket.gethostname())
+    got = re.match(rf"rank [01] on host {host}: (forward|backward|optimizer) [0-9.]+x the median rank .*; compute "
+                   r"\(forward \+ backward \+ optimizer\) [0-9.]+x \(([0-9.]+) vs ([0-9.]+) ms/step\)",
+                   run.data.tags[names.STRAGGLER_RANK])
     assert got, run.data.tags[names.STRAGGLER_RANK]
-    slowest, median = float(got.group(1)), float(got.group(2))
+    assert run.data.tags[names.HOSTS].startswith(f"{socket.gethostname()}: ranks 0, 1, compute ")
+    slowest, median = float(got.group(2)), float(got.group(3))
     assert ratio >= 1.0 and slowest >= median
     assert ratio == pytest.approx(slowest / median, rel=2e-3)  # the tag gives each time to 4 digits
     # both ranks' processes are ours: the host figure is there, whatever else this machine runs

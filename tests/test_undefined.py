@@ -1,7 +1,7 @@
 """Figures that are undefined for a run are absent, never 0 or 1.0, and ``llmeff.summary.absent`` says why
 (METRICS.md, "Intervals that hold their level"): the spread of one steady step, the goodput of no wall
 time, an interval with no steady tokens/s to centre it on or too few steps, rates of a run that never
-left warm-up, a straggler ratio over a rank without a timed forward, bytes per parameter of a model
+left warm-up, a straggler ratio over a rank without a timed step, bytes per parameter of a model
 without parameters, a cost whose energy part has no measured energy; compare names a repeat left out
 of a figure with its run's why, and sorts an unknown device count last, not as 0."""
 
@@ -155,24 +155,47 @@ def _stub(**kw):
     steps.add_window([0.010] * 12, 12_000)
     base = dict(_steps=steps, _meter=SimpleNamespace(summary=lambda: None),
                 _contention=SimpleNamespace(finish=lambda collective: ({}, {})), world_size=1, rank=0,
-                _fwd_s=0.0, _fwd_steps=0)
+                _phase_s={"forward": 0.0, "backward": 0.0, "optimizer": 0.0}, _phase_steps=0, _phase_step_s=0.0,
+                _phases=SimpleNamespace(timed={"forward": True, "backward": True, "optimizer": True}))
     return SimpleNamespace(**{**base, **kw})
 
 
-def test_a_straggler_ratio_over_a_rank_without_a_timed_forward_is_absent_not_computed(monkeypatch):
+def _ranks(*phases, steps=12):
+    """Every rank's gathered times (summary._rank_times' shape): ``phases`` = (forward, backward, optimizer) s/step."""
+    return [{"host": f"h{r}", "steps": steps if p else 0, "step_s": 0.05 if p else None,
+             "phases": dict(zip(("forward", "backward", "optimizer"), p)) if p else {}} for r, p in enumerate(phases)]
+
+
+def test_a_straggler_ratio_over_a_rank_without_a_timed_step_is_absent_not_computed(monkeypatch):
     from mlflow_llmeff.meters import collectives
 
-    # rank 0 timed no forward (no model hooked); rank 1 did: the ratio would be over a 0, and is not logged
-    monkeypatch.setattr(collectives, "all_reduce", lambda xs, op="sum": [0.0, 0.012])
+    # rank 0 timed no step (no model hooked); rank 1 did: the ratio would be over a 0, and is not logged
+    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: _ranks((), (0.004, 0.008, 0.001)))
     mon = _stub(world_size=2)
     out = summary.stability_figures(mon, collective=True)
-    assert names.SUM_STRAGGLER_RATIO not in out
-    assert mon._absent[names.SUM_STRAGGLER_RATIO] == "no timed forward in a steady step on rank 0"
-    # both ranks timed theirs: 12 ms vs a median of (10 + 12) / 2 ms
-    monkeypatch.setattr(collectives, "all_reduce", lambda xs, op="sum": [0.010, 0.012])
-    mon = _stub(world_size=2, _fwd_s=0.12, _fwd_steps=12)
-    assert summary.stability_figures(mon, collective=True)[names.SUM_STRAGGLER_RATIO] == pytest.approx(0.012 / 0.011)
-    assert names.SUM_STRAGGLER_RATIO not in mon._absent
+    assert names.SUM_STRAGGLER_RATIO not in out and names.SUM_PHASE_STRAGGLER["backward"] not in out
+    assert mon._absent[names.SUM_STRAGGLER_RATIO] == "no timed steady step on rank 0"
+    # both ranks timed theirs: compute 12 ms vs a median of (10 + 12) / 2 ms
+    monkeypatch.setattr(collectives, "all_gather_object",
+                        lambda obj: _ranks((0.003, 0.006, 0.001), (0.003, 0.008, 0.001)))
+    mon = _stub(world_size=2)
+    out = summary.stability_figures(mon, collective=True)
+    assert out[names.SUM_STRAGGLER_RATIO] == pytest.approx(0.012 / 0.011)
+    assert out[names.SUM_PHASE_STRAGGLER["backward"]] == pytest.approx(0.008 / 0.007)
+    assert out[names.SUM_PHASE_STRAGGLER["forward"]] == 1.0
+    assert not hasattr(mon, "_absent") or names.SUM_STRAGGLER_RATIO not in mon._absent
+
+
+def test_a_phase_not_timed_on_some_rank_has_no_ratio_and_says_why(monkeypatch):
+    from mlflow_llmeff.meters import collectives
+
+    got = _ranks((0.003, 0.006, 0.001), (0.003, 0.008, 0.001))
+    del got[1]["phases"]["optimizer"]  # rank 1's optimizer had no step hooks
+    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: got)
+    mon = _stub(world_size=2)
+    out = summary.stability_figures(mon, collective=True)
+    assert out[names.SUM_STRAGGLER_RATIO] == pytest.approx(0.011 / 0.010)  # forward + backward only
+    assert mon._absent[names.SUM_PHASE_STRAGGLER["optimizer"]] == "optimizer not timed on rank 1 (its optimizer has no step hooks)"
 
 
 def test_model_state_bytes_per_param_of_a_model_without_parameters_is_absent_not_0():

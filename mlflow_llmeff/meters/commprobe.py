@@ -4,8 +4,10 @@
   one large message and turns the times into nccl-tests bus bandwidth (:mod:`mlflow_llmeff.calc.comm`);
   the result is cached per machine, world size, backend and device like the matmul peak
   (:func:`mlflow_llmeff.meters.hardware.measure_matmul_peak`), in ``<cache dir>/comm.json``.
-* :func:`detect_link` names the link those collectives cross and its datasheet peak (NVML's
-  NVLink and PCIe figures, the InfiniBand/RoCE adapters in ``/sys/class/infiniband``).
+* :func:`detect_link` names the link those collectives cross and its peak (NVML's NVLink and
+  PCIe figures, the InfiniBand/RoCE adapters in ``/sys/class/infiniband``, across machines
+  without them the interface toward the head: :mod:`mlflow_llmeff.meters.netpeak`), or the
+  user's ``link_peak_gbps``.
 * :class:`StepSampler` looks at a few warm-up steps of each attempt (never a steady-state one, so
   the steady-state figures carry no sampling overhead): the second is counted by
   :class:`CommCounter` (every collective's size and ranks, through a ``TorchDispatchMode``), the
@@ -215,20 +217,43 @@ def _nics(root: str = "/sys/class/infiniband") -> tuple[str, int] | None:
     return best, found[best]
 
 
-def detect_link(device, *, backend: str, nodes: int, devices_per_node: int) -> tuple[comm.LinkPeak | None, str]:
-    """The link this run's collectives cross and its peak (:func:`mlflow_llmeff.calc.comm.link_peak`)."""
-    nvlink = pcie = nic = None
+def detect_link(device, *, backend: str, nodes: int, devices_per_node: int, head: str | None = None,
+                given_gbps: float | None = None) -> tuple[comm.LinkPeak | None, str]:
+    """The link this run's collectives cross and its peak (:func:`mlflow_llmeff.calc.comm.link_peak`).
+
+    Args:
+        device: this rank's torch device (NVML's NVLink/PCIe figures for a CUDA device under NCCL).
+        backend: the process group's backend.
+        nodes: machines taking part.
+        devices_per_node: ranks on each machine.
+        head: the head's address (``MASTER_ADDR``): across machines the interface that routes to it
+            and its rate (:func:`mlflow_llmeff.meters.netpeak.interface_peak`) where no
+            InfiniBand/RoCE adapter serves NCCL.
+        given_gbps: the user's ``link_peak_gbps`` (> 0: taken as it is, nothing read).
+    """
+    if given_gbps:
+        return comm.link_peak(backend=backend, nodes=nodes, given_gbps=given_gbps)
+    nvlink = pcie = nic = interface = None
     if backend == "nccl" and getattr(device, "type", None) == "cuda":
         nvlink, pcie = _nvml_links(device.index or 0)
         if nodes > 1:
             nic = _nics()
+    if nodes > 1 and nic is None:
+        from mlflow_llmeff.meters.netpeak import interface_peak
+
+        interface = interface_peak(head) if head else (None, "the head's address (MASTER_ADDR) is not set")
     return comm.link_peak(backend=backend, nodes=nodes, nvlink=nvlink, pcie=pcie, nic=nic,
-                          devices_per_node=devices_per_node)
+                          devices_per_node=devices_per_node, interface=interface)
 
 
 def probe_figures(result: ProbeResult | None, peak: comm.LinkPeak | None, why: str,
                   reason_none: str = "") -> tuple[dict[str, float], dict[str, str]]:
-    """The ``comm/*`` metrics and ``llmeff.comm.*`` tags of a probe."""
+    """The ``comm/*`` metrics and ``llmeff.comm.*`` tags of a probe.
+
+    ``comm/busbw_utilization`` is the all-reduce's busbw over the peak, never clipped: above 1 it is
+    logged as measured and ``llmeff.comm.peak.exceeded`` says why that can be
+    (:func:`mlflow_llmeff.calc.comm.utilization`).
+    """
     tags = {names.COMM_PEAK_GBPS: f"{peak.gbps:g}" if peak else "unknown",
             names.COMM_PEAK_SOURCE: f"{peak.link}: {peak.source}" if peak else why}
     if result is None:
@@ -238,7 +263,9 @@ def probe_figures(result: ProbeResult | None, peak: comm.LinkPeak | None, why: s
          names.COMM_ALLGATHER_BUSBW: result.busbw_gbps["all_gather"],
          names.COMM_REDUCESCATTER_BUSBW: result.busbw_gbps["reduce_scatter"]}
     if peak:
-        m[names.COMM_BUSBW_UTIL] = result.busbw_gbps["all_reduce"] / peak.gbps
+        m[names.COMM_BUSBW_UTIL], exceeded = comm.utilization(result.busbw_gbps["all_reduce"], peak.gbps)
+        if exceeded:
+            tags[names.COMM_PEAK_EXCEEDED] = f"all-reduce {exceeded}"
     tags[names.COMM_PROBE] = result.describe()
     return m, tags
 

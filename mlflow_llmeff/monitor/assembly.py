@@ -5,7 +5,7 @@ touch MLflow (that is :mod:`~mlflow_llmeff.monitor.binding`): :func:`check_args`
 ``autolog``, which checks its settings before any training starts), :func:`read_model` (device,
 precision, strategy, compile and checkpointing flags, the FLOPs account), :func:`set_up_measurement`
 (accelerator, energy meter, peaks, price, carbon tracker, consumption) and
-:func:`set_up_step_timing` (per-step times, forward timer, contention meter). The set-up functions
+:func:`set_up_step_timing` (per-step times, phase timer, contention meter). The set-up functions
 set the monitor's state (``mon``) in the order the constructor calls them.
 """
 
@@ -25,7 +25,7 @@ from mlflow_llmeff.monitor.conditions import (infer_precision, infer_strategy, i
 from mlflow_llmeff.monitor.consumption import Consumption
 from mlflow_llmeff.monitor.contention import ContentionMeter
 from mlflow_llmeff.monitor.precision import fp8_layers
-from mlflow_llmeff.monitor.steptimes import DeviceStepClock, ForwardTimer, StepTimes, cuda_event_factory
+from mlflow_llmeff.monitor.steptimes import PHASES, DeviceStepClock, PhaseTimer, StepTimes, cuda_event_factory
 
 __all__ = ["PRECISIONS", "assumptions", "assumed_tag", "assumed_line", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
 
@@ -170,22 +170,27 @@ def assumed_line(found: dict[str, str]) -> str | None:
 
 
 def set_up_step_timing(mon, model, contention_meter) -> None:
-    """Per-step times (device events on CUDA), each rank's forward time, and the contention meter."""
+    """Per-step times (device events on CUDA), each rank's phase times (forward, backward, optimizer), and
+    the contention meter."""
     cuda = mon._device is not None and mon._device.type == "cuda"
     mon._steps, mon._pending_step_s = StepTimes(), []
     mon._devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
-    mon._fwd_s, mon._fwd_steps, mon._fwd = 0.0, 0, None
+    # this attempt's steady steps: seconds of each compute phase, the steps timed and their seconds (stragglers)
+    mon._phase_s, mon._phase_steps, mon._phase_step_s, mon._phases = dict.fromkeys(PHASES, 0.0), 0, 0.0, None
     inner = unwrap_model(model) if model is not None else None
     if inner is not None and hasattr(inner, "register_forward_pre_hook"):
-        mon._fwd = ForwardTimer(inner, mon._forward_counts, mon._clock,
-                                event=cuda_event_factory() if cuda else None)
+        try:
+            mon._phases = PhaseTimer(inner, mon._forward_counts, mon._clock,
+                                     event=cuda_event_factory() if cuda else None, optimizer=mon._optimizer)
+        except Exception:  # noqa: BLE001 - a model that takes no hooks: no phase times (the stragglers say why)
+            mon._phases = None
     mon._contention = contention_meter or ContentionMeter(device=mon._device)
 
 
 def stop_meters(mon) -> None:
     """Stop what :func:`set_up_measurement` and :func:`set_up_step_timing` started (a failure is ignored)."""
     for closer in (mon._energy.close, mon._carbon.stop, mon._contention.close,
-                   mon._fwd.close if mon._fwd is not None else (lambda: None)):
+                   mon._phases.close if mon._phases is not None else (lambda: None)):
         try:
             closer()
         except Exception:  # noqa: BLE001

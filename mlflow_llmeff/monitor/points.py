@@ -55,16 +55,19 @@ def reduce_counts(mon, t):
 
 
 def time_steps(mon, counts, window_s: float) -> None:
-    """Keep the per-step seconds (device events on CUDA) and forward time of a steady window just added."""
+    """Keep the per-step seconds (device events on CUDA) and phase times of a steady window just added."""
     device_s = mon._devclock.take(window_s) if mon._devclock is not None else None
-    forward_s = mon._fwd.take() if mon._fwd is not None else 0.0
+    phase_s = mon._phases.take() if mon._phases is not None else None
     host_s, mon._pending_step_s = mon._pending_step_s, []
     if counts.steps == 0 or mon._meter.is_warmup(mon._meter.step):
         return
     secs = device_s if device_s is not None and len(device_s) == len(host_s) else host_s
     mon._steps.add_window(secs, counts.tokens)
-    mon._fwd_s += forward_s
-    mon._fwd_steps += counts.steps
+    if phase_s is not None:
+        for phase, s in phase_s.items():
+            mon._phase_s[phase] += s
+        mon._phase_steps += counts.steps
+        mon._phase_step_s += sum(secs)
 
 
 def absent_text(absent: dict[str, str]) -> str:

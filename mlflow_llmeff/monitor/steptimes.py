@@ -1,5 +1,5 @@
 """Per-step timing for the stability figures: the steady steps' seconds and tokens, the device-side
-clock of each step on CUDA, and each rank's forward time for the straggler ratio.
+clock of each step on CUDA, and each rank's forward, backward and optimizer time for the stragglers.
 
 * :class:`StepTimes` keeps one ``(seconds, tokens)`` pair per steady-state optimizer step, all
   attempts (it travels in checkpoints compactly), and hands them to
@@ -11,10 +11,12 @@ clock of each step on CUDA, and each rank's forward time for the straggler ratio
   the host's per-step times of an asynchronous device are when the host queued work, not when the
   device did it. The events of a window are scaled to the window's synchronized wall seconds, so
   they split that total, never change it.
-* :class:`ForwardTimer` times the model's forward passes inside steady steps (CUDA events on a
-  CUDA model, the host clock otherwise). Under DDP the forward holds no gradient collective, so a
-  rank's mean forward time is its compute speed before the collective waits; under FSDP and tensor
-  parallelism the forward holds parameter all-gathers too (docs/stability.md).
+* :class:`PhaseTimer` times the model's forward passes, its backward passes and the optimizer's
+  steps inside steady steps (CUDA events on a CUDA model, the host clock otherwise). Under DDP none
+  of them holds a collective wait, so a rank's phase times are its compute speed before the
+  collective waits, and the step time minus them is its collective wait (and the loop's other
+  work); under FSDP and tensor parallelism the phases hold parameter all-gathers and gradient
+  reduce-scatters too (docs/stability.md).
 
 Event classes and clocks are injected (tests use fakes); torch is imported only for real CUDA events.
 """
@@ -25,7 +27,7 @@ import base64
 from array import array
 from typing import Any, Callable, Sequence
 
-__all__ = ["StepTimes", "DeviceStepClock", "ForwardTimer", "cuda_event_factory"]
+__all__ = ["StepTimes", "DeviceStepClock", "PhaseTimer", "PHASES", "cuda_event_factory"]
 
 
 def cuda_event_factory() -> Callable[[], Any]:
@@ -124,48 +126,179 @@ class DeviceStepClock:
         return secs
 
 
-class ForwardTimer:
-    """Seconds the model spent in forward passes while ``active()`` (steady steps, outside pauses).
+#: The compute phases of a step :class:`PhaseTimer` times; what is left of a step is collective wait and other.
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _grad_root(out):
+    """The tensor a backward through ``out`` starts at: its ``loss`` when it has one that needs a gradient,
+    else the first tensor of it that does (``logits``: the loss's own backward after it is a few ops), else None."""
+    import torch
+
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return v
+    return None
+
+
+def _torch_optimizer(optimizer):
+    """The ``torch.optim.Optimizer`` inside wrappers (Accelerate's ``AcceleratedOptimizer.optimizer``, itself an
+    Optimizer subclass whose ``step`` runs no hooks), or None."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            break
+        optimizer = inner
+    return optimizer if hasattr(optimizer, "_optimizer_step_pre_hooks") else None
+
+
+class PhaseTimer:
+    """Seconds of each compute phase of the steps while ``active()`` (steady steps, outside pauses):
+    ``forward``, ``backward`` and ``optimizer`` (:data:`PHASES`).
+
+    * forward: the model's ``forward`` (pre- and post-forward hooks on the inner module);
+    * backward: from the backward reaching the forward's output (a hook on its ``loss``, else on
+      its first tensor that needs a gradient) to the last parameter's gradient accumulated (every
+      trainable parameter's post-accumulate-grad hook). Under DDP the gradient all-reduces run
+      asynchronously beside it, and the wait for the last ones (after the last gradient) is not in
+      it. Where no parameter hook fires (an engine that accumulates gradients itself: FSDP2's
+      sharded parameters, DeepSpeed), the backward ends at the next thing seen: the optimizer's
+      step, the next forward, or the window's edge, and so holds the engine's gradient collectives;
+    * optimizer: ``optimizer.step()`` (step pre- and post-hooks of the ``torch.optim.Optimizer``
+      inside Accelerate's wrapper; none for an optimizer without them: :attr:`timed` says so).
+
+    What a step holds besides these (the collective waits, gradient clipping, the scheduler, the
+    loop itself) is the step time minus their sum. CUDA events on a CUDA model (read after the
+    window edge's synchronization), the host clock otherwise. A hook that fails stops the timer,
+    never the step.
 
     Args:
-        module: the model whose ``forward`` is timed (the inner module, not a DDP wrapper, whose
-            own forward may broadcast buffers).
-        active: True while a forward should count.
+        module: the model (the inner module, not a DDP wrapper, whose own forward may broadcast buffers).
+        active: True while a phase should count.
         clock: host seconds (used without ``event``).
         event: timing-event factory (:func:`cuda_event_factory`) for a model on a CUDA device.
+        optimizer: the training optimizer (for the optimizer phase), or None.
     """
 
     def __init__(self, module, active: Callable[[], bool], clock: Callable[[], float],
-                 event: Callable[[], Any] | None = None) -> None:
+                 event: Callable[[], Any] | None = None, optimizer=None) -> None:
         self._active, self._clock, self._event = active, clock, event
-        self._start: Any = None
-        self._seconds = 0.0
-        self._events: list[tuple[Any, Any]] = []
-        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._spans: list[tuple[str, Any, Any]] = []  # (phase, start event, end event) on CUDA
+        self._fwd: Any = None
+        self._opt: Any = None
+        self._bwd: Any = None  # start mark of the open backward
+        self._bwd_end: Any = None  # its last parameter gradient's mark
+        self._handles = [module.register_forward_pre_hook(self._fwd_pre), module.register_forward_hook(self._fwd_post)]
+        params = [p for p in module.parameters() if p.requires_grad]
+        if params and hasattr(params[0], "register_post_accumulate_grad_hook"):
+            self._handles += [p.register_post_accumulate_grad_hook(self._grad) for p in params]
+        inner, hooked = _torch_optimizer(optimizer), False
+        if inner is not None:
+            try:
+                self._handles += [inner.register_step_pre_hook(self._opt_pre),
+                                  inner.register_step_post_hook(self._opt_post)]
+                hooked = True
+            except Exception:  # noqa: BLE001 - an optimizer that takes no hooks: its phase is not timed
+                pass
+        #: the phases this timer can see (forward and backward with a model; optimizer with a torch optimizer)
+        self.timed = {"forward": True, "backward": True, "optimizer": hooked}
 
-    def _pre(self, module, args) -> None:
+    # ---- marks: a host time, or a recorded CUDA event
+    def _mark(self) -> Any:
+        return self._event() if self._event else self._clock()
+
+    def _add(self, phase: str, start: Any, end: Any) -> None:
+        if self._event:
+            self._spans.append((phase, start, end))
+        else:
+            self._seconds[phase] += end - start
+
+    def _stop(self) -> None:
+        """A hook failed: stop timing (the step goes on)."""
+        self._active = lambda: False
+        self._fwd = self._opt = self._bwd = self._bwd_end = None
+
+    def _close_backward(self) -> None:
+        """End an open backward: at its last parameter gradient, else now."""
+        if self._bwd is not None:
+            self._add("backward", self._bwd, self._bwd_end if self._bwd_end is not None else self._mark())
+            self._bwd = self._bwd_end = None
+
+    # ---- hooks
+    def _fwd_pre(self, module, args) -> None:
         try:
-            self._start = (self._event() if self._event else self._clock()) if self._active() else None
+            self._close_backward()
+            self._fwd = self._mark() if self._active() else None
         except Exception:  # noqa: BLE001 - a timer never reaches the user's forward: it stops timing
-            self._start, self._active = None, lambda: False
+            self._stop()
 
-    def _post(self, module, args, output) -> None:
-        if self._start is None:
+    def _fwd_post(self, module, args, output) -> None:
+        if self._fwd is None:
             return
         try:
-            if self._event:
-                self._events.append((self._start, self._event()))
-            else:
-                self._seconds += self._clock() - self._start
+            self._add("forward", self._fwd, self._mark())
+            self._fwd = None
+            root = _grad_root(output)
+            if root is not None:
+                root.register_hook(self._bwd_start)
         except Exception:  # noqa: BLE001
-            self._active = lambda: False
-        self._start = None
+            self._stop()
 
-    def take(self) -> float:
-        """Forward seconds since the last call (after a device synchronization on CUDA)."""
-        secs = self._seconds + sum(s.elapsed_time(e) / 1000.0 for s, e in self._events)
-        self._seconds, self._events = 0.0, []
-        return secs
+    def _bwd_start(self, grad) -> None:
+        try:
+            if self._active():
+                self._close_backward()
+                self._bwd = self._mark()
+        except Exception:  # noqa: BLE001
+            self._stop()
+
+    def _grad(self, param) -> None:
+        if self._bwd is None:
+            return
+        try:
+            if not self._event:
+                self._bwd_end = self._clock()
+            elif self._bwd_end is None:
+                self._bwd_end = self._event()
+            else:
+                self._bwd_end.record()  # the same event, recorded again: the last gradient's time
+        except Exception:  # noqa: BLE001
+            self._stop()
+
+    def _opt_pre(self, optimizer, args, kwargs) -> None:
+        try:
+            self._close_backward()
+            self._opt = self._mark() if self._active() else None
+        except Exception:  # noqa: BLE001
+            self._stop()
+
+    def _opt_post(self, optimizer, args, kwargs) -> None:
+        if self._opt is None:
+            return
+        try:
+            self._add("optimizer", self._opt, self._mark())
+            self._opt = None
+        except Exception:  # noqa: BLE001
+            self._stop()
+
+    def take(self) -> dict[str, float]:
+        """Seconds of each phase since the last call, ``{phase: s}`` (after a device synchronization on CUDA)."""
+        try:
+            self._close_backward()
+        except Exception:  # noqa: BLE001
+            self._stop()
+        out = dict(self._seconds)
+        for phase, start, end in self._spans:
+            out[phase] += start.elapsed_time(end) / 1000.0  # ms -> s at the boundary
+        self._seconds, self._spans = dict.fromkeys(PHASES, 0.0), []
+        return out
 
     def close(self) -> None:
         for h in self._handles:

@@ -204,24 +204,86 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
                 _absent(mon, key, why)
     mon._stability_tags.update(tags)
     if not collective and mon.world_size > 1:
-        _absent(mon, names.SUM_STRAGGLER_RATIO, "the run ended on rank 0 only: the other ranks' forward times "
-                "could not be gathered (llmeff.autolog.note)")
+        for key in (names.SUM_STRAGGLER_RATIO, *names.SUM_PHASE_STRAGGLER.values()):
+            _absent(mon, key, "the run ended on rank 0 only: the other ranks' phase times could not be gathered "
+                              "(llmeff.autolog.note)")
     if collective and mon.world_size > 1:
-        mine = [0.0] * mon.world_size
-        mine[mon.rank] = mon._fwd_s / mon._fwd_steps if mon._fwd_steps else 0.0
-        per_rank = collectives.all_reduce(mine)
-        found = st.straggler(per_rank) if all(v > 0 for v in per_rank) else None
-        if found is None:  # a ratio over a rank with no timed forward is undefined, never 1.0
-            idle = [str(r) for r, v in enumerate(per_rank) if v <= 0]
-            _absent(mon, names.SUM_STRAGGLER_RATIO,
-                    f"no timed forward in a steady step on rank{'s' if len(idle) > 1 else ''} {', '.join(idle)}"
-                    if idle else "the median rank's forward time is 0")
-        else:
-            out[names.SUM_STRAGGLER_RATIO] = found[0]
-            mon._stability_tags[names.STRAGGLER_RANK] = (
-                f"rank {found[1]}: mean forward {per_rank[found[1]] * 1e3:.4g} ms/step vs median "
-                f"{st.percentile(per_rank, 50) * 1e3:.4g} ms")
+        out.update(straggler_figures(mon))
     return out
+
+
+def _rank_times(mon) -> dict:
+    """This rank's host, mean seconds per steady step of each phase it timed, and mean step time."""
+    import socket
+
+    n = getattr(mon, "_phase_steps", 0)
+    timer = getattr(mon, "_phases", None)
+    timed = [p for p, ok in timer.timed.items() if ok] if timer is not None else []
+    return {"host": socket.gethostname(), "steps": n,
+            "phases": {p: mon._phase_s[p] / n for p in timed} if n else {},
+            "step_s": mon._phase_step_s / n if n else None}
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.4g}"
+
+
+def straggler_figures(mon) -> dict[str, float]:
+    """``summary/straggler_ratio`` and the phase ratios; the tags ``llmeff.straggler.rank`` (rank, host,
+    phase) and ``llmeff.hosts`` (each host's ranks and times) wait in ``mon._stability_tags``. A
+    collective (every rank's times are gathered)."""
+    from mlflow_llmeff.calc.stragglers import RankTimes, stragglers
+
+    got = collectives.all_gather_object(_rank_times(mon))
+    idle = [str(r) for r, g in enumerate(got) if not g["steps"]]
+    keys = (names.SUM_STRAGGLER_RATIO, *names.SUM_PHASE_STRAGGLER.values())
+    if idle:  # a ratio over a rank with no timed step is undefined, never 1.0
+        for key in keys:
+            _absent(mon, key, f"no timed steady step on rank{'s' if len(idle) > 1 else ''} {', '.join(idle)}")
+        return {}
+    found = stragglers([RankTimes(g["host"], g["phases"], g["step_s"]) for g in got])
+    if found is None:
+        for key in keys:
+            _absent(mon, key, "no phase timed on every rank, or the median rank's compute time is 0")
+        return {}
+    out = {names.SUM_STRAGGLER_RATIO: found.ratio}
+    for phase, key in names.SUM_PHASE_STRAGGLER.items():
+        if phase in found.phase_ratios:
+            out[key] = found.phase_ratios[phase]
+        else:
+            untimed = [str(r) for r, g in enumerate(got) if phase not in g["phases"]]
+            _absent(mon, key, f"{phase} not timed on rank{'s' if len(untimed) > 1 else ''} {', '.join(untimed)} (its "
+                              "optimizer has no step hooks)" if untimed else f"the median rank's {phase} time is 0")
+    r = found.rank
+    mine = got[r]["phases"]
+    of = f" {found.phase_ratio:.3g}x the median rank" if found.phase_ratio is not None else ""
+    waits = [w for w in found.wait_s if w is not None]
+    wait = (f"; collective wait and other: rank {r} {_ms(found.wait_s[r])} ms/step, the median rank "
+            f"{_ms(st.percentile(waits, 50))}" if found.wait_s[r] is not None and waits else "")
+    mon._stability_tags[names.STRAGGLER_RANK] = (
+        f"rank {r} on host {found.host}: {found.phase}{of} ({_ms(mine[found.phase])} vs "
+        f"{_ms(found.medians[found.phase])} ms/step); compute ({' + '.join(found.phases)}) {found.ratio:.3g}x "
+        f"({_ms(found.compute_s[r])} vs {_ms(found.medians['compute'])} ms/step){wait}")
+    mon._stability_tags[names.HOSTS] = hosts_text(got, found)
+    return out
+
+
+def hosts_text(got: list[dict], found) -> str:
+    """``llmeff.hosts``: each host with its ranks, their mean compute time per step and its phases, and
+    their collective wait (``host-a: rank 0, compute 12.3 ms/step (forward 4.1, backward 7.9,
+    optimizer 0.3), wait 20.1 ms/step; ...``), hosts in the order of their first rank."""
+    by_host: dict[str, list[int]] = {}
+    for r, g in enumerate(got):
+        by_host.setdefault(g["host"], []).append(r)
+    parts = []
+    for host, ranks in by_host.items():
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        phases = ", ".join(f"{p} {_ms(mean([got[r]['phases'][p] for r in ranks]))}" for p in found.phases)
+        waits = [found.wait_s[r] for r in ranks if found.wait_s[r] is not None]
+        wait = f", wait {_ms(mean(waits))} ms/step" if waits else ""
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        parts.append(f"{host}: {who}, compute {_ms(mean([found.compute_s[r] for r in ranks]))} ms/step ({phases}){wait}")
+    return "; ".join(parts)
 
 
 def _absent(mon, key: str, why: str) -> None:

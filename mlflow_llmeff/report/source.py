@@ -29,6 +29,8 @@ class Selection:
             training, no summary; their children are the runs) are left out.
         comparison_runs: how many comparison runs matched and were left out.
         study_runs: how many study parents matched and were left out.
+        machine_runs: how many runs of a multi-machine job's other machines (``llmeff.machine.job_run``:
+            made by ``mlflow run`` there, empty; the job's run is compared) matched and were left out.
     """
 
     experiment_id: str
@@ -37,6 +39,7 @@ class Selection:
     runs: list[RunRecord]
     comparison_runs: int = 0
     study_runs: int = 0
+    machine_runs: int = 0
 
     def scope(self) -> str:
         """Which runs these are: ``every active run of the experiment`` (or ``... matching the filter``),
@@ -47,6 +50,9 @@ class Selection:
         if self.study_runs:
             left += (f"; {self.study_runs:,} study parent run{'s' if self.study_runs != 1 else ''} (llmeff study's: "
                      "their children are compared) left out")
+        if self.machine_runs:
+            left += (f"; {self.machine_runs:,} run{'s' if self.machine_runs != 1 else ''} of a job's other machines "
+                     "(mlflow run's there: empty, the job's run is compared) left out")
         return f"every active run {scope}{left}"
 
     def count_line(self) -> str:
@@ -121,11 +127,13 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     left_out, runs = len(runs) - len(compared), compared
     trained = [r for r in runs if names.STUDY not in r.tags]  # a study's parent trains nothing
     parents, runs = len(runs) - len(trained), trained
+    jobs = [r for r in runs if names.MACHINE_JOB_RUN not in r.tags]  # another machine's empty run of a job
+    machines, runs = len(runs) - len(jobs), jobs
     if not runs:
         if filter_string:
             raise ValueError(f"no run of experiment {exp.name!r} matches the filter {filter_string!r}")
         raise ValueError(f"experiment {exp.name!r} has no runs to compare")
-    return Selection(exp.experiment_id, exp.name, filter_string or "", runs, left_out, parents)
+    return Selection(exp.experiment_id, exp.name, filter_string or "", runs, left_out, parents, machines)
 
 
 def _sql_engine(client):

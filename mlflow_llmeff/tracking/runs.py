@@ -26,7 +26,8 @@ from mlflow_llmeff import names
 from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
 from mlflow_llmeff.names import shorten
 
-__all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line"]
+__all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line",
+           "mark_machine_runs"]
 
 # MLflow error codes that say the request is wrong, not that the server is away: raised, never
 # turned into a local run.
@@ -332,6 +333,50 @@ def record_failure(message: str, tags: dict[str, str] | None = None, run_id: str
         return True
     except Exception:  # noqa: BLE001 - reporting a failure must not hide it
         return False
+
+
+def mark_machine_runs(job_run_id: str, machine_runs: dict[int, tuple[str, str]], num_machines: int,
+                        client=None) -> str | None:
+    """Mark the runs ``mlflow run`` made on the job's other machines (MLflow issue #3787: one run per
+    machine, all but machine 0's empty) as parts of the job's run. Each gets the tag
+    ``llmeff.machine.job_run`` (the job's run), ``mlflow.parentRunId`` (the UI nests it under the job's
+    run, collapsed), a description saying where the figures are, and the end status FINISHED; ``mlflow
+    run`` on that machine then ends it again with that machine's exit status, and ``llmeff compare``
+    leaves it out. It is not deleted: MLflow 3.17's ``mlflow run`` ends its run even when it was ended
+    (``_maybe_set_run_terminated`` compares the status string to integers), and ending a deleted run
+    raises, which would fail that machine's ``mlflow run`` after the job succeeded. Called by the job's
+    rank 0 (the only writer), before the first step.
+
+    Args:
+        job_run_id: the run rank 0 logs into.
+        machine_runs: ``{machine_rank: (its MLFLOW_RUN_ID, its host)}`` of machines 1.. that have one
+            (one that is the job's own run is left alone).
+        num_machines: machines in the job.
+        client: an ``MlflowClient`` (default: a new one).
+
+    Returns:
+        The ``llmeff.machine_runs`` tag for the job's run (``machine 1 (host): run ID``; a failure says
+        so), or None when there was none. Never raises.
+    """
+    todo = {r: v for r, v in sorted(machine_runs.items()) if v[0] and v[0] != job_run_id}
+    if not todo:
+        return None
+    from mlflow import MlflowClient
+
+    client = client or MlflowClient()
+    said = []
+    for rank, (run_id, host) in todo.items():
+        note = (f"Machine {rank} of {num_machines} ({host}) of the job whose run is {job_run_id}: rank 0 logs every "
+                "figure there. This machine's launcher (mlflow run on each machine) made this run; it logs nothing.")
+        try:
+            for key, value in {names.MACHINE_JOB_RUN: job_run_id, "mlflow.parentRunId": job_run_id,
+                               "mlflow.note.content": note}.items():
+                client.set_tag(run_id, key, value)
+            client.set_terminated(run_id, "FINISHED")
+            said.append(f"machine {rank} ({host}): run {run_id}")
+        except Exception as e:  # noqa: BLE001 - a run left unmarked is named, never the end of training
+            said.append(f"machine {rank} ({host}): run {run_id} not marked ({type(e).__name__}: {shorten(str(e), 200)})")
+    return "; ".join(said)
 
 
 #: The query that makes MLflow 3's UI open a page as model training, not GenAI (checked on 3.17.2: a

@@ -50,6 +50,8 @@ class TrainConfig:
     machine_rank: int = field(default=0, metadata={"help": "this machine's rank in 0..num_machines-1 (0 logs to MLflow)"})
     main_process_ip: str = field(default="", metadata={"help": "address of machine 0 for the rendezvous (with num_machines > 1)"})
     main_process_port: int = field(default=29500, metadata={"help": "TCP port of the rendezvous of the processes (on machine 0 with several machines)"})
+    rendezvous_timeout_s: float = field(default=300.0, metadata={"help": "with several machines: seconds each machine waits at the start for the others at main_process_ip:main_process_port (and checks they were given the same settings) before it fails with one line"})
+    link_peak_gbps: float = field(default=0.0, metadata={"help": "busbw peak of the link the collectives cross, GB/s per direction (1e9 bytes/s; 200 Mbit/s = 0.025; across machines the node's aggregate network rate); 0: read it (NVLink/PCIe, InfiniBand/RoCE adapters, the tc shaper or line speed of the interface toward machine 0)"})
     parallelism: str = field(default="auto", metadata={"help": "auto (single or ddp), single, ddp, fsdp, hsdp, tp, fsdp_tp, deepspeed_zero1/2/3 (cp: refused on CPU, see docs/parallelism.md)"})
     tp_size: int = field(default=0, metadata={"help": "tensor-parallel degree for tp (0 = every process) and fsdp_tp (> 1, dividing the processes)"})
     dp_shard: int = field(default=0, metadata={"help": "hsdp: ranks each replica shards the model state over (0 = the processes of one machine)"})
@@ -196,6 +198,10 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
         raise ValueError(f"num_machines={cfg.num_machines} needs main_process_ip (the address of machine 0)")
     if not 0 < cfg.main_process_port < 65536:
         raise ValueError(f"main_process_port={cfg.main_process_port} must be a TCP port in 1..65535")
+    if not cfg.rendezvous_timeout_s > 0:
+        raise ValueError(f"rendezvous_timeout_s={cfg.rendezvous_timeout_s} must be > 0 seconds")
+    if not cfg.link_peak_gbps >= 0:
+        raise ValueError(f"link_peak_gbps={cfg.link_peak_gbps} must be >= 0 GB/s (0: read the link's rate)")
     strategy = get_strategy(cfg)
     strategy.check(cuda=cuda_available, precision=resolve_precision(cfg, cuda_available=cuda_available,
                                                                    bf16_supported=bf16_supported))

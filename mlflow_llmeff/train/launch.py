@@ -85,7 +85,8 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
             on the three after it), so repeats would differ by their place in the order.
 
     Raises:
-        ValueError: bad settings, as one line naming the value and the accepted ones.
+        ValueError: bad settings, as one line naming the value and the accepted ones;
+            :class:`~mlflow_llmeff.train.rendezvous.RendezvousError` when the machines do not meet.
         FitError: the run would not fit the device (unless ``cfg.force``), naming what would.
     """
     import logging
@@ -117,6 +118,12 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
         return 0
     from mlflow_llmeff.train import job as jobs
 
+    if cfg.num_machines > 1:  # every machine meets machine 0 in time, given the same job, or one line says why not
+        from mlflow_llmeff.train.rendezvous import handshake
+
+        handshake(cfg)
+        print(f"llmeff: machine {cfg.machine_rank} of {cfg.num_machines} met the others at "
+              f"{cfg.main_process_ip}:{cfg.main_process_port} with the same settings", file=sys.stderr)
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
     env["LLMEFF_NUM_MACHINES"] = str(cfg.num_machines)  # for the nodes tag, whatever the launcher sets
     # the job's clock starts at this command (or at the start the caller gave)

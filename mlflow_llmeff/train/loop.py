@@ -114,6 +114,8 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float, start_unix: fl
 
         job.record_run(monitor.run_id, tracking_uri=_tracking_uri())
         monitor.continue_job(**carry(job.attempts(), found[1]["step"] if found else None))
+    if cfg.num_machines > 1:
+        _mark_machine_runs(cfg, monitor)
     if monitor.is_main and monitor.run_id and not found:
         _log_dataset(cfg, t, monitor)
     if not found:
@@ -264,10 +266,36 @@ def _subject_metrics(cfg: TrainConfig) -> bool:
     return cfg.eval_subject_metrics or "mmlu" not in tasks
 
 
+def _mark_machine_runs(cfg: TrainConfig, monitor) -> None:
+    """Several machines: one run. Every rank tells rank 0 the run its machine's launcher made
+    (``MLFLOW_RUN_ID`` under ``mlflow run``, on each machine's first rank), and rank 0 marks those of
+    machines 1.. as parts of its run (tracking/runs.py ``mark_machine_runs``, MLflow issue #3787). A
+    collective; never stops training."""
+    import socket
+
+    from mlflow_llmeff.meters import collectives
+    from mlflow_llmeff.tracking.runs import mark_machine_runs
+
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    mine = (cfg.machine_rank, os.environ.get("MLFLOW_RUN_ID", "") if first else "", socket.gethostname())
+    try:
+        every = collectives.all_gather_object(mine)
+        if monitor.is_main and monitor.run_id:
+            said = mark_machine_runs(monitor.run_id, {r: (run, host) for r, run, host in every if r > 0 and run},
+                                       cfg.num_machines)
+            if said:
+                monitor.set_tags({names.MACHINE_RUNS: said})
+                print(f"llmeff: {said}")
+    except Exception as e:  # noqa: BLE001 - measurement never stops training
+        if monitor.is_main:
+            monitor.set_tags({names.MACHINE_RUNS: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
+
+
 def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
     """Bus bandwidth of the run's process group and its link's peak, at step 0 (every rank; cached
     per machine, so seconds once). Never stops training."""
-    from mlflow_llmeff.meters import commprobe
+    from mlflow_llmeff.calc.comm import probe_message_bytes
+    from mlflow_llmeff.meters import collectives, commprobe
     from mlflow_llmeff.monitor.conditions import nodes
 
     if t.world < 2 or not cfg.measure_comm:
@@ -276,17 +304,25 @@ def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
         return
     try:
         with monitor.pause("init"):
-            result = commprobe.measure(t.device, nodes=nodes(t.world), device_name=monitor.accelerator.name)
             backend = str(__import__("torch").distributed.get_backend())
             peak, why = commprobe.detect_link(t.device, backend=backend, nodes=nodes(t.world),
-                                              devices_per_node=cfg.num_processes)
+                                              devices_per_node=cfg.num_processes, head=os.environ.get("MASTER_ADDR"),
+                                              given_gbps=cfg.link_peak_gbps or None)
+            size = probe_message_bytes(peak.gbps if peak else None, nccl=backend == "nccl")  # >= 0.5 s at the peak
+            # every rank reads its own link: the probe's collectives need one size, the largest
+            size = int(collectives.all_reduce([float(size)], op="max")[0])
+            result = commprobe.measure(t.device, nodes=nodes(t.world), device_name=monitor.accelerator.name,
+                                       size_bytes=size)
         metrics, tags = commprobe.probe_figures(result, peak, why)
         monitor.log_metrics(metrics, 0)
         monitor.set_tags(tags)
         if t.accelerator.is_main_process and result is not None:
             bw = ", ".join(f"{k.split('/')[1].split('_busbw')[0]} {v:.3g}" for k, v in metrics.items()
                            if k.endswith("_gbps"))
-            print(f"llmeff: communication busbw GB/s ({result.describe().split(':')[0]}): {bw}")
+            util = metrics.get(names.COMM_BUSBW_UTIL)
+            of = (f"; all-reduce {util:.3g} of the {peak.gbps:.4g} GB/s peak ({peak.link})" if util is not None
+                  else f"; peak {why}")
+            print(f"llmeff: communication busbw GB/s ({result.describe().split(':')[0]}): {bw}{of}")
     except Exception as e:  # noqa: BLE001 - a failed probe is a tag, never the end of training
         monitor.set_tags({names.COMM_PROBE: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
