@@ -70,14 +70,16 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused_for_tp():
 
 
 def test_launch_commands_per_strategy_on_cpu():
+    from mlflow_llmeff.planning.spec import Machine, resolve
     from mlflow_llmeff.train.config import TrainConfig
     from mlflow_llmeff.train.launch import accelerate_command
 
-    cmd, env = accelerate_command(TrainConfig(parallelism="fsdp", num_processes=2), cuda=False)
+    cpu, gpu = Machine(cuda=False, bf16=True), Machine(cuda=True, bf16=True)
+    cmd, env = accelerate_command(resolve(TrainConfig(parallelism="fsdp", num_processes=2), cpu))
     assert "--multi_gpu" in cmd and env["ACCELERATE_USE_CPU"] == "1"
-    cmd, env = accelerate_command(TrainConfig(parallelism="deepspeed_zero2", num_processes=2), cuda=False)
+    cmd, env = accelerate_command(resolve(TrainConfig(parallelism="deepspeed_zero2", num_processes=2), cpu))
     assert cmd[cmd.index("--zero_stage") + 1] == "2" and "--use_deepspeed" in cmd and env["DS_ACCELERATOR"] == "cpu"
-    cmd, _ = accelerate_command(TrainConfig(parallelism="fsdp", num_processes=1), cuda=True)
+    cmd, _ = accelerate_command(resolve(TrainConfig(parallelism="fsdp", num_processes=1), gpu))
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]  # a group of one
 
 

@@ -199,9 +199,13 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
 
 
 def shape_tags(micro_batch_size: int, seq_len: int, grad_accum: int, world: int) -> dict[str, str]:
-    """``llmeff.seq_len``, ``micro_batch_size``, ``grad_accum`` and ``global_batch_tokens``."""
+    """``llmeff.seq_len``, ``micro_batch_size``, ``grad_accum`` and ``global_batch_tokens``
+    (:func:`mlflow_llmeff.calc.throughput.global_batch_tokens`; ``world``: the data-parallel ranks)."""
+    from mlflow_llmeff.calc.throughput import global_batch_tokens
+
     return {names.SEQ_LEN: str(seq_len), names.MICRO_BATCH_SIZE: str(micro_batch_size),
-            names.GRAD_ACCUM: str(grad_accum), names.GLOBAL_BATCH_TOKENS: str(seq_len * micro_batch_size * grad_accum * world)}
+            names.GRAD_ACCUM: str(grad_accum),
+            names.GLOBAL_BATCH_TOKENS: str(global_batch_tokens(seq_len, micro_batch_size, grad_accum, world))}
 
 
 def varying_shape_tags(shapes) -> dict[str, str]:

@@ -111,9 +111,11 @@ class Strategy:
         return {} if cuda else {"ACCELERATE_USE_CPU": "1"}
 
     # ------------------------------------------------------------------ set-up, every rank
-    def accelerator_kwargs(self, cfg, *, cuda: bool) -> dict:
-        """Extra ``Accelerator`` arguments (plugins); ``cpu`` says which device."""
-        return {"cpu": not cuda}
+    def accelerator_kwargs(self, spec) -> dict:
+        """Extra ``Accelerator`` arguments (plugins) for the resolved run ``spec`` (a
+        :class:`~mlflow_llmeff.planning.spec.RunSpec`: its options, world and machine); ``cpu`` says
+        which device."""
+        return {"cpu": not spec.machine.cuda}
 
     def layout(self, accelerator, degrees: Degrees) -> Layout:
         """This rank's :class:`Layout` (no mesh: the data-parallel rank is the process index)."""

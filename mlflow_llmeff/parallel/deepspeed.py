@@ -108,14 +108,14 @@ class ZeRO(Strategy):
     def launcher_env(self, *, cuda: bool) -> dict[str, str]:
         return {} if cuda else {"DS_ACCELERATOR": "cpu"}
 
-    def accelerator_kwargs(self, cfg, *, cuda: bool) -> dict:
+    def accelerator_kwargs(self, spec) -> dict:
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
+        cfg, cuda = spec.options, spec.machine.cuda
         plugin = DeepSpeedPlugin(zero_stage=self.stage, gradient_accumulation_steps=cfg.grad_accum,
                                  gradient_clipping=float(cfg.max_grad_norm), zero3_init_flag=False)
-        world = cfg.num_processes * cfg.num_machines
         plugin.deepspeed_config.update({"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-                                        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world})
+                                        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * spec.world})
         if self.stage == 3:  # save_pretrained needs the whole weights on the main process
             plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         import warnings

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlflow_llmeff.calc.flops import flops_per_token, model_shape, param_counts
+from mlflow_llmeff.calc.throughput import global_batch_tokens
 
 GIB = 2**30
 
@@ -256,7 +257,7 @@ def meta_param_count(config) -> int:
 
 
 def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, accelerator_given: str | None = None,
-              accelerator_alias: str | None = None) -> dict:
+              accelerator_alias: str | None = None, degrees=None) -> dict:
     """Everything ``llmeff plan`` prints before predictions, as a dict (bytes, FLOPs, degrees).
 
     Pure estimates from the model's shape (the model is built on the meta device for its exact
@@ -270,6 +271,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
         accelerator_given: the accelerator as the user gave it (``--accelerator``), None when the
             plan is for this machine's.
         accelerator_alias: the note of an alias taken (``'H100' taken as H100-SXM ...``), or None.
+        degrees: the run's resolved :class:`~mlflow_llmeff.parallel.degrees.Degrees` (:func:`plan_run`
+            passes its spec's); None: the strategy's degrees over the processes (a what-if, as
+            :func:`strategy_table` asks for each strategy).
 
     The plan states its assumptions (:func:`state_assumptions`: master-weight precision,
     optimizer, bytes per parameter of weights, gradients and optimizer state) and the accelerator:
@@ -289,12 +293,13 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     config = load_config(cfg.model)
     world = cfg.num_processes * cfg.num_machines
     missing = get(strategy).engine_missing()  # looked up, not imported: the plan needs no engine
-    degrees = get(strategy).degrees(world, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
-                                    processes_per_node=cfg.num_processes)
+    if degrees is None:
+        degrees = get(strategy).degrees(world, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
+                                        processes_per_node=cfg.num_processes)
     counts = param_counts(config)
     counts["total"] = meta_param_count(config)  # the built model's own count (tied weights once)
     split = parameter_split(config)
-    tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * degrees.dp
+    tokens_per_step = global_batch_tokens(cfg.seq_len, cfg.micro_batch_size, cfg.grad_accum, degrees.dp)
     fpt = flops_per_token(config, cfg.seq_len, "megatron")
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, strategy=strategy,
                           dp=degrees.dp, precision=precision, eager_attention=cfg.attn_implementation == "eager",
@@ -330,6 +335,14 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     for part, v in comm.parts.items():
         out[f"comm_bytes_per_step_{part.split(' (')[0].replace(' ', '_').replace('-', '_')}"] = v
     return out
+
+
+def plan_run(spec, *, accelerator_given: str | None = None, accelerator_alias: str | None = None) -> dict:
+    """:func:`make_plan` of a resolved run (a :class:`~mlflow_llmeff.planning.spec.RunSpec`): its
+    strategy, degrees and precision as resolved, for the accelerator of its machine."""
+    return make_plan(spec.options, accelerator_short=spec.machine.accelerator, precision=spec.precision,
+                     strategy=spec.strategy_name, accelerator_given=accelerator_given,
+                     accelerator_alias=accelerator_alias, degrees=spec.degrees)
 
 
 def strategy_table(cfg, *, precision: str) -> list[dict]:

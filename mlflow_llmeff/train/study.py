@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mlflow_llmeff import names
+from mlflow_llmeff.planning.spec import RunSpec
 from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.names import shorten
 
@@ -56,11 +57,14 @@ class StudyConfig:
 @dataclass(frozen=True)
 class Child:
     """One run of the study: configuration ``config`` (1..k, the order of ``--config``), repeat
-    ``repeat`` (1..n), with the settings it trains with."""
+    ``repeat`` (1..n), with the settings it trains with and, when :func:`check` resolved them, the
+    resolved run (:class:`~mlflow_llmeff.planning.spec.RunSpec`: the child's launch reads it and
+    resolves nothing again)."""
 
     config: int
     repeat: int
     cfg: TrainConfig
+    spec: RunSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -91,17 +95,22 @@ class StudyResult:
 Runner = Callable[[Child, dict], Outcome]
 
 
-def _for_repeat(cfg: TrainConfig, repeat: int) -> TrainConfig:
-    """The settings of one repeat: its own checkpoint and model folders (``<dir>/repeat-<i>``), so that
-    a repeat never resumes from, or overwrites, another."""
+def _for_repeat(run: TrainConfig | RunSpec, repeat: int) -> Child:
+    """One repeat's child: its own checkpoint and model folders (``<dir>/repeat-<i>``), so that a repeat
+    never resumes from, or overwrites, another (folders nothing resolved reads: a spec keeps its resolution)."""
+    cfg = run.options if isinstance(run, RunSpec) else run
     change = {k: os.path.join(getattr(cfg, k), f"repeat-{repeat}") for k in ("checkpoint_dir", "save_model")
               if getattr(cfg, k)}
-    return dataclasses.replace(cfg, **change) if change else cfg
+    if isinstance(run, RunSpec):
+        spec = run.with_options(**change) if change else run
+        return Child(0, repeat, spec.options, spec)
+    return Child(0, repeat, dataclasses.replace(cfg, **change) if change else cfg)
 
 
-def schedule(configs: list[TrainConfig], repeats: int) -> list[Child]:
+def schedule(configs: list[TrainConfig | RunSpec], repeats: int) -> list[Child]:
     """The study's runs in the order they run: round-robin, repeat 1 of every configuration, then
-    repeat 2 of every one, ... (``len(configs) x repeats`` children).
+    repeat 2 of every one, ... (``len(configs) x repeats`` children). ``configs``: the settings, or the
+    runs :func:`check` resolved.
 
     Raises:
         ValueError: ``repeats`` below 1, or no configuration.
@@ -110,14 +119,17 @@ def schedule(configs: list[TrainConfig], repeats: int) -> list[Child]:
         raise ValueError(f"repeats={repeats!r} is not accepted; give a positive integer (>= 1)")
     if not configs:
         raise ValueError("a study needs at least one configuration (--config \"<llmeff train options>\")")
-    return [Child(i + 1, r, _for_repeat(cfg, r)) for r in range(1, repeats + 1) for i, cfg in enumerate(configs)]
+    return [dataclasses.replace(_for_repeat(run, r), config=i + 1)
+            for r in range(1, repeats + 1) for i, run in enumerate(configs)]
 
 
-def check(configs: list[StudyConfig], experiment: str | None = None) -> list[TrainConfig]:
-    """Every configuration's settings checked cheaply before anything runs, in the study's experiment.
+def check(configs: list[StudyConfig], experiment: str | None = None) -> list[RunSpec]:
+    """Every configuration's settings checked cheaply and resolved before anything runs, in the study's
+    experiment (:func:`~mlflow_llmeff.train.config.validate`, once per configuration: the children's
+    launches read these specs and check nothing again).
 
     Returns:
-        The settings, ``experiment_name`` set to the study's experiment where one is named.
+        The resolved runs, ``experiment_name`` set to the study's experiment where one is named.
 
     Raises:
         ValueError: one line naming the configuration and the bad value: a setting ``llmeff train``
@@ -148,10 +160,9 @@ def check(configs: list[StudyConfig], experiment: str | None = None) -> list[Tra
             folders[c.cfg.checkpoint_dir] = i
         cfg = dataclasses.replace(c.cfg, experiment_name=experiment)
         try:
-            validate(cfg)
+            out.append(validate(cfg))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        out.append(cfg)
     return out
 
 
@@ -178,7 +189,7 @@ class TrainRunner:
 
         self.client, self.experiment_id = client, experiment_id
         # each child in a process of its own, as a real job: the same start-up on every repeat
-        self.launch = launch or (lambda cfg, *, started_unix: real_launch(cfg, started_unix=started_unix,
+        self.launch = launch or (lambda run, *, started_unix: real_launch(run, started_unix=started_unix,
                                                                           own_process=True))
 
     def __call__(self, child: Child, tags: dict) -> Outcome:
@@ -187,9 +198,10 @@ class TrainRunner:
         from mlflow_llmeff.train.loop import stopped_with_one_line
 
         started = time.time()  # the child's clock: its wall time starts here, not at the study's start
-        cfg = child.cfg
-        if cfg.run_name:  # a name the user gave: the same stem on every repeat, -2, -3 for the later ones
-            cfg = dataclasses.replace(cfg, run_name=unique_run_name(self.client, self.experiment_id, cfg.run_name))
+        run = child.spec or child.cfg  # the resolved run where check() resolved it
+        if child.cfg.run_name:  # a name the user gave: the same stem on every repeat, -2, -3 for the later ones
+            name = unique_run_name(self.client, self.experiment_id, child.cfg.run_name)
+            run = run.with_options(run_name=name) if child.spec else dataclasses.replace(run, run_name=name)
         # named until the training names it (the configuration's stem), or for good when it fails before
         placeholder = f"study-config{child.config}-repeat{child.repeat}"
         run_id = self.client.create_run(self.experiment_id, run_name=placeholder, tags=with_context(tags)).info.run_id
@@ -197,7 +209,7 @@ class TrainRunner:
         os.environ["MLFLOW_RUN_ID"] = run_id
         error = None
         try:
-            code = int(self.launch(cfg, started_unix=started) or 0)
+            code = int(self.launch(run, started_unix=started) or 0)
         except (KeyboardInterrupt, SystemExit):
             self._end_if_open(run_id, "KILLED", "stopped by Ctrl-C", record_failure)
             raise
@@ -247,13 +259,13 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
     from mlflow_llmeff.tracking.redact import clean, environment_secrets
 
-    cfgs = check(configs, experiment)
-    children = schedule(cfgs, repeats)  # validates repeats before any run exists
+    specs = check(configs, experiment)
+    children = schedule(specs, repeats)  # validates repeats before any run exists
     if mlflow.active_run() is not None:
         raise ValueError(f"MLflow run {mlflow.active_run().info.run_id} is active: llmeff study creates its own "
                          "parent run and children; end the active run first")
     client = client or mlflow.MlflowClient()
-    exp_id = experiment_id(client, {"experiment_name": cfgs[0].experiment_name or None})
+    exp_id = experiment_id(client, {"experiment_name": specs[0].options.experiment_name or None})
     ensure_experiment_kind(client, exp_id)
     k = len(configs)
     what = f"{k} configuration{'s' if k != 1 else ''} x {repeats} repeat{'s' if repeats != 1 else ''}, round-robin"
