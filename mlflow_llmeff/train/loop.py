@@ -170,11 +170,10 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float |
 
 def _tracking_uri() -> str | None:
     try:
-        import mlflow
-
+        from mlflow_llmeff.tracking import store
         from mlflow_llmeff.tracking.redact import strip_uri_secrets
 
-        return strip_uri_secrets(mlflow.get_tracking_uri())  # no password in the checkpoint folder
+        return strip_uri_secrets(store.tracking_uri())  # no password in the checkpoint folder
     except Exception:  # noqa: BLE001 - only a record
         return None
 

@@ -166,19 +166,6 @@ def check(configs: list[StudyConfig], experiment: str | None = None) -> list[Run
     return out
 
 
-def with_context(tags: dict) -> dict:
-    """``tags`` with the context tags ``mlflow.start_run`` would add (source, user, git commit), as a
-    run ``llmeff train`` creates has them; no ``llmeff.*`` condition of a context provider (a study's
-    parent has no conditions; a child's own training tags its conditions). Never raises."""
-    try:
-        from mlflow.tracking import context
-
-        resolved = {k: str(v) for k, v in context.registry.resolve_tags({}).items() if not k.startswith("llmeff.")}
-    except Exception:  # noqa: BLE001 - context tags are cosmetic
-        resolved = {}
-    return {**resolved, **tags}
-
-
 class TrainRunner:
     """The real runner: creates the child run (its study tags, in the study's experiment) and trains it
     with :func:`~mlflow_llmeff.train.launch.launch` as the launcher's run (``MLFLOW_RUN_ID``), in this
@@ -194,7 +181,8 @@ class TrainRunner:
 
     def __call__(self, child: Child, tags: dict) -> Outcome:
         from mlflow_llmeff.tracking.experiments import unique_run_name
-        from mlflow_llmeff.tracking.runs import error_line, record_failure
+        from mlflow_llmeff.tracking.runs import error_line
+        from mlflow_llmeff.tracking.studies import create_child, end_open_child
         from mlflow_llmeff.train.loop import stopped_with_one_line
 
         started = time.time()  # the child's clock: its wall time starts here, not at the study's start
@@ -204,14 +192,14 @@ class TrainRunner:
             run = run.with_options(run_name=name) if child.spec else dataclasses.replace(run, run_name=name)
         # named until the training names it (the configuration's stem), or for good when it fails before
         placeholder = f"study-config{child.config}-repeat{child.repeat}"
-        run_id = self.client.create_run(self.experiment_id, run_name=placeholder, tags=with_context(tags)).info.run_id
+        run_id = create_child(self.client, self.experiment_id, placeholder, tags)
         before = os.environ.get("MLFLOW_RUN_ID")
         os.environ["MLFLOW_RUN_ID"] = run_id
         error = None
         try:
             code = int(self.launch(run, started_unix=started) or 0)
         except (KeyboardInterrupt, SystemExit):
-            self._end_if_open(run_id, "KILLED", "stopped by Ctrl-C", record_failure)
+            end_open_child(self.client, run_id, "KILLED", "stopped by Ctrl-C")
             raise
         except Exception as e:  # noqa: BLE001 - one child's failure is recorded; the study goes on
             code, error = 1, stopped_with_one_line(e) or error_line(e)
@@ -224,17 +212,8 @@ class TrainRunner:
                 os.environ["MLFLOW_RUN_ID"] = before
         if code != 0:
             error = error or f"the training ended with exit code {code}"
-            self._end_if_open(run_id, "FAILED", error, record_failure)
+            end_open_child(self.client, run_id, "FAILED", error)
         return Outcome(run_id, code, error)
-
-    def _end_if_open(self, run_id: str, status: str, why: str, record_failure) -> None:
-        """End a child its training left open (it failed before its meter started) with ``why`` on it."""
-        try:
-            if self.client.get_run(run_id).info.status == "RUNNING":
-                record_failure(why, run_id=run_id)
-                self.client.set_terminated(run_id, status)
-        except Exception:  # noqa: BLE001 - the failure is already on the terminal and in the parent
-            pass
 
 
 def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | None = None, client=None,
@@ -254,27 +233,26 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
         ValueError: bad settings (:func:`check`, :func:`schedule`) or an active MLflow run (the children
             would log into it), before any run is created.
     """
-    import mlflow
-
-    from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+    from mlflow_llmeff.tracking import store
+    from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id
     from mlflow_llmeff.tracking.redact import clean, environment_secrets
+    from mlflow_llmeff.tracking.studies import create_parent, end_parent
 
     specs = check(configs, experiment)
     children = schedule(specs, repeats)  # validates repeats before any run exists
-    if mlflow.active_run() is not None:
-        raise ValueError(f"MLflow run {mlflow.active_run().info.run_id} is active: llmeff study creates its own "
+    active = store.active_run_id()
+    if active is not None:
+        raise ValueError(f"MLflow run {active} is active: llmeff study creates its own "
                          "parent run and children; end the active run first")
-    client = client or mlflow.MlflowClient()
+    client = client or store.client()
     exp_id = experiment_id(client, {"experiment_name": specs[0].options.experiment_name or None})
     ensure_experiment_kind(client, exp_id)
     k = len(configs)
     what = f"{k} configuration{'s' if k != 1 else ''} x {repeats} repeat{'s' if repeats != 1 else ''}, round-robin"
-    parent = client.create_run(exp_id, run_name=unique_run_name(client, exp_id, f"study-{k}x{repeats}"),
-                               tags=with_context({names.STUDY: what})).info.run_id
     secrets = environment_secrets()
-    client.log_param(parent, "repeats", str(repeats))
-    for i, c in enumerate(configs, 1):
-        client.log_param(parent, f"config_{i}", shorten(clean(f"config_{i}", c.options, secrets), 6000))
+    params = {"repeats": str(repeats), **{f"config_{i}": shorten(clean(f"config_{i}", c.options, secrets), 6000)
+                                          for i, c in enumerate(configs, 1)}}
+    parent = create_parent(client, exp_id, f"study-{k}x{repeats}", {names.STUDY: what}, params)
     runner = runner or TrainRunner(client, exp_id)
     result = StudyResult(parent, exp_id)
     echo(f"llmeff study: parent run {parent}, {what} ({len(children)} runs)")
@@ -289,18 +267,14 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
     except BaseException:
-        client.set_tag(parent, names.ERROR, f"stopped after {len(result.children)} of {len(children)} runs")
-        client.set_terminated(parent, "KILLED")
+        end_parent(client, parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
         raise
     failed = result.failed
     if failed:
         why = "; ".join(f"configuration {c.config} repeat {c.repeat} (run {o.run_id}): {o.error}" for c, o in failed)
-        line = shorten(f"{len(failed)} of {len(children)} runs failed: {why}", 2000)
-        client.set_tag(parent, names.ERROR, line)
-        client.set_tag(parent, "mlflow.note.content", f"Failed: {line}")
+        end_parent(client, parent, "FAILED", error=f"{len(failed)} of {len(children)} runs failed: {why}")
     else:
-        client.set_tag(parent, "mlflow.note.content", f"{what}: {len(children)} runs finished")
-    client.set_terminated(parent, "FAILED" if failed else "FINISHED")
+        end_parent(client, parent, "FINISHED", note=f"{what}: {len(children)} runs finished")
     return result
 
 
