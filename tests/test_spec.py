@@ -66,6 +66,15 @@ def test_auto_precision_is_bf16_only_on_a_cuda_device_that_has_it(machine, preci
     assert resolve(TrainConfig(precision="fp16"), machine).precision == "fp16"  # given: taken as it is
 
 
+def test_data_workers_and_learning_rate_warm_up_are_resolved_with_the_run():
+    gpu = Machine(cuda=True, bf16=True)
+    assert (resolve(TrainConfig(), gpu).data_workers, resolve(TrainConfig(), CPU).data_workers) == (2, 0)
+    assert resolve(TrainConfig(data_workers=3), CPU).data_workers == 3
+    # 5% of max_steps, rounded (half to even: 2.5 -> 2), at least 1
+    assert [resolve(TrainConfig(max_steps=n), CPU).lr_warmup_steps for n in (50, 70, 10)] == [2, 4, 1]
+    assert resolve(TrainConfig(lr_warmup_steps=7), CPU).lr_warmup_steps == 7
+
+
 def test_a_launched_process_reads_what_was_resolved_and_a_spec_keeps_its_resolution():
     spec = resolve(TrainConfig(parallelism="fsdp_tp", num_processes=4, tp_size=2), CPU)
     back = RunSpec.read(TrainConfig(parallelism="fsdp_tp", num_processes=4, tp_size=2),

@@ -85,6 +85,19 @@ class RunSpec:
         return global_batch_tokens(o.seq_len, o.micro_batch_size, o.grad_accum, self.degrees.dp)
 
     @property
+    def data_workers(self) -> int:
+        """``DataLoader`` workers per rank: ``data_workers`` when >= 0, else 2 on CUDA (reading memory-mapped
+        blocks is cheap; two keep the next batches ready), 0 on CPU (workers would compete with training)."""
+        n = self.options.data_workers
+        return n if n >= 0 else (2 if self.machine.cuda else 0)
+
+    @property
+    def lr_warmup_steps(self) -> int:
+        """Linear learning-rate warm-up steps: ``lr_warmup_steps`` when >= 0, else 5% of ``max_steps`` (at least 1)."""
+        o = self.options
+        return o.lr_warmup_steps if o.lr_warmup_steps >= 0 else max(1, round(0.05 * o.max_steps))
+
+    @property
     def in_this_process(self) -> bool:
         """True when one process trains in the calling one (no launcher: one process in all and a
         strategy that needs no process group)."""

@@ -107,18 +107,6 @@ class TrainConfig:
             out[f.name] = str(v).lower() if isinstance(v, bool) else str(v)
         return out
 
-    def resolved_data_workers(self, world: int = 1) -> int:
-        """``DataLoader`` workers per rank: ``data_workers`` when >= 0, else 2 on CUDA (reading memory-mapped
-        blocks is cheap; two keep the next batches ready), 0 on CPU (workers would compete with training)."""
-        if self.data_workers >= 0:
-            return self.data_workers
-        import torch
-
-        return 2 if torch.cuda.is_available() else 0
-
-    def resolved_lr_warmup_steps(self) -> int:
-        return self.lr_warmup_steps if self.lr_warmup_steps >= 0 else max(1, round(0.05 * self.max_steps))
-
 
 def _one_of(name: str, value: str, accepted: tuple[str, ...]) -> None:
     if value not in accepted:

@@ -232,6 +232,11 @@ def dry_run(run: TrainConfig | RunSpec, *, accelerator_short: str | None = None,
     given, alias = accelerator_short, None
     if isinstance(run, RunSpec):
         spec = run
+        if spec.machine.accelerator is None:  # resolved for training: the plan is for this machine's devices
+            import dataclasses as dc
+
+            spec = dc.replace(spec, machine=dc.replace(
+                spec.machine, accelerator=hw.detect_accelerator(count=spec.processes_per_node).short))
     elif given is None:
         from mlflow_llmeff.train.config import probe_machine
 

@@ -123,7 +123,7 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
             t.parallel.load(t.accelerator, t.model, t.optimizer, found[0])
         if job is not None:
             job.loaded(time.time() - loading)
-    _train(cfg, t, monitor, start_step=monitor.step_count,
+    _train(spec, t, monitor, start_step=monitor.step_count,
            skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job)
     said = _job_figures(job, monitor)
     summary = monitor.finish()
@@ -313,7 +313,7 @@ def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
                       stacklevel=2)
 
 
-def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=None) -> None:
+def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=None) -> None:
     """The step loop: micro-batches, optimizer step, then evals and checkpoints when due."""
     from tqdm.auto import tqdm
 
@@ -321,8 +321,9 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=
 
     from mlflow_llmeff.meters.commprobe import StepSampler
 
+    cfg = spec.options
     batches = BatchStream(t.data, cfg.micro_batch_size, t.dp_world, t.dp_rank, cfg.seed,
-                          start_step * cfg.grad_accum, t.device, num_workers=cfg.resolved_data_workers(t.world))
+                          start_step * cfg.grad_accum, t.device, num_workers=spec.data_workers)
     sampler = StepSampler(world=t.world, warmup_steps=cfg.warmup_steps, start_step=start_step, device=t.device,
                           enabled=cfg.measure_comm, compiled=cfg.compile)
     if not sampler.active:

@@ -140,7 +140,7 @@ def build(spec: RunSpec) -> Training:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=cfg.learning_rate, betas=(0.9, 0.95), eps=1e-8)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.resolved_lr_warmup_steps(), cfg.max_steps)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, spec.lr_warmup_steps, cfg.max_steps)
     if cfg.compile:  # compiled here rather than through Accelerate's dynamo plugin (see build_accelerator)
         model = torch.compile(model)
     model, optimizer = strategy.prepare(accelerator, model, optimizer)
