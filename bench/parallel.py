@@ -103,13 +103,14 @@ def run_one(model: str, strategy: str, procs: int, settings: dict, steps: int, u
 
     from mlflow_llmeff import names
     from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.planning.spec import Machine, resolve
     from mlflow_llmeff.train.launch import accelerate_command
 
     cfg = TrainConfig(model=model, dataset="synthetic", seq_len=128, max_steps=steps, log_every_n_steps=4,
                       warmup_steps=3, measure_energy="none", val_fraction=0.0, precision="fp32",
                       parallelism=strategy, num_processes=procs, experiment_name=f"{strategy}-{procs}",
                       **settings)
-    cmd, env = accelerate_command(cfg, cuda=False)
+    cmd, env = accelerate_command(resolve(cfg, Machine(cuda=False, bf16=True)))
     env.update({"MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"})
     env.pop("MLFLOW_RUN_ID", None)
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -112,12 +112,14 @@ def _train_options(f):
 def train_cmd(**kwargs) -> None:
     """Train a decoder-only LLM with Accelerate and log standard efficiency metrics to MLflow."""
     from mlflow_llmeff.train.config import TrainConfig
-    from mlflow_llmeff.train.launch import launch
+    from mlflow_llmeff.train.launch import launch, settle
 
+    spec = None  # the run resolved once (train/launch.py settle); its failure tags read it
     try:
-        code = launch(TrainConfig(**kwargs))
+        spec = settle(TrainConfig(**kwargs))
+        code = launch(spec)
     except ValueError as e:
-        fail(str(e), kwargs)
+        fail(str(e), kwargs, spec)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
@@ -129,8 +131,10 @@ def train_cmd(**kwargs) -> None:
             raise SystemExit(1) from None
         # unexpected: say why on the run, then show the traceback
         from mlflow_llmeff.tracking.runs import error_line, record_failure
+        from mlflow_llmeff.train.failures import failure_conditions
 
-        record_failure(error_line(e), known_conditions(kwargs), run_name=failed_run_name(kwargs))
+        tags, name = failure_conditions(kwargs, spec)
+        record_failure(error_line(e), tags, run_name=name)
         raise
     if _PROCESS_ENTRY["on"]:  # logged and done: return to the user now, not after torch's module teardown
         from mlflow_llmeff.monitor.lifecycle import exit_now
@@ -139,62 +143,19 @@ def train_cmd(**kwargs) -> None:
     raise SystemExit(code)
 
 
-def known_conditions(params: dict) -> dict[str, str]:
-    """The condition tags known before anything is built (for a run that fails early)."""
-    from mlflow_llmeff import names
-    from mlflow_llmeff.meters.probes import software_versions
-
-    tags = dict(software_versions())
-    try:
-        from mlflow_llmeff.meters.hardware import detect_accelerator
-
-        tags.update(detect_accelerator(count=int(params.get("num_processes") or 1)).tags())
-    except Exception:  # noqa: BLE001
-        pass
-    for key, name in ((names.MODEL_NAME, "model"), (names.PRECISION, "precision"),
-                      (names.PAR_STRATEGY, "parallelism"), (names.SEQ_LEN, "seq_len"),
-                      (names.MICRO_BATCH_SIZE, "micro_batch_size"), (names.GRAD_ACCUM, "grad_accum")):
-        if params.get(name) not in (None, ""):
-            tags[key] = str(params[name])
-    try:  # what the run would have been tagged: strategy and precision resolved, the global batch
-        import dataclasses
-
-        import torch
-
-        from mlflow_llmeff.train.config import TrainConfig, global_batch_tokens, resolve_precision, resolve_strategy
-
-        known = {f.name for f in dataclasses.fields(TrainConfig)}
-        cfg = TrainConfig(**{k: v for k, v in params.items() if k in known and v is not None})
-        tags[names.PAR_STRATEGY] = resolve_strategy(cfg, cfg.num_processes * cfg.num_machines)
-        cuda = torch.cuda.is_available()
-        tags[names.PRECISION] = resolve_precision(cfg, cuda_available=cuda,
-                                                  bf16_supported=cuda and torch.cuda.is_bf16_supported())
-        tags[names.GLOBAL_BATCH_TOKENS] = str(global_batch_tokens(cfg))
-    except Exception:  # noqa: BLE001 - a configuration that does not resolve: those conditions stay unknown
-        pass
-    return tags
-
-
-def failed_run_name(params: dict) -> str:
-    """The name of a run that failed before training: the user's ``run_name``, else the standard
-    name's parts from the conditions known (fixed order: nothing more is read from the server)."""
-    from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
-
-    if params.get("run_name"):
-        return str(params["run_name"])
-    return study_name(parts_from_tags(known_conditions(params), params.get("eval_tasks"))) or "failed-run"
-
-
-def fail(message: str, params: dict | None = None):
+def fail(message: str, params: dict | None = None, spec=None):
     """Stop with one line. Under ``mlflow run`` the line also goes onto the launcher's run
-    (``llmeff.error``, its description, the known conditions) and speaks of ``-P name=value``."""
+    (``llmeff.error``, its description, the known conditions: ``spec``'s where the run was resolved)
+    and speaks of ``-P name=value``."""
     import os
 
     if not os.environ.get("MLFLOW_RUN_ID"):
         raise click.UsageError(message)
     from mlflow_llmeff.tracking.runs import record_failure
+    from mlflow_llmeff.train.failures import failure_conditions
 
-    record_failure(message, known_conditions(params or {}), run_name=failed_run_name(params or {}))
+    tags, name = failure_conditions(params or {}, spec)
+    record_failure(message, tags, run_name=name)
     click.echo(f"Error: {message}", err=True)
     raise SystemExit(2)
 

@@ -157,6 +157,15 @@ def test_exposed_time_is_the_collective_time_no_compute_covers():
 P, LAYERS, TP_PARAMS = 125_632, 92_416, 92_160  # llama-tiny: all, inside the decoder layers, split by its TP plan
 
 
+def bus_bytes(strategy: str, degrees, **kw):
+    """The strategy's own prediction (its module in mlflow_llmeff/parallel/) for a llama-tiny step."""
+    from mlflow_llmeff import parallel
+
+    shape = dict(params=P, layer_params=LAYERS, tp_params=TP_PARAMS, grad_accum=1, tokens_per_micro_batch=256,
+                 hidden=64, layers=2, precision="fp32")
+    return parallel.get(strategy).bus_bytes(comm.TrafficShape(**{**shape, **kw}), degrees)
+
+
 @pytest.mark.parametrize("strategy, degrees, precision, expected", [
     ("single", Degrees(), "fp32", 0.0),
     ("ddp", Degrees(dp_replicate=2), "fp32", 1.0 * 4 * P),                           # all-reduce 2(n-1)/n = 1
@@ -170,18 +179,14 @@ P, LAYERS, TP_PARAMS = 125_632, 92_416, 92_160  # llama-tiny: all, inside the de
     ("deepspeed_zero3", Degrees(dp_shard=2), "bf16", 0.5 * 2 * P + 0.5 * 2 * P),     # AG parameters + RS gradients
 ])
 def test_predicted_bus_bytes_per_step_hand_computed(strategy, degrees, precision, expected):
-    est = comm.predict_bus_bytes(strategy, params=P, layer_params=LAYERS, tp_params=TP_PARAMS, degrees=degrees,
-                                 grad_accum=1, tokens_per_micro_batch=256, hidden=64, layers=2, precision=precision)
-    assert est.total == pytest.approx(expected)
+    assert bus_bytes(strategy, degrees, precision=precision).total == pytest.approx(expected)
 
 
 def test_predicted_bytes_scale_with_accumulation_where_the_collectives_run_per_micro_batch():
-    kw = dict(params=P, layer_params=LAYERS, tp_params=TP_PARAMS, tokens_per_micro_batch=256, hidden=64, layers=2,
-              precision="fp32")
-    ddp = [comm.predict_bus_bytes("ddp", degrees=Degrees(dp_replicate=2), grad_accum=g, **kw).total for g in (1, 4)]
-    fsdp = [comm.predict_bus_bytes("fsdp", degrees=Degrees(dp_shard=2), grad_accum=g, **kw).total for g in (1, 4)]
+    ddp = [bus_bytes("ddp", Degrees(dp_replicate=2), grad_accum=g).total for g in (1, 4)]
+    fsdp = [bus_bytes("fsdp", Degrees(dp_shard=2), grad_accum=g).total for g in (1, 4)]
     assert ddp[1] == ddp[0] and fsdp[1] == 4 * fsdp[0]  # DDP syncs once per step (no_sync), FSDP2 each micro-batch
-    z = {s: [comm.predict_bus_bytes(s, degrees=Degrees(dp_shard=2), grad_accum=g, **kw).total for g in (1, 2)]
+    z = {s: [bus_bytes(s, Degrees(dp_shard=2), grad_accum=g).total for g in (1, 2)]
          for s in ("deepspeed_zero1", "deepspeed_zero2")}
     # as counted on DeepSpeed 0.19.8 over gloo: ZeRO-1 6P either way, ZeRO-2 6P then 10P (its all-reduce per micro-batch)
     assert z == {"deepspeed_zero1": [6.0 * P, 6.0 * P], "deepspeed_zero2": [6.0 * P, 10.0 * P]}

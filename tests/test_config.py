@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from mlflow_llmeff.train.config import TrainConfig, resolve_precision, resolve_strategy, validate
+from mlflow_llmeff.planning.spec import Machine, resolve
+from mlflow_llmeff.train.config import TrainConfig, validate
 
 
 def check(**kw):
@@ -63,11 +64,11 @@ def test_bf16_unsupported_device_is_rejected():
 
 
 def test_defaults_validate_and_resolve():
-    validate(TrainConfig(), cuda_available=False, bf16_supported=True)
-    assert resolve_precision(TrainConfig(), cuda_available=False, bf16_supported=True) == "fp32"
-    assert resolve_precision(TrainConfig(), cuda_available=True, bf16_supported=True) == "bf16"
-    assert resolve_strategy(TrainConfig(), 1) == "single"
-    assert resolve_strategy(TrainConfig(), 8) == "ddp"
+    spec = validate(TrainConfig(), cuda_available=False, bf16_supported=True)
+    assert (spec.precision, spec.strategy_name, spec.world) == ("fp32", "single", 1)
+    assert resolve(TrainConfig(), Machine(cuda=True, bf16=True)).precision == "bf16"
+    assert resolve(TrainConfig(), Machine(cuda=True, bf16=False)).precision == "fp32"
+    assert resolve(TrainConfig(num_processes=8), Machine(cuda=False, bf16=True)).strategy_name == "ddp"
 
 
 def test_cli_prints_one_line_error_without_traceback():

@@ -120,11 +120,12 @@ def _first_step(mon):
 
 def test_llmeff_train_names_the_configuration_at_creation_and_the_first_step_keeps_it(meter):
     from mlflow_llmeff.monitor import binding
-    from mlflow_llmeff.train.config import TrainConfig, global_batch_tokens
+    from mlflow_llmeff.planning.spec import Machine, resolve
+    from mlflow_llmeff.train.config import TrainConfig
 
     cfg = TrainConfig(num_processes=2, precision="fp32")
-    given = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),
-             names.GLOBAL_BATCH_TOKENS: str(global_batch_tokens(cfg))}  # the tags train/loop.py gives
+    given = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),  # the tags train/loop.py gives
+             names.GLOBAL_BATCH_TOKENS: str(resolve(cfg, Machine(cuda=False, bf16=True)).global_batch_tokens)}
     meter._name_parts, meter._name_given = binding.name_parts(meter, given), (given, "")
     assert study_name(meter._name_parts) == STEM
     assert _first_step(meter) == []  # nothing new: no rename
@@ -190,12 +191,14 @@ def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypat
     a dry run's plan run, a run that failed before training; the outbox's name record sets the name."""
     import mlflow
 
-    from mlflow_llmeff.cli import failed_run_name
+    from mlflow_llmeff.train.failures import failed_run_name
     from mlflow_llmeff.meters import hardware
     from mlflow_llmeff.monitor import binding
     from mlflow_llmeff.tracking.outbox import name_run
+    from mlflow_llmeff.planning.spec import Machine, resolve
+    from mlflow_llmeff.tracking.plans import log_plan
     from mlflow_llmeff.train.config import TrainConfig
-    from mlflow_llmeff.train.launch import _log_plan
+    from mlflow_llmeff.train.launch import plan_tags
 
     client = mlflow.MlflowClient()
     exp = client.create_experiment("paths")
@@ -210,7 +213,8 @@ def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypat
     assert client.get_run(trainer).info.run_name == STEM + "-2" and client.get_run(taken).info.run_name == STEM
 
     plan = client.create_run(exp).info.run_id
-    _log_plan(plan, TrainConfig(num_processes=2), {}, "fits", "cpu", "ddp", "fp32")
+    log_plan(plan, plan_tags(resolve(TrainConfig(num_processes=2), Machine(cuda=False, bf16=True, accelerator="cpu"))),
+             {}, "fits")
     assert client.get_run(plan).info.run_name == "plan-" + STEM
 
     class Cpu:

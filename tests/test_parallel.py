@@ -69,15 +69,44 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused_for_tp():
     check_shape(load_config("llama-7b"), 8)  # 32 heads, 32 kv heads, 11008 = 8 x 1376
 
 
+def _wrapped(*classes):
+    """A model inside wrappers of the given class names, outermost first (``torch.compile``'s
+    ``_orig_mod`` for ``OptimizedModule``, ``.module`` for the rest)."""
+    inner = type("LlamaForCausalLM", (), {})()
+    for name in reversed(classes):
+        outer = type(name, (), {})()
+        setattr(outer, "_orig_mod" if name == "OptimizedModule" else "module", inner)
+        inner = outer
+    return inner
+
+
+@pytest.mark.parametrize("model, world, environ, expected", [
+    (_wrapped("DistributedDataParallel"), 2, {}, "ddp"),
+    (_wrapped("OptimizedModule", "DistributedDataParallel"), 2, {}, "ddp"),       # compiled, then DDP inside
+    (_wrapped("FullyShardedDataParallel"), 2, {}, "fsdp"),                         # FSDP1
+    (_wrapped("FSDPLlamaForCausalLM"), 2, {}, "fsdp"),                             # FSDP2's fully_shard class
+    (_wrapped(), 2, {"ACCELERATE_USE_FSDP": "true"}, "fsdp"),
+    (_wrapped(), 2, {"ACCELERATE_USE_DEEPSPEED": "1"}, "deepspeed_zero2"),        # Accelerate's default stage
+    (_wrapped(), 4, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "deepspeed_zero3"),
+    (_wrapped(), 2, {"ACCELERATE_USE_FSDP": "false"}, "ddp"),
+    (_wrapped(), 1, {}, "single"),
+    (None, 1, {"ACCELERATE_USE_DEEPSPEED": "1", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"}, "deepspeed_zero1"),
+])
+def test_each_strategy_recognises_itself_in_a_users_loop(model, world, environ, expected):
+    assert parallel.detect(model, world, environ) == expected
+
+
 def test_launch_commands_per_strategy_on_cpu():
+    from mlflow_llmeff.planning.spec import Machine, resolve
     from mlflow_llmeff.train.config import TrainConfig
     from mlflow_llmeff.train.launch import accelerate_command
 
-    cmd, env = accelerate_command(TrainConfig(parallelism="fsdp", num_processes=2), cuda=False)
+    cpu, gpu = Machine(cuda=False, bf16=True), Machine(cuda=True, bf16=True)
+    cmd, env = accelerate_command(resolve(TrainConfig(parallelism="fsdp", num_processes=2), cpu))
     assert "--multi_gpu" in cmd and env["ACCELERATE_USE_CPU"] == "1"
-    cmd, env = accelerate_command(TrainConfig(parallelism="deepspeed_zero2", num_processes=2), cuda=False)
+    cmd, env = accelerate_command(resolve(TrainConfig(parallelism="deepspeed_zero2", num_processes=2), cpu))
     assert cmd[cmd.index("--zero_stage") + 1] == "2" and "--use_deepspeed" in cmd and env["DS_ACCELERATOR"] == "cpu"
-    cmd, _ = accelerate_command(TrainConfig(parallelism="fsdp", num_processes=1), cuda=True)
+    cmd, _ = accelerate_command(resolve(TrainConfig(parallelism="fsdp", num_processes=1), gpu))
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]  # a group of one
 
 

@@ -105,12 +105,13 @@ def history(run, key, uri):
 
 def command(cfg: TrainConfig, cli: bool) -> tuple[list[str], dict]:
     """``llmeff train`` itself (``cli``), or the ``accelerate launch`` of the loop it makes."""
+    from mlflow_llmeff.planning.spec import Machine, resolve
     from mlflow_llmeff.train.launch import accelerate_command
 
     if cli:
         args = [a for k, v in cfg.to_params().items() for a in (f"--{k.replace('_', '-')}", v)]
         return [sys.executable, "-m", "mlflow_llmeff", "train", *args], dict(os.environ)
-    return accelerate_command(cfg, cuda=False)
+    return accelerate_command(resolve(cfg, Machine(cuda=False, bf16=True)))
 
 
 class Launches:

@@ -10,7 +10,8 @@ Bus bandwidth follows nccl-tests (``doc/PERFORMANCE.md`` of github.com/NVIDIA/nc
 whole output of an all-gather and the whole input of a reduce-scatter), all-to-all ``(n-1)/n``,
 broadcast and reduce ``1``. ``busbw`` is what each rank's link carries per second with the ring
 algorithm, so it compares across rank counts and against a link's datasheet rate. Bytes per step
-use the same factors: the bus bytes a device sends per optimizer step.
+use the same factors: the bus bytes a device sends per optimizer step, which each strategy of
+:mod:`mlflow_llmeff.parallel` predicts (its ``bus_bytes``) with :func:`bus_factor`.
 
 The peak a busbw is held against (:func:`internode_peak_gbps`, :func:`link_peak`). Inside one node
 it is one device's link (NVLink, PCIe). Across nodes it is the node's aggregate network rate, ``k x R``
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 
 __all__ = ["bus_factor", "algbw_gbps", "busbw_gbps", "LinkPeak", "LINKS", "link_peak", "nvlink_peak",
            "pcie_peak", "nic_peak", "internode_peak_gbps", "given_peak", "utilization", "union_length",
-           "exposed_time", "probe_message_bytes", "CommEstimate", "predict_bus_bytes"]
+           "exposed_time", "probe_message_bytes", "TrafficShape", "CommEstimate"]
 
 #: Collectives the factors know (torch.distributed / c10d names).
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send", "recv")
@@ -354,90 +355,45 @@ def exposed_time(comm, compute) -> float:
 
 # --------------------------------------------------------------------------- bytes per step
 @dataclass(frozen=True)
-class CommEstimate:
-    """Predicted bus bytes per device per optimizer step, by part (see :func:`predict_bus_bytes`)."""
+class TrafficShape:
+    """What a step's collectives carry depends on, besides the strategy and its degrees: the model and
+    the step (each parallelism strategy's ``bus_bytes``, :mod:`mlflow_llmeff.parallel`, predicts from it).
 
-    parts: dict[str, float]
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-
-def predict_bus_bytes(strategy: str, *, params: int, layer_params: int, tp_params: int, degrees, grad_accum: int,
-                      tokens_per_micro_batch: int, hidden: int, layers: int, precision: str,
-                      reshard_after_forward: bool = True, activation_checkpointing: bool = False) -> CommEstimate:
-    """Bus bytes each device sends per optimizer step (nccl-tests factors, see the module docstring).
-
-    What runs (torch 2.13, DeepSpeed 0.19, as the strategies of :mod:`mlflow_llmeff.parallel` use them):
-
-    * ``ddp``: one all-reduce of the fp32 gradients per step (``no_sync`` inside accumulation);
-      DDP's small buffer broadcasts are left out.
-    * ``fsdp`` / ``hsdp`` / ``fsdp_tp`` (FSDP2, per micro-batch): an all-gather of every parameter in
-      the forward, again of the decoder layers' parameters in the backward when
-      ``reshard_after_forward`` (the root keeps its own), a reduce-scatter of the fp32 gradients;
-      bf16 gathers 2-byte parameters. HSDP adds an all-reduce of each shard's gradients across the
-      replicas.
-    * ``tp`` / ``fsdp_tp`` (per micro-batch and layer): torch's ColwiseParallel / RowwiseParallel
-      all-reduce the two row-parallel outputs in the forward and the five column-parallel inputs'
-      gradients (q, k, v, gate, up) in the backward, ``tokens x hidden`` activations each (bf16: 2
-      bytes under autocast); activation checkpointing repeats the forward's two.
-    * DeepSpeed ZeRO, as DeepSpeed 0.19 runs it with its defaults (counted; the ZeRO paper's
-      volumes, Rajbhandari et al. 2020 Sec. 7, assume reduce-scatters): ZeRO-1 all-reduces the
-      whole gradients once per step and all-gathers the updated weights; ZeRO-2 the same, its
-      gradient all-reduce per micro-batch (its buckets span several ranks, which DeepSpeed
-      all-reduces); ZeRO-3 all-gathers the weights once and reduce-scatters the gradients per
-      micro-batch (gathered weights stay for the backward while they fit its live-parameter
-      budget, ``stage3_max_live_parameters``). 16-bit runs move 2-byte weights and gradients.
-
-    Args:
-        strategy: a strategy name (``single`` gives nothing).
+    Attributes:
         params: model parameters.
         layer_params: parameters inside the decoder layers (the rest is the FSDP root).
         tp_params: parameters split by the tensor-parallel plan.
-        degrees: the run's :class:`~mlflow_llmeff.parallel.degrees.Degrees`.
         grad_accum: micro-batches per step.
         tokens_per_micro_batch: ``micro_batch_size x seq_len`` on one rank.
         hidden, layers: the model's hidden size and decoder layers.
         precision: ``fp32``, ``bf16`` or ``fp16``.
         reshard_after_forward: FSDP2's setting.
         activation_checkpointing: full recomputation (TP's forward collectives run twice).
-
-    Raises:
-        ValueError: for an unknown strategy.
     """
-    half = precision in ("bf16", "fp16")
-    ga, P = grad_accum, float(params)
-    parts: dict[str, float] = {}
-    if strategy in ("single", "cp"):
-        return CommEstimate(parts)
-    if strategy == "ddp":
-        parts["gradient all-reduce"] = bus_factor("all_reduce", degrees.dp) * 4 * P
-    elif strategy in ("fsdp", "hsdp", "fsdp_tp"):
-        n = degrees.dp_shard
-        local = P if degrees.tp == 1 else (P - tp_params) + tp_params / degrees.tp  # one TP rank's part
-        local_layers = layer_params if degrees.tp == 1 else layer_params - tp_params + tp_params / degrees.tp
-        pb = 2 if precision == "bf16" else 4
-        gathered = local + (local_layers if reshard_after_forward else 0.0)
-        parts["parameter all-gather"] = bus_factor("all_gather", n) * pb * gathered * ga
-        parts["gradient reduce-scatter"] = bus_factor("reduce_scatter", n) * 4 * local * ga
-        if degrees.dp_replicate > 1:
-            parts["gradient all-reduce across replicas"] = (bus_factor("all_reduce", degrees.dp_replicate)
-                                                            * 4 * local / n * ga)
-    elif strategy.startswith("deepspeed_zero"):
-        n, b = degrees.dp_shard, (2 if half else 4)
-        if strategy == "deepspeed_zero3":
-            parts["parameter all-gather"] = bus_factor("all_gather", n) * b * P * ga
-            parts["gradient reduce-scatter"] = bus_factor("reduce_scatter", n) * b * P * ga
-        else:
-            per = ga if strategy == "deepspeed_zero2" else 1
-            parts["gradient all-reduce"] = bus_factor("all_reduce", n) * b * P * per
-            parts["parameter all-gather"] = bus_factor("all_gather", n) * b * P
-    elif strategy != "tp":
-        raise ValueError(f"strategy={strategy!r} is not accepted for a communication estimate")
-    if degrees.tp > 1:
-        per_layer = 7 + (2 if activation_checkpointing else 0)
-        ab = 2 if half else 4
-        parts["activation all-reduce (tensor parallel)"] = (bus_factor("all_reduce", degrees.tp) * per_layer * layers
-                                                           * tokens_per_micro_batch * hidden * ab * ga)
-    return CommEstimate(parts)
+
+    params: int
+    layer_params: int
+    tp_params: int
+    grad_accum: int
+    tokens_per_micro_batch: int
+    hidden: int
+    layers: int
+    precision: str
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+
+    @property
+    def half(self) -> bool:
+        """16-bit training (bf16 or fp16)."""
+        return self.precision in ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Predicted bus bytes per device per optimizer step, by part (a strategy's ``bus_bytes``)."""
+
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())

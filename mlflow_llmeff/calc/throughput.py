@@ -224,3 +224,29 @@ class ThroughputMeter:
 def finite(x: float | None) -> bool:
     """True for a real, finite number."""
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def global_batch_tokens(seq_len: int, micro_batch_size: int, grad_accum: int, data_parallel: int) -> int:
+    """Token positions of one optimizer step over every data-parallel rank (padding included): the
+    ``llmeff.global_batch_tokens`` tag and a plan's ``tokens_per_step``.
+
+    ``seq_len x micro_batch_size x grad_accum x data_parallel``: each data-parallel rank reads its own
+    ``micro_batch_size`` sequences of ``seq_len`` positions per micro-batch, ``grad_accum`` micro-batches
+    a step; tensor-, context- and pipeline-parallel peers of a rank read the same sequences and add
+    none (``docs/formulas.md``, "Counting rules"). The one formula: the resolved run
+    (:class:`mlflow_llmeff.planning.spec.RunSpec`), the plan and a monitored loop's shape tags call it.
+
+    Args:
+        seq_len: positions per sequence.
+        micro_batch_size: sequences per micro-batch per data-parallel rank.
+        grad_accum: micro-batches per optimizer step.
+        data_parallel: data-parallel ranks (``dp_replicate x dp_shard``; not the world size).
+
+    Raises:
+        ValueError: when a factor is below 1.
+    """
+    for name, v in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size), ("grad_accum", grad_accum),
+                    ("data_parallel", data_parallel)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} is not accepted; give an int >= 1")
+    return seq_len * micro_batch_size * grad_accum * data_parallel

@@ -310,28 +310,16 @@ def check_run(run_id: str) -> bool:
 
     Waits at most the delivery wait (``LLMEFF_DELIVERY_WAIT_S``) for a tracking server; one that does
     not answer (or is unreachable) is not a missing run: False, and the results will wait in the
-    outbox. True when the run was found.
+    outbox. True when the run was found (:func:`mlflow_llmeff.tracking.eval_results.run_exists`).
     """
-    import mlflow
+    from mlflow_llmeff.tracking import store
+    from mlflow_llmeff.tracking.eval_results import run_exists
 
-    from mlflow_llmeff.tracking import delivery
-
-    delivery.apply_request_settings()
-    client = mlflow.MlflowClient()
-    wait = delivery.delivery_wait_s() if delivery.is_server(mlflow.get_tracking_uri()) else None
     try:
-        if wait is None:
-            client.get_run(run_id)
-        else:
-            delivery.bounded(lambda: client.get_run(run_id), wait, "looking up the run")
-        return True
-    except delivery.NoAnswer:
-        return False
-    except Exception as e:  # noqa: BLE001 - one line instead of the store's stack trace
-        if wait is not None and getattr(e, "error_code", None) not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return False  # the server is away, not the run
-        raise ValueError(f"--run-id {run_id!r}: no such run in the tracking store {mlflow.get_tracking_uri()!r} "
-                         f"({type(e).__name__})") from None
+        return run_exists(run_id)
+    except LookupError as e:
+        raise ValueError(f"--run-id {run_id!r}: no such run in the tracking store {store.tracking_uri()!r} "
+                         f"({e})") from None
 
 
 def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None = None,
@@ -370,22 +358,8 @@ def log_to_mlflow(result: EvalResult, step: int | None = None, *, subject_metric
     Per-subject MMLU scores are one table artifact (``eval/mmlu_subjects/llmeff_eval.json``), and
     metrics too with ``subject_metrics``.
     """
-    import os
+    from mlflow_llmeff.tracking.eval_results import log_to_active_run
 
-    import mlflow
-
-    def log() -> None:
-        metrics, table = split_subjects(mlflow_metrics(result), "eval/")
-        mlflow.log_metrics(mlflow_metrics(result) if subject_metrics else metrics, step=step)
-        if table is not None:
-            mlflow.log_table(data=table, artifact_file="eval/mmlu_subjects/llmeff_eval.json")
-
-    if mlflow.active_run() is not None:
-        log()
-        return True
-    run_id = os.environ.get("MLFLOW_RUN_ID")
-    if run_id:
-        with mlflow.start_run(run_id=run_id):
-            log()
-        return True
-    return False
+    metrics, table = split_subjects(mlflow_metrics(result), "eval/")
+    return log_to_active_run(mlflow_metrics(result) if subject_metrics else metrics, step, table,
+                             "eval/mmlu_subjects/llmeff_eval.json")

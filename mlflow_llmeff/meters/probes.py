@@ -11,19 +11,33 @@ import os
 from mlflow_llmeff import names
 
 
+#: ``llmeff.version.*`` tag -> (module, the distributions that install it).
+_VERSIONED = ((names.V_TORCH, "torch", ("torch",)), (names.V_TRANSFORMERS, "transformers", ("transformers",)),
+              (names.V_ACCELERATE, "accelerate", ("accelerate",)), (names.V_MLFLOW, "mlflow", ("mlflow", "mlflow-skinny")))
+
+
 def software_versions() -> dict[str, str]:
-    """``llmeff.version.*`` tags: mlflow_llmeff, Python, torch, transformers, accelerate, mlflow."""
+    """``llmeff.version.*`` tags: mlflow_llmeff, Python, torch, transformers, accelerate, mlflow.
+
+    A module's ``__version__`` when it is imported already, else its installed distribution's version
+    (``importlib.metadata``: nothing is imported to read it; a reader of the process never imports
+    mlflow), else ``unknown``."""
+    import importlib.metadata
     import platform
+    import sys
 
     from mlflow_llmeff import __version__
 
     out = {names.V_LLMEFF: __version__, names.V_PYTHON: platform.python_version()}
-    for tag, mod in ((names.V_TORCH, "torch"), (names.V_TRANSFORMERS, "transformers"),
-                     (names.V_ACCELERATE, "accelerate"), (names.V_MLFLOW, "mlflow")):
-        try:
-            out[tag] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            out[tag] = "unknown"
+    for tag, module, dists in _VERSIONED:
+        loaded = getattr(sys.modules.get(module), "__version__", None)
+        out[tag] = str(loaded) if loaded else "unknown"
+        for dist in dists if not loaded else ():
+            try:
+                out[tag] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
     return out
 
 

@@ -44,9 +44,9 @@ def open_run(mon, run_id, run_name, experiment_name, extra_tags, params, resume_
     Sets ``mon._run``, ``mon._logger``, ``mon._created_after_s`` (seconds from the attempt's start to
     the run's creation; None for a run an earlier attempt created) and ``mon._given_tags``.
     """
-    import mlflow
+    from mlflow_llmeff.tracking import store
 
-    client = mlflow.MlflowClient()
+    client = store.client()
     parts = name_parts(mon, extra_tags, params.get("eval_tasks"))
     name = run_name or study_name(parts)  # the fixed order; a suffix when the experiment has the name
     mon._run = runs.open_run(client, run_id=run_id, run_name=name, experiment_name=experiment_name,
@@ -136,11 +136,11 @@ def name_adopted_run(mon, experiment_id: str) -> str:
     Raises:
         mlflow.exceptions.MlflowException: what MLflow raises.
     """
-    import mlflow
+    from mlflow_llmeff.tracking import store
 
     extra, evals = getattr(mon, "_name_given", ({}, None))
     parts = name_parts(mon, extra, evals)
-    name = runs.unique_run_name(mlflow.MlflowClient(), experiment_id, "", exclude_run_id=mon.run_id, parts=parts)
+    name = runs.unique_run_name(store.client(), experiment_id, "", exclude_run_id=mon.run_id, parts=parts)
     if name:
         mon.set_tags({"mlflow.runName": name})
         mon._name_parts = parts

@@ -89,13 +89,9 @@ def run_identity(run_id: str | None) -> tuple[str | None, str | None]:
     if not run_id or run_id.startswith("local-"):
         return None, None
     try:
-        import mlflow
+        from mlflow_llmeff.tracking import delivery, store
 
-        from mlflow_llmeff.tracking import delivery
-
-        info = delivery.bounded(lambda: mlflow.MlflowClient().get_run(run_id).info,
-                                min(5.0, delivery.delivery_wait_s()), "reading the run's name")
-        return info.run_name, info.experiment_id
+        return store.run_identity(run_id, min(5.0, delivery.delivery_wait_s()))
     except Exception:  # noqa: BLE001 - a name on the terminal is cosmetic
         return None, None
 
@@ -120,11 +116,10 @@ def report_lines(mon, summary: dict[str, float], reliability: str | None = None)
     if reliability:
         lines.append(f"llmeff: {reliability}")
     if exp_id is not None:
-        import mlflow
-
+        from mlflow_llmeff.tracking import store
         from mlflow_llmeff.tracking.runs import run_url_line
 
-        lines.append(f"llmeff: {run_url_line(mlflow.get_tracking_uri(), exp_id, mon.run_id)}")
+        lines.append(f"llmeff: {run_url_line(store.tracking_uri(), exp_id, mon.run_id)}")
     return lines
 
 
@@ -143,6 +138,6 @@ def print_closing_line(mon) -> None:
 
 def _autolog_silent() -> bool:
     """``autolog(silent=True)`` was given (MLflow keeps an integration's settings)."""
-    from mlflow.utils.autologging_utils import get_autologging_config
+    from mlflow_llmeff.tracking.store import autolog_setting
 
-    return bool(get_autologging_config(_AUTOLOG_NAME, "silent", False))
+    return bool(autolog_setting(_AUTOLOG_NAME, "silent", False))

@@ -102,20 +102,10 @@ def infer_precision(model) -> str:
 
 def infer_strategy(model, world: int) -> str:
     """``single``, ``ddp``, ``fsdp`` or ``deepspeed_zero<n>`` from the model's wrappers, Accelerate's
-    environment and the world size."""
-    m, depth = model, 0
-    while m is not None and depth < 8:
-        cls = type(m).__name__
-        if "FullyShardedDataParallel" in cls or cls.startswith("FSDP"):
-            return "fsdp"
-        if cls == "DistributedDataParallel":
-            return "ddp"
-        m, depth = getattr(m, "_orig_mod", None) or getattr(m, "module", None), depth + 1
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        return "fsdp"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        return f"deepspeed_zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
-    return "ddp" if world > 1 else "single"
+    environment and the world size: each strategy recognises itself (:func:`mlflow_llmeff.parallel.detect`)."""
+    from mlflow_llmeff.parallel import detect
+
+    return detect(model, world)
 
 
 def model_name(model, config) -> str:
@@ -199,9 +189,13 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
 
 
 def shape_tags(micro_batch_size: int, seq_len: int, grad_accum: int, world: int) -> dict[str, str]:
-    """``llmeff.seq_len``, ``micro_batch_size``, ``grad_accum`` and ``global_batch_tokens``."""
+    """``llmeff.seq_len``, ``micro_batch_size``, ``grad_accum`` and ``global_batch_tokens``
+    (:func:`mlflow_llmeff.calc.throughput.global_batch_tokens`; ``world``: the data-parallel ranks)."""
+    from mlflow_llmeff.calc.throughput import global_batch_tokens
+
     return {names.SEQ_LEN: str(seq_len), names.MICRO_BATCH_SIZE: str(micro_batch_size),
-            names.GRAD_ACCUM: str(grad_accum), names.GLOBAL_BATCH_TOKENS: str(seq_len * micro_batch_size * grad_accum * world)}
+            names.GRAD_ACCUM: str(grad_accum),
+            names.GLOBAL_BATCH_TOKENS: str(global_batch_tokens(seq_len, micro_batch_size, grad_accum, world))}
 
 
 def varying_shape_tags(shapes) -> dict[str, str]:

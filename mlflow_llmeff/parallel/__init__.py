@@ -2,18 +2,21 @@
 ``fsdp_tp.py``, ``deepspeed.py``, ``cp.py``), found here by name.
 
 A module holds ``STRATEGIES``, a tuple of :class:`~mlflow_llmeff.parallel.base.Strategy` objects;
-adding a strategy is adding (or extending) one module. Importing this package imports no torch.
+adding a strategy is adding (or extending) one module: how it splits the world, what it sends per
+step (``bus_bytes``), the model state a device holds (``model_state_bytes``), how a user's loop shows
+it (``wraps``, ``named_by``: :func:`detect`) and how it is applied. Importing this package imports no torch.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 
 from mlflow_llmeff.parallel.base import Layout, MeshStrategy, Strategy
 from mlflow_llmeff.parallel.degrees import Degrees
 
-__all__ = ["Degrees", "Layout", "MeshStrategy", "Strategy", "NAMES", "get", "all_strategies"]
+__all__ = ["Degrees", "Layout", "MeshStrategy", "Strategy", "NAMES", "get", "all_strategies", "detect"]
 
 _INFRA = {"base", "degrees"}
 
@@ -48,3 +51,27 @@ def get(name: str) -> Strategy:
 def all_strategies() -> list[Strategy]:
     """Every strategy, in :data:`NAMES` order."""
     return [_REGISTRY[n] for n in NAMES]
+
+
+def detect(model, world: int, environ=None) -> str:
+    """The strategy a user's loop runs, by name: the first of the model's wrappers (outermost first,
+    through ``torch.compile``'s ``_orig_mod`` and ``.module``, at most 8 deep) a strategy recognises
+    (:meth:`Strategy.wraps`), else the one Accelerate's launch environment names
+    (:meth:`Strategy.named_by`), else ``ddp`` for several processes and ``single`` for one.
+
+    Args:
+        model: the model as the loop holds it (None: the environment only).
+        world: processes in all.
+        environ: the environment (default ``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    m, depth = model, 0
+    while m is not None and depth < 8:
+        for s in all_strategies():
+            if s.wraps(m):
+                return s.name
+        m, depth = getattr(m, "_orig_mod", None) or getattr(m, "module", None), depth + 1
+    for s in all_strategies():
+        if s.named_by(environ):
+            return s.name
+    return "ddp" if world > 1 else "single"

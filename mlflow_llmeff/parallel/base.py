@@ -4,7 +4,10 @@ A strategy is one small module of this package (``ddp.py``, ``fsdp.py``, ``tp.py
 :class:`Strategy` object; the training entrypoint applies it step by step, as torchtitan's
 ``parallelize_*`` functions are applied:
 
-1. :meth:`Strategy.degrees` (pure): how the world splits, from the settings;
+1. :meth:`Strategy.degrees` (pure): how the world splits, from the settings; what it costs, also
+   pure: :meth:`Strategy.bus_bytes` (communication per step) and :meth:`Strategy.model_state_bytes`
+   (memory per device); :meth:`Strategy.wraps` / :meth:`Strategy.named_by` recognise it in a user's
+   loop (:func:`mlflow_llmeff.parallel.detect`);
 2. :meth:`Strategy.check` / :meth:`Strategy.check_model`: a one-line refusal of what cannot run;
 3. :meth:`Strategy.launcher_args` / :meth:`Strategy.launcher_env`: the ``accelerate launch`` flags;
 4. on every rank: :meth:`Strategy.accelerator_kwargs`, :meth:`Strategy.layout` (device mesh,
@@ -31,6 +34,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape
 from mlflow_llmeff.parallel.degrees import Degrees
 from mlflow_llmeff.parallel.mesh import apply_fsdp, apply_tp, autocast_forward, decoder_layers  # noqa: F401
 
@@ -86,6 +90,60 @@ class Strategy:
     def check(self, *, cuda: bool, precision: str) -> None:
         """Raise ``ValueError`` (one line, the measured reason) when this strategy cannot run here."""
 
+    # ------------------------------------------------------------------ pure: what it costs, how it is seen
+    def bus_bytes(self, shape: TrafficShape, degrees: Degrees) -> CommEstimate:
+        """Bus bytes each device sends per optimizer step, by collective (nccl-tests factors,
+        :func:`mlflow_llmeff.calc.comm.bus_factor`), as torch 2.13 and DeepSpeed 0.19 run the strategy;
+        ``llmeff plan`` prints them and a run's sampled steps are checked against them
+        (``docs/parallelism.md``, "Communication"). Default: nothing (one process; context
+        parallelism's ring is not predicted)."""
+        return CommEstimate({})
+
+    def model_state_bytes(self, params: int, dp: int, *, dp_shard: int | None = None, tp: int = 1,
+                          tp_params: int = 0, precision: str = "bf16",
+                          persistent_params: int = 0) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer) bytes per device for ``params`` parameters over ``dp``
+        data-parallel ranks (``planning/plan.py``'s module docstring states the accounting).
+
+        Default: a whole copy on every rank as torch AMP keeps it, fp32 master weights (4 B), fp32
+        gradients (4 B) and AdamW's two fp32 moments (8 B): 16 B/param whatever ``precision``.
+
+        Args:
+            params: model parameters.
+            dp: data-parallel ranks.
+            dp_shard: ranks the state is sharded over (HSDP's shard group; default ``dp``).
+            tp: tensor-parallel degree.
+            tp_params: parameters the tensor-parallel plan splits.
+            precision: the run's precision (DeepSpeed keeps its working weights and gradients in it).
+            persistent_params: parameters in tensors ZeRO-3 keeps whole on every rank.
+        """
+        p = float(params)
+        return 4 * p, 4 * p, 8 * p
+
+    def state_held(self, precision: str, weights: float, gradients: float, optimizer: float) -> dict[str, str]:
+        """What :meth:`model_state_bytes`' bytes per parameter (``weights``, ``gradients``,
+        ``optimizer``, before sharding) are, in words: ``weights_held_as``, ``gradients_held_as``,
+        ``optimizer_state`` (the plan's text and JSON). Default: torch AMP's fp32 master copy."""
+        sixteen = precision in ("bf16", "fp16")
+        held_w = ("fp32 weights, the master copy; autocast runs the matmuls in " + precision
+                  if sixteen else f"{precision} weights (the master copy)") + f" ({weights:g} B)"
+        return {"weights_held_as": held_w, "gradients_held_as": f"fp32 gradients ({gradients:g} B)",
+                "optimizer_state": f"AdamW exp_avg and exp_avg_sq in fp32 ({optimizer:g} B)"}
+
+    def state_sharding(self, degrees: Degrees) -> str:
+        """How a device's share of the model state follows from ``degrees``, in words. Default: none."""
+        return "a whole copy on every rank"
+
+    def wraps(self, module) -> bool:
+        """True when ``module`` (one layer of a model's wrappers: DDP, FSDP, ``torch.compile``) is this
+        strategy's wrapper, read off its class (a user's loop names no strategy: the meter reads it)."""
+        return False
+
+    def named_by(self, environ) -> bool:
+        """True when Accelerate's launch environment (``environ``: ``ACCELERATE_USE_FSDP``,
+        ``ACCELERATE_USE_DEEPSPEED``, ...) says this strategy runs."""
+        return False
+
     def engine_missing(self, *, load: bool = False) -> str | None:
         """One line naming the package this strategy's engine needs and how to install it, when that
         package cannot be imported here; None when nothing is missing (torch and Accelerate only).
@@ -111,9 +169,11 @@ class Strategy:
         return {} if cuda else {"ACCELERATE_USE_CPU": "1"}
 
     # ------------------------------------------------------------------ set-up, every rank
-    def accelerator_kwargs(self, cfg, *, cuda: bool) -> dict:
-        """Extra ``Accelerator`` arguments (plugins); ``cpu`` says which device."""
-        return {"cpu": not cuda}
+    def accelerator_kwargs(self, spec) -> dict:
+        """Extra ``Accelerator`` arguments (plugins) for the resolved run ``spec`` (a
+        :class:`~mlflow_llmeff.planning.spec.RunSpec`: its options, world and machine); ``cpu`` says
+        which device."""
+        return {"cpu": not spec.machine.cuda}
 
     def layout(self, accelerator, degrees: Degrees) -> Layout:
         """This rank's :class:`Layout` (no mesh: the data-parallel rank is the process index)."""
@@ -247,6 +307,12 @@ class MeshStrategy(Strategy):
 def _inner(optimizer):
     """The torch optimizer inside Accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def tp_local(params: float, tp: int, tp_params: float) -> float:
+    """Parameters one tensor-parallel rank holds: the plan's ``tp_params`` split over ``tp`` ranks, the
+    rest (embeddings, norms, LM head) whole (``params`` when ``tp`` is 1)."""
+    return params - tp_params + tp_params / tp if tp > 1 else params
 
 
 def divides(name: str, value: int, by: int, what: str) -> None:

@@ -3,6 +3,7 @@ all-reduced), through Accelerate's own ``prepare`` (``DistributedDataParallel``)
 
 from __future__ import annotations
 
+from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape, bus_factor
 from mlflow_llmeff.parallel.base import Strategy
 from mlflow_llmeff.parallel.degrees import Degrees
 
@@ -22,6 +23,14 @@ class DDP(Strategy):
     name = "ddp"
     summary = "data parallel: every rank holds the whole model, gradients all-reduced (DistributedDataParallel)"
     needs_launcher = False  # one process trains alone in the calling process
+
+    def bus_bytes(self, shape: TrafficShape, degrees: Degrees) -> CommEstimate:
+        """One all-reduce of the fp32 gradients per step (``no_sync`` inside accumulation); DDP's small
+        buffer broadcasts are left out."""
+        return CommEstimate({"gradient all-reduce": bus_factor("all_reduce", degrees.dp) * 4 * float(shape.params)})
+
+    def wraps(self, module) -> bool:
+        return type(module).__name__ == "DistributedDataParallel"
 
 
 STRATEGIES = (Single(), DDP())

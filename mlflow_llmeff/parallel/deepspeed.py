@@ -23,6 +23,7 @@ import contextlib
 import os
 import time
 
+from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape, bus_factor
 from mlflow_llmeff.parallel.base import Strategy
 from mlflow_llmeff.parallel.degrees import Degrees
 
@@ -30,6 +31,12 @@ from mlflow_llmeff.parallel.degrees import Degrees
 BUILD_LINE = "llmeff: building DeepSpeed ops (first run on this machine; later runs reuse the cache) ..."
 #: The ops ``deepspeed.init_distributed`` JIT-loads on CPU (deepspeed/comm/torch.py, build_shm_op).
 CPU_OPS = ("ShareMemCommBuilder",)
+#: DeepSpeed's default ``stage3_param_persistence_threshold`` (elements; DeepSpeed 0.19
+#: ``runtime/zero/config.py``, ``param_persistence_threshold = 1e5``): ZeRO-3 keeps every parameter of
+#: at most this many elements whole on every rank (``parameter_offload.py``
+#: ``mark_persistent_parameters``). Our configs leave it unset: Accelerate's plugin fills it (10 x
+#: hidden) only where a config file says ``"auto"``.
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
 
 
 class ZeRO(Strategy):
@@ -47,6 +54,70 @@ class ZeRO(Strategy):
         if dp_shard not in (0, world):
             raise ValueError(f"parallelism={self.name!r} partitions over all {world} processes (dp_shard={dp_shard} given)")
         return Degrees(dp_shard=world)
+
+    def bus_bytes(self, shape: TrafficShape, degrees: Degrees) -> CommEstimate:
+        """As DeepSpeed 0.19 runs ZeRO with its defaults (counted; the ZeRO paper's volumes, Rajbhandari
+        et al. 2020 Sec. 7, assume reduce-scatters): ZeRO-1 all-reduces the whole gradients once per step
+        and all-gathers the updated weights; ZeRO-2 the same, its gradient all-reduce per micro-batch (its
+        buckets span several ranks, which DeepSpeed all-reduces); ZeRO-3 all-gathers the weights once and
+        reduce-scatters the gradients per micro-batch (gathered weights stay for the backward while they
+        fit its live-parameter budget, ``stage3_max_live_parameters``). 16-bit runs move 2-byte weights
+        and gradients."""
+        n, b, P, ga = degrees.dp_shard, (2 if shape.half else 4), float(shape.params), shape.grad_accum
+        if self.stage == 3:
+            return CommEstimate({"parameter all-gather": bus_factor("all_gather", n) * b * P * ga,
+                                 "gradient reduce-scatter": bus_factor("reduce_scatter", n) * b * P * ga})
+        per = ga if self.stage == 2 else 1
+        return CommEstimate({"gradient all-reduce": bus_factor("all_reduce", n) * b * P * per,
+                             "parameter all-gather": bus_factor("all_gather", n) * b * P})
+
+    def model_state_bytes(self, params, dp, *, dp_shard=None, tp=1, tp_params=0, precision="bf16",
+                          persistent_params=0):
+        """ZeRO keeps its working weights and gradients in the run's precision (2 + 2 B in 16-bit, 4 + 4 B
+        in fp32) plus K = 12 B of fp32 master weights and moments per parameter; stage 1 shards the 12,
+        stage 2 also the gradients, stage 3 everything (Rajbhandari et al. 2020, "ZeRO", Sec. 5, Fig. 1).
+
+        As DeepSpeed 0.19 runs it: 16-bit stages 1 and 2 add the fp32 copy of the rank's gradient
+        partition the step makes (``stage_1_and_2.py``: ``single_grad_partition =
+        flat_grad_partition.to(fp32)``, the 4 B/param / dp DeepSpeed's own estimators count in their
+        18 B/param; fp32 runs step on their flat partition as it is). Stage 3 holds the most at one of
+        two moments (``stage3.py`` ``step``): during forward and backward, the partitions, the
+        ``persistent_params`` whole on every rank (over ``dp > 1`` ranks), the gradient partitions and
+        the fp32 master weights and moments; at the optimizer step the persistent parameters are
+        partitioned and the step holds an fp32 copy of the rank's gradient partition
+        (``_prepare_fp32_grad_for_sub_group``, fp32 runs too), 4 B/param / dp. The larger of
+        ``b x persistent_params`` and ``4 params / dp`` decides."""
+        p = float(params)
+        b = 2.0 if precision in ("bf16", "fp16") else 4.0
+        if self.stage == 3:
+            whole = b * float(persistent_params) if dp > 1 else 0.0  # forward and backward
+            step_grads = 4 * p / dp  # the optimizer step, in fp32 runs too
+            if whole > step_grads:
+                return b * p / dp + whole, b * p / dp, 12 * p / dp
+            return b * p / dp, b * p / dp + step_grads, 12 * p / dp
+        fp32_grads = 4 * p / dp if b == 2.0 else 0.0
+        grads = b * p if self.stage == 1 else b * p / dp
+        return b * p, grads + fp32_grads, 12 * p / dp
+
+    def state_held(self, precision: str, weights: float, gradients: float, optimizer: float) -> dict[str, str]:
+        held_w = f"{precision} working weights ({weights:g} B)"
+        if self.stage == 3:
+            held_w += (f"; tensors of at most {ZERO3_PERSISTENCE_THRESHOLD:,} elements also whole on every rank "
+                       "during forward and backward (stage3_param_persistence_threshold)")
+        held_g = (f"{precision} gradients ({gradients - 4:g} B) + the fp32 copy of the rank's partition the step uses "
+                  "(4 B)" if precision in ("bf16", "fp16") or self.stage == 3 else f"{precision} gradients ({gradients:g} B)")
+        return {"weights_held_as": held_w, "gradients_held_as": held_g,
+                "optimizer_state": "fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq in fp32 (8 B)"}
+
+    def state_sharding(self, degrees: Degrees) -> str:
+        what = {1: "optimizer state", 2: "gradients and optimizer state", 3: "all of it"}[self.stage]
+        return f"{what} divided over the {degrees.dp} data-parallel ranks"
+
+    def named_by(self, environ) -> bool:
+        """Accelerate's DeepSpeed launch (``ACCELERATE_USE_DEEPSPEED``) of this stage
+        (``ACCELERATE_DEEPSPEED_ZERO_STAGE``, Accelerate's default 2)."""
+        return (environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+                and environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2") == str(self.stage))
 
     def engine_missing(self, *, load: bool = False) -> str | None:
         import importlib.util
@@ -108,14 +179,14 @@ class ZeRO(Strategy):
     def launcher_env(self, *, cuda: bool) -> dict[str, str]:
         return {} if cuda else {"DS_ACCELERATOR": "cpu"}
 
-    def accelerator_kwargs(self, cfg, *, cuda: bool) -> dict:
+    def accelerator_kwargs(self, spec) -> dict:
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
+        cfg, cuda = spec.options, spec.machine.cuda
         plugin = DeepSpeedPlugin(zero_stage=self.stage, gradient_accumulation_steps=cfg.grad_accum,
                                  gradient_clipping=float(cfg.max_grad_norm), zero3_init_flag=False)
-        world = cfg.num_processes * cfg.num_machines
         plugin.deepspeed_config.update({"train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-                                        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world})
+                                        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * spec.world})
         if self.stage == 3:  # save_pretrained needs the whole weights on the main process
             plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         import warnings

@@ -5,9 +5,11 @@ matrices are split by the tensor-parallel plan, then each rank's part is fully s
 
 from __future__ import annotations
 
+from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape
 from mlflow_llmeff.parallel.base import MeshStrategy
 from mlflow_llmeff.parallel.degrees import Degrees
-from mlflow_llmeff.parallel.tp import check_shape
+from mlflow_llmeff.parallel.fsdp import sharded_bus_parts, sharded_state_bytes
+from mlflow_llmeff.parallel.tp import activation_bus_parts, check_shape
 
 
 class FSDPTP(MeshStrategy):
@@ -27,6 +29,17 @@ class FSDPTP(MeshStrategy):
 
     def check_model(self, config, degrees: Degrees) -> None:
         check_shape(config, degrees.tp)
+
+    def bus_bytes(self, shape: TrafficShape, degrees: Degrees) -> CommEstimate:
+        """FSDP2's collectives over each rank's tensor-parallel part, then tensor parallelism's."""
+        return CommEstimate({**sharded_bus_parts(shape, degrees), **activation_bus_parts(shape, degrees.tp)})
+
+    def model_state_bytes(self, params, dp, *, dp_shard=None, tp=1, tp_params=0, precision="bf16",
+                          persistent_params=0):
+        return sharded_state_bytes(params, dp, dp_shard, tp, tp_params)
+
+    def state_sharding(self, degrees: Degrees) -> str:
+        return f"all of it divided over the {degrees.dp_shard} ranks of a shard group"
 
 
 STRATEGIES = (FSDPTP(),)

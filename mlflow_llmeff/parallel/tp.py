@@ -11,9 +11,24 @@ sees the same batch: the data-parallel degree is 1 and tokens count once.
 
 from __future__ import annotations
 
-from mlflow_llmeff.parallel.base import MeshStrategy
+from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape, bus_factor
+from mlflow_llmeff.parallel.base import MeshStrategy, tp_local
 from mlflow_llmeff.parallel.degrees import Degrees
 from mlflow_llmeff.parallel.mesh import apply_tp, tp_plan  # noqa: F401 - apply_tp re-exported
+
+
+def activation_bus_parts(shape: TrafficShape, tp: int) -> dict[str, float]:
+    """Tensor parallelism's collectives per step (per micro-batch and layer): torch's ColwiseParallel /
+    RowwiseParallel all-reduce the two row-parallel outputs in the forward and the five column-parallel
+    inputs' gradients (q, k, v, gate, up) in the backward, ``tokens x hidden`` activations each (bf16:
+    2 bytes under autocast); activation checkpointing repeats the forward's two. Nothing for ``tp`` 1."""
+    if tp <= 1:
+        return {}
+    per_layer = 7 + (2 if shape.activation_checkpointing else 0)
+    ab = 2 if shape.half else 4
+    return {"activation all-reduce (tensor parallel)": (bus_factor("all_reduce", tp) * per_layer * shape.layers
+                                                        * shape.tokens_per_micro_batch * shape.hidden * ab
+                                                        * shape.grad_accum)}
 
 
 def check_shape(config, tp: int) -> None:
@@ -43,6 +58,15 @@ class TP(MeshStrategy):
 
     def check_model(self, config, degrees: Degrees) -> None:
         check_shape(config, degrees.tp)
+
+    def bus_bytes(self, shape: TrafficShape, degrees: Degrees) -> CommEstimate:
+        return CommEstimate(activation_bus_parts(shape, degrees.tp))
+
+    def model_state_bytes(self, params, dp, *, dp_shard=None, tp=1, tp_params=0, precision="bf16",
+                          persistent_params=0):
+        """Torch AMP's 16 B/param of one tensor-parallel rank's parameters, replicated otherwise."""
+        local = tp_local(float(params), tp, tp_params)
+        return 4 * local, 4 * local, 8 * local
 
 
 STRATEGIES = (TP(),)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from mlflow_llmeff.planning.plan import GIB, estimate_memory
 
-__all__ = ["MARGIN_FRACTION", "MARGIN_FIXED_GIB", "Candidate", "Verdict", "needed_bytes", "verdict",
+__all__ = ["MARGIN_FRACTION", "MARGIN_FIXED_GIB", "Candidate", "Verdict", "needed_bytes", "verdict", "check",
            "host_available_bytes", "cuda_free_bytes"]
 
 MARGIN_FRACTION = 0.10
@@ -87,6 +87,7 @@ class Verdict:
         processes: processes of the run.
         candidates: cheapest fitting configurations when it does not fit.
         why_none: why nothing fits, when no candidate does.
+        strategy: the parallelism strategy the estimate is for.
     """
 
     model: str
@@ -97,6 +98,7 @@ class Verdict:
     processes: int
     candidates: list[Candidate] = field(default_factory=list)
     why_none: str = ""
+    strategy: str = ""
 
     @property
     def needed_bytes(self) -> float:
@@ -125,14 +127,15 @@ class Verdict:
         return f"does not fit {self.where}: {need}, {room}. {self.why_none} ({force} skips this check)"
 
 
-def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt) -> float:
+def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt, degrees=None) -> float:
     from mlflow_llmeff.parallel import get
 
-    try:  # tensor / shard degrees of the strategy over these devices (None: all data-parallel)
-        degrees = get(strategy).degrees(devices * cfg.num_machines, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
-                                        processes_per_node=devices)
-    except ValueError:
-        degrees = None
+    if degrees is None:
+        try:  # tensor / shard degrees of the strategy over these devices (None: all data-parallel)
+            degrees = get(strategy).degrees(devices * cfg.num_machines, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
+                                            processes_per_node=devices)
+        except ValueError:
+            degrees = None
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, strategy=strategy,
                           dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager",
                           degrees=degrees)
@@ -198,8 +201,17 @@ def _kind(c: Candidate) -> str:
     return "micro_batch"
 
 
+def check(spec, *, available_bytes: float | None, where: str) -> Verdict:
+    """:func:`verdict` of a resolved run (a :class:`~mlflow_llmeff.planning.spec.RunSpec`): its strategy,
+    degrees and precision as resolved; its machine says whether the processes share host memory (no
+    CUDA) and whether bf16 is there to offer."""
+    return verdict(spec.options, precision=spec.precision, strategy=spec.strategy_name,
+                   available_bytes=available_bytes, where=where, cpu=not spec.machine.cuda,
+                   bf16_ok=spec.machine.bf16, degrees=spec.degrees)
+
+
 def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None, where: str, cpu: bool,
-            bf16_ok: bool = True) -> Verdict:
+            bf16_ok: bool = True, degrees=None) -> Verdict:
     """Check ``cfg`` against ``available_bytes`` (see the module docstring).
 
     Args:
@@ -210,13 +222,15 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
         where: the device in words for the message.
         cpu: the processes share host memory (and cannot shard).
         bf16_ok: bf16 is possible there (offered as a cheaper configuration).
+        degrees: the run's resolved degrees (:func:`check` passes its spec's); None: the strategy's
+            degrees over the processes, as for every configuration the verdict tries instead.
     """
     from mlflow_llmeff.models.presets import PRESETS, load_config
 
     config = load_config(cfg.model)
     est = _estimate(config, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision, strategy=strategy,
-                    devices=cfg.num_processes, ckpt=cfg.activation_checkpointing)
-    v = Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes)
+                    devices=cfg.num_processes, ckpt=cfg.activation_checkpointing, degrees=degrees)
+    v = Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, strategy=strategy)
     if available_bytes is None or v.fits:
         return v
     cands = _candidates(config, cfg, precision=precision, strategy=strategy, available=available_bytes, cpu=cpu,
@@ -246,7 +260,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
             half = largest("bf16")
             if half and (asked is None or half[1] != asked[1]):
                 why += f"; in bf16 precision, {half[1]} ({_gib(half[0])} GiB with the margin)"
-    return Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, cands, why)
+    return Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, cands, why, strategy)
 
 
 def host_available_bytes() -> float | None:

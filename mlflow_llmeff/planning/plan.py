@@ -29,8 +29,10 @@ Memory per device (bytes) is estimated from the model shape, not measured:
   (Korthikanti et al. 2022, eq. 2, without sequence parallelism). Context parallelism divides all
   of it by ``cp``.
 
-Communication per device and step: :func:`mlflow_llmeff.calc.comm.predict_bus_bytes` (nccl-tests bus
-bytes of every collective the strategy runs). Predictions from earlier runs (time, cost, energy)
+Model state and communication per device and step are each strategy's own arithmetic, in its module
+of :mod:`mlflow_llmeff.parallel` (:meth:`~mlflow_llmeff.parallel.base.Strategy.model_state_bytes`,
+:meth:`~mlflow_llmeff.parallel.base.Strategy.bus_bytes`: nccl-tests bus bytes of every collective it
+runs); this module asks the strategy. Predictions from earlier runs (time, cost, energy)
 read the tracking server and live in :mod:`mlflow_llmeff.planning.predict`.
 """
 
@@ -38,7 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlflow_llmeff.calc.comm import TrafficShape
 from mlflow_llmeff.calc.flops import flops_per_token, model_shape, param_counts
+from mlflow_llmeff.calc.throughput import global_batch_tokens
+from mlflow_llmeff.parallel import Degrees, get
+from mlflow_llmeff.parallel.deepspeed import ZERO3_PERSISTENCE_THRESHOLD
 
 GIB = 2**30
 
@@ -58,28 +64,12 @@ class MemoryEstimate:
         return self.weights + self.gradients + self.optimizer + act
 
 
-#: DeepSpeed's default ``stage3_param_persistence_threshold`` (elements; DeepSpeed 0.19
-#: ``runtime/zero/config.py``, ``param_persistence_threshold = 1e5``): ZeRO-3 keeps every parameter of
-#: at most this many elements whole on every rank (``parameter_offload.py``
-#: ``mark_persistent_parameters``). Our configs leave it unset: Accelerate's plugin fills it (10 x
-#: hidden) only where a config file says ``"auto"``.
-ZERO3_PERSISTENCE_THRESHOLD = 100_000
-
-
 def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | None = None, tp: int = 1,
                       tp_params: int = 0, precision: str = "bf16",
                       persistent_params: int = 0) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per device for ``params`` parameters (see the module docstring).
-
-    DeepSpeed ZeRO-3 holds the most at one of two moments, and the triple is that moment's
-    (DeepSpeed 0.19 ``stage3.py`` ``step``): during forward and backward, the weight partitions,
-    the ``persistent_params`` whole on every rank (over ``dp > 1`` ranks; on one rank the whole
-    tensor is the partition), the gradient partitions in the run's precision, the fp32 master
-    weights and moments; at the optimizer step the persistent parameters are partitioned
-    (``_partition_all_parameters``, gathered again in ``_post_step``) and the step holds an fp32
-    copy of the rank's gradient partition (``_prepare_fp32_grad_for_sub_group``: ``flatten(...)``
-    copies, in fp32 runs too), 4 B/param / dp. The larger of ``b x persistent_params`` and
-    ``4 params / dp`` decides.
+    """(weights, gradients, optimizer) bytes per device for ``params`` parameters under the strategy
+    called ``strategy`` (see the module docstring): its
+    :meth:`~mlflow_llmeff.parallel.base.Strategy.model_state_bytes`, which holds the accounting.
 
     Args:
         params: model parameters.
@@ -96,33 +86,21 @@ def model_state_bytes(params: int, strategy: str, dp: int, *, dp_shard: int | No
     """
     if dp < 1:
         raise ValueError(f"dp={dp} must be >= 1")
-    p = float(params)
-    shard = float(dp_shard or dp)
-    local = p - tp_params + tp_params / tp if tp > 1 else p  # one tensor-parallel rank's parameters
-    if strategy in ("single", "ddp", "auto", "cp"):
-        return 4 * p, 4 * p, 8 * p
-    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
-        return 4 * local / shard, 4 * local / shard, 8 * local / shard
-    if strategy == "tp":
-        return 4 * local, 4 * local, 8 * local
-    b = 2.0 if precision in ("bf16", "fp16") else 4.0
-    # 16-bit ZeRO-1/2 also hold each rank's gradient partition in fp32 for the optimizer step (DeepSpeed
-    # 0.19 stage_1_and_2.py: single_grad_partition = flat_grad_partition.to(fp32)), the 4 B/param / dp
-    # that DeepSpeed's own estimators count in their 18 B/param (docs/parallelism.md); fp32 runs step
-    # on their flat gradient partition as it is (.to(fp32) returns it)
-    fp32_grads = 4 * p / dp if b == 2.0 else 0.0
-    if strategy == "deepspeed_zero1":
-        return b * p, b * p + fp32_grads, 12 * p / dp
-    if strategy == "deepspeed_zero2":
-        return b * p, b * p / dp + fp32_grads, 12 * p / dp
-    if strategy == "deepspeed_zero3":
-        whole = b * float(persistent_params) if dp > 1 else 0.0  # forward and backward
-        step_grads = 4 * p / dp  # the optimizer step, in fp32 runs too
-        if whole > step_grads:
-            return b * p / dp + whole, b * p / dp, 12 * p / dp
-        return b * p / dp, b * p / dp + step_grads, 12 * p / dp
-    raise ValueError(f"strategy={strategy!r} is not accepted; use one of: single, ddp, fsdp, hsdp, tp, fsdp_tp, "
-                     "deepspeed_zero1/2/3")
+    return _strategy(strategy).model_state_bytes(params, dp, dp_shard=dp_shard, tp=tp, tp_params=tp_params,
+                                                 precision=precision, persistent_params=persistent_params)
+
+
+def _strategy(name: str):
+    """The :class:`~mlflow_llmeff.parallel.base.Strategy` called ``name`` (``auto``: replicated, as ddp).
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    try:
+        return get("ddp" if name == "auto" else name)
+    except ValueError:
+        raise ValueError(f"strategy={name!r} is not accepted; use one of: single, ddp, fsdp, hsdp, tp, fsdp_tp, "
+                         "deepspeed_zero1/2/3") from None
 
 
 def state_assumptions(strategy: str, precision: str, degrees=None) -> dict:
@@ -133,46 +111,23 @@ def state_assumptions(strategy: str, precision: str, degrees=None) -> dict:
         ``bytes_per_param_weights`` / ``_gradients`` / ``_optimizer`` / ``_model_state`` (bytes per
         parameter of the whole model, before sharding: :func:`model_state_bytes` of one parameter
         on one rank), ``weights_held_as`` / ``gradients_held_as`` / ``optimizer_state`` (what those
-        bytes are) and ``model_state_sharding`` (how a device's share follows).
+        bytes are: the strategy's :meth:`~mlflow_llmeff.parallel.base.Strategy.state_held`) and
+        ``model_state_sharding`` (how a device's share follows: its
+        :meth:`~mlflow_llmeff.parallel.base.Strategy.state_sharding`).
 
     Raises:
         ValueError: for an unknown strategy (as :func:`model_state_bytes`).
     """
     w, g, o = model_state_bytes(1, strategy, 1, precision=precision)
-    deepspeed = strategy.startswith("deepspeed_")
-    sixteen = precision in ("bf16", "fp16")
-    if deepspeed:
-        held_w = f"{precision} working weights ({w:g} B)"
-        if strategy == "deepspeed_zero3":
-            held_w += (f"; tensors of at most {ZERO3_PERSISTENCE_THRESHOLD:,} elements also whole on every rank "
-                       "during forward and backward (stage3_param_persistence_threshold)")
-        held_g = (f"{precision} gradients ({g - 4:g} B) + the fp32 copy of the rank's partition the step uses (4 B)"
-                  if sixteen or strategy == "deepspeed_zero3" else f"{precision} gradients ({g:g} B)")
-        opt = "fp32 master weights (4 B) + AdamW exp_avg and exp_avg_sq in fp32 (8 B)"
-    else:
-        held_w = ("fp32 weights, the master copy; autocast runs the matmuls in " + precision
-                  if sixteen else f"{precision} weights (the master copy)") + f" ({w:g} B)"
-        held_g = f"fp32 gradients ({g:g} B)"
-        opt = f"AdamW exp_avg and exp_avg_sq in fp32 ({o:g} B)"
-    dp = degrees.dp if degrees is not None else 1
-    shard = degrees.dp_shard if degrees is not None else 1
-    tp = degrees.tp if degrees is not None else 1
-    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
-        how = f"all of it divided over the {shard} ranks of a shard group"
-    elif strategy == "deepspeed_zero1":
-        how = f"optimizer state divided over the {dp} data-parallel ranks"
-    elif strategy == "deepspeed_zero2":
-        how = f"gradients and optimizer state divided over the {dp} data-parallel ranks"
-    elif strategy == "deepspeed_zero3":
-        how = f"all of it divided over the {dp} data-parallel ranks"
-    else:
-        how = "a whole copy on every rank"
-    if tp > 1:
-        how += f"; the tensor-parallel plan's matrices split over {tp} ranks first"
+    s = _strategy(strategy)
+    degrees = degrees if degrees is not None else Degrees()
+    how = s.state_sharding(degrees)
+    if degrees.tp > 1:
+        how += f"; the tensor-parallel plan's matrices split over {degrees.tp} ranks first"
     return {"master_weights": "fp32", "optimizer": "AdamW (torch.optim.AdamW, two fp32 moments)",
             "bytes_per_param_weights": w, "bytes_per_param_gradients": g, "bytes_per_param_optimizer": o,
-            "bytes_per_param_model_state": w + g + o, "weights_held_as": held_w, "gradients_held_as": held_g,
-            "optimizer_state": opt, "model_state_sharding": how}
+            "bytes_per_param_model_state": w + g + o, **s.state_held(precision, w, g, o),
+            "model_state_sharding": how}
 
 
 _PERSISTENT: dict[tuple[str, int], int] = {}
@@ -256,7 +211,7 @@ def meta_param_count(config) -> int:
 
 
 def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, accelerator_given: str | None = None,
-              accelerator_alias: str | None = None) -> dict:
+              accelerator_alias: str | None = None, degrees=None) -> dict:
     """Everything ``llmeff plan`` prints before predictions, as a dict (bytes, FLOPs, degrees).
 
     Pure estimates from the model's shape (the model is built on the meta device for its exact
@@ -270,6 +225,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
         accelerator_given: the accelerator as the user gave it (``--accelerator``), None when the
             plan is for this machine's.
         accelerator_alias: the note of an alias taken (``'H100' taken as H100-SXM ...``), or None.
+        degrees: the run's resolved :class:`~mlflow_llmeff.parallel.degrees.Degrees` (:func:`plan_run`
+            passes its spec's); None: the strategy's degrees over the processes (a what-if, as
+            :func:`strategy_table` asks for each strategy).
 
     The plan states its assumptions (:func:`state_assumptions`: master-weight precision,
     optimizer, bytes per parameter of weights, gradients and optimizer state) and the accelerator:
@@ -282,30 +240,28 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     Raises:
         ValueError: for degrees that do not fit the processes.
     """
-    from mlflow_llmeff.calc.comm import predict_bus_bytes
-    from mlflow_llmeff.parallel import get
     from mlflow_llmeff.models.presets import load_config
 
     config = load_config(cfg.model)
     world = cfg.num_processes * cfg.num_machines
     missing = get(strategy).engine_missing()  # looked up, not imported: the plan needs no engine
-    degrees = get(strategy).degrees(world, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
-                                    processes_per_node=cfg.num_processes)
+    if degrees is None:
+        degrees = get(strategy).degrees(world, tp_size=cfg.tp_size, dp_shard=cfg.dp_shard,
+                                        processes_per_node=cfg.num_processes)
     counts = param_counts(config)
     counts["total"] = meta_param_count(config)  # the built model's own count (tied weights once)
     split = parameter_split(config)
-    tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * degrees.dp
+    tokens_per_step = global_batch_tokens(cfg.seq_len, cfg.micro_batch_size, cfg.grad_accum, degrees.dp)
     fpt = flops_per_token(config, cfg.seq_len, "megatron")
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, strategy=strategy,
                           dp=degrees.dp, precision=precision, eager_attention=cfg.attn_implementation == "eager",
                           degrees=degrees)
     shape = model_shape(config)
-    comm = predict_bus_bytes(strategy, params=counts["total"], layer_params=split["layers"],
-                             tp_params=split["tensor_parallel"], degrees=degrees, grad_accum=cfg.grad_accum,
-                             tokens_per_micro_batch=cfg.seq_len * cfg.micro_batch_size, hidden=shape.hidden,
-                             layers=shape.layers, precision=precision,
-                             reshard_after_forward=cfg.reshard_after_forward,
-                             activation_checkpointing=cfg.activation_checkpointing)
+    comm = get(strategy).bus_bytes(TrafficShape(
+        params=counts["total"], layer_params=split["layers"], tp_params=split["tensor_parallel"],
+        grad_accum=cfg.grad_accum, tokens_per_micro_batch=cfg.seq_len * cfg.micro_batch_size, hidden=shape.hidden,
+        layers=shape.layers, precision=precision, reshard_after_forward=cfg.reshard_after_forward,
+        activation_checkpointing=cfg.activation_checkpointing), degrees)
     accel = {"accelerator_given": accelerator_given if accelerator_given is not None else "(this machine)",
              "accelerator_assumed": accelerator_short, "accelerator_alias_taken": accelerator_alias is not None}
     if accelerator_alias is not None:
@@ -330,6 +286,14 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     for part, v in comm.parts.items():
         out[f"comm_bytes_per_step_{part.split(' (')[0].replace(' ', '_').replace('-', '_')}"] = v
     return out
+
+
+def plan_run(spec, *, accelerator_given: str | None = None, accelerator_alias: str | None = None) -> dict:
+    """:func:`make_plan` of a resolved run (a :class:`~mlflow_llmeff.planning.spec.RunSpec`): its
+    strategy, degrees and precision as resolved, for the accelerator of its machine."""
+    return make_plan(spec.options, accelerator_short=spec.machine.accelerator, precision=spec.precision,
+                     strategy=spec.strategy_name, accelerator_given=accelerator_given,
+                     accelerator_alias=accelerator_alias, degrees=spec.degrees)
 
 
 def strategy_table(cfg, *, precision: str) -> list[dict]:

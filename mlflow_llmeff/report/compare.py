@@ -8,6 +8,7 @@ import os
 from mlflow_llmeff import names
 from mlflow_llmeff.report.render import DEFAULT_GROUP_BY, Report, build_report, write_report
 from mlflow_llmeff.report.source import select_runs
+from mlflow_llmeff.tracking.comparisons import log_comparison
 from mlflow_llmeff.tracking.keys import tag_value_limit
 
 __all__ = ["RUN_IDS_ARTIFACT", "compare", "compared_ids_tag", "default_ui_base", "log_report"]
@@ -44,10 +45,10 @@ def compare(experiment: str, *, filter_string: str = "", group_by: str = DEFAULT
     Raises:
         ValueError: unknown/empty experiment, bad filter, ``group_by`` or ``baseline`` (one line each).
     """
-    import mlflow
+    from mlflow_llmeff.tracking import store
 
-    uri = tracking_uri or mlflow.get_tracking_uri()
-    client = mlflow.MlflowClient(uri)
+    uri = tracking_uri or store.tracking_uri()
+    client = store.client(uri)
     selection = select_runs(client, experiment, filter_string)
     launcher = os.environ.get("MLFLOW_RUN_ID")  # under `mlflow run -e compare`: the launcher's own run
     if launcher and any(r.run_id == launcher for r in selection.runs):
@@ -108,12 +109,4 @@ def log_report(client, rep: Report, out_dir: str) -> str:
             names.COMPARE_EXPERIMENT: sel.experiment_name, names.COMPARE_FILTER: sel.filter_string,
             "mlflow.runName": f"compare-{len(sel.runs)}-runs",
             "mlflow.note.content": "llmeff compare report: open report.html in Artifacts"}
-    launcher = os.environ.get("MLFLOW_RUN_ID")
-    run_id = launcher or client.create_run(sel.experiment_id).info.run_id
-    for k, v in tags.items():
-        client.set_tag(run_id, k, v)
-    client.log_text(run_id, "".join(f"{i}\n" for i in ids), RUN_IDS_ARTIFACT)
-    client.log_artifacts(run_id, os.path.abspath(out_dir))
-    if not launcher:
-        client.set_terminated(run_id, "FINISHED")
-    return run_id
+    return log_comparison(client, sel.experiment_id, tags, ids, out_dir, RUN_IDS_ARTIFACT)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking.redact import clean, environment_secrets
 from mlflow_llmeff.tracking.runs import ui_run_url
-from mlflow_llmeff.tracking.search import all_runs
+from mlflow_llmeff.tracking.search import all_runs, apply_filter, filters_datasets, is_store_error, parse_filter
 from mlflow_llmeff.report.calc import RunRecord
 
 __all__ = ["Selection", "select_runs", "metric_history", "ui_run_url"]
@@ -108,17 +108,15 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     Raises:
         ValueError: unknown experiment, a filter MLflow cannot parse, or no run to compare (each one line).
     """
-    from mlflow.entities import ViewType
-    from mlflow.exceptions import MlflowException
-
     exp = _experiment(client, experiment)
     secrets = environment_secrets()
     try:
         found = _read_by_sql(client, exp.experiment_id, filter_string or "")
-        if found is None:
-            found = all_runs(client, [exp.experiment_id], filter_string or "", order_by=["attributes.start_time DESC"],
-                             view_type=ViewType.ACTIVE_ONLY)
-    except MlflowException as e:
+        if found is None:  # MLflow's search, active runs only
+            found = all_runs(client, [exp.experiment_id], filter_string or "", order_by=["attributes.start_time DESC"])
+    except Exception as e:
+        if not is_store_error(e):
+            raise
         first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0]
         raise ValueError(f"bad filter {filter_string!r}: {first}") from None
     memo: dict = {}  # condition tags repeat over the runs: each (key, value) is masked once
@@ -166,10 +164,7 @@ def _read_by_sql(client, experiment_id: str, filter_string: str):
         return None
     from types import SimpleNamespace
 
-    from mlflow.utils.search_utils import SearchUtils
-
-    parsed = SearchUtils.parse_search_filter(filter_string) if filter_string else []
-    if any(SearchUtils.is_dataset(c.get("type"), c.get("comparator", "").upper()) for c in parsed):
+    if filters_datasets(parse_filter(filter_string)):
         return None
     # the id is all digits (checked above): a literal, so the driver's own cursor runs the queries
     # (SQLAlchemy's row objects cost 4 s of 5 for 10,000 runs)
@@ -207,7 +202,7 @@ def _read_by_sql(client, experiment_id: str, filter_string: str):
         data = SimpleNamespace(metrics=values["latest_metrics"].get(run_uuid, {}), tags=values["tags"].get(run_uuid, {}),
                                params=values["params"].get(run_uuid, {}))
         runs.append(SimpleNamespace(info=info, data=data, inputs=SimpleNamespace(dataset_inputs=[])))
-    return SearchUtils.filter(runs, filter_string) if filter_string else runs
+    return apply_filter(runs, filter_string)
 
 
 def _record(run, secrets: list[str], memo: dict | None = None) -> RunRecord:

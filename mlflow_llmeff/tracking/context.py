@@ -28,11 +28,10 @@ def _world() -> int:
 
 
 def _strategy(world: int) -> str:
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        return "fsdp"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        return f"deepspeed_zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '2')}"
-    return "ddp" if world > 1 else "single"
+    """The strategy Accelerate's launch environment names, else ddp or single (:func:`mlflow_llmeff.parallel.detect`)."""
+    from mlflow_llmeff.parallel import detect
+
+    return detect(None, world)
 
 
 def condition_tags() -> dict[str, str]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["PAGE_SIZE", "all_runs", "all_experiments", "all_experiment_ids"]
+__all__ = ["PAGE_SIZE", "all_runs", "all_experiments", "all_experiment_ids", "is_store_error", "parse_filter",
+           "filters_datasets", "apply_filter"]
 
 #: Results asked for per request: MLflow's default page (a server on any MLflow release accepts it).
 PAGE_SIZE = 1000
@@ -81,3 +82,41 @@ def all_experiment_ids(client, *, view_type: int | None = None) -> list[str]:
         mlflow.exceptions.MlflowException: what MLflow raises.
     """
     return [e.experiment_id for e in all_experiments(client, view_type=view_type)]
+
+
+def is_store_error(e: BaseException) -> bool:
+    """True for an error MLflow raised (``mlflow.exceptions.MlflowException``: a filter it cannot parse, a
+    store that refused), as opposed to a bug or a lost connection."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(e, MlflowException)
+
+
+def parse_filter(filter_string: str) -> list[dict]:
+    """The clauses of an MLflow search filter (``SearchUtils.parse_search_filter``; [] for '').
+
+    Raises:
+        mlflow.exceptions.MlflowException: a filter MLflow cannot parse.
+    """
+    from mlflow.utils.search_utils import SearchUtils
+
+    return SearchUtils.parse_search_filter(filter_string) if filter_string else []
+
+
+def filters_datasets(clauses: list[dict]) -> bool:
+    """True when a clause of :func:`parse_filter` is on the runs' datasets (``datasets.name`` ...)."""
+    from mlflow.utils.search_utils import SearchUtils
+
+    return any(SearchUtils.is_dataset(c.get("type"), c.get("comparator", "").upper()) for c in clauses)
+
+
+def apply_filter(runs: list, filter_string: str) -> list:
+    """The ``runs`` (objects with MLflow's ``info``/``data``/``inputs``) matching ``filter_string``, by
+    MLflow's own evaluator of its search syntax (``SearchUtils.filter``, the one its file store uses).
+
+    Raises:
+        mlflow.exceptions.MlflowException: a filter MLflow cannot parse.
+    """
+    from mlflow.utils.search_utils import SearchUtils
+
+    return SearchUtils.filter(runs, filter_string) if filter_string else runs

@@ -20,6 +20,8 @@ ATTN_IMPLS = ("sdpa", "eager")
 ENERGY_MODES = ("auto", "nvml", "rapl", "none")
 from mlflow_llmeff.train.data import PACKING_MODES  # noqa: E402 - stdlib imports only
 from mlflow_llmeff.names import shorten
+from mlflow_llmeff.planning import spec as specs
+from mlflow_llmeff.planning.spec import Machine, RunSpec
 
 
 @dataclass
@@ -107,18 +109,6 @@ class TrainConfig:
             out[f.name] = str(v).lower() if isinstance(v, bool) else str(v)
         return out
 
-    def resolved_data_workers(self, world: int = 1) -> int:
-        """``DataLoader`` workers per rank: ``data_workers`` when >= 0, else 2 on CUDA (reading memory-mapped
-        blocks is cheap; two keep the next batches ready), 0 on CPU (workers would compete with training)."""
-        if self.data_workers >= 0:
-            return self.data_workers
-        import torch
-
-        return 2 if torch.cuda.is_available() else 0
-
-    def resolved_lr_warmup_steps(self) -> int:
-        return self.lr_warmup_steps if self.lr_warmup_steps >= 0 else max(1, round(0.05 * self.max_steps))
-
 
 def _one_of(name: str, value: str, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
@@ -130,16 +120,40 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a positive integer (>= 1)")
 
 
-def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_supported: bool | None = None,
-             engine: bool = True) -> None:
-    """Check every setting cheaply (configs only, no weights, no data read) before heavy work.
+def probe_machine(accelerator_count: int | None = None) -> Machine:
+    """This machine's :class:`~mlflow_llmeff.planning.spec.Machine`: CUDA and bf16 support probed through
+    torch and, given ``accelerator_count`` (the devices a plan is for), the accelerator's short name."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    short = None
+    if accelerator_count is not None:
+        from mlflow_llmeff.meters.hardware import detect_accelerator
+
+        short = detect_accelerator(count=accelerator_count).short
+    return Machine(cuda=cuda, bf16=torch.cuda.is_bf16_supported() if cuda else True, accelerator=short)
+
+
+def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available: bool | None = None,
+             bf16_supported: bool | None = None, engine: bool = True) -> RunSpec:
+    """Check every setting cheaply (configs only, no weights, no data read) and resolve the run, once.
+
+    The settings are checked in order, the run resolved (:func:`mlflow_llmeff.planning.spec.resolve`:
+    strategy, degrees, precision, world over every machine, global batch) once the plain values are
+    known good, and what needs the resolved run (the strategy on this device, its engine, the model's
+    shape over the degrees) checked on it. Every later step reads the returned spec; nothing resolves
+    or validates again (in a launched process: ``--resolved-json``, docs/training.md).
 
     Args:
         cfg: the settings.
-        cuda_available / bf16_supported: injected for tests; probed through torch when None.
+        machine: what the machine offers; probed through torch when None (:func:`probe_machine`).
+        cuda_available / bf16_supported: the machine's facts given one by one (tests); probed when None.
         engine: the strategy's engine must be importable here (training; the strategy's
             ``engine_missing`` line names the package to install). ``llmeff plan`` passes False: its
             figures are arithmetic and it says instead that the engine is not installed.
+
+    Returns:
+        The resolved :class:`~mlflow_llmeff.planning.spec.RunSpec`.
 
     Raises:
         ValueError: one line naming the bad value and the accepted ones.
@@ -181,15 +195,15 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
         check_location(country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
                        cloud_region=cfg.cloud_region or None)
 
-    if cuda_available is None or bf16_supported is None:
-        import torch
-
-        cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
-        if bf16_supported is None:
-            bf16_supported = (torch.cuda.is_bf16_supported() if cuda_available else True)
-    if cfg.precision == "fp16" and not cuda_available:
+    if machine is None:
+        if cuda_available is None or bf16_supported is None:
+            probed = probe_machine()
+            cuda_available = probed.cuda if cuda_available is None else cuda_available
+            bf16_supported = probed.bf16 if bf16_supported is None else bf16_supported
+        machine = Machine(cuda=cuda_available, bf16=bf16_supported)
+    if cfg.precision == "fp16" and not machine.cuda:
         raise ValueError("precision='fp16' needs a CUDA device (fp16 mixed precision is GPU-only); accepted on CPU: fp32, bf16")
-    if cfg.precision == "bf16" and not bf16_supported:
+    if cfg.precision == "bf16" and not machine.bf16:
         raise ValueError("precision='bf16' is not supported by this device; accepted here: fp32, fp16")
     if cfg.num_machines < 1 or not 0 <= cfg.machine_rank < cfg.num_machines:
         raise ValueError(f"machine_rank={cfg.machine_rank} with num_machines={cfg.num_machines}; "
@@ -202,13 +216,11 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
         raise ValueError(f"rendezvous_timeout_s={cfg.rendezvous_timeout_s} must be > 0 seconds")
     if not cfg.link_peak_gbps >= 0:
         raise ValueError(f"link_peak_gbps={cfg.link_peak_gbps} must be >= 0 GB/s (0: read the link's rate)")
-    strategy = get_strategy(cfg)
-    strategy.check(cuda=cuda_available, precision=resolve_precision(cfg, cuda_available=cuda_available,
-                                                                   bf16_supported=bf16_supported))
-    missing = strategy.engine_missing(load=True) if engine else None
+    run = specs.resolve(cfg, machine)  # raises when the degrees do not fit the processes
+    run.strategy.check(cuda=machine.cuda, precision=run.precision)
+    missing = run.strategy.engine_missing(load=True) if engine else None
     if missing:
         raise ValueError(missing)
-    degrees = resolve_degrees(cfg)  # raises when the degrees do not fit the processes
     if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
         raise ValueError(f"checkpoint_dir={cfg.checkpoint_dir!r} exists and is not a directory")
 
@@ -240,50 +252,9 @@ def validate(cfg: TrainConfig, *, cuda_available: bool | None = None, bf16_suppo
     limit = max_positions(config)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"seq_len={cfg.seq_len} exceeds the {limit} positions of model {cfg.model!r}; use seq_len <= {limit}")
-    strategy.check_model(config, degrees)
+    run.strategy.check_model(config, run.degrees)
     dataset_kind(cfg.dataset)
-
-
-def resolve_precision(cfg: TrainConfig, *, cuda_available: bool, bf16_supported: bool) -> str:
-    """The concrete precision: ``auto`` is bf16 on CUDA devices that support it, else fp32."""
-    if cfg.precision != "auto":
-        return cfg.precision
-    return "bf16" if cuda_available and bf16_supported else "fp32"
-
-
-def resolve_strategy(cfg: TrainConfig, world_size: int) -> str:
-    """The concrete parallelism strategy tag: ``auto`` is single for one process, else ddp."""
-    if cfg.parallelism == "auto":
-        return "single" if world_size == 1 else "ddp"
-    return cfg.parallelism
-
-
-def get_strategy(cfg: TrainConfig):
-    """The :class:`~mlflow_llmeff.parallel.base.Strategy` of ``cfg`` (``auto`` resolved)."""
-    from mlflow_llmeff import parallel
-
-    return parallel.get(resolve_strategy(cfg, cfg.num_processes * cfg.num_machines))
-
-
-def resolve_degrees(cfg: TrainConfig):
-    """The run's :class:`~mlflow_llmeff.parallel.degrees.Degrees` (world = processes x machines).
-
-    Raises:
-        ValueError: when ``tp_size`` / ``dp_shard`` do not fit the processes (one line).
-    """
-    return get_strategy(cfg).degrees(cfg.num_processes * cfg.num_machines, tp_size=cfg.tp_size,
-                                     dp_shard=cfg.dp_shard, processes_per_node=cfg.num_processes)
-
-
-def global_batch_tokens(cfg: TrainConfig) -> int:
-    """Tokens of one optimizer step over all data-parallel ranks: ``seq_len x micro_batch_size x
-    grad_accum x dp`` (dp from :func:`resolve_degrees`), the ``llmeff.global_batch_tokens`` tag
-    ``llmeff train`` gives the run.
-
-    Raises:
-        ValueError: when ``tp_size`` / ``dp_shard`` do not fit the processes (one line).
-    """
-    return cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * resolve_degrees(cfg).dp
+    return run
 
 
 def render_mlproject() -> str:

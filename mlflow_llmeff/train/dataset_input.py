@@ -1,56 +1,22 @@
 """The training data as an MLflow dataset input of the run (the runs table's Dataset column).
 
-An ``mlflow.data`` meta dataset: name, source (a local path, a Hugging Face hub id, or the built-in
-corpus), a digest of the tokenized blocks themselves, and a profile of token and block counts.
+Its name, source (a local path, a Hugging Face hub id, or the built-in corpus), a digest of the
+tokenized blocks themselves, and a profile of token and block counts, read off the prepared data
+here; the ``mlflow.data`` dataset that carries them is made in :mod:`mlflow_llmeff.tracking.datasets`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
-from mlflow.data.meta_dataset import MetaDataset
-
+from mlflow_llmeff.tracking.datasets import TokenBlocksDataset, dataset_source
 from mlflow_llmeff.train.data import TokenBlocks
 
-__all__ = ["TokenBlocksDataset", "training_dataset", "log_training_input"]
+__all__ = ["TokenBlocksDataset", "training_dataset"]
 
 #: Tokens hashed for the digest: the first blocks up to this many (a digest, not a checksum of terabytes).
 DIGEST_TOKENS = 1 << 24
-
-
-class TokenBlocksDataset(MetaDataset):
-    """A tokenized training set: ``MetaDataset`` with a content digest and a token/block profile."""
-
-    def __init__(self, source, name: str, digest: str, profile: dict):
-        self._profile = profile
-        super().__init__(source=source, name=name, digest=digest)
-
-    @property
-    def profile(self) -> dict:
-        return self._profile
-
-    def to_dict(self) -> dict:
-        return {**super().to_dict(), "profile": json.dumps(self._profile)}
-
-
-def _source(dataset: str, kind: str):
-    if kind == "hub":
-        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
-
-        return HuggingFaceDatasetSource(path=dataset, split="train")
-    if kind in ("text_file", "jsonl", "text_dir"):
-        import warnings
-
-        from mlflow.data.dataset_source_registry import resolve_dataset_source
-
-        with warnings.catch_warnings():  # MLflow registers the local-file source twice and says so
-            warnings.simplefilter("ignore")
-            return resolve_dataset_source(os.path.abspath(dataset))
-    from mlflow.data.code_dataset_source import CodeDatasetSource
-
-    return CodeDatasetSource({"mlflow_llmeff.dataset": dataset, "kind": kind})
 
 
 def training_dataset(dataset: str, data, seq_len: int, packing: bool):
@@ -97,14 +63,5 @@ def training_dataset(dataset: str, data, seq_len: int, packing: bool):
     if mode == "documents":
         profile["documents"] = True
     name = dataset if data.kind in ("python_docs", "synthetic", "hub") else os.path.basename(dataset.rstrip("/"))
-    return TokenBlocksDataset(_source(dataset, data.kind), name=name, digest=h.hexdigest()[:16], profile=profile)
+    return TokenBlocksDataset(dataset_source(dataset, data.kind), name=name, digest=h.hexdigest()[:16], profile=profile)
 
-
-def log_training_input(client, run_id: str, dataset) -> None:
-    """Log ``dataset`` as the run's input with context ``training`` (what ``mlflow.log_input`` does,
-    for a run that need not be the active one)."""
-    from mlflow.entities import DatasetInput, InputTag
-    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
-    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
-                                                     tags=[InputTag(MLFLOW_DATASET_CONTEXT, "training")])])

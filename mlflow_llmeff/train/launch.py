@@ -14,33 +14,46 @@ import subprocess
 import sys
 import time
 
+from mlflow_llmeff.planning.spec import Machine, RunSpec
 from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.train.messages import message_style
 
 
-def accelerate_command(cfg: TrainConfig, *, cuda: bool) -> tuple[list[str], dict[str, str]]:
-    """The ``accelerate launch`` command line and environment for ``cfg.num_processes`` processes on
-    each of ``cfg.num_machines`` machines (Accelerate counts processes over all machines); the
-    strategy adds its flags (``--multi_gpu``, ``--use_deepspeed --zero_stage N``) and environment."""
-    from mlflow_llmeff.train.config import get_strategy
+def settle(cfg: TrainConfig) -> RunSpec:
+    """Check ``cfg`` and resolve it on this machine, once (:func:`~mlflow_llmeff.train.config.validate`):
+    the :class:`~mlflow_llmeff.planning.spec.RunSpec` every later step of the launch reads. A dry run's
+    strategy engine need not be installed and its machine's accelerator is looked up (the plan is for it).
 
-    strategy = get_strategy(cfg)
-    flags = strategy.launcher_args(cuda=cuda)
-    script = _loop_script(cfg)
-    if cfg.num_processes * cfg.num_machines == 1 and "--multi_gpu" in flags:
+    Raises:
+        ValueError: bad settings, as one line naming the value and the accepted ones.
+    """
+    from mlflow_llmeff.train.config import probe_machine
+
+    return validate(cfg, probe_machine(cfg.num_processes if cfg.dry_run else None), engine=not cfg.dry_run)
+
+
+def accelerate_command(spec: RunSpec) -> tuple[list[str], dict[str, str]]:
+    """The ``accelerate launch`` command line and environment for ``num_processes`` processes on
+    each of ``num_machines`` machines (Accelerate counts processes over all machines: ``spec.world``);
+    the strategy adds its flags (``--multi_gpu``, ``--use_deepspeed --zero_stage N``) and environment.
+    Every process reads the resolved spec from the command (``--resolved-json``)."""
+    cfg, cuda = spec.options, spec.machine.cuda
+    flags = spec.strategy.launcher_args(cuda=cuda)
+    script = _loop_script(spec)
+    if spec.world == 1 and "--multi_gpu" in flags:
         # one process that needs a process group (FSDP2 on one GPU): accelerate launch refuses
         # --multi_gpu below 2 processes; its multi-GPU launcher is torchrun, so run that directly
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *script]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch",
-               "--num_processes", str(cfg.num_processes * cfg.num_machines),
-               "--num_machines", str(cfg.num_machines), "--dynamo_backend", "no", "--mixed_precision", "no"]
-        if cfg.num_machines > 1:
+               "--num_processes", str(spec.world),
+               "--num_machines", str(spec.nodes), "--dynamo_backend", "no", "--mixed_precision", "no"]
+        if spec.nodes > 1:
             cmd += ["--machine_rank", str(cfg.machine_rank), "--main_process_ip", cfg.main_process_ip]
         cmd += ["--main_process_port", str(cfg.main_process_port)]  # the rendezvous port (default 29500)
         cmd += flags + script
     env = dict(os.environ)
-    env.update(strategy.launcher_env(cuda=cuda))
+    env.update(spec.strategy.launcher_env(cuda=cuda))
     return cmd, env
 
 
@@ -48,32 +61,29 @@ class FitError(ValueError):
     """The run would not fit the device's memory (the message says what would)."""
 
 
-def fit_here(cfg: TrainConfig):
-    """The memory verdict of ``cfg`` on this machine's devices (:func:`mlflow_llmeff.planning.fit.verdict`)."""
-    import torch
-
+def fit_here(spec: RunSpec):
+    """The memory verdict of the resolved run on this machine's devices
+    (:func:`mlflow_llmeff.planning.fit.check`): its strategy, degrees and precision as resolved."""
     from mlflow_llmeff.planning import fit
-    from mlflow_llmeff.train.config import resolve_precision, resolve_strategy
 
-    cuda = torch.cuda.is_available()
-    bf16 = torch.cuda.is_bf16_supported() if cuda else True
-    precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
-    strategy = resolve_strategy(cfg, cfg.num_processes)
-    if cuda:
+    if spec.machine.cuda:
+        import torch
+
         available = fit.cuda_free_bytes()
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
         where = f"this {torch.cuda.get_device_name(0)} ({total:.0f} GiB, the free part counted)"
     else:
         available, where = fit.host_available_bytes(), "this CPU (host memory, shared by all processes)"
-    return fit.verdict(cfg, precision=precision, strategy=strategy, available_bytes=available, where=where,
-                       cpu=not cuda, bf16_ok=bf16)
+    return fit.check(spec, available_bytes=available, where=where)
 
 
-def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: bool = False) -> int:
-    """Validate ``cfg`` and check that it fits (cheap, before heavy work), then train. Returns the exit code.
+def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own_process: bool = False) -> int:
+    """Validate the settings and check that they fit (cheap, before heavy work), then train. Returns the exit code.
 
     Args:
-        cfg: the settings.
+        run: the settings, checked and resolved here (:func:`settle`), or a
+            :class:`~mlflow_llmeff.planning.spec.RunSpec` the caller resolved (``llmeff train``,
+            ``llmeff study``): then nothing is checked or resolved again.
         started_unix: the attempt's start, unix seconds: where its ``summary/wall_s`` and the job's clock
             begin. Default: this process's start (``llmeff train``: imports and set-up are ``init``).
             ``llmeff study`` (train/study.py) passes each child's own start, so a repeat's wall time
@@ -87,26 +97,22 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
     Raises:
         ValueError: bad settings, as one line naming the value and the accepted ones;
             :class:`~mlflow_llmeff.train.rendezvous.RendezvousError` when the machines do not meet.
-        FitError: the run would not fit the device (unless ``cfg.force``), naming what would.
+        FitError: the run would not fit the device (unless ``force``), naming what would.
     """
     import logging
 
-    import torch
-
     for noisy in ("mlflow.store.db.utils", "alembic"):  # table-creation chatter of a new sqlite store
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    spec = run if isinstance(run, RunSpec) else settle(run)
+    cfg = spec.options
     if cfg.dry_run:
-        return dry_run(cfg)
-    validate(cfg)
-    verdict = fit_here(cfg)
+        return dry_run(spec)
+    verdict = fit_here(spec)
     if verdict.fits is False and not cfg.force:
         raise FitError(verdict.line(message_style()))
-    from mlflow_llmeff.train.config import get_strategy
-
-    single = cfg.num_processes == 1 and cfg.num_machines == 1 and not get_strategy(cfg).needs_launcher
-    if single and own_process:
-        return _train_in_own_process(cfg, time.time() if started_unix is None else float(started_unix))
-    if single:
+    if spec.in_this_process and own_process:
+        return _train_in_own_process(spec, time.time() if started_unix is None else float(started_unix))
+    if spec.in_this_process:
         from mlflow_llmeff.meters.probes import process_start_perf_counter
         from mlflow_llmeff.train.loop import run_training
 
@@ -114,7 +120,7 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
             started_at = process_start_perf_counter()
         else:  # the same instant on the perf_counter clock the meter reads
             started_at = time.perf_counter() - max(0.0, time.time() - started_unix)
-        run_training(cfg, started_at=started_at)
+        run_training(spec, started_at=started_at)
         return 0
     from mlflow_llmeff.train import job as jobs
 
@@ -124,8 +130,8 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
         handshake(cfg)
         print(f"llmeff: machine {cfg.machine_rank} of {cfg.num_machines} met the others at "
               f"{cfg.main_process_ip}:{cfg.main_process_port} with the same settings", file=sys.stderr)
-    cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
-    env["LLMEFF_NUM_MACHINES"] = str(cfg.num_machines)  # for the nodes tag, whatever the launcher sets
+    cmd, env = accelerate_command(spec)
+    env["LLMEFF_NUM_MACHINES"] = str(spec.nodes)  # for the nodes tag, whatever the launcher sets
     # the job's clock starts at this command (or at the start the caller gave)
     env[jobs.START_ENV] = repr(jobs.attempt_start_unix() if started_unix is None else float(started_unix))
     from mlflow_llmeff.train import elastic
@@ -142,30 +148,33 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
     return rc
 
 
-def _loop_script(cfg: TrainConfig) -> list[str]:
-    """``-m mlflow_llmeff.train.loop --config-json <cfg>``: the per-process entry every launcher runs."""
-    return ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(cfg))]
+def _loop_script(spec: RunSpec) -> list[str]:
+    """``-m mlflow_llmeff.train.loop --config-json <options> --resolved-json <resolved>``: the per-process
+    entry every launcher runs, handed the settings and what this launch resolved of them
+    (:meth:`~mlflow_llmeff.planning.spec.RunSpec.resolved`), so no process resolves or validates again."""
+    return ["-m", "mlflow_llmeff.train.loop", "--config-json", json.dumps(dataclasses.asdict(spec.options)),
+            "--resolved-json", json.dumps(spec.resolved())]
 
 
-def own_process_command(cfg: TrainConfig, started_unix: float) -> tuple[list[str], dict[str, str]]:
-    """The command and environment that train ``cfg`` on one device in a process of its own: the
+def own_process_command(spec: RunSpec, started_unix: float) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that train ``spec`` on one device in a process of its own: the
     per-process entry ``accelerate launch`` runs, with the attempt's start in ``$LLMEFF_ATTEMPT_START_UNIX``
     (its ``summary/wall_s`` and ``init`` begin there, the interpreter's start and imports inside them)."""
     from mlflow_llmeff.train import job as jobs
 
     env = dict(os.environ)
     env[jobs.START_ENV] = repr(float(started_unix))
-    return [sys.executable, *_loop_script(cfg)], env
+    return [sys.executable, *_loop_script(spec)], env
 
 
-def _train_in_own_process(cfg: TrainConfig, started_unix: float) -> int:
+def _train_in_own_process(spec: RunSpec, started_unix: float) -> int:
     """Run :func:`own_process_command`; its stderr passes through line by line, and a last ``error: <line>``
     it printed (a refused setting, a known ending) is raised here as that line.
 
     Raises:
         ValueError: the child's one-line error (exit code 2: bad settings; others: the line as printed).
     """
-    cmd, env = own_process_command(cfg, started_unix)
+    cmd, env = own_process_command(spec, started_unix)
     last = None
     with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
         for line in proc.stderr:
@@ -187,74 +196,88 @@ class ChildError(ValueError):
         self.code = code
 
 
-def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: bool = False) -> int:
+def planned_machine(accelerator_short: str) -> tuple[Machine, str | None]:
+    """The :class:`~mlflow_llmeff.planning.spec.Machine` of a named accelerator, from its datasheet
+    (``H100`` taken as ``H100-SXM``: the note of the alias is returned beside it, else None): CUDA
+    unless it is ``cpu``; bf16 where its datasheet row lists bf16 matrix units."""
+    from mlflow_llmeff.meters import hardware as hw
+
+    short, alias = hw.resolve_short(accelerator_short)  # H100 -> H100-SXM, with a note
+    cuda = short.lower() != "cpu"
+    row = next((r for r in hw.PEAK_TABLE if r.short == short), None)
+    bf16 = not cuda or (row is not None and "bf16" in row.tflops)  # its datasheet's matrix units
+    return Machine(cuda=cuda, bf16=bf16, accelerator=short), alias
+
+
+def dry_run(run: TrainConfig | RunSpec, *, accelerator_short: str | None = None, as_json: bool = False) -> int:
     """Print the plan (no training, no weights): parameters, FLOPs, memory, fit, predictions.
 
-    Works on a CPU machine for any preset (the model is built on the meta device). Planning for
-    an accelerator other than this machine's (``accelerator_short``, e.g. ``H100-SXM``) resolves
+    Works on a CPU machine for any preset (the model is built on the meta device). ``run``: the
+    settings (checked and resolved here, once, for this machine or for ``accelerator_short``), or
+    the spec :func:`settle` resolved for this machine. Planning for an accelerator other than this
+    machine's (``accelerator_short``, e.g. ``H100-SXM``) resolves
     ``precision=auto`` as bf16 where its datasheet row lists bf16 matrix units (else fp32) and checks
     the fit against its datasheet memory. What the plan takes for the user (an alias such as
     ``H100`` for ``H100-SXM``, that precision, a price from the dated default table) is its field
     ``assumed`` (``<input>: <what was taken and why>``), beside ``device_hour_usd`` and its
     ``device_hour_usd_source``. Under ``mlflow run`` the plan is logged to the run as ``plan/*``
-    metrics and the tags ``llmeff.dry_run=true``, ``llmeff.plan.fit`` and ``llmeff.assumed``.
+    metrics and the tags ``llmeff.dry_run=true``, ``llmeff.plan.fit`` and ``llmeff.assumed``
+    (:func:`mlflow_llmeff.tracking.plans.log_plan`).
+
+    Raises:
+        ValueError: bad settings, or an accelerator the tables do not know (one line).
     """
     import json as _json
 
-    import mlflow
-
-    from mlflow_llmeff.planning import fit
-    from mlflow_llmeff.meters import hardware as hw
-    from mlflow_llmeff import names
     from mlflow_llmeff.calc.cost import device_hour_price
-    from mlflow_llmeff.planning.plan import format_plan, make_plan
+    from mlflow_llmeff.meters import hardware as hw
+    from mlflow_llmeff.planning import fit
+    from mlflow_llmeff.planning.plan import format_plan, plan_run
     from mlflow_llmeff.planning.predict import add_predictions
-    from mlflow_llmeff.train.config import resolve_precision, resolve_strategy
+    from mlflow_llmeff.tracking import store
 
-    here = accelerator_short is None
     given, alias = accelerator_short, None
-    if here:
-        import torch
+    if isinstance(run, RunSpec):
+        spec = run
+        if spec.machine.accelerator is None:  # resolved for training: the plan is for this machine's devices
+            import dataclasses as dc
 
-        cuda = torch.cuda.is_available()
-        accelerator_short = hw.detect_accelerator(count=cfg.num_processes).short
-        bf16 = torch.cuda.is_bf16_supported() if cuda else True
+            spec = dc.replace(spec, machine=dc.replace(
+                spec.machine, accelerator=hw.detect_accelerator(count=spec.processes_per_node).short))
+    elif given is None:
+        from mlflow_llmeff.train.config import probe_machine
+
+        spec = validate(run, probe_machine(run.num_processes), engine=False)  # the plan is arithmetic
     else:
-        accelerator_short, alias = hw.resolve_short(accelerator_short)  # H100 -> H100-SXM, with a note
+        machine, alias = planned_machine(given)
         if alias:
             print(f"llmeff: accelerator {alias}", file=sys.stderr)  # stdout stays the plan (--json parses)
-        cuda = accelerator_short.lower() != "cpu"
-        row = next((r for r in hw.PEAK_TABLE if r.short == accelerator_short), None)
-        bf16 = not cuda or (row is not None and "bf16" in row.tflops)  # its datasheet's matrix units
-    validate(cfg, cuda_available=cuda, bf16_supported=bf16, engine=False)  # the plan is arithmetic
-    precision = resolve_precision(cfg, cuda_available=cuda, bf16_supported=bf16)
-    strategy = resolve_strategy(cfg, cfg.num_processes)
+        spec = validate(run, machine, engine=False)
+    here = given is None
+    cfg, accelerator_short = spec.options, spec.machine.accelerator
     price, price_source = device_hour_price(accelerator_short, cfg.device_hour_usd or None)
     assumed = {}  # input -> what the plan took and why (also the plan run's llmeff.assumed)
     if alias:
         assumed["accelerator"] = alias
     if not here and cfg.precision == "auto":
-        units = ("is a CPU" if not cuda else
-                 f"datasheet {'lists' if bf16 else 'lists no'} bf16 matrix units")
-        assumed["precision"] = (f"auto taken as {precision} ({accelerator_short} {units}, not probed: llmeff train "
+        units = ("is a CPU" if not spec.machine.cuda else
+                 f"datasheet {'lists' if spec.machine.bf16 else 'lists no'} bf16 matrix units")
+        assumed["precision"] = (f"auto taken as {spec.precision} ({accelerator_short} {units}, not probed: llmeff train "
                                 "resolves auto on the machine itself)")
     if not cfg.device_hour_usd and price is not None:
         assumed["device_hour_usd"] = f"{price:g} USD per device-hour ({price_source}: pass device_hour_usd for yours)"
-    plan = add_predictions(make_plan(cfg, accelerator_short=accelerator_short, precision=precision, strategy=strategy,
-                                     accelerator_given=given, accelerator_alias=alias),
-                           cfg, client=mlflow.MlflowClient(), accelerator_short=accelerator_short, strategy=strategy,
+    plan = add_predictions(plan_run(spec, accelerator_given=given, accelerator_alias=alias), cfg,
+                           client=store.client(), accelerator_short=accelerator_short, strategy=spec.strategy_name,
                            device_hour_usd=price)
     plan["device_hour_usd"] = price  # None (JSON null): no price, no predicted_usd
     plan["device_hour_usd_source"] = price_source
     plan["assumed"] = assumed
     if here:
-        verdict = fit_here(cfg)
+        verdict = fit_here(spec)
     else:
         gb = hw.MEMORY_GB.get(accelerator_short)
-        verdict = fit.verdict(cfg, precision=precision, strategy=strategy,
-                              available_bytes=gb * 2**30 if gb else None,
-                              where=f"an {gb:g} GiB {accelerator_short}" if gb else f"a {accelerator_short}",
-                              cpu=not cuda, bf16_ok=bf16)
+        verdict = fit.check(spec, available_bytes=gb * 2**30 if gb else None,
+                            where=f"an {gb:g} GiB {accelerator_short}" if gb else f"a {accelerator_short}")
     line = verdict.line(message_style())
     plan["memory_needed_gib"] = verdict.needed_bytes / 2**30
     if verdict.available_bytes is not None:
@@ -263,34 +286,17 @@ def dry_run(cfg: TrainConfig, *, accelerator_short: str | None = None, as_json: 
     print(_json.dumps({**plan, "fit": line}, indent=1) if as_json else format_plan(plan) + "\n" + line)
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if run_id:
-        _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision)
+        from mlflow_llmeff.tracking.plans import log_plan
+
+        log_plan(run_id, plan_tags(spec), plan, line, eval_tasks=cfg.eval_tasks)
     return 0
 
 
-def assumed_text(assumed: dict[str, str]) -> str:
-    """``llmeff.assumed``'s value: ``<input>: <value> (<why>)`` joined by ``; ``."""
-    return "; ".join(f"{k}: {v}" for k, v in assumed.items())
-
-
-def _log_plan(run_id, cfg, plan, line, accelerator_short, strategy, precision) -> None:
-    import mlflow
-
+def plan_tags(spec: RunSpec) -> dict[str, str]:
+    """The condition tags of a dry run's plan run: the model, the accelerator planned for and its count
+    (every machine's devices), the sequence length and what was resolved (:meth:`RunSpec.tags`)."""
     from mlflow_llmeff import names
-    from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
-    from mlflow_llmeff.train.config import global_batch_tokens
 
-    client = mlflow.MlflowClient()
-    client.set_tag(run_id, names.DRY_RUN, "true")
-    tags = {names.MODEL_NAME: cfg.model, names.ACCEL_SHORT: accelerator_short,
-            names.ACCEL_COUNT: str(cfg.num_processes * cfg.num_machines), names.PAR_STRATEGY: strategy,
-            names.PRECISION: precision, names.SEQ_LEN: str(cfg.seq_len),
-            names.GLOBAL_BATCH_TOKENS: str(global_batch_tokens(cfg))}
-    # the stem llmeff train gives the configuration (tracking/naming.py), after "plan-"
-    name = "plan-" + study_name(parts_from_tags(tags, cfg.eval_tasks))
-    if plan.get("assumed"):  # what the plan took for the user: an alias, auto precision there, a list price
-        tags[names.ASSUMED] = assumed_text(plan["assumed"])
-    for k, v in {"mlflow.runName": name, **tags, names.PLAN_FIT: line}.items():
-        client.set_tag(run_id, k, v)
-    for k, v in plan.items():
-        if isinstance(v, (int, float)):
-            client.log_metric(run_id, f"plan/{k}", float(v))
+    return {names.MODEL_NAME: spec.options.model, names.ACCEL_SHORT: spec.machine.accelerator,
+            names.ACCEL_COUNT: str(spec.world), names.SEQ_LEN: str(spec.options.seq_len), **spec.tags()}
+

@@ -19,7 +19,8 @@ from mlflow_llmeff.monitor import lifecycle
 from mlflow_llmeff import names
 from mlflow_llmeff.train import checkpoint as ckpt
 from mlflow_llmeff.train import faults
-from mlflow_llmeff.train.config import TrainConfig, resolve_precision, validate
+from mlflow_llmeff.planning.spec import RunSpec
+from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.train.messages import message_style
 from mlflow_llmeff.names import shorten
 
@@ -40,14 +41,16 @@ class DataError(RuntimeError):
     one_line = True
 
 
-def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | None:
-    """Train per ``cfg`` on this process's devices and log to MLflow from the main process.
+def run_training(run: TrainConfig | RunSpec, started_at: float | None = None) -> dict | None:
+    """Train per ``run`` on this process's devices and log to MLflow from the main process.
 
     A run that fails after its MLflow run started ends FAILED (KILLED on Ctrl-C or SIGTERM), with
     what was measured flushed; its checkpoints stay, so rerunning the same command resumes it.
 
     Args:
-        cfg: the settings.
+        run: the resolved run (:class:`~mlflow_llmeff.planning.spec.RunSpec`: ``llmeff train``, and in
+            a launched process the launcher's, read from ``--resolved-json``), or the settings, then
+            checked and resolved here, once (:func:`~mlflow_llmeff.train.config.validate`).
         started_at: ``time.perf_counter()`` at which this attempt began (the command line passes the
             process start, so imports are ``init``); default: now.
 
@@ -62,10 +65,11 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lifecycle.sigterm_to_exit)
     try:
+        spec = run if isinstance(run, RunSpec) else validate(run)
         if started_at is None:  # now; the job's ledger keeps the process's start (train/job.py)
-            return _run_training(cfg, holder, time.perf_counter())
+            return _run_training(spec, holder, time.perf_counter())
         # a given start is the attempt's start on the job's clock too (unix seconds)
-        return _run_training(cfg, holder, started_at, time.time() - (time.perf_counter() - started_at))
+        return _run_training(spec, holder, started_at, time.time() - (time.perf_counter() - started_at))
     except BaseException as e:
         monitor = holder.get("monitor")
         _end_attempt(holder, e, monitor)
@@ -84,17 +88,12 @@ def run_training(cfg: TrainConfig, started_at: float | None = None) -> dict | No
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run_training(cfg: TrainConfig, holder: dict, started: float, start_unix: float | None = None) -> dict | None:
-    import torch
-
+def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float | None = None) -> dict | None:
     from mlflow_llmeff.train.setup import build, teardown
 
-    cuda = torch.cuda.is_available()
-    validate(cfg)
-    precision = resolve_precision(cfg, cuda_available=cuda,
-                                  bf16_supported=torch.cuda.is_bf16_supported() if cuda else True)
+    cfg = spec.options
     holder["carbon"] = carbon = _carbon_tracker(cfg)  # from the start, so its estimate spans the set-up too
-    t = build(cfg, precision, cuda)
+    t = build(spec)
     if t.accelerator.is_main_process:
         for name in ckpt.clean_partial(cfg.checkpoint_dir):
             print(f"llmeff: removed the half-written checkpoint {name} left by an interrupted save")
@@ -105,7 +104,7 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float, start_unix: fl
     job, job_run = _begin_attempt(cfg, t, found, holder, start_unix)
     if job is not None:  # an elastic restart starts at its own process start, not the launcher's
         started = max(started, time.perf_counter() - max(0.0, time.time() - job.start_unix))
-    monitor = _open_monitor(cfg, t, found, started, carbon, job_run)
+    monitor = _open_monitor(spec, t, found, started, carbon, job_run)
     holder["monitor"] = monitor
     if t.op_build_s:  # DeepSpeed's JIT build, timed in setup before the meter existed: compile, not init
         monitor.credit_build(t.op_build_s)
@@ -119,14 +118,14 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float, start_unix: fl
     if monitor.is_main and monitor.run_id and not found:
         _log_dataset(cfg, t, monitor)
     if not found:
-        _probe_comm(cfg, t, monitor)
+        _probe_comm(spec, t, monitor)
     if found:
         loading = time.time()
         with monitor.pause("checkpoint_load"):
             t.parallel.load(t.accelerator, t.model, t.optimizer, found[0])
         if job is not None:
             job.loaded(time.time() - loading)
-    _train(cfg, t, monitor, start_step=monitor.step_count,
+    _train(spec, t, monitor, start_step=monitor.step_count,
            skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job)
     said = _job_figures(job, monitor)
     summary = monitor.finish()
@@ -173,11 +172,10 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float |
 
 def _tracking_uri() -> str | None:
     try:
-        import mlflow
-
+        from mlflow_llmeff.tracking import store
         from mlflow_llmeff.tracking.redact import strip_uri_secrets
 
-        return strip_uri_secrets(mlflow.get_tracking_uri())  # no password in the checkpoint folder
+        return strip_uri_secrets(store.tracking_uri())  # no password in the checkpoint folder
     except Exception:  # noqa: BLE001 - only a record
         return None
 
@@ -223,20 +221,18 @@ def _carbon_tracker(cfg: TrainConfig):
     return tracker
 
 
-def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon, job_run: str | None = None):
-    """The run's meter: conditions as tags, settings as params, the checkpoint's counters continued."""
-    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+def run_tags(spec: RunSpec, data_kind: str) -> dict[str, str]:
+    """The tags ``llmeff train`` gives its run besides the meter's conditions: the model, the batch's
+    shape and the global batch as resolved (:attr:`RunSpec.global_batch_tokens`), the degrees, the
+    data and tokenizer, the eval settings and the code's commit."""
     from mlflow_llmeff.meters.probes import git_commit
     from mlflow_llmeff.models.build import tokenizer_name
 
-    state = found[1] if found else None
-    if state and t.accelerator.is_main_process:
-        print(f"llmeff: resuming MLflow run {state['run_id']} from checkpoint step {state['step']}")
+    cfg = spec.options
     tags = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),
             names.MICRO_BATCH_SIZE: str(cfg.micro_batch_size), names.GRAD_ACCUM: str(cfg.grad_accum),
-            names.GLOBAL_BATCH_TOKENS: str(cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * t.dp_world),
-            **t.layout.degrees.tags(),
-            names.DATASET: cfg.dataset, names.DATASET_KIND: t.data.kind, names.TOKENIZER: tokenizer_name(cfg.model),
+            names.GLOBAL_BATCH_TOKENS: spec.tags()[names.GLOBAL_BATCH_TOKENS], **spec.degrees.tags(),
+            names.DATASET: cfg.dataset, names.DATASET_KIND: data_kind, names.TOKENIZER: tokenizer_name(cfg.model),
             names.EVAL_BATCH_SIZE: str(cfg.micro_batch_size),  # evaluate.py scores micro_batch_size sequences a pass
             names.GIT_COMMIT: git_commit(os.path.dirname(os.path.abspath(__file__)))}
     if cfg.eval_tasks:
@@ -244,6 +240,18 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon, job_run: s
         from mlflow_llmeff.evals.api import eval_documents
 
         tags[names.EVAL_DOCUMENTS] = eval_documents(cfg.eval_limit, cfg.seed)
+    return tags
+
+
+def _open_monitor(spec: RunSpec, t, found, started: float, carbon, job_run: str | None = None):
+    """The run's meter: conditions as tags, settings as params, the checkpoint's counters continued."""
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+
+    cfg = spec.options
+    state = found[1] if found else None
+    if state and t.accelerator.is_main_process:
+        print(f"llmeff: resuming MLflow run {state['run_id']} from checkpoint step {state['step']}")
+    tags = run_tags(spec, t.data.kind)
     return EfficiencyMonitor(
         log_every_n_steps=cfg.log_every_n_steps, warmup_steps=cfg.warmup_steps, model=t.model,
         model_config=t.model_config, optimizer=t.optimizer, precision=t.precision, strategy=t.strategy,
@@ -291,12 +299,13 @@ def _mark_machine_runs(cfg: TrainConfig, monitor) -> None:
             monitor.set_tags({names.MACHINE_RUNS: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
 
-def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
+def _probe_comm(spec: RunSpec, t, monitor) -> None:
     """Bus bandwidth of the run's process group and its link's peak, at step 0 (every rank; cached
     per machine, so seconds once). Never stops training."""
     from mlflow_llmeff.calc.comm import probe_message_bytes
     from mlflow_llmeff.meters import collectives, commprobe
-    from mlflow_llmeff.monitor.conditions import nodes
+
+    cfg = spec.options
 
     if t.world < 2 or not cfg.measure_comm:
         why = "none: measure_comm=false" if t.world > 1 else "none: one process, no collectives"
@@ -305,13 +314,13 @@ def _probe_comm(cfg: TrainConfig, t, monitor) -> None:
     try:
         with monitor.pause("init"):
             backend = str(__import__("torch").distributed.get_backend())
-            peak, why = commprobe.detect_link(t.device, backend=backend, nodes=nodes(t.world),
-                                              devices_per_node=cfg.num_processes, head=os.environ.get("MASTER_ADDR"),
+            peak, why = commprobe.detect_link(t.device, backend=backend, nodes=spec.nodes,
+                                              devices_per_node=spec.processes_per_node, head=os.environ.get("MASTER_ADDR"),
                                               given_gbps=cfg.link_peak_gbps or None)
             size = probe_message_bytes(peak.gbps if peak else None, nccl=backend == "nccl")  # >= 0.5 s at the peak
             # every rank reads its own link: the probe's collectives need one size, the largest
             size = int(collectives.all_reduce([float(size)], op="max")[0])
-            result = commprobe.measure(t.device, nodes=nodes(t.world), device_name=monitor.accelerator.name,
+            result = commprobe.measure(t.device, nodes=spec.nodes, device_name=monitor.accelerator.name,
                                        size_bytes=size)
         metrics, tags = commprobe.probe_figures(result, peak, why)
         monitor.log_metrics(metrics, 0)
@@ -340,7 +349,7 @@ def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
                       stacklevel=2)
 
 
-def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=None) -> None:
+def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=None) -> None:
     """The step loop: micro-batches, optimizer step, then evals and checkpoints when due."""
     from tqdm.auto import tqdm
 
@@ -348,8 +357,9 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=
 
     from mlflow_llmeff.meters.commprobe import StepSampler
 
+    cfg = spec.options
     batches = BatchStream(t.data, cfg.micro_batch_size, t.dp_world, t.dp_rank, cfg.seed,
-                          start_step * cfg.grad_accum, t.device, num_workers=cfg.resolved_data_workers(t.world))
+                          start_step * cfg.grad_accum, t.device, num_workers=spec.data_workers)
     sampler = StepSampler(world=t.world, warmup_steps=cfg.warmup_steps, start_step=start_step, device=t.device,
                           enabled=cfg.measure_comm, compiled=cfg.compile)
     if not sampler.active:
@@ -591,16 +601,20 @@ def _attempt_start_perf() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Per-process entry used by ``accelerate launch``: ``python -m mlflow_llmeff.train.loop --config-json J``."""
+    """Per-process entry used by ``accelerate launch``: ``python -m mlflow_llmeff.train.loop --config-json J
+    [--resolved-json R]`` (R: the launcher's resolution, read, not redone)."""
     import argparse
     import json
 
     p = argparse.ArgumentParser(prog="mlflow_llmeff.train.loop")
     p.add_argument("--config-json", required=True)
+    p.add_argument("--resolved-json", default=None, help="what the launcher resolved of the settings "
+                   "(RunSpec.resolved); without it this process checks and resolves them itself")
     args = p.parse_args(argv)
     cfg = TrainConfig(**json.loads(args.config_json))
     try:
-        run_training(cfg, started_at=_attempt_start_perf())
+        run = RunSpec.read(cfg, json.loads(args.resolved_json)) if args.resolved_json else cfg
+        run_training(run, started_at=_attempt_start_perf())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

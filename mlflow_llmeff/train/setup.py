@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mlflow_llmeff.train.config import TrainConfig
+from mlflow_llmeff.planning.spec import RunSpec
 
 
 @dataclass
@@ -68,44 +68,48 @@ class Training:
         return self.accelerator.device
 
 
-def build_accelerator(cfg: TrainConfig, precision: str, cuda: bool, strategy=None):
-    """An ``Accelerator`` for ``cfg``: mixed precision, gradient accumulation and the strategy's plugin."""
+def build_accelerator(spec: RunSpec):
+    """An ``Accelerator`` for the resolved run: its precision, gradient accumulation and its strategy's plugin."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import GradientAccumulationPlugin
 
-    from mlflow_llmeff.train.config import get_strategy
-
-    strategy = strategy or get_strategy(cfg)
     # AcceleratorState is process-wide and keeps the first run's settings (precision, ...): a second
     # run in the same process (a notebook, a sweep, tests) would silently inherit them. The
     # distributed PartialState is kept.
     if hasattr(AcceleratorState, "_reset_state"):
         AcceleratorState._reset_state()
     return Accelerator(
-        mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision],
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
-        **strategy.accelerator_kwargs(cfg, cuda=cuda))
+        mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[spec.precision],
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=spec.options.grad_accum,
+                                                                sync_with_dataloader=False),
+        **spec.strategy.accelerator_kwargs(spec))
 
 
-def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
+def build(spec: RunSpec) -> Training:
     """Build every rank's accelerator, layout (device mesh), data, model, AdamW and cosine schedule,
-    and apply the parallelism strategy (:mod:`mlflow_llmeff.parallel`) to the model before the
-    optimizer is made (sharded parameters are the optimizer's)."""
+    and apply the resolved run's parallelism strategy (:mod:`mlflow_llmeff.parallel`) to the model
+    before the optimizer is made (sharded parameters are the optimizer's).
+
+    Raises:
+        ValueError: the launcher started another number of processes than the run was resolved for.
+    """
     import torch
     from accelerate.utils import set_seed
     from transformers import get_cosine_schedule_with_warmup
 
-    from mlflow_llmeff.train.config import get_strategy, resolve_degrees, resolve_strategy
     from mlflow_llmeff.train.data import prepare_data
     from mlflow_llmeff.models.build import build_model, load_config, load_tokenizer
 
-    strategy = get_strategy(cfg)
+    cfg, strategy, precision = spec.options, spec.strategy, spec.precision
     # DeepSpeed JIT-compiles its ops inside the Accelerator's construction: built first, timed, announced
-    op_build_s = strategy.build_ops(cuda=cuda) if hasattr(strategy, "build_ops") else 0.0
-    accelerator = build_accelerator(cfg, precision, cuda, strategy)
-    world = accelerator.num_processes
-    layout = strategy.layout(accelerator, resolve_degrees(cfg))
+    op_build_s = strategy.build_ops(cuda=spec.machine.cuda) if hasattr(strategy, "build_ops") else 0.0
+    accelerator = build_accelerator(spec)
+    if accelerator.num_processes != spec.world:
+        raise ValueError(f"{accelerator.num_processes} processes were started for a run resolved for {spec.world} "
+                         f"(num_processes={cfg.num_processes} x num_machines={cfg.num_machines}); launch it with "
+                         "llmeff train, or give the settings that match the launcher")
+    layout = strategy.layout(accelerator, spec.degrees)
     dp = layout.degrees.dp
     set_seed(cfg.seed)
     model_config = load_config(cfg.model)
@@ -136,7 +140,7 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=cfg.learning_rate, betas=(0.9, 0.95), eps=1e-8)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.resolved_lr_warmup_steps(), cfg.max_steps)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, spec.lr_warmup_steps, cfg.max_steps)
     if cfg.compile:  # compiled here rather than through Accelerate's dynamo plugin (see build_accelerator)
         model = torch.compile(model)
     model, optimizer = strategy.prepare(accelerator, model, optimizer)
@@ -144,7 +148,7 @@ def build(cfg: TrainConfig, precision: str, cuda: bool) -> Training:
     # it num_processes times per call), and registered so save_state/load_state carry it.
     accelerator.register_for_checkpointing(scheduler)
     return Training(accelerator, model, optimizer, scheduler, tokenizer, data, model_config,
-                    resolve_strategy(cfg, world), precision, strategy, layout, op_build_s)
+                    spec.strategy_name, precision, strategy, layout, op_build_s)
 
 
 def teardown(t: Training) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mlflow_llmeff import names
+from mlflow_llmeff.planning.spec import RunSpec
 from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.names import shorten
 
@@ -56,11 +57,14 @@ class StudyConfig:
 @dataclass(frozen=True)
 class Child:
     """One run of the study: configuration ``config`` (1..k, the order of ``--config``), repeat
-    ``repeat`` (1..n), with the settings it trains with."""
+    ``repeat`` (1..n), with the settings it trains with and, when :func:`check` resolved them, the
+    resolved run (:class:`~mlflow_llmeff.planning.spec.RunSpec`: the child's launch reads it and
+    resolves nothing again)."""
 
     config: int
     repeat: int
     cfg: TrainConfig
+    spec: RunSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -92,17 +96,22 @@ class StudyResult:
 Runner = Callable[[Child, dict], Outcome]
 
 
-def _for_repeat(cfg: TrainConfig, repeat: int) -> TrainConfig:
-    """The settings of one repeat: its own checkpoint and model folders (``<dir>/repeat-<i>``), so that
-    a repeat never resumes from, or overwrites, another."""
+def _for_repeat(run: TrainConfig | RunSpec, repeat: int) -> Child:
+    """One repeat's child: its own checkpoint and model folders (``<dir>/repeat-<i>``), so that a repeat
+    never resumes from, or overwrites, another (folders nothing resolved reads: a spec keeps its resolution)."""
+    cfg = run.options if isinstance(run, RunSpec) else run
     change = {k: os.path.join(getattr(cfg, k), f"repeat-{repeat}") for k in ("checkpoint_dir", "save_model")
               if getattr(cfg, k)}
-    return dataclasses.replace(cfg, **change) if change else cfg
+    if isinstance(run, RunSpec):
+        spec = run.with_options(**change) if change else run
+        return Child(0, repeat, spec.options, spec)
+    return Child(0, repeat, dataclasses.replace(cfg, **change) if change else cfg)
 
 
-def schedule(configs: list[TrainConfig], repeats: int, *, seeds: bool = False) -> list[Child]:
+def schedule(configs: list[TrainConfig | RunSpec], repeats: int, *, seeds: bool = False) -> list[Child]:
     """The study's runs in the order they run: round-robin, repeat 1 of every configuration, then
-    repeat 2 of every one, ... (``len(configs) x repeats`` children).
+    repeat 2 of every one, ... (``len(configs) x repeats`` children). ``configs``: the settings, or the
+    runs :func:`check` resolved.
 
     Args:
         seeds: each repeat its own seed: repeat ``i`` trains with the configuration's ``seed + i - 1``
@@ -117,11 +126,15 @@ def schedule(configs: list[TrainConfig], repeats: int, *, seeds: bool = False) -
     if not configs:
         raise ValueError("a study needs at least one configuration (--config \"<llmeff train options>\")")
 
-    def child(i: int, cfg: TrainConfig, r: int) -> Child:
-        cfg = _for_repeat(cfg, r)
-        return Child(i + 1, r, dataclasses.replace(cfg, seed=cfg.seed + r - 1) if seeds else cfg)
+    def child(i: int, run: TrainConfig | RunSpec, r: int) -> Child:
+        c = dataclasses.replace(_for_repeat(run, r), config=i + 1)
+        if not seeds:
+            return c
+        seed = c.cfg.seed + r - 1  # the seed is read by no resolution: a spec keeps its own
+        return dataclasses.replace(c, cfg=dataclasses.replace(c.cfg, seed=seed),
+                                   spec=c.spec.with_options(seed=seed) if c.spec is not None else None)
 
-    return [child(i, cfg, r) for r in range(1, repeats + 1) for i, cfg in enumerate(configs)]
+    return [child(i, run, r) for r in range(1, repeats + 1) for i, run in enumerate(configs)]
 
 
 def to_target(configs: list[StudyConfig], target: str) -> tuple[list[StudyConfig], list]:
@@ -158,11 +171,13 @@ def to_target(configs: list[StudyConfig], target: str) -> tuple[list[StudyConfig
     return out, targets
 
 
-def check(configs: list[StudyConfig], experiment: str | None = None) -> list[TrainConfig]:
-    """Every configuration's settings checked cheaply before anything runs, in the study's experiment.
+def check(configs: list[StudyConfig], experiment: str | None = None) -> list[RunSpec]:
+    """Every configuration's settings checked cheaply and resolved before anything runs, in the study's
+    experiment (:func:`~mlflow_llmeff.train.config.validate`, once per configuration: the children's
+    launches read these specs and check nothing again).
 
     Returns:
-        The settings, ``experiment_name`` set to the study's experiment where one is named.
+        The resolved runs, ``experiment_name`` set to the study's experiment where one is named.
 
     Raises:
         ValueError: one line naming the configuration and the bad value: a setting ``llmeff train``
@@ -193,24 +208,10 @@ def check(configs: list[StudyConfig], experiment: str | None = None) -> list[Tra
             folders[c.cfg.checkpoint_dir] = i
         cfg = dataclasses.replace(c.cfg, experiment_name=experiment)
         try:
-            validate(cfg)
+            out.append(validate(cfg))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        out.append(cfg)
     return out
-
-
-def with_context(tags: dict) -> dict:
-    """``tags`` with the context tags ``mlflow.start_run`` would add (source, user, git commit), as a
-    run ``llmeff train`` creates has them; no ``llmeff.*`` condition of a context provider (a study's
-    parent has no conditions; a child's own training tags its conditions). Never raises."""
-    try:
-        from mlflow.tracking import context
-
-        resolved = {k: str(v) for k, v in context.registry.resolve_tags({}).items() if not k.startswith("llmeff.")}
-    except Exception:  # noqa: BLE001 - context tags are cosmetic
-        resolved = {}
-    return {**resolved, **tags}
 
 
 class TrainRunner:
@@ -223,28 +224,30 @@ class TrainRunner:
 
         self.client, self.experiment_id = client, experiment_id
         # each child in a process of its own, as a real job: the same start-up on every repeat
-        self.launch = launch or (lambda cfg, *, started_unix: real_launch(cfg, started_unix=started_unix,
+        self.launch = launch or (lambda run, *, started_unix: real_launch(run, started_unix=started_unix,
                                                                           own_process=True))
 
     def __call__(self, child: Child, tags: dict) -> Outcome:
         from mlflow_llmeff.tracking.experiments import unique_run_name
-        from mlflow_llmeff.tracking.runs import error_line, record_failure
+        from mlflow_llmeff.tracking.runs import error_line
+        from mlflow_llmeff.tracking.studies import create_child, end_open_child
         from mlflow_llmeff.train.loop import stopped_with_one_line
 
         started = time.time()  # the child's clock: its wall time starts here, not at the study's start
-        cfg = child.cfg
-        if cfg.run_name:  # a name the user gave: the same stem on every repeat, -2, -3 for the later ones
-            cfg = dataclasses.replace(cfg, run_name=unique_run_name(self.client, self.experiment_id, cfg.run_name))
+        run = child.spec or child.cfg  # the resolved run where check() resolved it
+        if child.cfg.run_name:  # a name the user gave: the same stem on every repeat, -2, -3 for the later ones
+            name = unique_run_name(self.client, self.experiment_id, child.cfg.run_name)
+            run = run.with_options(run_name=name) if child.spec else dataclasses.replace(run, run_name=name)
         # named until the training names it (the configuration's stem), or for good when it fails before
         placeholder = f"study-config{child.config}-repeat{child.repeat}"
-        run_id = self.client.create_run(self.experiment_id, run_name=placeholder, tags=with_context(tags)).info.run_id
+        run_id = create_child(self.client, self.experiment_id, placeholder, tags)
         before = os.environ.get("MLFLOW_RUN_ID")
         os.environ["MLFLOW_RUN_ID"] = run_id
         error = None
         try:
-            code = int(self.launch(cfg, started_unix=started) or 0)
+            code = int(self.launch(run, started_unix=started) or 0)
         except (KeyboardInterrupt, SystemExit):
-            self._end_if_open(run_id, "KILLED", "stopped by Ctrl-C", record_failure)
+            end_open_child(self.client, run_id, "KILLED", "stopped by Ctrl-C")
             raise
         except Exception as e:  # noqa: BLE001 - one child's failure is recorded; the study goes on
             code, error = 1, stopped_with_one_line(e) or error_line(e)
@@ -257,17 +260,8 @@ class TrainRunner:
                 os.environ["MLFLOW_RUN_ID"] = before
         if code != 0:
             error = error or f"the training ended with exit code {code}"
-            self._end_if_open(run_id, "FAILED", error, record_failure)
+            end_open_child(self.client, run_id, "FAILED", error)
         return Outcome(run_id, code, error, started)
-
-    def _end_if_open(self, run_id: str, status: str, why: str, record_failure) -> None:
-        """End a child its training left open (it failed before its meter started) with ``why`` on it."""
-        try:
-            if self.client.get_run(run_id).info.status == "RUNNING":
-                record_failure(why, run_id=run_id)
-                self.client.set_terminated(run_id, status)
-        except Exception:  # noqa: BLE001 - the failure is already on the terminal and in the parent
-            pass
 
 
 def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | None = None, client=None,
@@ -295,37 +289,35 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
         ValueError: bad settings (:func:`check`, :func:`schedule`) or an active MLflow run (the children
             would log into it), before any run is created.
     """
-    import mlflow
-
-    from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+    from mlflow_llmeff.tracking import store
+    from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id
     from mlflow_llmeff.tracking.redact import clean, environment_secrets
+    from mlflow_llmeff.tracking.studies import create_parent, end_parent
 
     goals = []
     if target:
         configs, goals = to_target(configs, target)
-    cfgs = check(configs, experiment)
-    children = schedule(cfgs, repeats, seeds=seeds)  # validates repeats before any run exists
-    if mlflow.active_run() is not None:
-        raise ValueError(f"MLflow run {mlflow.active_run().info.run_id} is active: llmeff study creates its own "
+    specs = check(configs, experiment)
+    children = schedule(specs, repeats, seeds=seeds)  # validates repeats before any run exists
+    active = store.active_run_id()
+    if active is not None:
+        raise ValueError(f"MLflow run {active} is active: llmeff study creates its own "
                          "parent run and children; end the active run first")
-    client = client or mlflow.MlflowClient()
-    exp_id = experiment_id(client, {"experiment_name": cfgs[0].experiment_name or None})
+    client = client or store.client()
+    exp_id = experiment_id(client, {"experiment_name": specs[0].options.experiment_name or None})
     ensure_experiment_kind(client, exp_id)
     k = len(configs)
     unit = "seed" if seeds else "repeat"
     what = f"{k} configuration{'s' if k != 1 else ''} x {repeats} {unit}{'s' if repeats != 1 else ''}, round-robin"
-    spec = cfgs[0].targets if goals else ""
+    spec = specs[0].options.targets if goals else ""
     if spec:
         what += f", each to {spec} or its step cap"
-    parent_tags = {names.STUDY: what, **({names.STUDY_TARGET: spec} if spec else {})}
-    parent = client.create_run(exp_id, run_name=unique_run_name(client, exp_id, f"study-{k}x{repeats}"),
-                               tags=with_context(parent_tags)).info.run_id
     secrets = environment_secrets()
-    client.log_param(parent, "seeds" if seeds else "repeats", str(repeats))
-    if spec:
-        client.log_param(parent, "target", spec)
-    for i, c in enumerate(configs, 1):
-        client.log_param(parent, f"config_{i}", shorten(clean(f"config_{i}", c.options, secrets), 6000))
+    params = {"seeds" if seeds else "repeats": str(repeats), **({"target": spec} if spec else {}),
+              **{f"config_{i}": shorten(clean(f"config_{i}", c.options, secrets), 6000)
+                 for i, c in enumerate(configs, 1)}}
+    parent = create_parent(client, exp_id, f"study-{k}x{repeats}",
+                           {names.STUDY: what, **({names.STUDY_TARGET: spec} if spec else {})}, params)
     runner = runner or TrainRunner(client, exp_id)
     result = StudyResult(parent, exp_id)
     echo(f"llmeff study: parent run {parent}, {what} ({len(children)} runs)")
@@ -347,18 +339,14 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
     except BaseException:
-        client.set_tag(parent, names.ERROR, f"stopped after {len(result.children)} of {len(children)} runs")
-        client.set_terminated(parent, "KILLED")
+        end_parent(client, parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
         raise
     failed = result.failed
     if failed:
         why = "; ".join(f"configuration {c.config} repeat {c.repeat} (run {o.run_id}): {o.error}" for c, o in failed)
-        line = shorten(f"{len(failed)} of {len(children)} runs failed: {why}", 2000)
-        client.set_tag(parent, names.ERROR, line)
-        client.set_tag(parent, "mlflow.note.content", f"Failed: {line}")
+        end_parent(client, parent, "FAILED", error=f"{len(failed)} of {len(children)} runs failed: {why}")
     else:
-        client.set_tag(parent, "mlflow.note.content", f"{what}: {len(children)} runs finished")
-    client.set_terminated(parent, "FAILED" if failed else "FINISHED")
+        end_parent(client, parent, "FINISHED", note=f"{what}: {len(children)} runs finished")
     return result
 
 
