@@ -67,7 +67,7 @@ ENERGY_TOTAL_KWH = _metric("energy/total_kwh", "kWh", "cumulative measured energ
 ENERGY_DEVICE_AVG_POWER_W = _metric("energy/device/avg_power_w", "W", "average power per measured device over the interval", I)
 ENERGY_J_PER_TOKEN = _metric("energy/j_per_token", "J/token", "measured energy per non-padding token over the interval; omitted when only some devices are measured", I)
 CARBON_TOTAL_KG = _metric("carbon/total_kg_co2e", "kg CO2e", "cumulative emissions of energy/total_kwh (codecarbon's grid intensity); omitted when energy/total_kwh is", I)
-COST_TOTAL_USD = _metric("cost/total_usd", "USD", "device_hour_usd * devices * wall hours (+ kWh * usd_per_kwh)", I)
+COST_TOTAL_USD = _metric("cost/total_usd", "USD", "device_hour_usd * device-hours (devices * wall hours, each attempt at its own devices) (+ kWh * usd_per_kwh)", I)
 ENERGY_ESTIMATE_CPU_KWH = _metric("energy/estimate/cpu_kwh", "kWh", "cumulative codecarbon CPU energy ESTIMATE for the node(s) (TDP x load or its RAPL read; see llmeff.carbon.estimate_method), all attempts; not in energy/total_kwh", I)
 ENERGY_ESTIMATE_RAM_KWH = _metric("energy/estimate/ram_kwh", "kWh", "cumulative codecarbon RAM energy ESTIMATE (W per GB constant), all attempts; not in energy/total_kwh", I)
 CARBON_ESTIMATE_KG = _metric("carbon/estimate_kg_co2e", "kg CO2e", "cumulative emissions of codecarbon's CPU+RAM estimate, all attempts; not in carbon/total_kg_co2e", I)
@@ -105,7 +105,8 @@ SUM_TFLOPS_PER_W = _metric("summary/tflops_per_w", "TFLOP/s/W", "achieved model 
 SUM_KWH_PER_BTOK = _metric("summary/kwh_per_billion_tokens", "kWh/1e9 tokens", "measured energy per 1e9 non-padding tokens", S)
 SUM_KG_CO2E_PER_BTOK = _metric("summary/kg_co2e_per_billion_tokens", "kg CO2e/1e9 tokens", "emissions per 1e9 non-padding tokens", S)
 SUM_USD_PER_BTOK = _metric("summary/usd_per_billion_tokens", "USD/1e9 tokens", "cost per 1e9 non-padding tokens", S)
-SUM_COST_USD = _metric("summary/cost_usd", "USD", "run total cost (all attempts, lost progress included)", S)
+SUM_COST_USD = _metric("summary/cost_usd", "USD", "run total cost (all attempts, lost progress included): device_hour_usd x summary/device_hours (+ kWh x usd_per_kwh)", S)
+SUM_DEVICE_HOURS = _metric("summary/device_hours", "device-h", "sum over attempts of devices x attempt hours (summary/wall_s less summary/badput_down_s, each attempt at the devices it held; an elastic restart on fewer machines counts fewer)", S)
 SUM_ENERGY_KWH = _metric("summary/energy_kwh", "kWh", "run total measured energy (all attempts, every device; omitted when only some devices are measured), over summary/energy_span_s", S)
 SUM_ENERGY_COVERAGE = _metric("summary/energy_coverage", "fraction", "measured devices / devices of the run, each physical device (GPU UUID, RAPL zone) once however many ranks own it; below 1 the run totals and per-token energy and carbon figures are omitted, and llmeff.energy.coverage names the unmeasured devices", S)
 SUM_ENERGY_SPAN_S = _metric("summary/energy_span_s", "s", "wall seconds the measured energy covers: summary/wall_s less the set-up before the energy meter started (and any tail after the last reading all ranks took); llmeff.energy.span says which", S)
@@ -175,7 +176,7 @@ TTQ_SUFFIXES = {
     "wall_s": "wall seconds from training start, eval included (MLPerf timing)",
     "train_s": "training seconds, eval and checkpoint time excluded",
     "tokens": "non-padding tokens trained on",
-    "device_hours": "devices x wall hours",
+    "device_hours": "devices x wall hours (each attempt at the devices it held)",
     "kwh": "measured energy",
     "usd": "cost",
     "kg_co2e": "emissions",
@@ -285,6 +286,7 @@ RESUME_CONTINUED_IN = _tag("resume.continued_in_run", "on a launcher's run that 
 DRY_RUN = _tag("dry_run", "'true' on a run that only planned (plan/* metrics), no training")
 PLAN_FIT = _tag("plan.fit", "the dry run's memory verdict: fits / does not fit, the need, the room, what would fit")
 ERROR = _tag("error", "one line: why the run failed (bad input, the memory fit check, or the error that stopped it); also the run's description")
+RESUME_DEVICES = _tag("resume.devices", "set when the job's attempts held different numbers of devices (an elastic restart on fewer machines): the counts, e.g. '2, 1', and that summary/device_hours, cost and every per-device figure count each attempt's time at its own devices (llmeff.accelerator.count is the last attempt's)")
 RESUME_CHANGED = _tag("resume.changed_params", "params passed with new values on resume (not re-logged)")
 AUTOLOG_INTEGRATION = _tag("autolog.integration", "what produced the metrics: trainer, accelerate, pytorch (mlflow_llmeff.autolog) or monitor (EfficiencyMonitor)")
 AUTOLOG_NOTE = _tag("autolog.note", "set when autolog/EfficiencyMonitor left something out of the totals, and why")

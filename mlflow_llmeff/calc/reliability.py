@@ -51,7 +51,7 @@ from typing import Sequence
 from mlflow_llmeff import names
 
 __all__ = ["FINISHED", "RUNNING", "CAUSES", "Attempt", "Reliability", "compute", "mtbf_interval",
-           "fleet_mtbf", "with_down", "describe", "failures_line", "summary_metrics", "summary_tags"]
+           "device_hours", "fleet_mtbf", "with_down", "describe", "failures_line", "summary_metrics", "summary_tags"]
 
 FINISHED = "finished"
 #: an attempt still running (the current one, while the job runs): neither a failure nor finished
@@ -80,6 +80,8 @@ class Attempt:
         setup_s: seconds from its start to its first step, the checkpoint load excluded.
         load_s: seconds loading the checkpoint it resumed from.
         rewarm_s: its warm-up excess (the first steps' time above steady-state speed).
+        devices: devices it held (its world size; None: not recorded). An elastic restart on fewer
+            machines is an attempt with fewer devices; :func:`device_hours` counts each at its own.
     """
 
     start: float
@@ -94,6 +96,7 @@ class Attempt:
     setup_s: float = 0.0
     load_s: float = 0.0
     rewarm_s: float = 0.0
+    devices: int | None = None
 
     def __post_init__(self) -> None:
         if self.end not in (FINISHED, RUNNING) + CAUSES:
@@ -258,6 +261,20 @@ def compute(attempts: Sequence[Attempt]) -> Reliability:
                        mtbf_s=mtbf, mtbf_ci95_low_s=low, mtbf_ci95_high_s=high, recovery_s=recovery,
                        recovery_parts_s=parts, lost_s=lost, failure_cost_s=cost, tor=tor,
                        successful_interval_ratio=sir, failed=rows, why=why)
+
+
+def device_hours(attempts: Sequence[Attempt]) -> float | None:
+    """The job's device-hours: sum over attempts of devices x (last sign of life - start) / 3600.
+
+    Each attempt at the devices it held, so a restart on fewer machines is billed for fewer; the
+    gaps between attempts (down time, a queue wait) hold no device. None when an attempt's devices
+    were not recorded (a ledger older than the record).
+    """
+    if any(a.devices is None for a in attempts):
+        return None
+    from mlflow_llmeff.calc.cost import device_hours as spans_hours
+
+    return spans_hours([(int(a.devices), a.last_alive - a.start) for a in attempts])
 
 
 def fleet_mtbf(runs: Sequence[tuple[float, int]]) -> tuple[float | None, float | None, float | None]:

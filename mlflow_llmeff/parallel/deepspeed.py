@@ -48,6 +48,10 @@ class ZeRO(Strategy):
             raise ValueError(f"parallelism={self.name!r} partitions over all {world} processes (dp_shard={dp_shard} given)")
         return Degrees(dp_shard=world)
 
+    def other_world_refused(self) -> str | None:
+        return (f"{self.name} checkpoints hold the optimizer state partitioned over the processes that wrote "
+                "them (DeepSpeed's universal-checkpoint conversion, which would reshape them, is not run)")
+
     def engine_missing(self, *, load: bool = False) -> str | None:
         import importlib.util
 

@@ -125,7 +125,8 @@ def _run_training(cfg: TrainConfig, holder: dict, started: float, start_unix: fl
         if job is not None:
             job.loaded(time.time() - loading)
     _train(cfg, t, monitor, start_step=monitor.step_count,
-           skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job)
+           skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job,
+           position=ckpt.resumed_position(found[1], t.dp_world, cfg.grad_accum) if found else None)
     said = _job_figures(job, monitor)
     summary = monitor.finish()
     if job is not None:
@@ -155,7 +156,7 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float |
     if cfg.resume == "never" or elsewhere or (not found and job.finished()):  # a finished job is not continued
         job.reset()
     start = jobs.attempt_start_unix() if start_unix is None else start_unix
-    run_id = job.begin(start, found[1]["step"] if found else 0, cfg.warmup_steps)
+    run_id = job.begin(start, found[1]["step"] if found else 0, cfg.warmup_steps, devices=t.world)
     holder["job"] = job
     if run_id and not found:
         print(f"llmeff: continuing MLflow run {run_id} (attempt {job.attempt}; no checkpoint was written: "
@@ -230,6 +231,11 @@ def _open_monitor(cfg: TrainConfig, t, found, started: float, carbon, job_run: s
     state = found[1] if found else None
     if state and t.accelerator.is_main_process:
         print(f"llmeff: resuming MLflow run {state['run_id']} from checkpoint step {state['step']}")
+        if state.get("world_size") != t.world:  # an elastic restart on another number of devices
+            print(f"llmeff: the checkpoint was written by {state.get('world_size')} processes, this attempt has "
+                  f"{t.world} ({t.strategy}: its state loads on any number); the global batch is now "
+                  f"{cfg.micro_batch_size * cfg.grad_accum * t.dp_world} sequences, device-hours and per-device "
+                  "figures count each attempt at its own devices")
     tags = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),
             names.MICRO_BATCH_SIZE: str(cfg.micro_batch_size), names.GRAD_ACCUM: str(cfg.grad_accum),
             names.GLOBAL_BATCH_TOKENS: str(cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * t.dp_world),
@@ -304,8 +310,9 @@ def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
                       stacklevel=2)
 
 
-def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=None) -> None:
-    """The step loop: micro-batches, optimizer step, then evals and checkpoints when due."""
+def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=None, position: int | None = None) -> None:
+    """The step loop: micro-batches, optimizer step, then evals and checkpoints when due; ``position``: the
+    global micro-step the data order continues at (default: ``start_step x grad_accum``)."""
     from tqdm.auto import tqdm
 
     from mlflow_llmeff.train.batches import BatchStream
@@ -313,7 +320,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=
     from mlflow_llmeff.meters.commprobe import StepSampler
 
     batches = BatchStream(t.data, cfg.micro_batch_size, t.dp_world, t.dp_rank, cfg.seed,
-                          start_step * cfg.grad_accum, t.device, num_workers=cfg.resolved_data_workers(t.world))
+                          start_step * cfg.grad_accum if position is None else position, t.device,
+                          num_workers=cfg.resolved_data_workers(t.world))
     sampler = StepSampler(world=t.world, warmup_steps=cfg.warmup_steps, start_step=start_step, device=t.device,
                           enabled=cfg.measure_comm, compiled=cfg.compile)
     if not sampler.active:
@@ -357,8 +365,8 @@ def _train(cfg: TrainConfig, t, monitor, start_step: int, skipped: int = 0, job=
         stop = cfg.stop_at_targets and monitor.targets_reached
         if ckpt_now or (stop and cfg.checkpoint_dir):
             with monitor.pause("checkpoint_save"):
-                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped},
-                          t.parallel, t.model, t.optimizer)
+                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped,
+                                                               "dp_world": t.dp_world}, t.parallel, t.model, t.optimizer)
             if job is not None:
                 job.checkpoint(step)
         _progress(bar, monitor)
