@@ -94,6 +94,9 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
 
     for noisy in ("mlflow.store.db.utils", "alembic"):  # table-creation chatter of a new sqlite store
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from mlflow_llmeff.train.placement import from_scheduler
+
+    cfg = from_scheduler(cfg)  # under srun or a PyTorchJob: the machines' layout the scheduler gives
     if cfg.dry_run:
         return dry_run(cfg)
     validate(cfg)
