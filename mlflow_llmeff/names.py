@@ -148,6 +148,7 @@ SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank'
 SUM_BADPUT_DOWN_S = SUM_BADPUT["down"]  # in BADPUT_CATEGORIES: productive + every badput = wall
 SUM_ATTEMPTS = _metric("summary/attempts", "attempts", "process starts of the job (1 = never restarted); logged only where there is a job ledger (llmeff train with checkpoint_dir), else absent with llmeff.reliability.why", S)
 SUM_FAILURES = _metric("summary/failures", "failures", "attempts that ended without finishing (exit code, signal, NaN, OOM, lost rank, tracking server, unknown); llmeff.reliability.failures lists them", S)
+SUM_PREEMPTIONS = _metric("summary/preemptions", "attempts", "attempts the scheduler preempted with a warning signal (SLURM --signal=USR1@N): each wrote a checkpoint of its last step and ended; not failures (no MTBF, no work redone), their wait until the next attempt is in summary/badput_down_s", S)
 SUM_MTBF_S = _metric("summary/mtbf_s", "s", "mean time between failures: operating time (summary/wall_s - summary/badput_down_s) / summary/failures; logged when failures >= 1", S)
 SUM_MTBF_CI95_LOW_S = _metric("summary/mtbf_ci95_low_s", "s", "low end of the 95% interval of the MTBF, 2T/chi2(0.975, 2r+2) (time-truncated Poisson; NIST/SEMATECH e-Handbook ch. 8, MIL-HDBK-781A); with 0 failures the only bound logged", S)
 SUM_MTBF_CI95_HIGH_S = _metric("summary/mtbf_ci95_high_s", "s", "high end of the 95% interval of the MTBF, 2T/chi2(0.025, 2r); logged when failures >= 1", S)

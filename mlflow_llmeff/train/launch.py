@@ -116,8 +116,8 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
             started_at = process_start_perf_counter()
         else:  # the same instant on the perf_counter clock the meter reads
             started_at = time.perf_counter() - max(0.0, time.time() - started_unix)
-        run_training(cfg, started_at=started_at)
-        return 0
+        result = run_training(cfg, started_at=started_at)
+        return _after_preemption(cfg) if result and result.get("preempted") is not None else 0
     from mlflow_llmeff.train import job as jobs
 
     cmd, env = accelerate_command(cfg, cuda=torch.cuda.is_available())
@@ -132,10 +132,37 @@ def launch(cfg: TrainConfig, *, started_unix: float | None = None, own_process: 
     failures_path = os.path.join(cfg.checkpoint_dir, jobs.LAUNCH_FILE) if job else elastic.NO_FILE
     if job and os.path.exists(failures_path):
         os.remove(failures_path)
-    rc = subprocess.run([cmd[0], "-m", "mlflow_llmeff.train.elastic", failures_path, *cmd[2:]], env=env).returncode
+    from mlflow_llmeff.train import preempt
+
+    # the scheduler's warning signal must not end this launcher: it is recorded for the workers to agree on a stop
+    caught = preempt.forward_to_file(cfg.checkpoint_dir)
+    try:
+        rc = subprocess.run([cmd[0], "-m", "mlflow_llmeff.train.elastic", failures_path, *cmd[2:]], env=env).returncode
+    finally:
+        preempt.restore(caught)
     if job:  # how the attempt ended where rank 0 could not say (killed, or stopped after another rank was lost)
         jobs.Job(cfg.checkpoint_dir).close_open(rc, elastic.read_failures(failures_path))
+    if rc == 0 and cfg.checkpoint_dir and _last_end(cfg.checkpoint_dir) == "preempted":
+        return _after_preemption(cfg)
     return rc
+
+
+def _last_end(checkpoint_dir: str) -> str | None:
+    """How the job's newest attempt ended (its ledger's last ``end``), or None."""
+    from mlflow_llmeff.train import job as jobs
+
+    ends = [e for e in jobs.Job(checkpoint_dir).events() if e.get("event") == "end"]
+    return ends[-1].get("kind") if ends else None
+
+
+def _after_preemption(cfg: TrainConfig) -> int:
+    """A preempted attempt ended (its checkpoint written): machine 0 asks SLURM to requeue the job;
+    returns :data:`~mlflow_llmeff.train.preempt.EXIT_PREEMPTED`."""
+    from mlflow_llmeff.train import preempt
+
+    if cfg.machine_rank == 0:
+        print(f"llmeff: {preempt.requeue()}", file=sys.stderr, flush=True)
+    return preempt.EXIT_PREEMPTED
 
 
 def _loop_script(cfg: TrainConfig) -> list[str]:
