@@ -48,6 +48,7 @@ from hosts import unavailable as hosts_unavailable  # noqa: E402
 
 STATE_DIR = "/run/llmeff-slurm"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol")
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
 def unavailable() -> str | None:
@@ -270,7 +271,8 @@ class Cluster:
         """Wait until the job's state is one of ``states``; returns its fields.
 
         Raises:
-            TimeoutError: not within ``timeout_s`` (the job's last state and the logs in the message).
+            TimeoutError: not within ``timeout_s``, or the job ended in another state (its last state and
+                the logs in the message).
         """
         deadline = time.monotonic() + timeout_s
         fields: dict[str, str] = {}
@@ -278,6 +280,8 @@ class Cluster:
             fields = self.job(job_id)
             if fields.get("JobState") in states:
                 return fields
+            if fields.get("JobState") in TERMINAL:  # it will not change any more
+                break
             time.sleep(poll_s)
         raise TimeoutError(f"job {job_id} not {'/'.join(states)} within {timeout_s:.0f} s: "
                            f"{fields.get('JobState')} ({fields.get('Reason')})\n{self.logs()}")
