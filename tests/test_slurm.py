@@ -137,3 +137,15 @@ def test_a_two_node_job_preempted_and_requeued_is_one_finished_run_with_the_queu
 def slurm_seconds(text: str) -> float:
     """A time as scontrol prints it (local, whole seconds) in Unix seconds."""
     return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+
+
+def test_slurm_accepts_the_sbatch_example(cluster, tmp_path):
+    """examples/slurm/train.sbatch as sbatch parses it (``--test-only``: nothing runs); its GPU request
+    is left out, the test nodes have none."""
+    from conftest import REPO
+
+    text = (REPO / "examples" / "slurm" / "train.sbatch").read_text()
+    script = tmp_path / "train.sbatch"
+    script.write_text("\n".join(x for x in text.splitlines() if "--gpus-per-node" not in x) + "\n")
+    r = cluster.run(["sbatch", "--test-only", str(script)], cwd=tmp_path)
+    assert r.returncode == 0 and "to start at" in r.stderr, r.stderr
