@@ -10,9 +10,9 @@ files in the checkpoint directory (and the launcher a fourth):
     (temp file + rename).
 ``llmeff_attempts.jsonl``
     the attempts ledger, one JSON event a line, appended and fsynced (a handful per attempt):
-    ``start`` (attempt, pid, start time, step resumed from), ``warm`` (set-up, checkpoint load and
+    ``start`` (attempt, pid, start time, step resumed from, devices), ``warm`` (set-up, checkpoint load and
     re-warm-up seconds, once the warm-up is over), ``checkpoint`` (step, time written), ``end``
-    (how it ended: ``finished`` or a cause of :data:`mlflow_llmeff.calc.reliability.CAUSES`, the
+    (how it ended: ``finished``, ``preempted`` or a cause of :data:`mlflow_llmeff.calc.reliability.CAUSES`, the
     step reached, the time). An attempt with no ``end`` (SIGKILL, a lost machine) gets one from the
     next attempt: ``unknown``, at its last heartbeat.
 ``llmeff_launch_failures.json``
