@@ -15,6 +15,7 @@ import math
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import cost as cost_mod
+from mlflow_llmeff.calc.goodput import wall_of
 from mlflow_llmeff.calc.throughput import ThroughputMeter
 from mlflow_llmeff.meters import energy as en
 from mlflow_llmeff.meters import hardware as hw
@@ -195,7 +196,7 @@ def resume(mon, state: dict) -> None:
     # the checkpoint's clock at the devices its attempts held (a checkpoint without them: this many)
     seconds, held = state["ledger"]["seconds"], state.get("consumption", {})
     mon._tail_devices = int(held.get("devices") or mon.world_size)  # the writer's, for its lost tail
-    wall, init = sum(v for k, v in seconds.items() if not k.endswith("_data_wait")), float(seconds.get("init", 0.0))
+    wall, init = wall_of(seconds), float(seconds.get("init", 0.0))
     mon._consumption.add_earlier(wall, device_s=float(held.get("device_s", wall * mon._tail_devices)), init_s=init,
                                  init_device_s=float(held.get("init_device_s", init * mon._tail_devices)))
     mon._consumption.prior_devices = tuple(int(n) for n in held.get("device_counts", [mon._tail_devices]))

@@ -42,7 +42,7 @@ from functools import partial
 from typing import Any, Callable
 
 from mlflow_llmeff import names
-from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger
+from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger, wall_of
 from mlflow_llmeff.calc.throughput import ThroughputMeter
 from mlflow_llmeff.evals.targets import parse_targets
 from mlflow_llmeff.meters import collectives
@@ -568,8 +568,7 @@ class EfficiencyMonitor:
             points.refresh_consumption(self)
         ledger = self._ledger.state_dict()  # its seconds date the device-seconds below
         seconds = ledger["seconds"]
-        consumption = self._consumption.state_dict(wall_s=sum(v for k, v in seconds.items() if not k.endswith("_data_wait")),
-                                                   init_s=seconds.get("init", 0.0))
+        consumption = self._consumption.state_dict(wall_s=wall_of(seconds), init_s=seconds.get("init", 0.0))
         return {"step": self._meter.step, "throughput": self._meter.state_dict(),
                 "ledger": ledger, "consumption": consumption,
                 "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
