@@ -184,3 +184,35 @@ def test_carry_gives_the_device_seconds_of_attempts_no_checkpoint_holds():
     assert c["down_s"] == 3.0 + 5.0 and c["tail_end_unix"] == 10.0
     unknown = carry([a1, rel.Attempt(start=13.0, last_alive=15.0, end="unknown", steps=4, start_step=4), a3], 4)
     assert "earlier_device_s" not in unknown  # an attempt without its devices: the meter's own count
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_of_two_processes_resumes_on_one(tmp_path, tracking_uri):
+    """torch.distributed.checkpoint reshards FSDP2's model and optimizer shards to the layout that loads
+    them: 2 processes write checkpoint 2 and are killed after step 3; 1 process resumes it and finishes."""
+    import math
+    import subprocess
+    import sys
+
+    from mlflow_llmeff.train import faults
+
+    from test_train_e2e import env_for, only_run
+
+    ck = tmp_path / "ck"
+    args = [sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", "6", "--log-every-n-steps", "2",
+            "--seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1", "--measure-energy", "none",
+            "--measure-comm", "false", "--parallelism", "fsdp", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"]
+    first = subprocess.run(args + ["--num-processes", "2"], env={**env_for(tracking_uri), faults.ENV["kill_at_step"]: "3"},
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert first.returncode != 0 and (ck / "step_00000002").is_dir(), first.stderr[-3000:]
+    second = subprocess.run(args + ["--num-processes", "1"], env=env_for(tracking_uri), capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "the checkpoint was written by 2 processes, this attempt has 1 (fsdp: its state loads on any number)" \
+        in second.stdout
+    mlflow.set_tracking_uri(tracking_uri)
+    run = only_run()
+    m = run.data.metrics
+    assert run.info.status == "FINISHED" and m[names.SUM_STEPS] == 6.0 and m[names.SUM_ATTEMPTS] == 2.0
+    assert math.isfinite(m[names.TRAIN_LOSS])
+    assert run.data.tags[names.RESUME_DEVICES].startswith("2, 1 devices across the attempts (this one 1)")
