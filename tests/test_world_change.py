@@ -187,7 +187,7 @@ def test_carry_gives_the_device_seconds_of_attempts_no_checkpoint_holds():
 
 
 @pytest.mark.slow
-def test_an_fsdp_checkpoint_of_two_processes_resumes_on_one(tmp_path, tracking_uri):
+def test_an_fsdp_checkpoint_of_two_processes_resumes_on_one(tmp_path, monkeypatch):
     """torch.distributed.checkpoint reshards FSDP2's model and optimizer shards to the layout that loads
     them: 2 processes write checkpoint 2 and are killed after step 3; 1 process resumes it and finishes."""
     import math
@@ -198,6 +198,7 @@ def test_an_fsdp_checkpoint_of_two_processes_resumes_on_one(tmp_path, tracking_u
 
     from test_train_e2e import env_for, only_run
 
+    tracking_uri = next(use_store(f"sqlite:///{tmp_path / 'mlflow.db'}", monkeypatch))  # this run alone
     ck = tmp_path / "ck"
     args = [sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", "6", "--log-every-n-steps", "2",
             "--seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1", "--measure-energy", "none",
