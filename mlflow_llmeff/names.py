@@ -67,7 +67,7 @@ ENERGY_TOTAL_KWH = _metric("energy/total_kwh", "kWh", "cumulative measured energ
 ENERGY_DEVICE_AVG_POWER_W = _metric("energy/device/avg_power_w", "W", "average power per measured device over the interval", I)
 ENERGY_J_PER_TOKEN = _metric("energy/j_per_token", "J/token", "measured energy per non-padding token over the interval; omitted when only some devices are measured", I)
 CARBON_TOTAL_KG = _metric("carbon/total_kg_co2e", "kg CO2e", "cumulative emissions of energy/total_kwh (codecarbon's grid intensity); omitted when energy/total_kwh is", I)
-COST_TOTAL_USD = _metric("cost/total_usd", "USD", "device_hour_usd * devices * wall hours (+ kWh * usd_per_kwh)", I)
+COST_TOTAL_USD = _metric("cost/total_usd", "USD", "device_hour_usd * device-hours (devices * wall hours, each attempt at its own devices) (+ kWh * usd_per_kwh)", I)
 ENERGY_ESTIMATE_CPU_KWH = _metric("energy/estimate/cpu_kwh", "kWh", "cumulative codecarbon CPU energy ESTIMATE for the node(s) (TDP x load or its RAPL read; see llmeff.carbon.estimate_method), all attempts; not in energy/total_kwh", I)
 ENERGY_ESTIMATE_RAM_KWH = _metric("energy/estimate/ram_kwh", "kWh", "cumulative codecarbon RAM energy ESTIMATE (W per GB constant), all attempts; not in energy/total_kwh", I)
 CARBON_ESTIMATE_KG = _metric("carbon/estimate_kg_co2e", "kg CO2e", "cumulative emissions of codecarbon's CPU+RAM estimate, all attempts; not in carbon/total_kg_co2e", I)
@@ -105,7 +105,8 @@ SUM_TFLOPS_PER_W = _metric("summary/tflops_per_w", "TFLOP/s/W", "achieved model 
 SUM_KWH_PER_BTOK = _metric("summary/kwh_per_billion_tokens", "kWh/1e9 tokens", "measured energy per 1e9 non-padding tokens", S)
 SUM_KG_CO2E_PER_BTOK = _metric("summary/kg_co2e_per_billion_tokens", "kg CO2e/1e9 tokens", "emissions per 1e9 non-padding tokens", S)
 SUM_USD_PER_BTOK = _metric("summary/usd_per_billion_tokens", "USD/1e9 tokens", "cost per 1e9 non-padding tokens", S)
-SUM_COST_USD = _metric("summary/cost_usd", "USD", "run total cost (all attempts, lost progress included)", S)
+SUM_COST_USD = _metric("summary/cost_usd", "USD", "run total cost (all attempts, lost progress included): device_hour_usd x summary/device_hours (+ kWh x usd_per_kwh)", S)
+SUM_DEVICE_HOURS = _metric("summary/device_hours", "device-h", "sum over attempts of devices x attempt hours (summary/wall_s less summary/badput_down_s, each attempt at the devices it held; an elastic restart on fewer machines counts fewer)", S)
 SUM_ENERGY_KWH = _metric("summary/energy_kwh", "kWh", "run total measured energy (all attempts, every device; omitted when only some devices are measured), over summary/energy_span_s", S)
 SUM_ENERGY_COVERAGE = _metric("summary/energy_coverage", "fraction", "measured devices / devices of the run, each physical device (GPU UUID, RAPL zone) once however many ranks own it; below 1 the run totals and per-token energy and carbon figures are omitted, and llmeff.energy.coverage names the unmeasured devices", S)
 SUM_ENERGY_SPAN_S = _metric("summary/energy_span_s", "s", "wall seconds the measured energy covers: summary/wall_s less the set-up before the energy meter started (and any tail after the last reading all ranks took); llmeff.energy.span says which", S)
@@ -149,6 +150,7 @@ SUM_PHASE_STRAGGLER = {p: _metric(f"summary/{p}_straggler_ratio", "ratio", f"slo
 SUM_BADPUT_DOWN_S = SUM_BADPUT["down"]  # in BADPUT_CATEGORIES: productive + every badput = wall
 SUM_ATTEMPTS = _metric("summary/attempts", "attempts", "process starts of the job (1 = never restarted); logged only where there is a job ledger (llmeff train with checkpoint_dir), else absent with llmeff.reliability.why", S)
 SUM_FAILURES = _metric("summary/failures", "failures", "attempts that ended without finishing (exit code, signal, NaN, OOM, lost rank, tracking server, unknown); llmeff.reliability.failures lists them", S)
+SUM_PREEMPTIONS = _metric("summary/preemptions", "attempts", "attempts the scheduler preempted with a warning signal (SLURM --signal=USR1@N): each wrote a checkpoint of its last step and ended; not failures (no MTBF, no work redone), their wait until the next attempt is in summary/badput_down_s", S)
 SUM_MTBF_S = _metric("summary/mtbf_s", "s", "mean time between failures: operating time (summary/wall_s - summary/badput_down_s) / summary/failures; logged when failures >= 1", S)
 SUM_MTBF_CI95_LOW_S = _metric("summary/mtbf_ci95_low_s", "s", "low end of the 95% interval of the MTBF, 2T/chi2(0.975, 2r+2) (time-truncated Poisson; NIST/SEMATECH e-Handbook ch. 8, MIL-HDBK-781A); with 0 failures the only bound logged", S)
 SUM_MTBF_CI95_HIGH_S = _metric("summary/mtbf_ci95_high_s", "s", "high end of the 95% interval of the MTBF, 2T/chi2(0.025, 2r); logged when failures >= 1", S)
@@ -177,7 +179,7 @@ TTQ_SUFFIXES = {
     "wall_s": "wall seconds from training start, eval included (MLPerf timing)",
     "train_s": "training seconds, eval and checkpoint time excluded",
     "tokens": "non-padding tokens trained on",
-    "device_hours": "devices x wall hours",
+    "device_hours": "devices x wall hours (each attempt at the devices it held)",
     "kwh": "measured energy",
     "usd": "cost",
     "kg_co2e": "emissions",
@@ -288,6 +290,14 @@ RESUME_CONTINUED_IN = _tag("resume.continued_in_run", "on a launcher's run that 
 DRY_RUN = _tag("dry_run", "'true' on a run that only planned (plan/* metrics), no training")
 PLAN_FIT = _tag("plan.fit", "the dry run's memory verdict: fits / does not fit, the need, the room, what would fit")
 ERROR = _tag("error", "one line: why the run failed (bad input, the memory fit check, or the error that stopped it); also the run's description")
+SCHEDULER_NAME = _tag("scheduler.name", "the scheduler the run's processes started under: slurm, kubernetes (a PyTorchJob's PET_* variables) or torchrun (the same outside Kubernetes); absent outside one (meters/scheduler.py)")
+SCHEDULER_JOB_ID = _tag("scheduler.job_id", "the scheduler's job id (SLURM_JOB_ID); the same across requeues of the job")
+SCHEDULER_NODES = _tag("scheduler.nodes", "nodes of the scheduler's job (SLURM_JOB_NUM_NODES; PET_NNODES)")
+SCHEDULER_NODE_LIST = _tag("scheduler.node_list", "the job's nodes as the scheduler writes them (SLURM_JOB_NODELIST, e.g. 'gpu-[01-04]')")
+SCHEDULER_RESTART_COUNT = _tag("scheduler.restart_count", "how often the scheduler requeued the job before this attempt (SLURM_RESTART_COUNT; 0: never)")
+SCHEDULER_PARTITION = _tag("scheduler.partition", "the SLURM partition (SLURM_JOB_PARTITION)")
+SCHEDULER_QUEUE_WAIT_S = _tag("scheduler.queue_wait_s", "seconds this attempt's job waited in the queue, StartTime - SubmitTime of scontrol show job (whole seconds; after a requeue the requeued wait, which is also inside summary/badput_down_s: down time runs from the previous attempt's last sign of life to this attempt's process start)")
+RESUME_DEVICES = _tag("resume.devices", "set when the job's attempts held different numbers of devices (an elastic restart on fewer machines): the counts, e.g. '2, 1', and that summary/device_hours, cost and every per-device figure count each attempt's time at its own devices (llmeff.accelerator.count is the last attempt's)")
 RESUME_CHANGED = _tag("resume.changed_params", "params passed with new values on resume (not re-logged)")
 AUTOLOG_INTEGRATION = _tag("autolog.integration", "what produced the metrics: trainer, accelerate, pytorch (mlflow_llmeff.autolog) or monitor (EfficiencyMonitor)")
 AUTOLOG_NOTE = _tag("autolog.note", "set when autolog/EfficiencyMonitor left something out of the totals, and why")

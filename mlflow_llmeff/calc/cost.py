@@ -3,6 +3,10 @@
     cost/total_usd = device_hour_usd x devices x wall_s / 3600  (+ kWh x usd_per_kwh if given)
     summary/usd_per_billion_tokens = cost/total_usd x 1e9 / tokens
 
+A job whose attempts ran on different numbers of devices (an elastic restart after a lost machine:
+2 processes, then 1) is billed by its device-hours, the sum over attempts of devices x attempt
+hours (:func:`device_hours`); ``devices x wall_s`` is that sum for one device count.
+
 The device-hour price is the user's ``device_hour_usd`` parameter or, failing that, the dated
 default table below: on-demand list prices per GPU-hour, which change often and differ by a
 factor of 2-5 between providers. The table exists so a run has a cost at all; pass
@@ -24,6 +28,8 @@ __all__ = [
     "PRICE_TABLE_READ_ON",
     "device_hour_price",
     "total_cost_usd",
+    "device_hours",
+    "device_hours_cost_usd",
     "usd_per_billion_tokens",
     "cost_tags",
 ]
@@ -135,6 +141,49 @@ def total_cost_usd(
     if not (math.isfinite(wall_s) and wall_s >= 0):
         raise ValueError(f"wall_s={wall_s!r} must be a finite number of seconds >= 0")
     usd = device_hour_usd * devices * wall_s / 3600.0
+    if usd_per_kwh is not None:
+        _check_price("usd_per_kwh", usd_per_kwh)
+        if not (math.isfinite(kwh) and kwh >= 0):
+            raise ValueError(f"kwh={kwh!r} must be a finite energy >= 0")
+        usd += kwh * usd_per_kwh
+    return usd
+
+
+def device_hours(spans: "list[tuple[int, float]] | tuple[tuple[int, float], ...]") -> float:
+    """Device-hours of a job whose attempts held different numbers of devices.
+
+    ``device_hours = sum over spans of devices x seconds / 3600``: each attempt (or part of one)
+    counted with the devices it held while it ran; the time no attempt ran (down time, a queue
+    wait) holds no device and is not a span.
+
+    Args:
+        spans: ``(devices, seconds)`` per attempt, e.g. ``[(2, 1800.0), (1, 900.0)]`` -> 1.25.
+
+    Raises:
+        ValueError: for a device count below 1 or a negative or non-finite number of seconds.
+    """
+    total = 0.0
+    for devices, seconds in spans:
+        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+            raise ValueError(f"devices={devices!r} must be a positive count")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds={seconds!r} must be a finite number of seconds >= 0")
+        total += devices * seconds
+    return total / 3600.0
+
+
+def device_hours_cost_usd(*, device_hour_usd: float, device_hours: float, kwh: float = 0.0,
+                          usd_per_kwh: float | None = None) -> float:
+    """Cost of ``device_hours`` device-hours, USD = device_hour_usd x device_hours (+ kwh x usd_per_kwh):
+    :func:`total_cost_usd` for a job whose device count changed between attempts (:func:`device_hours`).
+
+    Raises:
+        ValueError: for a negative or non-finite input.
+    """
+    _check_price("device_hour_usd", device_hour_usd)
+    if not (math.isfinite(device_hours) and device_hours >= 0):
+        raise ValueError(f"device_hours={device_hours!r} must be a finite number >= 0")
+    usd = device_hour_usd * device_hours
     if usd_per_kwh is not None:
         _check_price("usd_per_kwh", usd_per_kwh)
         if not (math.isfinite(kwh) and kwh >= 0):

@@ -13,7 +13,9 @@ seconds, e.g. Unix time); it reads no clock and no file. The figures (``docs/tim
   down.
 * ``failures``: attempts that ended without finishing (exit code, signal, NaN, OOM, lost rank,
   tracking server, unknown). An attempt still running (the last one, while the job runs) is no
-  failure.
+  failure, nor is one the scheduler preempted (:data:`PREEMPTED`: it checkpointed its last step on
+  the scheduler's warning and ended; ``preemptions``); the wait until the next attempt (the
+  requeued job's time in the queue) is down time all the same.
 * ``mtbf`` = operating / failures (failures >= 1), with the two-sided 95% interval of a
   time-truncated (Type I censored) test of a homogeneous Poisson process, the variant with
   2r + 2 degrees of freedom for the lower bound and 2r for the upper::
@@ -50,12 +52,16 @@ from typing import Sequence
 
 from mlflow_llmeff import names
 
-__all__ = ["FINISHED", "RUNNING", "CAUSES", "Attempt", "Reliability", "compute", "mtbf_interval",
-           "fleet_mtbf", "with_down", "describe", "failures_line", "summary_metrics", "summary_tags"]
+__all__ = ["FINISHED", "RUNNING", "PREEMPTED", "CAUSES", "Attempt", "Reliability", "compute", "mtbf_interval",
+           "device_hours", "fleet_mtbf", "with_down", "describe", "failures_line", "summary_metrics", "summary_tags"]
 
 FINISHED = "finished"
 #: an attempt still running (the current one, while the job runs): neither a failure nor finished
 RUNNING = "running"
+#: an attempt the scheduler stopped with a warning (SLURM's --signal): it wrote a checkpoint of its last
+#: step and ended; the job goes on when requeued. An interruption, not a failure: no MTBF, no failure cost,
+#: no work redone; the time until the next attempt is down time all the same.
+PREEMPTED = "preempted"
 #: the ways an attempt can end without finishing
 CAUSES = ("exit_code", "signal", "nan", "oom", "lost_rank", "tracking_server", "unknown")
 
@@ -69,7 +75,7 @@ class Attempt:
             launcher's start).
         last_alive: its last sign of life: the end of the run for a finished attempt, else the
             newest of its last completed step, its heartbeat and its exit record.
-        end: :data:`FINISHED`, :data:`RUNNING` or a cause from :data:`CAUSES`.
+        end: :data:`FINISHED`, :data:`RUNNING`, :data:`PREEMPTED` or a cause from :data:`CAUSES`.
         detail: what the cause was, e.g. ``"SIGKILL"``, ``"exit 1"``, ``"rank 1 lost"``.
         steps: the last optimizer step it completed (absolute, counted from the job's start).
         start_step: the step it resumed from (0: from the start).
@@ -80,6 +86,8 @@ class Attempt:
         setup_s: seconds from its start to its first step, the checkpoint load excluded.
         load_s: seconds loading the checkpoint it resumed from.
         rewarm_s: its warm-up excess (the first steps' time above steady-state speed).
+        devices: devices it held (its world size; None: not recorded). An elastic restart on fewer
+            machines is an attempt with fewer devices; :func:`device_hours` counts each at its own.
     """
 
     start: float
@@ -94,11 +102,12 @@ class Attempt:
     setup_s: float = 0.0
     load_s: float = 0.0
     rewarm_s: float = 0.0
+    devices: int | None = None
 
     def __post_init__(self) -> None:
-        if self.end not in (FINISHED, RUNNING) + CAUSES:
+        if self.end not in (FINISHED, RUNNING, PREEMPTED) + CAUSES:
             raise ValueError(f"attempt end {self.end!r} is not accepted; use one of: "
-                             f"{', '.join((FINISHED, RUNNING) + CAUSES)}")
+                             f"{', '.join((FINISHED, RUNNING, PREEMPTED) + CAUSES)}")
         if self.last_alive < self.start:
             raise ValueError(f"attempt's last sign of life ({self.last_alive}) is before its start ({self.start})")
 
@@ -143,6 +152,7 @@ class Reliability:
     successful_interval_ratio: float | None
     failed: list[dict] = field(default_factory=list)  # per failure: attempt, cause, detail, step, at, ...
     why: dict[str, str] = field(default_factory=dict)
+    preempted: list[dict] = field(default_factory=list)  # per preemption: attempt, detail, step, at, down to the next
 
 
 def mtbf_interval(operating_s: float, failures: int, confidence: float = 0.95) -> tuple[float | None, float | None]:
@@ -250,6 +260,13 @@ def compute(attempts: Sequence[Attempt]) -> Reliability:
     else:
         tor = None
         why.setdefault("tor", "no wall time" if wall <= 0 else why.get("failure_cost_s", ""))
+    stops = []
+    for i, a in enumerate(attempts):
+        if a.end == PREEMPTED:
+            row = {"attempt": i + 1, "detail": a.detail, "step": a.steps, "at_s": a.last_alive - attempts[0].start}
+            if i + 1 < len(attempts):
+                row["down_s"] = attempts[i + 1].start - a.last_alive
+            stops.append(row)
     done, clean, why_int = _intervals(attempts)
     sir = clean / done if done else None
     if why_int:
@@ -257,7 +274,21 @@ def compute(attempts: Sequence[Attempt]) -> Reliability:
     return Reliability(attempts=len(attempts), failures=r, wall_s=wall, down_s=down, operating_s=operating,
                        mtbf_s=mtbf, mtbf_ci95_low_s=low, mtbf_ci95_high_s=high, recovery_s=recovery,
                        recovery_parts_s=parts, lost_s=lost, failure_cost_s=cost, tor=tor,
-                       successful_interval_ratio=sir, failed=rows, why=why)
+                       successful_interval_ratio=sir, failed=rows, why=why, preempted=stops)
+
+
+def device_hours(attempts: Sequence[Attempt]) -> float | None:
+    """The job's device-hours: sum over attempts of devices x (last sign of life - start) / 3600.
+
+    Each attempt at the devices it held, so a restart on fewer machines is billed for fewer; the
+    gaps between attempts (down time, a queue wait) hold no device. None when an attempt's devices
+    were not recorded (a ledger older than the record).
+    """
+    if any(a.devices is None for a in attempts):
+        return None
+    from mlflow_llmeff.calc.cost import device_hours as spans_hours
+
+    return spans_hours([(int(a.devices), a.last_alive - a.start) for a in attempts])
 
 
 def fleet_mtbf(runs: Sequence[tuple[float, int]]) -> tuple[float | None, float | None, float | None]:
@@ -307,6 +338,12 @@ def describe(rel: Reliability) -> str:
     """One line for the run's description and the terminal, e.g.
     ``"2 attempts, 1 failure (SIGKILL at step 31), recovery 43 s"``."""
     att = f"{rel.attempts} attempt{'s' if rel.attempts != 1 else ''}"
+    if rel.preempted:  # the scheduler's stops: no failure, their waits are down time
+        n = len(rel.preempted)
+        att += (f", {n} preemption{'s' if n != 1 else ''} ("
+                + ", ".join(f"at step {r['step']}" for r in rel.preempted[:4]) + (", ..." if n > 4 else "") + ")")
+        if not rel.failures:
+            return f"{att}, no failure" + (f", down {rel.down_s:.0f} s" if rel.down_s else "")
     if not rel.failures:
         return f"{att}, no failure"
     causes = ", ".join(f"{_cause_word(r)} at step {r['step']}" for r in rel.failed[:4])
@@ -338,6 +375,7 @@ def failures_line(rel: Reliability) -> str:
 def summary_metrics(r: Reliability) -> dict[str, float]:
     """The ``summary/*`` reliability metrics of ``r`` (names.py's reliability block); undefined ones left out."""
     out = {names.SUM_ATTEMPTS: float(r.attempts), names.SUM_FAILURES: float(r.failures),
+           names.SUM_PREEMPTIONS: float(len(r.preempted)),
            names.SUM_BADPUT_DOWN_S: r.down_s, names.SUM_MTBF_S: r.mtbf_s,
            names.SUM_MTBF_CI95_LOW_S: r.mtbf_ci95_low_s, names.SUM_MTBF_CI95_HIGH_S: r.mtbf_ci95_high_s,
            names.SUM_RECOVERY_S: r.recovery_s, names.SUM_FAILURE_COST_S: r.failure_cost_s, names.SUM_TOR: r.tor,

@@ -67,11 +67,16 @@ class Rates:
         counts: the global counts of the stretch.
         elapsed_s: its wall time in seconds.
         num_devices: devices taking part.
+        device_s: device-seconds of the stretch, each step at the devices of the attempt it ran in
+            (None: ``elapsed_s x num_devices``). Per-device figures divide by it: over attempts that
+            held different numbers of devices (an elastic restart on fewer machines) a per-device
+            rate is tokens per device-second, ``tokens / sum(devices_i x seconds_i)``.
     """
 
     counts: Counts
     elapsed_s: float
     num_devices: int
+    device_s: float | None = None
 
     @property
     def tokens_per_sec(self) -> float:
@@ -83,20 +88,26 @@ class Rates:
         return None if self.counts.samples_unknown else self.counts.samples / self.elapsed_s
 
     @property
+    def held_device_s(self) -> float:
+        """Device-seconds of the stretch (``device_s``, else ``elapsed_s x num_devices``)."""
+        return self.device_s if self.device_s else self.elapsed_s * self.num_devices
+
+    @property
     def device_tokens_per_sec(self) -> float:
-        return self.tokens_per_sec / self.num_devices
+        return self.counts.tokens / self.held_device_s
 
     @property
     def step_time_s(self) -> float:
         return self.elapsed_s / self.counts.steps
 
     def device_tflops_per_sec(self, flops_per_token: Callable[[float], float]) -> float | None:
-        """Achieved model TFLOP/s per device, given FLOPs/token as a function of effective seq len; None
-        when the sequence lengths are unknown (attention FLOPs grow with them)."""
+        """Achieved model TFLOP/s per device (per device-second held: an attempt's own device count), given
+        FLOPs/token as a function of effective seq len; None when the sequence lengths are unknown
+        (attention FLOPs grow with them)."""
         s = self.counts.effective_seq_len
         if s is None:
             return None
-        return self.tokens_per_sec * flops_per_token(s) / self.num_devices / 1e12
+        return self.counts.tokens * flops_per_token(s) / self.held_device_s / 1e12
 
     def interval_metrics(self, flops_per_token: Callable[[float], float] | None = None,
                          peak_tflops: float | None = None, hfu_ratio: float | None = None) -> dict[str, float]:
@@ -147,6 +158,7 @@ class ThroughputMeter:
     total: Counts = field(default_factory=Counts)
     steady: Counts = field(default_factory=Counts)
     steady_s: float = 0.0
+    steady_device_s: float = 0.0  # device-seconds of the steady steps, each at its attempt's num_devices
     warmup_s: float = 0.0
     _window: Counts = field(default_factory=Counts)
     _window_s: float = 0.0
@@ -189,6 +201,7 @@ class ThroughputMeter:
         else:
             self.steady += counts
             self.steady_s += seconds
+            self.steady_device_s += seconds * self.num_devices
             self._window += counts
             self._window_s += seconds
 
@@ -204,19 +217,25 @@ class ThroughputMeter:
         """Steady-state rates over the whole attempt(s), or None when all steps were warm-up."""
         if self.steady.steps == 0 or self.steady_s <= 0:
             return None
-        return Rates(Counts(**asdict(self.steady)), self.steady_s, self.num_devices)
+        return Rates(Counts(**asdict(self.steady)), self.steady_s, self.num_devices, self.steady_device_s or None)
 
     # -- resume ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Counters to store in a checkpoint."""
         return {"total": asdict(self.total), "steady": asdict(self.steady), "steady_s": self.steady_s,
+                "steady_device_s": self.steady_device_s, "num_devices": self.num_devices,
                 "warmup_s": self.warmup_s, "step": self._step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the counters of a checkpoint; the new attempt warms up again from its step."""
+        """Continue the counters of a checkpoint; the new attempt warms up again from its step.
+
+        Its steady steps keep the devices they ran on (``steady_device_s``; a checkpoint without it was
+        written by as many devices as this meter has, the only resume allowed then)."""
         self.total = Counts(**state["total"])
         self.steady = Counts(**state["steady"])
         self.steady_s = float(state["steady_s"])
+        self.steady_device_s = float(state.get("steady_device_s",
+                                               self.steady_s * int(state.get("num_devices", self.num_devices))))
         self.warmup_s = float(state["warmup_s"])
         self._step = self.start_step = int(state["step"])
 

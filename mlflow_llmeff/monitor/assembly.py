@@ -15,6 +15,7 @@ import math
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import cost as cost_mod
+from mlflow_llmeff.calc.goodput import wall_of
 from mlflow_llmeff.calc.throughput import ThroughputMeter
 from mlflow_llmeff.meters import energy as en
 from mlflow_llmeff.meters import hardware as hw
@@ -203,6 +204,13 @@ def resume(mon, state: dict) -> None:
     mon._meter = ThroughputMeter(num_devices=mon.world_size, warmup_steps=mon.warmup_steps)
     mon._meter.load_state_dict(state["throughput"])
     mon._ledger.load_state_dict(state["ledger"])
+    # the checkpoint's clock at the devices its attempts held (a checkpoint without them: this many)
+    seconds, held = state["ledger"]["seconds"], state.get("consumption", {})
+    mon._tail_devices = int(held.get("devices") or mon.world_size)  # the writer's, for its lost tail
+    wall, init = wall_of(seconds), float(seconds.get("init", 0.0))
+    mon._consumption.add_earlier(wall, device_s=float(held.get("device_s", wall * mon._tail_devices)), init_s=init,
+                                 init_device_s=float(held.get("init_device_s", init * mon._tail_devices)))
+    mon._consumption.prior_devices = tuple(int(n) for n in held.get("device_counts", [mon._tail_devices]))
     mon._reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
     mon._attempts = int(state.get("attempts", 1)) + 1
     mon._consumption.resume(state.get("consumption", {}), {})

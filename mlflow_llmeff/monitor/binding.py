@@ -113,6 +113,7 @@ def account_crashed_tail(mon, state: dict) -> None:
     if newest is not None and saved is not None:
         lost = max(0.0, float(newest) - float(saved))
         mon._ledger.add("lost_progress", lost)
+        mon._consumption.add_earlier(lost, mon._tail_devices)  # the checkpoint's writer ran it on its devices
         mon._tail_lost = (lost, float(saved))  # continue_job may move its end to the last completed step
 
 

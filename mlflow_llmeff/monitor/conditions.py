@@ -2,7 +2,8 @@
 
 One place for every path (``llmeff train``, ``EfficiencyMonitor``, autolog): the accelerator, its
 count and nodes, parallelism, precision, model shape, FLOPs convention, peaks and their sources,
-warm-up, energy and cost sources, software versions and the code's commit.
+warm-up, energy and cost sources, software versions, the code's commit and the scheduler's job
+(``llmeff.scheduler.*``, :mod:`mlflow_llmeff.meters.scheduler`).
 """
 
 from __future__ import annotations
@@ -185,6 +186,9 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
         tags[names.FLOPS_METHOD] = flops_method
     tags.update(model_tags(model, config))
     tags.update(cost_tags)
+    from mlflow_llmeff.meters import scheduler
+
+    tags.update(scheduler.tags(scheduler.cached()))  # SLURM's or a PyTorchJob's job, node list, requeues, queue wait
     return tags
 
 

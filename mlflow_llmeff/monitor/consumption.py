@@ -12,8 +12,12 @@ Formulas (``docs/energy_carbon_cost.md``):
 * ``energy/total_kwh = J / 3.6e6`` of the measured devices of every rank (NVML, RAPL);
 * ``carbon/total_kg_co2e = kWh x intensity / 1000`` with codecarbon's grid intensity;
 * codecarbon's CPU/RAM *estimate* is kept apart (``energy/estimate/*``, ``carbon/estimate_kg_co2e``);
-* ``cost/total_usd = device_hour_usd x devices x wall_s / 3600 (+ measured kWh x usd_per_kwh)``; with
+* ``cost/total_usd = device_hour_usd x device-hours (+ measured kWh x usd_per_kwh)``; with
   ``usd_per_kwh`` and energy not measured on every device, no cost (never the energy priced at 0 kWh).
+* device-hours (``summary/device_hours``) = sum over attempts of devices x attempt hours: the seconds
+  earlier attempts put in the run's clock (a checkpoint's ledger, a crashed attempt's lost tail, attempts
+  no checkpoint holds) at the devices each held (:meth:`Consumption.add_earlier`), the rest at this
+  attempt's ``devices``; one device count throughout gives ``devices x wall_s / 3600``.
 
 Partial measurement is a state of its own: ``summary/energy_coverage`` = measured devices / devices
 of the run (each physical device once, however many ranks own it). Below 1, every run total and
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 
 from mlflow_llmeff.meters import energy as en
 from mlflow_llmeff import names
-from mlflow_llmeff.calc.cost import total_cost_usd, usd_per_billion_tokens
+from mlflow_llmeff.calc.cost import device_hours_cost_usd, usd_per_billion_tokens
 
 __all__ = ["Consumption"]
 
@@ -66,6 +70,11 @@ class Consumption:
     head_gap_s: float = 0.0  # wall seconds (all attempts) before the energy meter started: not in the energy
     read_wall_s: float | None = None  # wall time (all attempts) of the newest reading in the totals
     prior_partial: bool = False  # an earlier attempt measured only some of its devices
+    prior_wall_s: float = 0.0  # clock seconds of earlier attempts in the run's wall time (add_earlier)
+    prior_device_s: float = 0.0  # their device-seconds, each at the devices its attempt held
+    prior_init_s: float = 0.0  # of prior_wall_s, set-up (init)
+    prior_init_device_s: float = 0.0  # its device-seconds
+    prior_devices: tuple[int, ...] = ()  # device counts of earlier attempts seen (for the tags)
     _mark: tuple[float, int, float] | None = None  # (J, tokens, wall s) at the last interval
 
     # ------------------------------------------------------------------------------ updates
@@ -94,6 +103,39 @@ class Consumption:
         self.unmeasured = dict(unmeasured or {})
         self.shared = dict(shared or {})
 
+    def add_earlier(self, seconds: float, devices: int | None = None, *, device_s: float | None = None,
+                    init_s: float = 0.0, init_device_s: float | None = None) -> None:
+        """Seconds of earlier attempts added to the run's clock, with the devices they held.
+
+        Args:
+            seconds: clock seconds added (may be negative: a correction of an earlier addition).
+            devices: devices held during them (default: this attempt's); or give ``device_s``.
+            device_s: their device-seconds, when the seconds span attempts with different devices.
+            init_s: of ``seconds``, set-up (``init``), for the time-to-quality figures that leave it out.
+            init_device_s: its device-seconds (default: ``init_s`` x ``devices``).
+        """
+        n = self.devices if devices is None else int(devices)
+        self.prior_wall_s += float(seconds)
+        self.prior_device_s += float(seconds) * n if device_s is None else float(device_s)
+        self.prior_init_s += float(init_s)
+        self.prior_init_device_s += float(init_s) * n if init_device_s is None else float(init_device_s)
+        if devices is not None and n not in self.prior_devices:
+            self.prior_devices += (n,)
+
+    def device_s(self, wall_s: float, init_s: float | None = None) -> float:
+        """Device-seconds of ``wall_s`` seconds of the run's clock (all attempts): the earlier attempts'
+        at their devices, the rest at :attr:`devices`; with ``init_s`` (the clock's set-up seconds, all
+        attempts) the set-up's device-seconds are left out."""
+        total = self.prior_device_s + self.devices * max(0.0, float(wall_s) - self.prior_wall_s)
+        if init_s is not None:
+            total -= self.prior_init_device_s + self.devices * max(0.0, float(init_s) - self.prior_init_s)
+        return max(0.0, total)
+
+    @property
+    def devices_changed(self) -> bool:
+        """True when an earlier attempt held another number of devices than this one."""
+        return any(n != self.devices for n in self.prior_devices)
+
     def resume(self, state: dict, last_logged: dict[str, float]) -> None:
         """Continue from a checkpoint's :meth:`state_dict` and the run's newest logged totals.
 
@@ -111,11 +153,18 @@ class Consumption:
         self.head_gap_s = float(state.get("energy_head_gap_s", 0.0))
         self.prior_partial = bool(state.get("energy_partial", False))
 
-    def state_dict(self) -> dict:
-        """Totals of all attempts so far, for a checkpoint."""
-        return {"energy_j": self.total_j, "estimate_cpu_kwh": self.prior_cpu_kwh + (self.cpu_kwh or 0.0),
-                "estimate_ram_kwh": self.prior_ram_kwh + (self.ram_kwh or 0.0),
-                "energy_head_gap_s": self.head_gap_s, "energy_partial": self.measured and not self.complete}
+    def state_dict(self, wall_s: float | None = None, init_s: float | None = None) -> dict:
+        """Totals of all attempts so far, for a checkpoint; with the clock's ``wall_s`` (and its ``init_s``)
+        also the device-seconds up to then and this attempt's devices (:meth:`device_s`)."""
+        out = {"energy_j": self.total_j, "estimate_cpu_kwh": self.prior_cpu_kwh + (self.cpu_kwh or 0.0),
+               "estimate_ram_kwh": self.prior_ram_kwh + (self.ram_kwh or 0.0),
+               "energy_head_gap_s": self.head_gap_s, "energy_partial": self.measured and not self.complete}
+        if wall_s is not None:
+            out.update(devices=self.devices, device_s=self.device_s(wall_s),
+                       device_counts=sorted(set(self.prior_devices) | {self.devices}))
+            if init_s is not None:
+                out["init_device_s"] = self.prior_init_device_s + self.devices * max(0.0, init_s - self.prior_init_s)
+        return out
 
     # ------------------------------------------------------------------------------ totals
     @property
@@ -164,14 +213,16 @@ class Consumption:
             return None
         return kwh * self.intensity_g_per_kwh / 1000.0
 
-    def cost_usd(self, wall_s: float) -> float | None:
-        """Cost of ``wall_s`` seconds (all attempts) on every device, plus priced measured energy."""
+    def cost_usd(self, wall_s: float, device_s: float | None = None) -> float | None:
+        """Cost of ``wall_s`` seconds (all attempts) on every device each attempt held (:meth:`device_s`;
+        or of ``device_s`` device-seconds when given), plus priced measured energy."""
         if self.device_hour_usd is None:
             return None
         if self.usd_per_kwh and not self.complete:
             return None  # the energy part would price only the measured devices, or none (never 0 kWh)
-        return total_cost_usd(device_hour_usd=self.device_hour_usd, devices=self.devices, wall_s=wall_s,
-                              kwh=self.total_kwh if self.usd_per_kwh else 0.0, usd_per_kwh=self.usd_per_kwh)
+        held = self.device_s(wall_s) if device_s is None else device_s
+        return device_hours_cost_usd(device_hour_usd=self.device_hour_usd, device_hours=held / 3600.0,
+                                     kwh=self.total_kwh if self.usd_per_kwh else 0.0, usd_per_kwh=self.usd_per_kwh)
 
     def absent(self) -> dict[str, str]:
         """``summary/*`` cost figures undefined for this run, with why (``llmeff.summary.absent``): with an
@@ -234,6 +285,7 @@ class Consumption:
         if self.measured and self.span_s is not None:
             out[names.SUM_ENERGY_SPAN_S] = self.span_s
         kwh = self.total_kwh
+        out[names.SUM_DEVICE_HOURS] = self.device_s(wall_s) / 3600.0
         usd = self.cost_usd(wall_s)
         if usd is not None:
             out[names.SUM_COST_USD] = usd

@@ -42,7 +42,7 @@ from functools import partial
 from typing import Any, Callable
 
 from mlflow_llmeff import names
-from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger
+from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger, wall_of
 from mlflow_llmeff.calc.throughput import ThroughputMeter
 from mlflow_llmeff.evals.targets import parse_targets
 from mlflow_llmeff.meters import collectives
@@ -176,6 +176,7 @@ class EfficiencyMonitor:
         self._attempts = 1
         self._down_s = 0.0  # the job's time no attempt ran (continue_job)
         self._tail_lost: tuple[float, float] | None = None  # (lost progress added, checkpoint written at)
+        self._tail_devices: int | None = None  # devices of the resumed checkpoint's writer (None: this attempt's)
         self._job_figures = None  # end Unix time -> (summary metrics, tags, description line): set_job_figures
         self._job_note: str | None = None
         self._totals_step = -1  # step of the last logged running totals
@@ -227,7 +228,8 @@ class EfficiencyMonitor:
         return self._ledger.carve("op_build", seconds)
 
     def continue_job(self, *, down_s: float = 0.0, earlier_s: dict[str, float] | None = None,
-                     tail_end_unix: float | None = None, attempts: int | None = None) -> None:
+                     tail_end_unix: float | None = None, attempts: int | None = None,
+                     earlier_device_s: dict[str, float] | None = None) -> None:
         """Account the job's earlier attempts that no checkpoint holds (docs/time.md, "Reliability
         across a job's life"; ``llmeff train`` reads them from its attempts ledger, train/job.py).
         Call once on rank 0, before the first step.
@@ -241,6 +243,8 @@ class EfficiencyMonitor:
             tail_end_unix: Unix time of the resumed checkpoint's writer's last completed step (its
                 per-step heartbeat): its lost progress runs to it rather than to its newest logged point.
             attempts: the job's attempts, this one included (``llmeff.resume.attempts``).
+            earlier_device_s: device-seconds of ``earlier_s`` by category, each attempt at the devices it
+                held (``summary/device_hours``, cost; default: ``earlier_s`` at this attempt's devices).
 
         Raises:
             ValueError: negative ``down_s`` or a category the ledger does not take.
@@ -248,12 +252,17 @@ class EfficiencyMonitor:
         if down_s < 0:
             raise ValueError(f"down time {down_s} s is negative")
         self._down_s = float(down_s)
+        held = earlier_device_s or {}
         for category, seconds in (earlier_s or {}).items():
             self._ledger.add(category, seconds)
+            self._consumption.add_earlier(seconds, device_s=held.get(category, seconds * self.world_size),
+                                          init_s=seconds if category == "init" else 0.0,
+                                          init_device_s=held.get(category) if category == "init" else 0.0)
         if tail_end_unix is not None and self._tail_lost is not None:
             added, saved = self._tail_lost
             lost = max(0.0, float(tail_end_unix) - saved)
             self._ledger.add("lost_progress", lost - added)
+            self._consumption.add_earlier(lost - added, self._tail_devices)
             self._tail_lost = (lost, saved)
         elif earlier_s and self._tail_lost is None and self.is_main and self._run is not None:
             binding.continue_consumption(self)
@@ -562,8 +571,11 @@ class EfficiencyMonitor:
             self._edge()
         if not self._broken:
             points.refresh_consumption(self)
+        ledger = self._ledger.state_dict()  # its seconds date the device-seconds below
+        seconds = ledger["seconds"]
+        consumption = self._consumption.state_dict(wall_s=wall_of(seconds), init_s=seconds.get("init", 0.0))
         return {"step": self._meter.step, "throughput": self._meter.state_dict(),
-                "ledger": self._ledger.state_dict(), "consumption": self._consumption.state_dict(),
+                "ledger": ledger, "consumption": consumption,
                 "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
                 "hfu_counted": self._account.state(),
                 "step_times": self._steps.state_dict(), "shapes": self._tally.shape_state(),

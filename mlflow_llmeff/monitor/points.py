@@ -165,11 +165,14 @@ def log_ttq(mon, newly, step: int) -> None:
     if mon._pending_steps:
         mon._edge()
     refresh_consumption(mon)
-    wall = mon._ledger.wall_s() - mon._ledger.snapshot()["init"]
+    seconds = mon._ledger.snapshot()
+    whole = mon._ledger.wall_s()
+    wall = whole - seconds["init"]
+    held = mon._consumption.device_s(whole, init_s=seconds["init"])  # each attempt at its devices, set-up left out
     kwh = mon._consumption.total_kwh
-    usd = mon._consumption.cost_usd(wall)
+    usd = mon._consumption.cost_usd(wall, device_s=held)
     figures = {"wall_s": wall, "train_s": mon._ledger.train_s(), "tokens": float(mon._meter.total.tokens),
-               "device_hours": mon.world_size * wall / 3600.0, "kwh": kwh, "usd": usd,
+               "device_hours": held / 3600.0, "kwh": kwh, "usd": usd,
                "kg_co2e": mon._consumption.kg_co2e(kwh)}
     for t in newly:
         mon._reached[t.key] = step

@@ -344,6 +344,12 @@ def end_tags(mon, note: str | None) -> dict[str, str]:
             f"{tags[names.ENERGY_SPAN]}; the times above are the attempts' time: summary/wall_s also holds the "
             f"job's {down}, neither measured nor priced in cost/*" if names.ENERGY_SPAN in tags else
             f"cost/* covers the attempts' device time: the job's {down} are not priced")
+    if mon._consumption.devices_changed:  # an elastic restart on another number of devices
+        counts = sorted(set(mon._consumption.prior_devices) | {mon._consumption.devices}, reverse=True)
+        tags[names.RESUME_DEVICES] = (
+            f"{', '.join(map(str, counts))} devices across the attempts (this one {mon._consumption.devices}): "
+            "summary/device_hours, cost/* and the per-device figures (throughput/device/*, summary/device_*, MFU) "
+            "count each attempt's seconds at the devices it held")
     if mon._account.counter_gap:
         tags[names.FLOPS_COUNTER_GAP] = mon._account.counter_gap
     if getattr(mon, "_memory_source", None) is not None:

@@ -193,6 +193,13 @@ class Strategy:
 
     clips_in_engine = False  # True: gradient clipping happens inside the strategy's engine (DeepSpeed)
 
+    def other_world_refused(self) -> str | None:
+        """Why a checkpoint this strategy wrote cannot be resumed by another number of processes (an
+        elastic restart on fewer machines), or None when it can. Accelerate's ``save_state`` (single,
+        DDP) holds the whole model and optimizer state, which any number of processes loads; the
+        random states of ranks the writer did not have start from the seed (Accelerate logs it)."""
+        return None
+
     # ------------------------------------------------------------------ state
     def save(self, accelerator, model, optimizer, path: str) -> None:
         """Write the training state into ``path`` (a collective: every rank calls it)."""
@@ -285,6 +292,11 @@ class MeshStrategy(Strategy):
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def other_world_refused(self) -> str | None:
+        """None: ``torch.distributed.checkpoint`` reshards the model and optimizer shards to the layout
+        that loads them (any world size whose degrees the settings accept)."""
+        return None
 
     def full_state_dict(self, accelerator, model) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -119,6 +119,10 @@ class ZeRO(Strategy):
         return (environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
                 and environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2") == str(self.stage))
 
+    def other_world_refused(self) -> str | None:
+        return (f"{self.name} checkpoints hold the optimizer state partitioned over the processes that wrote "
+                "them (DeepSpeed's universal-checkpoint conversion, which would reshape them, is not run)")
+
     def engine_missing(self, *, load: bool = False) -> str | None:
         import importlib.util
 

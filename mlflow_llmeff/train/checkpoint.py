@@ -121,10 +121,15 @@ def prune(checkpoint_dir: str, keep: int) -> None:
 def find_resume(checkpoint_dir: str, resume: str, world: int, strategy: str | None = None) -> tuple[str, dict] | None:
     """The checkpoint a run resumes from (``resume=auto``), or None.
 
+    Another number of processes than the writer's (an elastic restart on fewer machines) resumes
+    where the writer's strategy allows it (:meth:`~mlflow_llmeff.parallel.base.Strategy.other_world_refused`:
+    single, DDP and the device-mesh strategies do; DeepSpeed's partitioned state does not).
+
     Raises:
-        ValueError: when the checkpoint was written by another number of processes or another
-            parallelism strategy (its sharded state is that strategy's), or by a version of
-            mlflow_llmeff whose counters this one cannot continue.
+        ValueError: when the checkpoint was written by another number of processes with a strategy
+            whose state cannot be read by this many, or by another parallelism strategy (its sharded
+            state is that strategy's), or by a version of mlflow_llmeff whose counters this one
+            cannot continue.
     """
     if not checkpoint_dir or resume != "auto":
         return None
@@ -132,10 +137,13 @@ def find_resume(checkpoint_dir: str, resume: str, world: int, strategy: str | No
     if not found:
         return None
     path, state = found
-    if state.get("world_size") != world:
-        raise ValueError(f"checkpoint {path} was written by {state.get('world_size')} processes, this run has "
-                         f"{world}; resume with num_processes={state.get('world_size')} or resume=never")
     written = state.get("params", {}).get("parallelism")
+    if state.get("world_size") != world:
+        why = _other_world_refused(written, state.get("world_size"))
+        if why:
+            raise ValueError(f"checkpoint {path} was written by {state.get('world_size')} processes, this run has "
+                             f"{world}: {why}; resume with {state.get('world_size')} processes (num_processes x "
+                             "num_machines) or resume=never")
     if strategy is not None and written not in (None, strategy) and not {written, strategy} <= {"auto", "single", "ddp"}:
         raise ValueError(f"checkpoint {path} was written with parallelism={written!r}, this run has {strategy!r}; "
                          f"resume with parallelism={written} or resume=never")
@@ -143,6 +151,33 @@ def find_resume(checkpoint_dir: str, resume: str, world: int, strategy: str | No
         raise ValueError(f"checkpoint {path} was written by an older mlflow_llmeff without meter state; "
                          "resume=never starts a new run")
     return path, state
+
+
+def _other_world_refused(written: str | None, world: int | None) -> str | None:
+    """Why the strategy that wrote a checkpoint (``parallelism`` as given, ``auto`` resolved with the
+    writer's ``world``) keeps it from another number of processes; None when it does not."""
+    from mlflow_llmeff import parallel
+
+    if not isinstance(world, int) or world < 1:
+        return "it does not record its number of processes"
+    name = ("single" if world == 1 else "ddp") if written in (None, "auto") else written
+    try:
+        return parallel.get(name).other_world_refused()
+    except ValueError:
+        return f"its parallelism {written!r} is unknown here"
+
+
+def resumed_position(state: dict, dp_world: int, grad_accum: int) -> int:
+    """The global micro-step a resume continues the data order at (:mod:`mlflow_llmeff.train.batches`).
+
+    The writer's data-parallel ranks took ``step x grad_accum`` global micro-batches of
+    ``micro_batch_size x dp_world_then`` blocks; with another data-parallel world (an elastic restart on
+    fewer machines) the same place in the order is that many blocks in, rounded up to the new global
+    micro-batch, so no block is trained on twice before its epoch ends.
+    """
+    k = int(state["step"]) * grad_accum
+    then = int(state.get("dp_world") or dp_world)
+    return k if then == dp_world else -(-k * then // dp_world)
 
 
 def save(accelerator, cfg, step: int, monitor, extra: dict, strategy=None, model=None, optimizer=None) -> None:

@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     (:func:`mlflow_llmeff.monitor.lifecycle.exit_now`), an error goes on as before (exit 1)."""
     path, module, *args = sys.argv[1:] if argv is None else argv
     sys.argv = [module, *args]
+    import signal
+
+    # the scheduler's warning (SLURM --signal=USR1@N) reaches every process of the step: the agent ignores it
+    # (its default action would end the agent and with it the workers); the workers and llmeff train act on it
+    # (train/preempt.py)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -10,9 +10,9 @@ files in the checkpoint directory (and the launcher a fourth):
     (temp file + rename).
 ``llmeff_attempts.jsonl``
     the attempts ledger, one JSON event a line, appended and fsynced (a handful per attempt):
-    ``start`` (attempt, pid, start time, step resumed from), ``warm`` (set-up, checkpoint load and
+    ``start`` (attempt, pid, start time, step resumed from, devices), ``warm`` (set-up, checkpoint load and
     re-warm-up seconds, once the warm-up is over), ``checkpoint`` (step, time written), ``end``
-    (how it ended: ``finished`` or a cause of :data:`mlflow_llmeff.calc.reliability.CAUSES`, the
+    (how it ended: ``finished``, ``preempted`` or a cause of :data:`mlflow_llmeff.calc.reliability.CAUSES`, the
     step reached, the time). An attempt with no ``end`` (SIGKILL, a lost machine) gets one from the
     next attempt: ``unknown``, at its last heartbeat.
 ``llmeff_launch_failures.json``
@@ -164,7 +164,7 @@ class Job:
             if os.path.exists(self._path(name)):
                 os.replace(self._path(name), self._path(name) + ".old")
 
-    def begin(self, start_unix: float, start_step: int, warmup_steps: int) -> str | None:
+    def begin(self, start_unix: float, start_step: int, warmup_steps: int, devices: int | None = None) -> str | None:
         """Start this attempt: close the previous one if it left no ``end`` (``unknown``, at its
         heartbeat), append ``start``, open the heartbeat. Returns the job's run id (None: a new job).
 
@@ -193,8 +193,11 @@ class Job:
         else:
             self.attempt = 1
         self.start_unix, self.warmup_steps = float(start_unix), int(warmup_steps)
-        self._append({"event": "start", "attempt": self.attempt, "pid": os.getpid(), "start_unix": self.start_unix,
-                      "start_step": int(start_step), "now_unix": self._clock()})
+        start = {"event": "start", "attempt": self.attempt, "pid": os.getpid(), "start_unix": self.start_unix,
+                 "start_step": int(start_step), "now_unix": self._clock()}
+        if devices is not None:  # its world size: an elastic restart may hold fewer (device-hours per attempt)
+            start["devices"] = int(devices)
+        self._append(start)
         self.heartbeat = Heartbeat(self._path(PROGRESS_FILE), self.attempt, self._clock)
         rec = self.record()
         return rec.get("run_id") if rec else None
@@ -351,7 +354,8 @@ def attempts_from_events(events: list[dict], beat: dict | None, *, now: float, s
                                checkpoint_at=newest[1] if own else None,
                                checkpoints=tuple(s for s, _ in a["checkpoints"]),
                                setup_s=float(warm.get("setup_s", 0.0)), load_s=float(warm.get("load_s", 0.0)),
-                               rewarm_s=float(warm.get("rewarm_s", 0.0))))
+                               rewarm_s=float(warm.get("rewarm_s", 0.0)),
+                               devices=int(a["start"]["devices"]) if a["start"].get("devices") else None))
     return out
 
 
@@ -369,7 +373,9 @@ def carry(attempts: list[rel.Attempt], resumed_step: int | None) -> dict:
         resumed_step: the checkpoint step the current attempt resumed from (None: none).
 
     Returns:
-        ``{"down_s", "earlier_s": {category: s}, "tail_end_unix": float | None, "attempts": int}``.
+        ``{"down_s", "earlier_s": {category: s}, "tail_end_unix": float | None, "attempts": int}``, and
+        ``"earlier_device_s"`` (``earlier_s``'s device-seconds, each attempt at the devices it held) when
+        every one of those attempts recorded its devices.
     """
     prev = attempts[:-1]
     down = sum(n.start - p.last_alive for p, n in zip(attempts, attempts[1:]))
@@ -380,17 +386,23 @@ def carry(attempts: list[rel.Attempt], resumed_step: int | None) -> dict:
                 writer = i
                 break
     earlier: dict[str, float] = {"init": 0.0, "checkpoint_load": 0.0, "lost_progress": 0.0}
-    for a in prev[(writer + 1 if writer is not None else 0):]:
+    held: dict[str, float] = dict.fromkeys(earlier, 0.0)  # the same seconds x the devices of their attempt
+    uncounted = prev[(writer + 1 if writer is not None else 0):]
+    for a in uncounted:
         span = a.last_alive - a.start
         if a.steps <= a.start_step:
-            earlier["init"] += span
-            continue
-        setup, load = min(a.setup_s, span), min(a.load_s, max(0.0, span - a.setup_s))
-        earlier["init"] += setup
-        earlier["checkpoint_load"] += load
-        earlier["lost_progress"] += max(0.0, span - setup - load)
-    return {"down_s": down, "earlier_s": {k: v for k, v in earlier.items() if v},
-            "tail_end_unix": prev[writer].last_alive if writer is not None else None, "attempts": len(attempts)}
+            parts = {"init": span}
+        else:
+            setup, load = min(a.setup_s, span), min(a.load_s, max(0.0, span - a.setup_s))
+            parts = {"init": setup, "checkpoint_load": load, "lost_progress": max(0.0, span - setup - load)}
+        for k, v in parts.items():
+            earlier[k] += v
+            held[k] += v * (a.devices or 0)
+    out = {"down_s": down, "earlier_s": {k: v for k, v in earlier.items() if v},
+           "tail_end_unix": prev[writer].last_alive if writer is not None else None, "attempts": len(attempts)}
+    if uncounted and all(a.devices for a in uncounted):
+        out["earlier_device_s"] = {k: held[k] for k in out["earlier_s"]}
+    return out
 
 
 def signal_of(exitcode: int) -> str | None:

@@ -20,7 +20,8 @@ from mlflow_llmeff.train.messages import message_style
 
 
 def settle(cfg: TrainConfig) -> RunSpec:
-    """Check ``cfg`` and resolve it on this machine, once (:func:`~mlflow_llmeff.train.config.validate`):
+    """Check ``cfg`` and resolve it on this machine, once (:func:`~mlflow_llmeff.train.config.validate`),
+    with the machines' layout a scheduler gives where ``cfg`` does not (:mod:`mlflow_llmeff.train.placement`):
     the :class:`~mlflow_llmeff.planning.spec.RunSpec` every later step of the launch reads. A dry run's
     strategy engine need not be installed and its machine's accelerator is looked up (the plan is for it).
 
@@ -28,7 +29,9 @@ def settle(cfg: TrainConfig) -> RunSpec:
         ValueError: bad settings, as one line naming the value and the accepted ones.
     """
     from mlflow_llmeff.train.config import probe_machine
+    from mlflow_llmeff.train.placement import from_scheduler
 
+    cfg = from_scheduler(cfg)  # under srun or a PyTorchJob: the machines' layout the scheduler gives
     return validate(cfg, probe_machine(cfg.num_processes if cfg.dry_run else None), engine=not cfg.dry_run)
 
 
@@ -120,8 +123,8 @@ def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own
             started_at = process_start_perf_counter()
         else:  # the same instant on the perf_counter clock the meter reads
             started_at = time.perf_counter() - max(0.0, time.time() - started_unix)
-        run_training(spec, started_at=started_at)
-        return 0
+        result = run_training(spec, started_at=started_at)
+        return _after_preemption(cfg) if result and result.get("preempted") is not None else 0
     from mlflow_llmeff.train import job as jobs
 
     if cfg.num_machines > 1:  # every machine meets machine 0 in time, given the same job, or one line says why not
@@ -142,10 +145,37 @@ def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own
     failures_path = os.path.join(cfg.checkpoint_dir, jobs.LAUNCH_FILE) if job else elastic.NO_FILE
     if job and os.path.exists(failures_path):
         os.remove(failures_path)
-    rc = subprocess.run([cmd[0], "-m", "mlflow_llmeff.train.elastic", failures_path, *cmd[2:]], env=env).returncode
+    from mlflow_llmeff.train import preempt
+
+    # the scheduler's warning signal must not end this launcher: it is recorded for the workers to agree on a stop
+    caught = preempt.forward_to_file(cfg.checkpoint_dir)
+    try:
+        rc = subprocess.run([cmd[0], "-m", "mlflow_llmeff.train.elastic", failures_path, *cmd[2:]], env=env).returncode
+    finally:
+        preempt.restore(caught)
     if job:  # how the attempt ended where rank 0 could not say (killed, or stopped after another rank was lost)
         jobs.Job(cfg.checkpoint_dir).close_open(rc, elastic.read_failures(failures_path))
+    if rc == 0 and cfg.checkpoint_dir and _last_end(cfg.checkpoint_dir) == "preempted":
+        return _after_preemption(cfg)
     return rc
+
+
+def _last_end(checkpoint_dir: str) -> str | None:
+    """How the job's newest attempt ended (its ledger's last ``end``), or None."""
+    from mlflow_llmeff.train import job as jobs
+
+    ends = [e for e in jobs.Job(checkpoint_dir).events() if e.get("event") == "end"]
+    return ends[-1].get("kind") if ends else None
+
+
+def _after_preemption(cfg: TrainConfig) -> int:
+    """A preempted attempt ended (its checkpoint written): machine 0 asks SLURM to requeue the job;
+    returns :data:`~mlflow_llmeff.train.preempt.EXIT_PREEMPTED`."""
+    from mlflow_llmeff.train import preempt
+
+    if cfg.machine_rank == 0:
+        print(f"llmeff: {preempt.requeue()}", file=sys.stderr, flush=True)
+    return preempt.EXIT_PREEMPTED
 
 
 def _loop_script(spec: RunSpec) -> list[str]:

@@ -86,6 +86,8 @@ def run_training(run: TrainConfig | RunSpec, started_at: float | None = None) ->
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if holder.get("preemption") is not None:
+            holder["preemption"].uninstall()
 
 
 def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float | None = None) -> dict | None:
@@ -102,6 +104,7 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
     job, job_run = _begin_attempt(cfg, t, found, holder, start_unix)
+    preemption = _watch_preemption(cfg, t, holder)
     if job is not None:  # an elastic restart starts at its own process start, not the launcher's
         started = max(started, time.perf_counter() - max(0.0, time.time() - job.start_unix))
     monitor = _open_monitor(spec, t, found, started, carbon, job_run)
@@ -125,9 +128,13 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
             t.parallel.load(t.accelerator, t.model, t.optimizer, found[0])
         if job is not None:
             job.loaded(time.time() - loading)
-    _train(spec, t, monitor, start_step=monitor.step_count,
-           skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job)
+    stopped = _train(spec, t, monitor, start_step=monitor.step_count,
+                     skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job,
+                     position=ckpt.resumed_position(found[1], t.dp_world, cfg.grad_accum) if found else None,
+                     preemption=preemption)
     said = _job_figures(job, monitor)
+    if stopped is not None:  # the scheduler's warning: checkpointed, this attempt ends preempted
+        return _end_preempted(cfg, t, monitor, job, stopped, said)
     summary = monitor.finish()
     if job is not None:
         job.end("finished", monitor.step_count)
@@ -156,7 +163,7 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float |
     if cfg.resume == "never" or elsewhere or (not found and job.finished()):  # a finished job is not continued
         job.reset()
     start = jobs.attempt_start_unix() if start_unix is None else start_unix
-    run_id = job.begin(start, found[1]["step"] if found else 0, cfg.warmup_steps)
+    run_id = job.begin(start, found[1]["step"] if found else 0, cfg.warmup_steps, devices=t.world)
     holder["job"] = job
     if run_id and not found:
         print(f"llmeff: continuing MLflow run {run_id} (attempt {job.attempt}; no checkpoint was written: "
@@ -168,6 +175,41 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float |
         print(f"llmeff: attempt {job.attempt} of this job; attempt {len(earlier)} {how} at step {a.steps}, "
               f"{job.start_unix - a.last_alive:.1f} s before this attempt started")
     return job, run_id
+
+
+def _watch_preemption(cfg: TrainConfig, t, holder: dict):
+    """With a checkpoint folder: catch the scheduler's warning signal (train/preempt.py) on every rank;
+    rank 0 clears an earlier attempt's request. None without a folder (nowhere to checkpoint to)."""
+    if not cfg.checkpoint_dir:
+        return None
+    from mlflow_llmeff.train.preempt import Preemption
+
+    p = Preemption(cfg.checkpoint_dir, t.accelerator.is_main_process, t.world)
+    p.begin()
+    p.install()
+    holder["preemption"] = p
+    return p
+
+
+def _end_preempted(cfg: TrainConfig, t, monitor, job, stop: dict, said: dict) -> dict | None:
+    """End a preempted attempt: the run KILLED with why, the attempt ``preempted`` in the ledger (after the
+    summary, as a finished one), the terminal told; returns the result with ``"preempted"`` (its step)."""
+    step = monitor.step_count
+    detail = f"{stop.get('signal') or 'signal'} from the scheduler, stopped after step {step}"
+    why = (f"preempted: {detail}; checkpoint step {step} written, the job continues in this run when "
+           "requeued or run again")
+    said["end"] = "preempted"
+    monitor.set_tags({names.ERROR: why, "mlflow.note.content": f"Killed: {why}"})
+    summary = monitor.finish("KILLED")
+    if job is not None:
+        job.end("preempted", step, detail)
+    if t.accelerator.is_main_process:
+        print(f"llmeff: {why}")
+    from mlflow_llmeff.train.setup import teardown
+
+    teardown(t)
+    return {"run_id": monitor.run_id, "summary": summary, "preempted": step} if t.accelerator.is_main_process \
+        else None
 
 
 def _tracking_uri() -> str | None:
@@ -204,7 +246,7 @@ def _job_figures(job, monitor) -> dict:
 
     def figures(end_unix: float):
         job.settle()  # a short resumed attempt: its set-up and load are part of the recovery
-        r = rel.compute(job.attempts(now=end_unix, step=monitor.step_count, end=rel.FINISHED))
+        r = rel.compute(job.attempts(now=end_unix, step=monitor.step_count, end=said.get("end", rel.FINISHED)))
         said["line"] = rel.describe(r)
         return rel.summary_metrics(r), rel.summary_tags(r), said["line"] if r.attempts > 1 else None
 
@@ -251,6 +293,11 @@ def _open_monitor(spec: RunSpec, t, found, started: float, carbon, job_run: str 
     state = found[1] if found else None
     if state and t.accelerator.is_main_process:
         print(f"llmeff: resuming MLflow run {state['run_id']} from checkpoint step {state['step']}")
+        if state.get("world_size") != t.world:  # an elastic restart on another number of devices
+            print(f"llmeff: the checkpoint was written by {state.get('world_size')} processes, this attempt has "
+                  f"{t.world} ({t.strategy}: its state loads on any number); the global batch is now "
+                  f"{cfg.micro_batch_size * cfg.grad_accum * t.dp_world} sequences, device-hours and per-device "
+                  "figures count each attempt at its own devices")
     tags = run_tags(spec, t.data.kind)
     return EfficiencyMonitor(
         log_every_n_steps=cfg.log_every_n_steps, warmup_steps=cfg.warmup_steps, model=t.model,
@@ -349,8 +396,11 @@ def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
                       stacklevel=2)
 
 
-def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=None) -> None:
-    """The step loop: micro-batches, optimizer step, then evals and checkpoints when due."""
+def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=None, position: int | None = None,
+           preemption=None) -> dict | None:
+    """The step loop: micro-batches, optimizer step, then evals and checkpoints when due; ``position``: the
+    global micro-step the data order continues at (default: ``start_step x grad_accum``). Returns the agreed
+    stop when the scheduler's warning ended it early (after a checkpoint of that step), else None."""
     from tqdm.auto import tqdm
 
     from mlflow_llmeff.train.batches import BatchStream
@@ -359,7 +409,8 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
 
     cfg = spec.options
     batches = BatchStream(t.data, cfg.micro_batch_size, t.dp_world, t.dp_rank, cfg.seed,
-                          start_step * cfg.grad_accum, t.device, num_workers=spec.data_workers)
+                          start_step * cfg.grad_accum if position is None else position, t.device,
+                          num_workers=spec.data_workers)
     sampler = StepSampler(world=t.world, warmup_steps=cfg.warmup_steps, start_step=start_step, device=t.device,
                           enabled=cfg.measure_comm, compiled=cfg.compile)
     if not sampler.active:
@@ -403,10 +454,23 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
         stop = cfg.stop_at_targets and monitor.targets_reached
         if ckpt_now or (stop and cfg.checkpoint_dir):
             with monitor.pause("checkpoint_save"):
-                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped},
-                          t.parallel, t.model, t.optimizer)
+                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped,
+                                                               "dp_world": t.dp_world}, t.parallel, t.model, t.optimizer)
             if job is not None:
                 job.checkpoint(step)
+        stopped = preemption.due(step) if preemption is not None and step < cfg.max_steps else None
+        if stopped is not None:  # every rank stops after this same step (train/preempt.py)
+            if not ckpt_now:
+                with monitor.pause("checkpoint_save"):
+                    ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": False, "skipped_steps": skipped,
+                                                                   "dp_world": t.dp_world}, t.parallel, t.model,
+                              t.optimizer)
+                if job is not None:
+                    job.checkpoint(step)
+            if oom is not None:
+                oom.remove()
+            bar.close()
+            return stopped
         _progress(bar, monitor)
         _inject_faults(step, monitor)
         if stop:
@@ -416,6 +480,7 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
     if oom is not None:
         oom.remove()
     bar.close()
+    return None
 
 
 def _sampled_comm(sampler, monitor) -> None:
