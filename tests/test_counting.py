@@ -248,3 +248,22 @@ def test_a_checkpoints_shapes_continue_in_the_resumed_tally():
     resumed.add_batch(_padded(2, 24))
     assert (resumed.shapes.seq, resumed.shapes.batch) == ((23, 25), (1, 2))
     assert StepTally().shape_state() is None and StepTally().shapes is None
+
+
+def test_a_dense_batch_counts_the_same_on_the_host_and_on_an_accelerator(monkeypatch):
+    # the dense fast path reads CPU sums at once and keeps an accelerator's on the device, unsynchronized;
+    # both give the hand counts: rows of 3 and 4 real tokens, 10 labels kept, 4 rows, 16 positions
+    import mlflow_llmeff.monitor.counting as counting
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    labels = torch.tensor([[5, 6, 7, -100], [5, 6, 7, 8]])
+    for on_host in (True, False):
+        monkeypatch.setattr(counting, "_host_readable", lambda device, v=on_host: v)
+        c = BatchCounter()
+        c.add(torch.zeros(2, 4, dtype=torch.long), mask, labels)
+        c.add(torch.zeros(2, 4, dtype=torch.long), mask)  # no labels: l - 1 a row, 2 + 3
+        c.add(torch.zeros(2, 4, dtype=torch.long), None, labels)  # no mask: 8 real, 2 x 16 for sum(l^2)
+        assert c.peek_tokens() == (7 + 7 + 8, 25 + 25 + 32)
+        got = c.take(steps=1)
+        assert (got.tokens, got.padded_tokens, got.loss_tokens, got.samples, got.sum_len_sq) == (
+            22, 24, 5 + 5 + 5, 6, 82), on_host

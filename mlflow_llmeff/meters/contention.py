@@ -86,10 +86,17 @@ def parse_proc_stat(text: str) -> HostCpu:
 
 
 def read_host_cpu(path: str = "/proc/stat") -> HostCpu | None:
-    """The host's CPU ticks now, or None where ``/proc/stat`` cannot be read (not Linux)."""
+    """The host's CPU ticks now, or None where ``/proc/stat`` cannot be read (not Linux).
+
+    Only the file's first 4 KiB are read (one ``read``, no text wrapper): the aggregate ``cpu`` line
+    comes first (proc(5)), and the per-interrupt counters after it run to kilobytes on a large host."""
     try:
-        with open(path, encoding="ascii") as f:
-            return parse_proc_stat(f.read())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        return parse_proc_stat(head.decode("ascii", "replace"))
     except (OSError, ValueError):
         return None
 
@@ -116,9 +123,13 @@ def own_tree_cpu_s(pid: int | None = None, procs: list | None = None) -> float:
     or of the processes ``procs`` (an earlier :func:`own_tree`; one ``/proc`` read each)."""
     import psutil
 
-    total = 0.0
+    total, me = 0.0, os.getpid()
     for p in (_tree(pid) if procs is None else procs):
         try:
+            if p.pid == me:  # this process: the kernel's own counters without a /proc read (os.times)
+                t = os.times()
+                total += t.user + t.system
+                continue
             t = p.cpu_times()
             total += t.user + t.system
         except psutil.Error:  # a worker that just exited

@@ -46,6 +46,11 @@ def counts_from(steps: int, v) -> Counts:
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "cu_seq_lens_q", "cu_seqlens", "seq_idx")
 
 
+def _host_readable(device) -> bool:
+    """True where a tensor's value is read without waiting on an accelerator (the CPU)."""
+    return device.type == "cpu"
+
+
 def _segments_len_sq(starts, real):
     """``(sum(l_i^2), documents)`` of rows cut into documents at ``starts`` (device tensors, no sync).
 
@@ -103,6 +108,9 @@ class BatchCounter:
         import torch
 
         self._acc = torch.zeros(4, dtype=torch.int64, device=device)
+        # the same four counts where they are read on the host (a CPU batch's, or a dense batch's shapes):
+        # a CPU tensor is read without a device synchronization, and ints cost no tensor op
+        self._host = [0, 0, 0, 0]
         self._padded = 0
         self._unknown = {"loss_unknown": 0, "samples_unknown": 0, "lengths_unknown": 0}  # flat micro-batches
 
@@ -133,6 +141,9 @@ class BatchCounter:
         ref = attention_mask if attention_mask is not None else input_ids
         if ref is None:
             raise ValueError("BatchCounter.add needs input_ids or attention_mask")
+        if ref.dim() == 2 and cu_seqlens is None and position_ids is None and seq_idx is None:
+            self._add_rows(ref, attention_mask, labels)  # the common dense batch: rows are sequences
+            return
         flat = ref.dim() == 1  # a flat stream: no rows, so no sequence unless documents are marked
         if flat:
             ref = ref.unsqueeze(0)
@@ -184,6 +195,39 @@ class BatchCounter:
                                   for x in (tokens, loss, sum_sq, samples)])
         self._padded += b * t
 
+    def _add_rows(self, ref, attention_mask, labels) -> None:
+        """Count a ``(B, T)`` batch whose rows are its sequences (no packed documents), in as few tensor
+        ops as the counts need: each row's length from the mask (or ``T``), ``sum(l)``, ``sum(l^2)`` and
+        the loss-bearing ``labels[:, 1:] != -100`` (or ``l - 1`` a row). On CPU the sums are read at once
+        (no device to wait for); on an accelerator they stay on it, added to the accumulator unsynchronized.
+        The same counts as the general path of :meth:`add` (``tests/test_counting.py`` holds both)."""
+        import torch
+
+        b, t = ref.shape
+        h = self._host
+        h[_SAMPLES] += b
+        self._padded += b * t
+        lab = labels if labels is None or labels.dim() == 2 else labels.unsqueeze(0)
+        if attention_mask is None:  # every position is real: the counts are the shape's
+            h[_TOKENS] += b * t
+            h[_SUM_LEN_SQ] += b * t * t
+            if lab is None:
+                h[_LOSS] += b * (t - 1)
+            elif _host_readable(lab.device):
+                h[_LOSS] += int((lab[:, 1:] != -100).sum())
+            else:
+                self._acc[_LOSS] += (lab[:, 1:] != -100).sum()
+            return
+        lens = attention_mask.sum(dim=1, dtype=torch.int64)  # (B,) real tokens a row
+        loss = (lab[:, 1:] != -100).sum(dim=1) if lab is not None else (lens - 1).clamp(min=0)
+        if _host_readable(lens.device):
+            rows, per_row = lens.tolist(), loss.tolist()
+            h[_TOKENS] += sum(rows)
+            h[_SUM_LEN_SQ] += sum(x * x for x in rows)
+            h[_LOSS] += sum(per_row)
+        else:  # [tokens, loss, sum_sq] on the device, in the accumulator's order
+            self._acc[:3] += torch.stack((lens, loss.to(torch.int64), lens * lens)).sum(dim=1)
+
     def take(self, steps: int, reduce=None) -> Counts:
         """Return the counts since the last take (summed over ranks by ``reduce``) and reset.
 
@@ -196,10 +240,14 @@ class BatchCounter:
 
         # REDUCE_LAYOUT: tokens, loss tokens, sum of squared lengths, padded, samples, then the unknowns
         unknown = [self._unknown.get(name, 0) for name in REDUCE_LAYOUT[5:]]
-        rest = torch.tensor([self._padded, *unknown], dtype=torch.int64, device=self._acc.device)
-        local = torch.cat((self._acc[:3], rest[:1], self._acc[3:], rest[1:]))
+        h = self._host
+        host = torch.tensor([h[_TOKENS], h[_LOSS], h[_SUM_LEN_SQ], self._padded, h[_SAMPLES], *unknown],
+                            dtype=torch.int64, device=self._acc.device)
+        local = host + torch.cat((self._acc[:3], self._acc.new_zeros(1), self._acc[3:],
+                                  self._acc.new_zeros(len(unknown))))
         v = (reduce(local) if reduce is not None else local).tolist()
         self._acc.zero_()
+        self._host = [0, 0, 0, 0]
         self._padded = 0
         self._unknown = dict.fromkeys(self._unknown, 0)
         return counts_from(steps, v)
@@ -207,8 +255,8 @@ class BatchCounter:
     def peek_tokens(self) -> tuple[int, int | None]:
         """(tokens, sum of squared lengths) counted locally since the last take (synchronizes); the sum
         is None when some micro-batch's lengths are unknown."""
-        sq = None if self._unknown["lengths_unknown"] else int(self._acc[_SUM_LEN_SQ])
-        return int(self._acc[_TOKENS]), sq
+        sq = None if self._unknown["lengths_unknown"] else int(self._acc[_SUM_LEN_SQ]) + self._host[_SUM_LEN_SQ]
+        return int(self._acc[_TOKENS]) + self._host[_TOKENS], sq
 
 
 @dataclass(frozen=True)
@@ -393,8 +441,9 @@ class StepTally:
         self.host = [h[f] for f in self._FIELDS]
 
     def add_loss(self, loss) -> None:
-        """Add one micro-batch's mean loss (a 0-d tensor is summed on its device, unsynchronized)."""
-        if hasattr(loss, "detach"):
+        """Add one micro-batch's mean loss (a 0-d tensor on an accelerator is summed on its device,
+        unsynchronized; a CPU tensor's value is read at once, as a float's)."""
+        if hasattr(loss, "detach") and not _host_readable(loss.device):
             import torch
 
             if self.loss_acc is None:
