@@ -13,10 +13,15 @@ Two more contenders measure the user-facing paths on the same model: ``monitor``
 enabled for that contender only: forward hooks + optimizer step hook, nothing in the loop; disabled
 again before the next contender, so the others run without its hooks).
 
-    python bench/overhead.py [--steps 100] [--rounds 11] [--log-every 5] [--target 0.99]
+    python bench/overhead.py [--steps 100] [--rounds 11] [--log-every 5] [--target 0.99] [--inside-target 1.0]
 
-Exits 1, naming them, when the median ratio of an instrumented contender (``train_path``,
-``monitor``, ``autolog``) is below ``--target``; ``bare_again`` is the noise floor, not a target.
+Two targets. The time spent inside our calls (measured directly, finer than any ratio) of
+``train_path`` and ``monitor`` is at most ``--inside-target`` percent of their loops' wall time
+(1.0%; the goal is 0.5%). The median tokens/s ratio of each instrumented contender (``train_path``,
+``monitor``, ``autolog``) is at least ``--target`` where this run can resolve it: ``bare_again``'s
+ratio is the noise floor, and when it is itself below ``--target`` (two identical bare loops differed
+by more than the target allows) the ratio target is printed as not resolvable in this run, not as
+met or missed. Exits 1 naming each missed target.
 
 ``bare_again`` repeats the bare loop: its ratio shows how far two identical contenders differ on
 this machine in the same run, the resolution that the other ratios have.
@@ -43,6 +48,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--target", type=float, default=0.99,
                    help="the least median tokens/s ratio to the bare loop of each instrumented contender")
+    p.add_argument("--inside-target", type=float, default=1.0,
+                   help="the most time inside our calls, percent of the loop's wall time (train_path, monitor)")
     args = p.parse_args()
 
     import mlflow
@@ -155,20 +162,30 @@ def main() -> None:
         print(f"round {r + 1}: bare {res['bare']:,.0f} tok/s, "
               + ", ".join(f"{k} {res[k]:,.0f} tok/s (ratio {v[-1]:.4f})" for k, v in ratios.items()), flush=True)
     missed = []
+    floor = statistics.median(ratios["bare_again"])
     for name, rs in ratios.items():
         med = statistics.median(rs)
         if name == "bare_again":  # two identical contenders: the resolution of the others, no target
             print(f"median ratio {name}/bare = {med:.4f} over {args.rounds} interleaved rounds (noise floor)")
             continue
+        if floor < args.target:
+            verdict = f"not resolvable in this run: the noise floor {floor:.4f} is below it"
+        else:
+            verdict = "met" if med >= args.target else "NOT met"
+            if med < args.target:
+                missed.append(f"median ratio >= {args.target:g}: {name} {med:.4f}")
         print(f"median ratio {name}/bare = {med:.4f} over {args.rounds} interleaved rounds "
-              f"(target >= {args.target:g}: {'met' if med >= args.target else 'NOT met'})")
-        if med < args.target:
-            missed.append(f"{name} {med:.4f}")
+              f"(target >= {args.target:g}: {verdict})")
     for name in inside:
-        print(f"time inside mlflow_llmeff calls, {name}: {100 * inside[name] / wall[name]:.2f}% of the loop's wall "
-              f"time (the asynchronous MLflow thread's work is not in it; the ratios above include it)")
+        share = 100 * inside[name] / wall[name]
+        ok = share <= args.inside_target
+        print(f"time inside mlflow_llmeff calls, {name}: {share:.2f}% of the loop's wall time (target <= "
+              f"{args.inside_target:g}%: {'met' if ok else 'NOT met'}; the asynchronous MLflow thread's work is not "
+              "in it; the ratios above include it)")
+        if not ok:
+            missed.append(f"time inside our calls <= {args.inside_target:g}%: {name} {share:.2f}%")
     if missed:
-        print(f"target NOT met (median ratio >= {args.target:g}): {', '.join(missed)}", file=sys.stderr)
+        print(f"target NOT met: {'; '.join(missed)}", file=sys.stderr)
         sys.exit(1)
     sys.exit(0)
 

@@ -267,3 +267,67 @@ def test_a_dense_batch_counts_the_same_on_the_host_and_on_an_accelerator(monkeyp
         got = c.take(steps=1)
         assert (got.tokens, got.padded_tokens, got.loss_tokens, got.samples, got.sum_len_sq) == (
             22, 24, 5 + 5 + 5, 6, 82), on_host
+
+
+def _dense(rows_real: list[int], t: int = 4):
+    """A (B, T) batch: row i has rows_real[i] real tokens, labels everywhere but the last padding."""
+    mask = torch.tensor([[1] * n + [0] * (t - n) for n in rows_real])
+    return torch.zeros(len(rows_real), t, dtype=torch.long), mask, torch.where(mask.bool(), 7, -100)
+
+
+def test_cpu_batches_are_read_at_the_window_edge_with_the_hand_counts():
+    # the first batch is read at once (the probation), later fresh batches when the edge takes them
+    c = BatchCounter()
+    for rows in ([3, 4], [2, 4], [1, 1]):
+        c.add(*_dense(rows))
+    assert c.defer is True and len(c._deferred) == 2
+    got = c.take(steps=1)
+    # tokens 7 + 6 + 2; sum(l^2) 25 + 20 + 2; loss-bearing labels[:, 1:] != -100: (2+3) + (1+3) + (0+0)
+    assert (got.tokens, got.sum_len_sq, got.loss_tokens, got.samples, got.padded_tokens) == (15, 47, 9, 6, 24)
+    assert c.refilled == 0 and c._deferred == []
+
+
+def test_a_loop_that_refills_its_batch_tensors_in_place_is_read_at_once():
+    c = BatchCounter()
+    ids, mask, labels = _dense([3, 4])
+    c.add(ids, mask, labels)
+    mask.copy_(_dense([1, 2])[1])  # the same tensors, written in place for the next micro-batch
+    labels.copy_(_dense([1, 2])[2])
+    c.add(ids, mask, labels)
+    assert c.defer is False and c._deferred == []
+    mask.copy_(_dense([4, 4])[1])
+    labels.copy_(_dense([4, 4])[2])
+    c.add(ids, mask, labels)
+    got = c.take(steps=1)
+    assert (got.tokens, got.sum_len_sq, got.loss_tokens) == (7 + 3 + 8, 25 + 5 + 32, 5 + 1 + 6)
+
+
+def test_the_same_unchanged_batch_again_is_kept_and_a_later_refill_is_counted_as_refilled():
+    c = BatchCounter()
+    ids, mask, labels = _dense([3, 4])
+    c.add(ids, mask, labels)
+    c.add(ids, mask, labels)  # the very tensors, unwritten: a fixed batch, kept for the edge
+    assert c.defer is True
+    mask.copy_(_dense([1, 1])[1])  # then written in place before the edge: read as it is, and said so
+    got = c.take(steps=1)
+    assert got.tokens == 7 + 2 and c.refilled == 1 and c.defer is False
+
+
+def test_a_kept_batch_written_in_place_before_its_edge_is_named_on_the_run(tracking_uri):
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+
+    mon = EfficiencyMonitor(measure_energy="none", measure_peak=False, log_every_n_steps=100, warmup_steps=0)
+    ids, mask, labels = _dense([3, 4])
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    mon.step(batch)
+    mon.step(batch)  # the same unwritten tensors: kept for the edge
+    mask.copy_(_dense([1, 1])[1])  # written in place before the edge (the end of the run)
+    summary = mon.finish()
+    run = mlflow.MlflowClient().get_run(mon.run_id)
+    assert run.data.tags[names.COUNTING_REFILLED] == (
+        "1 CPU micro-batches kept for their window's edge had their tensors written in place before it: "
+        "counted as they then were")
+    assert summary[names.SUM_TOKENS] == 7 + 2

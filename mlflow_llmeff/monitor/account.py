@@ -101,8 +101,15 @@ class FlopsAccount:
     # ------------------------------------------------------------------------------ FLOPs
     def fpt(self, s: float, convention: str = "megatron") -> float:
         """Training FLOPs per token at effective sequence length ``s`` (tokens; ``convention`` as in
-        :func:`~mlflow_llmeff.calc.flops.flops_per_token`)."""
-        return fl.flops_per_token(self.shape, s, convention)
+        :func:`~mlflow_llmeff.calc.flops.flops_per_token`); the last few lengths asked are kept (a run's
+        windows mostly share one batch shape, and every window asks)."""
+        key = (s, convention)
+        cache = self.__dict__.setdefault("_fpt_cache", {})
+        if key not in cache:
+            if len(cache) >= 8:
+                cache.clear()
+            cache[key] = fl.flops_per_token(self.shape, s, convention)
+        return cache[key]
 
     def ratio(self, s_eff: float) -> float | None:
         """Hardware FLOPs per model FLOP (counted, else analytic); None without FLOPs per token."""

@@ -51,6 +51,28 @@ def _host_readable(device) -> bool:
     return device.type == "cpu"
 
 
+class _Shape:
+    """A kept batch's ``(B, T)`` and device (the CPU) where :meth:`BatchCounter._add_rows` reads its ``ref``."""
+
+    def __init__(self, shape) -> None:
+        import torch
+
+        self.shape, self.device = shape, torch.device("cpu")
+
+
+def _version(x) -> int | None:
+    """``x._version`` (torch's count of in-place writes to a tensor), None for None."""
+    return None if x is None else x._version
+
+
+def _array(x):
+    """A CPU tensor's values as a NumPy array, in place where torch allows it (no copy, no autograd)."""
+    try:
+        return x.detach().numpy()
+    except (TypeError, RuntimeError):  # a dtype NumPy has no twin for (bfloat16): through int64
+        return x.detach().to("cpu").long().numpy()
+
+
 def _segments_len_sq(starts, real):
     """``(sum(l_i^2), documents)`` of rows cut into documents at ``starts`` (device tensors, no sync).
 
@@ -111,6 +133,12 @@ class BatchCounter:
         # the same four counts where they are read on the host (a CPU batch's, or a dense batch's shapes):
         # a CPU tensor is read without a device synchronization, and ints cost no tensor op
         self._host = [0, 0, 0, 0]
+        self._acc_used = False  # True once a count went to the device accumulator (an accelerator's batch)
+        # CPU batches read at the window edge (:meth:`_defer`): (mask, labels, their autograd versions)
+        self._deferred: list[tuple] = []
+        self._seen: tuple | None = None  # the first batch's tensors: ids and versions (the probation)
+        self.defer = None  # None: undecided; True: CPU batches are read at the edge; False: at once
+        self.refilled = 0  # deferred micro-batches whose tensors were refilled in place before the edge
         self._padded = 0
         self._unknown = {"loss_unknown": 0, "samples_unknown": 0, "lengths_unknown": 0}  # flat micro-batches
 
@@ -142,6 +170,8 @@ class BatchCounter:
         if ref is None:
             raise ValueError("BatchCounter.add needs input_ids or attention_mask")
         if ref.dim() == 2 and cu_seqlens is None and position_ids is None and seq_idx is None:
+            if _host_readable(ref.device) and self._defer(ref, attention_mask, labels):
+                return
             self._add_rows(ref, attention_mask, labels)  # the common dense batch: rows are sequences
             return
         flat = ref.dim() == 1  # a flat stream: no rows, so no sequence unless documents are marked
@@ -193,40 +223,109 @@ class BatchCounter:
                    else torch.tensor(b, device=dev))
         self._acc += torch.stack([x.to(device=dev, dtype=torch.int64).reshape(())
                                   for x in (tokens, loss, sum_sq, samples)])
+        self._acc_used = True
         self._padded += b * t
 
-    def _add_rows(self, ref, attention_mask, labels) -> None:
-        """Count a ``(B, T)`` batch whose rows are its sequences (no packed documents), in as few tensor
-        ops as the counts need: each row's length from the mask (or ``T``), ``sum(l)``, ``sum(l^2)`` and
-        the loss-bearing ``labels[:, 1:] != -100`` (or ``l - 1`` a row). On CPU the sums are read at once
-        (no device to wait for); on an accelerator they stay on it, added to the accumulator unsynchronized.
-        The same counts as the general path of :meth:`add` (``tests/test_counting.py`` holds both)."""
+    def _defer(self, ref, attention_mask, labels) -> bool:
+        """Keep a CPU batch to be read at the window edge (:meth:`take`); False: read it now.
+
+        Right after a training step the first code to run finds the host's caches cold: on a 2-core
+        machine a 21 ms llama-tiny step made the three NumPy reductions of a count cost ~120 us there,
+        against ~20 us in a tight loop. Read at the edge, the micro-batches of a window are counted in
+        one pass (``bench/overhead.py``: docs/time.md, "The meter's own time"). A batch is read where
+        its tensors are when the edge comes, so a loop that refills one tensor in place would be
+        miscounted: the second micro-batch decides (a loop passing the first batch's very tensors
+        again, written in place since (``Tensor._version``, torch's count of in-place writes), is read
+        at once, for good), and a kept batch whose tensors were written after it came is counted as
+        they are then, in :attr:`refilled`, and the counter reads at once from then on."""
+        m = attention_mask if attention_mask is not None else labels
+        if m is None:
+            return False  # the counts are the shape's: nothing to read
+        if self.defer is None:
+            seen = (id(attention_mask), id(labels), _version(attention_mask), _version(labels))
+            if self._seen is None:
+                self._seen = seen
+                return False  # the first batch: read now, and remembered
+            # the first batch's very tensors written since: a loop refilling its tensors in place
+            self.defer = not (seen[:2] == self._seen[:2] and seen[2:] != self._seen[2:])
+        if not self.defer:
+            return False
+        b, t = ref.shape
+        self._host[_SAMPLES] += b
+        self._padded += b * t
+        self._deferred.append((ref.shape, attention_mask, labels, _version(attention_mask), _version(labels)))
+        return True
+
+    def _settle(self) -> None:
+        """Count the batches :meth:`_defer` kept (at the window edge)."""
+        kept, self._deferred = self._deferred, []
+        for shape, mask, labels, v_mask, v_labels in kept:
+            if _version(mask) != v_mask or _version(labels) != v_labels:  # refilled in place since
+                self.refilled += 1
+                self.defer = False
+        first = kept[0]
+        same = all(k[0] == first[0] and (k[1] is None) == (first[1] is None) and (k[2] is None) == (first[2] is None)
+                   for k in kept)
+        if not same or len(kept) == 1:
+            for shape, mask, labels, _, _ in kept:
+                self._add_rows(_Shape(shape), mask, labels, counted=True)
+            return
+        import numpy as np  # one pass over the window's micro-batches of one shape: (k, B, T)
+
+        h = self._host
+        b, t = first[0]
+        if first[1] is not None:
+            rows = np.stack([_array(k[1]) for k in kept]).sum(axis=2, dtype="int64")  # (k, B)
+            h[_TOKENS] += int(rows.sum())
+            h[_SUM_LEN_SQ] += int((rows * rows).sum())
+        else:
+            rows = None
+            h[_TOKENS] += len(kept) * b * t
+            h[_SUM_LEN_SQ] += len(kept) * b * t * t
+        if first[2] is not None:
+            labs = np.stack([_array(k[2]) if k[2].dim() == 2 else _array(k[2])[None] for k in kept])
+            h[_LOSS] += int((labs[:, :, 1:] != -100).sum())
+        else:
+            h[_LOSS] += int((rows - 1).clip(min=0).sum()) if rows is not None else len(kept) * b * (t - 1)
+
+    def _add_rows(self, ref, attention_mask, labels, counted: bool = False) -> None:
+        """Count a ``(B, T)`` batch whose rows are its sequences (no packed documents), in as few ops as
+        the counts need: each row's length from the mask (or ``T``), ``sum(l)``, ``sum(l^2)`` and the
+        loss-bearing ``labels[:, 1:] != -100`` (or ``l - 1`` a row). On CPU the tensors are read in place
+        through NumPy (no device to wait for, and a NumPy reduction of a small array costs a few
+        microseconds where a torch op costs several times that); on an accelerator the sums stay on it,
+        added to the accumulator unsynchronized. The same counts as the general path of :meth:`add`
+        (``tests/test_counting.py`` holds both)."""
         import torch
 
         b, t = ref.shape
         h = self._host
-        h[_SAMPLES] += b
-        self._padded += b * t
+        if not counted:  # (kept batches counted their rows and positions when they came)
+            h[_SAMPLES] += b
+            self._padded += b * t
         lab = labels if labels is None or labels.dim() == 2 else labels.unsqueeze(0)
+        on_host = _host_readable(ref.device)
         if attention_mask is None:  # every position is real: the counts are the shape's
             h[_TOKENS] += b * t
             h[_SUM_LEN_SQ] += b * t * t
             if lab is None:
                 h[_LOSS] += b * (t - 1)
-            elif _host_readable(lab.device):
-                h[_LOSS] += int((lab[:, 1:] != -100).sum())
+            elif on_host:
+                h[_LOSS] += int((_array(lab)[:, 1:] != -100).sum())
             else:
                 self._acc[_LOSS] += (lab[:, 1:] != -100).sum()
             return
+        if on_host:
+            rows = _array(attention_mask).sum(axis=1, dtype="int64")  # (B,) real tokens a row
+            h[_TOKENS] += int(rows.sum())
+            h[_SUM_LEN_SQ] += int((rows * rows).sum())
+            h[_LOSS] += (int((_array(lab)[:, 1:] != -100).sum()) if lab is not None
+                         else int((rows - 1).clip(min=0).sum()))
+            return
         lens = attention_mask.sum(dim=1, dtype=torch.int64)  # (B,) real tokens a row
         loss = (lab[:, 1:] != -100).sum(dim=1) if lab is not None else (lens - 1).clamp(min=0)
-        if _host_readable(lens.device):
-            rows, per_row = lens.tolist(), loss.tolist()
-            h[_TOKENS] += sum(rows)
-            h[_SUM_LEN_SQ] += sum(x * x for x in rows)
-            h[_LOSS] += sum(per_row)
-        else:  # [tokens, loss, sum_sq] on the device, in the accumulator's order
-            self._acc[:3] += torch.stack((lens, loss.to(torch.int64), lens * lens)).sum(dim=1)
+        self._acc[:3] += torch.stack((lens, loss.to(torch.int64), lens * lens)).sum(dim=1)  # accumulator order
+        self._acc_used = True
 
     def take(self, steps: int, reduce=None) -> Counts:
         """Return the counts since the last take (summed over ranks by ``reduce``) and reset.
@@ -238,15 +337,19 @@ class BatchCounter:
         """
         import torch
 
+        if self._deferred:
+            self._settle()
         # REDUCE_LAYOUT: tokens, loss tokens, sum of squared lengths, padded, samples, then the unknowns
         unknown = [self._unknown.get(name, 0) for name in REDUCE_LAYOUT[5:]]
         h = self._host
-        host = torch.tensor([h[_TOKENS], h[_LOSS], h[_SUM_LEN_SQ], self._padded, h[_SAMPLES], *unknown],
-                            dtype=torch.int64, device=self._acc.device)
-        local = host + torch.cat((self._acc[:3], self._acc.new_zeros(1), self._acc[3:],
-                                  self._acc.new_zeros(len(unknown))))
-        v = (reduce(local) if reduce is not None else local).tolist()
-        self._acc.zero_()
+        acc = self._acc.tolist() if self._acc_used else [0, 0, 0, 0]  # an accelerator's: one read at the edge
+        v = [acc[0] + h[_TOKENS], acc[1] + h[_LOSS], acc[2] + h[_SUM_LEN_SQ], self._padded, acc[3] + h[_SAMPLES],
+             *unknown]
+        if reduce is not None:
+            v = reduce(torch.tensor(v, dtype=torch.int64, device=self._acc.device)).tolist()
+        if self._acc_used:
+            self._acc.zero_()
+            self._acc_used = False
         self._host = [0, 0, 0, 0]
         self._padded = 0
         self._unknown = dict.fromkeys(self._unknown, 0)
@@ -255,6 +358,8 @@ class BatchCounter:
     def peek_tokens(self) -> tuple[int, int | None]:
         """(tokens, sum of squared lengths) counted locally since the last take (synchronizes); the sum
         is None when some micro-batch's lengths are unknown."""
+        if self._deferred:
+            self._settle()
         sq = None if self._unknown["lengths_unknown"] else int(self._acc[_SUM_LEN_SQ]) + self._host[_SUM_LEN_SQ]
         return int(self._acc[_TOKENS]) + self._host[_TOKENS], sq
 
@@ -376,6 +481,12 @@ class StepTally:
         return [min(rng[0], t), max(rng[1], t), min(rng[2], b), max(rng[3], b)]
 
     @property
+    def refilled(self) -> int:
+        """CPU micro-batches whose tensors were written in place between their count and the window's
+        edge (:meth:`BatchCounter._defer`); 0 without batches."""
+        return self.counter.refilled if self.counter is not None else 0
+
+    @property
     def varies(self) -> bool:
         """``shapes.varies`` without building :attr:`shapes` (a bool kept as shapes are counted;
         read on every step)."""
@@ -451,7 +562,7 @@ class StepTally:
             self.loss_acc += loss.detach().reshape(())
             self.loss_acc_n += 1
         else:
-            self.loss_host[0] += float(loss)
+            self.loss_host[0] += float(loss.detach() if hasattr(loss, "detach") else loss)
             self.loss_host[1] += 1
 
     def end_step(self) -> None:
@@ -468,6 +579,8 @@ class StepTally:
 
         host = list(self.host)  # in REDUCE_LAYOUT order
         self.host = [0] * len(self._FIELDS)
+        if self.counter is not None and reduce is None and not any(host):  # batches only, one process
+            return self.counter.take(steps)
         if self.counter is not None:
             def with_host(t):
                 t = t + torch.tensor(host, dtype=torch.int64, device=t.device)

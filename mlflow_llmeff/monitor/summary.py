@@ -58,6 +58,10 @@ def conclude(mon, collective: bool) -> dict[str, float]:
     if mon.is_main:
         # a batch shape that varied: 'dynamic', the ranges over the whole run, the name without gbt/s
         tags = {**end_tags(mon, note), **binding.varying_shape(mon, shapes), **job_tags}
+        refilled = mon._tally.refilled
+        if refilled:
+            tags[names.COUNTING_REFILLED] = (f"{refilled} CPU micro-batches kept for their window's edge had their "
+                                             "tensors written in place before it: counted as they then were")
         if (mon._end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
                 and "mlflow.note.content" not in getattr(mon, "_given_tags", ())):  # a failure keeps its why
             tags["mlflow.note.content"] = headline(mon, out)
