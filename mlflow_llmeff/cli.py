@@ -102,8 +102,10 @@ def _train_options(f):
         opt = "--" + fld.name.replace("_", "-")
         tname = fld.type if isinstance(fld.type, str) else fld.type.__name__
         typ = {"int": int, "float": float, "str": str, "bool": click.BOOL}[tname]
+        # a switch works alone (--dry-run) and with a value (--dry-run true, as MLproject passes it)
+        flag = {"is_flag": False, "flag_value": True} if tname == "bool" else {}
         f = click.option(opt, fld.name, type=typ, default=fld.default, show_default=True,
-                         help=fld.metadata.get("help"))(f)
+                         help=fld.metadata.get("help"), **flag)(f)
     return f
 
 

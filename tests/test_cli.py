@@ -66,3 +66,18 @@ def test_help_is_unchanged():
     assert r.exit_code == 0 and r.output.startswith("Usage: llmeff compare [OPTIONS]\n\n  Compare runs on efficiency")
     flops_help = CliRunner().invoke(main, ["flops", "--help"]).output  # the metavar is still Click's
     assert "  --seq-len INTEGER RANGE         Tokens per sequence.  [x>=1; required]\n" in flops_help
+
+
+@pytest.mark.parametrize("args, want", [(["--dry-run"], (True, False)), (["--dry-run", "true"], (True, False)),
+                                        (["--dry-run", "false"], (False, False)),
+                                        (["--compile", "--dry-run"], (True, True)), ([], (False, False))])
+def test_a_switch_works_alone_and_with_the_value_mlproject_passes(monkeypatch, args, want):
+    # a trial's `llmeff train ... --dry-run` (as docs/training.md writes it) failed: "Option '--dry-run'
+    # requires an argument"; MLflow Projects passes "--dry-run true"
+    from mlflow_llmeff.train import launch as launch_mod
+
+    seen = {}
+    monkeypatch.setattr(launch_mod, "launch", lambda spec, **kw: seen.setdefault("cfg", spec.options) and 0)
+    r = CliRunner().invoke(main, ["train", *args, "--max-steps", "3"])
+    assert r.exit_code == 0, r.output
+    assert (seen["cfg"].dry_run, seen["cfg"].compile) == want

@@ -280,3 +280,18 @@ def test_two_tokenizing_workers_give_the_same_blocks_as_one(tmp_path, tok):
     two = D.tokenize_to_cache(str(p), tok, 16, cache_dir=str(tmp_path / "c2"), num_proc=2)
     assert len(two.meta["files"]) == 2 and two.blocks == one.blocks
     assert two.load()["input_ids"] == one.load()["input_ids"]
+
+
+def test_one_file_given_by_two_paths_is_one_dataset_condition(tmp_path, monkeypatch):
+    # a trial's ../shared/data/... and /work/shared/data/... of one file made two configurations in compare
+    from mlflow_llmeff.train.data import dataset_label
+
+    (tmp_path / "corpus").mkdir()
+    f = tmp_path / "corpus" / "text.txt"
+    f.write_text("hello\n")
+    (tmp_path / "link").symlink_to(tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path / "corpus")
+    assert dataset_label("text.txt") == dataset_label(str(f)) == dataset_label(str(tmp_path / "link" / "text.txt")) \
+        == str(f.resolve())
+    assert dataset_label("synthetic") == "synthetic" and dataset_label("python-docs") == "python-docs"
+    assert dataset_label("roneneldan/TinyStories") == "roneneldan/TinyStories"

@@ -112,3 +112,29 @@ def test_a_difference_names_each_setting_with_both_values():
         "the machines were given different settings: seq_len is 128 on machine 0 (a) and 64 on machine 1 (b); "
         "max_steps is 50 on machine 0 (a) and 40 on machine 1 (b): give every machine the same")
     assert disagreement(a, dict(a), "x", "y") is None
+
+
+def test_another_program_on_the_port_is_named_as_not_machine_0():
+    # a trial's sandbox answered every outbound connection with an HTTP error, which the machine printed as its
+    # error ('HTTP/1.1 400 Bad Request ...', naming neither machine 0 nor the address)
+    port = free_port()
+    server = socket.create_server(("127.0.0.1", port))
+
+    def answer():
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+        conn.close()
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        with pytest.raises(RendezvousError) as e:
+            join(settings(), rank=1, address="127.0.0.1", port=port, timeout_s=10.0, host="host-b")
+    finally:
+        t.join(timeout=HANG_S)
+        server.close()
+    assert str(e.value) == (
+        f"machine 1 reached 127.0.0.1:{port}, but what answered is not machine 0 of an llmeff train job (it said "
+        "'HTTP/1.1 400 Bad Request'): check --main-process-ip and --main-process-port (machine 0's address, and a "
+        "port nothing else uses)")

@@ -80,6 +80,15 @@ def packs_blocks(packing) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ sources
+def dataset_label(dataset: str) -> str:
+    """The ``llmeff.dataset`` condition of ``dataset``: a local file or directory by its absolute path with
+    links resolved (``os.path.realpath``), so one file given as ``../data/x.txt`` and as ``/home/me/data/x.txt``
+    is one condition (a trial's two spellings were two configurations); anything else as given."""
+    if dataset not in (DEFAULT_DATASET, "synthetic") and os.path.exists(dataset):
+        return os.path.realpath(dataset)
+    return dataset
+
+
 def dataset_kind(dataset: str) -> str:
     """Classify ``dataset`` without reading it.
 

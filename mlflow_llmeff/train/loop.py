@@ -269,12 +269,13 @@ def run_tags(spec: RunSpec, data_kind: str) -> dict[str, str]:
     data and tokenizer, the eval settings and the code's commit."""
     from mlflow_llmeff.meters.probes import git_commit
     from mlflow_llmeff.models.build import tokenizer_name
+    from mlflow_llmeff.train.data import dataset_label
 
     cfg = spec.options
     tags = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),
             names.MICRO_BATCH_SIZE: str(cfg.micro_batch_size), names.GRAD_ACCUM: str(cfg.grad_accum),
             names.GLOBAL_BATCH_TOKENS: spec.tags()[names.GLOBAL_BATCH_TOKENS], **spec.degrees.tags(),
-            names.DATASET: cfg.dataset, names.DATASET_KIND: data_kind, names.TOKENIZER: tokenizer_name(cfg.model),
+            names.DATASET: dataset_label(cfg.dataset), names.DATASET_KIND: data_kind, names.TOKENIZER: tokenizer_name(cfg.model),
             names.EVAL_BATCH_SIZE: str(cfg.micro_batch_size),  # evaluate.py scores micro_batch_size sequences a pass
             names.GIT_COMMIT: git_commit(os.path.dirname(os.path.abspath(__file__)))}
     if cfg.eval_tasks:

@@ -27,6 +27,8 @@ import socket
 import time
 from typing import Callable
 
+from mlflow_llmeff.names import shorten
+
 __all__ = ["SHARED", "RendezvousError", "handshake", "serve", "join", "shared_settings", "disagreement"]
 
 #: Settings every machine must share: a difference changes the job's shape or the order of its
@@ -145,7 +147,7 @@ def _answer(clients: list[socket.socket], verdict: str, clock) -> None:
     """Send ``verdict`` to every machine, then wait (up to :data:`_ACK_S`) for each to close its end."""
     for conn in clients:
         try:
-            conn.sendall((verdict + "\n").encode("utf-8"))
+            conn.sendall((json.dumps({"llmeff_verdict": verdict}) + "\n").encode("utf-8"))
         except OSError:
             pass
     until = clock() + _ACK_S
@@ -185,7 +187,16 @@ def join(settings: dict, *, rank: int, address: str, port: int, timeout_s: float
         except OSError as e:
             raise RendezvousError(f"machine {rank} lost machine 0 at {where} while sending its settings "
                                   f"({e.strerror or e})") from None
-        verdict = _line(sock, deadline, clock)
+        answer = _line(sock, deadline, clock)
+    verdict = answer
+    if answer is not None:
+        try:
+            verdict = str(json.loads(answer)["llmeff_verdict"])
+        except (ValueError, KeyError, TypeError):  # another program listens there, not machine 0 of this job
+            raise RendezvousError(
+                f"machine {rank} reached {where}, but what answered is not machine 0 of an llmeff train job (it said "
+                f"{shorten((answer.splitlines() or [''])[0], 80)!r}): check --main-process-ip and --main-process-port (machine 0's address, and a "
+                "port nothing else uses)") from None
     if verdict is None:
         raise RendezvousError(f"machine {rank} reached machine 0 at {where} but had no verdict within {timeout_s:g} s "
                               "(rendezvous_timeout_s): machine 0 waits for the other machines; start them all")
