@@ -308,3 +308,32 @@ def test_training_a_deepspeed_strategy_without_deepspeed_is_one_line(monkeypatch
                                          r"after torch \(pip install 'mlflow-llmeff\[deepspeed\]'\)$"):
         validate(cfg, cuda_available=False, bf16_supported=True)
     validate(cfg, cuda_available=False, bf16_supported=True, engine=False)  # the plan's check passes
+
+
+def test_a_plan_over_two_machines_is_predicted_from_runs_over_two_machines(tracking_uri):
+    # a trial's 2-machine plan read 'median of 1 runs of llama-tiny's shape with ddp on 2 devices': a run of
+    # 2 processes on one host, whose collectives never crossed a network
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.planning.plan import make_plan
+    from mlflow_llmeff.planning.predict import add_predictions
+    from mlflow_llmeff.train.config import TrainConfig
+
+    client = mlflow.MlflowClient()
+    for tflops, nodes in ((400.0, None), (100.0, "2")):  # one host (no nodes tag: an older run), two machines
+        tags = {names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b", names.PAR_STRATEGY: "ddp",
+                names.ACCEL_COUNT: "2", **({names.NODES: nodes} if nodes else {})}
+        rid = client.create_run("0", tags=tags).info.run_id
+        client.log_metric(rid, names.SUM_DEVICE_TFLOPS, tflops)
+        client.set_terminated(rid, "FINISHED")
+    for machines, processes, want, basis in (
+            (2, 1, 100.0, "median of 1 runs of llama-7b's shape with ddp on 2 devices over 2 machines (other "
+                          "sequence lengths or micro batches)"),
+            (1, 2, 400.0, "median of 1 runs of llama-7b's shape with ddp on 2 devices (other sequence lengths or "
+                          "micro batches)")):
+        cfg = TrainConfig(model="llama-7b", num_processes=processes, num_machines=machines, main_process_ip="10.0.0.1")
+        plan = add_predictions(make_plan(cfg, accelerator_short="H100-SXM", precision="bf16", strategy="ddp"), cfg,
+                               client=client, accelerator_short="H100-SXM", strategy="ddp")
+        assert (plan["machines"], plan["devices"], plan["prediction_basis"]) == (machines, 2, basis)
+        assert plan["predicted_tokens_per_sec"] == pytest.approx(want * 1e12 * 2 / plan["flops_per_token_megatron"])

@@ -267,7 +267,7 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     if accelerator_alias is not None:
         accel["accelerator_alias"] = accelerator_alias
     out = {
-        "model": cfg.model, "accelerator": accelerator_short, **accel, "devices": world, "strategy": strategy,
+        "model": cfg.model, "accelerator": accelerator_short, **accel, "devices": world, "machines": cfg.num_machines, "strategy": strategy,
         "degrees": degrees.describe(), "engine_installed": missing is None,
         **({"engine_missing": missing} if missing else {}),
         "precision": precision, **state_assumptions(strategy, precision, degrees),

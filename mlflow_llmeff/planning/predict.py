@@ -41,7 +41,7 @@ def _finished_runs_on(client, accelerator_short: str) -> list:
 
 def history_tflops(client, accelerator_short: str, model: str, strategy: str | None = None,
                    devices: int | None = None, shape: dict[str, str] | None = None, seq_len: int | None = None,
-                   micro_batch_size: int | None = None) -> tuple[float | None, int, str]:
+                   micro_batch_size: int | None = None, machines: int = 1) -> tuple[float | None, int, str]:
     """Median achieved model TFLOP/s per device of earlier runs on ``accelerator_short``.
 
     Args:
@@ -49,6 +49,8 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
             ``.hidden``); a run with the same values (or the same model name) has the same shape.
         seq_len / micro_batch_size: the planned run's; achieved TFLOP/s changes with both (matrix
             sizes, attention's share of the FLOPs).
+        machines: the machines the planned devices span (``llmeff.nodes`` of a run; a run without the
+            tag ran on one): devices over a network are not devices on one host.
 
     Returns:
         ``(tflops or None, runs used, basis)``. Preferred, in order: runs of the same shape with the
@@ -69,10 +71,13 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
 
     same = [r for r in runs if same_shape(r)]
     alike = [r for r in same if r.data.tags.get(names.PAR_STRATEGY) == strategy
-             and r.data.tags.get(names.ACCEL_COUNT) == str(devices)]
+             and r.data.tags.get(names.ACCEL_COUNT) == str(devices)
+             and r.data.tags.get(names.NODES, "1") == str(machines)]
     exact = [r for r in alike if r.data.tags.get(names.SEQ_LEN) == str(seq_len)
              and r.data.tags.get(names.MICRO_BATCH_SIZE) == str(micro_batch_size)]
     on = f"{strategy} on {devices} device{'s' if devices != 1 else ''}"
+    if machines > 1:
+        on += f" over {machines} machines"
     for use, which in ((exact, f"runs of {model}'s shape with {on}, seq_len {seq_len}, micro batch {micro_batch_size}"),
                        (alike, f"runs of {model}'s shape with {on} (other sequence lengths or micro batches)"),
                        (same, f"runs of {model}'s shape")):
@@ -116,7 +121,7 @@ def add_predictions(plan: dict, cfg, *, client, accelerator_short: str, strategy
              names.MODEL_HIDDEN: str(plan.get("hidden", ""))}
     shape = {k: v for k, v in shape.items() if v}
     tflops, n, which = history_tflops(client, accelerator_short, cfg.model, strategy, devices, shape,
-                                      cfg.seq_len, cfg.micro_batch_size)
+                                      cfg.seq_len, cfg.micro_batch_size, machines=cfg.num_machines)
     plan["prediction_basis"] = f"median of {n} {which}" if tflops else which
     if tflops:
         fpt, tokens_per_step = plan["flops_per_token_megatron"], plan["tokens_per_step"]
