@@ -4,10 +4,11 @@ The parts of :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`'s construct
 touch MLflow (that is :mod:`~mlflow_llmeff.monitor.binding`): :func:`check_args` (shared with
 ``autolog``, which checks its settings before any training starts), :func:`read_model` (device,
 precision, strategy, compile and checkpointing flags, the FLOPs account), :func:`set_up_measurement`
-(accelerator, energy meter, peaks, price, carbon tracker, consumption) and
-:func:`set_up_step_timing` (per-step times, phase timer, contention meter), and a checkpoint's
-state (:func:`state`, :func:`resume`). The set-up functions
-fill the monitor's :class:`~mlflow_llmeff.monitor.parts.Parts` in the order the constructor calls them.
+(accelerator, energy meter, peaks, price, carbon tracker, consumption),
+:func:`set_up_step_timing` (per-step times, phase timer, contention meter), :func:`start_meters` and
+:func:`start_clock` (the attempt's clock starts), :func:`stop_meters`, and a checkpoint's state
+(:func:`state`, :func:`resume`). The set-up functions fill the monitor's
+:class:`~mlflow_llmeff.monitor.parts.Parts` in the order the constructor calls them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from mlflow_llmeff.monitor.precision import fp8_layers
 from mlflow_llmeff.monitor.parts import Parts
 from mlflow_llmeff.monitor.steptimes import DeviceStepClock, PhaseTimer, StepTimes, cuda_event_factory
 
-__all__ = ["PRECISIONS", "assumed_tag", "assumed_line", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "state", "resume"]
+__all__ = ["PRECISIONS", "assumed_tag", "assumed_line", "check_args", "replication", "token_counting", "read_model",
+           "set_up_measurement", "set_up_step_timing", "start_meters", "note_energy_head_gap", "start_clock",
+           "stop_meters", "state", "resume"]
 
 #: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -183,6 +186,37 @@ def set_up_step_timing(p: Parts, model, contention_meter) -> None:
         except Exception:  # noqa: BLE001 - a model that takes no hooks: no phase times (the stragglers say why)
             p.phases = None
     p.contention = contention_meter or ContentionMeter(device=p.device)
+
+
+def start_meters(p: Parts) -> None:
+    """Start the carbon tracker (its grid intensity prices the consumption's carbon) and note the set-up
+    seconds of this attempt before the energy meter started (:func:`note_energy_head_gap`)."""
+    p.carbon.start()
+    p.consumption.intensity_g_per_kwh = p.carbon.intensity_g_per_kwh
+    note_energy_head_gap(p)
+
+
+def note_energy_head_gap(p: Parts) -> None:
+    """Set-up seconds of this attempt before the energy meter started: in summary/wall_s, not in the energy."""
+    if not p.energy.measures:
+        return
+    try:
+        elapsed = p.energy.read().elapsed_s
+    except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
+        return
+    attempt = p.ledger.snapshot()["init"] - p.ledger.seconds["init"]  # still in init: this attempt so far
+    p.consumption.head_gap_s += max(0.0, attempt - elapsed)
+
+
+def start_clock(p: Parts) -> None:
+    """The attempt's first step starts now: the ledger's clock, the device step clock, the consumption's
+    first interval, and (without warm-up) the contention meter's steady window."""
+    p.ledger.begin()
+    if p.devclock is not None:
+        p.devclock.restart()
+    p.consumption.start_interval(p.ledger.wall_s(), p.meter.total.tokens)
+    if p.meter.warmup_end_step == p.meter.step:  # no warm-up: the steady window starts now
+        p.contention.begin(collective=p.world_size > 1)
 
 
 def stop_meters(p: Parts) -> None:

@@ -31,7 +31,7 @@ from mlflow_llmeff.tracking.logger import RunLogger
 from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
 
 __all__ = ["open_run", "continue_job", "continue_consumption", "account_crashed_tail", "name_adopted_run",
-           "rename_when_shaped", "condition_tags", "model_name", "name_parts", "write_heartbeat",
+           "rename_when_shaped", "close_run", "note_shape", "condition_tags", "model_name", "name_parts", "write_heartbeat",
            "read_heartbeat", "tag_shape", "fp8_after_first_step", "varying_shape", "HEARTBEAT_KEYS"]
 
 log = logging.getLogger(__name__)
@@ -226,6 +226,37 @@ def condition_tags(p: Parts) -> dict[str, str]:
     why = "none: measured by llmeff train only (a collective probe at its start, sampled warm-up steps)"
     tags.update({names.COMM_PROBE: why, names.COMM_SAMPLED: why})
     return tags
+
+
+def close_run(p: Parts, status: str, report: bool) -> None:
+    """Rank 0: deliver the points, the report (``report``: ``efficiency_report.json`` and figures, built
+    once every point before it is delivered) and, for a run the monitor owns, its end with ``status``,
+    waiting at most the delivery wait without an answer (after a signal the outbox is written first);
+    what is left waits in the outbox. The run is no longer MLflow's active run either way.
+
+    Raises:
+        Exception: what the logger raises (the run is released all the same).
+    """
+    try:
+        if report:
+            p.logger.queue_report()  # delivered by llmeff sync when the server does not answer
+        p.logger.close(status if p.run.owned else None, urgent=status == "KILLED")
+    finally:
+        runs.release(p.run)  # its end is delivered or in the outbox
+
+
+def note_shape(p: Parts) -> None:
+    """Inside a step (the tags never wait): the first step tags its batch shape (:func:`tag_shape`); the
+    first step whose batch shape differs from the first one's tags it ``dynamic`` (:func:`varying_shape`;
+    the end of the run tags the final range)."""
+    rec = p.record
+    if rec.shape_tags_pending:
+        tag_shape(p)
+    if not rec.shape_varied and p.tally.varies:
+        rec.shape_varied = True
+        tags = varying_shape(p, p.tally.shapes)
+        if tags:
+            p.logger.set_tags(tags, synchronous=False)
 
 
 def _first_shape_tags(p: Parts) -> dict[str, str]:

@@ -36,7 +36,6 @@ each component (tally, throughput meter, time ledger, FLOPs account, ...) is use
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from contextlib import contextmanager
@@ -53,7 +52,6 @@ from mlflow_llmeff.monitor.conditions import infer_precision, infer_strategy, un
 from mlflow_llmeff.monitor.counting import StepTally
 from mlflow_llmeff.monitor.parts import Parts
 from mlflow_llmeff.tracking.logger import NullLogger
-from mlflow_llmeff.tracking.runs import release
 
 __all__ = ["EfficiencyMonitor", "PRECISIONS", "unwrap_model", "infer_precision", "infer_strategy"]
 
@@ -188,17 +186,10 @@ class EfficiencyMonitor:
             assembly.resume(p, resume_state)
         if self.is_main:
             binding.open_run(p, run_id, run_name, experiment_name, tags or {}, params or {}, resume_state)
-        p.carbon.start()
-        p.consumption.intensity_g_per_kwh = p.carbon.intensity_g_per_kwh
-        points.note_energy_head_gap(p)
+        assembly.start_meters(p)
         lifecycle.install()
         lifecycle.register(self)
-        p.ledger.begin()
-        if p.devclock is not None:
-            p.devclock.restart()
-        p.consumption.start_interval(p.ledger.wall_s(), p.meter.total.tokens)
-        if p.meter.warmup_end_step == p.meter.step:  # no warm-up: the steady window starts now
-            p.contention.begin(collective=self.world_size > 1)
+        assembly.start_clock(p)
 
     # ------------------------------------------------------------------------------ set-up
     def credit_build(self, seconds: float) -> float:
@@ -339,13 +330,8 @@ class EfficiencyMonitor:
             rec.pending_steps += 1
             if not warmup:
                 rec.pending_step_s.append(seconds)
-            if rec.shape_tags_pending:
-                binding.tag_shape(p)
-            if not rec.shape_varied and tally.varies:  # the first step whose batch shape differs: once
-                rec.shape_varied = True  # the end of the run tags the final range
-                tags = binding.varying_shape(p, tally.shapes)
-                if tags:
-                    p.logger.set_tags(tags, synchronous=False)  # inside a step: no wait
+            if rec.shape_tags_pending or (not rec.shape_varied and tally.varies):  # the first step, or the
+                binding.note_shape(p)  # first whose batch shape differs from the first one's: once each
             if at_edge:
                 self._at_edge(step, log_now)
         except Exception as e:  # noqa: BLE001 - never stop training
@@ -444,23 +430,9 @@ class EfficiencyMonitor:
         if self._off or p.compiled or p.account.shape is None or p.account.hfu_counted:
             yield
             return
-        from mlflow_llmeff.meters.flopcount import modules_that_run, step_counter, unseen_modules
-
-        counter = step_counter()  # a formula that raises counts 0 and is named, never ends the step
-        before = p.tally.peek_tokens()
-        with modules_that_run() as rows, counter:
+        with p.account.counting(p.tally, p.model, slices=p.counting.slices, model_parallel=p.counting.copies,
+                                now=lambda: (self.step_count + 1, p.device), on_error=self._fail):
             yield
-        try:
-            after = p.tally.peek_tokens()
-            if after[1] is None or before[1] is None:  # sequence lengths unknown: no model FLOPs to divide by
-                return
-            tokens, sq = (a - b for a, b in zip(after, before))
-            p.account.count_ratio(float(counter.get_total_flops()), tokens, sq * p.counting.slices,
-                                  step=self.step_count + 1, device=p.device, model_parallel=p.counting.copies,
-                                  unseen=unseen_modules(p.model, counter.get_flop_counts(), rows)
-                                  if p.model is not None else (), failed_ops=counter.llmeff_failed_ops)
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
 
     # ------------------------------------------------------------------------------ loss checks
     @property
@@ -480,17 +452,11 @@ class EfficiencyMonitor:
         that a checkpoint never holds weights trained on a non-finite loss.
         """
         rec = self._p.record
-        if rec.nonfinite is not None or self._off:
-            return rec.nonfinite
-        try:
-            s, n = self._p.tally.peek_loss()
-            bad = 1.0 if (n and not math.isfinite(s)) else 0.0
-            if collective and self.world_size > 1:
-                bad = collectives.all_reduce([bad], op="max")[0]
-            if bad:
-                rec.nonfinite = (self.step_count, s / n if n else float("nan"))
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
+        if rec.nonfinite is None and not self._off:
+            try:
+                points.check_loss(self._p, collective)
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
         return rec.nonfinite
 
     @property
@@ -593,13 +559,9 @@ class EfficiencyMonitor:
         if not self.is_main or p.run is None:
             return
         try:
-            if self._report and self._summary:  # efficiency_report.json and figures, built once every point before
-                p.logger.queue_report()         # it is delivered (by llmeff sync when the server does not answer)
-            p.logger.close(status if p.run.owned else None, urgent=status == "KILLED")  # a signal: spill first
+            binding.close_run(p, status, report=bool(self._report and self._summary))
         except Exception as e:  # noqa: BLE001
-            self._fail(e)
-        finally:
-            release(p.run)  # no longer MLflow's active run; its end is delivered or in the outbox
+            self._fail(e)  # no longer MLflow's active run; its end is delivered or in the outbox
 
     # ------------------------------------------------------------------------------ what the run shows
     @property

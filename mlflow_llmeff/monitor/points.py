@@ -27,7 +27,7 @@ from mlflow_llmeff.monitor.binding import write_heartbeat
 from mlflow_llmeff.monitor.counting import UNKNOWN_WHY
 from mlflow_llmeff.monitor.parts import Parts
 
-__all__ = ["edge", "reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "log_eval", "log_ttq", "refresh_consumption", "note_energy_head_gap",
+__all__ = ["edge", "reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "check_loss", "log_eval", "log_ttq", "refresh_consumption",
            "memory", "note_nothing_counted", "warn_mfu"]
 
 log = logging.getLogger("mlflow_llmeff.monitor.meter")  # the monitor's own logger, as before the split
@@ -157,6 +157,17 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
         write_heartbeat(p.heartbeat_path, p.logger.run_id, step, m)
 
 
+def check_loss(p: Parts, collective: bool = True) -> None:
+    """Set ``p.record.nonfinite`` at the current step when the mean of the losses counted since the last
+    logged step is not finite (on any rank, with ``collective``: a collective). Synchronizes the device."""
+    s, n = p.tally.peek_loss()
+    bad = 1.0 if (n and not math.isfinite(s)) else 0.0
+    if collective and p.world_size > 1:
+        bad = collectives.all_reduce([bad], op="max")[0]
+    if bad:
+        p.record.nonfinite = (p.step_count, s / n if n else float("nan"))
+
+
 def log_eval(p: Parts, values: dict[str, float], step: int) -> None:
     """Rank 0: ``eval/*`` at ``step`` (an ``eval/`` prefix dropped, ``val_perplexity`` = exp(``val_loss``)
     added, MMLU subjects as one table); then ``ttq/*`` for the targets the values reach (:func:`log_ttq`)."""
@@ -245,18 +256,6 @@ def _energy_share(p: Parts, many: bool) -> set[str]:
     p.record.energy_ids = {d for d, rank in owners.items() if rank == p.rank}
     p.record.unmeasured_seen = float(sum(len(r["unmeasured"]) for r in ranks))
     return p.record.energy_ids
-
-
-def note_energy_head_gap(p: Parts) -> None:
-    """Set-up seconds of this attempt before the energy meter started: in summary/wall_s, not in the energy."""
-    if not p.energy.measures:
-        return
-    try:
-        elapsed = p.energy.read().elapsed_s
-    except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
-        return
-    attempt = p.ledger.snapshot()["init"] - p.ledger.seconds["init"]  # still in init: this attempt so far
-    p.consumption.head_gap_s += max(0.0, attempt - elapsed)
 
 
 def memory(p: Parts, collective: bool = True) -> tuple[float, float, str]:
