@@ -1,4 +1,5 @@
-"""The house's rules, read from the code itself: layers, pure calculators, no import circles, file sizes.
+"""The house's rules, read from the code itself: layers, pure calculators, no import circles, file sizes,
+no reach into another object's private attributes.
 
 Every module of ``mlflow_llmeff`` is parsed with :mod:`ast` (nothing of it runs); every import
 counts, function-local ones too, since a lazy import is still a dependency. The layers and their
