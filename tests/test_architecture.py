@@ -1,4 +1,5 @@
-"""The house's rules, read from the code itself: layers, pure calculators, no import circles, file sizes.
+"""The house's rules, read from the code itself: layers, pure calculators, no import circles, file sizes,
+no reach into another object's private attributes.
 
 Every module of ``mlflow_llmeff`` is parsed with :mod:`ast` (nothing of it runs); every import
 counts, function-local ones too, since a lazy import is still a dependency. The layers and their
@@ -343,6 +344,146 @@ def test_documented_import_paths_work():
     from mlflow_llmeff.planning.plan import make_plan as planned
 
     assert EfficiencyMonitor is from_monitor is from_meter and make_plan is planned
+
+
+#: The only places the package reaches into an object's private attributes (:func:`private_reaches`):
+#: a third-party library's, where it offers no public way, each with why. ``(module under the
+#: package, "<object>._<name>")``. Nothing of ours is here: the monitor's helpers work through the
+#: public fields of :class:`~mlflow_llmeff.monitor.parts.Parts` and its components' methods (issue 40).
+_COMPILED = "torch.compile's OptimizedModule keeps the compiled model as _orig_mod (no public accessor)"
+_MLFLOW_VALIDATION = ("MLflow's key rules (mlflow.utils.validation) have no public per-kind validator; "
+                      "keys.py checks they exist and falls back to MLflow 3.x rules without them")
+_CODECARBON = "codecarbon gives no public running reading short of flush(), which also writes its outputs"
+_ACTIVE_RUN = "MLflow's fluent active-run stack: a run made active (or released) without another request"
+_PLOT_TEXTS = "matplotlib gives these Text artists (their extents, to keep labels inside the figure) no public getter"
+_CPYTHON_EXIT = "interpreter exit's own order (threading's shutdown, then atexit), run by exit_now before os._exit"
+PRIVATE_REACHES: dict[tuple[str, str], str] = {
+    ("autologging", "c._auto_end_run"): "transformers' MLflowCallback: whether it ends the run it opened",
+    ("evals.scoring", "self.model._orig_mod"): _COMPILED,
+    ("parallel", "m._orig_mod"): _COMPILED,
+    ("monitor.conditions", "model._orig_mod"): _COMPILED,
+    ("monitor.conditions", "m._orig_mod"): _COMPILED,
+    ("monitor.conditions", "layers[marked[0]]._gradient_checkpointing_func"):
+        "transformers keeps a layer's checkpointing function (and its use_reentrant) only here",
+    ("models.build", "config._attn_implementation"): "transformers reads the attention kernel from this config field",
+    ("monitor.account", "self.config._attn_implementation"): "transformers' attention kernel, as the model runs it",
+    ("monitor.counting", "x._version"): "torch's count of in-place writes to a tensor has no public accessor",
+    ("monitor.steptimes", "optimizer._optimizer_step_pre_hooks"):
+        "torch.optim: an optimizer that supports step hooks (a wrapper may not)",
+    ("meters.commprobe", "func._opname"): "torch's OpOverload: the collective's bare name inside a dispatch mode",
+    ("meters.flopcount", "count._get_raw"): "torch's FlopCounterMode protocol: a formula marked as taking tensors",
+    ("meters.hardware", "torch._scaled_mm"): "torch's FP8 matmul (the measured FP8 peak) has no public op",
+    ("meters.carbon", "tracker._start_time"): "codecarbon swallows its start's exceptions: a start time says it started",
+    ("meters.carbon", "tracker._hardware"): "codecarbon's CPU reader, for the method it estimated with",
+    ("meters.carbon", "hw._mode"): "codecarbon's CPU reader, for the method it estimated with",
+    ("meters.carbon", "tracker._measure_power_and_energy_if_stale"): _CODECARBON,
+    ("meters.carbon", "tracker._total_cpu_energy"): _CODECARBON,
+    ("meters.carbon", "tracker._total_ram_energy"): _CODECARBON,
+    ("monitor.lifecycle", "threading._register_atexit"): _CPYTHON_EXIT,
+    ("monitor.lifecycle", "threading._shutdown"): _CPYTHON_EXIT,
+    ("monitor.lifecycle", "atexit._run_exitfuncs"): _CPYTHON_EXIT,
+    ("monitor.lifecycle", "os._exit"): "the standard library's documented exit without cleanup",
+    ("report.plots", "ax._left_title"): _PLOT_TEXTS,
+    ("report.plots", "ax._right_title"): _PLOT_TEXTS,
+    ("report.plots", "fig._suptitle"): _PLOT_TEXTS,
+    ("report.plots", "axis._update_ticks"): "matplotlib: the ticks inside the view (the ones drawn), no public call",
+    ("tracking.keys", "v._validate_metric_name"): _MLFLOW_VALIDATION,
+    ("tracking.keys", "v._validate_param_name"): _MLFLOW_VALIDATION,
+    ("tracking.keys", "v._validate_tag_name"): _MLFLOW_VALIDATION,
+    ("tracking.keys", "v._validate_length_limit"): _MLFLOW_VALIDATION,
+    ("tracking.outbox", "d._to_mlflow_entity"): "mlflow.data's dataset has no public conversion to its entity",
+    ("tracking.runs", "client._tracking_client"): "MlflowClient keeps its tracking URI only on its inner client",
+    ("tracking.worker", "client._tracking_client"): "MlflowClient keeps its tracking URI only on its inner client",
+    ("tracking.runs", "fluent._active_experiment_id"): "MLflow's fluent experiment set by mlflow.set_experiment",
+    ("tracking.runs", "fluent._active_run_stack"): _ACTIVE_RUN,
+    ("tracking.runs", "fluent._last_active_run_id"): _ACTIVE_RUN,
+    ("train.data", "raw._fingerprint"): "Hugging Face datasets' content fingerprint has no public accessor",
+    ("train.setup", "AcceleratorState._reset_state"):
+        "accelerate's process-wide state keeps a first run's settings; its own tests reset it this way",
+}
+
+#: ``getattr(x, "_name")`` and its kin reach as far as ``x._name`` does.
+_REFLECTION = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_privates(tree: ast.AST) -> set[str]:
+    """The private attribute names a module gives its own classes: methods and class attributes
+    defined in a class body, and ``self._x`` / ``cls._x`` it assigns anywhere."""
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    own.add(item.name)
+                targets = (item.targets if isinstance(item, ast.Assign) else
+                           [item.target] if isinstance(item, ast.AnnAssign) else [])
+                own |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            own.add(node.attr)
+    return {name for name in own if _private(name)}
+
+
+def private_reaches(source: str) -> list[tuple[int, str]]:
+    """``(line, "<object>._<name>")`` of every reach into another object's private attribute in ``source``,
+    in line order: ``x._name`` (read, written or called, and ``getattr(x, "_name")``, ``hasattr``,
+    ``setattr``, ``delattr`` with a constant name) where ``x`` is not ``self`` or ``cls`` and ``_name``
+    is not an attribute of a class the module itself defines (a module may touch its own classes'
+    privates on any of their instances, as Python's convention has it). Dunder names are public."""
+    tree = ast.parse(source)
+    own = _own_privates(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base, name = node.value, node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _REFLECTION
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            base, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if not _private(name) or name in own or (isinstance(base, ast.Name) and base.id in ("self", "cls")):
+            continue
+        found.append((node.lineno, f"{ast.unparse(base)}.{name}"))
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_objects_private_attributes():
+    """Components talk through public fields and methods (the monitor's helpers through
+    :class:`~mlflow_llmeff.monitor.parts.Parts`); only a third-party library that offers no public way
+    is reached into, each place named in :data:`PRIVATE_REACHES` with why."""
+    found = [f"{module}:{line}: {reach}" for module, source in module_sources().items()
+             for line, reach in private_reaches(source) if (module.removeprefix(PKG + "."), reach) not in PRIVATE_REACHES]
+    assert found == []
+
+
+def test_every_allowed_private_reach_is_still_made():
+    """An entry of :data:`PRIVATE_REACHES` whose reach is gone is removed, so the list stays the truth."""
+    made = {(module.removeprefix(PKG + "."), reach) for module, source in module_sources().items()
+            for _, reach in private_reaches(source)}
+    assert set(PRIVATE_REACHES) - made == set()
+
+
+def test_an_injected_private_reach_is_found():
+    source = (
+        "class Meter:\n"
+        "    def __init__(self):\n"
+        "        self._count = 0\n"
+        "\n"
+        "    def merge(self, other):\n"
+        "        self._count += other._count  # the module's own class: allowed\n"
+        "        return type(self).__name__, self.__dict__\n"
+        "\n"
+        "\n"
+        "def log(mon, p):\n"
+        "    tokens = mon._tally.tokens  # another object's private\n"
+        "    p.tally.take()  # a public field's public method: allowed\n"
+        "    return getattr(mon, '_ledger', None), mon.parts._logger\n"
+    )
+    assert private_reaches(source) == [(11, "mon._tally"), (13, "mon._ledger"), (13, "mon.parts._logger")]
 
 
 def test_the_architecture_page_names_every_layer():

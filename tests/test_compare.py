@@ -482,7 +482,7 @@ def test_reports_mask_secrets_in_tags_logged_by_anyone(tracking_uri, tmp_path, m
 def test_a_label_past_the_figure_edge_is_found_and_turned_inward():
     from mlflow_llmeff.report import plots
 
-    plt = plots._plt()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(4, 3))
     ax.plot([0, 1], [0, 1])
     label = "a long point label that runs past the right edge"

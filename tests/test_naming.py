@@ -87,6 +87,8 @@ MEASURED = {names.PAR_STRATEGY: "ddp", names.ACCEL_COUNT: "2", names.PRECISION: 
 
 
 class _Logger:
+    run_id = None
+
     def __init__(self):
         self.renamed = []
 
@@ -99,15 +101,14 @@ class _Logger:
 
 @pytest.fixture
 def meter(monkeypatch):
-    """A stand-in for a rank-0 meter: its conditions and model name (what binding reads), a logger
-    that records renames."""
-    from types import SimpleNamespace
-
+    """A rank-0 meter's parts: its conditions and model name (what binding reads), a logger that
+    records renames."""
     from mlflow_llmeff.monitor import binding
+    from mlflow_llmeff.monitor.parts import Parts
 
-    monkeypatch.setattr(binding, "condition_tags", lambda mon: dict(MEASURED))
-    monkeypatch.setattr(binding, "model_name", lambda mon: "llama-tiny")
-    return SimpleNamespace(_logger=_Logger(), run_id=None, _given_tags=set(), _name_given=({}, None))
+    monkeypatch.setattr(binding, "condition_tags", lambda p: dict(MEASURED))
+    monkeypatch.setattr(binding, "model_name", lambda p: "llama-tiny")
+    return Parts(logger=_Logger())
 
 
 def _first_step(mon):
@@ -115,7 +116,7 @@ def _first_step(mon):
     from mlflow_llmeff.monitor import binding, conditions
 
     binding.rename_when_shaped(mon, conditions.shape_tags(8, 128, 1, 2))
-    return mon._logger.renamed
+    return mon.logger.renamed
 
 
 def test_llmeff_train_names_the_configuration_at_creation_and_the_first_step_keeps_it(meter):
@@ -126,16 +127,16 @@ def test_llmeff_train_names_the_configuration_at_creation_and_the_first_step_kee
     cfg = TrainConfig(num_processes=2, precision="fp32")
     given = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),  # the tags train/loop.py gives
              names.GLOBAL_BATCH_TOKENS: str(resolve(cfg, Machine(cuda=False, bf16=True)).global_batch_tokens)}
-    meter._name_parts, meter._name_given = binding.name_parts(meter, given), (given, "")
-    assert study_name(meter._name_parts) == STEM
+    meter.record.name_parts, meter.record.name_given = binding.name_parts(meter, given), (given, "")
+    assert study_name(meter.record.name_parts) == STEM
     assert _first_step(meter) == []  # nothing new: no rename
 
 
 def test_autologs_own_run_gets_the_batch_parts_at_its_first_step(meter):
     from mlflow_llmeff.monitor import binding
 
-    meter._name_parts = binding.name_parts(meter)  # created before any step: no batch shape yet
-    assert study_name(meter._name_parts) == "tiny-ddp2-fp32-cpu"
+    meter.record.name_parts = binding.name_parts(meter)  # created before any step: no batch shape yet
+    assert study_name(meter.record.name_parts) == "tiny-ddp2-fp32-cpu"
     assert _first_step(meter) == [STEM]  # the trial's HF Trainer run stayed 'llama-single-fp32-cpu'
 
 
@@ -145,11 +146,11 @@ def _shaped(meter, given: dict | None = None):
 
     from mlflow_llmeff.monitor import binding
 
-    meter.is_main, meter.world_size = True, 2
-    meter._tally = SimpleNamespace(first_shape=(8, 128, 1))
-    meter._counting = SimpleNamespace(slices=1, copies=1)
-    meter._given_tags, meter._name_given = set(given or {}), (dict(given or {}), None)
-    meter._name_parts = binding.name_parts(meter, given)
+    meter.rank, meter.world_size = 0, 2
+    meter.tally = SimpleNamespace(first_shape=(8, 128, 1))
+    meter.counting = SimpleNamespace(slices=1, copies=1)
+    meter.record.given_tags, meter.record.name_given = set(given or {}), (dict(given or {}), None)
+    meter.record.name_parts = binding.name_parts(meter, given)
     return meter
 
 
@@ -160,10 +161,10 @@ def test_a_padded_length_that_varies_names_autologs_run_again_without_its_batch_
     _shaped(meter)
     assert _first_step(meter) == [STEM]
     tags = binding.varying_shape(meter, ShapeRange(seq=(100, 128), batch=(8, 8)))
-    assert meter._logger.renamed == [STEM, "tiny-ddp2-fp32-cpu"]
+    assert meter.logger.renamed == [STEM, "tiny-ddp2-fp32-cpu"]
     assert tags == {names.SEQ_LEN: "dynamic", names.SEQ_LEN_RANGE: "100-128", names.GLOBAL_BATCH_TOKENS: "dynamic"}
     binding.varying_shape(meter, ShapeRange(seq=(90, 128), batch=(8, 8)))  # the end of the run: a wider range
-    assert meter._logger.renamed == [STEM, "tiny-ddp2-fp32-cpu"]  # the same stem: no second rename
+    assert meter.logger.renamed == [STEM, "tiny-ddp2-fp32-cpu"]  # the same stem: no second rename
 
 
 def test_a_shape_that_did_not_vary_changes_no_tag_and_no_name(meter):
@@ -172,7 +173,7 @@ def test_a_shape_that_did_not_vary_changes_no_tag_and_no_name(meter):
 
     _shaped(meter)
     assert binding.varying_shape(meter, ShapeRange(seq=(128, 128), batch=(8, 8))) == {}
-    assert binding.varying_shape(meter, None) == {} and meter._logger.renamed == []
+    assert binding.varying_shape(meter, None) == {} and meter.logger.renamed == []
 
 
 def test_llmeff_trains_own_shape_tags_win_over_a_varying_shape(meter):
@@ -183,7 +184,7 @@ def test_llmeff_trains_own_shape_tags_win_over_a_varying_shape(meter):
              names.GLOBAL_BATCH_TOKENS: "2048"}  # what train/loop.py passes
     _shaped(meter, given)
     assert binding.varying_shape(meter, ShapeRange(seq=(100, 128), batch=(4, 8))) == {}
-    assert meter._logger.renamed == []  # its name keeps the parts it gave
+    assert meter.logger.renamed == []  # its name keeps the parts it gave
 
 
 def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypatch):
@@ -204,11 +205,11 @@ def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypat
     exp = client.create_experiment("paths")
     taken = client.create_run(exp, run_name=STEM).info.run_id  # an earlier repeat
     trainer = client.create_run(exp).info.run_id  # what the Trainer's MLflowCallback made: a random name
-    meter.run_id = trainer
-    meter.set_tags = lambda tags: [client.set_tag(trainer, k, v) for k, v in tags.items()]
-    assert binding.name_adopted_run(meter, exp) == "tiny-ddp2-fp32-cpu"
+    meter.logger.run_id = trainer
+    set_tags = lambda tags: [client.set_tag(trainer, k, v) for k, v in tags.items()]  # noqa: E731
+    assert binding.name_adopted_run(meter, exp, set_tags) == "tiny-ddp2-fp32-cpu"
     assert _first_step(meter) == [STEM]
-    parts = meter._name_parts  # what the logger's name record carries
+    parts = meter.record.name_parts  # what the logger's name record carries
     assert name_run(client, trainer, {"name_parts": parts}) == STEM + "-2"  # a repeat: the suffix
     assert client.get_run(trainer).info.run_name == STEM + "-2" and client.get_run(taken).info.run_name == STEM
 

@@ -102,7 +102,7 @@ def test_a_restart_on_fewer_devices_counts_device_hours_cost_and_per_device_rate
         clock.t += 1.0
         first.step(tokens=100, samples=1)
     state = json.loads(json.dumps(first.state_dict()))  # the checkpoint at step 4 (t = 4 s)
-    first._logger.flush()
+    first.flush()
     run_id = first.run_id
     lifecycle.unregister(first)
     mlflow.end_run("KILLED")

@@ -223,12 +223,10 @@ def _name_trainer_run(args, monitor, callbacks) -> None:
     try:
         import mlflow
 
-        from mlflow_llmeff.monitor import binding
-
         active = mlflow.active_run()
         if active is None or active.info.run_id != monitor.run_id:
             return
-        binding.name_adopted_run(monitor, active.info.experiment_id)
+        monitor.name_adopted_run(active.info.experiment_id)
     except Exception:  # noqa: BLE001 - the run keeps MLflow's name
         log.debug("could not name the Trainer's run", exc_info=True)
 

@@ -246,8 +246,7 @@ class _Session:
         try:
             if self.opt_id is None:
                 self.opt_id = id(optimizer)
-                if mon._optimizer is None:
-                    mon._optimizer = optimizer
+                mon.use_optimizer(optimizer)
             elif self.opt_id != id(optimizer):
                 return  # a second optimizer in the same loop: steps are counted once
             self.end_auto_eval()

@@ -10,6 +10,9 @@ that turns MFU into HFU: counted by ``FlopCounterMode`` on one early step, else 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Any, Callable
+
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import flops as fl
 from mlflow_llmeff.meters import hardware as hw
@@ -165,6 +168,39 @@ class FlopsAccount:
         self.hfu_note = note.format(step)
 
     # ------------------------------------------------------------------------------ figures
+    @contextmanager
+    def counting(self, tally, model, *, slices: int, model_parallel: int, now: Callable[[], tuple[int, Any]],
+                 on_error: Callable[[BaseException], None]):
+        """Count the hardware FLOPs of the step run inside (``FlopCounterMode``) into :meth:`count_ratio`
+        (when: :meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.counting_hardware_flops`).
+
+        Args:
+            tally: the monitor's :class:`~mlflow_llmeff.monitor.counting.StepTally`: the step's tokens
+                and squared sequence lengths are what it counted inside.
+            model: the model (the modules the counter could not see are named), or None.
+            slices: context-parallel slices each sequence was counted in (``sum(l^2)`` grows by it).
+            model_parallel: ranks sharing this rank's tokens.
+            now: ``(the attempt's step it names, the device)``, read when the step ends.
+            on_error: gets a failure after the step; none reaches the training.
+        """
+        from mlflow_llmeff.meters.flopcount import modules_that_run, step_counter, unseen_modules
+
+        counter = step_counter()  # a formula that raises counts 0 and is named, never ends the step
+        before = tally.peek_tokens()
+        with modules_that_run() as rows, counter:
+            yield
+        try:
+            after = tally.peek_tokens()
+            if after[1] is None or before[1] is None:  # sequence lengths unknown: no model FLOPs to divide by
+                return
+            tokens, sq = (a - b for a, b in zip(after, before))
+            step, device = now()
+            self.count_ratio(float(counter.get_total_flops()), tokens, sq * slices, step=step, device=device,
+                             model_parallel=model_parallel, failed_ops=counter.llmeff_failed_ops,
+                             unseen=unseen_modules(model, counter.get_flop_counts(), rows) if model is not None else ())
+        except Exception as e:  # noqa: BLE001
+            on_error(e)
+
     def interval_metrics(self, rates) -> dict[str, float]:
         """The ``throughput/*`` figures of one window (:meth:`~mlflow_llmeff.calc.throughput.Rates.interval_metrics`)."""
         fpt = self.fpt if self.shape is not None else None

@@ -4,14 +4,17 @@ The parts of :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`'s construct
 touch MLflow (that is :mod:`~mlflow_llmeff.monitor.binding`): :func:`check_args` (shared with
 ``autolog``, which checks its settings before any training starts), :func:`read_model` (device,
 precision, strategy, compile and checkpointing flags, the FLOPs account), :func:`set_up_measurement`
-(accelerator, energy meter, peaks, price, carbon tracker, consumption) and
-:func:`set_up_step_timing` (per-step times, phase timer, contention meter). The set-up functions
-set the monitor's state (``mon``) in the order the constructor calls them.
+(accelerator, energy meter, peaks, price, carbon tracker, consumption),
+:func:`set_up_step_timing` (per-step times, phase timer, contention meter), :func:`start_meters` and
+:func:`start_clock` (the attempt's clock starts), :func:`stop_meters`, and a checkpoint's state
+(:func:`state`, :func:`resume`). The set-up functions fill the monitor's
+:class:`~mlflow_llmeff.monitor.parts.Parts` in the order the constructor calls them.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import cost as cost_mod
@@ -26,9 +29,12 @@ from mlflow_llmeff.monitor.conditions import (infer_precision, infer_strategy, i
 from mlflow_llmeff.monitor.consumption import Consumption
 from mlflow_llmeff.monitor.contention import ContentionMeter
 from mlflow_llmeff.monitor.precision import fp8_layers
-from mlflow_llmeff.monitor.steptimes import PHASES, DeviceStepClock, PhaseTimer, StepTimes, cuda_event_factory
+from mlflow_llmeff.monitor.parts import Parts
+from mlflow_llmeff.monitor.steptimes import DeviceStepClock, PhaseTimer, StepTimes, cuda_event_factory
 
-__all__ = ["PRECISIONS", "assumptions", "assumed_tag", "assumed_line", "check_args", "replication", "token_counting", "read_model", "set_up_measurement", "set_up_step_timing", "stop_meters", "resume"]
+__all__ = ["PRECISIONS", "assumed_tag", "assumed_line", "check_args", "replication", "token_counting", "read_model",
+           "set_up_measurement", "set_up_step_timing", "start_meters", "note_energy_head_gap", "start_clock",
+           "stop_meters", "state", "resume"]
 
 #: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -94,75 +100,69 @@ def token_counting(world_size: int, data_parallel_size: int | None, context_para
     return rule(Degrees(dp_replicate=dp, cp=cp, tp=world_size // (dp * cp)))
 
 
-def read_model(mon, model, model_config, precision, strategy, compile, act_ckpt) -> None:
+def read_model(p: Parts, model, model_config, precision, strategy, compile, act_ckpt) -> None:
     """Device, precision, strategy, compile and activation-checkpointing flags, and the config (the
-    monitor's :class:`~mlflow_llmeff.monitor.account.FlopsAccount`), from the model."""
+    monitor's :class:`~mlflow_llmeff.monitor.account.FlopsAccount`), from the model, into ``p``."""
     inner = unwrap_model(model) if model is not None else None
-    mon._device = None
+    p.device = None
     if inner is not None:
         try:
-            mon._device = next(inner.parameters()).device
+            p.device = next(inner.parameters()).device
         except Exception:  # noqa: BLE001 - a model without parameters
-            mon._device = None
-    mon.precision = precision or (infer_precision(inner) if inner is not None else "fp32")
-    mon._assumed = {}  # input -> what was taken and why (llmeff.assumed)
-    mon.precision_source = "option" if precision else "parameters"
+            p.device = None
+    p.precision = precision or (infer_precision(inner) if inner is not None else "fp32")
+    p.assumed = {}  # input -> what was taken and why (llmeff.assumed)
+    p.precision_source = "option" if precision else "parameters"
     found = fp8_layers(model) if model is not None else None
     if found is not None:  # FP8 layers run the matmuls, whatever was given (docs/formulas.md)
-        mon.precision, mon.precision_source = "fp8", found.source()
+        p.precision, p.precision_source = "fp8", found.source()
     elif precision is None:  # the peak MFU divides by follows it
-        mon._assumed["precision"] = (
-            f"{mon.precision} (read off the model parameters' dtype; matmuls under torch.autocast run in "
+        p.assumed["precision"] = (
+            f"{p.precision} (read off the model parameters' dtype; matmuls under torch.autocast run in "
             "the autocast dtype instead: then pass precision=)" if inner is not None else "fp32 (no model to read a dtype from: pass precision=)")
-    mon.strategy = strategy or infer_strategy(model, mon.world_size)
-    mon.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
-    mon.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
-                                    else model is not None and uses_activation_checkpointing(model))
-    mon._account = FlopsAccount(model_config if model_config is not None else getattr(inner, "config", None))
+    p.strategy = strategy or infer_strategy(model, p.world_size)
+    p.compiled = bool(compile) if compile is not None else (model is not None and is_compiled(model))
+    p.activation_checkpointing = (bool(act_ckpt) if act_ckpt is not None
+                                  else model is not None and uses_activation_checkpointing(model))
+    p.account = FlopsAccount(model_config if model_config is not None else getattr(inner, "config", None))
 
 
-def set_up_measurement(mon, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
+def set_up_measurement(p: Parts, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                        energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker) -> None:
-    """Peaks (datasheet and measured), price, energy meter and carbon tracker."""
-    device_type = mon._device.type if mon._device is not None else None
-    mon.accelerator = hw.detect_accelerator(count=mon.world_size, device_type=device_type)
+    """Peaks (datasheet and measured), price, energy meter and carbon tracker, into ``p``."""
+    device_type = p.device.type if p.device is not None else None
+    p.accelerator = hw.detect_accelerator(count=p.world_size, device_type=device_type)
     if energy_meter is None:
-        idx = [mon._device.index or 0] if device_type == "cuda" else None
+        idx = [p.device.index or 0] if device_type == "cuda" else None
         energy_meter = (en.make_meter(measure_energy, device_indices=idx) if measure_energy != "none"
                         else en.NullMeter("measure_energy=none"))
-    mon._energy = energy_meter
-    if not mon._energy.started:  # first: the energy's span starts here (a caller may start it earlier)
-        mon._energy.start()
-    mon._user_peak_tflops = peak_tflops  # a precision found after the first step re-resolves with it
-    mon._account.resolve_peak(mon.accelerator, mon.precision, peak_tflops)
+    p.energy = energy_meter
+    if not p.energy.started:  # first: the energy's span starts here (a caller may start it earlier)
+        p.energy.start()
+    p.user_peak_tflops = peak_tflops  # a precision found after the first step re-resolves with it
+    p.account.resolve_peak(p.accelerator, p.precision, peak_tflops)
     if measure_peak:
-        mon._account.measure_peak(mon.precision, mon._device)
-    price, price_source = cost_mod.device_hour_price(mon.accelerator.short, device_hour_usd)
-    mon._cost_tags = cost_mod.cost_tags(price, price_source, usd_per_kwh)
+        p.account.measure_peak(p.precision, p.device)
+    price, price_source = cost_mod.device_hour_price(p.accelerator.short, device_hour_usd)
+    p.cost_tags = cost_mod.cost_tags(price, price_source, usd_per_kwh)
     if device_hour_usd is None and price is not None:  # a list price the user did not give
-        mon._assumed["device_hour_usd"] = f"{price:g} USD per device-hour ({price_source}: pass device_hour_usd for yours)"
-    mon._carbon = carbon_tracker or CarbonTracker(
+        p.assumed["device_hour_usd"] = f"{price:g} USD per device-hour ({price_source}: pass device_hour_usd for yours)"
+    p.carbon = carbon_tracker or CarbonTracker(
         country_iso_code=country_iso_code, cloud_provider=cloud_provider, cloud_region=cloud_region,
         enabled=measure_energy != "none")
-    mon._consumption = Consumption(devices=mon.world_size, device_hour_usd=price, usd_per_kwh=usd_per_kwh)
+    p.consumption = Consumption(devices=p.world_size, device_hour_usd=price, usd_per_kwh=usd_per_kwh)
 
 
-def assumptions(mon) -> dict[str, str]:
-    """What the monitor took for the user (precision, list price) and what its carbon figures assume
-    (grid country, PUE): ``{input: '<value> (<why>)'}``, empty when nothing was assumed."""
-    carbon = getattr(mon, "_carbon", None)
-    return {**getattr(mon, "_assumed", {}), **(carbon.assumptions() if hasattr(carbon, "assumptions") else {})}
-
-
-def assumed_tag(mon) -> dict[str, str]:
-    """``{llmeff.assumed: ...}``: :func:`assumptions`, each ``<input>: <value> (<why>)`` joined by ``; ``;
+def assumed_tag(found: dict[str, str]) -> dict[str, str]:
+    """``{llmeff.assumed: ...}`` of what was assumed (:meth:`Parts.assumptions
+    <mlflow_llmeff.monitor.parts.Parts.assumptions>`), each ``<input>: <value> (<why>)`` joined by ``; ``;
     ``{}`` when nothing."""
-    found = assumptions(mon)
     return {names.ASSUMED: "; ".join(f"{k}: {v}" for k, v in found.items())} if found else {}
 
 
 def assumed_line(found: dict[str, str]) -> str | None:
-    """The terminal's line of :func:`assumptions`: ``assumed for you: country_iso_code USA, pue 1 (why and
+    """The terminal's line of what was assumed (:meth:`Parts.assumptions
+    <mlflow_llmeff.monitor.parts.Parts.assumptions>`): ``assumed for you: country_iso_code USA, pue 1 (why and
     how to give yours: tag llmeff.assumed)``, each value up to its ``(why)``; None when nothing."""
     if not found:
         return None
@@ -170,50 +170,99 @@ def assumed_line(found: dict[str, str]) -> str | None:
     return f"assumed for you: {told} (why and how to give yours: tag {names.ASSUMED})"
 
 
-def set_up_step_timing(mon, model, contention_meter) -> None:
+def set_up_step_timing(p: Parts, model, contention_meter) -> None:
     """Per-step times (device events on CUDA), each rank's phase times (forward, backward, optimizer), and
-    the contention meter."""
-    cuda = mon._device is not None and mon._device.type == "cuda"
-    mon._steps, mon._pending_step_s = StepTimes(), []
-    mon._devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
-    # this attempt's steady steps: seconds of each compute phase, the steps timed and their seconds (stragglers)
-    mon._phase_s, mon._phase_steps, mon._phase_step_s, mon._phases = dict.fromkeys(PHASES, 0.0), 0, 0.0, None
+    the contention meter, into ``p``."""
+    cuda = p.device is not None and p.device.type == "cuda"
+    p.steps = StepTimes()
+    p.devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
+    # this attempt's steady steps' phase times (stragglers) are summed in p.record; the timer takes them
+    p.phases = None
     inner = unwrap_model(model) if model is not None else None
     if inner is not None and hasattr(inner, "register_forward_pre_hook"):
         try:
-            mon._phases = PhaseTimer(inner, mon._forward_counts, mon._clock,
-                                     event=cuda_event_factory() if cuda else None, optimizer=mon._optimizer)
+            p.phases = PhaseTimer(inner, p.forward_counts, p.clock,
+                                  event=cuda_event_factory() if cuda else None, optimizer=p.optimizer)
         except Exception:  # noqa: BLE001 - a model that takes no hooks: no phase times (the stragglers say why)
-            mon._phases = None
-    mon._contention = contention_meter or ContentionMeter(device=mon._device)
+            p.phases = None
+    p.contention = contention_meter or ContentionMeter(device=p.device)
 
 
-def stop_meters(mon) -> None:
+def start_meters(p: Parts) -> None:
+    """Start the carbon tracker (its grid intensity prices the consumption's carbon) and note the set-up
+    seconds of this attempt before the energy meter started (:func:`note_energy_head_gap`)."""
+    p.carbon.start()
+    p.consumption.intensity_g_per_kwh = p.carbon.intensity_g_per_kwh
+    note_energy_head_gap(p)
+
+
+def note_energy_head_gap(p: Parts) -> None:
+    """Set-up seconds of this attempt before the energy meter started: in summary/wall_s, not in the energy."""
+    if not p.energy.measures:
+        return
+    try:
+        elapsed = p.energy.read().elapsed_s
+    except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
+        return
+    attempt = p.ledger.snapshot()["init"] - p.ledger.seconds["init"]  # still in init: this attempt so far
+    p.consumption.head_gap_s += max(0.0, attempt - elapsed)
+
+
+def start_clock(p: Parts) -> None:
+    """The attempt's first step starts now: the ledger's clock, the device step clock, the consumption's
+    first interval, and (without warm-up) the contention meter's steady window."""
+    p.ledger.begin()
+    if p.devclock is not None:
+        p.devclock.restart()
+    p.consumption.start_interval(p.ledger.wall_s(), p.meter.total.tokens)
+    if p.meter.warmup_end_step == p.meter.step:  # no warm-up: the steady window starts now
+        p.contention.begin(collective=p.world_size > 1)
+
+
+def stop_meters(p: Parts) -> None:
     """Stop what :func:`set_up_measurement` and :func:`set_up_step_timing` started (a failure is ignored)."""
-    for closer in (mon._energy.close, mon._carbon.stop, mon._contention.close,
-                   mon._phases.close if mon._phases is not None else (lambda: None)):
+    for closer in (p.energy.close, p.carbon.stop, p.contention.close,
+                   p.phases.close if p.phases is not None else (lambda: None)):
         try:
             closer()
         except Exception:  # noqa: BLE001
             pass
 
 
-def resume(mon, state: dict) -> None:
+def state(p: Parts) -> dict:
+    """Everything a resumed attempt needs to continue, JSON-safe (what :func:`resume` reads): counters,
+    clock, consumption with the device-seconds its seconds date, reached targets, attempts, the counted
+    HFU ratio, step times and batch shapes (:meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.state_dict`
+    accounts the pending steps and reads the consumption first)."""
+    ledger = p.ledger.state_dict()  # its seconds date the device-seconds below
+    seconds = ledger["seconds"]
+    consumption = p.consumption.state_dict(wall_s=wall_of(seconds), init_s=seconds.get("init", 0.0))
+    rec = p.record
+    return {"step": p.meter.step, "throughput": p.meter.state_dict(),
+            "ledger": ledger, "consumption": consumption,
+            "ttq_reached": dict(rec.reached), "attempts": rec.attempts, "run_id": p.logger.run_id,
+            "hfu_counted": p.account.state(),
+            "step_times": p.steps.state_dict(), "shapes": p.tally.shape_state(),
+            "saved_at_unix": time.time()}
+
+
+def resume(p: Parts, state: dict) -> None:
     """Continue counters, clock, consumption, step times, reached targets, the counted HFU ratio and the
     batch shapes seen from a checkpoint's state (:meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.state_dict`)."""
-    mon._meter = ThroughputMeter(num_devices=mon.world_size, warmup_steps=mon.warmup_steps)
-    mon._meter.load_state_dict(state["throughput"])
-    mon._ledger.load_state_dict(state["ledger"])
+    rec = p.record
+    p.meter = ThroughputMeter(num_devices=p.world_size, warmup_steps=p.warmup_steps)
+    p.meter.load_state_dict(state["throughput"])
+    p.ledger.load_state_dict(state["ledger"])
     # the checkpoint's clock at the devices its attempts held (a checkpoint without them: this many)
     seconds, held = state["ledger"]["seconds"], state.get("consumption", {})
-    mon._tail_devices = int(held.get("devices") or mon.world_size)  # the writer's, for its lost tail
+    rec.tail_devices = int(held.get("devices") or p.world_size)  # the writer's, for its lost tail
     wall, init = wall_of(seconds), float(seconds.get("init", 0.0))
-    mon._consumption.add_earlier(wall, device_s=float(held.get("device_s", wall * mon._tail_devices)), init_s=init,
-                                 init_device_s=float(held.get("init_device_s", init * mon._tail_devices)))
-    mon._consumption.prior_devices = tuple(int(n) for n in held.get("device_counts", [mon._tail_devices]))
-    mon._reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
-    mon._attempts = int(state.get("attempts", 1)) + 1
-    mon._consumption.resume(state.get("consumption", {}), {})
-    mon._steps.load_state_dict(state.get("step_times"))
-    mon._account.load(state.get("hfu_counted"))  # counted in an earlier attempt: not again
-    mon._tally.load_shape_state(state.get("shapes"))  # a length that varied before the checkpoint still did
+    p.consumption.add_earlier(wall, device_s=float(held.get("device_s", wall * rec.tail_devices)), init_s=init,
+                              init_device_s=float(held.get("init_device_s", init * rec.tail_devices)))
+    p.consumption.prior_devices = tuple(int(n) for n in held.get("device_counts", [rec.tail_devices]))
+    rec.reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
+    rec.attempts = int(state.get("attempts", 1)) + 1
+    p.consumption.resume(state.get("consumption", {}), {})
+    p.steps.load_state_dict(state.get("step_times"))
+    p.account.load(state.get("hfu_counted"))  # counted in an earlier attempt: not again
+    p.tally.load_shape_state(state.get("shapes"))  # a length that varied before the checkpoint still did

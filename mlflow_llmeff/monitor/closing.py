@@ -104,13 +104,13 @@ def report_lines(mon, summary: dict[str, float], reliability: str | None = None)
     The run's name and experiment are read from the tracking server once, bounded
     (:func:`run_identity`); a run waiting in the outbox has neither (its line said how to send it).
     """
-    from mlflow_llmeff.monitor.assembly import assumed_line, assumptions
+    from mlflow_llmeff.monitor.assembly import assumed_line
 
     name, exp_id = (None, None) if mon.spilled_to else run_identity(mon.run_id)
-    lines = [closing_line(summary, run_id=mon.run_id, run_name=name, absent=getattr(mon, "_absent", None))]
+    lines = [closing_line(summary, run_id=mon.run_id, run_name=name, absent=mon.summary_absent)]
     if mon.stability:
         lines.append(f"llmeff: {mon.stability}")
-    told = assumed_line(assumptions(mon))  # not only in a tag: the figures rest on it
+    told = assumed_line(mon.assumptions())  # not only in a tag: the figures rest on it
     if told:
         lines.append(f"llmeff: {told}")
     if reliability:
@@ -127,9 +127,9 @@ def print_closing_line(mon) -> None:
     """Print :func:`report_lines` of a finished monitor on stderr: main rank only, not for ``llmeff train``
     (it prints its own report), not under ``autolog(silent=True)``. Never raises."""
     try:
-        if not (mon.is_main and mon.summary and mon.run_id) or mon._integration == "train":
+        if not (mon.is_main and mon.summary and mon.run_id) or mon.integration == "train":
             return
-        if mon._integration in AUTOLOG_INTEGRATIONS and _autolog_silent():
+        if mon.integration in AUTOLOG_INTEGRATIONS and _autolog_silent():
             return
         print("\n".join(report_lines(mon, mon.summary)), file=sys.stderr, flush=True)
     except Exception:  # noqa: BLE001 - a closing report never stops training

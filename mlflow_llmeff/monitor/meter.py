@@ -25,24 +25,24 @@ Collectives: :meth:`step` at window edges, :meth:`log_eval`, :meth:`state_dict` 
 monitor after construction warns once and turns it into a no-op; it never stops training. Bad
 arguments raise ``ValueError``.
 
-The class reads as the story of a step; its components hold the rest: set-up
-(:mod:`~mlflow_llmeff.monitor.assembly`), the MLflow run (:mod:`~mlflow_llmeff.monitor.binding`), the
-FLOPs and peak account (:mod:`~mlflow_llmeff.monitor.account`), the logged points
-(:mod:`~mlflow_llmeff.monitor.points`) and the end-of-run summary (:mod:`~mlflow_llmeff.monitor.summary`).
+The class reads as the story of a step. What it measures with is one
+:class:`~mlflow_llmeff.monitor.parts.Parts` (the components, what set-up decided, and the run record),
+the one interface of its helper modules: set-up (:mod:`~mlflow_llmeff.monitor.assembly`), the MLflow run
+(:mod:`~mlflow_llmeff.monitor.binding`), the logged points and window edges
+(:mod:`~mlflow_llmeff.monitor.points`) and the end-of-run summary (:mod:`~mlflow_llmeff.monitor.summary`);
+each component (tally, throughput meter, time ledger, FLOPs account, ...) is used through its own methods.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Callable
 
 from mlflow_llmeff import names
-from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger, wall_of
+from mlflow_llmeff.calc.goodput import PAUSES, TimeLedger
 from mlflow_llmeff.calc.throughput import ThroughputMeter
 from mlflow_llmeff.evals.targets import parse_targets
 from mlflow_llmeff.meters import collectives
@@ -50,8 +50,8 @@ from mlflow_llmeff.monitor import assembly, binding, closing, lifecycle, points,
 from mlflow_llmeff.monitor.assembly import PRECISIONS, check_args
 from mlflow_llmeff.monitor.conditions import infer_precision, infer_strategy, unwrap_model
 from mlflow_llmeff.monitor.counting import StepTally
+from mlflow_llmeff.monitor.parts import Parts
 from mlflow_llmeff.tracking.logger import NullLogger
-from mlflow_llmeff.tracking.runs import release
 
 __all__ = ["EfficiencyMonitor", "PRECISIONS", "unwrap_model", "infer_precision", "infer_strategy"]
 
@@ -156,67 +156,42 @@ class EfficiencyMonitor:
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
                  report: bool = True, contention_meter=None, eval_subject_metrics: bool = False,
                  data_parallel_size: int | None = None, context_parallel_size: int = 1) -> None:
-        self._heartbeat_path, self._outbox_dir = heartbeat_path, outbox_dir
         check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
                    device_hour_usd, usd_per_kwh)
-        self._targets = parse_targets(targets, any_metric=True)
-        self._ledger = TimeLedger(clock, started_at)
+        targets_ = parse_targets(targets, any_metric=True)
+        ledger = TimeLedger(clock, started_at)
         # this attempt's start on the meter's clock: MLflow's Duration starts at the run's creation instead
-        self._attempt_start = clock() if started_at is None else float(started_at)
+        attempt_start = clock() if started_at is None else float(started_at)
         self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
-        self._clock, self._optimizer, self._model, self._integration = clock, optimizer, model, integration
         self._report = report
-        self._subject_metrics = bool(eval_subject_metrics)
         self._broken = self._finished = False
         self._summary: dict[str, float] = {}
-        self._lr: float | None = None
-        self._nonfinite: tuple[int, float] | None = None  # first logged non-finite train/loss
-        self._pending_steps, self._pending_s = 0, 0.0
-        self._reached: dict[str, int] = {}
-        self._attempts = 1
-        self._down_s = 0.0  # the job's time no attempt ran (continue_job)
-        self._tail_lost: tuple[float, float] | None = None  # (lost progress added, checkpoint written at)
-        self._tail_devices: int | None = None  # devices of the resumed checkpoint's writer (None: this attempt's)
-        self._job_figures = None  # end Unix time -> (summary metrics, tags, description line): set_job_figures
-        self._job_note: str | None = None
-        self._totals_step = -1  # step of the last logged running totals
-        self._shape_tags_pending = True
-        self._shape_varied = False  # the padded length or micro-batch size varied (tagged 'dynamic')
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
-        self._counting = assembly.token_counting(self.world_size, data_parallel_size, context_parallel_size)
-        self._model_parallel = self._counting.copies  # ranks holding copies of the same tokens
-        self._extra_summary: dict[str, float] = {}
-        self._tally = StepTally()
-        assembly.read_model(self, model, model_config, precision, strategy, compile, activation_checkpointing)
-        self._meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
-        assembly.set_up_measurement(self, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
+        counting = assembly.token_counting(self.world_size, data_parallel_size, context_parallel_size)
+        # the components and the run record, the one object the helper modules work on (parts.py)
+        self._p = p = Parts(world_size=self.world_size, rank=self.rank, counting=counting, warmup_steps=warmup_steps,
+                            clock=clock, attempt_start=attempt_start, integration=integration, model=model,
+                            optimizer=optimizer, targets=targets_, subject_metrics=bool(eval_subject_metrics),
+                            heartbeat_path=heartbeat_path, outbox_dir=outbox_dir, ledger=ledger, tally=StepTally())
+        assembly.read_model(p, model, model_config, precision, strategy, compile, activation_checkpointing)
+        p.meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
+        assembly.set_up_measurement(p, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                                     energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
-        assembly.set_up_step_timing(self, model, contention_meter)
+        assembly.set_up_step_timing(p, model, contention_meter)
         # after the energy meter started: a meta-device count takes seconds
-        self._account.read_flops(model, activation_checkpointing=self.activation_checkpointing, compiled=self.compiled)
-        self._logger, self._run = NullLogger(), None
+        p.account.read_flops(model, activation_checkpointing=p.activation_checkpointing, compiled=p.compiled)
+        p.logger, p.run = NullLogger(), None
         if resume_state:
-            assembly.resume(self, resume_state)
+            assembly.resume(p, resume_state)
         if self.is_main:
-            binding.open_run(self, run_id, run_name, experiment_name, tags or {}, params or {}, resume_state)
-        self._carbon.start()
-        self._consumption.intensity_g_per_kwh = self._carbon.intensity_g_per_kwh
-        points.note_energy_head_gap(self)
+            binding.open_run(p, run_id, run_name, experiment_name, tags or {}, params or {}, resume_state)
+        assembly.start_meters(p)
         lifecycle.install()
         lifecycle.register(self)
-        self._ledger.begin()
-        if self._devclock is not None:
-            self._devclock.restart()
-        self._consumption.start_interval(self._ledger.wall_s(), self._meter.total.tokens)
-        if self._meter.warmup_end_step == self._meter.step:  # no warm-up: the steady window starts now
-            self._contention.begin(collective=self.world_size > 1)
+        assembly.start_clock(p)
 
     # ------------------------------------------------------------------------------ set-up
-    def _forward_counts(self) -> bool:
-        """True while a forward pass is part of a steady step (not warm-up, not inside a declared pause)."""
-        return not self._ledger.paused and not self._meter.is_warmup(self.step_count + 1)
-
     def credit_build(self, seconds: float) -> float:
         """Name ``seconds`` of the set-up so far as an op build (``summary/badput_compile_s``, not ``init``):
         a strategy's C++ ops compiled before the meter existed (DeepSpeed's JIT). Call before the first
@@ -225,7 +200,7 @@ class EfficiencyMonitor:
         Raises:
             ValueError: negative ``seconds``, or after the first step.
         """
-        return self._ledger.carve("op_build", seconds)
+        return self._p.ledger.carve("op_build", seconds)
 
     def continue_job(self, *, down_s: float = 0.0, earlier_s: dict[str, float] | None = None,
                      tail_end_unix: float | None = None, attempts: int | None = None,
@@ -251,24 +226,10 @@ class EfficiencyMonitor:
         """
         if down_s < 0:
             raise ValueError(f"down time {down_s} s is negative")
-        self._down_s = float(down_s)
-        held = earlier_device_s or {}
-        for category, seconds in (earlier_s or {}).items():
-            self._ledger.add(category, seconds)
-            self._consumption.add_earlier(seconds, device_s=held.get(category, seconds * self.world_size),
-                                          init_s=seconds if category == "init" else 0.0,
-                                          init_device_s=held.get(category) if category == "init" else 0.0)
-        if tail_end_unix is not None and self._tail_lost is not None:
-            added, saved = self._tail_lost
-            lost = max(0.0, float(tail_end_unix) - saved)
-            self._ledger.add("lost_progress", lost - added)
-            self._consumption.add_earlier(lost - added, self._tail_devices)
-            self._tail_lost = (lost, saved)
-        elif earlier_s and self._tail_lost is None and self.is_main and self._run is not None:
-            binding.continue_consumption(self)
+        binding.continue_job(self._p, float(down_s), earlier_s or {}, tail_end_unix, earlier_device_s or {})
         if attempts:
-            self._attempts = int(attempts)
-            self.set_tags({names.RESUME_ATTEMPTS: str(self._attempts)})
+            self._p.record.attempts = int(attempts)
+            self.set_tags({names.RESUME_ATTEMPTS: str(self._p.record.attempts)})
 
     def set_job_figures(self, figures: Callable[[float], tuple[dict, dict, str | None]]) -> None:
         """The job's reliability figures, computed at :meth:`finish` when the clock stops (rank 0).
@@ -278,12 +239,12 @@ class EfficiencyMonitor:
         so figures over the job's wall time end where ``summary/wall_s`` ends. A failure in it is
         the tag ``llmeff.reliability.why``, never the end of the run.
         """
-        self._job_figures = figures
+        self._p.record.job_figures = figures
 
     def add_summary(self, metrics: dict[str, float]) -> None:
         """Figures measured outside the meter (e.g. ``summary/comm_*``) to log with the ``summary/*`` at
         :meth:`finish`; call it on rank 0 at least (other ranks' calls are ignored)."""
-        self._extra_summary.update({k: float(v) for k, v in metrics.items()})
+        self._p.record.extra_summary.update({k: float(v) for k, v in metrics.items()})
 
     # ------------------------------------------------------------------------------ failures
     def _fail(self, e: BaseException) -> None:
@@ -322,15 +283,17 @@ class EfficiencyMonitor:
         if self._off:
             return
         try:
+            p = self._p
+            tally = p.tally
             if batch is not None:
-                self._tally.add_batch(batch)
-                if self._device is None:
-                    self._device = self._tally.device
+                tally.add_batch(batch)
+                if p.device is None:
+                    p.device = tally.device
             if tokens is not None:
-                self._tally.add_numbers(tokens, padded_tokens, loss_tokens, samples, sum_len_sq)
+                tally.add_numbers(tokens, padded_tokens, loss_tokens, samples, sum_len_sq)
             if loss is not None and self.track_loss:
-                self._tally.add_loss(loss)
-            self._tally.micro += 1
+                tally.add_loss(loss)
+            tally.micro += 1
         except Exception as e:  # noqa: BLE001 - never stop training
             self._fail(e)
 
@@ -349,29 +312,26 @@ class EfficiencyMonitor:
             self.count(batch, tokens=tokens, padded_tokens=padded_tokens, loss_tokens=loss_tokens,
                        samples=samples, sum_len_sq=sum_len_sq, loss=loss)
         try:
+            p = self._p
+            rec, meter, tally = p.record, p.meter, p.tally
             if learning_rate is not None:
-                self._lr = float(learning_rate)
-            self._tally.end_step()
-            if self._devclock is not None:
-                self._devclock.step_end()
-            step = self.step_count + 1
+                rec.lr = float(learning_rate)
+            tally.end_step()
+            if p.devclock is not None:
+                p.devclock.step_end()
+            step = meter.step + rec.pending_steps + 1
             log_now = step % self.log_every_n_steps == 0
-            at_edge = log_now or edge or step == self._meter.warmup_end_step
+            at_edge = log_now or edge or step == meter.warmup_end_step
             if at_edge:
-                collectives.synchronize(self._device)
-            warmup = self._meter.is_warmup(step)
-            seconds = self._ledger.step_done(warmup)
-            self._pending_s += seconds
-            self._pending_steps += 1
+                collectives.synchronize(p.device)
+            warmup = meter.is_warmup(step)
+            seconds = p.ledger.step_done(warmup)
+            rec.pending_s += seconds
+            rec.pending_steps += 1
             if not warmup:
-                self._pending_step_s.append(seconds)
-            if self._shape_tags_pending:
-                binding.tag_shape(self)
-            if not self._shape_varied and self._tally.varies:  # the first step whose batch shape differs: once
-                self._shape_varied = True  # the end of the run tags the final range
-                tags = binding.varying_shape(self, self._tally.shapes)
-                if tags:
-                    self._logger.set_tags(tags, synchronous=False)  # inside a step: no wait
+                rec.pending_step_s.append(seconds)
+            if rec.shape_tags_pending or (not rec.shape_varied and tally.varies):  # the first step, or the
+                binding.note_shape(p)  # first whose batch shape differs from the first one's: once each
             if at_edge:
                 self._at_edge(step, log_now)
         except Exception as e:  # noqa: BLE001 - never stop training
@@ -380,22 +340,23 @@ class EfficiencyMonitor:
     def _at_edge(self, step: int, log_now: bool) -> None:
         """The meter's own work at a window edge (reductions, rates, sampling, handing points to the
         logger), timed as ``other`` so that it lands in no step: a step's time is the training's."""
-        self._ledger.enter("other")
+        p = self._p
+        p.ledger.enter("other")
         try:
-            self._edge()
-            if step == self._meter.warmup_end_step:  # the steady window starts after this step
-                self._contention.begin(collective=self.world_size > 1)
+            points.edge(p)
+            if step == p.meter.warmup_end_step:  # the steady window starts after this step
+                p.contention.begin(collective=self.world_size > 1)
             if log_now:
-                points.log_interval(self, step)
+                points.log_interval(p, step)
         finally:
-            self._ledger.exit()
-            if self._devclock is not None:
-                self._devclock.restart()
+            p.ledger.exit()
+            if p.devclock is not None:
+                p.devclock.restart()
 
     @property
     def step_count(self) -> int:
         """Optimizer steps seen (including earlier attempts and ``start_step``)."""
-        return self._meter.step + self._pending_steps
+        return self._p.step_count
 
     # ------------------------------------------------------------------------------ the clock
     @contextmanager
@@ -431,8 +392,8 @@ class EfficiencyMonitor:
             return
         try:
             if self._pause_sync[-1]:
-                collectives.synchronize(self._device)
-            self._ledger.enter(category)
+                collectives.synchronize(self._p.device)
+            self._p.ledger.enter(category)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -442,11 +403,12 @@ class EfficiencyMonitor:
         if self._broken:
             return
         try:
+            p = self._p
             if sync:
-                collectives.synchronize(self._device)
-            self._ledger.exit()
-            if sync and self._devclock is not None and not self._ledger.paused:  # the next step starts here
-                self._devclock.restart()
+                collectives.synchronize(p.device)
+            p.ledger.exit()
+            if sync and p.devclock is not None and not p.ledger.paused:  # the next step starts here
+                p.devclock.restart()
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -464,36 +426,13 @@ class EfficiencyMonitor:
         uninterrupted run's (the counter can change which kernels run, and so the last bits of the
         weights).
         """
-        if self._off or self.compiled or self._account.shape is None or self._account.hfu_counted:
+        p = self._p
+        if self._off or p.compiled or p.account.shape is None or p.account.hfu_counted:
             yield
             return
-        from mlflow_llmeff.meters.flopcount import modules_that_run, step_counter, unseen_modules
-
-        counter = step_counter()  # a formula that raises counts 0 and is named, never ends the step
-        before = self._tally.peek_tokens()
-        with modules_that_run() as rows, counter:
+        with p.account.counting(p.tally, p.model, slices=p.counting.slices, model_parallel=p.counting.copies,
+                                now=lambda: (self.step_count + 1, p.device), on_error=self._fail):
             yield
-        try:
-            after = self._tally.peek_tokens()
-            if after[1] is None or before[1] is None:  # sequence lengths unknown: no model FLOPs to divide by
-                return
-            tokens, sq = (a - b for a, b in zip(after, before))
-            self._account.count_ratio(float(counter.get_total_flops()), tokens, sq * self._counting.slices,
-                                      step=self.step_count + 1, device=self._device,
-                                      model_parallel=self._model_parallel,
-                                      unseen=unseen_modules(self._model, counter.get_flop_counts(), rows)
-                                      if self._model is not None else (), failed_ops=counter.llmeff_failed_ops)
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
-
-    # ------------------------------------------------------------------------------ window edges
-    def _edge(self, collective: bool = True) -> None:
-        """Account the pending steps: counts summed over ranks, with their step seconds."""
-        reduce = partial(points.reduce_counts, self) if (collective and self.world_size > 1) else None
-        counts = self._tally.take(self._pending_steps, reduce=reduce)
-        self._meter.add(counts, self._pending_s)
-        points.time_steps(self, counts, self._pending_s)
-        self._pending_steps, self._pending_s = 0, 0.0
 
     # ------------------------------------------------------------------------------ loss checks
     @property
@@ -503,7 +442,7 @@ class EfficiencyMonitor:
         Checked where the loss is read anyway (logged steps, summed over ranks), so it costs no
         device synchronization; :meth:`check_loss` looks at the steps since the last logged one.
         """
-        return self._nonfinite
+        return self._p.record.nonfinite
 
     def check_loss(self, collective: bool = True) -> tuple[int, float] | None:
         """Like :attr:`nonfinite_loss`, also looking at the losses counted since the last logged step.
@@ -512,23 +451,18 @@ class EfficiencyMonitor:
         every rank), so call it where the loop waits anyway, e.g. before a checkpoint save, so
         that a checkpoint never holds weights trained on a non-finite loss.
         """
-        if self._nonfinite is not None or self._off:
-            return self._nonfinite
-        try:
-            s, n = self._tally.peek_loss()
-            bad = 1.0 if (n and not math.isfinite(s)) else 0.0
-            if collective and self.world_size > 1:
-                bad = collectives.all_reduce([bad], op="max")[0]
-            if bad:
-                self._nonfinite = (self.step_count, s / n if n else float("nan"))
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
-        return self._nonfinite
+        rec = self._p.record
+        if rec.nonfinite is None and not self._off:
+            try:
+                points.check_loss(self._p, collective)
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+        return rec.nonfinite
 
     @property
     def latest_metrics(self) -> dict[str, float]:
         """The interval metrics of the last logged step (empty before the first)."""
-        return getattr(self, "_latest", {})
+        return self._p.record.latest
 
     # ------------------------------------------------------------------------------ evals, extras
     def log_eval(self, values: dict[str, float], step: int | None = None) -> None:
@@ -544,47 +478,41 @@ class EfficiencyMonitor:
         if self._off:
             return
         try:
-            points.log_eval(self, values, self.step_count if step is None else step)
+            points.log_eval(self._p, values, self.step_count if step is None else step)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
     @property
     def targets_reached(self) -> bool:
         """True once every target has been reached (False without targets)."""
-        return bool(self._targets) and all(t.key in self._reached for t in self._targets)
+        p = self._p
+        return bool(p.targets) and all(t.key in p.record.reached for t in p.targets)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log extra metrics (rank 0) at ``step`` (default: the current optimizer step); keys MLflow
         refuses are mapped to allowed ones."""
         if not self._broken and self.is_main:
-            self._logger.log_metrics(metrics, self.step_count if step is None else step)
+            self._p.logger.log_metrics(metrics, self.step_count if step is None else step)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Set extra tags on the run (rank 0)."""
         if not self._broken and self.is_main:
-            self._logger.set_tags(tags)
+            self._p.logger.set_tags(tags)
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed attempt needs to continue (JSON-safe). A collective: call on every rank."""
-        if self._pending_steps and not self._broken:
-            self._edge()
+        p = self._p
+        if p.record.pending_steps and not self._broken:
+            points.edge(p)
         if not self._broken:
-            points.refresh_consumption(self)
-        ledger = self._ledger.state_dict()  # its seconds date the device-seconds below
-        seconds = ledger["seconds"]
-        consumption = self._consumption.state_dict(wall_s=wall_of(seconds), init_s=seconds.get("init", 0.0))
-        return {"step": self._meter.step, "throughput": self._meter.state_dict(),
-                "ledger": ledger, "consumption": consumption,
-                "ttq_reached": dict(self._reached), "attempts": self._attempts, "run_id": self.run_id,
-                "hfu_counted": self._account.state(),
-                "step_times": self._steps.state_dict(), "shapes": self._tally.shape_state(),
-                "saved_at_unix": time.time()}
+            points.refresh_consumption(p)
+        return assembly.state(p)
 
     def flush(self) -> None:
         """Send every buffered point and wait until the tracking server has it (rank 0)."""
         if self.is_main and not self._broken:
-            self._logger.flush()
+            self._p.logger.flush()
 
     # ------------------------------------------------------------------------------ the end
     def finish(self, status: str | None = None, *, collective: bool = True) -> dict[str, float]:
@@ -605,10 +533,10 @@ class EfficiencyMonitor:
         self._finished = True
         status = status or lifecycle.status_for(None)
         collective = (collective and lifecycle.signalled() is None) or self.world_size == 1
-        self._end_status = status
+        self._p.record.end_status = status
         try:
             if not self._broken:
-                self._summary = summary.conclude(self, collective)
+                self._summary = summary.conclude(self._p, collective)
         except Exception as e:  # noqa: BLE001 - never stop training
             self._fail(e)
         finally:
@@ -619,58 +547,56 @@ class EfficiencyMonitor:
     def end_at_exit(self, status: str) -> None:
         """Finish at interpreter exit (rank 0 alone, synchronous logging; see :mod:`mlflow_llmeff.monitor.lifecycle`)."""
         if not self._finished:
-            self._logger.set_synchronous(True)
+            self._p.logger.set_synchronous(True)
             self.finish(status, collective=False)
 
     def _close(self, status: str) -> None:
         """Stop the meters; deliver the points, the report and (if the monitor owns the run) its end with
         ``status``, waiting at most the delivery wait without an answer; what is left waits in the outbox."""
+        p = self._p
         lifecycle.unregister(self)
-        assembly.stop_meters(self)
-        if not self.is_main or self._run is None:
+        assembly.stop_meters(p)
+        if not self.is_main or p.run is None:
             return
         try:
-            if self._report and self._summary:  # efficiency_report.json and figures, built once every point before
-                self._logger.queue_report()     # it is delivered (by llmeff sync when the server does not answer)
-            self._logger.close(status if self._run.owned else None, urgent=status == "KILLED")  # a signal: spill first
+            binding.close_run(p, status, report=bool(self._report and self._summary))
         except Exception as e:  # noqa: BLE001
-            self._fail(e)
-        finally:
-            release(self._run)  # no longer MLflow's active run; its end is delivered or in the outbox
+            self._fail(e)  # no longer MLflow's active run; its end is delivered or in the outbox
 
     # ------------------------------------------------------------------------------ what the run shows
     @property
     def stability(self) -> str | None:
         """``llmeff.stability`` after :meth:`finish` (``stable`` or ``unstable: <why>``), else None."""
-        return getattr(self, "_stability_tags", {}).get(names.STABILITY)
+        return self._p.record.stability_tags.get(names.STABILITY)
 
     @property
     def peak_tflops(self) -> float | None:
         """Dense peak TFLOP/s per device the MFU divides by (``peak_tflops=``, else the datasheet; None: no MFU)."""
-        return self._account.peak_tflops
+        return self._p.account.peak_tflops
 
     @property
     def run_id(self) -> str | None:
         """The MLflow run id (rank 0; None elsewhere), or ``local-...`` while the server has not created the run."""
-        return self._logger.run_id
+        return self._p.logger.run_id
 
     @property
     def spilled_to(self) -> str | None:
         """The outbox file holding what the tracking server has not taken (None when it has everything)."""
-        return self._logger.spilled_to
+        return self._p.logger.spilled_to
 
     def log_input(self, datasets: list, context: str = "training") -> None:
         """Log ``mlflow.data`` datasets as the run's inputs (rank 0; delivered in order with the points)."""
         if not self._broken and self.is_main:
-            self._logger.log_inputs(datasets, context)
+            self._p.logger.log_inputs(datasets, context)
 
     def end_run_later(self, status: str) -> bool:
         """For a run the monitor does not own (the user's, the Trainer's) whose entries wait in the outbox:
         its end (``status``, now) waits there too, True. False when the server has everything (end it
         as usual) or the monitor owns the run (it ended it already)."""
-        if self._run is None or self._run.owned or not self.spilled_to:
+        run = self._p.run
+        if run is None or run.owned or not self.spilled_to:
             return False
-        self._logger.close(status)
+        self._p.logger.close(status)
         return True
 
     @property
@@ -681,6 +607,40 @@ class EfficiencyMonitor:
     @property
     def finished(self) -> bool:
         return self._finished
+
+    # what set-up decided (read-only; precision may become fp8 after the first step)
+    precision = property(lambda self: self._p.precision, doc="Compute precision (``llmeff.precision``).")
+    precision_source = property(lambda self: self._p.precision_source, doc="Where ``precision`` was read.")
+    strategy = property(lambda self: self._p.strategy, doc="``llmeff.parallelism.strategy``.")
+    compiled = property(lambda self: self._p.compiled, doc="The model is compiled.")
+    activation_checkpointing = property(lambda self: self._p.activation_checkpointing,
+                                        doc="Activation checkpointing is on (HFU counts the recomputation).")
+    accelerator = property(lambda self: self._p.accelerator, doc="The detected accelerator (name, peaks).")
+    integration = property(lambda self: self._p.integration, doc="``llmeff.autolog.integration``.")
+
+    @property
+    def summary_absent(self) -> dict[str, str]:
+        """``summary/*`` key -> why it is undefined for this run (``llmeff.summary.absent``), after :meth:`finish`."""
+        return self._p.record.absent
+
+    def assumptions(self) -> dict[str, str]:
+        """What was assumed for the user (``llmeff.assumed``): ``{input: '<value> (<why>)'}``, empty when nothing."""
+        return self._p.assumptions()
+
+    def use_optimizer(self, optimizer) -> None:
+        """The optimizer to read (learning rate, model-state bytes) when none was given at construction
+        (``autolog()`` sees it at its first step); one given earlier stays."""
+        if self._p.optimizer is None:
+            self._p.optimizer = optimizer
+
+    def name_adopted_run(self, experiment_id: str) -> str:
+        """Name the run this monitor logs into but did not create as it names its own
+        (:func:`~mlflow_llmeff.monitor.binding.name_adopted_run`); returns the name set ('' for none).
+
+        Raises:
+            mlflow.exceptions.MlflowException: what MLflow raises.
+        """
+        return binding.name_adopted_run(self._p, experiment_id, self.set_tags)
 
     def __enter__(self) -> "EfficiencyMonitor":
         return self

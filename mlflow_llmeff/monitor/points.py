@@ -4,8 +4,10 @@ At every logged step the :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor`
 codecarbon's estimate on every rank and sums them (each physical device once), takes the peak
 memory and the learning rate, and hands ``train/*``, ``throughput/*``, ``memory/*``, the running
 consumption totals and the contention figures to the logger (:func:`log_interval`); rank 0 then
-rewrites the heartbeat file. These functions read and set the monitor's state (``mon``); they
-are collectives where they say so, called on every rank in the same order.
+rewrites the heartbeat file. At every window edge :func:`edge` folds the steps counted since the last
+one into the throughput meter. These functions work on the monitor's components and run record
+(:class:`~mlflow_llmeff.monitor.parts.Parts`, ``p``); they are collectives where they say so, called
+on every rank in the same order.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from functools import partial
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import flops as fl
@@ -22,14 +25,26 @@ from mlflow_llmeff.meters import energy as en
 from mlflow_llmeff.meters.probes import peak_memory_gib
 from mlflow_llmeff.monitor.binding import write_heartbeat
 from mlflow_llmeff.monitor.counting import UNKNOWN_WHY
+from mlflow_llmeff.monitor.parts import Parts
 
-__all__ = ["reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "log_eval", "log_ttq", "refresh_consumption", "note_energy_head_gap",
+__all__ = ["edge", "reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "check_loss", "log_eval", "log_ttq", "refresh_consumption",
            "memory", "note_nothing_counted", "warn_mfu"]
 
 log = logging.getLogger("mlflow_llmeff.monitor.meter")  # the monitor's own logger, as before the split
 
 
-def reduce_counts(mon, t):
+def edge(p: Parts, collective: bool = True) -> None:
+    """Account the pending steps: counts summed over ranks (with ``collective`` on several ranks: a
+    collective), with their step seconds, into the throughput meter and the step times."""
+    rec = p.record
+    reduce = partial(reduce_counts, p) if (collective and p.world_size > 1) else None
+    counts = p.tally.take(rec.pending_steps, reduce=reduce)
+    p.meter.add(counts, rec.pending_s)
+    time_steps(p, counts, rec.pending_s)
+    rec.pending_steps, rec.pending_s = 0, 0.0
+
+
+def reduce_counts(p: Parts, t):
     """Counts summed over every rank, then made the global batch's by the run's counting rule
     (:func:`~mlflow_llmeff.parallel.degrees.token_counting`): divided by the ranks that counted the
     same tokens (tensor/pipeline copies), and, where context-parallel ranks counted slices of the
@@ -40,12 +55,12 @@ def reduce_counts(mon, t):
     import torch
 
     t = collectives.reduce_tensor(t)
-    rule = mon._counting
+    rule = p.counting
     r, k = rule.copies, rule.slices
     if r > 1 or k > 1:
         counts = t[:5]  # REDUCE_LAYOUT: tokens, loss tokens, sum(l^2), padded, samples; then the unknowns,
-        if r > 1 and bool((counts % r).any()) and not getattr(mon, "_replica_warned", False):  # kept as sums
-            mon._replica_warned = True
+        if r > 1 and bool((counts % r).any()) and not p.record.replica_warned:  # kept as sums
+            p.record.replica_warned = True
             warnings.warn(f"mlflow_llmeff: token counts summed over ranks are not a multiple of the {r} ranks of "
                           "a model-parallel group: its ranks counted different batches", stacklevel=3)
         mul = torch.tensor([1, 1, k, 1, 1], dtype=t.dtype, device=t.device)
@@ -54,20 +69,20 @@ def reduce_counts(mon, t):
     return t
 
 
-def time_steps(mon, counts, window_s: float) -> None:
+def time_steps(p: Parts, counts, window_s: float) -> None:
     """Keep the per-step seconds (device events on CUDA) and phase times of a steady window just added."""
-    device_s = mon._devclock.take(window_s) if mon._devclock is not None else None
-    phase_s = mon._phases.take() if mon._phases is not None else None
-    host_s, mon._pending_step_s = mon._pending_step_s, []
-    if counts.steps == 0 or mon._meter.is_warmup(mon._meter.step):
+    device_s = p.devclock.take(window_s) if p.devclock is not None else None
+    phase_s = p.phases.take() if p.phases is not None else None
+    host_s, p.record.pending_step_s = p.record.pending_step_s, []
+    if counts.steps == 0 or p.meter.is_warmup(p.meter.step):
         return
     secs = device_s if device_s is not None and len(device_s) == len(host_s) else host_s
-    mon._steps.add_window(secs, counts.tokens)
+    p.steps.add_window(secs, counts.tokens)
     if phase_s is not None:
         for phase, s in phase_s.items():
-            mon._phase_s[phase] += s
-        mon._phase_steps += counts.steps
-        mon._phase_step_s += sum(secs)
+            p.record.phase_s[phase] += s
+        p.record.phase_steps += counts.steps
+        p.record.phase_step_s += sum(secs)
 
 
 def absent_text(absent: dict[str, str]) -> str:
@@ -79,7 +94,7 @@ def absent_text(absent: dict[str, str]) -> str:
     return "; ".join(f"{', '.join(keys)}: {why}" for why, keys in by_why.items())
 
 
-def unknown_counts(mon, total, window) -> dict[str, str]:
+def unknown_counts(p: Parts, total, window) -> dict[str, str]:
     """Interval keys that rest on a count the run was not given (:data:`~mlflow_llmeff.monitor.counting.UNKNOWN_WHY`):
     the cumulative padded and loss-bearing tokens (``total``), samples/s and the FLOPs figures of the
     steady ``window`` (its :class:`~mlflow_llmeff.calc.throughput.Counts`, or None); key -> why."""
@@ -90,98 +105,109 @@ def unknown_counts(mon, total, window) -> dict[str, str]:
         why[names.TRAIN_LOSS_TOKENS] = UNKNOWN_WHY["loss"]
     if window is not None and window.samples_unknown:
         why[names.TPUT_SAMPLES] = UNKNOWN_WHY["samples"]
-    if window is not None and window.lengths_unknown and mon._account.shape is not None:
+    if window is not None and window.lengths_unknown and p.account.shape is not None:
         flops = (names.TPUT_DEVICE_TFLOPS,) + ((names.TPUT_DEVICE_MFU, names.TPUT_DEVICE_HFU)
-                                               if mon._account.peak_tflops is not None else ())
+                                               if p.account.peak_tflops is not None else ())
         why.update(dict.fromkeys(flops, UNKNOWN_WHY["lengths"]))
     return why
 
 
-def note_unknown(mon, why: dict[str, str]) -> None:
+def note_unknown(p: Parts, why: dict[str, str]) -> None:
     """Tag ``llmeff.interval.absent`` (rank 0) with every interval key left out so far for an unknown count."""
-    seen = getattr(mon, "_interval_absent", {})
+    seen = p.record.interval_absent
     if why and not why.items() <= seen.items():
-        mon._interval_absent = {**seen, **why}
-        mon._logger.set_tags({names.INTERVAL_ABSENT: absent_text(mon._interval_absent)}, synchronous=False)
+        p.record.interval_absent = {**seen, **why}
+        p.logger.set_tags({names.INTERVAL_ABSENT: absent_text(p.record.interval_absent)}, synchronous=False)
 
 
-def log_interval(mon, step: int, collective: bool = True) -> None:
+def log_interval(p: Parts, step: int, collective: bool = True) -> None:
     """The interval metrics at a logged step (a collective: losses, energy and memory over ranks)."""
-    total = mon._meter.total
-    loss_sum, loss_n = refresh_consumption(mon, collective, mon._tally.take_loss())
-    alloc, reserved, _ = memory(mon, collective)
+    total = p.meter.total
+    loss_sum, loss_n = refresh_consumption(p, collective, p.tally.take_loss())
+    alloc, reserved, _ = memory(p, collective)
     m: dict[str, float] = {names.TRAIN_TOKENS: total.tokens, names.TRAIN_PADDED_TOKENS: total.padded_tokens,
                            names.TRAIN_LOSS_TOKENS: total.loss_tokens,
                            names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
-    unknown = unknown_counts(mon, total, None)
+    unknown = unknown_counts(p, total, None)
     if loss_n:
         m[names.TRAIN_LOSS] = loss_sum / loss_n
-        if not math.isfinite(m[names.TRAIN_LOSS]) and mon._nonfinite is None:
-            mon._nonfinite = (step, m[names.TRAIN_LOSS])
-    lr = learning_rate(mon)
+        if not math.isfinite(m[names.TRAIN_LOSS]) and p.record.nonfinite is None:
+            p.record.nonfinite = (step, m[names.TRAIN_LOSS])
+    lr = learning_rate(p)
     if lr is not None:
         m[names.TRAIN_LR] = lr
-    rates = mon._meter.interval()
-    if rates is not None and mon._meter.total.tokens == 0:
-        note_nothing_counted(mon)
+    rates = p.meter.interval()
+    if rates is not None and p.meter.total.tokens == 0:
+        note_nothing_counted(p)
         rates = None  # no token was counted: a rate of 0 tokens/s would be a number nobody measured
     if rates is not None:
-        m.update(mon._account.interval_metrics(rates))
-        warn_mfu(mon, m.get(names.TPUT_DEVICE_MFU), f"step {step}")
-        unknown = unknown_counts(mon, total, rates.counts)
+        m.update(p.account.interval_metrics(rates))
+        warn_mfu(p, m.get(names.TPUT_DEVICE_MFU), f"step {step}")
+        unknown = unknown_counts(p, total, rates.counts)
     for key in unknown:  # a count not given is left out, never its default
         m.pop(key, None)
-    note_unknown(mon, unknown)
-    m.update(mon._consumption.interval(mon._ledger.wall_s(), total.tokens))
-    m.update(mon._contention.interval(collective))
-    note_unknown(mon, getattr(mon._contention, "interval_why", {}))
-    mon._totals_step = step
-    mon._latest = m
-    mon._logger.log_metrics(m, step)
-    if mon._heartbeat_path and mon.is_main:
-        write_heartbeat(mon._heartbeat_path, mon.run_id, step, m)
+    note_unknown(p, unknown)
+    m.update(p.consumption.interval(p.ledger.wall_s(), total.tokens))
+    m.update(p.contention.interval(collective))
+    note_unknown(p, getattr(p.contention, "interval_why", {}))
+    p.record.totals_step = step
+    p.record.latest = m
+    p.logger.log_metrics(m, step)
+    if p.heartbeat_path and p.is_main:
+        write_heartbeat(p.heartbeat_path, p.logger.run_id, step, m)
 
 
-def log_eval(mon, values: dict[str, float], step: int) -> None:
+def check_loss(p: Parts, collective: bool = True) -> None:
+    """Set ``p.record.nonfinite`` at the current step when the mean of the losses counted since the last
+    logged step is not finite (on any rank, with ``collective``: a collective). Synchronizes the device."""
+    s, n = p.tally.peek_loss()
+    bad = 1.0 if (n and not math.isfinite(s)) else 0.0
+    if collective and p.world_size > 1:
+        bad = collectives.all_reduce([bad], op="max")[0]
+    if bad:
+        p.record.nonfinite = (p.step_count, s / n if n else float("nan"))
+
+
+def log_eval(p: Parts, values: dict[str, float], step: int) -> None:
     """Rank 0: ``eval/*`` at ``step`` (an ``eval/`` prefix dropped, ``val_perplexity`` = exp(``val_loss``)
     added, MMLU subjects as one table); then ``ttq/*`` for the targets the values reach (:func:`log_ttq`)."""
     clean = {(k[len("eval/"):] if k.startswith("eval/") else k): float(v) for k, v in values.items()}
     if "val_loss" in clean and "val_perplexity" not in clean:  # one definition on every path
         clean["val_perplexity"] = math.exp(min(clean["val_loss"], 700.0))
-    if mon.is_main:
+    if p.is_main:
         shown, table = split_subjects(clean)
         if table is not None:  # one table per eval; per-subject metrics only when asked
-            mon._logger.log_table(table, SUBJECT_TABLE.format(step=step))
-        mon._logger.log_metrics({f"eval/{k}": v for k, v in (clean if mon._subject_metrics else shown).items()},
+            p.logger.log_table(table, SUBJECT_TABLE.format(step=step))
+        p.logger.log_metrics({f"eval/{k}": v for k, v in (clean if p.subject_metrics else shown).items()},
                                 step)
-    newly = [t for t in mon._targets if t.key not in mon._reached and t.reached(clean.get(t.metric))]
+    newly = [t for t in p.targets if t.key not in p.record.reached and t.reached(clean.get(t.metric))]
     if newly:
-        log_ttq(mon, newly, step)
+        log_ttq(p, newly, step)
 
 
-def log_ttq(mon, newly, step: int) -> None:
+def log_ttq(p: Parts, newly, step: int) -> None:
     """``ttq/<target>_*`` at the first step the targets ``newly`` are reached (``docs/time.md``, "Time to quality");
     a collective (pending steps are accounted, consumption read over ranks)."""
-    if mon._pending_steps:
-        mon._edge()
-    refresh_consumption(mon)
-    seconds = mon._ledger.snapshot()
-    whole = mon._ledger.wall_s()
+    if p.record.pending_steps:
+        edge(p)
+    refresh_consumption(p)
+    seconds = p.ledger.snapshot()
+    whole = p.ledger.wall_s()
     wall = whole - seconds["init"]
-    held = mon._consumption.device_s(whole, init_s=seconds["init"])  # each attempt at its devices, set-up left out
-    kwh = mon._consumption.total_kwh
-    usd = mon._consumption.cost_usd(wall, device_s=held)
-    figures = {"wall_s": wall, "train_s": mon._ledger.train_s(), "tokens": float(mon._meter.total.tokens),
+    held = p.consumption.device_s(whole, init_s=seconds["init"])  # each attempt at its devices, set-up left out
+    kwh = p.consumption.total_kwh
+    usd = p.consumption.cost_usd(wall, device_s=held)
+    figures = {"wall_s": wall, "train_s": p.ledger.train_s(), "tokens": float(p.meter.total.tokens),
                "device_hours": held / 3600.0, "kwh": kwh, "usd": usd,
-               "kg_co2e": mon._consumption.kg_co2e(kwh)}
+               "kg_co2e": p.consumption.kg_co2e(kwh)}
     for t in newly:
-        mon._reached[t.key] = step
+        p.record.reached[t.key] = step
         keys = t.metric_keys()
-        mon._logger.log_metrics({keys[k]: v for k, v in figures.items() if v is not None}, step)
-        mon._logger.set_tags({t.not_reached_tag: f"reached_at_step_{step}"})
+        p.logger.log_metrics({keys[k]: v for k, v in figures.items() if v is not None}, step)
+        p.logger.set_tags({t.not_reached_tag: f"reached_at_step_{step}"})
 
 
-def refresh_consumption(mon, collective: bool = True, loss: tuple[float, int] = (0.0, 0)) -> tuple[float, int]:
+def refresh_consumption(p: Parts, collective: bool = True, loss: tuple[float, int] = (0.0, 0)) -> tuple[float, int]:
     """Read energy and codecarbon's estimate on every rank and sum them, with ``loss`` (sum, n) riding along.
 
     Each physical device is summed once: a rank adds only the devices it owns
@@ -191,97 +217,85 @@ def refresh_consumption(mon, collective: bool = True, loss: tuple[float, int] = 
     reading, and ``llmeff.energy.span`` says where the energy ends.
     """
     loss_sum, loss_n = loss
-    many = mon.world_size > 1
+    many = p.world_size > 1
     if many and not collective:
         return loss_sum, int(loss_n)
-    mine = _energy_share(mon, many)
-    reading = mon._energy.read() if mon._energy.measures else None
-    est = mon._carbon.running_estimate()
+    mine = _energy_share(p, many)
+    reading = p.energy.read() if p.energy.measures else None
+    est = p.carbon.running_estimate()
     joules, devices, domains = 0.0, 0, 0
     if reading is not None:
         ours = [d for d in reading.per_device_j if d in mine]
         joules = sum(reading.per_device_j[d] for d in ours)
         domains = len(ours)
-        devices = mon._energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
+        devices = p.energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
     local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
-             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains), float(len(mon._energy.unmeasured))]
+             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains), float(len(p.energy.unmeasured))]
     g = collectives.all_reduce(local) if many else local
-    if g[8] != mon._unmeasured_seen:  # a device left the measurement (another process on it): every rank
-        mon._energy_ids = None        # sees the same sum, so all gather the devices and reasons again
-        _energy_share(mon, many)
-    mon._consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
-                            measured_domains=int(g[7]), wall_s=mon._ledger.wall_s())
+    if g[8] != p.record.unmeasured_seen:  # a device left the measurement (another process on it): every rank
+        p.record.energy_ids = None        # sees the same sum, so all gather the devices and reasons again
+        _energy_share(p, many)
+    p.consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
+                         measured_domains=int(g[7]), wall_s=p.ledger.wall_s())
     return g[0], int(g[1])
 
 
-def _energy_share(mon, many: bool) -> set[str]:
+def _energy_share(p: Parts, many: bool) -> set[str]:
     """The device ids this rank reports (once per run: one collective gathering every rank's devices)."""
-    if getattr(mon, "_energy_ids", None) is not None:
-        return mon._energy_ids
-    owned = list(mon._energy.owned)
-    if not owned and mon._energy.measures:  # a meter that names no devices: the ones it reads are its own
-        owned = list(mon._energy.read().per_device_j)
-    mine = {"owned": owned, "unmeasured": mon._energy.unmeasured}
+    if p.record.energy_ids is not None:
+        return p.record.energy_ids
+    owned = list(p.energy.owned)
+    if not owned and p.energy.measures:  # a meter that names no devices: the ones it reads are its own
+        owned = list(p.energy.read().per_device_j)
+    mine = {"owned": owned, "unmeasured": p.energy.unmeasured}
     ranks = collectives.all_gather_object(mine) if many else [mine]
     owners = en.device_owners([r["owned"] for r in ranks])
     unmeasured = {d: why for r in ranks for d, why in r["unmeasured"].items() if d in owners}
     shared = {d: [i for i, r in enumerate(ranks) if d in r["owned"]] for d in owners}
-    mon._consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
-    mon._energy_ids = {d for d, rank in owners.items() if rank == mon.rank}
-    mon._unmeasured_seen = float(sum(len(r["unmeasured"]) for r in ranks))
-    return mon._energy_ids
+    p.consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
+    p.record.energy_ids = {d for d, rank in owners.items() if rank == p.rank}
+    p.record.unmeasured_seen = float(sum(len(r["unmeasured"]) for r in ranks))
+    return p.record.energy_ids
 
 
-def note_energy_head_gap(mon) -> None:
-    """Set-up seconds of this attempt before the energy meter started: in summary/wall_s, not in the energy."""
-    if not mon._energy.measures:
-        return
-    try:
-        elapsed = mon._energy.read().elapsed_s
-    except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
-        return
-    attempt = mon._ledger.snapshot()["init"] - mon._ledger.seconds["init"]  # still in init: this attempt so far
-    mon._consumption.head_gap_s += max(0.0, attempt - elapsed)
-
-
-def memory(mon, collective: bool = True) -> tuple[float, float, str]:
+def memory(p: Parts, collective: bool = True) -> tuple[float, float, str]:
     """Peak allocated and reserved memory in GiB (max over ranks with ``collective``) and their source."""
     import torch
 
-    dev = mon._device if mon._device is not None else torch.device("cpu")
+    dev = p.device if p.device is not None else torch.device("cpu")
     alloc, reserved, source = peak_memory_gib(dev)
-    mon._memory_source = source
+    p.record.memory_source = source
     if collective:
         alloc, reserved = collectives.all_reduce([alloc, reserved], op="max")
     return alloc, reserved, source
 
 
-def learning_rate(mon) -> float | None:
+def learning_rate(p: Parts) -> float | None:
     """The learning rate given to ``step()``, else the optimizer's first group's, else None."""
-    if mon._lr is not None:
-        return mon._lr
+    if p.record.lr is not None:
+        return p.record.lr
     try:
-        lr = mon._optimizer.param_groups[0]["lr"] if mon._optimizer is not None else None
+        lr = p.optimizer.param_groups[0]["lr"] if p.optimizer is not None else None
         return float(lr) if lr is not None else None
     except Exception:  # noqa: BLE001
         return None
 
 
-def note_nothing_counted(mon) -> None:
+def note_nothing_counted(p: Parts) -> None:
     """Warn once (and tag) that steps ran with no token counted: no rate is logged."""
-    if getattr(mon, "_nothing_noted", False):
+    if p.record.nothing_noted:
         return
-    mon._nothing_noted = True
+    p.record.nothing_noted = True
     msg = ("EfficiencyMonitor.step() ran with no token counted (pass batch= or tokens= to step() or count()): "
            "no throughput, MFU or per-token figure is logged")
     warnings.warn(f"mlflow_llmeff: {msg}", stacklevel=4)  # the user's step() or finish()
-    mon._logger.set_tags({names.AUTOLOG_NOTE: msg}, synchronous=False)
+    p.logger.set_tags({names.AUTOLOG_NOTE: msg}, synchronous=False)
 
 
-def warn_mfu(mon, mfu: float | None, where: str) -> None:
+def warn_mfu(p: Parts, mfu: float | None, where: str) -> None:
     """Warn once (and tag ``llmeff.mfu_warning``) about an implausible MFU; it is reported, never clipped."""
     warn = fl.mfu_warning(mfu)
-    if warn and not getattr(mon, "_mfu_warned", False):  # reported, never clipped
-        mon._mfu_warned = True
+    if warn and not p.record.mfu_warned:  # reported, never clipped
+        p.record.mfu_warned = True
         log.warning(warn)
-        mon._logger.set_tags({names.MFU_WARNING: f"{where}: {warn}"}, synchronous=False)
+        p.logger.set_tags({names.MFU_WARNING: f"{where}: {warn}"}, synchronous=False)

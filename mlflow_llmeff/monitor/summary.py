@@ -7,8 +7,8 @@ parameter, and the consumption totals (energy, carbon, cost). :func:`stability_f
 dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
 :func:`end_tags` the tags that say where each figure comes from, and :func:`batch_shapes` the padded
 shapes of every rank's micro-batches (a shape that varied is tagged ``dynamic`` at the end). These
-functions read the monitor's state (``mon``); with ``collective`` they reduce over ranks (call on
-every rank).
+functions work on the monitor's components and run record (:class:`~mlflow_llmeff.monitor.parts.Parts`,
+``p``); with ``collective`` they reduce over ranks (call on every rank).
 """
 
 from __future__ import annotations
@@ -25,60 +25,61 @@ from mlflow_llmeff.monitor import binding, points
 from mlflow_llmeff.monitor.assembly import assumed_tag
 from mlflow_llmeff.monitor.conditions import unwrap_model
 from mlflow_llmeff.monitor.counting import ShapeRange
+from mlflow_llmeff.monitor.parts import Parts
 from mlflow_llmeff.names import shorten
 
 __all__ = ["conclude", "figures", "stability_figures", "batch_shapes", "headline", "end_tags"]
 
 
-def conclude(mon, collective: bool) -> dict[str, float]:
+def conclude(p: Parts, collective: bool) -> dict[str, float]:
     """Account the last steps, close the clock and log ``summary/*`` with the end tags (rank 0); returns
     the summary. With ``collective`` the tail after the last window edge is summed over ranks; without
     it (rank 0 alone) that tail is left out and ``llmeff.autolog.note`` says so."""
     note = None
-    step = mon.step_count
-    if mon._pending_steps:
+    step = p.step_count
+    if p.record.pending_steps:
         if collective:
-            mon._edge()
+            points.edge(p)
         else:
-            note = (f"steps {mon._meter.step + 1}..{step} after the last window edge are not in the totals: "
+            note = (f"steps {p.meter.step + 1}..{step} after the last window edge are not in the totals: "
                     "the run ended on rank 0 only (call finish on every rank, accelerator.end_training() "
                     "or torch.distributed.destroy_process_group())")
-            step = mon._meter.step
-    seconds = mon._ledger.close()  # the wall time ends here; cost and the summary use it
-    job_tags = _job_figures(mon)
-    mon._carbon.stop()
-    if step > 0 and mon._totals_step != step:  # counters and totals at the last step, once
-        points.log_interval(mon, step, collective)
+            step = p.meter.step
+    seconds = p.ledger.close()  # the wall time ends here; cost and the summary use it
+    job_tags = _job_figures(p)
+    p.carbon.stop()
+    if step > 0 and p.record.totals_step != step:  # counters and totals at the last step, once
+        points.log_interval(p, step, collective)
     else:  # each key is logged once per step: the end-of-run totals are the summary's
-        points.refresh_consumption(mon, collective)
-    mon._absent = {}  # summary/* key -> why it is undefined for this run (llmeff.summary.absent)
-    out = figures(mon, seconds, collective)
-    out.update(stability_figures(mon, collective))
-    shapes = batch_shapes(mon, collective)
-    if mon.is_main:
+        points.refresh_consumption(p, collective)
+    p.record.absent = {}  # summary/* key -> why it is undefined for this run (llmeff.summary.absent)
+    out = figures(p, seconds, collective)
+    out.update(stability_figures(p, collective))
+    shapes = batch_shapes(p, collective)
+    if p.is_main:
         # a batch shape that varied: 'dynamic', the ranges over the whole run, the name without gbt/s
-        tags = {**end_tags(mon, note), **binding.varying_shape(mon, shapes), **job_tags}
-        refilled = mon._tally.refilled
+        tags = {**end_tags(p, note), **binding.varying_shape(p, shapes), **job_tags}
+        refilled = p.tally.refilled
         if refilled:
             tags[names.COUNTING_REFILLED] = (f"{refilled} CPU micro-batches kept for their window's edge had their "
                                              "tensors written in place before it: counted as they then were")
-        if (mon._end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
-                and "mlflow.note.content" not in getattr(mon, "_given_tags", ())):  # a failure keeps its why
-            tags["mlflow.note.content"] = headline(mon, out)
-            if mon._job_note:  # what happened across the job's attempts
-                tags["mlflow.note.content"] += f"\n\n{mon._job_note}"
-        mon._logger.set_tags(tags)
-        mon._logger.log_metrics(out, max(step, 0))
-        points.warn_mfu(mon, out.get(names.SUM_MFU), "summary")
+        if (p.record.end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
+                and "mlflow.note.content" not in p.record.given_tags):  # a failure keeps its why
+            tags["mlflow.note.content"] = headline(p, out)
+            if p.record.job_note:  # what happened across the job's attempts
+                tags["mlflow.note.content"] += f"\n\n{p.record.job_note}"
+        p.logger.set_tags(tags)
+        p.logger.log_metrics(out, max(step, 0))
+        points.warn_mfu(p, out.get(names.SUM_MFU), "summary")
     return out
 
 
-def batch_shapes(mon, collective: bool) -> ShapeRange | None:
+def batch_shapes(p: Parts, collective: bool) -> ShapeRange | None:
     """The padded lengths and micro-batch sizes of the run's micro-batches (:attr:`StepTally.shapes
     <mlflow_llmeff.monitor.counting.StepTally.shapes>`), over every rank with ``collective`` (one
     ``max`` all-reduce of the negated minima and the maxima); None when no batch had a shape."""
-    mine = mon._tally.shapes
-    if not collective or mon.world_size == 1:
+    mine = p.tally.shapes
+    if not collective or p.world_size == 1:
         return mine
     none = -(2 ** 62)  # a rank without a shaped batch: below every negated minimum, and a maximum of 0
     v = collectives.all_reduce([-mine.seq[0], mine.seq[1], -mine.batch[0], mine.batch[1]] if mine else
@@ -95,92 +96,92 @@ NO_JOB_LOOP = ("a monitored loop sees one process, not its job's restarts: no su
                "time or MTBF (llmeff train with --checkpoint-dir counts them)")
 
 
-def _job_figures(mon) -> dict[str, str]:
+def _job_figures(p: Parts) -> dict[str, str]:
     """The job's reliability figures at the clock's end (EfficiencyMonitor.set_job_figures): its
     metrics join the summary, its line the description; returns its tags."""
-    if not mon.is_main:
+    if not p.is_main:
         return {}
-    if mon._job_figures is None:  # absent, and why (never a made-up 'attempts 1')
-        return {names.RELIABILITY_WHY: NO_JOB_TRAIN if mon._integration == "train" else NO_JOB_LOOP}
+    if p.record.job_figures is None:  # absent, and why (never a made-up 'attempts 1')
+        return {names.RELIABILITY_WHY: NO_JOB_TRAIN if p.integration == "train" else NO_JOB_LOOP}
     import time
 
     try:
-        metrics, tags, mon._job_note = mon._job_figures(time.time())
+        metrics, tags, p.record.job_note = p.record.job_figures(time.time())
     except Exception as e:  # noqa: BLE001 - reliability figures never stop the run's end
         return {names.RELIABILITY_WHY: f"not computed: {type(e).__name__}: {shorten(str(e), 300)}"}
-    mon._extra_summary.update({k: float(v) for k, v in metrics.items()})
+    p.record.extra_summary.update({k: float(v) for k, v in metrics.items()})
     return dict(tags)
 
 
-def figures(mon, seconds: dict[str, float], collective: bool) -> dict[str, float]:
+def figures(p: Parts, seconds: dict[str, float], collective: bool) -> dict[str, float]:
     """Every ``summary/*`` figure of the run (all attempts); ``seconds``: the ledger's closed seconds by category."""
-    parts = breakdown(seconds, mon._ledger.warmup_steps, mon._ledger.steady_steps, compiled=mon.compiled)
-    if mon._down_s:  # the job's down time between attempts: part of its wall time (docs/time.md)
-        parts = with_down(parts, mon._down_s)
-    tokens = mon._meter.total.tokens
-    out: dict[str, float] = {names.SUM_TOKENS: float(tokens), names.SUM_STEPS: float(mon._meter.step),
+    parts = breakdown(seconds, p.ledger.warmup_steps, p.ledger.steady_steps, compiled=p.compiled)
+    if p.record.down_s:  # the job's down time between attempts: part of its wall time (docs/time.md)
+        parts = with_down(parts, p.record.down_s)
+    tokens = p.meter.total.tokens
+    out: dict[str, float] = {names.SUM_TOKENS: float(tokens), names.SUM_STEPS: float(p.meter.step),
                              names.SUM_WALL_S: parts["wall"], names.SUM_GOODPUT: goodput(parts)}
     if out[names.SUM_GOODPUT] is None:
-        _absent(mon, names.SUM_GOODPUT, "no wall time (a share of no time is undefined)")
+        _absent(p, names.SUM_GOODPUT, "no wall time (a share of no time is undefined)")
     unknown_excess = None  # the warm-up excess is measured against the steady step time
-    if mon._ledger.steady_steps == 0 and mon._ledger.warmup_steps > 0:
-        unknown_excess = "compile" if mon.compiled else "warmup"
-        why = (f"no steady-state step (all {mon._ledger.warmup_steps} steps were warm-up): the warm-up excess "
+    if p.ledger.steady_steps == 0 and p.ledger.warmup_steps > 0:
+        unknown_excess = "compile" if p.compiled else "warmup"
+        why = (f"no steady-state step (all {p.ledger.warmup_steps} steps were warm-up): the warm-up excess "
                "over steady speed, and so the productive time, is unknown")
         out[names.SUM_GOODPUT] = None
-        _absent(mon, names.SUM_GOODPUT, why)
-        _absent(mon, names.SUM_BADPUT[unknown_excess], why)
+        _absent(p, names.SUM_GOODPUT, why)
+        _absent(p, names.SUM_BADPUT[unknown_excess], why)
     for c in names.BADPUT_CATEGORIES:
         if c in parts and c != unknown_excess:
             out[names.SUM_BADPUT[c]] = parts[c]
-    rates = mon._meter.summary()
+    rates = p.meter.summary()
     tflops = None
     if rates is None or tokens == 0:  # no steady rate: a rate over no time, or of no counted token
         why = ("no token counted (pass batch= or tokens= to step())" if rates is not None else
-               f"no steady-state step time (all {mon._meter.step} steps were warm-up, or took no time)")
+               f"no steady-state step time (all {p.meter.step} steps were warm-up, or took no time)")
         for key in (names.SUM_TOKENS_PER_SEC, names.SUM_DEVICE_TOKENS_PER_SEC, names.SUM_STEP_TIME_S):
-            _absent(mon, key, why)
+            _absent(p, key, why)
     if rates is not None and tokens == 0:
-        points.note_nothing_counted(mon)
+        points.note_nothing_counted(p)
         rates = None
     if rates is not None:
         out.update({names.SUM_TOKENS_PER_SEC: rates.tokens_per_sec,
                     names.SUM_DEVICE_TOKENS_PER_SEC: rates.device_tokens_per_sec,
                     names.SUM_STEP_TIME_S: rates.step_time_s})
-        flops_figures, tflops = mon._account.summary_figures(rates)
+        flops_figures, tflops = p.account.summary_figures(rates)
         out.update(flops_figures)
-        for key, why in mon._account.absent_figures(flops_figures, rates).items():
-            _absent(mon, key, why)
-    out.update(_memory_figures(mon, collective))
+        for key, why in p.account.absent_figures(flops_figures, rates).items():
+            _absent(p, key, why)
+    out.update(_memory_figures(p, collective))
     # cost and energy over the attempts' time: no device is held or read while no attempt runs
-    out.update(mon._consumption.summary(parts["wall"] - parts.get("down", 0.0), tokens, tflops))
-    for key, why in mon._consumption.absent().items():
-        _absent(mon, key, why)
-    out.update(mon._extra_summary)
+    out.update(p.consumption.summary(parts["wall"] - parts.get("down", 0.0), tokens, tflops))
+    for key, why in p.consumption.absent().items():
+        _absent(p, key, why)
+    out.update(p.record.extra_summary)
     return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
 
-def stability_figures(mon, collective: bool) -> dict[str, float]:
+def stability_figures(p: Parts, collective: bool) -> dict[str, float]:
     """Dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
-    their tags wait in ``mon._stability_tags`` for :func:`end_tags`."""
-    s = mon._steps.analyse()
-    mon._stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
+    their tags wait in ``p.record.stability_tags`` for :func:`end_tags`."""
+    s = p.steps.analyse()
+    p.record.stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
     out: dict[str, float] = {}
     if s is None:  # no steady step that took time: no spread, percentile or interval of one
         for key in (names.SUM_STEP_TIME_P50_S, names.SUM_STEP_TIME_P90_S, names.SUM_STEP_TIME_CV, names.SUM_STALL_S,
                     names.SUM_STALLS, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH):
-            _absent(mon, key, "no steady-state step time")
+            _absent(p, key, "no steady-state step time")
     else:
         out.update({names.SUM_STEP_TIME_P50_S: s.p50_step_s, names.SUM_STEP_TIME_P90_S: s.p90_step_s})
         if s.cv is not None:
             out[names.SUM_STEP_TIME_CV] = s.cv
         else:
-            _absent(mon, names.SUM_STEP_TIME_CV, f"{s.steps} steady step (a spread needs at least 2)")
+            _absent(p, names.SUM_STEP_TIME_CV, f"{s.steps} steady step (a spread needs at least 2)")
         if s.steps >= 3:
             out.update({names.SUM_STALL_S: s.stall_s, names.SUM_STALLS: float(s.stalls)})
         else:  # a step over 5x the median of 1 or 2 steps cannot exist: a count of 0 would say nothing
             for key in (names.SUM_STALL_S, names.SUM_STALLS):
-                _absent(mon, key, f"{s.steps} steady step{'' if s.steps == 1 else 's'} (a stall is a step over "
+                _absent(p, key, f"{s.steps} steady step{'' if s.steps == 1 else 's'} (a stall is a step over "
                                   f"{st.STALL_FACTOR:g}x the median: none can be among fewer than 3)")
         if s.ci95 is None:  # refused: llmeff.stability says the same in its words
             why = (f"{s.steps} steady step{'' if s.steps == 1 else 's'} (an interval needs at least {st.MIN_STEPS})"
@@ -188,67 +189,67 @@ def stability_figures(mon, collective: bool) -> dict[str, float]:
                    else f"too few independent steps ({s.n_eff:.1f} of {s.steps}; at least "
                         f"{st.MIN_EFFECTIVE_STEPS:g} needed)" if s.n_eff is not None else "no steady tokens")
             for key in (names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH):
-                _absent(mon, key, why)
+                _absent(p, key, why)
         else:
             # centred on the mean the summary reports (the same steps; they differ by float32
             # storage in checkpoints and device-event rounding only); without that mean, no interval
-            tps = _steady_tps(mon)
+            tps = _steady_tps(p)
             if tps and s.tokens_per_sec:
                 scale = tps / s.tokens_per_sec
                 out[names.SUM_TPS_CI95_LOW], out[names.SUM_TPS_CI95_HIGH] = s.ci95[0] * scale, s.ci95[1] * scale
             else:
                 for key in (names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH):
-                    _absent(mon, key, "no steady-state tokens/s to centre the interval on")
-    contention, tags = mon._contention.finish(collective)
+                    _absent(p, key, "no steady-state tokens/s to centre the interval on")
+    contention, tags = p.contention.finish(collective)
     out.update(contention)
-    why = getattr(mon._contention, "absent_why", None)
+    why = getattr(p.contention, "absent_why", None)
     if why:
         for key in (names.SUM_HOST_OTHER_CPU, names.SUM_HOST_STEAL):
             if key not in contention:
-                _absent(mon, key, why)
-    mon._stability_tags.update(tags)
-    if not collective and mon.world_size > 1:
+                _absent(p, key, why)
+    p.record.stability_tags.update(tags)
+    if not collective and p.world_size > 1:
         for key in (names.SUM_STRAGGLER_RATIO, *names.SUM_PHASE_STRAGGLER.values()):
-            _absent(mon, key, "the run ended on rank 0 only: the other ranks' phase times could not be gathered "
+            _absent(p, key, "the run ended on rank 0 only: the other ranks' phase times could not be gathered "
                               "(llmeff.autolog.note)")
-    if collective and mon.world_size > 1:
-        out.update(straggler_figures(mon))
+    if collective and p.world_size > 1:
+        out.update(straggler_figures(p))
     return out
 
 
-def _rank_times(mon) -> dict:
+def _rank_times(p: Parts) -> dict:
     """This rank's host, mean seconds per steady step of each phase it timed, and mean step time."""
     import socket
 
-    n = getattr(mon, "_phase_steps", 0)
-    timer = getattr(mon, "_phases", None)
-    timed = [p for p, ok in timer.timed.items() if ok] if timer is not None else []
+    n = p.record.phase_steps
+    timer = p.phases
+    timed = [phase for phase, ok in timer.timed.items() if ok] if timer is not None else []
     return {"host": socket.gethostname(), "steps": n,
-            "phases": {p: mon._phase_s[p] / n for p in timed} if n else {},
-            "step_s": mon._phase_step_s / n if n else None}
+            "phases": {phase: p.record.phase_s[phase] / n for phase in timed} if n else {},
+            "step_s": p.record.phase_step_s / n if n else None}
 
 
 def _ms(x: float) -> str:
     return f"{x * 1e3:.4g}"
 
 
-def straggler_figures(mon) -> dict[str, float]:
+def straggler_figures(p: Parts) -> dict[str, float]:
     """``summary/straggler_ratio`` and the phase ratios; the tags ``llmeff.straggler.rank`` (rank, host,
-    phase) and ``llmeff.hosts`` (each host's ranks and times) wait in ``mon._stability_tags``. A
+    phase) and ``llmeff.hosts`` (each host's ranks and times) wait in ``p.record.stability_tags``. A
     collective (every rank's times are gathered)."""
     from mlflow_llmeff.calc.stragglers import RankTimes, stragglers
 
-    got = collectives.all_gather_object(_rank_times(mon))
+    got = collectives.all_gather_object(_rank_times(p))
     idle = [str(r) for r, g in enumerate(got) if not g["steps"]]
     keys = (names.SUM_STRAGGLER_RATIO, *names.SUM_PHASE_STRAGGLER.values())
     if idle:  # a ratio over a rank with no timed step is undefined, never 1.0
         for key in keys:
-            _absent(mon, key, f"no timed steady step on rank{'s' if len(idle) > 1 else ''} {', '.join(idle)}")
+            _absent(p, key, f"no timed steady step on rank{'s' if len(idle) > 1 else ''} {', '.join(idle)}")
         return {}
     found = stragglers([RankTimes(g["host"], g["phases"], g["step_s"]) for g in got])
     if found is None:
         for key in keys:
-            _absent(mon, key, "no phase timed on every rank, or the median rank's compute time is 0")
+            _absent(p, key, "no phase timed on every rank, or the median rank's compute time is 0")
         return {}
     out = {names.SUM_STRAGGLER_RATIO: found.ratio}
     for phase, key in names.SUM_PHASE_STRAGGLER.items():
@@ -256,7 +257,7 @@ def straggler_figures(mon) -> dict[str, float]:
             out[key] = found.phase_ratios[phase]
         else:
             untimed = [str(r) for r, g in enumerate(got) if phase not in g["phases"]]
-            _absent(mon, key, f"{phase} not timed on rank{'s' if len(untimed) > 1 else ''} {', '.join(untimed)} (its "
+            _absent(p, key, f"{phase} not timed on rank{'s' if len(untimed) > 1 else ''} {', '.join(untimed)} (its "
                               "optimizer has no step hooks)" if untimed else f"the median rank's {phase} time is 0")
     r = found.rank
     mine = got[r]["phases"]
@@ -264,11 +265,11 @@ def straggler_figures(mon) -> dict[str, float]:
     waits = [w for w in found.wait_s if w is not None]
     wait = (f"; collective wait and other: rank {r} {_ms(found.wait_s[r])} ms/step, the median rank "
             f"{_ms(st.percentile(waits, 50))}" if found.wait_s[r] is not None and waits else "")
-    mon._stability_tags[names.STRAGGLER_RANK] = (
+    p.record.stability_tags[names.STRAGGLER_RANK] = (
         f"rank {r} on host {found.host}: {found.phase}{of} ({_ms(mine[found.phase])} vs "
         f"{_ms(found.medians[found.phase])} ms/step); compute ({' + '.join(found.phases)}) {found.ratio:.3g}x "
         f"({_ms(found.compute_s[r])} vs {_ms(found.medians['compute'])} ms/step){wait}")
-    mon._stability_tags[names.HOSTS] = hosts_text(got, found)
+    p.record.stability_tags[names.HOSTS] = hosts_text(got, found)
     return out
 
 
@@ -290,40 +291,38 @@ def hosts_text(got: list[dict], found) -> str:
     return "; ".join(parts)
 
 
-def _absent(mon, key: str, why: str) -> None:
+def _absent(p: Parts, key: str, why: str) -> None:
     """Record that ``key`` is undefined for this run (not logged) and why, for ``llmeff.summary.absent``."""
-    if not hasattr(mon, "_absent"):
-        mon._absent = {}
-    mon._absent[key] = why
+    p.record.absent[key] = why
 
 
-def headline(mon, out: dict[str, float]) -> str:
+def headline(p: Parts, out: dict[str, float]) -> str:
     """The run's description: its steady throughput with its interval and stability, and where its
     figures are (the runs table shows an interval metric's last window, not the run's figure)."""
     tps, low, high = (out.get(k) for k in (names.SUM_TOKENS_PER_SEC, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH))
     interval = f" (95% interval {low:,.0f} to {high:,.0f})" if low is not None and high is not None else ""
-    return (f"{tps:,.0f} tokens/s steady state{interval}, {mon.stability or 'stability unknown'}. "
+    return (f"{tps:,.0f} tokens/s steady state{interval}, {p.record.stability_tags.get(names.STABILITY) or 'stability unknown'}. "
             "The run's figures are the summary/* metrics; throughput/* are per-window rates (the runs table "
             "shows their last window).")
 
 
-def _steady_tps(mon) -> float | None:
-    rates = mon._meter.summary()
+def _steady_tps(p: Parts) -> float | None:
+    rates = p.meter.summary()
     return rates.tokens_per_sec if rates is not None and rates.counts.tokens > 0 else None
 
 
-def _memory_figures(mon, collective: bool) -> dict[str, float]:
+def _memory_figures(p: Parts, collective: bool) -> dict[str, float]:
     """``summary/bytes_per_param`` (CUDA allocator peak per parameter) and ``summary/model_state_bytes_per_param``."""
-    inner = unwrap_model(mon._model) if mon._model is not None else None
+    inner = unwrap_model(p.model) if p.model is not None else None
     if inner is None:
         return {}
-    alloc, _, _ = points.memory(mon, collective)
+    alloc, _, _ = points.memory(p, collective)
     out: dict[str, float] = {}
-    if mon._device is not None and mon._device.type == "cuda":  # allocator statistics, never process RSS
-        nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in inner.parameters())  # ZeRO-3: whole
+    if p.device is not None and p.device.type == "cuda":  # allocator statistics, never process RSS
+        nparams = sum(int(getattr(w, "ds_numel", 0)) or w.numel() for w in inner.parameters())  # ZeRO-3: whole
         out[names.SUM_BYTES_PER_PARAM] = alloc * 2**30 / max(1, nparams)
-    if mon._optimizer is not None:
-        state_bytes, model_params = model_state_bytes(inner, mon._optimizer)
+    if p.optimizer is not None:
+        state_bytes, model_params = model_state_bytes(inner, p.optimizer)
         # bytes over no parameter are undefined, never 0 (-1: this rank has no figure; max over ranks)
         bpp = state_bytes / model_params if model_params > 0 else -1.0
         if collective:
@@ -331,46 +330,46 @@ def _memory_figures(mon, collective: bool) -> dict[str, float]:
         if bpp >= 0:
             out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = bpp
         else:
-            _absent(mon, names.SUM_MODEL_STATE_BYTES_PER_PARAM, "the model has no parameters")
+            _absent(p, names.SUM_MODEL_STATE_BYTES_PER_PARAM, "the model has no parameters")
     return out
 
 
-def end_tags(mon, note: str | None) -> dict[str, str]:
+def end_tags(p: Parts, note: str | None) -> dict[str, str]:
     """The tags logged with the summary: HFU method, energy and carbon sources, consumption provenance,
     stability, targets not reached, ``note`` (``llmeff.autolog.note``), the undefined summary figures
     (``llmeff.summary.absent``) and wall time vs MLflow's Duration."""
-    tags = {names.HFU_METHOD: mon._account.hfu_note, **mon._carbon.tags(
-        energy_source=mon._energy.source if mon._consumption.measured else None),
-        **mon._consumption.tags(mon._ledger.wall_s()), **getattr(mon, "_stability_tags", {})}
-    if mon._down_s:  # time between attempts: no process read a counter, no device is priced
-        down = f"{mon._down_s:.3f} s of summary/badput_down_s (no attempt ran)"
+    tags = {names.HFU_METHOD: p.account.hfu_note, **p.carbon.tags(
+        energy_source=p.energy.source if p.consumption.measured else None),
+        **p.consumption.tags(p.ledger.wall_s()), **p.record.stability_tags}
+    if p.record.down_s:  # time between attempts: no process read a counter, no device is priced
+        down = f"{p.record.down_s:.3f} s of summary/badput_down_s (no attempt ran)"
         tags[names.ENERGY_SPAN] = (
             f"{tags[names.ENERGY_SPAN]}; the times above are the attempts' time: summary/wall_s also holds the "
             f"job's {down}, neither measured nor priced in cost/*" if names.ENERGY_SPAN in tags else
             f"cost/* covers the attempts' device time: the job's {down} are not priced")
-    if mon._consumption.devices_changed:  # an elastic restart on another number of devices
-        counts = sorted(set(mon._consumption.prior_devices) | {mon._consumption.devices}, reverse=True)
+    if p.consumption.devices_changed:  # an elastic restart on another number of devices
+        counts = sorted(set(p.consumption.prior_devices) | {p.consumption.devices}, reverse=True)
         tags[names.RESUME_DEVICES] = (
-            f"{', '.join(map(str, counts))} devices across the attempts (this one {mon._consumption.devices}): "
+            f"{', '.join(map(str, counts))} devices across the attempts (this one {p.consumption.devices}): "
             "summary/device_hours, cost/* and the per-device figures (throughput/device/*, summary/device_*, MFU) "
             "count each attempt's seconds at the devices it held")
-    if mon._account.counter_gap:
-        tags[names.FLOPS_COUNTER_GAP] = mon._account.counter_gap
-    if getattr(mon, "_memory_source", None) is not None:
-        tags[names.MEMORY_SOURCE] = mon._memory_source
-    if not mon._consumption.measured and mon._consumption.estimate is not None:
+    if p.account.counter_gap:
+        tags[names.FLOPS_COUNTER_GAP] = p.account.counter_gap
+    if p.record.memory_source is not None:
+        tags[names.MEMORY_SOURCE] = p.record.memory_source
+    if not p.consumption.measured and p.consumption.estimate is not None:
         tags[names.ENERGY_SOURCE] = "codecarbon_estimate"
-        tags[names.ENERGY_WHY] = (f"no measured energy ({mon._energy.why}); only codecarbon's CPU/RAM estimate is "
+        tags[names.ENERGY_WHY] = (f"no measured energy ({p.energy.why}); only codecarbon's CPU/RAM estimate is "
                                   "logged, under energy/estimate/* and carbon/estimate_kg_co2e")
-    for t in mon._targets:
-        if t.key not in mon._reached:
+    for t in p.targets:
+        if t.key not in p.record.reached:
             tags[t.not_reached_tag] = "not_reached"
     if note:
         tags[names.AUTOLOG_NOTE] = note
-    if getattr(mon, "_absent", None):
-        tags[names.SUMMARY_ABSENT] = points.absent_text(mon._absent)
-    tags.update(assumed_tag(mon))
-    tags[names.WALL_VS_DURATION] = wall_vs_duration(getattr(mon, "_created_after_s", None))
+    if p.record.absent:
+        tags[names.SUMMARY_ABSENT] = points.absent_text(p.record.absent)
+    tags.update(assumed_tag(p.assumptions()))
+    tags[names.WALL_VS_DURATION] = wall_vs_duration(p.record.created_after_s)
     return tags
 
 

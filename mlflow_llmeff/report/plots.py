@@ -18,7 +18,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord
 from mlflow_llmeff.report.repeats import Estimate, noisy_pareto_front, standing_order, versus_best
 
-__all__ = ["draw_all", "png", "FIGURES"]
+__all__ = ["draw_all", "png", "pyplot", "FIGURES"]
 
 History = Callable[[str, str], list]
 
@@ -26,7 +26,8 @@ History = Callable[[str, str], list]
 INTERVALS = "95%: t across repeats; one run: +- its machine's between-run floor"
 
 
-def _plt():
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display; imported only when a figure is drawn)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -90,7 +91,7 @@ def clipped_texts(fig) -> list[str]:
 
 def png(fig) -> bytes:
     """The figure laid out (:func:`lay_out`) as PNG bytes (closed afterwards)."""
-    plt = _plt()
+    plt = pyplot()
     buf = io.BytesIO()
     lay_out(fig)
     fig.savefig(buf, format="png", dpi=90)
@@ -131,7 +132,7 @@ def fig_tokens_per_device(rep, history):
     configs = [c for c in rep.configs if c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) is not None]
     if not configs:
         return "tokens_per_device.png: no run has summary/device_tokens_per_sec"
-    plt = _plt()
+    plt = pyplot()
     groups = sorted({rep.group_of(c.runs[0]) for c in configs})
     colours = {g: plt.cm.tab10(i % 10) for i, g in enumerate(groups)}
     configs = sorted(configs, key=lambda c: (rep.group_of(c.runs[0]), c.label))
@@ -180,7 +181,7 @@ def _pareto(configs, xs, ys, *, xlabel, ylabel, title, maximize_x, maximize_y, s
     (never beaten within noise), so a point worse only within noise is drawn on it: a single run is
     beaten only beyond the between-run floor, and never where its kind of machine has none measured.
     ``sizes``: marker areas; ``hollow``: points drawn as outlines (their size figure is unknown)."""
-    plt = _plt()
+    plt = pyplot()
     front = noisy_pareto_front(list(zip(xs, ys)), maximize_x=maximize_x, maximize_y=maximize_y)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     s = sizes or [40] * len(xs)
@@ -333,7 +334,7 @@ def _one_run_each(rep) -> list:
 def fig_loss(rep, history):
     """Training loss against tokens and against wall time (s since the run's first logged point), one
     curve per configuration (its first used repeat) and per run without a summary."""
-    plt = _plt()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
     drawn = 0
     for r in _one_run_each(rep):
@@ -379,7 +380,7 @@ def fig_ttq(rep, history):
     if not bars:
         why = "; ".join(left) if left else "no run was given a time-to-quality target (targets=)"
         return f"ttq.png: no configuration has an MLPerf-scored time to a target ({why})"
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, max(2.6, 0.9 + 0.35 * len(bars))))
     y = range(len(bars))
     ax.barh(y, [b[2] for b in bars], color="tab:green",

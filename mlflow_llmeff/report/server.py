@@ -170,7 +170,7 @@ def _note_png(text: str) -> bytes:
 
     from mlflow_llmeff.report import plots as pl
 
-    plt = pl._plt()
+    plt = pl.pyplot()
     fig = plt.figure(figsize=(7, 1.0))
     fig.text(0.01, 0.5, "\n".join(textwrap.wrap(text, 110)), fontsize=8, va="center", color="0.35")
     return pl.png(fig)
@@ -453,7 +453,7 @@ def _warm_matplotlib() -> None:
     try:
         from mlflow_llmeff.report import plots as pl
 
-        plt = pl._plt()
+        plt = pl.pyplot()
         fig, _ = plt.subplots()
         pl.png(fig)
     except Exception:  # noqa: BLE001 - a page draws without it, only slower

@@ -40,7 +40,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
 from mlflow_llmeff.tracking.search import all_runs
 
-__all__ = ["LOCAL_PREFIX", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
+__all__ = ["LOCAL_PREFIX", "entity", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
            "entity_records", "write_outbox", "read_outbox", "create_run", "keep_only", "runs_of_local_id", "attach_run", "log_inputs", "log_eval", "log_table",
            "log_report", "deliver_outbox_file", "deliver_outbox", "Delivered"]
 
@@ -105,7 +105,8 @@ def entity_records(entries: list) -> list[dict]:
     return out
 
 
-def _entity(rec: dict):
+def entity(rec: dict):
+    """The MLflow entity (``Metric``, ``Param`` or ``RunTag``) of one outbox record."""
     from mlflow.entities import Metric, Param, RunTag
 
     if "m" in rec:
@@ -316,7 +317,7 @@ def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> Deliver
 
     for rec in records:
         if any(k in rec for k in ("m", "p", "t")):
-            batch.append(_entity(rec))
+            batch.append(entity(rec))
             sent += 1
             continue
         send_batch()

@@ -145,7 +145,7 @@ class DeliveryWorker:
 
     def _enqueue_record(self, rec: dict) -> None:
         if any(k in rec for k in ("m", "p", "t")):
-            self._enqueue("batch", [outbox._entity(rec)])
+            self._enqueue("batch", [outbox.entity(rec)])
         else:
             kind = next(iter(rec))
             self._enqueue(kind, None if kind == "report" else rec[kind])

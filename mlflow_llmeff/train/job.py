@@ -59,6 +59,17 @@ def attempt_start_unix() -> float:
     return min(own, given) if given > 0 else own
 
 
+def attempt_start_perf() -> float:
+    """``time.perf_counter()`` of this attempt's start: the launcher's (``llmeff train`` passes its
+    start in ``$LLMEFF_ATTEMPT_START_UNIX``), else this process's."""
+    own = probes.process_start_perf_counter()
+    try:
+        given = float(os.environ.get(START_ENV, ""))
+    except ValueError:
+        return own
+    return min(own, time.perf_counter() - max(0.0, time.time() - given))
+
+
 # ------------------------------------------------------------------------------ heartbeat
 class Heartbeat:
     """Rank 0's per-step heartbeat (:data:`PROGRESS_FILE`): ``beat(step)`` costs one ``pwrite``."""

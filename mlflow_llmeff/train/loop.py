@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from mlflow_llmeff.monitor import lifecycle
 from mlflow_llmeff import names
 from mlflow_llmeff.train import checkpoint as ckpt
-from mlflow_llmeff.train import faults
+from mlflow_llmeff.train import comm, faults, preempt
 from mlflow_llmeff.planning.spec import RunSpec
 from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.train.messages import message_style
@@ -104,7 +104,7 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
     if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
         return _already_done(cfg, t, found)
     job, job_run = _begin_attempt(cfg, t, found, holder, start_unix)
-    preemption = _watch_preemption(cfg, t, holder)
+    preemption = preempt.watch(cfg, t, holder)
     if job is not None:  # an elastic restart starts at its own process start, not the launcher's
         started = max(started, time.perf_counter() - max(0.0, time.time() - job.start_unix))
     monitor = _open_monitor(spec, t, found, started, carbon, job_run)
@@ -117,11 +117,11 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
         job.record_run(monitor.run_id, tracking_uri=_tracking_uri())
         monitor.continue_job(**carry(job.attempts(), found[1]["step"] if found else None))
     if cfg.num_machines > 1:
-        _mark_machine_runs(cfg, monitor)
+        comm.mark_machine_runs(cfg, monitor)
     if monitor.is_main and monitor.run_id and not found:
         _log_dataset(cfg, t, monitor)
     if not found:
-        _probe_comm(spec, t, monitor)
+        comm.probe_comm(spec, t, monitor)
     if found:
         loading = time.time()
         with monitor.pause("checkpoint_load"):
@@ -134,7 +134,7 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
                      preemption=preemption)
     said = _job_figures(job, monitor)
     if stopped is not None:  # the scheduler's warning: checkpointed, this attempt ends preempted
-        return _end_preempted(cfg, t, monitor, job, stopped, said)
+        return preempt.end_preempted(t, monitor, job, stopped, said)
     summary = monitor.finish()
     if job is not None:
         job.end("finished", monitor.step_count)
@@ -177,39 +177,8 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float |
     return job, run_id
 
 
-def _watch_preemption(cfg: TrainConfig, t, holder: dict):
-    """With a checkpoint folder: catch the scheduler's warning signal (train/preempt.py) on every rank;
-    rank 0 clears an earlier attempt's request. None without a folder (nowhere to checkpoint to)."""
-    if not cfg.checkpoint_dir:
-        return None
-    from mlflow_llmeff.train.preempt import Preemption
-
-    p = Preemption(cfg.checkpoint_dir, t.accelerator.is_main_process, t.world)
-    p.begin()
-    p.install()
-    holder["preemption"] = p
-    return p
 
 
-def _end_preempted(cfg: TrainConfig, t, monitor, job, stop: dict, said: dict) -> dict | None:
-    """End a preempted attempt: the run KILLED with why, the attempt ``preempted`` in the ledger (after the
-    summary, as a finished one), the terminal told; returns the result with ``"preempted"`` (its step)."""
-    step = monitor.step_count
-    detail = f"{stop.get('signal') or 'signal'} from the scheduler, stopped after step {step}"
-    why = (f"preempted: {detail}; checkpoint step {step} written, the job continues in this run when "
-           "requeued or run again")
-    said["end"] = "preempted"
-    monitor.set_tags({names.ERROR: why, "mlflow.note.content": f"Killed: {why}"})
-    summary = monitor.finish("KILLED")
-    if job is not None:
-        job.end("preempted", step, detail)
-    if t.accelerator.is_main_process:
-        print(f"llmeff: {why}")
-    from mlflow_llmeff.train.setup import teardown
-
-    teardown(t)
-    return {"run_id": monitor.run_id, "summary": summary, "preempted": step} if t.accelerator.is_main_process \
-        else None
 
 
 def _tracking_uri() -> str | None:
@@ -322,66 +291,8 @@ def _subject_metrics(cfg: TrainConfig) -> bool:
     return cfg.eval_subject_metrics or "mmlu" not in tasks
 
 
-def _mark_machine_runs(cfg: TrainConfig, monitor) -> None:
-    """Several machines: one run. Every rank tells rank 0 the run its machine's launcher made
-    (``MLFLOW_RUN_ID`` under ``mlflow run``, on each machine's first rank), and rank 0 marks those of
-    machines 1.. as parts of its run (tracking/runs.py ``mark_machine_runs``, MLflow issue #3787). A
-    collective; never stops training."""
-    import socket
-
-    from mlflow_llmeff.meters import collectives
-    from mlflow_llmeff.tracking.runs import mark_machine_runs
-
-    first = os.environ.get("LOCAL_RANK", "0") == "0"
-    mine = (cfg.machine_rank, os.environ.get("MLFLOW_RUN_ID", "") if first else "", socket.gethostname())
-    try:
-        every = collectives.all_gather_object(mine)
-        if monitor.is_main and monitor.run_id:
-            said = mark_machine_runs(monitor.run_id, {r: (run, host) for r, run, host in every if r > 0 and run},
-                                       cfg.num_machines)
-            if said:
-                monitor.set_tags({names.MACHINE_RUNS: said})
-                print(f"llmeff: {said}")
-    except Exception as e:  # noqa: BLE001 - measurement never stops training
-        if monitor.is_main:
-            monitor.set_tags({names.MACHINE_RUNS: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
 
-def _probe_comm(spec: RunSpec, t, monitor) -> None:
-    """Bus bandwidth of the run's process group and its link's peak, at step 0 (every rank; cached
-    per machine, so seconds once). Never stops training."""
-    from mlflow_llmeff.calc.comm import probe_message_bytes
-    from mlflow_llmeff.meters import collectives, commprobe
-
-    cfg = spec.options
-
-    if t.world < 2 or not cfg.measure_comm:
-        why = "none: measure_comm=false" if t.world > 1 else "none: one process, no collectives"
-        monitor.set_tags({names.COMM_PROBE: why})
-        return
-    try:
-        with monitor.pause("init"):
-            backend = str(__import__("torch").distributed.get_backend())
-            peak, why = commprobe.detect_link(t.device, backend=backend, nodes=spec.nodes,
-                                              devices_per_node=spec.processes_per_node, head=os.environ.get("MASTER_ADDR"),
-                                              given_gbps=cfg.link_peak_gbps or None)
-            size = probe_message_bytes(peak.gbps if peak else None, nccl=backend == "nccl")  # >= 0.5 s at the peak
-            # every rank reads its own link: the probe's collectives need one size, the largest
-            size = int(collectives.all_reduce([float(size)], op="max")[0])
-            result = commprobe.measure(t.device, nodes=spec.nodes, device_name=monitor.accelerator.name,
-                                       size_bytes=size)
-        metrics, tags = commprobe.probe_figures(result, peak, why)
-        monitor.log_metrics(metrics, 0)
-        monitor.set_tags(tags)
-        if t.accelerator.is_main_process and result is not None:
-            bw = ", ".join(f"{k.split('/')[1].split('_busbw')[0]} {v:.3g}" for k, v in metrics.items()
-                           if k.endswith("_gbps"))
-            util = metrics.get(names.COMM_BUSBW_UTIL)
-            of = (f"; all-reduce {util:.3g} of the {peak.gbps:.4g} GB/s peak ({peak.link})" if util is not None
-                  else f"; peak {why}")
-            print(f"llmeff: communication busbw GB/s ({result.describe().split(':')[0]}): {bw}{of}")
-    except Exception as e:  # noqa: BLE001 - a failed probe is a tag, never the end of training
-        monitor.set_tags({names.COMM_PROBE: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
 
 def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
@@ -438,7 +349,7 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
                 monitor.count(batch, loss=None if bad else loss)
         t.scheduler.step()
         if sampler.due(step):
-            _sampled_comm(sampler, monitor)
+            comm.sampled_comm(sampler, monitor)
         eval_now = _due(step, cfg.eval_every, cfg.max_steps) and (t.data.val is not None or bool(cfg.eval_tasks))
         ckpt_now = bool(cfg.checkpoint_dir) and _due(step, cfg.checkpoint_every, cfg.max_steps)
         monitor.step(learning_rate=lr, edge=eval_now or ckpt_now)
@@ -484,14 +395,6 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
     return None
 
 
-def _sampled_comm(sampler, monitor) -> None:
-    """The sampled steps' ``summary/comm_*`` figures (a collective), kept for the summary."""
-    try:
-        metrics, tags = sampler.figures()
-        monitor.add_summary(metrics)
-        monitor.set_tags(tags)
-    except Exception as e:  # noqa: BLE001 - measurement never stops training
-        monitor.set_tags({names.COMM_SAMPLED: f"failed: {type(e).__name__}: {shorten(str(e), 300)}"})
 
 
 def _next_batch(batches, step: int, first_micro: bool) -> dict:
@@ -652,18 +555,6 @@ def _print_summary(monitor, summary: dict, reliability: str | None = None) -> No
     print("\n".join(report_lines(monitor, summary, reliability if restarted else None)))
 
 
-def _attempt_start_perf() -> float:
-    """``time.perf_counter()`` of this attempt's start: the launcher's (``llmeff train`` passes its
-    start in ``$LLMEFF_ATTEMPT_START_UNIX``), else this process's."""
-    from mlflow_llmeff.meters.probes import process_start_perf_counter
-    from mlflow_llmeff.train.job import START_ENV
-
-    own = process_start_perf_counter()
-    try:
-        given = float(os.environ.get(START_ENV, ""))
-    except ValueError:
-        return own
-    return min(own, time.perf_counter() - max(0.0, time.time() - given))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -671,6 +562,8 @@ def main(argv: list[str] | None = None) -> None:
     [--resolved-json R]`` (R: the launcher's resolution, read, not redone)."""
     import argparse
     import json
+
+    from mlflow_llmeff.train.job import attempt_start_perf
 
     p = argparse.ArgumentParser(prog="mlflow_llmeff.train.loop")
     p.add_argument("--config-json", required=True)
@@ -680,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(**json.loads(args.config_json))
     try:
         run = RunSpec.read(cfg, json.loads(args.resolved_json)) if args.resolved_json else cfg
-        run_training(run, started_at=_attempt_start_perf())
+        run_training(run, started_at=attempt_start_perf())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

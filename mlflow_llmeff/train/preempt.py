@@ -17,8 +17,8 @@ step:
     there. A rank that reached it already (a later request) stops at once.
 
 Each rank checks at the end of every step (two ``stat`` calls, microseconds). Rank 0 removes both
-files when an attempt begins. At the agreed step the loop writes a checkpoint (unless one was just
-written), ends the run KILLED with why, records the attempt's end ``preempted`` (no failure:
+files when an attempt begins (:func:`watch`). At the agreed step the loop writes a checkpoint (unless
+one was just written), then :func:`end_preempted` ends the run KILLED with why, records the attempt's end ``preempted`` (no failure:
 ``calc/reliability.py``), and ``llmeff train`` exits :data:`EXIT_PREEMPTED` after asking SLURM to
 requeue the job (:func:`requeue`): the requeued job resumes the checkpoint in the same run, and the
 time it waited in the queue is down time (``summary/badput_down_s``).
@@ -32,6 +32,8 @@ import signal
 import socket
 import subprocess
 import time
+
+from mlflow_llmeff import names
 
 REQUEST_FILE = "llmeff_preempt_request"
 STOP_FILE = "llmeff_preempt_at"
@@ -197,3 +199,39 @@ def requeue(env: dict | None = None, run=None) -> str:
         return (f"scontrol requeue {job} refused ({why[-1] if why else f'exit {r.returncode}'}); submit with "
                 "sbatch --requeue, or resubmit the job, to resume")
     return f"SLURM job {job} requeued: it resumes from the checkpoint in the same MLflow run"
+
+
+def watch(cfg, t, holder: dict) -> Preemption | None:
+    """With a checkpoint folder (``cfg.checkpoint_dir``): catch the scheduler's warning signal on every rank
+    of the training set-up ``t`` (train/setup.py); rank 0 clears an earlier attempt's request. Kept in
+    ``holder["preemption"]``. None without a folder (nowhere to checkpoint to)."""
+    if not cfg.checkpoint_dir:
+        return None
+    p = Preemption(cfg.checkpoint_dir, t.accelerator.is_main_process, t.world)
+    p.begin()
+    p.install()
+    holder["preemption"] = p
+    return p
+
+
+def end_preempted(t, monitor, job, stop: dict, said: dict) -> dict | None:
+    """End a preempted attempt after its checkpoint: the run KILLED with why, the attempt ``preempted`` in the
+    job's ledger (``job``, after the summary, as a finished one), the terminal told, the set-up ``t`` torn
+    down; ``stop``: the agreed stop (:meth:`Preemption.due`), ``said``: the job figures' holder. Returns
+    the result with ``"preempted"`` (its step) on the main process, else None."""
+    step = monitor.step_count
+    detail = f"{stop.get('signal') or 'signal'} from the scheduler, stopped after step {step}"
+    why = (f"preempted: {detail}; checkpoint step {step} written, the job continues in this run when "
+           "requeued or run again")
+    said["end"] = "preempted"
+    monitor.set_tags({names.ERROR: why, "mlflow.note.content": f"Killed: {why}"})
+    summary = monitor.finish("KILLED")
+    if job is not None:
+        job.end("preempted", step, detail)
+    if t.accelerator.is_main_process:
+        print(f"llmeff: {why}")
+    from mlflow_llmeff.train.setup import teardown
+
+    teardown(t)
+    return {"run_id": monitor.run_id, "summary": summary, "preempted": step} if t.accelerator.is_main_process \
+        else None
