@@ -368,6 +368,8 @@ PRIVATE_REACHES: dict[tuple[str, str], str] = {
     ("models.build", "config._attn_implementation"): "transformers reads the attention kernel from this config field",
     ("monitor.account", "self.config._attn_implementation"): "transformers' attention kernel, as the model runs it",
     ("monitor.counting", "x._version"): "torch's count of in-place writes to a tensor has no public accessor",
+    ("monitor.steptimes", "Variable._execution_engine"):
+        "torch's autograd engine: the end-of-backward callback (queue_callback, as DDP and FSDP use) has no public call",
     ("monitor.steptimes", "optimizer._optimizer_step_pre_hooks"):
         "torch.optim: an optimizer that supports step hooks (a wrapper may not)",
     ("meters.commprobe", "func._opname"): "torch's OpOverload: the collective's bare name inside a dispatch mode",

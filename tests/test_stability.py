@@ -294,6 +294,50 @@ def test_phase_timer_on_cuda_events_ends_the_backward_at_the_last_gradient():
     t.close()
 
 
+class LossModel(torch.nn.Module):
+    """Two linear layers whose forward takes its own loss, as a transformers model given labels does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return SimpleNamespace(loss=self.b(self.a(x)).sum())
+
+
+def test_a_forward_with_its_own_loss_starts_the_backward_at_its_end_with_one_parameter_hook():
+    clock = FakeClock()
+    model = LossModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = PhaseTimer(model, lambda: True, clock, optimizer=opt)
+    # one gradient hook for the whole model (it queues the end of autograd's pass), not one per parameter
+    assert [n for n, q in model.named_parameters() if q._post_accumulate_grad_hooks] == ["a.weight"]
+    model.register_forward_pre_hook(tick(clock, 0.25))
+    model.b.weight.register_hook(tick(clock, 0.5))  # inside the backward
+    opt.register_step_pre_hook(tick(clock, 0.125))
+    loss = model(torch.ones(1, 2)).loss
+    clock.advance(0.0625)  # the loop's own lines between the forward and its backward: in the backward
+    loss.backward()
+    clock.advance(2.0)  # after autograd's pass (DDP's wait, clipping): in no phase
+    opt.step()
+    assert t.take() == {"forward": 0.25, "backward": 0.5625, "optimizer": 0.125}
+    t.close()
+    assert not any(q._post_accumulate_grad_hooks for q in model.parameters())
+
+
+def test_a_loss_taken_outside_the_forward_is_in_neither_phase():
+    clock = FakeClock()
+    model, opt, later = timed_model(clock)
+    t = PhaseTimer(model, lambda: True, clock, optimizer=opt)
+    later()
+    out = model(torch.ones(1, 2))
+    clock.advance(0.0625)  # the loss function on the logits, before the backward reaches them
+    out.sum().backward()
+    opt.step()
+    assert t.take() == {"forward": 0.25, "backward": 0.5, "optimizer": 0.125}
+    t.close()
+
+
 def test_an_optimizer_without_step_hooks_is_not_timed():
     clock = FakeClock()
     model = torch.nn.Linear(2, 2)
@@ -390,3 +434,16 @@ def test_a_failing_timer_never_reaches_the_training_step():
     assert model(torch.zeros(1, 2)).shape == (1, 2)
     assert t.take() == {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     t.close()
+
+
+def test_one_process_installs_no_phase_hook(tracking_uri):
+    # phase times only feed the straggler figures (2+ ranks); their hooks run inside every step
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = EfficiencyMonitor(model=model, optimizer=opt, log_every_n_steps=5, warmup_steps=0, clock=FakeClock(),
+                            measure_energy="none", measure_peak=False, report=False)
+    assert mon.world_size == 1
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert not any(q._post_accumulate_grad_hooks for q in model.parameters())
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    mon.finish()

@@ -172,14 +172,18 @@ def assumed_line(found: dict[str, str]) -> str | None:
 
 def set_up_step_timing(p: Parts, model, contention_meter) -> None:
     """Per-step times (device events on CUDA), each rank's phase times (forward, backward, optimizer), and
-    the contention meter, into ``p``."""
+    the contention meter, into ``p``.
+
+    The phase timer runs on several ranks only: its times feed the straggler figures, which compare
+    ranks (one process has no straggler), and its hooks run inside every step (~20 us of a 15 ms CPU
+    step, ``bench/overhead.py``)."""
     cuda = p.device is not None and p.device.type == "cuda"
     p.steps = StepTimes()
     p.devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
     # this attempt's steady steps' phase times (stragglers) are summed in p.record; the timer takes them
     p.phases = None
     inner = unwrap_model(model) if model is not None else None
-    if inner is not None and hasattr(inner, "register_forward_pre_hook"):
+    if inner is not None and p.world_size > 1 and hasattr(inner, "register_forward_pre_hook"):
         try:
             p.phases = PhaseTimer(inner, p.forward_counts, p.clock,
                                   event=cuda_event_factory() if cuda else None, optimizer=p.optimizer)

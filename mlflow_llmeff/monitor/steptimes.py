@@ -131,13 +131,10 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def _grad_root(out):
-    """The tensor a backward through ``out`` starts at: its ``loss`` when it has one that needs a gradient,
-    else the first tensor of it that does (``logits``: the loss's own backward after it is a few ops), else None."""
+    """The tensor a backward through ``out`` starts at when the loss is taken outside the forward: the
+    first tensor of ``out`` that needs a gradient (``logits``), else None."""
     import torch
 
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss
     if isinstance(out, torch.Tensor):
         return out if out.requires_grad else None
     values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
@@ -145,6 +142,13 @@ def _grad_root(out):
         if isinstance(v, torch.Tensor) and v.requires_grad:
             return v
     return None
+
+
+def _has_loss(out) -> bool:
+    """True when the forward computed its own loss (``out.loss`` needs a gradient: a transformers model
+    given ``labels``); the backward then starts from it, right after the forward."""
+    loss = getattr(out, "loss", None)
+    return loss is not None and getattr(loss, "requires_grad", False)
 
 
 def _torch_optimizer(optimizer):
@@ -163,13 +167,23 @@ class PhaseTimer:
     ``forward``, ``backward`` and ``optimizer`` (:data:`PHASES`).
 
     * forward: the model's ``forward`` (pre- and post-forward hooks on the inner module);
-    * backward: from the backward reaching the forward's output (a hook on its ``loss``, else on
-      its first tensor that needs a gradient) to the last parameter's gradient accumulated (every
-      trainable parameter's post-accumulate-grad hook). Under DDP the gradient all-reduces run
-      asynchronously beside it, and the wait for the last ones (after the last gradient) is not in
-      it. Where no parameter hook fires (an engine that accumulates gradients itself: FSDP2's
-      sharded parameters, DeepSpeed), the backward ends at the next thing seen: the optimizer's
-      step, the next forward, or the window's edge, and so holds the engine's gradient collectives;
+    * backward: from its start to the end of autograd's pass. The end is a callback queued on torch's
+      autograd engine (``Variable._execution_engine.queue_callback``, the call DDP and FSDP make for
+      their own end of backward; queued before theirs, it runs first) from a gradient hook on one
+      parameter (the first trainable one). The start: where the forward computed its own loss
+      (``out.loss``, a transformers model given labels) the forward's end, for nothing but the
+      loop's own lines runs between the two; otherwise the backward reaching the forward's output
+      (a pre-hook on the ``grad_fn`` of its first tensor that needs a gradient), so a loss taken
+      outside the forward is in neither phase. Under DDP the gradient all-reduces run
+      asynchronously beside it, and the wait for the last ones (DDP's own end-of-backward callback)
+      is not in it; an engine that finishes its gradient collectives after autograd returns
+      (DeepSpeed's ``engine.backward`` epilogue) has them in the step's rest too. Where the hooked
+      parameter gets no gradient (an engine that accumulates gradients itself: FSDP2's sharded
+      parameters, DeepSpeed; a parameter frozen later), the backward ends at the next thing seen:
+      the optimizer's step, the next forward, or the window's edge, and so holds the engine's
+      gradient collectives. A transformers model's step costs two hook calls for the backward
+      whatever its parameter count (one hook per parameter's gradient and one on each output, as
+      before, cost ~60 us of a 16 ms CPU step, ``bench/overhead.py``);
     * optimizer: ``optimizer.step()`` (step pre- and post-hooks of the ``torch.optim.Optimizer``
       inside Accelerate's wrapper; none for an optimizer without them: :attr:`timed` says so).
 
@@ -189,16 +203,21 @@ class PhaseTimer:
     def __init__(self, module, active: Callable[[], bool], clock: Callable[[], float],
                  event: Callable[[], Any] | None = None, optimizer=None) -> None:
         self._active, self._clock, self._event = active, clock, event
+        self._mark = event or clock  # (a hook's first call: one frame fewer than the method)
         self._seconds = dict.fromkeys(PHASES, 0.0)
         self._spans: list[tuple[str, Any, Any]] = []  # (phase, start event, end event) on CUDA
         self._fwd: Any = None
         self._opt: Any = None
         self._bwd: Any = None  # start mark of the open backward
-        self._bwd_end: Any = None  # its last parameter gradient's mark
+        self._bwd_end: Any = None  # its end mark (autograd's pass finished)
+        self._queued = False  # the end callback of the open backward is queued
         self._handles = [module.register_forward_pre_hook(self._fwd_pre), module.register_forward_hook(self._fwd_post)]
-        params = [p for p in module.parameters() if p.requires_grad]
-        if params and hasattr(params[0], "register_post_accumulate_grad_hook"):
-            self._handles += [p.register_post_accumulate_grad_hook(self._grad) for p in params]
+        first = next((q for q in module.parameters() if q.requires_grad), None)
+        if first is not None and hasattr(first, "register_post_accumulate_grad_hook"):
+            from torch.autograd import Variable
+
+            self._engine, self._done = Variable._execution_engine, self._bwd_done  # (bound once: the hook is hot)
+            self._handles.append(first.register_post_accumulate_grad_hook(self._grad))
         inner, hooked = _torch_optimizer(optimizer), False
         if inner is not None:
             try:
@@ -212,6 +231,7 @@ class PhaseTimer:
 
     # ---- marks: a host time, or a recorded CUDA event
     def _mark(self) -> Any:
+        """A host time, or a recorded CUDA event (the instance binds ``_mark`` to the one it uses)."""
         return self._event() if self._event else self._clock()
 
     def _add(self, phase: str, start: Any, end: Any) -> None:
@@ -226,7 +246,8 @@ class PhaseTimer:
         self._fwd = self._opt = self._bwd = self._bwd_end = None
 
     def _close_backward(self) -> None:
-        """End an open backward: at its last parameter gradient, else now."""
+        """End an open backward: where autograd's pass ended, else now (a pass still running, or one
+        whose callback never came)."""
         if self._bwd is not None:
             self._add("backward", self._bwd, self._bwd_end if self._bwd_end is not None else self._mark())
             self._bwd = self._bwd_end = None
@@ -243,32 +264,52 @@ class PhaseTimer:
         if self._fwd is None:
             return
         try:
-            self._add("forward", self._fwd, self._mark())
+            end = self._mark()
+            self._add("forward", self._fwd, end)
             self._fwd = None
+            if _has_loss(output):  # the backward starts from the forward's own loss: it starts now
+                self._close_backward()
+                self._bwd, self._queued = end, False
+                return
             root = _grad_root(output)
             if root is not None:
-                root.register_hook(self._bwd_start)
-        except Exception:  # noqa: BLE001
+                node = root.grad_fn
+                if node is not None:  # the first node of the backward through the output
+                    node.register_prehook(self._bwd_start)
+                else:  # a leaf that needs a gradient: its own hook
+                    root.register_hook(self._bwd_start)
+        except Exception:  # noqa: BLE001 - a timer never reaches the user's forward: it stops timing
             self._stop()
 
     def _bwd_start(self, grad) -> None:
         try:
             if self._active():
                 self._close_backward()
-                self._bwd = self._mark()
+                self._bwd, self._queued = self._mark(), False
         except Exception:  # noqa: BLE001
             self._stop()
+
+    def _queue_end(self) -> None:
+        """Queue :meth:`_bwd_done` on autograd's engine (only inside a backward pass), once a backward."""
+        if not self._queued:
+            self._queued = True
+            self._engine.queue_callback(self._done)
 
     def _grad(self, param) -> None:
         if self._bwd is None:
             return
         try:
-            if not self._event:
-                self._bwd_end = self._clock()
-            elif self._bwd_end is None:
-                self._bwd_end = self._event()
-            else:
-                self._bwd_end.record()  # the same event, recorded again: the last gradient's time
+            self._queue_end()
+        except Exception:  # noqa: BLE001
+            self._stop()
+
+    def _bwd_done(self) -> None:
+        """Autograd's pass ended (the engine's callback): the backward's end mark."""
+        self._queued = False
+        if self._bwd is None:
+            return
+        try:
+            self._bwd_end = self._mark()
         except Exception:  # noqa: BLE001
             self._stop()
 
