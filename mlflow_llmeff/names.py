@@ -61,8 +61,8 @@ TPUT_DEVICE_TOKENS = _metric("throughput/device/tokens_per_sec", "tokens/s", "gl
 TPUT_DEVICE_TFLOPS = _metric("throughput/device/model_tflops_per_sec", "TFLOP/s", "achieved model TFLOP/s per device (model FLOPs, megatron convention); absent with MFU and HFU when a micro-batch's sequence lengths are unknown (tokens= without samples= or sum_len_sq=, a flat 1-D batch): attention FLOPs grow with them (llmeff.interval.absent, docs/formulas.md)", I)
 TPUT_DEVICE_MFU = _metric("throughput/device/mfu", "fraction", "model FLOPs utilization against the dense datasheet peak", I)
 TPUT_DEVICE_HFU = _metric("throughput/device/hfu", "fraction", "hardware FLOPs utilization (recomputation included) against the dense peak", I)
-MEM_MAX_ALLOC = _metric("memory/device/max_allocated_gib", "GiB", "peak allocated memory, max over devices (CPU: peak RSS, see llmeff.memory.source)", I)
-MEM_MAX_RESERVED = _metric("memory/device/max_reserved_gib", "GiB", "peak reserved memory, max over devices (CPU: peak RSS, see llmeff.memory.source)", I)
+MEM_MAX_ALLOC = _metric("memory/device/max_allocated_gib", "GiB", "peak allocated memory, max over devices (CPU: peak RSS, read at most once a second, see llmeff.memory.source)", I)
+MEM_MAX_RESERVED = _metric("memory/device/max_reserved_gib", "GiB", "peak reserved memory, max over devices (CPU: peak RSS, read at most once a second, see llmeff.memory.source)", I)
 ENERGY_TOTAL_KWH = _metric("energy/total_kwh", "kWh", "cumulative measured energy of every device of the run, each physical device once (and CPU/RAM where measured); omitted when only some devices are measured (llmeff.energy.coverage)", I)
 ENERGY_DEVICE_AVG_POWER_W = _metric("energy/device/avg_power_w", "W", "average power per measured device over the interval", I)
 ENERGY_J_PER_TOKEN = _metric("energy/j_per_token", "J/token", "measured energy per non-padding token over the interval; omitted when only some devices are measured", I)
@@ -78,8 +78,8 @@ EVAL_HELLASWAG_ACC = _metric("eval/hellaswag/acc", "fraction", "HellaSwag accura
 EVAL_HELLASWAG_ACC_NORM = _metric("eval/hellaswag/acc_norm", "fraction", "HellaSwag accuracy by log-likelihood divided by the ending's length in characters (lm-eval-harness acc_norm; its per-byte acc_bytes is not reported)", I)
 
 # interval: what else used the machine (docs/stability.md); MLflow's own system metrics share this section
-SYS_HOST_OTHER_CPU = _metric("system/host_other_cpu_fraction", "fraction", "share of the hosts' CPU time used by processes other than this run's over the interval (/proc/stat minus the run's process trees), all hosts together; absent when the run's own CPU time could not be read (llmeff.interval.absent)", I)
-SYS_HOST_STEAL = _metric("system/host_steal_fraction", "fraction", "share of the hosts' CPU time stolen by the hypervisor over the interval (/proc/stat steal)", I)
+SYS_HOST_OTHER_CPU = _metric("system/host_other_cpu_fraction", "fraction", "share of the hosts' CPU time used by processes other than this run's over the interval (/proc/stat minus the run's process trees), all hosts together; given over intervals of at least 100 CPU ticks (1% resolution) read at most once a second (and the system/device/* keys with them), so at fewer logged steps than the others where steps are short; absent when the run's own CPU time could not be read (llmeff.interval.absent)", I)
+SYS_HOST_STEAL = _metric("system/host_steal_fraction", "fraction", "share of the hosts' CPU time stolen by the hypervisor over the interval (/proc/stat steal), given over intervals of at least 100 CPU ticks as system/host_other_cpu_fraction", I)
 SYS_DEV_SM_CLOCK = _metric("system/device/sm_clock_mhz", "MHz", "lowest SM clock sampled on any of the run's CUDA devices over the interval (NVML)", I)
 SYS_DEV_SM_CLOCK_FRAC = _metric("system/device/sm_clock_fraction", "fraction", "lowest SM clock / its maximum sampled over the interval (NVML)", I)
 SYS_DEV_TEMP = _metric("system/device/temperature_c", "degrees C", "highest GPU temperature sampled over the interval (NVML)", I)

@@ -85,6 +85,46 @@ def test_a_steady_window_of_a_few_cpu_ticks_gives_no_host_share(tmp_path):
     assert tags[names.CONTENTION].startswith("quiet: other processes ")
 
 
+def test_interval_shares_wait_for_100_ticks_and_a_second_and_the_calls_between_read_nothing(tmp_path, monkeypatch):
+    # 25 ticks and 0.125 s a logged step. Hand schedule (ContentionMeter.interval): call 1 reads 25 ticks
+    # (too few: carried), needs max(ceil(75/25), ceil(0.875/0.125)) = 7 calls, skips min(6, 2*0+1) = 1;
+    # call 3 reads 75 (carried), needs max(1, ceil(0.625/0.125)) = 5, skips min(4, 2*1+1) = 3; call 7 reads
+    # 175 ticks over 0.875 s: given; then needs max(4, 8) = 8: skips 7, so calls 15 and 23 read 200 ticks each.
+    stat = tmp_path / "stat"
+    ticks = {"total": 0, "steal": 0}
+
+    def write():
+        t, st = ticks["total"], ticks["steal"]
+        stat.write_text(f"cpu  {t // 5} 0 0 {t - t // 5 - st} 0 0 0 {st}\n")  # 20% busy (user), steal as given
+
+    write()
+    reads = []
+    real = ct.read_host_cpu
+    monkeypatch.setattr(ct, "read_host_cpu", lambda path: reads.append(call[0]) or real(path))
+    idle = subprocess.Popen(["sleep", "60"])  # the meter's "own" process: ~0 CPU seconds, so other = busy
+    try:
+        now, call = [0.0], [0]
+        m = ContentionMeter(proc_stat=str(stat), env={}, pid=idle.pid, clock=lambda: now[0])
+        m.begin(collective=False)
+        reads.clear()
+        got = {}
+        for call[0] in range(1, 24):
+            ticks["total"] += 25
+            ticks["steal"] += 1 if call[0] <= 7 else 2  # 4% steal up to call 7, 8% after
+            now[0] += 0.125
+            write()
+            got[call[0]] = m.interval(collective=False)
+    finally:
+        idle.kill()
+    assert reads == [1, 3, 7, 15, 23]  # /proc/stat is read on these calls only
+    given = {c: g for c, g in got.items() if names.SYS_HOST_STEAL in g}
+    assert sorted(given) == [7, 15, 23]
+    assert given[7][names.SYS_HOST_STEAL] == pytest.approx(7 / 175)  # calls 1-7 together: the short ones carried
+    assert given[15][names.SYS_HOST_STEAL] == pytest.approx(16 / 200)
+    assert given[7][names.SYS_HOST_OTHER_CPU] == pytest.approx(35 / 175, abs=0.005)
+    assert all(got[c] == {} for c in got if c not in (1, 3, 7, 15, 23))  # skipped calls: nothing, no reading
+
+
 def test_the_process_tree_is_scanned_at_the_window_edges_and_at_most_every_refresh_period(tmp_path, monkeypatch):
     # the scan reads every process's /proc/<pid>/stat: ~7 ms on a busy host, a third of a small
     # model's step when it ran at every logged step (bench/overhead.py measured 3.2% inside our calls)

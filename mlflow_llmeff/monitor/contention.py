@@ -13,6 +13,7 @@ says why.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -23,6 +24,10 @@ from mlflow_llmeff.meters import contention as ct
 
 #: Seconds between scans for our process tree's members (DataLoader workers, compile workers).
 TREE_REFRESH_S = 10.0
+#: The least time between two interval readings, s (besides their :data:`~mlflow_llmeff.meters.contention.MIN_WINDOW_TICKS`:
+#: a 96-core host counts 100 ticks in ~10 ms, so ticks alone would read at every logged step). The GPU
+#: conditions are sampled once a second (``gpu_period_s``), so a reading a second gives every sample.
+MIN_INTERVAL_S = 1.0
 #: Why ``system/device/throttled`` is absent from an interval (``llmeff.interval.absent``): no slowdown
 #: was read, and some device's reasons could not be (a 0 would say "not throttled"; ``llmeff.contention``
 #: names the devices).
@@ -72,6 +77,9 @@ class ContentionMeter:
         self.gpu_why: str | None = None
         self.absent_why: str | None = None  # why the host shares are absent (llmeff.summary.absent)
         self.interval_why: dict[str, str] = {}  # system/* keys the last interval left out, and why
+        # the interval readings' schedule (:meth:`interval`): calls since the host shares were last given,
+        # and calls still to skip before the next reading; the same on every rank (set from reduced figures)
+        self._calls, self._skip, self._last_skip = 0, 0, 0
         if nvml is not None or (device is not None and getattr(device, "type", None) == "cuda"):
             self._gpu = self._open_gpu(device, env, nvml, gpu_devices, gpu_period_s)
 
@@ -121,7 +129,7 @@ class ContentionMeter:
     def begin(self, collective: bool = True) -> None:
         """The steady window starts now (a collective with ``collective``)."""
         try:
-            self._t0 = self._clock()
+            self._t0 = self._last_t = self._clock()
             self._host0 = self._last_host = self._host_reading()
             self._own0 = self._last_own = self._own_s(fresh=True)
             self._procs0 = ct.process_cpu_snapshot() if self._lr0 else {}
@@ -136,35 +144,66 @@ class ContentionMeter:
             log.debug("contention window not started: %s", e)
 
     def interval(self, collective: bool = True) -> dict[str, float]:
-        """The ``system/*`` metrics since the last call (a collective with ``collective``)."""
+        """The ``system/*`` metrics since the last reading (a collective with ``collective``, on the calls
+        that read).
+
+        A host share is given over an interval of at least :data:`~mlflow_llmeff.meters.contention.MIN_WINDOW_TICKS`
+        ``/proc/stat`` ticks (all hosts together), the summary's rule for 1% resolution: a share of fewer
+        ticks is not given, and its ticks are carried into the next reading. Calls that could not reach
+        that many ticks, or :data:`MIN_INTERVAL_S` after the last given reading, are not read at all:
+        after each reading the next is set ``max(ceil(ticks left / ticks per call), ceil(seconds left /
+        seconds per call))`` calls later (at most twice the last skip plus one, so that a short first
+        interval cannot misplace it), from the reduced tick count and the longest rank's seconds, so
+        every rank skips the same calls (no collective there) and the reading's own cost
+        (``/proc/stat``, the process tree's CPU time, NVML, a collective: ~150-400 us on a 2-core host
+        right after a step, ``bench/overhead.py``) is paid at most once a second and once per 100
+        ticks, not at every logged step. A skipped call returns ``{}``."""
         from mlflow_llmeff import names
 
         if not self._begun:
             return {}
+        self.interval_why = {}
+        self._calls += 1
+        if self._skip > 0:  # too soon after the last reading (ticks or seconds): not read
+            self._skip -= 1
+            return {}
+        now = self._clock()
         host, own = self._host_reading(), self._own_s()
         own_unknown = own is None or self._last_own is None
         d_own = 0.0 if own_unknown else own - self._last_own
         h0 = self._last_host
-        self._last_host, self._last_own = host, own
         d = [host.busy - h0.busy, host.total - h0.total, host.steal - h0.steal] if host and h0 else [0, 0, 0]
         gpu = self._gpu_interval()
-        local = [d_own, *map(float, d), *gpu, float(own_unknown)]
+        local = [d_own, *map(float, d), *gpu, float(own_unknown), now - self._last_t]
         if collective:
             sums = collectives.all_reduce(local[:4])
             maxes = collectives.all_reduce(local[4:], op="max")
             local = sums + maxes
         out: dict[str, float] = {}
         d_own, busy, total, steal = local[:4]
-        self.interval_why = {}
-        if total > 0:
+        elapsed = local[-1]  # seconds since the baselines (the longest rank's: the same schedule everywhere)
+        given = total >= ct.MIN_WINDOW_TICKS
+        if given:  # the baselines move on; a shorter interval's ticks are carried into the next reading
+            self._last_host, self._last_own, self._last_t = host, own, now
             hz = float(os.sysconf("SC_CLK_TCK"))
             out[names.SYS_HOST_STEAL] = min(1.0, max(0.0, steal / total))
-            if local[-1]:  # some rank's own CPU time unread: the rest of the busy time is not all others'
+            if local[-2]:  # some rank's own CPU time unread: the rest of the busy time is not all others'
                 self.interval_why[names.SYS_HOST_OTHER_CPU] = OWN_UNKNOWN
             else:
                 out[names.SYS_HOST_OTHER_CPU] = min(1.0, max(0.0, (busy - d_own * hz) / total))
+        if total > 0:  # the next reading: the first call where both the ticks and the seconds should be reached
+            calls = self._calls  # since the baselines
+            ticks_left = ct.MIN_WINDOW_TICKS - (0.0 if given else total)
+            s_left = MIN_INTERVAL_S - (0.0 if given else elapsed)
+            need = max(math.ceil(ticks_left / (total / calls)),
+                       math.ceil(s_left / (elapsed / calls)) if elapsed > 0 else 1)
+            # at most twice the last skip plus one: an estimate from a short first interval (1 tick in one
+            # call) cannot put the next reading far off; the skips grow 1, 3, 7, ... to what is needed
+            self._skip = self._last_skip = max(0, min(need - 1, 2 * self._last_skip + 1))
+            if given:
+                self._calls = 0
         if self._gpu is not None or collective:
-            samples, neg_clock, neg_frac, temp, others, throttled, others_unknown, throttle_unknown = local[4:-1]
+            samples, neg_clock, neg_frac, temp, others, throttled, others_unknown, throttle_unknown = local[4:-2]
             if samples > 0:
                 if neg_clock > -1e17:
                     out[names.SYS_DEV_SM_CLOCK] = -neg_clock
