@@ -562,3 +562,42 @@ def test_per_subject_mmlu_scores_are_one_table_per_eval_and_metrics_only_when_as
     path = client.download_artifacts(mon.run_id, "eval/mmlu_subjects/step_0000005.json")
     table = json.load(open(path))
     assert table["columns"] == ["subject", "acc"] and table["data"] == [["anatomy", 0.2], ["virology", 0.4]]
+
+
+def test_a_cpu_processs_peak_memory_is_read_at_most_once_a_second(tracking_uri, monkeypatch):
+    # getrusage right after a step cost ~50 us of a 15 ms CPU step (bench/overhead.py): read at most every
+    # CPU_MEMORY_REFRESH_S (1 s) of the monitor's clock; the steps between log the last reading
+    from mlflow_llmeff.monitor import points
+
+    clock = FakeClock()
+    reads = []
+    monkeypatch.setattr(points, "peak_memory_gib",
+                        lambda dev: reads.append(clock.t) or (float(len(reads)), float(len(reads)), "rss"))
+    mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False)
+    for _ in range(10):
+        clock.t += 0.25  # steps end at 0.25, 0.5, ..., 2.5 s
+        mon.step(tokens=100, samples=1)
+    mon.finish()
+    assert reads[:3] == [0.25, 1.25, 2.25]  # the first logged step, then once 1 s has passed
+    hist = mlflow.MlflowClient().get_metric_history(mon.run_id, names.MEM_MAX_ALLOC)
+    by_step = {m.step: m.value for m in hist}
+    assert [by_step[s] for s in range(1, 11)] == [1.0] * 4 + [2.0] * 4 + [3.0] * 2
+
+
+def test_a_pause_of_an_unknown_category_raises_and_the_next_pause_counts_alone(tracking_uri):
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=5, warmup_steps=0, clock=clock, measure_energy="none",
+                            measure_peak=False, report=False)
+    with pytest.raises(ValueError, match="pause category 'compile' is not accepted; use one of: eval"):
+        with mon.pause("compile"):
+            clock.t += 5.0  # never runs
+    clock.t += 1.0
+    mon.step(tokens=10, samples=1)
+    with mon.pause("eval"):
+        clock.t += 2.0
+    clock.t += 1.0
+    mon.step(tokens=10, samples=1)
+    s = mon.finish()
+    assert s[names.SUM_BADPUT["eval"]] == pytest.approx(2.0)  # the refused pause left nothing open
+    assert s[names.SUM_STEPS] == 2

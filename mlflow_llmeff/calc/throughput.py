@@ -15,6 +15,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
+from mlflow_llmeff import names
+from mlflow_llmeff.calc.flops import utilization
+
 
 @dataclass
 class Counts:
@@ -46,8 +49,9 @@ class Counts:
     lengths_unknown: int = 0
 
     def __iadd__(self, other: "Counts") -> "Counts":
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        mine, theirs = self.__dict__, other.__dict__  # (three additions a window edge: no fields() walk)
+        for name in _COUNT_FIELDS:
+            mine[name] += theirs[name]
         return self
 
     @property
@@ -57,6 +61,10 @@ class Counts:
         if self.lengths_unknown:
             return None
         return self.sum_len_sq / self.tokens if self.tokens else 0.0
+
+
+#: :class:`Counts`' field names, in order
+_COUNT_FIELDS = tuple(f.name for f in fields(Counts))
 
 
 @dataclass(frozen=True)
@@ -118,9 +126,6 @@ class Rates:
         :func:`mlflow_llmeff.calc.flops.hardware_model_ratio` or a counted step). Samples/s is left out
         when the sequences are unknown, the FLOPs figures when their lengths are.
         """
-        from mlflow_llmeff import names
-        from mlflow_llmeff.calc.flops import utilization
-
         m = {names.TRAIN_STEP_TIME_S: self.step_time_s, names.TPUT_TOKENS: self.tokens_per_sec,
              names.TPUT_DEVICE_TOKENS: self.device_tokens_per_sec}
         if self.samples_per_sec is not None:

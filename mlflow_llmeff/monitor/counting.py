@@ -44,6 +44,8 @@ def counts_from(steps: int, v) -> Counts:
 #: Keys of a batch mapping (or a forward's keyword arguments) that :class:`StepTally` reads: the
 #: ids, the padding mask, the labels and the three ways collators mark packed documents.
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "cu_seq_lens_q", "cu_seqlens", "seq_idx")
+#: the keys of a packed batch (:meth:`BatchCounter.add`), tested in one call against a mapping's keys
+_PACKED_KEYS = frozenset(BATCH_KEYS[3:])
 
 
 def _host_readable(device) -> bool:
@@ -63,6 +65,11 @@ class _Shape:
 def _version(x) -> int | None:
     """``x._version`` (torch's count of in-place writes to a tensor), None for None."""
     return None if x is None else x._version
+
+
+def _dtype(x):
+    """``x.dtype``, None for None."""
+    return None if x is None else x.dtype
 
 
 def _array(x):
@@ -170,7 +177,7 @@ class BatchCounter:
         if ref is None:
             raise ValueError("BatchCounter.add needs input_ids or attention_mask")
         if ref.dim() == 2 and cu_seqlens is None and position_ids is None and seq_idx is None:
-            if _host_readable(ref.device) and self._defer(ref, attention_mask, labels):
+            if ref.is_cpu and self._defer(ref, attention_mask, labels):  # (is_cpu: no device object)
                 return
             self._add_rows(ref, attention_mask, labels)  # the common dense batch: rows are sequences
             return
@@ -247,7 +254,8 @@ class BatchCounter:
                 self._seen = seen
                 return False  # the first batch: read now, and remembered
             # the first batch's very tensors written since: a loop refilling its tensors in place
-            self.defer = not (seen[:2] == self._seen[:2] and seen[2:] != self._seen[2:])
+            self.defer = not (seen[:2] == self._seen[:2] and seen[2:] != self._seen[2:]) and not any(
+                x is not None and x.requires_grad for x in (attention_mask, labels))  # (a float mask under autograd)
         if not self.defer:
             return False
         b, t = ref.shape
@@ -264,29 +272,35 @@ class BatchCounter:
                 self.refilled += 1
                 self.defer = False
         first = kept[0]
-        same = all(k[0] == first[0] and (k[1] is None) == (first[1] is None) and (k[2] is None) == (first[2] is None)
-                   for k in kept)
+        shape, mask_dtype, labels_dtype = first[0], _dtype(first[1]), _dtype(first[2])
+        same = all(k[0] == shape and _dtype(k[1]) == mask_dtype and _dtype(k[2]) == labels_dtype for k in kept)
         if not same or len(kept) == 1:
             for shape, mask, labels, _, _ in kept:
                 self._add_rows(_Shape(shape), mask, labels, counted=True)
             return
-        import numpy as np  # one pass over the window's micro-batches of one shape: (k, B, T)
+        # One pass over the window's micro-batches of one shape, stacked to (k, B, T), in torch: right after
+        # a training step torch's code is warm and NumPy's is not (bench/overhead.py, 5 batches of 8 x 128:
+        # ~100 us against ~150-165 us for the same sums through NumPy). Masks and labels are integer
+        # tensors (no autograd: no detach needed).
+        import torch
 
         h = self._host
         b, t = first[0]
         if first[1] is not None:
-            rows = np.stack([_array(k[1]) for k in kept]).sum(axis=2, dtype="int64")  # (k, B)
-            h[_TOKENS] += int(rows.sum())
-            h[_SUM_LEN_SQ] += int((rows * rows).sum())
+            rows = torch.stack([k[1] for k in kept]).sum(dim=2, dtype=torch.int64).reshape(-1)  # (k B,) lengths
+            h[_TOKENS] += rows.sum().item()
+            h[_SUM_LEN_SQ] += (rows @ rows).item()
         else:
             rows = None
             h[_TOKENS] += len(kept) * b * t
             h[_SUM_LEN_SQ] += len(kept) * b * t * t
         if first[2] is not None:
-            labs = np.stack([_array(k[2]) if k[2].dim() == 2 else _array(k[2])[None] for k in kept])
-            h[_LOSS] += int((labs[:, :, 1:] != -100).sum())
+            labs = torch.stack([k[2] if k[2].dim() == 2 else k[2][None] for k in kept])  # (k, B, T)
+            h[_LOSS] += labs[:, :, 1:].ne(-100).sum().item()
+        elif rows is not None:
+            h[_LOSS] += (rows - 1).clamp(min=0).sum().item()
         else:
-            h[_LOSS] += int((rows - 1).clip(min=0).sum()) if rows is not None else len(kept) * b * (t - 1)
+            h[_LOSS] += len(kept) * b * (t - 1)
 
     def _add_rows(self, ref, attention_mask, labels, counted: bool = False) -> None:
         """Count a ``(B, T)`` batch whose rows are its sequences (no packed documents), in as few ops as
@@ -424,6 +438,7 @@ class StepTally:
         # the latest (B, T): a smaller latest B may be the data loader's partial last batch (ShapeRange)
         self._earlier: list[int] | None = None
         self._latest: tuple[int, int] | None = None
+        self._latest_inside = False  # the latest shape lies inside the earlier range (folding it is a no-op)
         self._varied = False  # shapes.varies, kept as each shape is noted (read on every step)
 
     # ------------------------------------------------------------------------------ counting
@@ -433,34 +448,55 @@ class StepTally:
         :meth:`BatchCounter.add`), or a ``(B, T)`` id tensor."""
         import torch
 
-        if torch.is_tensor(batch):
+        is_tensor = torch.is_tensor
+        if is_tensor(batch):
             ids, mask, labels, pos, cu, seq_idx = batch, None, None, None, None, None
         else:
             get = batch.get if hasattr(batch, "get") else (lambda k: getattr(batch, k, None))
-            ids, mask, labels, pos, seq_idx = (get("input_ids"), get("attention_mask"), get("labels"),
-                                               get("position_ids"), get("seq_idx"))
-            cu = get("cu_seq_lens_q")
-            cu = cu if cu is not None else get("cu_seqlens")
-        if mask is not None and (not torch.is_tensor(mask) or mask.dim() > 2):
+            ids, mask, labels = get("input_ids"), get("attention_mask"), get("labels")
+            keys = getattr(batch, "keys", None)
+            if keys is not None and _PACKED_KEYS.isdisjoint(keys()):  # a mapping without packing keys (the
+                pos = seq_idx = cu = None  # common batch: one C-level test instead of four lookups)
+            else:
+                pos, seq_idx = get("position_ids"), get("seq_idx")
+                cu = get("cu_seq_lens_q")
+                if cu is None:
+                    cu = get("cu_seqlens")
+            # what is not a tensor is not read (a list of labels, a None); the common batch has none of these
+            if labels is not None and not is_tensor(labels):
+                labels = None
+            if pos is not None and not is_tensor(pos):
+                pos = None
+            if cu is not None and not is_tensor(cu):
+                cu = None
+            if seq_idx is not None and not is_tensor(seq_idx):
+                seq_idx = None
+        if mask is not None and (not is_tensor(mask) or mask.dim() > 2):
             mask = None  # 4-D custom masks: count input_ids positions instead
         ref = mask if mask is not None else ids
-        if ref is None or not torch.is_tensor(ref):
+        if ref is None or not is_tensor(ref):
             return
         if self.counter is None:
             self.counter, self.device = BatchCounter(ref.device), ref.device
-        tensor = (lambda x: x if torch.is_tensor(x) else None)
-        self.counter.add(ids, mask, tensor(labels), tensor(pos), tensor(cu), tensor(seq_idx))
-        shape = ref.shape if ref.dim() == 2 else (1, ref.shape[-1])
-        b, t = int(shape[0]), int(shape[1])
+        self.counter.add(ids, mask, labels, pos, cu, seq_idx)
+        shape = ref.shape
+        if len(shape) == 2:
+            b, t = shape
+        else:
+            b, t = 1, shape[-1]
         if self.first_shape is None:
             self.first_shape = (b, t, 0)
         self._note_shape(b, t)
 
     def _note_shape(self, b: int, t: int) -> None:
         """Keep micro-batch ``(B, T)`` as the latest shape; the one before joins the earlier range."""
+        if self._latest_inside and self._latest == (b, t):  # the same shape again, already in the range:
+            return  # folding it changes nothing (the common loop of one shape)
         if self._latest is not None:
             self._earlier = self._fold(self._earlier, *self._latest)
         self._latest = (b, t)
+        e = self._earlier
+        self._latest_inside = e is not None and e[0] <= t <= e[1] and e[2] <= b <= e[3]
         if not self._varied and self._earlier is not None:
             lo_t, hi_t, lo_b, hi_b = self._with_latest(self._earlier, b, t)
             self._varied = lo_t != hi_t or lo_b != hi_b
@@ -518,6 +554,7 @@ class StepTally:
             lo_t, hi_t, lo_b, hi_b = (int(v) for v in state)
             self._earlier = [lo_t, hi_t, lo_b, hi_b]
             self._latest = (hi_b, hi_t)  # a shape inside the range: folding it in changes nothing
+            self._latest_inside = True
             self._varied = lo_t != hi_t or lo_b != hi_b
 
     def add_numbers(self, tokens, padded_tokens=None, loss_tokens=None, samples=None, sum_len_sq=None) -> None:
@@ -554,16 +591,19 @@ class StepTally:
     def add_loss(self, loss) -> None:
         """Add one micro-batch's mean loss (a 0-d tensor on an accelerator is summed on its device,
         unsynchronized; a CPU tensor's value is read at once, as a float's)."""
-        if hasattr(loss, "detach") and not _host_readable(loss.device):
+        if not hasattr(loss, "detach"):  # a number
+            self.loss_host[0] += float(loss)
+        elif loss.is_cpu:  # (.item(): half the cost of float() on a tensor right after a step)
+            self.loss_host[0] += loss.item()
+        else:
             import torch
 
             if self.loss_acc is None:
                 self.loss_acc = torch.zeros((), dtype=torch.float64, device=loss.device)
             self.loss_acc += loss.detach().reshape(())
             self.loss_acc_n += 1
-        else:
-            self.loss_host[0] += float(loss.detach() if hasattr(loss, "detach") else loss)
-            self.loss_host[1] += 1
+            return
+        self.loss_host[1] += 1
 
     def end_step(self) -> None:
         """Close a step: the first step's micro-batch count completes :attr:`first_shape`."""

@@ -359,8 +359,7 @@ class EfficiencyMonitor:
         return self._p.step_count
 
     # ------------------------------------------------------------------------------ the clock
-    @contextmanager
-    def pause(self, category: str):
+    def pause(self, category: str) -> "_Pause":
         """Declare non-step work: ``with monitor.pause("eval"): ...``.
 
         Categories: ``eval``, ``checkpoint_save``, ``checkpoint_load``, ``data_wait`` (host time
@@ -370,13 +369,9 @@ class EfficiencyMonitor:
         pause on one rank only is fine. Nested pauses count in the outermost.
 
         Raises:
-            ValueError: for a category not in :data:`~mlflow_llmeff.calc.goodput.PAUSES`.
+            ValueError: for a category not in :data:`~mlflow_llmeff.calc.goodput.PAUSES` (on entering).
         """
-        self.enter_pause(category)
-        try:
-            yield
-        finally:
-            self.exit_pause()
+        return _Pause(self, category)
 
     def enter_pause(self, category: str) -> None:
         """Start a pause (for hooks that cannot use ``with``); pair with :meth:`exit_pause`.
@@ -386,8 +381,10 @@ class EfficiencyMonitor:
         """
         if category not in PAUSES:
             raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
-        self._pause_sync = getattr(self, "_pause_sync", [])
-        self._pause_sync.append(category != "data_wait")
+        stack = self.__dict__.get("_pause_sync")
+        if stack is None:
+            stack = self._pause_sync = []
+        stack.append(category != "data_wait")
         if self._off:
             return
         try:
@@ -399,7 +396,8 @@ class EfficiencyMonitor:
 
     def exit_pause(self) -> None:
         """End the pause :meth:`enter_pause` started."""
-        sync = self._pause_sync.pop() if getattr(self, "_pause_sync", None) else False
+        stack = self.__dict__.get("_pause_sync")
+        sync = stack.pop() if stack else False
         if self._broken:
             return
         try:
@@ -648,3 +646,20 @@ class EfficiencyMonitor:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(lifecycle.status_for(exc), collective=exc is None)
 
+
+
+class _Pause:
+    """The context manager :meth:`EfficiencyMonitor.pause` returns (a class, not a generator: a data
+    wait is declared at every step, and a generator's context manager costs several times as much)."""
+
+    __slots__ = ("_monitor", "_category")
+
+    def __init__(self, monitor: EfficiencyMonitor, category: str) -> None:
+        self._monitor, self._category = monitor, category
+
+    def __enter__(self) -> None:
+        self._monitor.enter_pause(self._category)
+
+    def __exit__(self, *exc) -> bool:
+        self._monitor.exit_pause()
+        return False

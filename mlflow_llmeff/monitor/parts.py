@@ -81,6 +81,8 @@ class RunRecord:
         energy_ids: the energy device ids this rank reports (None: not gathered yet).
         unmeasured_seen: devices left out of the energy over every rank, when last gathered.
         memory_source: where the peak memory was read (``llmeff.memory.source``).
+        memory_held: a CPU process's last peak-RSS reading, ``(monotonic s, allocated GiB, reserved GiB)``
+            (:func:`~mlflow_llmeff.monitor.points.memory` reads it at most every ``CPU_MEMORY_REFRESH_S``).
         absent: ``summary/*`` key -> why it is undefined for this run (``llmeff.summary.absent``).
         stability_tags: ``llmeff.stability`` and the tags beside it, set by the summary.
         end_status: the MLflow status the run ends with.
@@ -117,6 +119,7 @@ class RunRecord:
     energy_ids: set[str] | None = None
     unmeasured_seen: float | None = None
     memory_source: str | None = None
+    memory_held: tuple[float, float, float] | None = None
     absent: dict[str, str] = field(default_factory=dict)
     stability_tags: dict[str, str] = field(default_factory=dict)
     end_status: str | None = None
@@ -199,7 +202,8 @@ class Parts:
 
     def forward_counts(self) -> bool:
         """True while a forward pass is part of a steady step (not warm-up, not inside a declared pause)."""
-        return not self.ledger.paused and not self.meter.is_warmup(self.step_count + 1)
+        meter = self.meter  # (read by the phase timer's hooks inside every step: the step count inlined)
+        return not self.ledger.paused and meter.step + self.record.pending_steps + 1 > meter.warmup_end_step
 
     def assumptions(self) -> dict[str, str]:
         """What the monitor took for the user (precision, list price) and what its carbon figures assume

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from functools import partial
 
@@ -29,6 +30,9 @@ from mlflow_llmeff.monitor.parts import Parts
 
 __all__ = ["edge", "reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "check_loss", "log_eval", "log_ttq", "refresh_consumption",
            "memory", "note_nothing_counted", "warn_mfu"]
+
+#: Seconds a CPU process's peak-RSS reading is logged again before it is read anew (:func:`memory`).
+CPU_MEMORY_REFRESH_S = 1.0
 
 log = logging.getLogger("mlflow_llmeff.monitor.meter")  # the monitor's own logger, as before the split
 
@@ -258,14 +262,29 @@ def _energy_share(p: Parts, many: bool) -> set[str]:
     return p.record.energy_ids
 
 
-def memory(p: Parts, collective: bool = True) -> tuple[float, float, str]:
-    """Peak allocated and reserved memory in GiB (max over ranks with ``collective``) and their source."""
+def memory(p: Parts, collective: bool = True, fresh: bool = False) -> tuple[float, float, str]:
+    """Peak allocated and reserved memory in GiB (max over ranks with ``collective``) and their source.
+
+    On CUDA the allocator's peaks are read every time (no system call). A CPU process's peak RSS
+    (``getrusage``, a system call: ~50 us right after a step on a 2-core host, ``bench/overhead.py``)
+    is read at most every :data:`CPU_MEMORY_REFRESH_S` and at the summary (``fresh``); in between the
+    last reading is logged: the peak as of at most that long before the step (a peak only grows, so
+    it is never above the step's). The collective is made every time, so ranks stay in step.
+    """
     import torch
 
     dev = p.device if p.device is not None else torch.device("cpu")
-    alloc, reserved, source = peak_memory_gib(dev)
-    p.record.memory_source = source
-    if collective:
+    rec = p.record
+    held = rec.memory_held
+    now = p.clock() if p.clock is not None else time.monotonic()
+    if dev.type == "cuda" or fresh or held is None or now - held[0] >= CPU_MEMORY_REFRESH_S:
+        alloc, reserved, source = peak_memory_gib(dev)
+        rec.memory_source = source
+        if dev.type != "cuda":
+            rec.memory_held = (now, alloc, reserved)
+    else:
+        alloc, reserved, source = held[1], held[2], rec.memory_source
+    if collective and p.world_size > 1:
         alloc, reserved = collectives.all_reduce([alloc, reserved], op="max")
     return alloc, reserved, source
 

@@ -316,7 +316,7 @@ def _memory_figures(p: Parts, collective: bool) -> dict[str, float]:
     inner = unwrap_model(p.model) if p.model is not None else None
     if inner is None:
         return {}
-    alloc, _, _ = points.memory(p, collective)
+    alloc, _, _ = points.memory(p, collective, fresh=True)
     out: dict[str, float] = {}
     if p.device is not None and p.device.type == "cuda":  # allocator statistics, never process RSS
         nparams = sum(int(getattr(w, "ds_numel", 0)) or w.numel() for w in inner.parameters())  # ZeRO-3: whole
