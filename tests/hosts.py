@@ -62,6 +62,9 @@ def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
+_SETS = iter("abcdefghijklmnopqrstuvwxyz" * 40)  # (a letter per host set this process makes)
+
+
 def _free_subnet() -> int:
     """A third octet k with 10.77.k.0/24 unused on this machine."""
     used = _sh("ip", "-o", "-4", "addr", "show").stdout
@@ -104,7 +107,9 @@ class Hosts:
         Raises:
             RuntimeError: a command of ``ip`` or ``tc`` failed (the set made so far is removed).
         """
-        tag = self.tag or str(os.getpid() % 100000)
+        # a new tag for each set this process makes: the kernel frees a deleted namespace's links
+        # asynchronously, so a set made right after another must not reuse its names
+        tag = self.tag or f"{os.getpid() % 100000}{next(_SETS)}"
         k = _free_subnet()
         self.bridge, self.gateway = f"llbr{tag}", f"10.77.{k}.254"
         try:
@@ -184,7 +189,10 @@ class Hosts:
             except Exception:  # noqa: BLE001
                 pass
         time.sleep(0.1)
-        for ns in self.names:
+        for i, ns in enumerate(self.names):
+            # the outer end first: deleting a veth deletes its pair at once, where deleting the namespace
+            # leaves the kernel to free its links later (or never, while a process still holds it)
+            _sh("ip", "link", "del", self.names[i].replace("llh", "llv", 1), check=False)
             _sh("ip", "netns", "del", ns, check=False)
             shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
         if self.bridge:
