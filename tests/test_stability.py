@@ -447,3 +447,61 @@ def test_one_process_installs_no_phase_hook(tracking_uri):
     assert not any(q._post_accumulate_grad_hooks for q in model.parameters())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     mon.finish()
+
+
+def _ddp_phase_worker(rank: int, port: int, out: str) -> None:
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    marks, now, cv = [0], [0.0], threading.Condition()
+
+    def clock() -> float:  # the phase timer's clock: counts its marks; only the all-reduce moves it
+        with cv:
+            marks[0] += 1
+            cv.notify_all()
+            return now[0]
+
+    def slow_all_reduce(state, bucket):  # DDP waits for this future in its own end-of-backward callback
+        fut, buf, start = torch.futures.Future(), bucket.buffer(), marks[0]
+
+        def later():
+            with cv:  # released by the timer's end-of-backward mark; if that came after DDP's wait: 10 s, then 1 s in it
+                cv.wait_for(lambda: marks[0] > start, timeout=10)
+                now[0] += 1.0
+            dist.all_reduce(buf)
+            fut.set_result(buf / 2)
+        threading.Thread(target=later, daemon=True).start()
+        return fut
+
+    model = LossModel()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, slow_all_reduce)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = PhaseTimer(model, lambda: True, clock, optimizer=opt)
+    for _ in range(2):
+        ddp(torch.ones(2, 2)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"phases": t.take(), "clock": now[0]}, f)
+    dist.destroy_process_group()
+
+
+def test_under_ddp_the_wait_for_the_last_all_reduce_is_not_backward(tmp_path):
+    # DDP queues its wait on autograd's engine once its last gradient is ready; the timer's end of backward,
+    # queued from a gradient hook, runs before it: the all-reduce's second lies in no phase
+    import json
+
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    out = tmp_path / "phases.json"
+    mp.spawn(_ddp_phase_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    got = json.loads(out.read_text())
+    assert got["clock"] == 2.0  # two steps, each waited 1 s for its all-reduce
+    assert got["phases"] == {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}

@@ -169,8 +169,10 @@ class PhaseTimer:
     * forward: the model's ``forward`` (pre- and post-forward hooks on the inner module);
     * backward: from its start to the end of autograd's pass. The end is a callback queued on torch's
       autograd engine (``Variable._execution_engine.queue_callback``, the call DDP and FSDP make for
-      their own end of backward; queued before theirs, it runs first) from a gradient hook on one
-      parameter (the first trainable one). The start: where the forward computed its own loss
+      their own end of backward) from a gradient hook on one parameter (the first trainable one). DDP
+      queues its own (the wait for its last all-reduces) once its last gradient is ready, which is
+      this hook's moment at the earliest, and the engine runs a gradient's own hooks before DDP's:
+      ours runs first. The start: where the forward computed its own loss
       (``out.loss``, a transformers model given labels) the forward's end, for nothing but the
       loop's own lines runs between the two; otherwise the backward reaching the forward's output
       (a pre-hook on the ``grad_fn`` of its first tensor that needs a gradient), so a loss taken
