@@ -98,8 +98,8 @@ def test_disable_restores_every_patched_function_and_hook(tracking_uri):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(**batch([8])).loss.backward()
     opt.step()
-    # autolog's counting hook and the meter's forward timer (straggler ratio)
-    assert len(model._forward_hooks) == 2 and AL.active_monitor() is not None
+    # autolog's counting hook only: one process installs no phase timer (its times feed the straggler figures)
+    assert len(model._forward_hooks) == 1 and AL.active_monitor() is not None
     run_id = AL.active_monitor().run_id
 
     mlflow_llmeff.autolog(disable=True)
