@@ -172,7 +172,9 @@ class PhaseTimer:
       their own end of backward) from a gradient hook on one parameter (the first trainable one). DDP
       queues its own (the wait for its last all-reduces) once its last gradient is ready, which is
       this hook's moment at the earliest, and the engine runs a gradient's own hooks before DDP's:
-      ours runs first. The start: where the forward computed its own loss
+      ours runs first. (Under reentrant activation checkpointing a parameter inside a checkpointed
+      layer gets its gradient in a nested backward, which would end this one early; a transformers
+      model's first parameter, its embedding, lies outside the layers.) The start: where the forward computed its own loss
       (``out.loss``, a transformers model given labels) the forward's end, for nothing but the
       loop's own lines runs between the two; otherwise the backward reaching the forward's output
       (a pre-hook on the ``grad_fn`` of its first tensor that needs a gradient), so a loss taken
