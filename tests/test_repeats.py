@@ -228,8 +228,9 @@ def test_two_single_runs_further_apart_than_the_floor_are_ranked():
 
 
 def test_the_only_configuration_with_a_figure_is_not_called_best():
-    # one configuration (a trial's compare of one experiment labelled it "best", against nothing)
-    assert versus_best(configurations([run("a", 1, 100.0)]), names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "only one with this figure"}
+    # one configuration (a trial's compare of one experiment labelled it "best", against nothing; the next
+    # read "only one with this figure", odd where there is no other at all)
+    assert versus_best(configurations([run("a", 1, 100.0)]), names.SUM_DEVICE_TOKENS_PER_SEC) == {0: "no other configuration"}
     # two configurations, one without the figure: still nothing to be best against
     cs = configurations([run("a", 1, 100.0), run("b", 2, 300.0)])
     del cs[1].runs[0].metrics[names.SUM_DEVICE_TOKENS_PER_SEC]
@@ -237,7 +238,7 @@ def test_the_only_configuration_with_a_figure_is_not_called_best():
 
 
 @pytest.mark.parametrize("label, order", [
-    ("best", 0), ("best (2 within noise, 1 not ranked: no interval)", 0), ("only one with this figure", 0),
+    ("best", 0), ("best (2 within noise, 1 not ranked: no interval)", 0), ("only one with this figure", 0), ("no other configuration", 0),
     ("within noise of best", 1), ("not ranked (no interval)", 1), ("not ranked (best has no interval)", 1),
     ("0.62x best", 2), ("", 2)])
 def test_one_predicate_sorts_every_standing_label_for_the_table_and_the_hatching(label, order):

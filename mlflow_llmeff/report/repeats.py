@@ -42,7 +42,7 @@ from mlflow_llmeff.report.calc import RunRecord, absent_why, run_length
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "steady_steps", "Estimate", "Configuration",
            "configurations", "config_key", "t_quantile_975", "within_noise", "versus_best", "best_index", "ScalingRow",
-           "scaling_efficiency", "noisy_pareto_front", "is_stable", "SAME_JOB", "METHOD_NOTE", "ONLY_ONE"]
+           "scaling_efficiency", "noisy_pareto_front", "is_stable", "SAME_JOB", "METHOD_NOTE", "ONLY_ONE", "ALONE"]
 
 #: Condition tags that define a configuration (equal on every repeat). Measured conditions (what
 #: else used the machine, stability) and provenance that does not change the work (git commit,
@@ -392,8 +392,9 @@ def versus_best(configs: list[Configuration], key: str, *, higher_is_better: boo
     interval (a single run shorter than its machine's floor, a kind of machine with none measured)
     nothing is known of the noise, and the label says so (``not ranked (no interval)``, or ``not
     ranked (best has no interval)``) rather than claim the two are within it. The best is then
-    ``best (N within noise, M not ranked: no interval)``, naming only the parts there are; the only
-    configuration with the figure is ``only one with this figure`` (nothing to be best against).
+    ``best (N within noise, M not ranked: no interval)``, naming only the parts there are; a configuration
+    alone is ``no other configuration``, and the only one of several with the figure ``only one with this
+    figure`` (nothing to be best against).
     """
     est = [c.estimate(key) for c in configs]
     best = best_index(configs, key, higher_is_better=higher_is_better)
@@ -411,7 +412,9 @@ def versus_best(configs: list[Configuration], key: str, *, higher_is_better: boo
             tied += 1
         else:
             out[i] = f"{e.mean / est[best].mean:.3g}x best"
-    if sum(e is not None for e in est) == 1:
+    if len(est) == 1:
+        out[best] = ALONE
+    elif sum(e is not None for e in est) == 1:
         out[best] = ONLY_ONE
     else:
         parts = ([f"{tied} within noise"] if tied else []) + ([f"{unranked} not ranked: no interval"] if unranked else [])
@@ -427,15 +430,16 @@ NOT_RANKED_BEST = "not ranked (best has no interval)"
 def standing_order(label: str) -> int:
     """Where a :func:`versus_best` label sorts: 0 the best (or the only one), 1 unranked against it (within
     noise, or not ranked for want of an interval), 2 ranked below it (``0.62x best``) or no label."""
-    if label.startswith("best") or label == ONLY_ONE:
+    if label.startswith("best") or label in (ONLY_ONE, ALONE):
         return 0
     if label.startswith("within noise") or label in (NOT_RANKED, NOT_RANKED_BEST):
         return 1
     return 2
 
 
-#: :func:`versus_best` of the only configuration with the figure.
+#: :func:`versus_best` of the only configuration of several with the figure, and of a configuration alone.
 ONLY_ONE = "only one with this figure"
+ALONE = "no other configuration"
 
 
 def best_index(configs: list[Configuration], key: str, *, higher_is_better: bool = True) -> int | None:
