@@ -133,6 +133,18 @@ def test_a_failed_run_of_the_configuration_counts_as_not_converged():
     assert ts2.wall.score is None and ts2.wall.not_converged == 2
 
 
+def test_three_runs_show_the_middle_one_without_a_range_of_one_value():
+    from mlflow_llmeff.report.mlperf import rows, target_scores
+
+    three = [_seed_record(0, 412.0, 0.0412, 1.03, 120), _seed_record(1, 380.5, 0.0381, 0.95, 110),
+             _seed_record(2, 455.0, 0.0455, 1.14, 130)]
+    ts, = target_scores(configurations(three))
+    row = rows([ts])[0]
+    # 380.5 dropped as the fastest, 455 as the slowest: 412 alone, not "412 s [412, 412]"
+    assert row[3] == "412 s" and row[4] == "0.0412 kWh" and row[5] == "1.03 USD"
+    assert row[6] == "mean of the middle 1 of 3 runs (dropped: 380 s fastest, 455 s slowest)"
+
+
 def test_one_or_two_runs_show_their_mean_only_when_every_one_reached_the_target():
     from mlflow_llmeff.report.mlperf import rows, target_scores
 

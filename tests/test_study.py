@@ -368,6 +368,10 @@ def test_a_real_study_of_three_seeds_to_a_target_is_scored_as_mlperf_does_with_c
         status = "success" if wall is not None else "aborted"
         assert r.data.tags[names.MLLOG].startswith(f"mllog/result_{seed}.txt: MLPerf-style result log")
         assert r.data.tags[names.MLLOG].endswith(f"run_stop {status}")
+        # the study's line says it is an artifact, and how to fetch it (a new user looked for ./mllog)
+        assert (f"llmeff study: run {r.info.run_id}: {r.data.tags[names.MLLOG]} (an artifact of the run, not a local "
+                f"file: mlflow artifacts download --run-id {r.info.run_id} --artifact-path mllog/result_{seed}.txt "
+                "--dst-path .)") in res.output
         local = client.download_artifacts(r.info.run_id, f"mllog/result_{seed}.txt", str(tmp_path))
         check = check_log(local)
         assert check.ok, check.output
@@ -383,6 +387,8 @@ def test_a_real_study_of_three_seeds_to_a_target_is_scored_as_mlperf_does_with_c
     assert f": to val_loss_le_4.35: {reached} of 3 runs reached it; time " in line
     if o.valid:  # the middle run's time (three runs: the fastest and the slowest dropped)
         assert o.score == sorted(t if t is not None else math.inf for t in times)[1]
-        assert f"time {o.score:.3g} s [" in line or f"time {o.score:,.0f} s [" in line
+        # one value kept: the value alone, no [low, high] range of one value
+        assert f"time {o.score:.3g} s; " in line or f"time {o.score:,.0f} s; " in line
+        assert "mean of the middle 1 of 3 runs (dropped: " in line and "[lowest, highest]" not in line
     else:
         assert f"time invalid: {3 - reached} of 3 not reached" in line

@@ -177,7 +177,7 @@ def _cell(ts: TargetScore, key: str, unit: str) -> str:
         return f"none: {ts.missing[key]}" if key in ts.missing else ""
     if shown is not None:
         value, low, high, how = shown
-        interval = f" [{_g(low)}, {_g(high)}]" if high > low or o.valid else ""
+        interval = f" [{_g(low)}, {_g(high)}]" if high > low else ""  # (the middle one of 3: no range)
         return f"{_g(value)} {unit}{interval}" + ("" if o.valid else f" ({how})")
     if o.not_converged > o.drop:
         return f"invalid: {o.not_converged} of {o.n} not reached"
@@ -190,8 +190,8 @@ def _how(ts: TargetScore) -> str:
     if o.valid:
         dropped = [f"{_g(v)} s fastest" for v in o.dropped_low] + [f"{_g(v)} s slowest" for v in o.dropped_high]
         dropped += ["the one not reached as the slowest"] if o.not_converged else []
-        parts.append(f"mean of the middle {len(o.kept)} of {o.n} runs (dropped: {', '.join(dropped)}); "
-                     "[lowest, highest] of those")
+        parts.append(f"mean of the middle {len(o.kept)} of {o.n} runs (dropped: {', '.join(dropped)})"
+                     + ("; [lowest, highest] of those" if len(o.kept) > 1 else ""))
     else:
         parts.append(o.why)
     for r in ts.not_reached:
