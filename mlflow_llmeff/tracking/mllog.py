@@ -283,3 +283,14 @@ def log_result(client, run_id: str, eval_key: str, stem: str, started_unix: floa
     except Exception:  # noqa: BLE001
         pass
     return what
+
+
+def fetch_hint(run_id: str, what: str) -> str:
+    """The words after :func:`log_result`'s value that say where the log is: an artifact of the run
+    (``mlflow artifacts download``'s command for it), not a file under the working directory; ``""`` for a
+    log that was not written."""
+    if what.startswith("not written"):
+        return ""
+    path = what.split(":", 1)[0]
+    return (f" (an artifact of the run, not a local file: mlflow artifacts download --run-id {run_id} "
+            f"--artifact-path {path} --dst-path .)")

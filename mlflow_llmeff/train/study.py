@@ -331,10 +331,10 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
             outcome = runner(child, tags)
             result.children.append((child, outcome))
             if goals and outcome.code == 0:  # its MLPerf-style result log (the first target's eval)
-                from mlflow_llmeff.tracking.mllog import log_result
+                from mlflow_llmeff.tracking.mllog import fetch_hint, log_result
 
                 logged = log_result(client, outcome.run_id, goals[0].eval_key, goals[0].key, outcome.started_unix)
-                echo(f"llmeff study: run {outcome.run_id}: {logged}")
+                echo(f"llmeff study: run {outcome.run_id}: {logged}" + fetch_hint(outcome.run_id, logged))
             if outcome.code:
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
