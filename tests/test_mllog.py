@@ -9,6 +9,7 @@ import json
 import pytest
 
 from conftest import require
+from mlflow_llmeff import names
 from mlflow_llmeff.tracking import mllog
 
 require("mlperf_logging", "pip install mlperf-logging (a dependency of mlflow_llmeff)")
@@ -78,3 +79,23 @@ def test_the_shared_rules_are_the_packages_without_the_benchmarks_own_file(tmp_p
             "eval_samples", "cache_clear"} <= keys
     with pytest.raises(ValueError, match=r"^ruleset '0.0.1' is not accepted: mlperf-logging has no "):
         mllog.generic_rules("0.0.1", where=str(tmp_path))
+
+
+def test_a_log_that_cannot_be_made_is_tagged_why_and_the_study_prints_no_fetch_command():
+    class Client:  # a store whose run cannot be read: the log is not written, the tag says why
+        tags = {}
+
+        def get_run(self, run_id):
+            raise RuntimeError(f"run {run_id} not found")
+
+        def set_tag(self, run_id, key, value):
+            self.tags[key] = value
+
+    client = Client()
+    what, artifact = mllog.log_result(client, "r1", "val_loss", "val_loss_le_4.35")
+    assert what == "not written: RuntimeError: run r1 not found" and artifact is None
+    assert client.tags == {names.MLLOG: what}
+    assert mllog.fetch_hint("r1", artifact) == ""
+    assert mllog.fetch_hint("r1", "mllog/result_3.txt") == (
+        " (an artifact of the run, not a local file: mlflow artifacts download --run-id r1 "
+        "--artifact-path mllog/result_3.txt --dst-path .)")

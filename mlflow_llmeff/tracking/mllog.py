@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from mlflow_llmeff import names
 
 __all__ = ["BENCHMARK", "RULESET", "ARTIFACT_DIR", "RunFacts", "facts_from_run", "events", "write_log",
-           "log_result", "generic_rules", "check_log", "CheckResult"]
+           "log_result", "fetch_hint", "generic_rules", "check_log", "CheckResult"]
 
 #: The MLPerf Training benchmark the logs name: Small LLM pretraining (its reference is Llama 3.1 8B).
 BENCHMARK = "llama31_8b"
@@ -264,17 +264,20 @@ def check_log(path: str, ruleset: str = RULESET, config: str | None = None) -> C
     return CheckResult(p.returncode == 0 and "SUCCESS" in text, text)
 
 
-def log_result(client, run_id: str, eval_key: str, stem: str, started_unix: float | None = None) -> str:
+def log_result(client, run_id: str, eval_key: str, stem: str, started_unix: float | None = None) -> tuple[str, str | None]:
     """Write a finished run's result log (:func:`facts_from_run`, :func:`write_log`) and log it as its artifact
     ``mllog/result_<seed>.txt``, with the tag ``llmeff.mllog`` saying what it is; a run whose log cannot be
-    made gets the tag saying why instead. Returns the tag's value. Never raises (a study goes on)."""
+    made gets the tag saying why instead. Returns the tag's value and the log's artifact path in the run (None
+    where no log was written). Never raises (a study goes on)."""
+    artifact = None
     try:
         f = facts_from_run(client, run_id, eval_key, stem, started_unix)
         with tempfile.TemporaryDirectory(prefix="llmeff-mllog-") as d:
             local = write_log(f, os.path.join(d, f"result_{f.seed}.txt"))
             client.log_artifact(run_id, local, ARTIFACT_DIR)
         status = "success" if f.target_s is not None else "aborted"
-        what = (f"{ARTIFACT_DIR}/result_{f.seed}.txt: MLPerf-style result log (mlperf-logging; the rules every "
+        artifact = f"{ARTIFACT_DIR}/result_{f.seed}.txt"
+        what = (f"{artifact}: MLPerf-style result log (mlperf-logging; the rules every "
                 f"MLPerf Training {RULESET} benchmark shares, not an MLPerf submission), run_stop {status}")
     except Exception as e:  # noqa: BLE001 - the log is a by-product; the training run stands
         what = f"not written: {names.shorten(f'{type(e).__name__}: {e}', 500)}"
@@ -282,15 +285,14 @@ def log_result(client, run_id: str, eval_key: str, stem: str, started_unix: floa
         client.set_tag(run_id, names.MLLOG, what)
     except Exception:  # noqa: BLE001
         pass
-    return what
+    return what, artifact
 
 
-def fetch_hint(run_id: str, what: str) -> str:
-    """The words after :func:`log_result`'s value that say where the log is: an artifact of the run
-    (``mlflow artifacts download``'s command for it), not a file under the working directory; ``""`` for a
-    log that was not written."""
-    if what.startswith("not written"):
+def fetch_hint(run_id: str, artifact: str | None) -> str:
+    """The words after :func:`log_result`'s tag value that say where the log is: an artifact of the run
+    (``mlflow artifacts download``'s command for ``artifact``, its path in the run), not a file under the
+    working directory; ``""`` where no log was written (``artifact`` None)."""
+    if artifact is None:
         return ""
-    path = what.split(":", 1)[0]
     return (f" (an artifact of the run, not a local file: mlflow artifacts download --run-id {run_id} "
-            f"--artifact-path {path} --dst-path .)")
+            f"--artifact-path {artifact} --dst-path .)")

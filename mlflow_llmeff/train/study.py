@@ -333,8 +333,9 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
             if goals and outcome.code == 0:  # its MLPerf-style result log (the first target's eval)
                 from mlflow_llmeff.tracking.mllog import fetch_hint, log_result
 
-                logged = log_result(client, outcome.run_id, goals[0].eval_key, goals[0].key, outcome.started_unix)
-                echo(f"llmeff study: run {outcome.run_id}: {logged}" + fetch_hint(outcome.run_id, logged))
+                logged, artifact = log_result(client, outcome.run_id, goals[0].eval_key, goals[0].key,
+                                              outcome.started_unix)
+                echo(f"llmeff study: run {outcome.run_id}: {logged}" + fetch_hint(outcome.run_id, artifact))
             if outcome.code:
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
