@@ -191,7 +191,7 @@ def _how(ts: TargetScore) -> str:
         dropped = [f"{_g(v)} s fastest" for v in o.dropped_low] + [f"{_g(v)} s slowest" for v in o.dropped_high]
         dropped += ["the one not reached as the slowest"] if o.not_converged else []
         parts.append(f"mean of the middle {len(o.kept)} of {o.n} runs (dropped: {', '.join(dropped)})"
-                     + ("; [lowest, highest] of those" if len(o.kept) > 1 else ""))
+                     + ("; [lowest, highest] of those" if o.high > o.low else ""))  # as _cell shows a range
     else:
         parts.append(o.why)
     for r in ts.not_reached:
