@@ -95,7 +95,12 @@ def test_a_log_that_cannot_be_made_is_tagged_why_and_the_study_prints_no_fetch_c
     what, artifact = mllog.log_result(client, "r1", "val_loss", "val_loss_le_4.35")
     assert what == "not written: RuntimeError: run r1 not found" and artifact is None
     assert client.tags == {names.MLLOG: what}
-    assert mllog.fetch_hint("r1", artifact) == ""
-    assert mllog.fetch_hint("r1", "mllog/result_3.txt") == (
-        " (an artifact of the run, not a local file: mlflow artifacts download --run-id r1 "
-        "--artifact-path mllog/result_3.txt --dst-path .)")
+    assert mllog.fetch_hint("sqlite:///study.db", "r1", artifact) == ""
+    # the command names the study's store (without it, MLflow's default store has no such run) ...
+    assert mllog.fetch_hint("sqlite:///study.db", "r1", "mllog/result_3.txt") == (
+        " (an artifact of the run, not a local file: MLFLOW_TRACKING_URI=sqlite:///study.db mlflow artifacts "
+        "download --run-id r1 --artifact-path mllog/result_3.txt --dst-path .)")
+    # ... but never its credential
+    assert mllog.fetch_hint("postgresql://alice:s3cret@db:5432/mlflow", "r1", "mllog/result_3.txt") == (
+        " (an artifact of the run, not a local file: MLFLOW_TRACKING_URI=<this store's URI: not printed, it holds a "
+        "credential> mlflow artifacts download --run-id r1 --artifact-path mllog/result_3.txt --dst-path .)")

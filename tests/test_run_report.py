@@ -74,6 +74,15 @@ def test_report_failure_is_a_warning_tag_not_an_error(tracking_uri, monkeypatch)
     ("http://127.0.0.1:5000", "view run at http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
     ("sqlite:///m.db", "view run: mlflow ui --backend-store-uri sqlite:///m.db then open "
                        "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
+    # a store's path with a space is one shell word
+    ("sqlite:////tmp/my runs/m.db", "view run: mlflow ui --backend-store-uri 'sqlite:////tmp/my runs/m.db' then open "
+                                    "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
+    # a credential in the URI is never printed: a server's address loses its user-info, a store's URI is not printed
+    ("https://alice:s3cret@mlflow.example.com", "view run at https://mlflow.example.com/#/experiments/3/runs/abc?"
+                                                "workflowType=machine_learning"),
+    ("postgresql://alice:s3cret@db:5432/mlflow", "view run: mlflow ui --backend-store-uri <this store's URI: not "
+                                                 "printed, it holds a credential> then open http://127.0.0.1:5000/#/"
+                                                 "experiments/3/runs/abc?workflowType=machine_learning"),
 ])
 def test_run_link_opens_the_training_runs_view(uri, expected):
     assert run_url_line(uri, "3", "abc") == expected

@@ -369,9 +369,10 @@ def test_a_real_study_of_three_seeds_to_a_target_is_scored_as_mlperf_does_with_c
         assert r.data.tags[names.MLLOG].startswith(f"mllog/result_{seed}.txt: MLPerf-style result log")
         assert r.data.tags[names.MLLOG].endswith(f"run_stop {status}")
         # the study's line says it is an artifact, and how to fetch it (a new user looked for ./mllog)
+        # naming the study's store (a trial's download without it looked in ./mlruns: 'Run ... not found')
         assert (f"llmeff study: run {r.info.run_id}: {r.data.tags[names.MLLOG]} (an artifact of the run, not a local "
-                f"file: mlflow artifacts download --run-id {r.info.run_id} --artifact-path mllog/result_{seed}.txt "
-                "--dst-path .)") in res.output
+                f"file: MLFLOW_TRACKING_URI={tracking_uri} mlflow artifacts download --run-id {r.info.run_id} "
+                f"--artifact-path mllog/result_{seed}.txt --dst-path .)") in res.output
         local = client.download_artifacts(r.info.run_id, f"mllog/result_{seed}.txt", str(tmp_path))
         check = check_log(local)
         assert check.ok, check.output

@@ -288,11 +288,15 @@ def log_result(client, run_id: str, eval_key: str, stem: str, started_unix: floa
     return what, artifact
 
 
-def fetch_hint(run_id: str, artifact: str | None) -> str:
-    """The words after :func:`log_result`'s tag value that say where the log is: an artifact of the run
-    (``mlflow artifacts download``'s command for ``artifact``, its path in the run), not a file under the
-    working directory; ``""`` where no log was written (``artifact`` None)."""
+def fetch_hint(tracking_uri: str, run_id: str, artifact: str | None) -> str:
+    """The words after :func:`log_result`'s tag value that say where the log is: an artifact of the run in the
+    store at ``tracking_uri``, not a file under the working directory, with the ``mlflow artifacts download``
+    command that fetches ``artifact`` (its path in the run) into the working directory; the command names the
+    store (:func:`~mlflow_llmeff.tracking.redact.store_arg`: never a credential), without which it looks in
+    MLflow's default store and finds no such run. ``""`` where no log was written (``artifact`` None)."""
+    from mlflow_llmeff.tracking.redact import store_arg
+
     if artifact is None:
         return ""
-    return (f" (an artifact of the run, not a local file: mlflow artifacts download --run-id {run_id} "
-            f"--artifact-path {artifact} --dst-path .)")
+    return (f" (an artifact of the run, not a local file: MLFLOW_TRACKING_URI={store_arg(tracking_uri)} mlflow "
+            f"artifacts download --run-id {run_id} --artifact-path {artifact} --dst-path .)")

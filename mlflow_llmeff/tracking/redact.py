@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 
 MASK = "***"
 _SECRET_WORDS = frozenset({"token", "secret", "secrets", "password", "passwd", "pwd", "passphrase",
@@ -62,6 +63,24 @@ def strip_uri_secrets(text: str) -> str:
         return text
     text = _USERINFO.sub(lambda m: m.group("scheme"), text)
     return _SECRET_QUERY.sub(lambda m: m.group("name") + MASK, text)
+
+
+#: What a printed command holds in place of a store URI that carries a credential (:func:`store_arg`).
+UNPRINTED_STORE = "<this store's URI: not printed, it holds a credential>"
+
+
+def store_arg(uri: str) -> str:
+    """``uri`` as one shell word for a command printed to a terminal or a job's log (``shlex.quote``), or
+    :data:`UNPRINTED_STORE` where it carries a credential (user-info or a secret query value, which
+    :func:`strip_uri_secrets` would remove): a printed command never holds one, and a stripped URI would
+    name a store the command cannot open.
+
+    >>> store_arg("sqlite:///m.db"), store_arg("sqlite:////tmp/my runs/m.db")
+    ('sqlite:///m.db', "'sqlite:////tmp/my runs/m.db'")
+    >>> store_arg("postgresql://alice:s3cret@db:5432/mlflow") == UNPRINTED_STORE
+    True
+    """
+    return UNPRINTED_STORE if strip_uri_secrets(uri) != uri else shlex.quote(uri)
 
 
 def clean(key: str, value: str, secrets: list[str] | None = None) -> str:

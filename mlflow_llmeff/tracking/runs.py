@@ -400,8 +400,12 @@ def ui_experiment_url(base: str, experiment_id: str) -> str:
 
 def run_url_line(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """One line telling where to open the run: its training-runs URL on a server, else the
-    ``mlflow ui`` command for a local store and the URL it will serve."""
+    ``mlflow ui`` command for a local store and the URL it will serve. A credential in the URI is never
+    printed (a server's address loses its user-info; a store's URI is
+    :func:`~mlflow_llmeff.tracking.redact.store_arg`)."""
+    from mlflow_llmeff.tracking.redact import store_arg, strip_uri_secrets
+
     if tracking_uri.startswith(("http://", "https://")):
-        return f"view run at {ui_run_url(tracking_uri, experiment_id, run_id)}"
-    return (f"view run: mlflow ui --backend-store-uri {tracking_uri} then open "
+        return f"view run at {ui_run_url(strip_uri_secrets(tracking_uri), experiment_id, run_id)}"
+    return (f"view run: mlflow ui --backend-store-uri {store_arg(tracking_uri)} then open "
             f"{ui_run_url('http://127.0.0.1:5000', experiment_id, run_id)}")

@@ -335,7 +335,8 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
 
                 logged, artifact = log_result(client, outcome.run_id, goals[0].eval_key, goals[0].key,
                                               outcome.started_unix)
-                echo(f"llmeff study: run {outcome.run_id}: {logged}" + fetch_hint(outcome.run_id, artifact))
+                echo(f"llmeff study: run {outcome.run_id}: {logged}"
+                     + fetch_hint(client.tracking_uri, outcome.run_id, artifact))
             if outcome.code:
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
