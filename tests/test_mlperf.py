@@ -142,7 +142,7 @@ def test_three_runs_show_the_middle_one_without_a_range_of_one_value():
     row = rows([ts])[0]
     # 380.5 dropped as the fastest, 455 as the slowest: 412 alone, not "412 s [412, 412]"
     assert row[3] == "412 s" and row[4] == "0.0412 kWh" and row[5] == "1.03 USD"
-    assert row[6] == "mean of the middle 1 of 3 runs (dropped: 380 s fastest, 455 s slowest)"
+    assert row[6] == "the middle run of 3 (dropped: 380 s fastest, 455 s slowest)"
 
 
 def test_one_or_two_runs_show_their_mean_only_when_every_one_reached_the_target():

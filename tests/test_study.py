@@ -390,6 +390,6 @@ def test_a_real_study_of_three_seeds_to_a_target_is_scored_as_mlperf_does_with_c
         assert o.score == sorted(t if t is not None else math.inf for t in times)[1]
         # one value kept: the value alone, no [low, high] range of one value
         assert f"time {o.score:.3g} s; " in line or f"time {o.score:,.0f} s; " in line
-        assert "mean of the middle 1 of 3 runs (dropped: " in line and "[lowest, highest]" not in line
+        assert "the middle run of 3 (dropped: " in line and "[lowest, highest]" not in line
     else:
         assert f"time invalid: {3 - reached} of 3 not reached" in line

@@ -190,7 +190,8 @@ def _how(ts: TargetScore) -> str:
     if o.valid:
         dropped = [f"{_g(v)} s fastest" for v in o.dropped_low] + [f"{_g(v)} s slowest" for v in o.dropped_high]
         dropped += ["the one not reached as the slowest"] if o.not_converged else []
-        parts.append(f"mean of the middle {len(o.kept)} of {o.n} runs (dropped: {', '.join(dropped)})"
+        middle = f"mean of the middle {len(o.kept)} of {o.n} runs" if len(o.kept) > 1 else f"the middle run of {o.n}"
+        parts.append(f"{middle} (dropped: {', '.join(dropped)})"
                      + ("; [lowest, highest] of those" if o.high > o.low else ""))  # as _cell shows a range
     else:
         parts.append(o.why)
