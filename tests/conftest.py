@@ -47,6 +47,10 @@ def pytest_unconfigure(config):
 # a logger closing against a failing store waits this long for it before spilling to its outbox (30 s by
 # default); tests that stop a real server set their own
 os.environ.setdefault("LLMEFF_DELIVERY_WAIT_S", "3")
+# ... and tests whose server stays up wait as long as the product does: on a loaded 2-core CI machine one
+# request to a healthy loopback server took over 3 s, the run's end went to the outbox, and a test of
+# two machines read RUNNING where the run had finished (CI of stop 48)
+HEALTHY_SERVER_ENV = {"LLMEFF_DELIVERY_WAIT_S": "30"}
 
 
 def _fresh_folder(var: str, prefix: str) -> None:
@@ -250,6 +254,8 @@ def mlflow_server(tmp_path, monkeypatch):
     server.start()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    for k, v in HEALTHY_SERVER_ENV.items():  # a test that stops the server sets its own wait
+        monkeypatch.setenv(k, v)
     mlflow.set_tracking_uri(server.uri)
     yield server
     mlflow.set_tracking_uri(None)

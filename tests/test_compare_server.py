@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, stop_process_group
+from conftest import HEALTHY_SERVER_ENV, REPO, stop_process_group
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
@@ -67,7 +67,7 @@ def _stop(proc) -> None:
 
 def _env(url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
-    env.update(MLFLOW_TRACKING_URI=url, OMP_NUM_THREADS="1", CODECARBON_LOG_LEVEL="error")
+    env.update(MLFLOW_TRACKING_URI=url, OMP_NUM_THREADS="1", CODECARBON_LOG_LEVEL="error", **HEALTHY_SERVER_ENV)
     return env
 
 

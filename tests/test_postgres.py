@@ -27,7 +27,7 @@ import urllib.request
 
 import pytest
 
-from conftest import stop_process_group
+from conftest import HEALTHY_SERVER_ENV, stop_process_group
 from click.testing import CliRunner
 
 pytestmark = pytest.mark.slow
@@ -226,7 +226,7 @@ def trained(server, tmp_path_factory):
            "--measure-energy", "none", "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "3",
            "--experiment-name", "pgtrain"]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_RUN_ID"}
-    env.update(MLFLOW_TRACKING_URI=server, OMP_NUM_THREADS="1")
+    env.update(MLFLOW_TRACKING_URI=server, OMP_NUM_THREADS="1", **HEALTHY_SERVER_ENV)
     first = subprocess.run(cmd, cwd=tmp, env={**env, faults.ENV["kill_at_step"]: "4"}, capture_output=True,
                            text=True, timeout=600)
     second = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)

@@ -285,7 +285,7 @@ def test_two_nodes_on_loopback_give_one_run_with_tokens_from_both(mlflow_server,
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
     run = only_run()
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED", [o[-2000:] for o in outs]
     t = run.data.tags
     assert (t[names.NODES], t[names.PROCS_PER_NODE], t[names.ACCEL_COUNT], t[names.PAR_STRATEGY]) == ("2", "1", "2", "ddp")
     # 2 ranks x 2 sequences x 32 tokens = 128 tokens per step: both machines' tokens counted
