@@ -13,7 +13,7 @@ from mlflow_llmeff import names
 # the five standard runs (tests/five_runs.py), four configurations by tokens/s per device, best first:
 # grad-accum 4 (47,500), the default and its evals repeat (42,358 = mean of 42,816 and 41,900),
 # 2-process DDP (61,000 / 2 = 30,500), llama-160m (1,950)
-BEST_FIRST = ["llama-tiny-cpu-1x-single-fp32-s128-gbt4096", "llama-tiny-cpu-1x-single-fp32-s128-gbt1024-2 (+1 repeat)",
+BEST_FIRST = ["llama-tiny-cpu-1x-single-fp32-s128-gbt4096", "llama-tiny-cpu-1x-single-fp32-s128-gbt1024 (+1 repeat)",
               "llama-tiny-cpu-2x-ddp-fp32-s128-gbt2048", "llama-160m-cpu-1x-single-fp32-s128-gbt1024"]
 
 

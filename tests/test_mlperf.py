@@ -191,15 +191,15 @@ def test_five_seeds_are_one_configuration_in_llmeff_compare_with_the_olympic_tim
     out = tmp_path / "cmp"
     res = CliRunner().invoke(main, ["compare", "--experiment", "seeds", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert "tiny-seed4 (+4 repeats)" in res.output  # one configuration of five runs
-    line = next(s for s in res.output.splitlines() if s.startswith("tiny-seed4 (+4 repeats): to val_loss_le_3.0:"))
-    assert line.startswith("tiny-seed4 (+4 repeats): to val_loss_le_3.0: 4 of 5 runs reached it; time 422 s "
+    assert "tiny-seed0 (+4 seeds)" in res.output  # one configuration of five runs
+    line = next(s for s in res.output.splitlines() if s.startswith("tiny-seed0 (+4 seeds): to val_loss_le_3.0:"))
+    assert line.startswith("tiny-seed0 (+4 seeds): to val_loss_le_3.0: 4 of 5 runs reached it; time 422 s "
                            "[398, 455]; energy 0.0422 kWh [0.0398, 0.0455]; cost 1.06 USD [1, 1.14] (mean of the "
                            "middle 3 of 5 runs (dropped: 380 s fastest, the one not reached as the slowest); [lowest, highest] of "
                            "those")  # three kept runs of different times: a range, and the words say what it is
     assert "tiny-seed2 did not reach it (1,040 s, 300 steps)" in line
     md = (out / "report.md").read_text()
-    assert md.count("| tiny-seed4 (+4 repeats) |") == 2  # the headline's one row and the time-to-target row
+    assert md.count("| tiny-seed0 (+4 seeds) |") == 2  # the headline's one row and the time-to-target row
     assert "## Time to target (MLPerf scoring)" in md and "| 422 s [398, 455] |" in md
     assert "| 0/1 targets, val_loss_le_3.0 by 4 of 5 runs |" in md  # the headline's quality reached
     assert "MLPerf Training Rules, Dec 9, 2025 (v6.0), 'Benchmark Results'" in md

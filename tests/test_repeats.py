@@ -55,6 +55,31 @@ def test_runs_of_different_lengths_are_two_configurations_and_equal_lengths_are_
     assert [[r.run_id for r in c.runs] for c in cs] == [["a", "c"], ["b"]]
 
 
+def _started(r: RunRecord, ms: int | None, seed: str | None = None) -> RunRecord:
+    import dataclasses
+
+    return dataclasses.replace(r, start_time_ms=ms, params={} if seed is None else {"seed": seed})
+
+
+def test_a_configuration_is_named_after_its_oldest_stable_run_and_counts_seeds_as_seeds():
+    # newest first, as the store gives them; the oldest (c) is unstable, so the oldest stable one (b) names it
+    runs = [_started(run("a", 1, 100.0), 3_000, "2"), _started(run("b", 1, 110.0), 2_000, "1"),
+            _started(run("c", 1, 120.0, stability=STALLED), 1_000, "0")]
+    c, = configurations(runs)
+    assert c.first.run_id == "b" and c.label == "run-b (+2 seeds)"
+    c, = configurations(list(reversed(runs)))  # the order read in does not change the name
+    assert c.label == "run-b (+2 seeds)"
+    # one seed twice, or a run without a seed param: repeats, not seeds
+    runs[0].params["seed"] = "1"
+    assert configurations(runs)[0].label == "run-b (+2 repeats)"
+    runs[0].params.pop("seed")
+    assert configurations(runs)[0].label == "run-b (+2 repeats)"
+    # no start times known: the first stable run given
+    two = [run("x", 1, 100.0), run("y", 1, 100.0)]
+    assert configurations(two)[0].label == "run-x (+1 repeat)"
+    assert configurations(list(reversed(two)))[0].label == "run-y (+1 repeat)"
+
+
 def test_two_repeats_give_a_student_t_interval_with_one_degree_of_freedom():
     c, = configurations([run("a", 2, 1000.0, 990.0, 1010.0), run("b", 2, 1200.0, 1190.0, 1210.0)])
     e = c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)

@@ -345,7 +345,7 @@ def test_the_page_in_chromium_shows_the_headline_table(servers, tmp_path, mode):
     # the five runs' tokens/s per device (tests/five_runs.py): 47,500; 42,816 and 41,900 (repeats, mean
     # 42,358); 61,000 / 2 devices = 30,500; 1,950: best first
     assert configs == ["llama-tiny-cpu-1x-single-fp32-s128-gbt4096",
-                       "llama-tiny-cpu-1x-single-fp32-s128-gbt1024-2 (+1 repeat)",
+                       "llama-tiny-cpu-1x-single-fp32-s128-gbt1024 (+1 repeat)",
                        "llama-tiny-cpu-2x-ddp-fp32-s128-gbt2048", "llama-160m-cpu-1x-single-fp32-s128-gbt1024"]
     assert verdicts[0] == "best (2 within noise)" and verdicts[3] == "0.0411x best"
     assert runs == 5

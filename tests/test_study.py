@@ -381,6 +381,10 @@ def test_a_real_study_of_three_seeds_to_a_target_is_scored_as_mlperf_does_with_c
     # one configuration of the three seeds, whatever steps each ran
     c, = configurations(select_runs(client, "seeds-real").runs)
     assert len(c.runs) == 3
+    # named the same in the study's summary and in compare (they read the runs in other orders), as seeds
+    assert c.label == f"{c.first.name} (+2 seeds)"
+    assert c.first.start_time_ms == min(r.start_time_ms for r in (c.stable or c.runs))  # the oldest
+    assert f"configuration 1 ({c.label}): " in res.output
     o = olympic(times)
     print(f"seeds to val_loss<=4.35: {times}; olympic {o.score} ({o.why})")
     line = next(s for s in res.output.splitlines() if ": to val_loss_le_4.35: " in s)

@@ -33,6 +33,7 @@ class RunRecord:
         metrics: latest value of every metric, by key.
         tags: every tag, by key (``llmeff.*`` conditions among them).
         params: every param, by name.
+        start_time_ms: the run's start, ms since the epoch (MLflow's ``start_time``); None when not read.
     """
 
     run_id: str
@@ -42,6 +43,7 @@ class RunRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     params: dict[str, str] = field(default_factory=dict)
+    start_time_ms: int | None = None
 
     @property
     def has_summary(self) -> bool:

@@ -324,16 +324,18 @@ def fig_quality_cost(rep, history):
 
 
 def _one_run_each(rep) -> list:
-    """One run per configuration (its first used repeat), so curves stay readable with many repeats;
+    """One run per configuration (the one it is named after,
+    :attr:`~mlflow_llmeff.report.repeats.Configuration.first`), so curves stay readable with many repeats;
     runs that did not finish with a summary are drawn too (a crashed run's loss is worth seeing)."""
-    picked = [c.used[0] for c in rep.configs]
+    picked = [c.first for c in rep.configs]
     seen = {r.run_id for c in rep.configs for r in c.runs}
     return picked + [r for r in rep.runs if r.run_id not in seen]
 
 
 def fig_loss(rep, history):
     """Training loss against tokens and against wall time (s since the run's first logged point), one
-    curve per configuration (its first used repeat) and per run without a summary."""
+    curve per configuration (the run it is named after, ``Configuration.first``) and per run without a
+    summary."""
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
     drawn = 0

@@ -410,7 +410,7 @@ if(c)c.style.display=cb.checked?'':'none'})})});"""
 def _headline(rep: Report):
     from mlflow_llmeff.report.headline import headline
 
-    links = [rep.url(c.used[0]) for c in rep.configs]
+    links = [rep.url(c.first) for c in rep.configs]  # the run each label names
     return headline(rep.configs, links)
 
 

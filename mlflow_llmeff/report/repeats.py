@@ -254,7 +254,7 @@ class Configuration:
     Attributes:
         key: the values of :data:`CONFIG_TAGS`.
         runs: every finished repeat with a summary, in the order given.
-        label: the first stable repeat's run name (else the first's), and the repeat count.
+        label: the :attr:`first` run's name and how many others, as repeats or seeds.
 
     The split into stable and unstable repeats and each figure's estimate are computed once for a
     given set of runs (recomputed when runs are added): a run's values changed in place after its
@@ -298,9 +298,26 @@ class Configuration:
         return list(self._split()[1])
 
     @property
+    def first(self) -> RunRecord:
+        """The run the configuration is named after and linked to: its oldest stable run (else its oldest
+        run), by MLflow start time; the first given where the starts are not known. Whatever order the
+        runs were read in (a study listed its seeds by repeat and named the configuration '...-cpu';
+        compare read them newest first and named the same runs '...-cpu-3')."""
+        stable, unstable = self._split()
+        pool = stable or unstable
+        return min(pool, key=lambda r: (r.start_time_ms is None, r.start_time_ms or 0))
+
+    @property
     def label(self) -> str:
-        first = self.used[0].label
-        return first if len(self.runs) == 1 else f"{first} (+{len(self.runs) - 1} repeat{'s' if len(self.runs) > 2 else ''})"
+        """The :attr:`first` run's name, then ``(+N repeats)``, or ``(+N seeds)`` where every run has a
+        ``seed`` param and no two share one (``llmeff study --seeds``: MLPerf-style runs, each its own
+        seed, are not repeats of one seed)."""
+        first = self.first.label
+        if len(self.runs) == 1:
+            return first
+        seeds = [r.params.get("seed") for r in self.runs]
+        unit = "seed" if None not in seeds and len(set(seeds)) == len(seeds) else "repeat"
+        return f"{first} (+{len(self.runs) - 1} {unit}{'s' if len(self.runs) > 2 else ''})"
 
     @property
     def devices(self) -> int | None:

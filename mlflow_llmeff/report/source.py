@@ -221,7 +221,8 @@ def _record(run, secrets: list[str], memo: dict | None = None) -> RunRecord:
     params = {k: cleaned(k, v) for k, v in run.data.params.items()}
     return RunRecord(run_id=run.info.run_id, name=tags.get("mlflow.runName") or run.info.run_name or "",
                      status=run.info.status, experiment_id=run.info.experiment_id,
-                     metrics=dict(run.data.metrics), tags=tags, params=params)
+                     metrics=dict(run.data.metrics), tags=tags, params=params,
+                     start_time_ms=getattr(run.info, "start_time", None))
 
 
 def metric_history(client, run_id: str, key: str) -> list[tuple[int, int, float]]:
