@@ -111,5 +111,17 @@ def test_the_equals_form_is_refused_where_it_is_not_asked_for_or_the_direction_i
     with pytest.raises(ValueError, match=r"^target 'val_loss=3.0' is not accepted; write metric>=value"):
         parse_targets("val_loss=3.0")
     with pytest.raises(ValueError, match=r"^target metric 'bleu' is unknown, so 'metric=value' cannot say whether "
-                                         r"to reach it from above or below; write metric>=value"):
+                                         r"to reach it from above or below; write metric=value"):
+        parse_targets("bleu=0.3", equals=True)
+    # an error quotes the target as written, and where metric=value is accepted it says so (a trial's
+    # '--target val_loss=abc' was quoted as 'val_loss<=abc' with only the >= and <= forms named)
+    equals_form = ("write metric=value (<= for a loss or perplexity, >= for an accuracy), metric>=value or "
+                   "metric<=value with value a plain decimal number")
+    for spec, why in (("val_loss=abc", "has non-numeric value 'abc'"), ("val_loss=1e999", "has value '1e999' beyond "
+                      "the float range"), ("mmlu/acc", "is not accepted"), ("val_loss=3,val_loss<=3", "is given twice")):
+        with pytest.raises(ValueError) as e:
+            parse_targets(spec, equals=True)
+        given = spec.split(",")[-1] if "twice" in why else spec
+        assert str(e.value).startswith(f"target '{given}' {why}; {equals_form}"), str(e.value)
+    with pytest.raises(ValueError, match=r"^target metric 'bleu' is unknown, .*; write metric=value \(<= for a loss"):
         parse_targets("bleu=0.3", equals=True)

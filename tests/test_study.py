@@ -194,6 +194,9 @@ def test_schedule_and_check_refuse_bad_input_naming_the_value(tmp_path):
                          "--repeats a --config per configuration"),
     (["--seeds", "2", "--target", "bleu=0.3", "--config", "--eval-every 5"],
      "Error: target metric 'bleu' is unknown, so 'metric=value' cannot say whether to reach it from above or below"),
+    (["--seeds", "2", "--target", "val_loss=abc", "--config", "--eval-every 5"],  # as written, forms named
+     "Error: target 'val_loss=abc' has non-numeric value 'abc'; write metric=value (<= for a loss or perplexity, "
+     ">= for an accuracy), metric>=value or metric<=value"),
     (["--seeds", "2", "--target", "val_loss=3"],  # llmeff train's defaults evaluate only at the end
      "Error: configuration 1 (''): --eval-every 0 evaluates only at the end, so no run stops at val_loss<=3"),
 ])

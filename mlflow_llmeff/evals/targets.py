@@ -29,6 +29,10 @@ _ANY_TARGET_RE = re.compile(r"^\s*([A-Za-z0-9_./-]+?)\s*(>=|<=)\s*([^\s]+)\s*$")
 _NUMBER_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _ACCEPTED = (f"write metric>=value or metric<=value with value a plain decimal number (0.30, -1.5, 1e-3) "
              f"and metric one of {', '.join(TARGET_METRICS)}, mmlu_<subject>/acc")
+#: the same where ``metric=value`` is accepted too (``llmeff study --target``)
+_ACCEPTED_EQUALS = _ACCEPTED.replace("write metric>=value or metric<=value",
+                                     "write metric=value (<= for a loss or perplexity, >= for an accuracy), "
+                                     "metric>=value or metric<=value")
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ def better_direction(metric: str) -> str:
     if metric in TARGET_METRICS or metric in _SUBJECT_METRICS:
         return ">="
     raise ValueError(f"target metric {metric!r} is unknown, so 'metric=value' cannot say whether to reach it from "
-                     f"above or below; {_ACCEPTED}")
+                     f"above or below; {_ACCEPTED_EQUALS}")
 
 
 def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = False) -> list[Target]:
@@ -138,10 +142,12 @@ def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = 
     if ";" in spec:
         raise ValueError(f"targets {spec!r} use ';'; separate targets with commas, e.g. "
                          f"'val_loss<=1.9,hellaswag/acc_norm>=0.30'")
+    accepted = _ACCEPTED_EQUALS if equals and not any_metric else _ACCEPTED
     out: list[Target] = []
     for part in spec.split(","):
-        if not part.strip():
-            raise ValueError(f"targets {spec!r} hold an empty target (a comma too many); {_ACCEPTED}")
+        given = part.strip()  # quoted in an error as written, not as ``metric=value`` was read
+        if not given:
+            raise ValueError(f"targets {spec!r} hold an empty target (a comma too many); {accepted}")
         m = (_ANY_TARGET_RE if any_metric else _TARGET_RE).match(part)
         bare = _EQUALS_RE.match(part) if equals and not m and not any_metric else None
         if bare:
@@ -149,17 +155,17 @@ def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = 
             part = f"{metric}{better_direction(metric)}{written}"
             m = _TARGET_RE.match(part)
         if not m:
-            raise ValueError(f"target {part.strip()!r} is not accepted; {_ACCEPTED}")
+            raise ValueError(f"target {given!r} is not accepted; {accepted}")
         metric, op, written = m.groups()
         if not any_metric and metric not in TARGET_METRICS and metric not in _SUBJECT_METRICS:
-            raise ValueError(f"target {part.strip()!r} names unknown metric {metric!r}; {_ACCEPTED}")
+            raise ValueError(f"target {given!r} names unknown metric {metric!r}; {accepted}")
         if not _NUMBER_RE.fullmatch(written):
-            raise ValueError(f"target {part.strip()!r} has non-numeric value {written!r}; {_ACCEPTED}")
+            raise ValueError(f"target {given!r} has non-numeric value {written!r}; {accepted}")
         threshold = float(written)
         if not math.isfinite(threshold):
-            raise ValueError(f"target {part.strip()!r} has value {written!r} beyond the float range; {_ACCEPTED}")
+            raise ValueError(f"target {given!r} has value {written!r} beyond the float range; {accepted}")
         t = Target(metric, op, threshold, canonical_value(written))
         if any(o.key == t.key for o in out):
-            raise ValueError(f"target {part.strip()!r} is given twice; {_ACCEPTED}")
+            raise ValueError(f"target {given!r} is given twice; {accepted}")
         out.append(t)
     return out
