@@ -36,11 +36,14 @@ _LOSS_SHARE = 0.10
 def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str | None = None,
                  absent: dict[str, str] | None = None) -> str:
     """``llmeff: run <name> (<id>): <steps> steps, <tokens> tokens, <tokens/s> tokens/s steady state [95%
-    interval <low>-<high>], MFU <x>%, wall <s> s, goodput <fraction> (largest loss: <what>, <s> s)``.
+    interval <low>-<high>], MFU <x>% [95% interval <low>-<high>%], wall <s> s, goodput <fraction> (counted: no
+    interval; largest loss: <what>, <s> s)``.
 
     A figure the summary does not hold says why (``absent``: ``llmeff.summary.absent``'s ``{key: why}``):
     no steady tokens/s, or no interval around it. MFU is against the datasheet peak, else against the
-    measured matmul peak (said so), else left out. The largest ``summary/badput_*_s`` is named beside
+    measured matmul peak (said so), else left out; its interval is the tokens/s one scaled to it, or
+    the same reason for none. Goodput is a count of this run's own time, so it has no interval and
+    says so (a trial asked why MFU and goodput stood without one beside tokens/s). The largest ``summary/badput_*_s`` is named beside
     goodput when it is at least 10% of the wall time (a trial read "goodput 0.25" of a 50-step run
     as three quarters of training wasted: 9.9 s of its 13.9 s were set-up).
 
@@ -65,22 +68,42 @@ def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str
             why = absent.get(names.SUM_TPS_CI95_LOW)
             interval = f" [no 95% interval: {why}]" if why else ""
         parts.append(f"{tps:,.0f} tokens/s steady state{interval}")
-    if summary.get(names.SUM_MFU) is not None:
-        parts.append(f"MFU {100 * summary[names.SUM_MFU]:.3g}%")
-    elif summary.get(names.SUM_MFU_MEASURED_PEAK) is not None:
-        parts.append(f"MFU {100 * summary[names.SUM_MFU_MEASURED_PEAK]:.3g}% of the measured matmul peak")
+    mfu, of = summary.get(names.SUM_MFU), ""
+    if mfu is None and summary.get(names.SUM_MFU_MEASURED_PEAK) is not None:
+        mfu, of = summary[names.SUM_MFU_MEASURED_PEAK], " of the measured matmul peak"
+    if mfu is not None:
+        value, interval = _mfu_with_interval(mfu, tps, summary, absent)
+        parts.append(f"MFU {value}{of}{interval}")
     parts.append(f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s")
     goodput = summary.get(names.SUM_GOODPUT)
     if goodput is not None:
         wall = summary.get(names.SUM_WALL_S) or 0.0
         losses = [(summary.get(names.SUM_BADPUT[c]) or 0.0, c) for c in names.BADPUT_CATEGORIES]
         lost, what = max(losses)
-        worst = f" (largest loss: {_LOSS_WORDS[what]}, {lost:.1f} s)" if wall > 0 and lost >= _LOSS_SHARE * wall else ""
-        parts.append(f"goodput {goodput:.2f}{worst}")
+        worst = f"; largest loss: {_LOSS_WORDS[what]}, {lost:.1f} s" if wall > 0 and lost >= _LOSS_SHARE * wall else ""
+        # this run's own time, counted: nothing sampled, so nothing to put an interval around
+        parts.append(f"goodput {goodput:.2f} (counted: no interval{worst})")
     else:  # why, as llmeff.summary.absent says it (no wall time, or no steady step to measure warm-up against)
         why = absent.get(names.SUM_GOODPUT)
         parts.append("goodput undefined" + (f" ({why})" if why else ""))
     return f"llmeff: run {who}: " + ", ".join(parts)
+
+
+def _mfu_with_interval(mfu: float, tps: float | None, summary: dict[str, float],
+                       absent: dict[str, str]) -> tuple[str, str]:
+    """``("41.2%", " [95% interval 40.5-42.0%]")``: MFU and the steady tokens/s interval scaled to it (MFU
+    is tokens/s x one FLOPs-per-token of the steady window / (devices x peak), monitor/account.py, so
+    the interval scales exactly); ``" [no 95% interval: <why tokens/s has none>]"``; ``""`` where
+    tokens/s has neither."""
+    import math
+
+    pct = 100 * mfu
+    decimals = max(0, 2 - math.floor(math.log10(abs(pct)))) if pct else 1  # three significant figures
+    low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
+    if tps and low is not None and high is not None:
+        return f"{pct:.{decimals}f}%", f" [95% interval {pct * low / tps:.{decimals}f}-{pct * high / tps:.{decimals}f}%]"
+    why = absent.get(names.SUM_TPS_CI95_LOW)
+    return f"{pct:.{decimals}f}%", (f" [no 95% interval: {why}]" if why else "")
 
 
 def run_identity(run_id: str | None) -> tuple[str | None, str | None]:
