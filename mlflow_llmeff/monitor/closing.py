@@ -43,9 +43,10 @@ def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str
     no steady tokens/s, or no interval around it. MFU is against the datasheet peak, else against the
     measured matmul peak (said so), else left out; its interval is the tokens/s one scaled to it, or
     the same reason for none. Goodput is a count of this run's own time, so it has no interval and
-    says so (a trial asked why MFU and goodput stood without one beside tokens/s). The largest ``summary/badput_*_s`` is named beside
-    goodput when it is at least 10% of the wall time (a trial read "goodput 0.25" of a 50-step run
-    as three quarters of training wasted: 9.9 s of its 13.9 s were set-up).
+    says so (a trial asked why MFU and goodput stood without one beside tokens/s). The largest
+    ``summary/badput_*_s`` is named beside goodput when it is at least 10% of the wall time (a trial
+    read "goodput 0.25" of a 50-step run as three quarters of training wasted: 9.9 s of its 13.9 s
+    were set-up).
 
     Args:
         summary: the run's ``summary/*`` metrics (:meth:`EfficiencyMonitor.finish`).
@@ -101,7 +102,8 @@ def _mfu_with_interval(mfu: float, tps: float | None, summary: dict[str, float],
     decimals = max(0, 2 - math.floor(math.log10(abs(pct)))) if pct else 1  # three significant figures
     low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
     if tps and low is not None and high is not None:
-        return f"{pct:.{decimals}f}%", f" [95% interval {pct * low / tps:.{decimals}f}-{pct * high / tps:.{decimals}f}%]"
+        lo, hi = pct * low / tps, pct * high / tps
+        return f"{pct:.{decimals}f}%", f" [95% interval {lo:.{decimals}f}-{hi:.{decimals}f}%]"
     why = absent.get(names.SUM_TPS_CI95_LOW)
     return f"{pct:.{decimals}f}%", (f" [no 95% interval: {why}]" if why else "")
 
