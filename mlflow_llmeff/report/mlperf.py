@@ -184,22 +184,32 @@ def _cell(ts: TargetScore, key: str, unit: str) -> str:
     return f"none: {o.n} run{'s' if o.n != 1 else ''}, 3 needed"
 
 
-def _how(ts: TargetScore) -> str:
+def _method(ts: TargetScore, sep: str = " (dropped: ", end: str = ")") -> str:
+    """How the time was scored: ``the middle run of 3 (dropped: 380 s fastest, 455 s slowest)``, or why
+    it is not valid; ``sep``/``end`` frame the dropped runs (the terminal line, already in brackets,
+    uses ``"; dropped: "`` and ``""``)."""
     o = ts.wall
-    parts = []
-    if o.valid:
-        dropped = [f"{_g(v)} s fastest" for v in o.dropped_low] + [f"{_g(v)} s slowest" for v in o.dropped_high]
-        dropped += ["the one not reached as the slowest"] if o.not_converged else []
-        middle = f"mean of the middle {len(o.kept)} of {o.n} runs" if len(o.kept) > 1 else f"the middle run of {o.n}"
-        parts.append(f"{middle} (dropped: {', '.join(dropped)})"
-                     + ("; [lowest, highest] of those" if o.high > o.low else ""))  # as _cell shows a range
-    else:
-        parts.append(o.why)
+    if not o.valid:
+        return o.why
+    dropped = [f"{_g(v)} s fastest" for v in o.dropped_low] + [f"{_g(v)} s slowest" for v in o.dropped_high]
+    dropped += ["the one not reached as the slowest"] if o.not_converged else []
+    middle = f"mean of the middle {len(o.kept)} of {o.n} runs" if len(o.kept) > 1 else f"the middle run of {o.n}"
+    return (f"{middle}{sep}{', '.join(dropped)}{end}"
+            + ("; [lowest, highest] of those" if o.high > o.low else ""))  # as _cell shows a range
+
+
+def _not_reached(ts: TargetScore) -> list[str]:
+    """``<run> did not reach it (<s> s, <n> steps)`` / ``<run> failed (...)`` for each run that did not."""
+    out = []
     for r in ts.not_reached:
         at = f" ({_g(r.end_s)} s" + (f", {r.steps} steps)" if r.steps is not None else ")") if r.end_s is not None else ""
         what = "failed" if r.status in ("FAILED", "KILLED") else "did not reach it"
-        parts.append(f"{r.label} {what}{at}")
-    return "; ".join(parts)
+        out.append(f"{r.label} {what}{at}")
+    return out
+
+
+def _how(ts: TargetScore) -> str:
+    return "; ".join([_method(ts), *_not_reached(ts)])
 
 
 #: The columns of :func:`rows`.
@@ -218,14 +228,23 @@ def rows(scores: list[TargetScore]) -> list[list[str]]:
 
 
 def text_lines(scores: list[TargetScore]) -> list[str]:
-    """The scores as lines for a terminal: one per configuration and target, then the rule."""
+    """The scores as lines for a terminal: one per configuration and target, then the rule.
+
+    ``<configuration>: to <target>: <k> of <n> runs reached it; time from training start <s> s (<how it
+    was scored>); energy <kWh>; cost <USD>; <run> did not reach it (...)``: the scoring beside the time
+    it explains (a trial found it after energy and cost, in brackets within brackets), and "from training
+    start" because the time excludes set-up, as MLPerf's does (the run's wall beside it includes it).
+    """
     if not scores:
         return []
     out = []
-    for row in rows(scores):
-        name, target, reached, wall, kwh, usd, how = row
-        out.append(f"{name}: to {target}: {reached} runs reached it; time {wall or '-'}; energy {kwh or '-'}; "
-                   f"cost {usd or '-'} ({how})")
+    for ts, row in zip(scores, rows(scores)):
+        name, target, reached, wall, kwh, usd, _ = row
+        # where the score is invalid its cell says why ('invalid: 2 of 3 not reached'), the rule below it
+        method = _method(ts, "; dropped: ", "") if ts.wall.valid else ""
+        line = (f"{name}: to {target}: {reached} runs reached it; time from training start {wall or '-'}"
+                + (f" ({method})" if method else "") + f"; energy {kwh or '-'}; cost {usd or '-'}")
+        out.append("; ".join([line, *_not_reached(ts)]))
     return out + [RULE_NOTE]
 
 
