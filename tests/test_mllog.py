@@ -81,7 +81,8 @@ def test_the_shared_rules_are_the_packages_without_the_benchmarks_own_file(tmp_p
         mllog.generic_rules("0.0.1", where=str(tmp_path))
 
 
-def test_a_log_that_cannot_be_made_is_tagged_why_and_the_study_prints_no_fetch_command():
+def test_a_log_that_cannot_be_made_is_tagged_why_and_the_study_prints_no_fetch_command(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the relative store below resolves here
     class Client:  # a store whose run cannot be read: the log is not written, the tag says why
         tags = {}
 
@@ -96,10 +97,11 @@ def test_a_log_that_cannot_be_made_is_tagged_why_and_the_study_prints_no_fetch_c
     assert what == "not written: RuntimeError: run r1 not found" and artifact is None
     assert client.tags == {names.MLLOG: what}
     assert mllog.fetch_hint("sqlite:///study.db", "r1", artifact) == ""
-    # the command names the study's store (without it, MLflow's default store has no such run) ...
+    # the command names the study's store (without it, MLflow's default store has no such run), by its
+    # absolute path (a trial's relative sqlite:///mlflow.db worked only from the study's folder) ...
     assert mllog.fetch_hint("sqlite:///study.db", "r1", "mllog/result_3.txt") == (
-        " (an artifact of the run, not a local file: MLFLOW_TRACKING_URI=sqlite:///study.db mlflow artifacts "
-        "download --run-id r1 --artifact-path mllog/result_3.txt --dst-path .)")
+        f" (an artifact of the run, not a local file: MLFLOW_TRACKING_URI=sqlite:///{tmp_path}/study.db mlflow "
+        "artifacts download --run-id r1 --artifact-path mllog/result_3.txt --dst-path .)")
     # ... but never its credential
     assert mllog.fetch_hint("postgresql://alice:s3cret@db:5432/mlflow", "r1", "mllog/result_3.txt") == (
         " (an artifact of the run, not a local file: MLFLOW_TRACKING_URI=<this store's URI: not printed, it holds a "

@@ -72,8 +72,8 @@ def test_report_failure_is_a_warning_tag_not_an_error(tracking_uri, monkeypatch)
 @pytest.mark.parametrize("uri, expected", [
     # workflowType=machine_learning: a fresh browser opens the run as a training run, not under GenAI "Evaluations"
     ("http://127.0.0.1:5000", "view run at http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
-    ("sqlite:///m.db", "view run: mlflow ui --backend-store-uri sqlite:///m.db then open "
-                       "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
+    ("sqlite:////data/m.db", "view run: mlflow ui --backend-store-uri sqlite:////data/m.db then open "
+                             "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
     # a store's path with a space is one shell word
     ("sqlite:////tmp/my runs/m.db", "view run: mlflow ui --backend-store-uri 'sqlite:////tmp/my runs/m.db' then open "
                                     "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"),
@@ -86,6 +86,19 @@ def test_report_failure_is_a_warning_tag_not_an_error(tracking_uri, monkeypatch)
 ])
 def test_run_link_opens_the_training_runs_view(uri, expected):
     assert run_url_line(uri, "3", "abc") == expected
+
+
+def test_a_relative_local_store_is_printed_by_its_absolute_path(tmp_path, monkeypatch):
+    # a trial's printed sqlite:///mlflow.db opened an empty store from any other folder
+    from mlflow_llmeff.tracking.redact import absolute_store
+
+    monkeypatch.chdir(tmp_path)
+    assert run_url_line("sqlite:///mlflow.db", "3", "abc").startswith(
+        f"view run: mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db then open ")
+    assert absolute_store("sqlite:///runs/../m.db?timeout=5", cwd="/srv/a") == "sqlite:////srv/a/m.db?timeout=5"
+    assert absolute_store("mlruns", cwd="/srv/a") == "/srv/a/mlruns"
+    for kept in ("sqlite:////abs/m.db", "sqlite:///:memory:", "http://h:5000", "databricks", "file:///x/mlruns"):
+        assert absolute_store(kept, cwd="/srv/a") == kept
 
 
 def test_training_run_has_a_dataset_input_distinct_names_and_the_run_link(tracking_uri, capsys):

@@ -73,14 +73,39 @@ def store_arg(uri: str) -> str:
     """``uri`` as one shell word for a command printed to a terminal or a job's log (``shlex.quote``), or
     :data:`UNPRINTED_STORE` where it carries a credential (user-info or a secret query value, which
     :func:`strip_uri_secrets` would remove): a printed command never holds one, and a stripped URI would
-    name a store the command cannot open.
+    name a store the command cannot open. A local store given by a relative path (``sqlite:///m.db``,
+    ``mlruns``) is printed with the absolute path it resolves to from this process's folder, so the
+    command works from any folder (a trial's printed ``sqlite:///mlflow.db`` opened an empty store
+    elsewhere).
 
-    >>> store_arg("sqlite:///m.db"), store_arg("sqlite:////tmp/my runs/m.db")
-    ('sqlite:///m.db', "'sqlite:////tmp/my runs/m.db'")
+    >>> store_arg("sqlite:////tmp/m.db"), store_arg("sqlite:////tmp/my runs/m.db")
+    ('sqlite:////tmp/m.db', "'sqlite:////tmp/my runs/m.db'")
     >>> store_arg("postgresql://alice:s3cret@db:5432/mlflow") == UNPRINTED_STORE
     True
     """
-    return UNPRINTED_STORE if strip_uri_secrets(uri) != uri else shlex.quote(uri)
+    if strip_uri_secrets(uri) != uri:
+        return UNPRINTED_STORE
+    return shlex.quote(absolute_store(uri))
+
+
+#: tracking URIs MLflow takes without a scheme that are not paths
+_SCHEMELESS = ("databricks", "databricks-uc", "uc")
+
+
+def absolute_store(uri: str, cwd: str | None = None) -> str:
+    """``uri`` with a relative local path made absolute against ``cwd`` (default: this process's folder):
+    ``sqlite:///m.db`` -> ``sqlite:////<cwd>/m.db`` (SQLAlchemy: three slashes then a relative path, four
+    an absolute one), a bare path (MLflow's file store) -> its absolute path; any other URI as given
+    (``sqlite:///:memory:``, ``databricks`` included)."""
+    base = cwd or os.getcwd()
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        path, q, query = uri[len("sqlite:///"):].partition("?")
+        if path and path != ":memory:":
+            return "sqlite:///" + os.path.normpath(os.path.join(base, path)) + q + query
+        return uri
+    if uri and ":" not in uri and uri not in _SCHEMELESS:  # a bare path: MLflow's file store
+        return os.path.normpath(os.path.join(base, uri))
+    return uri
 
 
 def clean(key: str, value: str, secrets: list[str] | None = None) -> str:
