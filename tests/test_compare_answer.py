@@ -113,3 +113,14 @@ def test_configurations_without_the_figure_come_last_in_their_order():
 
     configs = configurations([run(0, None, "a"), run(1, 10.0, "b"), run(2, None, "c"), run(3, 30.0, "d")])
     assert [c.tag(names.MODEL_NAME) for c in best_first(configs)] == ["d", "b", "a", "c"]
+
+
+def test_a_filter_with_backticks_is_one_code_span_in_report_md():
+    # a study's printed filter, tags.`llmeff.study.parent` = '...', fenced with one backtick broke the line
+    from mlflow_llmeff.report.render import _md_code, build_report, to_markdown
+    from mlflow_llmeff.report.source import Selection
+
+    query = "tags.`llmeff.study.parent` = 'p1'"
+    rep = build_report(None, Selection("1", "seven", query, _records()), group_by="model.name", plots=False)
+    assert "Filter: `` tags.`llmeff.study.parent` = 'p1' ``\n" in to_markdown(rep)
+    assert _md_code("a``b") == "``` a``b ```" and _md_code("plain = 'x'") == "`plain = 'x'`"

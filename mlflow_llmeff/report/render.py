@@ -335,12 +335,25 @@ def _md_cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
+def _md_code(s: str) -> str:
+    """``s`` as a Markdown code span: backticks inside take a longer fence, padded with a space (CommonMark
+    0.31, "Code spans": the fence is a run of backticks no run inside equals; one space each side is
+    stripped). A filter's ``tags.`llmeff.study.parent```, fenced with one backtick, broke the line."""
+    import re
+
+    longest = max((len(m) for m in re.findall(r"`+", s)), default=0)
+    if not longest:
+        return f"`{s}`"
+    fence = "`" * (longest + 1)
+    return f"{fence} {s} {fence}"
+
+
 def to_markdown(rep: Report) -> str:
     """The report as Markdown: warnings, the table (run names link to the MLflow UI), scaling, figures."""
     sel = rep.selection
     lines = [f"# Efficiency comparison: {sel.experiment_name}", "", sel.count_line(), ""]
     if sel.filter_string:
-        lines += [f"Filter: `{sel.filter_string}`", ""]
+        lines += [f"Filter: {_md_code(sel.filter_string)}", ""]
     h = _headline(rep)
     if h.rows:
         lines += ["## Configurations (repeats as samples; within noise = intervals overlap, not ranked)", "",
