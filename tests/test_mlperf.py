@@ -268,6 +268,13 @@ def test_an_fp8_and_a_bf16_run_share_the_bf16_denominator_named_in_the_header(tm
     assert MFU_NOTE in h.footnotes
     assert MFU_NOTE.startswith("MFU (BF16 peak): achieved model TFLOP/s per device / the device's dense BF16 "
                                "datasheet peak (summary/mfu_bf16_peak), for every precision")
+    # CPU runs, MFU only against the measured matmul peak: the header does not claim a BF16 peak
+    cpu = [RunRecord(r.run_id, r.name, metrics={names.SUM_DEVICE_TOKENS_PER_SEC: 100.0,
+                                                names.SUM_MFU_MEASURED_PEAK: 0.28}, tags={**r.tags, names.ACCEL_SHORT: "cpu"})
+           for r in (fp8, bf16)]
+    h = headline(configurations(cpu))
+    assert h.columns[5] == "MFU" and MFU_COLUMN not in h.columns
+    assert [(row[5].text[:5], row[5].text[-2:]) for row in h.rows] == [("28.0%", " *")] * 2  # marked: measured peak
 
 
 def test_the_pages_mfu_header_names_the_bf16_denominator(seeds_store, monkeypatch):
@@ -279,5 +286,10 @@ def test_the_pages_mfu_header_names_the_bf16_denominator(seeds_store, monkeypatc
     monkeypatch.setattr(srv, "_store", lambda: client)
     app = Flask("t")
     srv.register(app)
+    page = app.test_client().get(f"/llmeff/experiments/{exp_id}").get_data(as_text=True)
+    # no run has an MFU against a BF16 peak: the header claims none
+    assert "<th class=''>MFU</th>" in page and "MFU (BF16 peak)" not in page
+    run = client.search_runs([exp_id], max_results=1)[0]
+    client.log_metric(run.info.run_id, names.SUM_MFU_BF16_PEAK, 0.35)
     page = app.test_client().get(f"/llmeff/experiments/{exp_id}").get_data(as_text=True)
     assert "<th class=''>MFU (BF16 peak)</th>" in page

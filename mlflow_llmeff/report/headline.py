@@ -17,12 +17,16 @@ from mlflow_llmeff.report.calc import absent_why
 from mlflow_llmeff.report.repeats import (METHOD_NOTE, Configuration, Estimate, best_index, floor_for,
                                           standing_order, versus_best)
 
-__all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS", "MFU_COLUMN", "MFU_NOTE"]
+__all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS", "MFU_COLUMN", "MFU_COLUMN_OTHER",
+           "MFU_NOTE"]
 
 #: The MFU column's header: its denominator named. An FP8 run's MFU against the BF16 peak is "too good to
 #: be true" (torchtitan #560), against the FP8 peak it reads lower than a BF16 run's for the same speed
 #: (TransformerEngine #1151, on Databricks' FP8 figures): one denominator for every row, and said.
 MFU_COLUMN = "MFU (BF16 peak)"
+#: The header where no configuration has an MFU against a BF16 peak (CPU runs: against the measured
+#: matmul peak, each cell marked): a trial read "MFU (BF16 peak)" above fp32 CPU cells that were not.
+MFU_COLUMN_OTHER = "MFU"
 #: The footnote of a column holding BF16-peak figures.
 MFU_NOTE = ("MFU (BF16 peak): achieved model TFLOP/s per device / the device's dense BF16 datasheet peak "
             "(summary/mfu_bf16_peak), for every precision, so FP8, BF16 and FP32 runs share one denominator; "
@@ -144,11 +148,14 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
     Student's t across repeats, a single run +- its machine's between-run floor; the method is the
     first footnote, :data:`~mlflow_llmeff.report.repeats.METHOD_NOTE`], vs best (never a ranking
     within noise), MFU against the device's dense BF16 peak whatever the precision (``summary/mfu_bf16_peak``:
-    one denominator for FP8 and BF16 runs, :data:`MFU_NOTE`; else against the measured matmul peak, marked),
+    one denominator for FP8 and BF16 runs, :data:`MFU_NOTE`; else against the measured matmul peak, marked;
+    headed :data:`MFU_COLUMN`, or :data:`MFU_COLUMN_OTHER` where no configuration has a BF16-peak figure),
     USD and kg CO2e per 1e9 tokens, goodput, quality reached, stability.
     """
-    cols = ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best", MFU_COLUMN, "USD / 1e9 tokens",
-            "kg CO2e / 1e9 tokens", "goodput", "quality reached", "stability"]
+    bf16 = any(c.estimate(names.SUM_MFU_BF16_PEAK) is not None for c in configs)
+    cols = ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best",
+            MFU_COLUMN if bf16 else MFU_COLUMN_OTHER, "USD / 1e9 tokens", "kg CO2e / 1e9 tokens", "goodput",
+            "quality reached", "stability"]
     standing = versus_best(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
     best = best_index(configs, names.SUM_DEVICE_TOKENS_PER_SEC)
     best_title = f"best: {configs[best].label}" if best is not None else ""
