@@ -530,3 +530,22 @@ def test_a_single_unstable_runs_note_gives_its_per_device_figure_once_with_its_r
     c, = configurations([run("ddp", 2, 22_668.0, stability=why)])
     assert c.note() == ("the run is unstable at 11,334 tokens/s per device: only 5 steady steps "
                         "(fewer than 10: no interval); p90/p50 step time 1.61 (> 1.5)")
+
+
+def test_goodput_across_repeats_has_a_t_interval_clipped_at_1_and_one_run_says_so():
+    from mlflow_llmeff.report.headline import headline
+
+    def good(run_id, g):
+        r = run(run_id, 1, 100.0)
+        r.metrics[names.SUM_GOODPUT] = g
+        return r
+
+    col = headline(configurations([good("a", 0.5)])).columns.index("goodput")
+    # 0.5, 0.6, 0.7: mean 0.6, sd 0.1, half width t(0.975, 2) x 0.1 / sqrt(3) = 4.303 x 0.057735 = 0.2484
+    row, = headline(configurations([good("a", 0.5), good("b", 0.6), good("c", 0.7)])).rows
+    assert row[col].text == "0.60 [0.35, 0.85]" and row[col].sort == pytest.approx(0.6)
+    # 0.9, 0.95, 1.0: mean 0.95 + 0.1242 passes 1, and a share of time cannot
+    row, = headline(configurations([good("a", 0.9), good("b", 0.95), good("c", 1.0)])).rows
+    assert row[col].text == "0.95 [0.83, 1.00]"
+    row, = headline(configurations([good("a", 0.88)])).rows
+    assert row[col].text == "0.88 (1 run)"  # a count of one run's time: no interval, said

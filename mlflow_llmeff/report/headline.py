@@ -69,13 +69,13 @@ def _g(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _est_cell(e: Estimate | None, *, pct: bool = False) -> Cell:
+def _est_cell(e: Estimate | None, *, pct: bool = False, fmt=None) -> Cell:
     """The figure with its interval; a single run's floor bounds marked (``6,761 [1,285, 12,237] floor``: its
     bounds, not ``+-81%``, which a per-token figure's ``/ (1 -+ f)`` is not); the method and any repeat left
-    out in the cell's title."""
+    out in the cell's title. ``fmt`` formats a value (default: a percentage with ``pct``, else 3 figures)."""
     if e is None:
         return Cell("", None)
-    fmt = (lambda v: f"{v:.1%}") if pct else _g
+    fmt = fmt or ((lambda v: f"{v:.1%}") if pct else _g)
     left = f" ({len(e.left_out)} left out)" if e.left_out else ""
     if e.method == "floor":
         return Cell(f"{fmt(e.mean)} [{fmt(e.low)}, {fmt(e.high)}] floor{left}", e.mean, e.how())
@@ -211,7 +211,9 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                 carbon_cell = Cell(carbon_cell.text + " est.", carbon_cell.sort,
                                    f"codecarbon's CPU+RAM estimate; {carbon_cell.title}")
                 notes.add("est.: kg CO2e from codecarbon's CPU+RAM estimate (no measured energy)")
-        good = _mean(c, names.SUM_GOODPUT)
+        # goodput: each run's is a count of its own time; across repeats it varies, so a t interval (a
+        # trial saw 0.06 alone over 3 seeds beside tokens/s and MFU with theirs); one run: '(1 run)'
+        good = _est_cell(c.estimate(names.SUM_GOODPUT), fmt=lambda v: f"{v:.2f}")
         quality = _quality(c)
         if not quality.text:
             notes.add("an empty quality reached: no HellaSwag or MMLU score, eval/val_loss or time-to-quality "
@@ -224,7 +226,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
             Cell(stand, float(standing_order(stand)), best_title),
             mfu_cell, _est_cell(usd), carbon_cell,
-            Cell(f"{good:.2f}" if good is not None else "", good),
+            good,
             quality, _stability(c)])
     per_config = []  # every repeat that is unstable (kept) or left out of a figure, named with its value and why
     for c in configs:

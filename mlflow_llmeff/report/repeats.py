@@ -71,6 +71,10 @@ _AGAINST_TPS = (names.SUM_STEP_TIME_S, names.SUM_USD_PER_BTOK, names.SUM_KG_CO2E
                 names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
 
 
+# Figures that are a share of a run's time, at most 1 (docs/time.md).
+_SHARES = (names.SUM_GOODPUT,)
+
+
 @dataclass(frozen=True)
 class Floor:
     """The between-run noise one run cannot see: the relative half width of the 95% interval that a
@@ -349,8 +353,10 @@ class Configuration:
         mean = sum(vals) / n
         sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
         half = t_quantile_975(n - 1) * sd / math.sqrt(n)
-        # every summary figure is >= 0: a t interval of few repeats may reach below, the figure cannot
-        return Estimate(mean, max(0.0, mean - half), mean + half, n, "repeats", None, left_out)
+        # every summary figure is >= 0, and a share of time <= 1: a t interval of few repeats may reach
+        # beyond, the figure cannot
+        high = min(1.0, mean + half) if key in _SHARES else mean + half
+        return Estimate(mean, max(0.0, mean - half), high, n, "repeats", None, left_out)
 
     def note(self) -> str:
         """What a reader must know about the repeats: the unstable ones, each with its tokens/s and
