@@ -69,9 +69,15 @@ def test_a_configuration_is_named_after_its_oldest_stable_run_and_counts_seeds_a
     assert c.first.run_id == "b" and c.label == "run-b (+2 seeds)"
     c, = configurations(list(reversed(runs)))  # the order read in does not change the name
     assert c.label == "run-b (+2 seeds)"
+    # the interval's words and the note call them seeds too (mean 110, sd 10: +- 4.303 x 10 / sqrt(3))
+    e = c.estimate(names.SUM_TOKENS_PER_SEC)
+    assert e.text() == "110 [85.16, 135] (3 seeds, t)"  # 110 - 24.84 = 85.16
+    assert e.how() == "mean of 3 seeds, 95% Student-t interval across them (df 2)"
+    assert c.note().startswith("1 unstable seed kept in the figures: run-c 120 tokens/s per device (unstable: ")
     # one seed twice, or a run without a seed param: repeats, not seeds
     runs[0].params["seed"] = "1"
     assert configurations(runs)[0].label == "run-b (+2 repeats)"
+    assert configurations(runs)[0].estimate(names.SUM_TOKENS_PER_SEC).text().endswith(" (3 repeats, t)")
     runs[0].params.pop("seed")
     assert configurations(runs)[0].label == "run-b (+2 repeats)"
     # no start times known: the first stable run given

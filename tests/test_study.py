@@ -17,9 +17,12 @@ from mlflow_llmeff.train.config import TrainConfig
 from mlflow_llmeff.train.study import PARENT_TAG, Outcome, StudyConfig, check, run_study, schedule, summary_lines
 from conftest import START_TICK_S, use_store
 
-#: How long after the end of ``summary/wall_s`` its point is stamped: the clock stops, the summary is
-#: built, then its points are made (20-37 ms measured: tests/test_timed_alone.py); 0.25 s allows a loaded machine.
-STAMP_LAG_S = 0.25
+#: How long after the end of ``summary/wall_s`` its point may be stamped: the clock stops, the summary is
+#: built, then its points are made (20-37 ms measured: tests/test_timed_alone.py; 0.35 s seen with a whole
+#: suite running beside it). The fault it guards against, a clock started at the child's imports instead of
+#: the start handed over, is several seconds (a child's set-up, summary/badput_init_s, 6.45 s measured:
+#: docs/stability.md), so 1 s still catches it.
+STAMP_LAG_S = 1.0
 
 TINY = "--model llama-tiny --dataset synthetic --max-steps 4 --seq-len 32 --warmup-steps 1 --log-every-n-steps 2 " \
        "--measure-energy none --val-fraction 0"
@@ -289,7 +292,7 @@ def test_a_real_study_of_two_configurations_twice(tracking_uri, monkeypatch):
         assert started <= r.info.start_time / 1000 + 1e-3
         # its summary/wall_s runs from that start (the child process gets it in $LLMEFF_ATTEMPT_START_UNIX;
         # its run, made about 1 ms later, is the launcher's run it starts at too) to the summary, whose
-        # point is stamped just after: to a tick below, STAMP_LAG_S above (21-27 ms measured)
+        # point is stamped just after: to a tick below, STAMP_LAG_S above (21-27 ms measured, alone)
         [point] = client.get_metric_history(r.info.run_id, names.SUM_WALL_S)
         stamped_s = point.timestamp / 1000 - started
         assert stamped_s - STAMP_LAG_S <= r.data.metrics[names.SUM_WALL_S] <= stamped_s + START_TICK_S

@@ -156,6 +156,8 @@ class Estimate:
             recorded where it is made (inferred from the bounds it was decided by float rounding).
         short_of: ``(steady steps, the floor's minimum)`` of a single run too short for its kind's
             floor (:attr:`Floor.min_steady_steps`): no interval.
+        unit: what the runs are called in words: ``repeat``, or ``seed`` for runs each with its own
+            seed (:attr:`Configuration.unit`).
     """
 
     mean: float
@@ -168,6 +170,7 @@ class Estimate:
     kind: str | None = None
     inverse: bool = False
     short_of: tuple[int, int] | None = None
+    unit: str = "repeat"
 
     @property
     def has_interval(self) -> bool:
@@ -183,7 +186,7 @@ class Estimate:
     def how(self) -> str:
         """The method in words, e.g. ``mean of 2 repeats, 95% Student-t interval (df 1)``."""
         if self.method == "repeats":
-            text = f"mean of {self.n} repeats, 95% Student-t interval across them (df {self.n - 1})"
+            text = f"mean of {self.n} {self.unit}s, 95% Student-t interval across them (df {self.n - 1})"
         elif self.method == "floor":
             f = f"{self.floor.half_width:g}"
             text = (f"one run: its throughput +-{self.floor.half_width:.0%}, the between-run floor of "
@@ -210,7 +213,7 @@ class Estimate:
             return f"{fmt(self.mean)} [{fmt(self.low)}, {fmt(self.high)}] (1 run, between-run floor of {self.kind})"
         if not self.has_interval:
             return f"{fmt(self.mean)} ({'1 run, ' if self.n == 1 else ''}no interval)"
-        how = f"{self.n} repeats, t" if self.method == "repeats" else self.method
+        how = f"{self.n} {self.unit}s, t" if self.method == "repeats" else self.method
         return f"{fmt(self.mean)} [{fmt(self.low)}, {fmt(self.high)}] ({how})"
 
 
@@ -319,9 +322,14 @@ class Configuration:
         first = self.first.label
         if len(self.runs) == 1:
             return first
+        return f"{first} (+{len(self.runs) - 1} {self.unit}{'s' if len(self.runs) > 2 else ''})"
+
+    @property
+    def unit(self) -> str:
+        """``seed`` where every run has a ``seed`` param and no two share one, else ``repeat``: what the
+        label, the intervals' words and the notes call the runs."""
         seeds = [r.params.get("seed") for r in self.runs]
-        unit = "seed" if None not in seeds and len(set(seeds)) == len(seeds) else "repeat"
-        return f"{first} (+{len(self.runs) - 1} {unit}{'s' if len(self.runs) > 2 else ''})"
+        return "seed" if len(seeds) > 1 and None not in seeds and len(set(seeds)) == len(seeds) else "repeat"
 
     @property
     def devices(self) -> int | None:
@@ -356,7 +364,7 @@ class Configuration:
         # every summary figure is >= 0, and a share of time <= 1: a t interval of few repeats may reach
         # beyond, the figure cannot
         high = min(1.0, mean + half) if key in _SHARES else mean + half
-        return Estimate(mean, max(0.0, mean - half), high, n, "repeats", None, left_out)
+        return Estimate(mean, max(0.0, mean - half), high, n, "repeats", None, left_out, unit=self.unit)
 
     def note(self) -> str:
         """What a reader must know about the repeats: the unstable ones, each with its tokens/s and
@@ -379,9 +387,10 @@ class Configuration:
             why = tag.split(":", 1)[1].strip() if tag.startswith("unstable:") else tag
             return f"the run is unstable{' at ' + v if v else ''}: {why}"
         why = "; ".join(one(r) for r in bad)
+        unit = self.unit
         if len(bad) == len(self.runs):
-            return f"no stable repeat, all {len(bad)} in the figures: {why}"
-        return f"{len(bad)} unstable repeat{'s' if len(bad) > 1 else ''} kept in the figures: {why}"
+            return f"no stable {unit}, all {len(bad)} in the figures: {why}"
+        return f"{len(bad)} unstable {unit}{'s' if len(bad) > 1 else ''} kept in the figures: {why}"
 
 
 def config_key(r: RunRecord) -> tuple:
