@@ -555,3 +555,10 @@ def test_goodput_across_repeats_has_a_t_interval_clipped_at_1_and_one_run_says_s
     assert row[col].text == "0.95 [0.83, 1.00]"
     row, = headline(configurations([good("a", 0.88)])).rows
     assert row[col].text == "0.88 (1 run)"  # a count of one run's time: no interval, said
+    # on the page the interval goes under the value: the wider cell broke the first 1600-px screen (CI)
+    from mlflow_llmeff.report.render import build_report, to_html
+    from mlflow_llmeff.report.source import Selection
+
+    runs = [good("a", 0.5), good("b", 0.6), good("c", 0.7)]
+    page = to_html(build_report(None, Selection("1", "g", "", runs), plots=False))
+    assert "<td class='w' data-v='0.6'" in page and ">0.60<br>[0.35, 0.85]</td>" in page

@@ -445,9 +445,10 @@ def _headline_html(rep: Report) -> str:
     h = _headline(rep)
     if not h.rows:
         return "<p class='note'>No finished run with summary figures to compare.</p>"
-    # text-sorted columns ('t'), the wrapping quality column ('q'), the stability column ('s')
+    # text-sorted columns ('t'), the wrapping quality column ('q'), the stability column ('s'), a figure whose
+    # interval goes under its value ('w': goodput, so the table still fits the first 1600-px screen)
     klasses = [{"configuration": "t", "layout": "t", "vs best": "t", "quality reached": "q t",
-                "stability": "s t"}.get(c, "") for c in h.columns]
+                "stability": "s t", "goodput": "w"}.get(c, "") for c in h.columns]
     out = ["<table id='headline' class='sortable'><thead><tr>"
            + "".join(f"<th class='{'t' if 't' in k.split() else ''}'>{e(c)}</th>" for k, c in zip(klasses, h.columns))
            + "</tr></thead><tbody>"]
@@ -458,6 +459,8 @@ def _headline_html(rep: Report) -> str:
             v = "" if cell.sort is None else e(str(cell.sort))
             text = (f"<a href='{e(cell.link)}' target='_top'>{e(cell.text)}</a>" if cell.link else e(cell.text))
             klass = klasses[i]
+            if "w" in klass.split():  # '0.60 [0.35, 0.85]' / '0.88 (1 run)': the interval on a line of its own
+                text = text.replace(" [", "<br>[", 1).replace(" (", "<br>(", 1)
             title = f" title='{e(cell.title)}'" if cell.title else ""
             cells.append(f"<td class='{klass}' data-v='{v}'{title}>{text}</td>")
         out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
