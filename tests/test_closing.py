@@ -32,15 +32,15 @@ def tracking_uri(module_store, monkeypatch):
       names.SUM_MFU: 0.4125},
      # MFU's interval is tokens/s's scaled: 41.25% x 2,300.4 / 2,345.6 = 40.46%, x 2,390.5 / 2,345.6 = 42.04%
      {}, "2,346 tokens/s steady state [95% interval 2,300-2,390], MFU 41.2% [95% interval 40.5-42.0%], wall 6.2 s, "
-         "goodput 0.88 (counted: no interval)"),
+         "goodput 0.88 (counted, not sampled: no interval)"),
     ({names.SUM_TOKENS_PER_SEC: 200.0, names.SUM_MFU_MEASURED_PEAK: 0.0204},
      {names.SUM_TPS_CI95_LOW: "7 steady steps (an interval needs at least 10)"},
      "200 tokens/s steady state [no 95% interval: 7 steady steps (an interval needs at least 10)], "
      "MFU 2.04% of the measured matmul peak [no 95% interval: 7 steady steps (an interval needs at least 10)], "
-     "wall 6.2 s, goodput 0.88 (counted: no interval)"),
+     "wall 6.2 s, goodput 0.88 (counted, not sampled: no interval)"),
     ({}, {names.SUM_TOKENS_PER_SEC: "no token counted (pass batch= or tokens= to step())"},
      "no steady-state tokens/s (no token counted (pass batch= or tokens= to step())), wall 6.2 s, goodput 0.88 "
-     "(counted: no interval)"),
+     "(counted, not sampled: no interval)"),
 ])
 def test_the_line_says_the_rate_its_interval_or_why_none_and_mfu_when_known(extra, absent, tail):
     line = closing_line({**BASE, **extra}, run_id="abc123", run_name="tiny-single-fp32-cpu", absent=absent)
@@ -52,11 +52,12 @@ def test_the_largest_loss_is_named_beside_goodput_when_it_is_a_tenth_of_the_wall
     summary = {**BASE, names.SUM_WALL_S: 13.9, names.SUM_GOODPUT: 0.25, names.SUM_BADPUT["init"]: 9.9,
                names.SUM_BADPUT["eval"]: 0.12, names.SUM_BADPUT["warmup"]: 0.3}
     line = closing_line(summary, run_id="abc123")
-    assert line.endswith("wall 13.9 s, goodput 0.25 (counted: no interval; largest loss: set-up before the first "
-                         "step, 9.9 s)")
+    assert line.endswith("wall 13.9 s, goodput 0.25 (counted, not sampled: no interval; largest loss: set-up "
+                         "before the first step, 9.9 s)")
     # the largest under 10% of the wall (1.3 s of 13.9 s) is not worth a word
     summary[names.SUM_BADPUT["init"]] = 1.3
-    assert closing_line(summary, run_id="abc123").endswith("wall 13.9 s, goodput 0.25 (counted: no interval)")
+    assert closing_line(summary, run_id="abc123").endswith(
+        "wall 13.9 s, goodput 0.25 (counted, not sampled: no interval)")
 
 
 def test_without_a_name_the_run_is_its_id():

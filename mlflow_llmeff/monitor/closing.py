@@ -36,8 +36,8 @@ _LOSS_SHARE = 0.10
 def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str | None = None,
                  absent: dict[str, str] | None = None) -> str:
     """``llmeff: run <name> (<id>): <steps> steps, <tokens> tokens, <tokens/s> tokens/s steady state [95%
-    interval <low>-<high>], MFU <x>% [95% interval <low>-<high>%], wall <s> s, goodput <fraction> (counted: no
-    interval; largest loss: <what>, <s> s)``.
+    interval <low>-<high>], MFU <x>% [95% interval <low>-<high>%], wall <s> s, goodput <fraction> (counted, not
+    sampled: no interval; largest loss: <what>, <s> s)``.
 
     A figure the summary does not hold says why (``absent``: ``llmeff.summary.absent``'s ``{key: why}``):
     no steady tokens/s, or no interval around it. MFU is against the datasheet peak, else against the
@@ -83,7 +83,7 @@ def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str
         lost, what = max(losses)
         worst = f"; largest loss: {_LOSS_WORDS[what]}, {lost:.1f} s" if wall > 0 and lost >= _LOSS_SHARE * wall else ""
         # this run's own time, counted: nothing sampled, so nothing to put an interval around
-        parts.append(f"goodput {goodput:.2f} (counted: no interval{worst})")
+        parts.append(f"goodput {goodput:.2f} (counted, not sampled: no interval{worst})")
     else:  # why, as llmeff.summary.absent says it (no wall time, or no steady step to measure warm-up against)
         why = absent.get(names.SUM_GOODPUT)
         parts.append("goodput undefined" + (f" ({why})" if why else ""))

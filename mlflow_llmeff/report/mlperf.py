@@ -28,7 +28,8 @@ __all__ = ["RunToTarget", "TargetScore", "target_scores", "config_scores", "targ
 
 #: Said once under every table of these scores.
 RULE_NOTE = (f"Scored as MLPerf Training scores a benchmark ({RULES}); a run that did not reach the target, or "
-             "failed, counts as infinitely slow. Energy and cost are scored the same way, each on its own. MLPerf "
+             "failed, counts as infinitely slow. The time runs from training start, the run's set-up excluded, "
+             "as MLPerf's run_start does. Energy and cost are scored the same way, each on its own. MLPerf "
              "asks for 10 runs (Small LLM pretraining, Llama 3.1 8B) or 3 (LLM pretraining, Llama 3.1 405B): "
              "MLPerf-style results, not an MLPerf submission (docs/compare.md)")
 
@@ -213,8 +214,8 @@ def _how(ts: TargetScore) -> str:
 
 
 #: The columns of :func:`rows`.
-COLUMNS = ("configuration", "target", "reached", "time to target [olympic, range]", "energy to target",
-           "cost to target", "how")
+COLUMNS = ("configuration", "target", "reached", "time to target from training start [range of the runs kept]",
+           "energy to target", "cost to target", "how")
 
 
 def rows(scores: list[TargetScore]) -> list[list[str]]:

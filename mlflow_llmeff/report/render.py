@@ -335,6 +335,12 @@ def _md_cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
+def _md_lead(s: str) -> str:
+    """``s`` with a leading list or emphasis marker (``*``, ``+``, ``-``) backslash-escaped, so a Markdown
+    list item starting with it keeps the character (CommonMark 0.31, "Backslash escapes")."""
+    return "\\" + s if s[:1] in "*+-" and s else s
+
+
 def _md_code(s: str) -> str:
     """``s`` as a Markdown code span: backticks inside take a longer fence, padded with a space (CommonMark
     0.31, "Code spans": the fence is a run of backticks no run inside equals; one space each side is
@@ -360,7 +366,8 @@ def to_markdown(rep: Report) -> str:
                   f"Runs with equal condition tags are repeats of one configuration. {h.footnotes[0]}.", "",
                   "| " + " | ".join(h.columns) + " |", "|" + " --- |" * len(h.columns)]
         lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in h.rows]
-        lines += [""] + [f"- {n}" for n in h.footnotes[1:]] + ([""] if h.footnotes[1:] else [])
+        # a note that starts with the cells' marker ('* MFU against ...') keeps it: escaped, not a nested bullet
+        lines += [""] + [f"- {_md_lead(n)}" for n in h.footnotes[1:]] + ([""] if h.footnotes[1:] else [])
         lines += targets_markdown(rep.targets)
         lines += ["## All runs", ""]
     lines += [f"> **WARNING** {w.text()}" for w in rep.warnings] + ([""] if rep.warnings else [])
