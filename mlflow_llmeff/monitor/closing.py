@@ -58,22 +58,23 @@ def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str
     who = f"{run_name} ({run_id})" if run_name else f"{run_id}"
     parts = [f"{int(summary.get(names.SUM_STEPS, 0))} steps", f"{int(summary.get(names.SUM_TOKENS, 0)):,} tokens"]
     tps = summary.get(names.SUM_TOKENS_PER_SEC)
+    # the steady tokens/s interval, or why it has none: read once, for tokens/s and for MFU scaled from it
+    low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
+    has_interval = low is not None and high is not None
+    why_none = absent.get(names.SUM_TPS_CI95_LOW)
+    no_interval = f" [no 95% interval: {why_none}]" if why_none else ""
     if tps is None:
         why = absent.get(names.SUM_TOKENS_PER_SEC)
         parts.append("no steady-state tokens/s" + (f" ({why})" if why else ""))
     else:
-        low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
-        if low is not None and high is not None:
-            interval = f" [95% interval {low:,.0f}-{high:,.0f}]"
-        else:
-            why = absent.get(names.SUM_TPS_CI95_LOW)
-            interval = f" [no 95% interval: {why}]" if why else ""
+        interval = f" [95% interval {low:,.0f}-{high:,.0f}]" if has_interval else no_interval
         parts.append(f"{tps:,.0f} tokens/s steady state{interval}")
     mfu, of = summary.get(names.SUM_MFU), ""
     if mfu is None and summary.get(names.SUM_MFU_MEASURED_PEAK) is not None:
         mfu, of = summary[names.SUM_MFU_MEASURED_PEAK], " of the measured matmul peak"
     if mfu is not None:
-        value, interval = _mfu_with_interval(mfu, tps, summary, absent)
+        scale = (low / tps, high / tps) if has_interval and tps else None
+        value, interval = _mfu_with_interval(mfu, scale, no_interval)
         parts.append(f"MFU {value}{of}{interval}")
     parts.append(f"wall {summary.get(names.SUM_WALL_S, 0.0):.1f} s")
     goodput = summary.get(names.SUM_GOODPUT)
@@ -90,22 +91,19 @@ def closing_line(summary: dict[str, float], *, run_id: str | None, run_name: str
     return f"llmeff: run {who}: " + ", ".join(parts)
 
 
-def _mfu_with_interval(mfu: float, tps: float | None, summary: dict[str, float],
-                       absent: dict[str, str]) -> tuple[str, str]:
-    """``("41.2%", " [95% interval 40.5-42.0%]")``: MFU and the steady tokens/s interval scaled to it (MFU
-    is tokens/s x one FLOPs-per-token of the steady window / (devices x peak), monitor/account.py, so
-    the interval scales exactly); ``" [no 95% interval: <why tokens/s has none>]"``; ``""`` where
-    tokens/s has neither."""
+def _mfu_with_interval(mfu: float, scale: tuple[float, float] | None, no_interval: str) -> tuple[str, str]:
+    """``("41.2%", " [95% interval 40.5-42.0%]")``: MFU and the steady tokens/s interval scaled to it
+    (``scale``: its low and high over tokens/s; MFU is tokens/s x one FLOPs-per-token of the steady
+    window / (devices x peak), monitor/account.py, so the interval scales exactly); without ``scale``,
+    tokens/s's ``no_interval`` words (``" [no 95% interval: <why>]"`` or ``""``)."""
     import math
 
     pct = 100 * mfu
     decimals = max(0, 2 - math.floor(math.log10(abs(pct)))) if pct else 1  # three significant figures
-    low, high = summary.get(names.SUM_TPS_CI95_LOW), summary.get(names.SUM_TPS_CI95_HIGH)
-    if tps and low is not None and high is not None:
-        lo, hi = pct * low / tps, pct * high / tps
-        return f"{pct:.{decimals}f}%", f" [95% interval {lo:.{decimals}f}-{hi:.{decimals}f}%]"
-    why = absent.get(names.SUM_TPS_CI95_LOW)
-    return f"{pct:.{decimals}f}%", (f" [no 95% interval: {why}]" if why else "")
+    if scale is None:
+        return f"{pct:.{decimals}f}%", no_interval
+    lo, hi = pct * scale[0], pct * scale[1]
+    return f"{pct:.{decimals}f}%", f" [95% interval {lo:.{decimals}f}-{hi:.{decimals}f}%]"
 
 
 def run_identity(run_id: str | None) -> tuple[str | None, str | None]:

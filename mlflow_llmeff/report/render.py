@@ -338,7 +338,7 @@ def _md_cell(s: str) -> str:
 def _md_lead(s: str) -> str:
     """``s`` with a leading list or emphasis marker (``*``, ``+``, ``-``) backslash-escaped, so a Markdown
     list item starting with it keeps the character (CommonMark 0.31, "Backslash escapes")."""
-    return "\\" + s if s[:1] in "*+-" and s else s
+    return "\\" + s if s[:1] in ("*", "+", "-") else s
 
 
 def _md_code(s: str) -> str:
