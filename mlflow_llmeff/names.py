@@ -98,6 +98,18 @@ SUM_MFU_MEASURED_PEAK = _metric("summary/mfu_measured_peak", "fraction", "MFU ag
 SUM_STEP_TIME_S = _metric("summary/step_time_s", "s", "steady-state mean optimizer-step wall time", S)
 SUM_BYTES_PER_PARAM = _metric("summary/bytes_per_param", "bytes", "peak allocated memory per device / parameters per device (devices with allocator statistics only: never from CPU process RSS)", S)
 SUM_MODEL_STATE_BYTES_PER_PARAM = _metric("summary/model_state_bytes_per_param", "bytes", "(weights + gradients + optimizer state) bytes held by one device (max over devices) / the model's parameters: fp32 AdamW 16 replicated, 16/n fully sharded over n ranks", S)
+# where every byte goes (docs/memory.md): per device, max over devices, bytes as stored (a tensor subclass by its
+# inner tensors, a table shared by an optimizer's tensors once)
+SUM_OPT_STATE_BYTES_PER_PARAM = _metric("summary/optimizer_state_bytes_per_param", "bytes", "optimizer state bytes held by one device (max over devices) / the model's parameters, counted as stored: torch AdamW fp32 8, 8-bit AdamW about 2.03, 4-bit about 1.06 at large tensors (docs/memory.md)", S)
+SUM_MEM_WEIGHTS_GIB = _metric("summary/memory/weights_gib", "GiB", "weights held by one device (local shards, tied weights once), as stored; max over devices", S)
+SUM_MEM_GRADIENTS_GIB = _metric("summary/memory/gradients_gib", "GiB", "gradients of the trainable weights held by one device during a step, as stored; max over devices", S)
+SUM_MEM_OPT_STATE_GIB = _metric("summary/memory/optimizer_state_gib", "GiB", "optimizer state held by one device, as stored (inner tensors, scales and codes of tensor subclasses; tables shared by the optimizer's tensors once); max over devices", S)
+SUM_MEM_PEAK_GIB = _metric("summary/memory/peak_gib", "GiB", "peak memory of one device: CUDA torch.cuda.max_memory_allocated; CPU the process's peak RSS above its RSS before the model's tensors were counted (llmeff.memory.source); max over devices", S)
+SUM_MEM_OTHER_GIB = _metric("summary/memory/other_gib", "GiB", "the rest of the peak: summary/memory/peak_gib less weights, gradients and optimizer state (activations, workspace, the optimizer step's temporaries, the loss path); absent where the peak is below the model state (a peak read before the state existed)", S)
+SUM_MEM_PEAK_FRACTION = _metric("summary/memory/peak_fraction", "fraction", "the peak's share of what the device (CUDA: reserved memory / total memory) or the process (CPU: peak RSS / the cgroup's memory limit, else the host's memory) may use; llmeff.memory.capacity says which", S)
+SUM_MEM_ALLOC_RETRIES = _metric("summary/memory/alloc_retries", "count", "CUDA caching allocator retries (cudaMalloc failed, cache flushed, retried: torch.cuda.memory_stats num_alloc_retries), summed over devices; CUDA only", S)
+SUM_MEM_OOMS = _metric("summary/memory/ooms", "count", "CUDA out-of-memory errors the allocator raised (torch.cuda.memory_stats num_ooms), summed over devices; CUDA only", S)
+SUM_MEM_NVML_PROCESS_GIB = _metric("summary/memory/nvml_process_gib", "GiB", "device memory NVML says this process uses (allocator's reserved memory plus what lies outside it: CUDA context, NCCL buffers, paged optimizer buffers), at the end; max over devices; CUDA with NVML only", S)
 SUM_COMM_EXPOSED = _metric("summary/comm_exposed_fraction", "fraction", "share of a profiled step's wall time spent in collectives not overlapped with compute (torch.profiler on sampled warm-up steps; mean over ranks; llmeff.comm.sampled says which)", S)
 SUM_COMM_BYTES = _metric("summary/comm_bytes_per_step", "bytes", "bus bytes per device per optimizer step: each collective's size x its nccl-tests bus factor (all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n, broadcast 1), counted on a sampled step, mean over ranks", S)
 SUM_J_PER_TOKEN = _metric("summary/j_per_token", "J/token", "measured energy / non-padding tokens (every device measured; else omitted)", S)
@@ -250,6 +262,11 @@ GLOBAL_BATCH_TOKENS = _tag("global_batch_tokens", "seq_len x micro_batch_size x 
 #: The value of llmeff.seq_len, llmeff.micro_batch_size and llmeff.global_batch_tokens when the batch
 #: shape varied between micro-batches (docs/autolog.md, "Batch shape and run name: dynamic padding and packing").
 SHAPE_DYNAMIC = "dynamic"
+OPTIMIZER = _tag("optimizer", "the optimizer: its class and module, the dtype its states are stored in (read from the states, e.g. 'int8 codes + fp32 scales'), and where it came from (llmeff train --optimizer NAME, transformers Trainer optim=NAME, the user's loop); part of a configuration")
+ATTENTION = _tag("attention", "the attention kernel the model runs, read back from the built model (config._attn_implementation): sdpa, eager, flash_attention_2, flash_attention_3, flex_attention; 'unknown: <why>' where the model does not say; part of a configuration")
+WEIGHTS = _tag("weights", "how the trained weights are held: 'fp32' (fp32 weights; with bf16/fp16 precision they are the master copy of mixed precision) or 'bf16' (pure bf16 weights, no fp32 master copy); part of a configuration")
+MEMORY_CAPACITY = _tag("memory.capacity", "what summary/memory/peak_fraction divides by and where it comes from: CUDA total memory, the cgroup v2/v1 memory limit, or the host's memory")
+MEMORY_SNAPSHOT = _tag("memory.snapshot", "on a CUDA out-of-memory failure: the artifact path of torch's memory snapshot (torch.cuda.memory._dump_snapshot, open it at pytorch.org/memory_viz) and the largest term of the peak, or why none was written")
 ACT_CKPT = _tag("activation_checkpointing", "true / false")
 COMPILE = _tag("compile", "torch.compile used: true / false")
 FLOPS_FORMULA = _tag("flops.formula", "FLOPs-per-token convention and its source")

@@ -50,8 +50,8 @@ __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_fo
 CONFIG_TAGS = (names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PROCS_PER_NODE,
                names.PAR_STRATEGY, names.PAR_DP, names.PAR_DP_SHARD, names.PAR_DP_REPLICATE, names.PAR_TP, names.PAR_PP, names.PAR_CP, names.PRECISION,
                names.MODEL_NAME, names.MODEL_PARAMS, names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM,
-               names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.DATASET, names.FLOPS_FORMULA,
-               names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
+               names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.OPTIMIZER, names.ATTENTION, names.WEIGHTS,
+               names.DATASET, names.FLOPS_FORMULA, names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
                names.V_LLMEFF)
 
 #: Scaling efficiency above this is flagged (docs/compare.md, "Scaling efficiency").
@@ -528,7 +528,7 @@ class ScalingRow:
 
 #: Conditions configurations must share to be the same job at different device counts.
 SAME_JOB = (names.ACCEL_SHORT, names.PRECISION, names.MODEL_NAME, names.SEQ_LEN, names.ACT_CKPT, names.COMPILE,
-            names.DATASET, names.FLOPS_FORMULA)
+            names.OPTIMIZER, names.ATTENTION, names.WEIGHTS, names.DATASET, names.FLOPS_FORMULA)
 
 
 def _batch_per_device(c: Configuration) -> str | None:
