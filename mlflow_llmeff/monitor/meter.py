@@ -50,6 +50,7 @@ from mlflow_llmeff.monitor import assembly, binding, closing, lifecycle, points,
 from mlflow_llmeff.monitor.assembly import PRECISIONS, check_args
 from mlflow_llmeff.monitor.conditions import infer_precision, infer_strategy, unwrap_model
 from mlflow_llmeff.monitor.counting import StepTally
+from mlflow_llmeff.monitor.memwatch import MemoryWatch
 from mlflow_llmeff.monitor.parts import Parts
 from mlflow_llmeff.tracking.logger import NullLogger
 
@@ -136,6 +137,8 @@ class EfficiencyMonitor:
             instead of one reading this machine (tests pass one over the fake NVML).
         eval_subject_metrics: also log per-subject MMLU scores as metrics (``eval/mmlu_<subject>/acc``);
             by default they are one table artifact per eval (``eval/mmlu_subjects/step_<step>.json``).
+        optimizer_origin: where the optimizer came from, for ``llmeff.optimizer`` (``llmeff train
+            --optimizer adamw8bit``, ``transformers Trainer optim=adamw_torch``); default ``the user's loop``.
 
     Raises:
         ValueError: for a bad argument (the message names it and what is accepted).
@@ -155,7 +158,8 @@ class EfficiencyMonitor:
                  clock: Callable[[], float] = time.perf_counter, integration: str = "monitor",
                  track_loss: bool = True, heartbeat_path: str | None = None, outbox_dir: str | None = None,
                  report: bool = True, contention_meter=None, eval_subject_metrics: bool = False,
-                 data_parallel_size: int | None = None, context_parallel_size: int = 1) -> None:
+                 data_parallel_size: int | None = None, context_parallel_size: int = 1,
+                 optimizer_origin: str | None = None) -> None:
         check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,
                    device_hour_usd, usd_per_kwh)
         targets_ = parse_targets(targets, any_metric=True)
@@ -175,6 +179,7 @@ class EfficiencyMonitor:
                             optimizer=optimizer, targets=targets_, subject_metrics=bool(eval_subject_metrics),
                             heartbeat_path=heartbeat_path, outbox_dir=outbox_dir, ledger=ledger, tally=StepTally())
         assembly.read_model(p, model, model_config, precision, strategy, compile, activation_checkpointing)
+        p.memory = MemoryWatch(p.device, origin=optimizer_origin)  # before the step: the CPU peak's baseline
         p.meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
         assembly.set_up_measurement(p, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                                     energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
