@@ -369,6 +369,7 @@ def to_markdown(rep: Report) -> str:
         # a note that starts with the cells' marker ('* MFU against ...') keeps it: escaped, not a nested bullet
         lines += [""] + [f"- {_md_lead(n)}" for n in h.footnotes[1:]] + ([""] if h.footnotes[1:] else [])
         lines += targets_markdown(rep.targets)
+        lines += _memory_md(rep)
         lines += ["## All runs", ""]
     lines += [f"> **WARNING** {w.text()}" for w in rep.warnings] + ([""] if rep.warnings else [])
     runs = ordered_runs(rep)
@@ -444,7 +445,49 @@ def headline_text(rep: Report) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(h.columns))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [f"- {n}" for n in h.footnotes])
+    return "\n".join(lines + [f"- {n}" for n in h.footnotes] + _memory_text(rep))
+
+
+def _memory(rep: Report):
+    from mlflow_llmeff.report.memory import memory_table
+
+    return memory_table(rep.configs)
+
+
+def _memory_text(rep: Report) -> list[str]:
+    """The memory section for the terminal (:func:`mlflow_llmeff.report.memory.memory_table`), [] without one."""
+    m = _memory(rep)
+    if m is None:
+        return []
+    table = [list(m.columns)] + [[c.text for c in row] for row in m.rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(m.columns))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return ["", "Memory per device (levers and where the bytes go):"] + lines + [f"- {n}" for n in m.footnotes]
+
+
+def _memory_md(rep: Report) -> list[str]:
+    m = _memory(rep)
+    if m is None:
+        return []
+    out = ["## Memory per device", "", "| " + " | ".join(m.columns) + " |", "|" + " --- |" * len(m.columns)]
+    out += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in m.rows]
+    return out + [""] + [f"- {_md_lead(n)}" for n in m.footnotes] + [""]
+
+
+def _memory_html(rep: Report) -> str:
+    e = html.escape
+    m = _memory(rep)
+    if m is None:
+        return ""
+    out = ["<h2>Memory per device</h2><table id='memory' class='sortable'><thead><tr>"
+           + "".join(f"<th class='{'t' if i < 2 else ''}'>{e(c)}</th>" for i, c in enumerate(m.columns))
+           + "</tr></thead><tbody>"]
+    for row in m.rows:
+        out.append("<tr>" + "".join(f"<td data-v='{'' if c.sort is None else e(str(c.sort))}'>{e(c.text)}</td>"
+                                    for c in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out + [f"<p class='note'>{e(n)}</p>" for n in m.footnotes])
 
 
 def _headline_html(rep: Report) -> str:
@@ -548,6 +591,7 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
         out.append(f"<p class='note'>Filter: <code>{e(sel.filter_string)}</code></p>")
     out.append(_headline_html(rep))
     out.append(html_section(rep.targets))
+    out.append(_memory_html(rep))
     out += [f"<div class='warn'>WARNING: {e(w.text())}</div>" for w in rep.warnings]
     out.append(_runs_table_html(rep, max_runs, rest_html))
     rel_html = _reliability_html(rep)
