@@ -259,3 +259,20 @@ def test_a_failed_run_never_takes_the_name_of_a_finished_repeat(tracking_uri, mo
     last = client.create_run(exp).info.run_id
     record_failure("down", run_id=last, run_name=STEM)
     assert client.get_run(last).info.run_name == STEM
+
+
+@pytest.mark.parametrize("levers, part", [
+    ({names.OPTIMIZER: "AdamW (torch.optim); states float32; from llmeff train --optimizer adamw",
+      names.ATTENTION: "sdpa", names.WEIGHTS: "fp32", names.ACT_CKPT: "false"}, None),
+    ({names.OPTIMIZER: "AdamW8bit (torchao.optim); states int8 codes + float32 scales"}, "ao8bit"),
+    ({names.OPTIMIZER: "AdamW8bit (bitsandbytes.optim.adamw); states uint8"}, "bnb8bit"),
+    ({names.OPTIMIZER: "PagedAdamW8bit (bitsandbytes.optim)"}, "bnbpaged8bit"),
+    ({names.OPTIMIZER: "Adafactor (torch.optim)"}, "adafactor"),
+    ({names.ATTENTION: "eager"}, "eager"),
+    ({names.ATTENTION: "flash_attention_2"}, "fa2"),
+    ({names.WEIGHTS: "bf16", names.OPTIMIZER: "AdamW8bit (bitsandbytes.optim)"}, "bnb8bit-wbf16"),
+    ({names.ACT_CKPT: "true", names.ATTENTION: "eager"}, "eager-ckpt"),
+])
+def test_a_memory_lever_off_its_default_is_named_right_after_the_model(levers, part):
+    name = study_name(parts_from_tags({**BASE, **levers}))
+    assert name == (f"tiny-{part}-single-fp32-gbt1k-s128-cpu" if part else "tiny-single-fp32-gbt1k-s128-cpu")

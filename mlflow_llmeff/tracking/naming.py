@@ -1,8 +1,8 @@
 """Run names that are a function of the configuration alone: short parts in one fixed order.
 
-A name is made of short parts, one per condition (``tiny``, ``ddp2``, ``hs+mmlu``, ``bf16``,
-``gbt4k``, ``s4k``, ``h100``), always in the order of :data:`PARTS` (model, layout, evals,
-precision, global batch, sequence length, accelerator); a condition the run lacks gives no part, and
+A name is made of short parts, one per condition (``tiny``, ``ao8bit``, ``ddp2``, ``hs+mmlu``, ``bf16``,
+``gbt4k``, ``s4k``, ``h100``), always in the order of :data:`PARTS` (model, memory levers that differ
+from the default, layout, evals, precision, global batch, sequence length, accelerator); a condition the run lacks gives no part, and
 so does a batch shape that varied between micro-batches (``llmeff.seq_len=dynamic``, dynamic padding
 or packing: ``llama-single-fp32-cpu``).
 So the same configuration has the same name stem in every experiment and for every repeat, and a
@@ -28,7 +28,15 @@ from mlflow_llmeff import names
 __all__ = ["PARTS", "human_count", "parts_from_tags", "study_name"]
 
 #: The parts of a name, in their fixed order: (part, what it shows).
-PARTS = ("model", "layout", "evals", "precision", "batch", "seq", "accelerator")
+PARTS = ("model", "levers", "layout", "evals", "precision", "batch", "seq", "accelerator")
+
+#: Optimizers' short names by (package family, class): the part of a name ``llmeff.optimizer`` gives;
+#: torch's AdamW, the default, gives none. Another class is named by its class, lowercased.
+_OPTIMIZER_SHORT = {("torch", "adamw"): "", ("torchao", "adamw8bit"): "ao8bit", ("torchao", "adamw4bit"): "ao4bit",
+                    ("torchao", "adamwfp8"): "aofp8", ("bitsandbytes", "adamw8bit"): "bnb8bit",
+                    ("bitsandbytes", "pagedadamw8bit"): "bnbpaged8bit", ("mlflow_llmeff", "adamwbf16"): "adamwbf16"}
+_ATTENTION_SHORT = {"sdpa": "", "eager": "eager", "flash_attention_2": "fa2", "flash_attention_3": "fa3",
+                    "flex_attention": "flex"}
 
 _STRATEGY_SHORT = {"single": "single", "ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp", "tp": "tp",
                    "fsdp_tp": "fsdptp", "deepspeed_zero1": "zero1", "deepspeed_zero2": "zero2",
@@ -66,6 +74,25 @@ def _layout(strategy: str, count: str) -> str:
     return f"{short}x{count}" if short[-1].isdigit() else f"{short}{count}"
 
 
+def _levers(tags: Mapping[str, str]) -> str:
+    """The memory levers that differ from the default (torch AdamW, sdpa, fp32 weights, no activation
+    checkpointing), joined by '-': ``ao8bit``, ``eager``, ``wbf16``, ``ckpt``; '' for the default."""
+    out = []
+    opt = tags.get(names.OPTIMIZER, "")
+    if opt:  # 'AdamW8bit (torchao.optim); states ...': the class and its package's top module
+        cls, _, rest = opt.split(";")[0].partition(" (")
+        family = rest.split(".")[0].rstrip(")").strip()
+        out.append(_OPTIMIZER_SHORT.get((family, cls.strip().lower()), cls.strip().lower()))
+    attn = tags.get(names.ATTENTION, "")
+    if attn and not attn.startswith("unknown"):
+        out.append(_ATTENTION_SHORT.get(attn, attn.replace("_", "")))
+    if tags.get(names.WEIGHTS, "fp32") not in ("fp32", ""):
+        out.append("w" + tags[names.WEIGHTS])
+    if tags.get(names.ACT_CKPT, "").lower() == "true":
+        out.append("ckpt")
+    return "-".join(p for p in out if p)
+
+
 def parts_from_tags(tags: Mapping[str, str], eval_tasks: str | None = None) -> dict[str, str]:
     """The name parts of a run from its condition tags (``llmeff.*``); absent conditions give no part.
 
@@ -78,6 +105,9 @@ def parts_from_tags(tags: Mapping[str, str], eval_tasks: str | None = None) -> d
     tags = {k: v for k, v in tags.items() if v not in (None, "", "auto")}  # "auto": not decided yet
     if tags.get(names.MODEL_NAME):
         out["model"] = _model(tags[names.MODEL_NAME])
+    levers = _levers(tags)
+    if levers:
+        out["levers"] = levers
     if tags.get(names.PAR_STRATEGY):
         out["layout"] = _layout(tags[names.PAR_STRATEGY], tags.get(names.ACCEL_COUNT, ""))
     tasks = [t.strip() for t in (eval_tasks or "").split(",") if t.strip() and t.strip() != "none"]
