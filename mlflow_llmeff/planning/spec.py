@@ -54,7 +54,8 @@ class RunSpec:
         strategy: the :class:`~mlflow_llmeff.parallel.base.Strategy` (``auto``: single for one
             process in all, else ddp).
         degrees: how the world splits (:meth:`Strategy.degrees`).
-        precision: ``fp32``, ``bf16`` or ``fp16`` (``auto``: bf16 on CUDA devices that support it, else fp32).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (``auto``: bf16 with ``weights=bf16`` or on CUDA devices
+            that support it, else fp32).
         nodes: machines of the job (``num_machines``).
         processes_per_node: processes on each machine (``num_processes``).
     """
@@ -71,6 +72,19 @@ class RunSpec:
     def strategy_name(self) -> str:
         """The ``llmeff.parallelism.strategy`` tag."""
         return self.strategy.name
+
+    @property
+    def weights(self) -> str:
+        """How the trained weights are held: ``fp32`` (the master copy under mixed precision) or ``bf16``
+        (pure bf16 weights and gradients, no master copy). Given, never ``auto``: read from the options."""
+        return self.options.weights
+
+    @property
+    def mixed_precision(self) -> str:
+        """Accelerate's ``mixed_precision``: ``no`` for fp32, and for bf16 weights (they are already bf16:
+        autocast over them adds nothing, and an fp32 master copy is what ``weights=bf16`` leaves out);
+        else the precision (``bf16``, ``fp16``: fp32 weights, matmuls under autocast)."""
+        return "no" if self.precision == "fp32" or self.weights == "bf16" else self.precision
 
     @property
     def world(self) -> int:
@@ -148,7 +162,7 @@ def resolve(options, machine: Machine) -> RunSpec:
     degrees and the world over every machine are decided.
 
     Args:
-        options: the settings (``parallelism``, ``precision``, ``num_processes``, ``num_machines``,
+        options: the settings (``parallelism``, ``precision``, ``weights``, ``num_processes``, ``num_machines``,
             ``tp_size``, ``dp_shard``, ``seq_len``, ``micro_batch_size``, ``grad_accum`` are read).
         machine: what the machine offers.
 
@@ -159,7 +173,7 @@ def resolve(options, machine: Machine) -> RunSpec:
     name = options.parallelism if options.parallelism != "auto" else ("single" if world == 1 else "ddp")
     strategy = get(name)
     precision = options.precision if options.precision != "auto" else (
-        "bf16" if machine.cuda and machine.bf16 else "fp32")
+        "bf16" if machine.bf16 and (options.weights == "bf16" or machine.cuda) else "fp32")
     degrees = strategy.degrees(world, tp_size=options.tp_size, dp_shard=options.dp_shard,
                                processes_per_node=options.num_processes)
     return RunSpec(dataclasses.replace(options), machine, strategy, degrees, precision, options.num_machines,

@@ -16,9 +16,12 @@ from mlflow_llmeff.parallel import NAMES as _STRATEGY_NAMES
 PARALLELISMS = ("auto",) + _STRATEGY_NAMES  # docs/parallelism.md
 RESUME_MODES = ("auto", "never")
 NAN_POLICIES = ("fail", "skip_step")
-ATTN_IMPLS = ("sdpa", "eager")
+#: Attention kernels (transformers' attn_implementation): sdpa and eager run anywhere; the others need
+#: CUDA and a package (:func:`attention_missing`).
+ATTN_IMPLS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 ENERGY_MODES = ("auto", "nvml", "rapl", "none")
 from mlflow_llmeff.train.data import PACKING_MODES  # noqa: E402 - stdlib imports only
+from mlflow_llmeff.calc.optimizers import OPTIMIZER_NAMES, WEIGHTS
 from mlflow_llmeff.names import shorten
 from mlflow_llmeff.planning import spec as specs
 from mlflow_llmeff.planning.spec import Machine, RunSpec
@@ -43,10 +46,12 @@ class TrainConfig:
     micro_batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch per device"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     learning_rate: float = field(default=1e-3, metadata={"help": "peak AdamW learning rate"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay of matrices (vectors: none); sgd: L2"})
+    optimizer: str = field(default="adamw", metadata={"help": "adamw (torch, fp32 moments: 8 B/param), adamw-bf16 (bf16 moments, fp32 update: 4 B/param), adamw8bit / adamw4bit (torchao block-quantized moments, step compiled on the first step), bnb-adamw8bit / bnb-paged-adamw8bit (bitsandbytes), adafactor (torch, factored second moment), sgd (momentum 0.9); docs/training.md#memory-levers"})
     lr_warmup_steps: int = field(default=-1, metadata={"help": "linear LR warm-up steps before cosine decay; -1 = 5% of max_steps"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; 0 disables"})
-    precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPUs that support it, else fp32), fp32, bf16, fp16"})
+    precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPUs that support it, or with weights=bf16; else fp32), fp32, bf16, fp16"})
+    weights: str = field(default="fp32", metadata={"help": "fp32 (fp32 weights, the master copy under bf16/fp16 mixed precision) or bf16 (pure bf16 weights and gradients, no fp32 master copy: 2 + 2 B/param; needs precision bf16 or auto)"})
     num_processes: int = field(default=1, metadata={"help": "processes (devices) on this machine; > 1 launches through accelerate launch"})
     num_machines: int = field(default=1, metadata={"help": "machines (nodes) in the job; > 1 launches through accelerate launch on each, with machine_rank and main_process_ip"})
     machine_rank: int = field(default=0, metadata={"help": "this machine's rank in 0..num_machines-1 (0 logs to MLflow)"})
@@ -61,7 +66,7 @@ class TrainConfig:
     measure_comm: bool = field(default=True, metadata={"help": "with several processes: time all-reduce/all-gather/reduce-scatter at start (cached per machine) and profile warm-up steps for exposed communication and bytes per step"})
     activation_checkpointing: bool = field(default=False, metadata={"help": "recompute layer activations in the backward pass"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (compile time falls in warm-up)"})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "attention kernel: sdpa, eager, flash_attention_2 (CUDA, flash_attn), flash_attention_3 (CUDA, flash_attn_interface), flex_attention (CUDA, torch >= 2.5)"})
     warmup_steps: int = field(default=3, metadata={"help": "optimizer steps per attempt excluded from steady-state figures"})
     log_every_n_steps: int = field(default=5, metadata={"help": "interval between logged steps"})
     eval_every: int = field(default=0, metadata={"help": "validation loss every N steps (0: only at the end)"})
@@ -118,6 +123,30 @@ def _one_of(name: str, value: str, accepted: tuple[str, ...]) -> None:
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"{name}={value} must be a positive integer (>= 1)")
+
+
+def attention_missing(name: str, *, cuda: bool) -> str | None:
+    """Why ``attn_implementation=name`` cannot run on this machine (the first half of a sentence), or None.
+
+    ``sdpa`` and ``eager`` run anywhere; ``flash_attention_2`` needs CUDA and ``flash_attn``,
+    ``flash_attention_3`` CUDA and ``flash_attn_interface`` (FlashAttention-3, built from
+    flash-attention's ``hopper/``), ``flex_attention`` CUDA and torch >= 2.5
+    (``torch.nn.attention.flex_attention``). Packages are looked up, not imported.
+    """
+    import importlib.util
+
+    if name in ("sdpa", "eager"):
+        return None
+    if not cuda:
+        return "needs a CUDA device"
+    package = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation"),
+               "flash_attention_3": ("flash_attn_interface", "build flash-attention's hopper/ (FlashAttention-3)"),
+               "flex_attention": ("torch.nn.attention.flex_attention", "torch >= 2.5 has it")}[name]
+    try:
+        found = importlib.util.find_spec(package[0]) is not None
+    except ModuleNotFoundError:  # a parent package (torch.nn.attention before torch 2.2) is missing
+        found = False
+    return None if found else f"needs {package[0]}, which is not installed here ({package[1]})"
 
 
 def probe_machine(accelerator_count: int | None = None) -> Machine:
@@ -182,6 +211,11 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
     _one_of("resume", cfg.resume, RESUME_MODES)
     _one_of("nan_policy", cfg.nan_policy, NAN_POLICIES)
     _one_of("attn_implementation", cfg.attn_implementation, ATTN_IMPLS)
+    _one_of("optimizer", cfg.optimizer, OPTIMIZER_NAMES)
+    _one_of("weights", cfg.weights, WEIGHTS)
+    if cfg.weights == "bf16" and cfg.precision not in ("bf16", "auto"):
+        raise ValueError(f"weights=bf16 needs precision bf16 or auto (precision={cfg.precision!r}); "
+                         "accepted with precision fp32: weights=fp32")
     _one_of("measure_energy", cfg.measure_energy, ENERGY_MODES)
     _one_of("packing", cfg.packing, PACKING_MODES)
     for name in ("device_hour_usd", "usd_per_kwh"):
@@ -205,6 +239,7 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
         raise ValueError("precision='fp16' needs a CUDA device (fp16 mixed precision is GPU-only); accepted on CPU: fp32, bf16")
     if cfg.precision == "bf16" and not machine.bf16:
         raise ValueError("precision='bf16' is not supported by this device; accepted here: fp32, fp16")
+    _check_levers(cfg, machine)
     if cfg.num_machines < 1 or not 0 <= cfg.machine_rank < cfg.num_machines:
         raise ValueError(f"machine_rank={cfg.machine_rank} with num_machines={cfg.num_machines}; "
                          f"machine_rank must be in 0..{max(0, cfg.num_machines - 1)}")
@@ -218,6 +253,9 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
         raise ValueError(f"link_peak_gbps={cfg.link_peak_gbps} must be >= 0 GB/s (0: read the link's rate)")
     run = specs.resolve(cfg, machine)  # raises when the degrees do not fit the processes
     run.strategy.check(cuda=machine.cuda, precision=run.precision)
+    if cfg.weights == "bf16" and run.strategy_name.startswith("deepspeed_zero"):
+        raise ValueError(f"weights=bf16 with parallelism={run.strategy_name!r}: DeepSpeed keeps its own fp32 master "
+                         "weights; accepted with weights=bf16: single, ddp, fsdp, hsdp, tp, fsdp_tp")
     missing = run.strategy.engine_missing(load=True) if engine else None
     if missing:
         raise ValueError(missing)
@@ -255,6 +293,28 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
     run.strategy.check_model(config, run.degrees)
     dataset_kind(cfg.dataset)
     return run
+
+
+def _check_levers(cfg: TrainConfig, machine: Machine) -> None:
+    """The memory levers on this machine: the attention kernel, the optimizer's package, bf16 weights.
+
+    Raises:
+        ValueError: one line naming the value and what is accepted here.
+    """
+    why = attention_missing(cfg.attn_implementation, cuda=machine.cuda)
+    if why:
+        here = [a for a in ATTN_IMPLS if attention_missing(a, cuda=machine.cuda) is None]
+        raise ValueError(f"attn_implementation={cfg.attn_implementation!r} {why}; accepted here: {', '.join(here)}")
+    from mlflow_llmeff.train.optimizers import compiles_step, missing
+
+    why = missing(cfg.optimizer, cuda=machine.cuda)
+    if why:
+        raise ValueError(why)
+    if compiles_step(cfg.optimizer) and cfg.warmup_steps == 0:
+        raise ValueError(f"optimizer={cfg.optimizer!r} compiles its step on the first optimizer step; warmup_steps=0 "
+                         "would count that compilation as a steady step; use warmup_steps >= 1")
+    if cfg.weights == "bf16" and not machine.bf16:
+        raise ValueError("weights=bf16 is not supported by this device (no bf16 compute); accepted here: weights=fp32")
 
 
 def render_mlproject() -> str:

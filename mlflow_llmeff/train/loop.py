@@ -128,6 +128,7 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
             t.parallel.load(t.accelerator, t.model, t.optimizer, found[0])
         if job is not None:
             job.loaded(time.time() - loading)
+    _announce_compiled_step(cfg, t)
     stopped = _train(spec, t, monitor, start_step=monitor.step_count,
                      skipped=int(found[1].get("skipped_steps", 0)) if found else 0, job=job,
                      position=ckpt.resumed_position(found[1], t.dp_world, cfg.grad_accum) if found else None,
@@ -255,9 +256,19 @@ def run_tags(spec: RunSpec, data_kind: str) -> dict[str, str]:
     return tags
 
 
+def _announce_compiled_step(cfg: TrainConfig, t) -> None:
+    """Rank 0 says, before the first optimizer step, that the optimizer compiles its step then (torchao)."""
+    from mlflow_llmeff.calc.optimizers import choice
+    from mlflow_llmeff.train.optimizers import COMPILE_NOTE, compiles_step
+
+    if t.accelerator.is_main_process and compiles_step(cfg.optimizer):
+        print(COMPILE_NOTE.format(cls=choice(cfg.optimizer).cls.rsplit(".", 1)[1]), flush=True)
+
+
 def _open_monitor(spec: RunSpec, t, found, started: float, carbon, job_run: str | None = None):
     """The run's meter: conditions as tags, settings as params, the checkpoint's counters continued."""
     from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+    from mlflow_llmeff.train.optimizers import compiles_step
 
     cfg = spec.options
     state = found[1] if found else None
@@ -269,10 +280,15 @@ def _open_monitor(spec: RunSpec, t, found, started: float, carbon, job_run: str 
                   f"{cfg.micro_batch_size * cfg.grad_accum * t.dp_world} sequences, device-hours and per-device "
                   "figures count each attempt at its own devices")
     tags = run_tags(spec, t.data.kind)
+    # torchao's low-bit optimizers torch.compile their step on its first call (a warm-up step: validate
+    # refuses warmup_steps=0 with them). compile=True is how the meter books that: the warm-up excess
+    # becomes summary/badput_compile_s, llmeff.compile says torch.compile ran, and the FlopCounterMode
+    # step is skipped (it would stop dynamo compiling the optimizer step; HFU is then analytic).
+    compiled = cfg.compile or compiles_step(cfg.optimizer)
     return EfficiencyMonitor(
         log_every_n_steps=cfg.log_every_n_steps, warmup_steps=cfg.warmup_steps, model=t.model,
         model_config=t.model_config, optimizer=t.optimizer, precision=t.precision, strategy=t.strategy,
-        compile=cfg.compile, activation_checkpointing=cfg.activation_checkpointing,
+        compile=compiled, activation_checkpointing=cfg.activation_checkpointing,
         peak_tflops=cfg.peak_tflops or None, device_hour_usd=cfg.device_hour_usd or None,
         usd_per_kwh=cfg.usd_per_kwh or None, measure_energy=cfg.measure_energy,
         country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,

@@ -69,7 +69,8 @@ class Training:
 
 
 def build_accelerator(spec: RunSpec):
-    """An ``Accelerator`` for the resolved run: its precision, gradient accumulation and its strategy's plugin."""
+    """An ``Accelerator`` for the resolved run: its mixed precision (:attr:`RunSpec.mixed_precision`: ``no``
+    for fp32 and for bf16 weights), gradient accumulation and its strategy's plugin."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import GradientAccumulationPlugin
@@ -80,16 +81,18 @@ def build_accelerator(spec: RunSpec):
     if hasattr(AcceleratorState, "_reset_state"):
         AcceleratorState._reset_state()
     return Accelerator(
-        mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[spec.precision],
+        mixed_precision=spec.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=spec.options.grad_accum,
                                                                 sync_with_dataloader=False),
         **spec.strategy.accelerator_kwargs(spec))
 
 
 def build(spec: RunSpec) -> Training:
-    """Build every rank's accelerator, layout (device mesh), data, model, AdamW and cosine schedule,
-    and apply the resolved run's parallelism strategy (:mod:`mlflow_llmeff.parallel`) to the model
-    before the optimizer is made (sharded parameters are the optimizer's).
+    """Build every rank's accelerator, layout (device mesh), data, model, optimizer (``--optimizer``,
+    :func:`mlflow_llmeff.train.optimizers.build_optimizer`) and cosine schedule, and apply the resolved
+    run's parallelism strategy (:mod:`mlflow_llmeff.parallel`) to the model before the optimizer is made
+    (sharded parameters are the optimizer's). With ``weights=bf16`` the model is built in fp32 (the
+    initialisation's arithmetic) and cast to bf16 before the strategy and the optimizer see it.
 
     Raises:
         ValueError: the launcher started another number of processes than the run was resolved for.
@@ -99,6 +102,7 @@ def build(spec: RunSpec) -> Training:
     from transformers import get_cosine_schedule_with_warmup
 
     from mlflow_llmeff.train.data import prepare_data
+    from mlflow_llmeff.train.optimizers import build_optimizer
     from mlflow_llmeff.models.build import build_model, load_config, load_tokenizer
 
     cfg, strategy, precision = spec.options, spec.strategy, spec.precision
@@ -130,6 +134,8 @@ def build(spec: RunSpec) -> Training:
               f"({'from the cache' if c.hit else 'tokenized'}; data set-up {time.perf_counter() - t_data:.2f} s: {c.path})")
     with strategy.building(accelerator):
         model = build_model(cfg.model, model_config, attn_implementation=cfg.attn_implementation)
+    if spec.weights == "bf16":  # pure bf16: no fp32 copy anywhere (Accelerate's mixed_precision is 'no')
+        model = model.to(torch.bfloat16)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model.config, "use_cache"):
@@ -137,9 +143,9 @@ def build(spec: RunSpec) -> Training:
     model = strategy.parallelize(model, layout, cfg, precision, accelerator.device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = build_optimizer(cfg.optimizer, [{"params": decay, "weight_decay": cfg.weight_decay},
+                                                {"params": no_decay, "weight_decay": 0.0}],
+                                lr=cfg.learning_rate, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, spec.lr_warmup_steps, cfg.max_steps)
     if cfg.compile:  # compiled here rather than through Accelerate's dynamo plugin (see build_accelerator)
         model = torch.compile(model)
