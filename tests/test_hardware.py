@@ -16,7 +16,7 @@ from mlflow_llmeff.meters.hardware import (DTYPES, PEAK_TABLE, AcceleratorInfo, 
 # --------------------------------------------------------------------------- look-ups
 @pytest.mark.parametrize("name, dtype, tflops", [
     ("NVIDIA H200", "bf16", 989.4),
-    ("NVIDIA H20", "bf16", None),               # not in the table, and never the H200 row
+    ("NVIDIA H20", "bf16", 148.0),              # the H20 row, never the H200 one
     ("NVIDIA L4", "bf16", 121.0),
     ("NVIDIA L40S", "bf16", 362.05),
     ("NVIDIA L40", "bf16", None),               # not the L4 row either
@@ -52,6 +52,8 @@ def test_lookup_peak_gives_the_dense_value_or_none(name, dtype, tflops):
     ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100 NVL", "H100-NVL"), ("NVIDIA H200", "H200"),
     ("NVIDIA GH200 480GB", "GH200"), ("NVIDIA B100", "B100"), ("NVIDIA B200", "B200"), ("NVIDIA GB200", "GB200"),
     ("AMD Instinct MI250X", "MI250X"), ("AMD Instinct MI300X", "MI300X"), ("AMD Instinct MI325X", "MI325X"),
+    ("NVIDIA B300 SXM6 AC", "B300"), ("NVIDIA GB300", "GB300"), ("NVIDIA H20", "H20"),
+    ("NVIDIA GeForce RTX 5090", "RTX-5090"), ("AMD Instinct MI350X", "MI350X"), ("AMD Instinct MI355X", "MI355X"),
 ])
 def test_required_devices_are_in_the_table(name, short):
     assert match_row(name).short == short
@@ -84,6 +86,8 @@ def test_every_row_is_dense_consistent_and_sourced(row):
             assert t["tf32"] == pytest.approx(t["bf16"] / 2, rel=0.015)
         if "fp8" in t:
             assert t["fp8"] == pytest.approx(2 * t["bf16"], rel=0.015)
+    if "fp4" in t:  # FP4 is at least the FP8 rate (2x on B200-class, 3x on GB300, 4x on GeForce's FP32-acc FP8)
+        assert t["fp4"] >= 2 * t["fp8"]
     assert t.get("fp32", 0) < min(t.get(k, float("inf")) for k in ("bf16", "fp16"))
     assert any(w in row.source.lower() for w in ("datasheet", "data sheet", "specifications")), row.source
 
@@ -103,9 +107,9 @@ def test_resolve_peak_user_value_wins():
 
 
 def test_resolve_peak_unknown_device_says_why():
-    info = AcceleratorInfo("NVIDIA H20", "H20", 1, 96.0, "Hopper", None, "12.8", "cuda")
+    info = AcceleratorInfo("NVIDIA H800", "H800", 1, 80.0, "Hopper", None, "12.8", "cuda")
     peak, source = resolve_peak(info, "bf16")
-    assert peak is None and source.startswith("unknown:") and "'NVIDIA H20' is not in the peak table" in source
+    assert peak is None and source.startswith("unknown:") and "'NVIDIA H800' is not in the peak table" in source
 
 
 def test_resolve_peak_dtype_the_device_lacks_says_why():
@@ -263,8 +267,8 @@ def test_every_short_name_and_family_is_accepted_case_insensitively(typed, short
 def test_an_unknown_accelerator_is_one_line_listing_the_short_names():
     from mlflow_llmeff.meters.hardware import resolve_short
 
-    with pytest.raises(ValueError, match=r"accelerator 'H20' is not known; use one of: A10, A100, .*H100-SXM"):
-        resolve_short("H20")
+    with pytest.raises(ValueError, match=r"accelerator 'H30' is not known; use one of: A10, A100, .*H100-SXM"):
+        resolve_short("H30")
 
 
 # --------------------------------------------------------------------------- FP8: MFU's denominator named
@@ -320,3 +324,63 @@ def test_without_a_bf16_peak_only_mfu_is_given():
     assert mfu_figures(1.0, resolve_denominators(cpu, "fp32")) == {}  # no peak: both absent
     with pytest.raises(ValueError, match="device_tflops=-1.0 must be >= 0"):
         mfu_figures(-1.0, d)
+
+
+# --------------------------------------------------------------------------- issue 51: new rows, FP4
+@pytest.mark.parametrize("name, short", [("NVIDIA H20", "H20"), ("NVIDIA H200", "H200"), ("NVIDIA H200 NVL", "H200-NVL"),
+                                         ("NVIDIA B300", "B300"), ("NVIDIA GB300", "GB300")])
+def test_h20_and_h200_each_match_their_own_row(name, short):
+    # whole tokens, longest first: H20 is a prefix of H200 as a string, never as a token
+    assert match_row(name).short == short
+
+
+# Per-device dense figures by hand from the boards' sparse figures (see each row's source).
+NEW_ROWS = {
+    "B300": {"bf16": 36e3 / 8 / 2, "tf32": 18e3 / 8 / 2, "fp8": 72e3 / 8 / 2, "fp32": 600 / 8},
+    "GB300": {"bf16": 360e3 / 72 / 2, "tf32": 180e3 / 72 / 2, "fp8": 720e3 / 72 / 2, "fp4": 1080e3 / 72},
+    "H20": {"bf16": 148.0, "tf32": 74.0, "fp32": 44.0},
+    "RTX-5090": {"bf16": 419 / 2, "fp8": 838 / 2, "fp4": 3352 / 2, "fp32": 104.8},
+    "MI350X": {"bf16": 256 * 4096 * 2.2e9 / 1e12, "fp8": 256 * 8192 * 2.2e9 / 1e12},
+    "MI355X": {"bf16": 256 * 4096 * 2.4e9 / 1e12, "fp8": 256 * 8192 * 2.4e9 / 1e12},
+}
+
+
+@pytest.mark.parametrize("short, want", sorted(NEW_ROWS.items()))
+def test_new_rows_hold_the_dense_figures_worked_by_hand(short, want):
+    row = next(r for r in PEAK_TABLE if r.short == short)
+    assert {k: row.tflops[k] for k in want} == pytest.approx(want, abs=0.05)
+
+
+@pytest.mark.parametrize("short, absent, said", [("B300", "fp4", "No FP4"), ("GB300", "fp32", "No FP32"),
+                                                 ("H20", "fp8", "No FP8"), ("MI355X", "fp4", "No MXFP4"),
+                                                 ("MI350X", "tf32", "TF32")])
+def test_a_figure_no_citable_source_gives_is_absent_and_the_source_says_so(short, absent, said):
+    row = next(r for r in PEAK_TABLE if r.short == short)
+    assert absent not in row.tflops and said in row.source
+
+
+def test_memory_per_device_of_the_new_rows():
+    from mlflow_llmeff.meters.hardware import MEMORY_GB
+
+    assert {k: MEMORY_GB[k] for k in ("B300", "GB300", "H20", "RTX-5090", "MI350X", "MI355X")} == {
+        "B300": 288, "GB300": 288, "H20": 96, "RTX-5090": 32, "MI350X": 288, "MI355X": 288}
+
+
+def test_an_fp4_run_divides_by_the_fp4_peak_and_names_it():
+    from mlflow_llmeff.meters.hardware import mfu_figures, resolve_denominators
+
+    gb300 = AcceleratorInfo("NVIDIA GB300", "GB300", 72, 279.0, "Blackwell", None, "12.9", "cuda")
+    d = resolve_denominators(gb300, "fp4")
+    assert (d.tflops, d.precision, d.bf16_tflops) == (15000.0, "fp4", 2500.0)
+    assert mfu_figures(3000.0, d) == {names.SUM_MFU: 0.2, names.SUM_MFU_BF16_PEAK: 1.2}
+
+
+def test_an_fp4_peak_the_device_lacks_says_why():
+    b300 = AcceleratorInfo("NVIDIA B300", "B300", 8, 270.0, "Blackwell", None, "12.9", "cuda")
+    peak, source = resolve_peak(b300, "fp4")
+    assert peak is None and source.startswith("unknown: B300 has no fp4 matrix peak")
+
+
+def test_fp4_is_never_measured(tmp_path):
+    with pytest.raises(ValueError, match="dtype 'fp4' cannot be measured"):
+        measure_matmul_peak("fp4", "cpu", cache_dir=tmp_path)

@@ -4,7 +4,9 @@ torch and pynvml are imported inside the functions that need them, so importing 
 cheap and works without either. Every peak is DENSE (NVIDIA and AMD datasheets print the 2:4
 structured-sparsity figure, twice the dense one, marked with an asterisk or "with sparsity"; those
 figures are halved here and never stored) and per device (board-level figures such as HGX B200's
-are divided by the GPUs on the board).
+are divided by the GPUs on the board). FP4 is NVFP4 on NVIDIA Blackwell and MXFP4 on AMD CDNA4; an
+FP4 run's denominator is named ``fp4`` as an FP8 run's is ``fp8``. A figure no citable source gives
+is left out, so that dtype has no peak on that device (MFU omitted, the source says why).
 
 Device names are matched by whole tokens, longest pattern first: the name is upper-cased and split
 on spaces, ``-``, ``_`` and ``/``; a row matches when its pattern appears as consecutive tokens.
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 #: Compute dtypes the peak table and the measured peak know.
-DTYPES = ("bf16", "fp16", "tf32", "fp8", "fp32")
+DTYPES = ("bf16", "fp16", "tf32", "fp8", "fp4", "fp32")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,13 @@ _NV_H200 = ("NVIDIA H200 Tensor Core GPU datasheet (2024), nvidia.com/en-us/data
             "table figures are with sparsity, dense = half")
 _AMD_MI300 = ("AMD Instinct MI300X / MI325X data sheets (2023 / 2024), amd.com/en/products/accelerators/instinct/"
               "mi300/mi300x.html and .../mi325x.html; dense figures (the sparsity figures are twice these)")
+
+_AMD_MI350 = ("AMD Instinct MI350 Series specifications: 256 CUs (ROCm GPU specifications, rocm.docs.amd.com/en/"
+              "latest/reference/gpu-specs.html), 8,192 dense FP8 FLOPs per CU per clock and 4,096 FP16/BF16 (ISSCC "
+              "2026 paper as reported at tomshardware.com 'Inside the Instinct MI355X'), peak clock 2.2 GHz MI350X / "
+              "2.4 GHz MI355X (Hot Chips 2025, wccftech.com): dense = CUs x FLOPs/clock x clock. No MXFP4, TF32 "
+              "or FP32 matrix: the stored copies disagree on whether MXFP4's 9.2/10.1 or 18.5/20.1 PFLOPS is "
+              "dense; ")
 
 #: The dense peak table. Order does not matter: matching sorts patterns longest first.
 PEAK_TABLE: tuple[PeakRow, ...] = (
@@ -161,6 +170,30 @@ PEAK_TABLE: tuple[PeakRow, ...] = (
             {"fp32": 90.0, "tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0},
             "NVIDIA GB200 NVL72 specifications (72 GPUs, 2024), nvidia.com/en-us/data-center/gb200-nvl72/: "
             "TF32 180, BF16/FP16 360, FP8 720 PFLOPS with sparsity, FP32 6,480 TFLOPS per rack -> /72, /2 dense"),
+    PeakRow("B300", "Blackwell", _p("B300"),
+            {"fp32": 75.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
+            "NVIDIA HGX B300 specifications (8 Blackwell Ultra GPUs, 2025), nvidia.com/en-us/data-center/hgx/ "
+            "(table as reproduced at fibermall.com/blog/?p=17161): TF32 18, BF16/FP16 36, FP8 72 PFLOPS with "
+            "sparsity, FP32 600 TFLOPS per board -> /8 GPUs, /2 dense. No FP4: the dense NVFP4 figure differs "
+            "between the stored copies (13.1, 13.5, 14 PFLOPS per GPU), so none is kept"),
+    PeakRow("GB300", "Blackwell", _p("GB300"),
+            {"tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "fp4": 15000.0},
+            "NVIDIA GB300 NVL72 specifications (72 Blackwell Ultra GPUs, 2025), nvidia.com/en-us/data-center/"
+            "gb300-nvl72/ (as tabulated at vendordeep.com/report/nvidia-launches-blackwell-ultra-gb300 and "
+            "verda.com/blog/gb300-nvl72-architecture): NVFP4 1,440 sparse | 1,080 PFLOPS dense, FP8 720, BF16/FP16 "
+            "360, TF32 180 PFLOPS with sparsity per rack -> /72, /2 dense (FP4 dense as printed). No FP32: the "
+            "stored copies disagree"),
+    PeakRow("H20", "Hopper", _p("H20"), {"fp32": 44.0, "tf32": 74.0, "bf16": 148.0, "fp16": 148.0},
+            "NVIDIA H20 specifications (2024; no public NVIDIA datasheet: the partner spec sheet as reported at "
+            "zangshuxian.com/new/674733024499207168 and willitrunai.com/es/gpus/h20-96gb): dense BF16/FP16 148, "
+            "TF32 74, FP32 44. No FP8: only INT8 296 TOPS is stated. Prefer the measured peak (llmeff peak)"),
+    PeakRow("RTX-5090", "Blackwell", _p("RTX 5090"),
+            {"fp32": 104.8, "tf32": 104.8, "bf16": 209.5, "fp16": 209.5, "fp8": 419.0, "fp4": 1676.0},
+            "NVIDIA RTX Blackwell GPU architecture whitepaper (2025), appendix table for the GeForce RTX 5090 (as "
+            "quoted in main-horse.github.io/posts/5090-mm-perf); specifications nvidia.com/en-us/geforce/"
+            "graphics-cards/50-series/ (3,352 AI TOPS = sparse FP4): dense BF16/FP16 209.5 and FP8 419 with FP32 "
+            "accumulate (GeForce runs FP32 accumulation at half the FP16-accumulate rate, 419/838), NVFP4 1676 "
+            "(3352 sparse / 2), TF32 104.8, FP32 104.8"),
     PeakRow("MI250X", "CDNA2", _p("MI250X"), {"fp32": 95.7, "bf16": 383.0, "fp16": 383.0},
             "AMD Instinct MI250X data sheet (2021), amd.com/en/products/accelerators/instinct/mi200/mi250x.html: "
             "FP16/BF16 matrix 383, FP32 matrix 95.7 (per OAM module of 2 GCDs; no TF32 or FP8)"),
@@ -170,6 +203,10 @@ PEAK_TABLE: tuple[PeakRow, ...] = (
     PeakRow("MI325X", "CDNA3", _p("MI325X"),
             {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
             _AMD_MI300 + ": MI325X TF32 653.7, BF16/FP16 1307.4, FP8 2614.9, FP32 matrix 163.4"),
+    PeakRow("MI350X", "CDNA4", _p("MI350X"), {"bf16": 2306.9, "fp16": 2306.9, "fp8": 4613.7},
+            _AMD_MI350 + "MI350X at 2.2 GHz: FP8 4613.7, BF16/FP16 2306.9 (= huggingface.co/hardware/mi350x)"),
+    PeakRow("MI355X", "CDNA4", _p("MI355X"), {"bf16": 2516.6, "fp16": 2516.6, "fp8": 5033.2},
+            _AMD_MI350 + "MI355X at 2.4 GHz: FP8 5033.2, BF16/FP16 2516.6"),
 )
 
 #: Memory per device, GB as the same datasheets state it (HBM/GDDR capacity; the usable part torch
@@ -179,6 +216,9 @@ MEMORY_GB: dict[str, float] = {
     "V100S-PCIe": 32, "A10": 24, "A10G": 24, "A100-SXM4-40GB": 40, "A100-80GB": 80, "A100-PCIe-40GB": 40,
     "A100-PCIe-80GB": 80, "L4": 24, "L40S": 48, "H100-SXM": 80, "H100-PCIe": 80, "H100-NVL": 94, "H200": 141,
     "H200-NVL": 141, "B100": 192, "B200": 180, "GB200": 186, "MI250X": 128, "MI300X": 192, "MI325X": 256,
+    # B300/GB300 288 GB HBM3e (docs.nvidia.com/nim/bionemo/boltz2 release notes 1.7.0), H20 96 GB HBM3, RTX 5090
+    # 32 GB GDDR7 (50-series specifications), MI350X/MI355X 288 GB HBM3E (ROCm GPU specifications)
+    "B300": 288, "GB300": 288, "H20": 96, "RTX-5090": 32, "MI350X": 288, "MI355X": 288,
 }
 
 
@@ -255,7 +295,7 @@ def lookup_peak(name: str, dtype: str) -> PeakEntry | None:
 
     Args:
         name: device name as the driver reports it, e.g. ``NVIDIA H100 80GB HBM3``.
-        dtype: one of ``bf16``, ``fp16``, ``tf32``, ``fp8``, ``fp32``.
+        dtype: one of ``bf16``, ``fp16``, ``tf32``, ``fp8``, ``fp4``, ``fp32``.
 
     Returns:
         The :class:`PeakEntry`, or None when no row matches or the device has no such matrix unit.
@@ -607,7 +647,7 @@ def matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Pa
         and whether it came from the cache.
 
     Raises:
-        ValueError: for a dtype outside :data:`DTYPES`, ``tf32``/``fp8`` on CPU, or a CUDA device
+        ValueError: for a dtype outside :data:`DTYPES`, ``fp4`` (never measured), ``tf32``/``fp8`` on CPU, or a CUDA device
             when torch sees none.
     """
     import torch
@@ -620,6 +660,8 @@ def matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Pa
         raise ValueError(f"device {device!r} is not accepted; use 'cpu', 'cuda' or 'cuda:<index>'")
     if is_cuda and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but torch sees no CUDA device")
+    if dtype == "fp4":
+        raise ValueError("dtype 'fp4' cannot be measured (no portable torch FP4 matmul); pass peak_tflops")
     if not is_cuda and dtype in ("tf32", "fp8"):
         raise ValueError(f"dtype {dtype!r} cannot be measured on cpu; use fp32, bf16 or fp16")
 
