@@ -78,6 +78,66 @@ def test_the_minimum_runs_are_the_rules_llm_rows():
     assert MIN_RUNS["llama31_8b"] == 10 and MIN_RUNS["llama31_405b"] == 3
 
 
+# --------------------------------------------------------------------------- energy and cost on the runs time keeps
+#: Five runs whose fastest (90 s) is also the most energy-hungry (4.0 kWh) and the dearest (8.0 USD).
+HUNGRY = ((100.0, 1.5, 3.0), (90.0, 4.0, 8.0), (110.0, 2.0, 4.0), (120.0, 2.5, 5.0), (130.0, 3.0, 6.0))
+
+
+def test_energy_is_scored_on_the_runs_the_time_score_keeps():
+    from mlflow_llmeff.calc.mlperf import olympic_on_kept
+
+    times, kwh = [h[0] for h in HUNGRY], [h[1] for h in HUNGRY]
+    o = olympic_on_kept(times, kwh)
+    # time drops 90 s (4.0 kWh) and 130 s (3.0 kWh); energy keeps 1.5, 2.0, 2.5: 6.0 / 3 = 2.0 kWh
+    assert (o.score, o.kept, o.dropped_low, o.dropped_high) == (2.0, (1.5, 2.0, 2.5), (4.0,), (3.0,))
+    # the old per-figure olympic mean dropped 1.5 and 4.0 instead: (2.0 + 2.5 + 3.0) / 3 = 2.5 kWh
+    assert olympic(kwh).score == 2.5 != o.score
+
+
+def test_a_run_the_time_score_drops_as_not_converged_has_no_energy_to_average():
+    from mlflow_llmeff.calc.mlperf import olympic_on_kept
+
+    o = olympic_on_kept([100.0, None, 90.0, 110.0], [1.0, None, 5.0, 2.0])
+    # time: 90 s dropped as the fastest, the unconverged run as the slowest; energy (1.0 + 2.0) / 2
+    assert (o.score, o.not_converged, o.dropped_low, o.dropped_high) == (1.5, 1, (5.0,), ())
+
+
+def test_no_time_score_is_no_energy_score_and_says_why():
+    from mlflow_llmeff.calc.mlperf import olympic_on_kept
+
+    o = olympic_on_kept([100.0, None, None, 90.0, 80.0], [1.0, None, None, 2.0, 3.0])
+    assert o.score is None and o.why.startswith("2 of 5 runs did not reach the target")
+    assert olympic_on_kept([1.0, 2.0, 3.0], [1.0, None, 1.0]).why == (
+        "a run the time score kept has no value for this figure")
+
+
+def test_equal_times_drop_in_the_order_given():
+    from mlflow_llmeff.calc.mlperf import olympic_on_kept
+
+    assert olympic_on_kept([5.0, 5.0, 5.0], [1.0, 2.0, 4.0]).kept == (2.0,)
+
+
+@pytest.mark.parametrize("times, values, match", [
+    ([1.0, 2.0, 3.0], [1.0, 2.0], r"^3 times and 2 values are not accepted; give one value per run$"),
+    ([1.0, 2.0, 3.0], [1.0, -2.0, 3.0], r"^value -2.0 is not accepted"),
+])
+def test_bad_second_figures_are_one_line_naming_them(times, values, match):
+    from mlflow_llmeff.calc.mlperf import olympic_on_kept
+
+    with pytest.raises(ValueError, match=match):
+        olympic_on_kept(times, values)
+
+
+def test_the_configurations_energy_and_cost_leave_out_the_run_its_time_dropped():
+    from mlflow_llmeff.report.mlperf import RULE_NOTE, target_scores
+
+    recs = [_seed_record(i, t, k, u, 100 + i) for i, (t, k, u) in enumerate(HUNGRY)]
+    ts, = target_scores(configurations(recs))
+    assert ts.wall.score == 110.0  # (100 + 110 + 120) / 3
+    assert ts.scores["kwh"].score == 2.0 and ts.scores["usd"].score == 4.0  # (3 + 4 + 5) / 3
+    assert "Energy and cost are the mean over the runs the time score keeps" in RULE_NOTE
+
+
 # --------------------------------------------------------------------------- a target's runs are one configuration
 def _seed_record(seed, wall, kwh, usd, steps, cap=300, stop="true", targets="val_loss<=3.0"):
     tags = {**COMMON, names.ACCEL_COUNT: "1", names.PAR_STRATEGY: "single", names.GRAD_ACCUM: "1",

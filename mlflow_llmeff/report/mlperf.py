@@ -5,10 +5,11 @@ drawing). For each configuration and each target its runs carry (``llmeff.ttq.<t
 is one sample: the time to the target ``ttq/<target>_wall_s`` (from the end of set-up, eval time
 included: ``docs/time.md``), the energy ``ttq/<target>_kwh`` and the cost ``ttq/<target>_usd``. A run
 that did not reach the target (``llmeff.ttq.<target>=not_reached``), or that failed before its end, is
-a non-converged run. Each figure is scored on its own by :func:`mlflow_llmeff.calc.mlperf.olympic`:
-the fastest and the slowest run dropped, one non-converged run counting as the slowest, two or more
-leaving no result (MLPerf Training Rules, Dec 9, 2025, "Benchmark Results"; ``docs/compare.md``,
-"Time to target, MLPerf-style"). The mean over only the runs that reached a target (what the
+a non-converged run. The time is scored by :func:`mlflow_llmeff.calc.mlperf.olympic`: the fastest
+and the slowest run dropped, one non-converged run counting as the slowest, two or more leaving no
+result (MLPerf Training Rules, Dec 9, 2025, "Benchmark Results"; ``docs/compare.md``, "Time to target,
+MLPerf-style"). Energy and cost are the mean over exactly the runs the time score kept
+(:func:`mlflow_llmeff.calc.mlperf.olympic_on_kept`), as MLCommons' result summarizer scores power. The mean over only the runs that reached a target (what the
 time-to-quality figure showed before) made a configuration that sometimes fails look faster.
 """
 
@@ -19,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from mlflow_llmeff import names
-from mlflow_llmeff.calc.mlperf import RULES, Olympic, olympic
+from mlflow_llmeff.calc.mlperf import RULES, Olympic, olympic, olympic_on_kept
 from mlflow_llmeff.report.calc import RunRecord
 from mlflow_llmeff.report.repeats import Configuration, config_key
 
@@ -29,7 +30,8 @@ __all__ = ["RunToTarget", "TargetScore", "target_scores", "config_scores", "targ
 #: Said once under every table of these scores.
 RULE_NOTE = (f"Scored as MLPerf Training scores a benchmark ({RULES}); a run that did not reach the target, or "
              "failed, counts as infinitely slow. The time runs from training start, the run's set-up excluded, "
-             "as MLPerf's run_start does. Energy and cost are scored the same way, each on its own. MLPerf "
+             "as MLPerf's run_start does. Energy and cost are the mean over the runs the time score keeps (the "
+             "same fastest and slowest dropped), as MLCommons' result summarizer scores power. MLPerf "
              "asks for 10 runs (Small LLM pretraining, Llama 3.1 8B) or 3 (LLM pretraining, Llama 3.1 405B): "
              "MLPerf-style results, not an MLPerf submission (docs/compare.md)")
 
@@ -67,8 +69,9 @@ class TargetScore:
         config: the configuration.
         target: the target's key stem, e.g. ``val_loss_le_3.0``.
         runs: each run, in the configuration's order, failed runs last.
-        scores: ``{"wall_s" | "kwh" | "usd": Olympic}``; a figure some run that reached the target did
-            not log (energy unmeasured, no price) has no score and is in :attr:`missing` instead.
+        scores: ``{"wall_s" | "kwh" | "usd": Olympic}``, energy and cost over the runs the time score kept;
+            a figure some run that reached the target did not log (energy unmeasured, no price) has no score
+            and is in :attr:`missing` instead.
         missing: ``{figure: "<why>"}`` for the figures without a score for want of values.
     """
 
@@ -156,14 +159,15 @@ def config_scores(c: Configuration, failed: list[RunRecord] = ()) -> list[Target
     for stem in targets_of(c):
         runs = [_one(r, stem) for r in c.runs if _given(r, stem)]
         runs += [_one(r, stem) for r in failed]
-        scores, missing = {}, {}
-        for s, _ in _FIGURES:
+        times = [r.values.get("wall_s") for r in runs]
+        scores, missing = {"wall_s": olympic(times)}, {}
+        for s in ("kwh", "usd"):  # on the runs the time score keeps (MLCommons' result summarizer)
             lacking = [r.label for r in runs if r.reached and s not in r.values]
-            if lacking and s != "wall_s":
+            if lacking:
                 why = "energy was not measured" if s == "kwh" else "no price (device_hour_usd)"
                 missing[s] = f"{why} on {', '.join(lacking)}"
                 continue
-            scores[s] = olympic([r.values.get(s) for r in runs])
+            scores[s] = olympic_on_kept(times, [r.values.get(s) if r.reached else None for r in runs])
         out.append(TargetScore(c, stem, tuple(runs), scores, missing))
     return out
 
