@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from importlib.util import find_spec  # a module attribute: tests fake a missing package here
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 from mlflow_llmeff.parallel import NAMES as _STRATEGY_NAMES
@@ -133,8 +134,6 @@ def attention_missing(name: str, *, cuda: bool) -> str | None:
     flash-attention's ``hopper/``), ``flex_attention`` CUDA and torch >= 2.5
     (``torch.nn.attention.flex_attention``). Packages are looked up, not imported.
     """
-    import importlib.util
-
     if name in ("sdpa", "eager"):
         return None
     if not cuda:
@@ -143,7 +142,7 @@ def attention_missing(name: str, *, cuda: bool) -> str | None:
                "flash_attention_3": ("flash_attn_interface", "build flash-attention's hopper/ (FlashAttention-3)"),
                "flex_attention": ("torch.nn.attention.flex_attention", "torch >= 2.5 has it")}[name]
     try:
-        found = importlib.util.find_spec(package[0]) is not None
+        found = find_spec(package[0]) is not None
     except ModuleNotFoundError:  # a parent package (torch.nn.attention before torch 2.2) is missing
         found = False
     return None if found else f"needs {package[0]}, which is not installed here ({package[1]})"

@@ -8,9 +8,10 @@ look-up that imports nothing), and holds the one optimizer no library ships: :cl
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import shutil
+from importlib.util import find_spec  # a module attribute: tests fake a missing package here
 
 import torch
 
@@ -42,8 +43,8 @@ class AdamWBf16(torch.optim.Optimizer):
     The step reads the stored bf16 moments, updates them in fp32 with the fp32 gradient, takes the
     parameter update from those fp32 values, and rounds them to bf16 (round-to-nearest-even) only to
     store them. Moments cost 2 + 2 B per parameter instead of 4 + 4 (``calc/optimizers.py``); the
-    rounding (relative 2^-9 per stored moment) is the only difference from torch's AdamW on fp32
-    moments. torch's AdamW cannot do this itself: its foreach and single-tensor paths need the
+    rounding (at most 2^-8 of each stored moment, bf16's unit roundoff) is the only difference from
+    torch's AdamW on fp32 moments. torch's AdamW cannot do this itself: its foreach and single-tensor paths need the
     moments in the parameter's dtype. Weights may be fp32 or bf16 (``--weights bf16``); the update is
     added in fp32 and written back in the weights' dtype.
 
@@ -149,11 +150,11 @@ def missing(name: str, *, cuda: bool) -> str | None:
                     "(torch >= 2.5 has it); upgrade torch")
         return None
     module = c.cls.rsplit(".", 2)[0]  # 'torchao', 'bitsandbytes'
-    if importlib.util.find_spec(module) is None:
+    if find_spec(module) is None:
         return (f"optimizer={name!r} needs {c.package}, which is not installed here; "
                 f"pip install 'mlflow-llmeff[{c.extra}]'")
     if compiles_step(name):
-        if cuda and importlib.util.find_spec("triton") is None:
+        if cuda and find_spec("triton") is None:
             return (f"optimizer={name!r} compiles its step with torch.compile, which on CUDA needs triton "
                     "(not installed here); pip install triton")
         if not cuda and _cpp_compiler() is None:
