@@ -284,6 +284,11 @@ def test_a_bnb_8bit_run_on_bf16_weights_finishes_and_logs_its_levers(bnb_bf16_ru
     assert (run.data.params["optimizer"], run.data.params["weights"], run.data.params["precision"]) == (
         "bnb-adamw8bit", "bf16", "auto")
     assert run.data.tags[names.PRECISION] == "bf16"  # auto resolved to bf16 by weights=bf16, on CPU too
+    # read back from the trained model and optimizer by the meter, the origin as train/loop.py gives it
+    assert run.data.tags[names.WEIGHTS] == "bf16" and run.data.tags[names.ATTENTION] == "sdpa"
+    assert run.data.tags[names.OPTIMIZER].startswith("AdamW8bit (bitsandbytes.optim)")
+    assert run.data.tags[names.OPTIMIZER].endswith("from llmeff train --optimizer bnb-adamw8bit")
+    assert run.data.tags[names.COMPILE] == "false"  # bitsandbytes compiles nothing
     assert out["summary"][names.SUM_STEPS] == 6
 
 

@@ -297,7 +297,8 @@ def _open_monitor(spec: RunSpec, t, found, started: float, carbon, job_run: str 
         params=cfg.to_params(), resume_state=state["monitor"] if state else None, started_at=started,
         integration="train", heartbeat_path=ckpt.heartbeat_path(cfg.checkpoint_dir),
         outbox_dir=os.path.join(cfg.checkpoint_dir, "outbox") if cfg.checkpoint_dir else None,
-        data_parallel_size=t.dp_world, eval_subject_metrics=_subject_metrics(cfg))
+        data_parallel_size=t.dp_world, eval_subject_metrics=_subject_metrics(cfg),
+        optimizer_origin=f"llmeff train --optimizer {cfg.optimizer}")
 
 
 def _subject_metrics(cfg: TrainConfig) -> bool:
