@@ -253,6 +253,16 @@ def test_adamw_bf16_trains_bf16_weights_with_an_fp32_update():
     torch.testing.assert_close(ours.float(), ref.detach(), rtol=2 ** -8, atol=1e-6)
 
 
+def test_adamw_bf16_moments_stay_bf16_through_a_checkpoint():
+    # torch's load_state_dict casts state tensors to the parameter's dtype (fp32 here)
+    ours, _, o, _ = _pair()
+    _step([(ours, o)], torch.randn(64, 48))
+    again = AdamWBf16([ours], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    again.load_state_dict(o.state_dict())
+    assert again.state[ours]["exp_avg"].dtype == again.state[ours]["exp_avg_sq"].dtype == torch.bfloat16
+    assert torch.equal(again.state[ours]["exp_avg"], o.state[ours]["exp_avg"])
+
+
 def test_adamw_bf16_refuses_a_bad_hyperparameter():
     with pytest.raises(ValueError, match=r"^betas=\(0.9, 1.0\) must be two values in \[0, 1\)$"):
         AdamWBf16([torch.nn.Parameter(torch.zeros(2))], betas=(0.9, 1.0))

@@ -70,6 +70,16 @@ class AdamWBf16(torch.optim.Optimizer):
         if weight_decay < 0:
             raise ValueError(f"weight_decay={weight_decay} must be >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # torch's load_state_dict casts every floating state tensor to its parameter's dtype: a resumed
+        # run would then hold fp32 moments; they go back to bf16 as they are loaded
+        self.register_load_state_dict_post_hook(AdamWBf16._moments_to_bf16)
+
+    @staticmethod
+    def _moments_to_bf16(optimizer: "AdamWBf16") -> None:
+        for state in optimizer.state.values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in state and state[k].dtype != torch.bfloat16:
+                    state[k] = state[k].to(torch.bfloat16)
 
     @torch.no_grad()
     def step(self, closure=None):
