@@ -168,3 +168,54 @@ def test_disabled_tracker_reports_none():
     ct.start()
     assert ct.source == "none: carbon tracking disabled (measure_energy=none)"
     assert ct.kg_co2e(1.0) is None
+
+
+# --------------------------------------------------------------------------- RAM power from the container's limit
+GIB = 2**30
+
+
+def _cgroup_tree(root, cgroup: str, files: dict):
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "cgroup").write_text(cgroup)
+    for rel, text in files.items():
+        f = root / "sys" / "fs" / "cgroup" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize("cgroup, files, source", [
+    ("0::/ctr\n", {"ctr/memory.max": str(100 * GIB)}, "cgroup v2 memory.max"),
+    ("5:memory:/ctr\n", {"memory/ctr/memory.limit_in_bytes": str(100 * GIB)}, "cgroup v1 memory.limit_in_bytes"),
+])
+def test_ram_power_is_sized_by_the_containers_limit_not_the_host(tmp_path, cgroup, files, source):
+    from mlflow_llmeff.meters.carbon import ram_power_basis
+
+    root = _cgroup_tree(tmp_path, cgroup, files)
+    watts, basis = ram_power_basis("machine", {}, cgroup_root=str(root), host_bytes=1536 * GIB)
+    # codecarbon's model at 100 GB: 8 DIMMs on x86, 4 at 5 W + 4 at 0.9 x 5 W = 38 W
+    assert watts == 38.0
+    assert basis == f"RAM power 38 W from the container's memory limit 100 GiB ({source}), not the host's 1.5 TiB"
+
+
+def test_without_a_limit_codecarbon_keeps_the_hosts_memory(tmp_path):
+    from mlflow_llmeff.meters.carbon import ram_power_basis
+
+    root = _cgroup_tree(tmp_path, "0::/ctr\n", {"ctr/memory.max": "max"})
+    assert ram_power_basis("machine", {}, cgroup_root=str(root), host_bytes=1536 * GIB) == (
+        None, "RAM power from the host's memory 1.5 TiB (no container memory limit below it)")
+    assert ram_power_basis("process", {}, cgroup_root=str(root))[0] is None
+    assert ram_power_basis("machine", {"SLURM_JOB_ID": "7"}, cgroup_root=str(root)) == (
+        None, "RAM power from the SLURM job's memory (codecarbon reads it under SLURM_JOB_ID)")
+
+
+def test_the_tracker_is_given_the_containers_ram_power_and_the_tag_says_so(tmp_cwd, no_network, tmp_path):
+    root = _cgroup_tree(tmp_path / "fake", "0::/\n", {"memory.max": str(100 * GIB)})
+    ct = CarbonTracker(country_iso_code="USA", env={}, cgroup_root=str(root), host_memory_bytes=1536 * GIB)
+    ct.start()
+    assert ct.why is None, ct.why
+    ram = next(hw for hw in ct._tracker._hardware if type(hw).__name__ == "RAM")
+    assert ram._force_ram_power == 38.0
+    ct.stop()
+    assert ct.tags()[names.CARBON_ESTIMATE_METHOD].endswith(
+        "; RAM power 38 W from the container's memory limit 100 GiB (cgroup v2 memory.max), not the host's 1.5 TiB")

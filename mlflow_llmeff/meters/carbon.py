@@ -32,7 +32,7 @@ from typing import Any, Mapping
 from mlflow_llmeff import names
 
 __all__ = ["CodecarbonEstimate", "CarbonTracker", "FakeCarbonTracker", "check_location", "grid_intensity_g_per_kwh",
-           "DEFAULT_COUNTRY", "resolve_location", "PUE"]
+           "DEFAULT_COUNTRY", "resolve_location", "PUE", "ram_power_basis"]
 
 #: The grid country taken when the user gives neither a country nor a cloud region (recorded in
 #: ``llmeff.assumed``: it sets the carbon figures, and the user's grid may differ by a factor of 10).
@@ -51,10 +51,11 @@ class CodecarbonEstimate:
 
     Attributes:
         cpu_kwh: CPU energy, kWh (method in ``cpu_method``).
-        ram_kwh: RAM energy, kWh (codecarbon's watts-per-GB constant).
+        ram_kwh: RAM energy, kWh (codecarbon's RAM power model: about 5 W per estimated DIMM).
         cpu_method: codecarbon's CPU mode, e.g. ``cpu_load`` (TDP x load), ``constant``, ``intel_rapl``.
         tracking_mode: ``machine`` (whole node, other users' load included) or ``process``.
         duration_s: the window codecarbon covered, s.
+        ram_basis: the memory size RAM power was estimated from (:func:`ram_power_basis`).
     """
 
     cpu_kwh: float
@@ -62,6 +63,7 @@ class CodecarbonEstimate:
     cpu_method: str
     tracking_mode: str
     duration_s: float
+    ram_basis: str = "RAM power from codecarbon's model of the host's memory"
 
     @property
     def kwh(self) -> float:
@@ -69,7 +71,51 @@ class CodecarbonEstimate:
         return self.cpu_kwh + self.ram_kwh
 
     def describe(self) -> str:
-        return f"codecarbon estimate, tracking_mode={self.tracking_mode}: CPU by {self.cpu_method}, RAM by its W/GB constant"
+        return f"codecarbon estimate, tracking_mode={self.tracking_mode}: CPU by {self.cpu_method}; {self.ram_basis}"
+
+
+def ram_power_basis(tracking_mode: str, env: Mapping[str, str], *, cgroup_root: str = "/",
+                    host_bytes: int | None = None) -> tuple[float | None, str]:
+    """The RAM power to force on codecarbon for this container, and the basis the estimate tag states.
+
+    codecarbon (3.x, ``codecarbon.external.ram.RAM``) sizes RAM power from the host's total memory in
+    ``machine`` mode (``psutil.virtual_memory().total``; the SLURM job's memory under SLURM): a job in a
+    100 GiB container on a 1.5 TiB host would be charged for 1.5 TiB. Where the container has a memory
+    limit (:func:`mlflow_llmeff.meters.cgroup.memory_limit`), the power is codecarbon's own model
+    (``RAM._calculate_ram_power``, about 5 W per estimated DIMM) at the limit's size, passed through the
+    tracker's documented ``force_ram_power`` argument (watts); codecarbon is otherwise left as it is.
+
+    Args:
+        tracking_mode: codecarbon's ``machine`` or ``process`` (process memory needs no limit).
+        env: the environment (``SLURM_JOB_ID``: codecarbon sizes by the job's memory itself).
+        cgroup_root: file-system root of ``proc/self/cgroup`` and ``sys/fs/cgroup`` (tests: a fake tree).
+        host_bytes: the host's memory, bytes; None reads it (:func:`~mlflow_llmeff.meters.cgroup.host_memory_bytes`).
+
+    Returns:
+        ``(watts or None, basis)``: watts to pass as ``force_ram_power`` (None: leave codecarbon's own
+        sizing) and one line for ``llmeff.carbon.estimate_method``, e.g. ``RAM power 40 W from the
+        container's memory limit 100 GiB (cgroup v2 memory.max), not the host's 1.5 TiB``. Never raises.
+    """
+    from mlflow_llmeff.meters import cgroup
+
+    if tracking_mode != "machine":
+        return None, f"RAM power from this process's memory (tracking_mode={tracking_mode})"
+    if env.get("SLURM_JOB_ID"):
+        return None, "RAM power from the SLURM job's memory (codecarbon reads it under SLURM_JOB_ID)"
+    host = host_bytes if host_bytes is not None else cgroup.host_memory_bytes()
+    host_text = cgroup.format_bytes(host) if host else "size unknown"
+    limit = cgroup.memory_limit(cgroup_root, host)
+    if limit is None:
+        return None, f"RAM power from the host's memory {host_text} (no container memory limit below it)"
+    try:
+        from codecarbon.external.ram import B_TO_GB, RAM
+
+        watts = float(RAM(tracking_mode="machine")._calculate_ram_power(limit.bytes / B_TO_GB))
+    except Exception as e:  # noqa: BLE001 - another codecarbon: keep its host sizing and say so
+        return None, (f"RAM power from the host's memory {host_text}: the container's limit "
+                      f"{cgroup.format_bytes(limit.bytes)} ({limit.source}) could not be applied ({type(e).__name__})")
+    return watts, (f"RAM power {watts:g} W from the container's memory limit {cgroup.format_bytes(limit.bytes)} "
+                   f"({limit.source}), not the host's {host_text}")
 
 
 def _quiet_codecarbon(env: Mapping[str, str]) -> str:
@@ -209,7 +255,10 @@ class CarbonTracker:
         enabled: False turns everything off (``measure_energy=none``).
         tracking_mode: codecarbon's ``machine`` (whole node) or ``process``.
         measure_power_secs: codecarbon's sampling period, s.
-        env: environment (default ``os.environ``): ``LOCAL_RANK``, ``CODECARBON_LOG_LEVEL``.
+        env: environment (default ``os.environ``): ``LOCAL_RANK``, ``CODECARBON_LOG_LEVEL``, ``SLURM_JOB_ID``.
+        cgroup_root: root of ``proc/self/cgroup`` and ``sys/fs/cgroup`` for the container's memory limit
+            (:func:`ram_power_basis`); tests pass a fake tree.
+        host_memory_bytes: the host's memory, bytes; None reads it.
 
     Attributes:
         intensity_g_per_kwh: grid intensity used, g CO2e/kWh, or None when unavailable.
@@ -228,6 +277,8 @@ class CarbonTracker:
         tracking_mode: str = "machine",
         measure_power_secs: float = 15.0,
         env: Mapping[str, str] | None = None,
+        cgroup_root: str = "/",
+        host_memory_bytes: int | None = None,
     ):
         self.country_iso_code, self.assumed_country = resolve_location(country_iso_code, cloud_provider, cloud_region)
         self.cloud_provider = cloud_provider
@@ -236,6 +287,8 @@ class CarbonTracker:
         self.tracking_mode = tracking_mode
         self.measure_power_secs = measure_power_secs
         self._env = os.environ if env is None else env
+        self._cgroup_root, self._host_bytes = cgroup_root, host_memory_bytes
+        self.ram_basis = "RAM power from codecarbon's model of the host's memory"
         self.intensity_g_per_kwh: float | None = None
         self.source = "none: not started"
         self.why: str | None = None
@@ -283,6 +336,10 @@ class CarbonTracker:
             )
             if self.cloud_provider or self.cloud_region:
                 kwargs.update(cloud_provider=self.cloud_provider, cloud_region=self.cloud_region)
+            watts, self.ram_basis = ram_power_basis(self.tracking_mode, self._env, cgroup_root=self._cgroup_root,
+                                                    host_bytes=self._host_bytes)
+            if watts is not None:  # the container's limit, not the host's memory
+                kwargs["force_ram_power"] = watts
             tracker = OfflineEmissionsTracker(**kwargs)
             tracker.start()  # codecarbon swallows its own exceptions: check that it really started
             if getattr(tracker, "_start_time", None) is None:
@@ -312,6 +369,7 @@ class CarbonTracker:
                 cpu_method=cpu_method,
                 tracking_mode=str(data.tracking_mode),
                 duration_s=float(data.duration),
+                ram_basis=self.ram_basis,
             )
         except Exception as e:
             self.why = f"codecarbon tracker failed to stop ({type(e).__name__}: {e}); no CPU/RAM estimate"

@@ -1,0 +1,138 @@
+"""The memory limit of this process's container, read from its cgroup (v2 ``memory.max``, else v1).
+
+A job in a 100 GiB container on a 1.5 TiB host may use 100 GiB: RAM power estimated from the host's
+total charges it for memory it cannot touch. The limit is read the way the kernel documents it:
+``/proc/self/cgroup`` names the process's cgroup (``0::<path>`` on cgroup v2; ``<id>:memory:<path>``
+on v1, "Control Group v2", docs.kernel.org/admin-guide/cgroup-v2.html, and ``cgroups(7)``), whose
+``memory.max`` (v2; ``max`` = no limit) or ``memory.limit_in_bytes`` (v1; an unlimited cgroup shows a
+huge number) under ``/sys/fs/cgroup`` holds the limit in bytes. A cgroup is also bounded by its
+ancestors, so every level from the process's cgroup up to the root is read and the smallest limit
+kept. A limit at or above the host's memory is no limit. Inside a container the cgroup namespace
+often shows the path as ``/`` with the container's own cgroup mounted at ``/sys/fs/cgroup``; a path
+that is not found under the mount is read at the mount's root instead.
+
+Another reader of the same limit is being written in :mod:`mlflow_llmeff.meters.memory`; the two are
+to be merged into one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MemoryLimit", "memory_limit", "host_memory_bytes", "format_bytes"]
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A container memory limit.
+
+    Attributes:
+        bytes: the limit, bytes (> 0, below the host's memory).
+        source: where it was read: ``cgroup v2 memory.max`` or ``cgroup v1 memory.limit_in_bytes``.
+        path: the file that held it (under the root given to :func:`memory_limit`).
+    """
+
+    bytes: int
+    source: str
+    path: str
+
+
+def host_memory_bytes() -> int | None:
+    """The host's physical memory, bytes (``sysconf(SC_PAGE_SIZE) * sysconf(SC_PHYS_PAGES)``), None where
+    the platform does not say (not Linux)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+#: cgroup v1 shows an unlimited cgroup as PAGE_COUNTER_MAX pages, 9223372036854771712 bytes on 4 KiB
+#: pages; anything from 2**62 up is taken as no limit even where the host's memory is unknown.
+_UNLIMITED_V1 = 2**62
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _levels(mount: Path, cg_path: str) -> list[Path]:
+    """The cgroup directories from the process's own up to the mount's root (the mount's root alone
+    when the path is not under the mount: a namespaced view)."""
+    rel = [p for p in cg_path.strip().split("/") if p]
+    own = mount.joinpath(*rel) if rel else mount
+    if not own.is_dir():
+        return [mount]
+    return [mount.joinpath(*rel[:i]) for i in range(len(rel), -1, -1)]
+
+
+def _smallest(levels: list[Path], filename: str) -> tuple[int, Path] | None:
+    best = None
+    for d in levels:
+        text = _read(d / filename)
+        if text is None or text == "max":
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        if 0 < value < _UNLIMITED_V1 and (best is None or value < best[0]):
+            best = (value, d / filename)
+    return best
+
+
+def memory_limit(root: str | Path = "/", host_bytes: int | None = None) -> MemoryLimit | None:
+    """This process's container memory limit (module docstring), or None when there is none.
+
+    Args:
+        root: the file-system root holding ``proc/self/cgroup`` and ``sys/fs/cgroup`` (``/``; tests
+            pass a fake tree).
+        host_bytes: the host's memory, bytes; a limit at or above it is no limit. None: read with
+            :func:`host_memory_bytes` (then only ``max`` and v1's unlimited value count as no limit).
+
+    Returns:
+        A :class:`MemoryLimit` (cgroup v2 first, then v1), or None: no cgroup file readable, ``max``,
+        or a limit >= ``host_bytes``. Never raises on an unreadable or odd file.
+    """
+    base = Path(root)
+    text = _read(base / "proc" / "self" / "cgroup")
+    if text is None:
+        return None
+    host = host_bytes if host_bytes is not None else host_memory_bytes()
+    v2_path, v1_path = None, None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2_path = path
+        elif "memory" in controllers.split(","):
+            v1_path = path
+    found = []
+    if v2_path is not None:
+        got = _smallest(_levels(base / "sys" / "fs" / "cgroup", v2_path), "memory.max")
+        if got:
+            found.append((got, "cgroup v2 memory.max"))
+    if v1_path is not None and not found:
+        got = _smallest(_levels(base / "sys" / "fs" / "cgroup" / "memory", v1_path), "memory.limit_in_bytes")
+        if got:
+            found.append((got, "cgroup v1 memory.limit_in_bytes"))
+    if not found:
+        return None
+    (value, path), source = found[0]
+    if host is not None and value >= host:
+        return None
+    return MemoryLimit(value, source, str(path))
+
+
+def format_bytes(n: float) -> str:
+    """``100 GiB``, ``1.5 TiB``: bytes in binary units, 3 significant figures."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
