@@ -74,6 +74,21 @@ class CodecarbonEstimate:
         return f"codecarbon estimate, tracking_mode={self.tracking_mode}: CPU by {self.cpu_method}; {self.ram_basis}"
 
 
+def _codecarbon_ram_watts(memory_bytes: int) -> float:
+    """codecarbon's RAM power model (``RAM._calculate_ram_power``, watts) at ``memory_bytes``.
+
+    A subclass of codecarbon's ``RAM`` uses the model it inherits (a ``_`` method is codecarbon's to
+    its subclasses), so the container is charged exactly as codecarbon charges a host of that size.
+    """
+    from codecarbon.external.ram import B_TO_GB, RAM
+
+    class _SizedRAM(RAM):
+        def watts_at(self, gb: float) -> float:
+            return float(self._calculate_ram_power(gb))
+
+    return _SizedRAM(tracking_mode="machine").watts_at(memory_bytes / B_TO_GB)
+
+
 def ram_power_basis(tracking_mode: str, env: Mapping[str, str], *, cgroup_root: str = "/",
                     host_bytes: int | None = None) -> tuple[float | None, str]:
     """The RAM power to force on codecarbon for this container, and the basis the estimate tag states.
@@ -108,9 +123,7 @@ def ram_power_basis(tracking_mode: str, env: Mapping[str, str], *, cgroup_root: 
     if limit is None:
         return None, f"RAM power from the host's memory {host_text} (no container memory limit below it)"
     try:
-        from codecarbon.external.ram import B_TO_GB, RAM
-
-        watts = float(RAM(tracking_mode="machine")._calculate_ram_power(limit.bytes / B_TO_GB))
+        watts = _codecarbon_ram_watts(limit.bytes)
     except Exception as e:  # noqa: BLE001 - another codecarbon: keep its host sizing and say so
         return None, (f"RAM power from the host's memory {host_text}: the container's limit "
                       f"{cgroup.format_bytes(limit.bytes)} ({limit.source}) could not be applied ({type(e).__name__})")
