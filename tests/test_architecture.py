@@ -367,6 +367,10 @@ PRIVATE_REACHES: dict[tuple[str, str], str] = {
         "transformers keeps a layer's checkpointing function (and its use_reentrant) only here",
     ("models.build", "config._attn_implementation"): "transformers reads the attention kernel from this config field",
     ("monitor.account", "self.config._attn_implementation"): "transformers' attention kernel, as the model runs it",
+    ("meters.memory", "config._attn_implementation"): "transformers' attention kernel, for llmeff.attention",
+    ("monitor.memwatch", "cuda.memory._record_memory_history"):
+        "torch's allocator history for an OOM snapshot (pytorch.org/docs torch_cuda_memory) has no public call",
+    ("monitor.memwatch", "cuda.memory._dump_snapshot"): "torch's memory snapshot file (pytorch.org/memory_viz) has no public writer",
     ("monitor.counting", "x._version"): "torch's count of in-place writes to a tensor has no public accessor",
     ("monitor.steptimes", "Variable._execution_engine"):
         "torch's autograd engine: the end-of-backward callback (queue_callback, as DDP and FSDP use) has no public call",

@@ -236,6 +236,12 @@ _TRAINER_CALLBACKS = None
 _TRAINER_EVAL_SKIP = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time")
 
 
+def _trainer_origin(args) -> str:
+    """``llmeff.optimizer``'s origin for a Trainer: ``transformers Trainer optim=<args.optim>`` (its value)."""
+    optim = getattr(args, "optim", None)
+    return f"transformers Trainer optim={getattr(optim, 'value', optim) if optim is not None else 'unknown'}"
+
+
 def _trainer_callbacks():
     """Our TrainerCallback classes (defined on first use: importing transformers is slow)."""
     global _TRAINER_CALLBACKS
@@ -265,7 +271,7 @@ def _trainer_callbacks():
             s.monitor = EfficiencyMonitor(model=model, optimizer=optimizer, precision=precision,
                                           start_step=int(state.global_step), integration="trainer", track_loss=False,
                                           started_at=getattr(s, "trainer_started", None),
-                                          **s.settings.monitor_kwargs())
+                                          optimizer_origin=_trainer_origin(args), **s.settings.monitor_kwargs())
             _name_trainer_run(args, s.monitor, getattr(self, "trainer_callbacks", ()))
 
         def on_step_begin(self, args, state, control, optimizer=None, **kwargs):

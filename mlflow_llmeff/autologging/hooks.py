@@ -24,6 +24,9 @@ log = logging.getLogger("mlflow_llmeff.autologging")  # the integration's logger
 
 #: The name under which MLflow's autologging utilities know this integration.
 INTEGRATION = "mlflow_llmeff"
+#: ``llmeff.optimizer``'s origin by the loop that drives the monitor (a DeepSpeed engine's optimizer is named
+#: by the torch optimizer it wraps: :func:`~mlflow_llmeff.meters.memory.optimizer_tag`).
+_LOOP_ORIGIN = {"pytorch": "the user's loop", "accelerate": "the user's Accelerate loop"}
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,8 @@ class _Session:
             degrees = _accelerate_degrees(acc)
         opt = self.optimizer() if self.optimizer is not None else None
         self.monitor = EfficiencyMonitor(model=module, optimizer=opt, precision=precision, strategy=strategy,
-                                         integration=owner, **degrees, **self.settings.monitor_kwargs())
+                                         integration=owner, optimizer_origin=_LOOP_ORIGIN.get(owner), **degrees,
+                                         **self.settings.monitor_kwargs())
         if getattr(self, "late", False):
             self.late = False
             msg = ("autolog() was enabled after the optimizer was built: counting started at the first forward "

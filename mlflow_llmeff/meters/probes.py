@@ -66,38 +66,20 @@ def param_counts(model) -> tuple[int, int]:
 def model_state_bytes(model, optimizer) -> tuple[int, int]:
     """(bytes of weights + gradients + optimizer state held by this device, the model's parameters).
 
-    The bytes are this device's own: a ``DTensor`` parameter (FSDP2, tensor parallelism) counts its
-    local shard, a DeepSpeed ZeRO-3 parameter its partition, DeepSpeed's fp32 master partitions
-    count as optimizer state and its gradient partitions as gradients. Gradients count at their
-    size during the step even where they are freed between steps. The parameters are the whole
-    model's (global shapes), so the ratio shows the sharding: 16 bytes per parameter for fp32 AdamW
-    replicated, 16 / n fully sharded over n ranks.
+    :func:`~mlflow_llmeff.meters.memory.state_split` counts the bytes as stored: a ``DTensor`` parameter
+    (FSDP2, tensor parallelism) by its local shard, a tensor subclass (torchao's low-bit optimizer
+    states) by its inner tensors, a storage shared by several tensors (tied weights, bitsandbytes'
+    quantization maps) once; a DeepSpeed ZeRO-3 parameter by its partition, DeepSpeed's fp32 master
+    partitions as optimizer state and its gradient partitions as gradients. Gradients count at their
+    size during the step even where they are freed between steps. The 0-d step counters of the
+    optimizer's states are left out (bytes per tensor, not per parameter; ``StateBytes.counters``). The
+    parameters are the whole model's (global shapes), so the ratio shows the sharding: 16 bytes per
+    parameter for fp32 AdamW replicated, 16 / n fully sharded over n ranks.
     """
-    import torch
+    from mlflow_llmeff.meters.memory import state_split
 
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    inner_opt = getattr(optimizer, "optimizer", optimizer)
-    if hasattr(inner_opt, "optimizer") and _is_deepspeed_zero(inner_opt):
-        return _deepspeed_state_bytes(model, inner_opt)
-    nbytes, nparams = 0, 0
-    for p in model.parameters():
-        lp = local(p)
-        nparams += p.numel()
-        nbytes += tensor_bytes(lp)
-        if p.requires_grad:  # gradients live through every step (freed only between steps)
-            g = local(p.grad) if p.grad is not None else lp
-            nbytes += tensor_bytes(g)
-    for st in inner_opt.state.values():
-        for v in st.values():
-            if torch.is_tensor(v) and v.dim() > 0:
-                nbytes += tensor_bytes(local(v))
-    return nbytes, nparams
-
-
-def _is_deepspeed_zero(opt) -> bool:
-    return type(opt).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+    split = state_split(model, optimizer)
+    return split.per_param_total, split.params
 
 
 def tensor_bytes(x) -> int:
@@ -109,56 +91,6 @@ def tensor_bytes(x) -> int:
     if isinstance(x, (list, tuple)):
         return sum(tensor_bytes(y) for y in x)
     return 0
-
-
-def _deepspeed_state_bytes(model, zero) -> tuple[int, int]:
-    """:func:`model_state_bytes` of a DeepSpeed ZeRO run (DeepSpeed 0.19's optimizer attributes), the
-    most held at one moment of a step (``planning/plan.py`` ``model_state_bytes`` predicts the same).
-
-    Weights: the module's parameters (ZeRO-3: each one's ``ds_tensor`` partition). Optimizer: the
-    torch optimizer's state on the flat partitions plus the fp32 master partitions
-    (``single_partition_of_fp32_groups``, ZeRO-3 ``fp32_partitioned_groups_flat``). Gradients:
-    ZeRO-1 keeps whole gradients (reduced at the step), ZeRO-2 and 3 a partition of the master
-    partition's size in the weights' dtype; in 16-bit runs the step adds the fp32 copy of that
-    partition (``stage_1_and_2.py`` ``single_grad_partition = flat_grad_partition.to(fp32)``).
-    ZeRO-3 holds two states in turn (``stage3.py`` ``step``): in forward and backward the parameters
-    of at most ``stage3_param_persistence_threshold`` elements (``ds_persist``) are whole on every rank
-    besides their partitions (counted whole even where ``empty_partition_cache`` released them since),
-    with any other parameter still gathered; at the step those are partitioned and the step holds an
-    fp32 copy of the gradient partition (``_prepare_fp32_grad_for_sub_group``: ``flatten`` copies, in
-    fp32 too). The larger of the two is returned.
-    """
-    import torch
-
-    params = list(model.parameters())
-    stage3 = type(zero).__name__.endswith("Stage3")
-    nparams = sum(int(getattr(p, "ds_numel", 0)) or p.numel() for p in params)
-    master = zero.fp32_partitioned_groups_flat if stage3 else zero.single_partition_of_fp32_groups
-    master_bytes, master_numel = tensor_bytes(master), sum(t.numel() for t in master)
-    moments = sum(tensor_bytes(v) for st in zero.optimizer.state.values() for v in st.values()
-                  if torch.is_tensor(v) and v.dim() > 0)
-    elem = params[0].element_size() if params else 4
-    master_elem = master[0].element_size() if len(master) else 4
-    if not stage3:
-        stage = int(getattr(zero, "partition_gradients", False)) + 1
-        grads = sum(p.numel() for p in params) * elem if stage == 1 else master_numel * elem
-        step_copy = master_numel * master_elem if elem != master_elem else 0  # fp32 runs step on the partition
-        return sum(tensor_bytes(p.data) for p in params) + grads + step_copy + master_bytes + moments, nparams
-    partitions = sum(tensor_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else tensor_bytes(p.data) for p in params)
-    whole = 0
-    for p in params:
-        if not hasattr(p, "ds_tensor"):
-            continue
-        if getattr(p, "ds_persist", False):
-            # on one rank the partition is the whole tensor (DeepSpeed gathers into its storage)
-            whole += p.ds_numel * elem if p.ds_tensor.numel() < p.ds_numel else 0
-        else:
-            whole += tensor_bytes(p.data)  # still gathered when read (normally released: empty)
-    buffer = getattr(zero, "grad_partitions_flat_buffer", None)
-    grads = tensor_bytes(buffer) if torch.is_tensor(buffer) else master_numel * elem
-    forward = partitions + whole + grads + master_bytes + moments
-    step = partitions + grads + master_numel * master_elem + master_bytes + moments
-    return max(forward, step), nparams
 
 
 def peak_memory_gib(device) -> tuple[float, float, str]:

@@ -12,6 +12,7 @@ import os
 import sys
 
 from mlflow_llmeff import names
+from mlflow_llmeff.meters.memory import attention_tag, weights_tag
 
 __all__ = ["unwrap_model", "infer_precision", "infer_strategy", "is_compiled", "uses_activation_checkpointing",
            "recompute_plan", "model_name", "condition_tags", "shape_tags", "varying_shape_tags", "FLOPS_FORMULA_NOTE",
@@ -185,6 +186,11 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
     if flops_method is not None:
         tags[names.FLOPS_METHOD] = flops_method
     tags.update(model_tags(model, config))
+    if model is not None:  # the levers read off the built model (llmeff.optimizer needs states: later)
+        try:
+            tags.update({names.ATTENTION: attention_tag(unwrap_model(model)), names.WEIGHTS: weights_tag(model)})
+        except Exception:  # noqa: BLE001 - a tag never stops the run
+            pass
     tags.update(cost_tags)
     from mlflow_llmeff.meters import scheduler
 

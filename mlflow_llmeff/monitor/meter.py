@@ -179,7 +179,8 @@ class EfficiencyMonitor:
                             optimizer=optimizer, targets=targets_, subject_metrics=bool(eval_subject_metrics),
                             heartbeat_path=heartbeat_path, outbox_dir=outbox_dir, ledger=ledger, tally=StepTally())
         assembly.read_model(p, model, model_config, precision, strategy, compile, activation_checkpointing)
-        p.memory = MemoryWatch(p.device, origin=optimizer_origin)  # before the step: the CPU peak's baseline
+        p.memory = MemoryWatch(p.device, origin=optimizer_origin)  # the CPU peak's baseline, CUDA's history
+        p.memory.start(unwrap_model(model), optimizer)
         p.meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
         assembly.set_up_measurement(p, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                                     energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
@@ -501,6 +502,7 @@ class EfficiencyMonitor:
         """Set extra tags on the run (rank 0)."""
         if not self._broken and self.is_main:
             self._p.logger.set_tags(tags)
+            self._p.memory.given.update(tags)  # an llmeff.error given is kept (an OOM adds its largest term)
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

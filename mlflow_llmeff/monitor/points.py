@@ -157,6 +157,10 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
     p.record.totals_step = step
     p.record.latest = m
     p.logger.log_metrics(m, step)
+    if p.is_main and getattr(p, "memory", None) is not None:  # llmeff.optimizer once its states exist
+        found = p.memory.optimizer_tags(p.optimizer)
+        if found:
+            p.logger.set_tags(found, synchronous=False)
     if p.heartbeat_path and p.is_main:
         write_heartbeat(p.heartbeat_path, p.logger.run_id, step, m)
 

@@ -312,7 +312,9 @@ def _steady_tps(p: Parts) -> float | None:
 
 
 def _memory_figures(p: Parts, collective: bool) -> dict[str, float]:
-    """``summary/bytes_per_param`` (CUDA allocator peak per parameter) and ``summary/model_state_bytes_per_param``."""
+    """``summary/bytes_per_param`` (CUDA allocator peak per parameter), ``summary/model_state_bytes_per_param``
+    and, with the monitor's memory component (:class:`~mlflow_llmeff.monitor.memwatch.MemoryWatch`),
+    where the bytes go (:func:`memory_split_figures`)."""
     inner = unwrap_model(p.model) if p.model is not None else None
     if inner is None:
         return {}
@@ -331,6 +333,51 @@ def _memory_figures(p: Parts, collective: bool) -> dict[str, float]:
             out[names.SUM_MODEL_STATE_BYTES_PER_PARAM] = bpp
         else:
             _absent(p, names.SUM_MODEL_STATE_BYTES_PER_PARAM, "the model has no parameters")
+    watch = getattr(p, "memory", None)  # a Parts built by hand (tests) has none
+    if watch is not None:
+        out.update(memory_split_figures(p, watch, inner, collective))
+    return out
+
+
+#: Memory figures per device, reduced with ``max`` over ranks (absent on a rank: :data:`_NONE`).
+_MAX_KEYS = (names.SUM_MEM_WEIGHTS_GIB, names.SUM_MEM_GRADIENTS_GIB, names.SUM_MEM_OPT_STATE_GIB,
+             names.SUM_OPT_STATE_BYTES_PER_PARAM, names.SUM_MEM_PEAK_GIB, names.SUM_MEM_OTHER_GIB,
+             names.SUM_MEM_PEAK_FRACTION, names.SUM_MEM_NVML_PROCESS_GIB)
+#: Counts summed over devices.
+_SUM_KEYS = (names.SUM_MEM_ALLOC_RETRIES, names.SUM_MEM_OOMS)
+_NONE = -1e300
+
+
+def memory_split_figures(p: Parts, watch, inner, collective: bool) -> dict[str, float]:
+    """Weights, gradients, optimizer state (GiB, and the state per parameter), the peak and its rest,
+    the peak's share of the capacity, on CUDA the allocator's retries and OOMs and NVML's process memory
+    (docs/metrics.md "Memory"): per device, ``max`` over ranks (the counts summed) with ``collective``
+    (one all-reduce of each kind, on every rank). Their tags wait in ``watch.end_tags``; a figure no
+    rank could read is left out, the rest of a peak below the model state is absent and says why."""
+    watch.device = p.device if p.device is not None else watch.device  # a model-less monitor learns it late
+    try:
+        mine, tags = watch.figures(inner, p.optimizer)
+    except Exception as e:  # noqa: BLE001 - memory figures never stop the run's end
+        mine, tags = {}, {names.MEMORY_CAPACITY: f"unknown: {type(e).__name__}: {shorten(str(e), 200)}"}
+    tops = [mine.get(k, _NONE) for k in _MAX_KEYS]
+    sums = [mine.get(k, 0.0) for k in _SUM_KEYS]
+    if collective and p.world_size > 1:
+        tops = collectives.all_reduce(tops, "max")
+        sums = collectives.all_reduce(sums, "sum")
+    out = {k: float(v) for k, v in zip(_MAX_KEYS, tops) if v > _NONE / 2}
+    out.update({k: float(v) for k, v in zip(_SUM_KEYS, sums) if k in mine})
+    other = out.get(names.SUM_MEM_OTHER_GIB)
+    if other is not None and other < 0:
+        del out[names.SUM_MEM_OTHER_GIB]
+        _absent(p, names.SUM_MEM_OTHER_GIB, f"the peak ({out.get(names.SUM_MEM_PEAK_GIB, 0):.3g} GiB) is below the "
+                                            f"model state by {-other:.3g} GiB: it was read before the state existed")
+    tags.update(watch.final_optimizer_tags(p.optimizer))
+    if p.record.end_status == "FAILED":  # the exception being handled, else the one the interpreter printed
+        import sys
+
+        ending = sys.exc_info()[1] or getattr(sys, "last_value", None)
+        tags.update(watch.on_failure(ending, p.logger if p.is_main else None))
+    watch.end_tags = tags
     return out
 
 
@@ -357,6 +404,12 @@ def end_tags(p: Parts, note: str | None) -> dict[str, str]:
         tags[names.FLOPS_COUNTER_GAP] = p.account.counter_gap
     if p.record.memory_source is not None:
         tags[names.MEMORY_SOURCE] = p.record.memory_source
+    memory_tags = dict(getattr(getattr(p, "memory", None), "end_tags", None) or {})
+    peak_source = memory_tags.pop(names.MEMORY_SOURCE, None)
+    if peak_source is not None:  # the CPU peak of summary/memory/peak_gib beside the interval keys' RSS
+        tags[names.MEMORY_SOURCE] = (f"{tags[names.MEMORY_SOURCE]}; summary/memory/peak_gib: {peak_source}"
+                                     if names.MEMORY_SOURCE in tags else f"summary/memory/peak_gib: {peak_source}")
+    tags.update(memory_tags)
     if not p.consumption.measured and p.consumption.estimate is not None:
         tags[names.ENERGY_SOURCE] = "codecarbon_estimate"
         tags[names.ENERGY_WHY] = (f"no measured energy ({p.energy.why}); only codecarbon's CPU/RAM estimate is "
