@@ -61,12 +61,12 @@ def with_fake(monkeypatch, *modules: str) -> None:
                              r"adamw4bit, bnb-adamw8bit, bnb-paged-adamw8bit, adafactor, sgd$"),
     (dict(weights="fp16"), r"^weights='fp16' is not accepted; use one of: fp32, bf16$"),
     (dict(weights="bf16", precision="fp32"), r"^weights=bf16 needs precision bf16 or auto \(precision='fp32'\); "
-                                             r"accepted with precision fp32: weights=fp32$"),
+                                             r"accepted with precision='fp32': weights=fp32$"),
     (dict(weights="bf16", precision="fp16", _cuda=True), r"^weights=bf16 needs precision bf16 or auto"),
     (dict(weights="bf16", _cuda=True, _bf16=False), r"^weights=bf16 is not supported by this device .*weights=fp32$"),
     (dict(weights="bf16", parallelism="deepspeed_zero2", num_processes=2),
      r"^weights=bf16 with parallelism='deepspeed_zero2': DeepSpeed keeps its own fp32 master weights; "
-     r"accepted with weights=bf16: single, ddp, fsdp, hsdp, tp, fsdp_tp$"),
+     r"accepted with weights=bf16: single, ddp, fsdp, hsdp, tp, fsdp_tp, cp$"),
     (dict(attn_implementation="flash"), r"^attn_implementation='flash' is not accepted; use one of: sdpa, eager, "
                                         r"flash_attention_2, flash_attention_3, flex_attention$"),
     (dict(attn_implementation="flash_attention_2"),

@@ -214,7 +214,7 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
     _one_of("weights", cfg.weights, WEIGHTS)
     if cfg.weights == "bf16" and cfg.precision not in ("bf16", "auto"):
         raise ValueError(f"weights=bf16 needs precision bf16 or auto (precision={cfg.precision!r}); "
-                         "accepted with precision fp32: weights=fp32")
+                         f"accepted with precision={cfg.precision!r}: weights=fp32")
     _one_of("measure_energy", cfg.measure_energy, ENERGY_MODES)
     _one_of("packing", cfg.packing, PACKING_MODES)
     for name in ("device_hour_usd", "usd_per_kwh"):
@@ -253,8 +253,9 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
     run = specs.resolve(cfg, machine)  # raises when the degrees do not fit the processes
     run.strategy.check(cuda=machine.cuda, precision=run.precision)
     if cfg.weights == "bf16" and run.strategy_name.startswith("deepspeed_zero"):
+        others = ", ".join(n for n in _STRATEGY_NAMES if not n.startswith("deepspeed_zero"))
         raise ValueError(f"weights=bf16 with parallelism={run.strategy_name!r}: DeepSpeed keeps its own fp32 master "
-                         "weights; accepted with weights=bf16: single, ddp, fsdp, hsdp, tp, fsdp_tp")
+                         f"weights; accepted with weights=bf16: {others}")
     missing = run.strategy.engine_missing(load=True) if engine else None
     if missing:
         raise ValueError(missing)
