@@ -101,3 +101,60 @@ def test_an_earlier_partial_attempt_keeps_the_run_partial():
     c.set_devices(1)
     c.update(joules=5.0, energy_devices=1, measured_domains=1, wall_s=2.0)
     assert c.coverage == 1.0 and not c.complete and c.total_kwh is None
+
+
+# --------------------------------------------------------------------------- a counter slower than the interval
+def _stepping_gpu(clock, watts: float, every_s: float):
+    """A fake NVML GPU whose total-energy counter moves only every ``every_s`` seconds (some boards)."""
+    import math
+    from dataclasses import dataclass
+
+    from mlflow_llmeff.testing import FakeGpu
+
+    @dataclass
+    class SteppingGpu(FakeGpu):
+        every_s: float = 3.0
+
+        def energy_mj(self) -> int:  # the counter's value at its last update
+            return self.base_mj + round(self.watts * 1000 * math.floor(self.clock() / self.every_s) * self.every_s)
+
+    return SteppingGpu("GPU-cccccccc-1111-2222-3333-444444444444", "00000000:18:00.0", watts, clock,
+                       base_mj=7_000_000, every_s=every_s)
+
+
+def test_a_counter_moving_every_third_interval_never_logs_0_w_and_keeps_its_total():
+    from mlflow_llmeff.meters.energy import make_meter
+    from mlflow_llmeff.testing import FakeClock, fake_nvml
+
+    clock = FakeClock(0.0)
+    gpu = _stepping_gpu(clock, 300.0, every_s=3.0)  # 900 J at t = 3, 6, 9 s; logging every 1 s
+    meter = make_meter("nvml", device_indices=[0], nvml=fake_nvml([gpu]), env={"LOCAL_RANK": "0"}, clock=clock,
+                       sampling_thread=False)
+    meter.start()
+    c = Consumption(devices=1)
+    c.start_interval(wall_s=0.0, tokens=0)
+    powers, per_token, why = {}, {}, {}
+    for t in range(1, 11):  # intervals ending at 1..10 s, 100 tokens each
+        clock.t = float(t)
+        c.update(joules=meter.read().joules, energy_devices=1, wall_s=float(t))
+        out = c.interval(wall_s=float(t), tokens=100 * t)
+        if names.ENERGY_DEVICE_AVG_POWER_W in out:
+            powers[t], per_token[t] = out[names.ENERGY_DEVICE_AVG_POWER_W], out[names.ENERGY_J_PER_TOKEN]
+        else:
+            why[t] = c.interval_why
+    # by hand: each moving interval closes a 3 s span of 900 J and 300 tokens: 900 / 3 = 300 W, 900 / 300 = 3 J/token
+    assert powers == {3: 300.0, 6: 300.0, 9: 300.0} and per_token == {3: 3.0, 6: 3.0, 9: 3.0}
+    assert 0.0 not in powers.values()
+    # the intervals the counter did not move are absent with why, the last one (10 s, no movement yet) too
+    assert sorted(why) == [1, 2, 4, 5, 7, 8, 10]
+    assert set(why[10]) == {names.ENERGY_DEVICE_AVG_POWER_W, names.ENERGY_J_PER_TOKEN}
+    assert why[10][names.ENERGY_DEVICE_AVG_POWER_W].startswith("the energy counter did not move over the interval")
+    # the total is the counter's, exactly: 300 W x 9 s at its last update
+    assert c.total_j == 2700.0 == (gpu.energy_mj() - 7_000_000) / 1000
+
+
+def test_a_counter_that_moves_every_interval_is_unchanged():
+    c = Consumption(devices=1)
+    c.start_interval(wall_s=0.0, tokens=0)
+    c.update(joules=250.0, energy_devices=1)
+    assert c.interval(wall_s=1.0, tokens=10)[names.ENERGY_DEVICE_AVG_POWER_W] == 250.0 and c.interval_why == {}

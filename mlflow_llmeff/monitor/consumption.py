@@ -75,7 +75,8 @@ class Consumption:
     prior_init_s: float = 0.0  # of prior_wall_s, set-up (init)
     prior_init_device_s: float = 0.0  # its device-seconds
     prior_devices: tuple[int, ...] = ()  # device counts of earlier attempts seen (for the tags)
-    _mark: tuple[float, int, float] | None = None  # (J, tokens, wall s) at the last interval
+    _mark: tuple[float, int, float] | None = None  # (J, tokens, wall s) at the last interval that moved the counter
+    interval_why: dict[str, str] = field(default_factory=dict)  # interval key -> why the last interval left it out
 
     # ------------------------------------------------------------------------------ updates
     def update(self, *, joules: float, energy_devices: int, estimate: tuple[float, float] | None = None,
@@ -255,11 +256,29 @@ class Consumption:
         return out
 
     def interval(self, wall_s: float, tokens: int) -> dict[str, float]:
-        """Totals plus the interval's average power per device and J per token since the last call."""
+        """Totals plus the average power per device and J per token since the energy counter last moved.
+
+        An energy counter may update less often than the logging interval (NVML's total-energy counter
+        on some boards): an interval in which it did not move read 0 W and the next one double. So the
+        interval that moves the counter closes a span that starts where it last moved: its energy over
+        the span's whole wall time (and tokens), ``W = (J - J_moved) / (t - t_moved) / devices``; an
+        interval in which it has not moved (yet) leaves both keys out, with why in :attr:`interval_why`
+        (``llmeff.interval.absent``), never 0 W. Totals are the counter's, untouched. Example
+        (``tests/test_consumption.py``): a counter moving by 300 J every third 1 s interval on one device
+        logs nothing at the first two intervals and 100 W at the third.
+        """
         out = self.totals(wall_s)
         j = self.total_j
+        self.interval_why = {}
         if self.measured and self._mark is not None:
             j0, tok0, t0 = self._mark
+            if j == j0 and wall_s > t0:  # the counter has not moved: borrow from the interval that moves it
+                self.interval_why = dict.fromkeys(
+                    (names.ENERGY_DEVICE_AVG_POWER_W,) + ((names.ENERGY_J_PER_TOKEN,) if self.complete else ()),
+                    "the energy counter did not move over the interval (it updates less often than the logging "
+                    "interval on some boards): the power is given by the interval that next moves it, over the "
+                    "whole span since it last moved")
+                return out
             if wall_s > t0:  # per measured device: an average over the devices measured
                 out[names.ENERGY_DEVICE_AVG_POWER_W] = en.average_power_w(j - j0, wall_s - t0, self.energy_devices)
             if tokens > tok0 and self.complete:
