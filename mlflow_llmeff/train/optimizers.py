@@ -8,7 +8,6 @@ look-up that imports nothing), and holds the one optimizer no library ships: :cl
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 from importlib.util import find_spec  # a module attribute: tests fake a missing package here
@@ -207,6 +206,9 @@ def build_optimizer(name: str, param_groups, *, lr: float, betas: tuple[float, f
         return torch.optim.Adafactor(param_groups, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(param_groups, lr=lr, momentum=SGD_MOMENTUM, weight_decay=weight_decay)
-    module, cls = c.cls.rsplit(".", 1)  # torchao.optim / bitsandbytes.optim: imported only when chosen
-    return getattr(importlib.import_module(module), cls)(param_groups, **adam)
+    if c.package == "torchao":  # imported only when chosen (transformers would import it at every build)
+        import torchao.optim as library
+    else:
+        import bitsandbytes.optim as library
+    return getattr(library, c.cls.rsplit(".", 1)[1])(param_groups, **adam)
 
