@@ -12,7 +12,7 @@ import os
 import sys
 
 from mlflow_llmeff import names
-from mlflow_llmeff.meters.memory import attention_tag, weights_tag
+from mlflow_llmeff.meters.memory import attention_tag, optimizer_tag, weights_tag
 
 __all__ = ["unwrap_model", "infer_precision", "infer_strategy", "is_compiled", "uses_activation_checkpointing",
            "recompute_plan", "model_name", "condition_tags", "shape_tags", "varying_shape_tags", "FLOPS_FORMULA_NOTE",
@@ -165,8 +165,13 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
                    peak_tflops: float | None, peak_source: str, measured_peak_note: str, warmup_steps: int,
                    energy_source: str, energy_why: str | None, integration: str, compiled: bool,
                    activation_checkpointing: bool, cost_tags: dict[str, str],
-                   flops_method: str | None = None) -> dict[str, str]:
-    """Every condition tag a meter knows at its start (see ``docs/metrics.md`` for each key)."""
+                   flops_method: str | None = None, optimizer=None,
+                   optimizer_origin: str | None = None) -> dict[str, str]:
+    """Every condition tag a meter knows at its start (see ``docs/metrics.md`` for each key).
+
+    ``llmeff.attention`` and ``llmeff.weights`` are read off ``model``; ``llmeff.optimizer`` off
+    ``optimizer`` where given (its states do not exist yet: ``states not yet allocated``, until the
+    monitor's first logged point after they do, :class:`~mlflow_llmeff.monitor.memwatch.MemoryWatch`)."""
     from mlflow_llmeff.meters.probes import software_versions
 
     tags = {**accelerator.tags(), **software_versions()}
@@ -190,6 +195,11 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
         try:
             tags.update({names.ATTENTION: attention_tag(unwrap_model(model)), names.WEIGHTS: weights_tag(model)})
         except Exception:  # noqa: BLE001 - a tag never stops the run
+            pass
+    if optimizer is not None:
+        try:
+            tags[names.OPTIMIZER] = optimizer_tag(optimizer, optimizer_origin)
+        except Exception:  # noqa: BLE001
             pass
     tags.update(cost_tags)
     from mlflow_llmeff.meters import scheduler
