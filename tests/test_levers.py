@@ -108,6 +108,16 @@ def test_an_optimizer_whose_package_is_missing_is_refused_naming_the_extra(monke
         check(optimizer=name)
 
 
+def test_a_plan_checks_the_levers_device_but_not_this_machines_packages(monkeypatch):
+    # llmeff plan --accelerator H100-SXM on a laptop: arithmetic, as for the strategy's engine
+    without(monkeypatch, "flash_attn", "torchao")
+    spec = validate(TrainConfig(attn_implementation="flash_attention_2", optimizer="adamw8bit"),
+                    Machine(cuda=True, bf16=True, accelerator="H100-SXM"), engine=False)
+    assert (spec.options.attn_implementation, spec.options.optimizer) == ("flash_attention_2", "adamw8bit")
+    with pytest.raises(ValueError, match=r"^attn_implementation='flash_attention_2' needs a CUDA device; "):
+        validate(TrainConfig(attn_implementation="flash_attention_2"), Machine(cuda=False, bf16=True), engine=False)
+
+
 def test_torchaos_compiled_step_needs_a_cpp_compiler_on_cpu_and_triton_on_cuda(monkeypatch):
     with_fake(monkeypatch, "torchao")
     monkeypatch.setattr(opts, "_cpp_compiler", lambda: None)

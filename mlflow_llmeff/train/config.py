@@ -126,18 +126,21 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a positive integer (>= 1)")
 
 
-def attention_missing(name: str, *, cuda: bool) -> str | None:
+def attention_missing(name: str, *, cuda: bool, packages: bool = True) -> str | None:
     """Why ``attn_implementation=name`` cannot run on this machine (the first half of a sentence), or None.
 
     ``sdpa`` and ``eager`` run anywhere; ``flash_attention_2`` needs CUDA and ``flash_attn``,
     ``flash_attention_3`` CUDA and ``flash_attn_interface`` (FlashAttention-3, built from
     flash-attention's ``hopper/``), ``flex_attention`` CUDA and torch >= 2.5
-    (``torch.nn.attention.flex_attention``). Packages are looked up, not imported.
+    (``torch.nn.attention.flex_attention``). Packages are looked up, not imported; with
+    ``packages=False`` (a plan for another machine) only the device is checked.
     """
     if name in ("sdpa", "eager"):
         return None
     if not cuda:
         return "needs a CUDA device"
+    if not packages:
+        return None
     package = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation"),
                "flash_attention_3": ("flash_attn_interface", "build flash-attention's hopper/ (FlashAttention-3)"),
                "flex_attention": ("torch.nn.attention.flex_attention", "torch >= 2.5 has it")}[name]
@@ -238,7 +241,7 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
         raise ValueError("precision='fp16' needs a CUDA device (fp16 mixed precision is GPU-only); accepted on CPU: fp32, bf16")
     if cfg.precision == "bf16" and not machine.bf16:
         raise ValueError("precision='bf16' is not supported by this device; accepted here: fp32, fp16")
-    _check_levers(cfg, machine)
+    _check_levers(cfg, machine, packages=engine)
     if cfg.num_machines < 1 or not 0 <= cfg.machine_rank < cfg.num_machines:
         raise ValueError(f"machine_rank={cfg.machine_rank} with num_machines={cfg.num_machines}; "
                          f"machine_rank must be in 0..{max(0, cfg.num_machines - 1)}")
@@ -295,19 +298,21 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
     return run
 
 
-def _check_levers(cfg: TrainConfig, machine: Machine) -> None:
+def _check_levers(cfg: TrainConfig, machine: Machine, *, packages: bool) -> None:
     """The memory levers on this machine: the attention kernel, the optimizer's package, bf16 weights.
+    ``packages``: the attention kernel's and the optimizer's packages must be installed here (training;
+    a plan, whose figures are arithmetic, passes False, as it does for the strategy's engine).
 
     Raises:
         ValueError: one line naming the value and what is accepted here.
     """
-    why = attention_missing(cfg.attn_implementation, cuda=machine.cuda)
+    why = attention_missing(cfg.attn_implementation, cuda=machine.cuda, packages=packages)
     if why:
-        here = [a for a in ATTN_IMPLS if attention_missing(a, cuda=machine.cuda) is None]
+        here = [a for a in ATTN_IMPLS if attention_missing(a, cuda=machine.cuda, packages=packages) is None]
         raise ValueError(f"attn_implementation={cfg.attn_implementation!r} {why}; accepted here: {', '.join(here)}")
     from mlflow_llmeff.train.optimizers import compiles_step, missing
 
-    why = missing(cfg.optimizer, cuda=machine.cuda)
+    why = missing(cfg.optimizer, cuda=machine.cuda) if packages else None
     if why:
         raise ValueError(why)
     if compiles_step(cfg.optimizer) and cfg.warmup_steps == 0:
