@@ -354,6 +354,14 @@ def test_cuda_figures_come_from_the_allocator_and_nvml():
     assert tags[names.MEMORY_CAPACITY].startswith("CUDA total memory")
 
 
+def test_nvml_finds_this_processs_device_by_its_uuid_when_no_handle_is_given():
+    other = FakeGpu(uuid="GPU-9", pci="9", watts=1.0, clock=lambda: 0.0, processes=[FakeProcess(os.getpid(), GIB)])
+    mine = FakeGpu(uuid="GPU-0", pci="0", watts=1.0, clock=lambda: 0.0, processes=[FakeProcess(os.getpid(), 2 * GIB)])
+    watch = MemoryWatch(torch.device("cuda", 1), cuda=FakeCuda(0, 0, 1), nvml=fake_nvml([other, mine]), env={})
+    out, _ = watch.figures(_tiny(), None)
+    assert out[names.SUM_MEM_NVML_PROCESS_GIB] == 2.0  # FakeCuda's device has UUID GPU-0
+
+
 @pytest.mark.parametrize("env, recorded", [({"LLMEFF_MEMORY_HISTORY": "0"}, []), (
     {"LLMEFF_MEMORY_HISTORY": "stacks"}, [{"enabled": "all", "context": "all", "stacks": "python",
                                           "max_entries": 100_000}])])

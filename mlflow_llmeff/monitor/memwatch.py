@@ -191,9 +191,12 @@ class MemoryWatch:
             if handle is None:
                 from mlflow_llmeff.meters.energy.nvml import resolve_nvml_devices
 
-                index = self.device.index if self.device.index is not None else self._torch_cuda().current_device()
-                uuid = str(getattr(self._torch_cuda().get_device_properties(index), "uuid", "") or "")
-                handle = resolve_nvml_devices(nvml, [0], visible_devices=None, torch_ids=[{"uuid": uuid}])[0][1]
+                cuda = self._torch_cuda()
+                index = self.device.index if self.device.index is not None else cuda.current_device()
+                uuid = str(getattr(cuda.get_device_properties(index), "uuid", "") or "")
+                ids = [{} for _ in range(index)] + [{"uuid": uuid}]  # by UUID, else CUDA_VISIBLE_DEVICES' entry
+                handle = resolve_nvml_devices(nvml, [index], visible_devices=self._env.get("CUDA_VISIBLE_DEVICES"),
+                                              torch_ids=ids)[0][1]
             return mem.nvml_process_bytes(nvml, handle)
         except Exception:  # noqa: BLE001 - no NVML: the figure is left out
             return None
