@@ -267,18 +267,24 @@ def study_cmd(repeats: int | None, seeds: int | None, target: str | None, config
               help="Micro-batches per optimizer step.")
 @click.option("--num-processes", type=IntRange(min=1), default=1, show_default=True,
               help="Data-parallel devices.")
+@click.option("--lora-rank", type=IntRange(min=1), default=None,
+              help="LoRA rank r: the base model frozen, adapters of rank r on --lora-targets of every layer.")
+@click.option("--lora-targets", default=None,
+              help="Comma-separated module names LoRA adapts, e.g. q_proj,v_proj (with --lora-rank).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, num_processes: int,
-              as_json: bool) -> None:
+              lora_rank: int | None, lora_targets: str | None, as_json: bool) -> None:
     """Parameters and training FLOPs per token / per step (megatron and palm conventions).
 
     The formula reads the config's own fields for the families it knows; any other causal LM
     is counted once on the meta device (FlopCounterMode, no weights); the output says which.
+    With --lora-rank and --lora-targets the base weights are frozen (no weight gradients, input
+    gradients only above the lowest adapter) and the adapters' matmuls are added.
     """
     import json
 
     from mlflow_llmeff.meters.flopcount import resolve
-    from mlflow_llmeff.calc.flops import FORMULA_TAGS, flops_summary
+    from mlflow_llmeff.calc.flops import FORMULA_TAGS, Trainable, flops_summary, param_counts
     from mlflow_llmeff.models.presets import load_config
 
     try:
@@ -286,14 +292,24 @@ def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, 
     except Exception as e:  # noqa: BLE001 - a bad directory or an unreachable hub: one line, no trace
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise click.ClickException(msg if isinstance(e, ValueError) else f"model {model!r}: {type(e).__name__}: {msg}")
+    if (lora_rank is None) != (lora_targets is None):
+        raise click.BadParameter("give --lora-rank and --lora-targets together (e.g. --lora-rank 8 "
+                                 "--lora-targets q_proj,v_proj)")
     source = resolve(config)
     if source.flops is None:
         raise click.ClickException(f"model {model!r}: no FLOPs per token ({source.note})")
     try:
-        s = flops_summary(source.flops, seq_len, micro_batch_size, grad_accum, num_processes)
+        trainable = None
+        if lora_rank is not None:
+            if source.method != "formula":
+                raise ValueError(f"LoRA FLOPs need the formula's per-matrix shapes; {source.note}")
+            trainable = Trainable.lora(source.flops, lora_rank, lora_targets,
+                                       params_total=param_counts(source.flops)["total"])
+        s = flops_summary(source.flops, seq_len, micro_batch_size, grad_accum, num_processes, trainable)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    s = {"model": model, "method": source.method, "method_note": source.note, **s}
+    trained = trainable.describe() if trainable is not None else "every parameter (6 FLOPs per weight per token)"
+    s = {"model": model, "method": source.method, "method_note": source.note, "trainable": trained, **s}
     if as_json:
         click.echo(json.dumps(s, indent=1))
         return
@@ -306,6 +322,8 @@ def flops_cmd(model: str, seq_len: int, micro_batch_size: int, grad_accum: int, 
         click.echo(f"{conv:>8}: {s[f'flops_per_token_{conv}'] / 1e9:.4f} GFLOP/token, "
                    f"{s[f'flops_per_step_{conv}'] / 1e12:.4f} TFLOP/step "
                    f"({s[f'flops_per_step_per_device_{conv}'] / 1e12:.4f} per device)")
+    share = f"{s['trainable_share']:.4%}" if s["trainable_share"] is not None else "unknown"
+    click.echo(f"trainable share {share}: {trained}")
     click.echo(f"method: {source.note}")
     click.echo(f"formula: {FORMULA_TAGS['megatron']}")
 

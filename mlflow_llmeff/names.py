@@ -270,6 +270,7 @@ MEMORY_SNAPSHOT = _tag("memory.snapshot", "on a CUDA out-of-memory failure: the 
 ACT_CKPT = _tag("activation_checkpointing", "true / false")
 COMPILE = _tag("compile", "torch.compile used: true / false")
 FLOPS_FORMULA = _tag("flops.formula", "FLOPs-per-token convention and its source")
+FLOPS_TRAINABLE = _tag("flops.trainable", "what the FLOPs per token count as trained: the trainable share of parameters (requires_grad, adapters included), the LoRA rank and targets if any, frozen embedding / LM head, and the formula's source (forward 2 FLOPs per weight, input gradient 2 above the lowest trainable weight, weight gradient 2 per trainable weight, adapter matmuls added: docs/formulas.md, NeMo Automodel PR #786, VeOmni PR #983, Hu et al. 2021); llmeff.flops.method carries it too")
 FLOPS_METHOD = _tag("flops.method", "how FLOPs per token were obtained: 'formula: ...' (the config's own fields, docs/formulas.md), 'meta_count: ...' (FlopCounterMode over one forward+backward of the model built on the meta device, for a model type the formula does not know), or 'none: <why>' (no model FLOPs, TFLOP/s, MFU or HFU logged)")
 PEAK_TFLOPS = _tag("peak.tflops", "dense peak TFLOP/s per device for the compute dtype")
 PEAK_SOURCE = _tag("peak.source", "datasheet of the peak, 'user' or 'unknown' with the reason")

@@ -42,10 +42,16 @@ import math
 from collections.abc import Iterable, Sequence
 
 from mlflow_llmeff.calc.model_shape import (
+    _NORM_STAGES,
+    ATTENTION,
     FORMULA_TYPES,
+    MLP_OUT,
+    LORA_TARGETS,
+    Adapter,
     CountedFlops,
     ModelShape,
     Recompute,
+    Trainable,
     attention_windows,
     model_shape,
     param_counts,
@@ -58,6 +64,9 @@ __all__ = [
     "ModelShape",
     "CountedFlops",
     "Recompute",
+    "Trainable",
+    "Adapter",
+    "LORA_TARGETS",
     "model_shape",
     "attention_windows",
     "flops_per_token",
@@ -67,6 +76,7 @@ __all__ = [
     "hardware_flops_per_token",
     "hardware_model_ratio",
     "mean_attended_keys",
+    "executed_attended_keys",
     "effective_seq_len",
     "param_counts",
     "utilization",
@@ -144,8 +154,13 @@ def mean_attended_keys(seq_len: float | Sequence[float], window: int | None = No
     return pairs / sum(lengths)
 
 
+#: Internal key conventions for hardware FLOPs: what a causal or a dense kernel computes.
+_KERNEL_KEYS = {"causal_kernel": True, "dense_kernel": False}
+
+
 def _layer_keys(model, seq_len, convention: str) -> list[float]:
-    """Mean attended keys per layer of a :class:`ModelShape` or :class:`CountedFlops`."""
+    """Mean attended keys per layer of a :class:`ModelShape` or :class:`CountedFlops` (``convention``
+    also ``causal_kernel`` / ``dense_kernel``: :func:`executed_attended_keys`)."""
     layers = model.layers
     windows = model.windows or (None,) * layers
     chunks = model.chunks or (None,) * layers
@@ -153,7 +168,8 @@ def _layer_keys(model, seq_len, convention: str) -> list[float]:
     out = []
     for w, c in zip(windows, chunks):
         if (w, c) not in cache:
-            cache[(w, c)] = mean_attended_keys(seq_len, w, convention, c)
+            cache[(w, c)] = (executed_attended_keys(seq_len, w, causal=_KERNEL_KEYS[convention], chunk=c)
+                             if convention in _KERNEL_KEYS else mean_attended_keys(seq_len, w, convention, c))
         out.append(cache[(w, c)])
     return out
 
@@ -164,7 +180,8 @@ def _model(config):
 
 
 def attention_flops_per_token(config, seq_len: float | Sequence[float],
-                              convention: str = "megatron") -> float:
+                              convention: str = "megatron", *, causal_kernel: bool | None = None,
+                              trainable: Trainable | None = None) -> float:
     """Training FLOPs per token of the attention-score matmuls alone (QK^T and scores @ V).
 
     ``sum over layers of 6 * n*(d_qk + d_v) * k_layer`` (``12*(n*d)*k`` for equal head widths):
@@ -177,15 +194,111 @@ def attention_flops_per_token(config, seq_len: float | Sequence[float],
         config: as for :func:`model_shape`, or a :class:`CountedFlops`.
         seq_len: as for :func:`mean_attended_keys`.
         convention: ``megatron`` or ``palm``.
+        causal_kernel: None for model FLOPs (``convention``); True / False for what a causal /
+            dense kernel executes (:func:`executed_attended_keys`; ``convention`` is then ignored).
+        trainable: what trains (None: everything): a layer whose attention has nothing trainable
+            below it runs the forward only (a third of the above).
+
+    Raises:
+        ValueError: as :func:`flops_per_token`.
     """
     m = _model(config)
+    if causal_kernel is not None:
+        convention = "causal_kernel" if causal_kernel else "dense_kernel"
     keys = _layer_keys(m, seq_len, convention)
     if isinstance(m, CountedFlops):
+        if trainable is not None:
+            flops_per_token(m, seq_len, "palm", trainable)  # raises: no per-matrix breakdown
         return sum(b * k for b, k in zip(m.attention_per_key, keys))
-    return sum(6.0 * m.attention_width() * k for k in keys)
+    backward = _attention_backward(m, trainable)
+    return sum(2.0 * m.attention_width() * k * (3.0 if b else 1.0) for k, b in zip(keys, backward))
 
 
-def flops_per_token(config, seq_len: float | Sequence[float], convention: str = "megatron") -> float:
+def _attention_backward(m: ModelShape, trainable: Trainable | None) -> list[bool]:
+    """Per layer, whether the attention matmuls' inputs need gradients (something trainable below them)."""
+    if trainable is None:
+        return [True] * m.layers
+    flags, grad = [], trainable.embedding
+    with_adapter = {(a.layer, a.matrix) for a in trainable.adapters}
+    for i in range(m.layers):
+        names = trainable.layers[i]
+        early = {x.name for x in m.layer_matrices(i) if x.stage < ATTENTION}
+        grad = grad or any(_NORM_STAGES.get(n, ATTENTION) < ATTENTION or n in early for n in names) \
+            or any((i, e) in with_adapter for e in early)
+        flags.append(grad)
+        grad = grad or bool(names) or any(layer == i for layer, _ in with_adapter)
+    return flags
+
+
+def executed_attended_keys(seq_len: float | Sequence[float], window: int | None = None, *, causal: bool,
+                           chunk: int | None = None) -> float:
+    """Mean keys per query an attention kernel computes, per token (hardware FLOPs' ``k``).
+
+    A dense kernel (eager attention with a mask tensor, SDPA given an explicit mask) computes the
+    whole ``l x l`` square (or ``l x w`` band): :func:`mean_attended_keys` ``palm``. A causal kernel
+    (SDPA with ``is_causal=True``, Flash-Attention ``causal=True``, flex attention's block mask)
+    skips the masked upper triangle (Dao 2023, "FlashAttention-2", Sec. 3.1.1 "Causal masking":
+    blocks above the diagonal are skipped). Counted here as the exact triangle with its diagonal,
+    ``l(l+1)/2`` pairs per sequence (``megatron``'s ``l^2/2`` plus ``l/2``; a window ``w`` adds
+    ``w/2``): a tiled kernel also computes the masked half of each diagonal tile of ``B x B``, about
+    ``l*B/2`` pairs more (``B/l``: 3% at ``l = 4096``, ``B = 128``), but ``B`` depends on the kernel,
+    the head width, the GPU and the direction (forward, backward), none of which the monitor can
+    read, so the count stays the kernel-independent lower bound.
+
+    Args:
+        seq_len, window, chunk: as for :func:`mean_attended_keys`.
+        causal: True for a causal kernel, False for a dense one.
+
+    Raises:
+        ValueError: as :func:`mean_attended_keys`.
+    """
+    if not causal:
+        return mean_attended_keys(seq_len, window, "palm", chunk)
+    keys = mean_attended_keys(seq_len, window, "megatron", chunk)
+    lengths = _lengths(seq_len)
+    diagonal = sum(l if (chunk is not None and chunk < l) or window is None else min(float(window), l)
+                   for l in lengths)
+    return keys + diagonal / 2.0 / sum(lengths)
+
+
+def _trained_flops(m: ModelShape, keys: list[float], trainable: Trainable) -> float:
+    """Training FLOPs per token of ``m`` when only ``trainable`` trains (see :func:`flops_per_token`)."""
+    if len(trainable.layers) != m.layers:
+        raise ValueError(f"the trainable description has {len(trainable.layers)} layers, the model {m.layers}")
+    adapters: dict[tuple[int, str], list[Adapter]] = {}
+    for a in trainable.adapters:
+        adapters.setdefault((a.layer, a.matrix), []).append(a)
+    grad = trainable.embedding  # the residual stream entering the layer needs a gradient
+    total = 0.0
+    for i in range(m.layers):
+        names = trainable.layers[i]
+        mats = m.layer_matrices(i)
+        unknown = [a.matrix for (layer, _), ads in adapters.items() if layer == i for a in ads
+                   if a.matrix not in {x.name for x in mats}]
+        if unknown:
+            raise ValueError(f"adapters on {', '.join(unknown)} match no matrix of layer {i}")
+        for stage in range(MLP_OUT + 1):
+            # a trainable norm or the whole layer marked from this stage on: later inputs need gradients
+            here = any(_NORM_STAGES.get(n) == stage for n in names)
+            if stage == ATTENTION:  # scores and context: forward, plus both input gradients below something trainable
+                total += 2.0 * m.attention_width() * keys[i] * (3.0 if grad else 1.0)
+            for mat in (x for x in mats if x.stage == stage):
+                w = mat.weights
+                trains = mat.name in names or "*" in names
+                total += 2.0 * w + (2.0 * w if grad else 0.0) + (2.0 * w if trains else 0.0)
+                for a in adapters.get((i, mat.name), ()):
+                    # A: forward, weight gradient, input gradient where x needs one; B: forward, weight
+                    # gradient and input gradient (its input x A^T always depends on A)
+                    total += 2.0 * a.rank * a.d_in * (3.0 if grad else 2.0) + 6.0 * a.rank * a.d_out
+                    here = True
+                here = here or trains
+            grad = grad or here
+    lm = m.hidden * m.vocab
+    return total + 2.0 * lm + (2.0 * lm if grad else 0.0) + (2.0 * lm if trainable.lm_head else 0.0)
+
+
+def flops_per_token(config, seq_len: float | Sequence[float], convention: str = "megatron",
+                    trainable: Trainable | None = None) -> float:
     """Training FLOPs per token (forward + backward) of a decoder-only transformer.
 
     ``F = sum_layers [6*W_l + 6*n*(d_qk + d_v)*k_l] + 6*h*V``, where ``W_l`` are the matmul weights
@@ -203,15 +316,32 @@ def flops_per_token(config, seq_len: float | Sequence[float], convention: str = 
             variable-length / packed batch (:func:`effective_seq_len`), or the list of real lengths
             (exact also under a sliding window).
         convention: ``megatron`` (causal attention counted once) or ``palm`` (no causal discount).
+        trainable: what trains (:class:`Trainable`), or None for every weight (the ``6`` above).
+            With frozen weights, per token and weight: forward 2, input gradient 2 where
+            something trainable lies below (every stage above the lowest trainable weight, never
+            a layer below it; the LM head whenever anything below it trains), weight gradient 2
+            for a trainable weight only; attention's two matmuls cost 2x their forward in backward
+            where something trainable lies below them, nothing otherwise; a LoRA adapter of rank
+            ``r`` on a ``d_in x d_out`` matrix adds ``2r(d_in + d_out)`` forward, as much in weight
+            gradients, ``2r*d_out`` input gradient of ``B`` and ``2r*d_in`` of ``A`` where its input
+            needs one (Hu et al. 2021; NeMo Automodel PR #786, VeOmni PR #983). Everything
+            trainable (embedding included) gives the ``6N`` count exactly.
 
     Returns:
         FLOPs per trained token (float; multiply by tokens for FLOPs per step).
 
     Raises:
-        ValueError: for an unknown convention, a bad length or an unsupported config.
+        ValueError: for an unknown convention, a bad length, an unsupported config, or a
+            ``trainable`` that does not fit the model (or a meta-device count, which has no
+            per-matrix breakdown).
     """
     _check_convention(convention)
     m = _model(config)
+    if trainable is not None:
+        if isinstance(m, CountedFlops):
+            raise ValueError(f"model_type {m.model_type!r} was counted on the meta device, which has no per-matrix "
+                             "breakdown for frozen weights; pass trainable=None")
+        return _trained_flops(m, _layer_keys(m, seq_len, convention), trainable)
     if isinstance(m, CountedFlops):
         return m.weight_flops + attention_flops_per_token(m, seq_len, convention)
     weights = sum(m.layer_weights(i) for i in range(m.layers)) + m.hidden * m.vocab  # LM head always counted
@@ -219,7 +349,8 @@ def flops_per_token(config, seq_len: float | Sequence[float], convention: str = 
 
 
 def recompute_flops_per_token(config, seq_len: float | Sequence[float], recompute: "Recompute | None", *,
-                              attention_only: bool = False) -> float:
+                              attention_only: bool = False, causal_kernel: bool = False,
+                              trainable: Trainable | None = None) -> float:
     """Forward FLOPs per token that activation checkpointing runs a second time (hardware, not model FLOPs).
 
     The checkpointing wrapper re-executes each checkpointed decoder layer's forward during
@@ -238,6 +369,11 @@ def recompute_flops_per_token(config, seq_len: float | Sequence[float], recomput
         recompute: what is checkpointed, or None for no checkpointing (0 FLOPs).
         attention_only: only the recomputed attention matmuls (what a counter blind to the
             attention kernel misses).
+        causal_kernel: the attention kernel skips the masked triangle (:func:`executed_attended_keys`);
+            False: it computes the dense square.
+        trainable: what trains (None: everything). A checkpointed layer that backward never
+            reaches (frozen, below every trainable weight) is not recomputed; adapters' forward
+            (``2r(d_in + d_out)``) is recomputed with their layer.
 
     Raises:
         ValueError: for a :class:`CountedFlops` counted without this recomputation.
@@ -245,8 +381,12 @@ def recompute_flops_per_token(config, seq_len: float | Sequence[float], recomput
     if recompute is None:
         return 0.0
     m = _model(config)
-    keys = _layer_keys(m, seq_len, "palm")
+    keys = _layer_keys(m, seq_len, "causal_kernel" if causal_kernel else "dense_kernel")
+    reached = _reached_layers(m.layers, trainable)
     if isinstance(m, CountedFlops):
+        if trainable is not None:
+            raise ValueError(f"model_type {m.model_type!r} was counted on the meta device, which has no per-matrix "
+                             "breakdown for frozen weights; pass trainable=None")
         if m.recompute != recompute:
             raise ValueError(f"the meta-device count of {m.model_type!r} was made with recompute={m.recompute!r}, "
                              f"not {recompute!r}; count it again with this checkpointing")
@@ -254,20 +394,59 @@ def recompute_flops_per_token(config, seq_len: float | Sequence[float], recomput
         return attention if attention_only else m.recompute_weight_flops + attention
     total = 0.0
     for i in range(m.layers):
-        if recompute.checkpointed(i):
+        if recompute.checkpointed(i) and reached[i]:
             weights = 0 if attention_only else m.layer_weights(i) - (m.tail_weights(i) if recompute.early_stop else 0)
+            if trainable is not None and not attention_only:
+                weights += sum(a.params for a in trainable.adapters if a.layer == i)
             total += 2.0 * weights + 2.0 * m.attention_width() * keys[i]
     return total
 
 
-def hardware_flops_per_token(config, seq_len: float | Sequence[float], recompute: "Recompute | None" = None) -> float:
-    """Training FLOPs per token the device executes: ``palm`` FLOPs plus the recomputed forward.
+def _reached_layers(layers: int, trainable: Trainable | None) -> list[bool]:
+    """Per layer, whether backward runs through it (something trainable in it or below it)."""
+    if trainable is None:
+        return [True] * layers
+    with_adapter = {a.layer for a in trainable.adapters}
+    out, grad = [], trainable.embedding
+    for i in range(layers):
+        grad = grad or bool(trainable.layers[i]) or i in with_adapter
+        out.append(grad)
+    return out
 
-    Dense attention kernels (eager, SDPA math, CPU SDPA, flash as the flop counter counts it)
-    compute every query-key pair of the causal square, so executed FLOPs follow the ``palm``
-    convention; activation checkpointing adds :func:`recompute_flops_per_token`.
+
+def hardware_flops_per_token(config, seq_len: float | Sequence[float], recompute: "Recompute | None" = None, *,
+                             causal_kernel: bool = False, trainable: Trainable | None = None) -> float:
+    """Training FLOPs per token the device executes: the weight matmuls, attention as the kernel runs
+    it, and the recomputed forward.
+
+    A dense attention kernel (eager attention with its mask tensor, SDPA given an explicit mask)
+    computes every query-key pair of the square, so attention follows the ``palm`` convention; a
+    causal kernel (SDPA ``is_causal=True``, Flash-Attention ``causal=True``) skips the masked
+    triangle and computes ``l(l+1)/2`` pairs (:func:`executed_attended_keys`). Activation
+    checkpointing adds :func:`recompute_flops_per_token`; frozen weights and adapters are counted
+    as in :func:`flops_per_token` (``trainable``).
+
+    Args:
+        config, seq_len: as for :func:`flops_per_token`.
+        recompute: what activation checkpointing re-executes, or None.
+        causal_kernel: True when the attention kernel is causal (default False: the dense square).
+        trainable: what trains (None: everything).
+
+    Raises:
+        ValueError: as :func:`flops_per_token`.
     """
-    return flops_per_token(config, seq_len, "palm") + recompute_flops_per_token(config, seq_len, recompute)
+    m = _model(config)
+    conv = "causal_kernel" if causal_kernel else "dense_kernel"
+    if trainable is not None:
+        if isinstance(m, CountedFlops):
+            flops_per_token(m, seq_len, "palm", trainable)  # raises: no per-matrix breakdown
+        base = _trained_flops(m, _layer_keys(m, seq_len, conv), trainable)
+    elif isinstance(m, CountedFlops):
+        base = m.weight_flops + attention_flops_per_token(m, seq_len, causal_kernel=causal_kernel)
+    else:
+        weights = sum(m.layer_weights(i) for i in range(m.layers)) + m.hidden * m.vocab
+        base = 6.0 * weights + attention_flops_per_token(m, seq_len, causal_kernel=causal_kernel)
+    return base + recompute_flops_per_token(m, seq_len, recompute, causal_kernel=causal_kernel, trainable=trainable)
 
 
 def effective_seq_len(lengths: Iterable[float]) -> float:
@@ -294,12 +473,14 @@ def effective_seq_len(lengths: Iterable[float]) -> float:
 RECOMPUTE_FACTOR = 4.0 / 3.0
 
 
-def hardware_model_ratio(config, seq_len: float, *, recompute: "bool | Recompute | None" = False) -> float:
+def hardware_model_ratio(config, seq_len: float, *, recompute: "bool | Recompute | None" = False,
+                         causal_kernel: bool = False, trainable: Trainable | None = None) -> float:
     """Hardware FLOPs per model FLOP, analytic: what HFU is to MFU when no step was counted.
 
-    ``hardware_flops_per_token(s, recompute) / flops_per_token(s, "megatron")``: dense attention
-    kernels compute the full ``s x s`` score matrix, so executed FLOPs follow the ``palm``
-    convention (no causal discount) while model FLOPs follow ``megatron``; activation checkpointing
+    ``hardware_flops_per_token(s, recompute, causal_kernel) / flops_per_token(s, "megatron")``: dense
+    attention kernels compute the full ``s x s`` score matrix, so executed FLOPs follow the ``palm``
+    convention (no causal discount) while model FLOPs follow ``megatron``; a causal kernel computes
+    ``s(s+1)/2`` pairs, i.e. ``megatron``'s ``s^2/2`` and the diagonal; activation checkpointing
     adds the recomputed forward of the checkpointed layers only (LM head and embedding are not
     recomputed; early stop skips a last bare matmul). HFU = MFU x this ratio. On a dense model it
     equals the ratio a FlopCounterMode step measures with eager attention (tests: exact, asserted
@@ -311,9 +492,12 @@ def hardware_model_ratio(config, seq_len: float, *, recompute: "bool | Recompute
         recompute: a :class:`Recompute`; True means ``Recompute()`` (every decoder layer,
             non-reentrant with early stop: what ``activation_checkpointing_enable()`` does in
             transformers 5); False or None, no checkpointing.
+        causal_kernel: the attention kernel is causal (:func:`hardware_flops_per_token`).
+        trainable: what trains (None: everything), in both counts.
     """
     rc = Recompute() if recompute is True else (recompute or None)
-    return hardware_flops_per_token(config, seq_len, rc) / flops_per_token(config, seq_len, "megatron")
+    return (hardware_flops_per_token(config, seq_len, rc, causal_kernel=causal_kernel, trainable=trainable)
+            / flops_per_token(config, seq_len, "megatron", trainable))
 
 
 def utilization(achieved_tflops_per_device: float, peak_tflops: float | None) -> float | None:
@@ -357,18 +541,20 @@ def mfu_warning(value: float | None) -> str | None:
 
 
 def flops_summary(config, seq_len: float, micro_batch_size: int = 1, grad_accum: int = 1,
-                  num_processes: int = 1) -> dict[str, float | int]:
+                  num_processes: int = 1, trainable: Trainable | None = None) -> dict[str, float | int | None]:
     """Parameters and FLOPs of one optimizer step, as ``llmeff flops`` prints them.
 
     Assumes full-length sequences of ``seq_len`` tokens and pure data parallelism over
     ``num_processes`` devices: tokens per step ``= seq_len * micro_batch_size * grad_accum *
-    num_processes``.
+    num_processes``. ``trainable`` (None: everything trains) enters both conventions
+    (:func:`flops_per_token`).
 
     Returns:
         ``params_total``, ``params_non_embedding``, ``params_active``, ``seq_len``,
         ``tokens_per_step``, ``flops_per_token_megatron``, ``flops_per_token_palm``,
         ``flops_per_step_megatron``, ``flops_per_step_palm`` (global), and
-        ``flops_per_step_per_device_megatron`` / ``_palm``.
+        ``flops_per_step_per_device_megatron`` / ``_palm``, ``params_trainable`` and
+        ``trainable_share`` (a fraction; the adapters' parameters count in both parts).
 
     Raises:
         ValueError: for a non-positive batch dimension (and as :func:`flops_per_token`).
@@ -379,12 +565,14 @@ def flops_summary(config, seq_len: float, micro_batch_size: int = 1, grad_accum:
             raise ValueError(f"{label} {v!r} is not accepted; give an integer >= 1")
     p = param_counts(config)
     tokens = seq_len * micro_batch_size * grad_accum * num_processes
-    out: dict[str, float | int] = {
+    out: dict[str, float | int | None] = {
         "params_total": p["total"], "params_non_embedding": p["non_embedding"], "params_active": p["active"],
         "seq_len": seq_len, "tokens_per_step": tokens,
+        "params_trainable": p["total"] if trainable is None else trainable.trainable_params,
+        "trainable_share": 1.0 if trainable is None else trainable.share,
     }
     for conv in CONVENTIONS:
-        f = flops_per_token(config, seq_len, conv)
+        f = flops_per_token(config, seq_len, conv, trainable)
         out[f"flops_per_token_{conv}"] = f
         out[f"flops_per_step_{conv}"] = f * tokens
         out[f"flops_per_step_per_device_{conv}"] = f * tokens / num_processes

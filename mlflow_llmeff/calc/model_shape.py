@@ -14,12 +14,17 @@ Pure arithmetic: standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "FORMULA_TYPES",
     "ModelShape",
     "CountedFlops",
     "Recompute",
+    "Matrix",
+    "Adapter",
+    "Trainable",
+    "LORA_TARGETS",
     "model_shape",
     "attention_windows",
     "param_counts",
@@ -174,11 +179,210 @@ class ModelShape:
         """``n*(d_qk + d_v)``: the attention matmuls cost ``2 x`` this per token and attended key, forward."""
         return self.heads * (self.head_dim + (self.v_head_dim or self.head_dim))
 
+    def layer_matrices(self, layer: int) -> tuple["Matrix", ...]:
+        """The weight matrices one token goes through in layer ``layer``, in forward order by stage.
+
+        Canonical names (Llama's module names): ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
+        (MLA: ``q_a_proj``/``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
+        ``o_proj``); dense MLP ``gate_proj``, ``up_proj``, ``down_proj`` (plain MLP: ``up_proj``,
+        ``down_proj``); MoE ``router``, ``experts_in`` / ``experts_out`` (``count = top_k``),
+        ``shared_in`` / ``shared_out`` / ``shared_gate``. Their weights sum to :meth:`layer_weights`.
+        """
+        h, n, dv = self.hidden, self.heads, self.v_head_dim or self.head_dim
+        if self.mla:
+            q = ((Matrix("q_a_proj", QKV, h, self.q_lora_rank), Matrix("q_b_proj", QKV, self.q_lora_rank, self.q_width))
+                 if self.q_lora_rank else (Matrix("q_proj", QKV, h, self.q_width),))
+            attn = q + (Matrix("kv_a_proj_with_mqa", QKV, h, self.kv_lora_rank + self.qk_rope_head_dim),
+                        Matrix("kv_b_proj", QKV, self.kv_lora_rank, n * (self.head_dim - self.qk_rope_head_dim + dv)))
+        else:
+            attn = (Matrix("q_proj", QKV, h, self.q_width), Matrix("k_proj", QKV, h, self.kv_width),
+                    Matrix("v_proj", QKV, h, self.kv_heads * dv))
+        attn += (Matrix("o_proj", O, self.v_width, h),)
+        k = 2 if self.gated_mlp else 1
+        if self.is_moe(layer):
+            mlp = (Matrix("router", MLP_IN, h, self.experts), Matrix("experts_in", MLP_IN, h, k * self.ffn, self.top_k),
+                   Matrix("experts_out", MLP_OUT, self.ffn, h, self.top_k))
+            if self.shared_ffn:
+                mlp += (Matrix("shared_in", MLP_IN, h, k * self.shared_ffn), Matrix("shared_out", MLP_OUT, self.shared_ffn, h))
+            if self.shared_gate:
+                mlp += (Matrix("shared_gate", MLP_IN, h, 1),)
+        else:
+            f = self.dense_ffn or self.ffn
+            mlp = ((Matrix("gate_proj", MLP_IN, h, f),) if self.gated_mlp else ()) + (
+                Matrix("up_proj", MLP_IN, h, f), Matrix("down_proj", MLP_OUT, f, h))
+        return attn + mlp
+
     def tail_weights(self, layer: int) -> int:
         """Weights of layer ``layer``'s last matmul when early-stopped recomputation skips it, else 0."""
         if self.is_moe(layer):
             return self.hidden * self.shared_ffn if self.moe_tail_bare else 0
         return self.hidden * (self.dense_ffn or self.ffn) if self.dense_tail_bare else 0
+
+
+#: Stages of a decoder layer in forward order. A matrix's input needs a gradient exactly when
+#: something trainable lies in an earlier stage, this layer or below (matrices of one stage read
+#: the same input: a trainable q_proj does not make k_proj's input need one).
+INPUT_NORM, QKV, ATTENTION, O, POST_NORM, MLP_IN, MLP_OUT = range(7)
+
+#: Stage of each trainable name that is no counted matrix: norms (0 FLOPs, but a trainable norm
+#: makes every later matmul's input need a gradient); ``*`` is the whole layer (from its first stage).
+_NORM_STAGES = {"input_norm": INPUT_NORM, "post_norm": POST_NORM, "*": INPUT_NORM}
+
+
+class Matrix(NamedTuple):
+    """One weight matrix of a decoder layer: ``(1 x d_in) @ (d_in x d_out)`` per token, ``count`` times
+    (``top_k`` for routed experts)."""
+
+    name: str
+    stage: int
+    d_in: int
+    d_out: int
+    count: int = 1
+
+    @property
+    def weights(self) -> int:
+        return self.d_in * self.d_out * self.count
+
+
+#: LoRA target names ``llmeff flops --lora-targets`` accepts (the canonical matrix names of a dense layer).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter on one weight matrix: ``x -> (x A^T) B^T * alpha/r`` beside the frozen ``x W^T``
+    (Hu et al. 2021, "LoRA", Sec. 4.1), ``A: (r, d_in)``, ``B: (d_out, r)``: ``r*(d_in + d_out)`` parameters.
+
+    Attributes:
+        layer: decoder layer index (0-based).
+        matrix: the canonical name of the matrix it adapts (:meth:`ModelShape.layer_matrices`).
+        d_in, d_out: the adapted matrix's input and output widths.
+        rank: ``r`` (>= 1).
+    """
+
+    layer: int
+    matrix: str
+    d_in: int
+    d_out: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.d_in < 1 or self.d_out < 1 or self.layer < 0:
+            raise ValueError(f"adapter {self!r} is not accepted; give rank, d_in, d_out >= 1 and layer >= 0")
+
+    @property
+    def params(self) -> int:
+        return self.rank * (self.d_in + self.d_out)
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """What a run trains, for FLOPs: which matrices get a weight gradient, and the LoRA adapters.
+
+    A frozen weight (``requires_grad=False``) costs no weight-gradient matmul; a matmul's input
+    gradient is computed only where something trainable lies below it (``docs/formulas.md``,
+    "Frozen weights and adapters"). Pure description, built by
+    :func:`mlflow_llmeff.meters.trainable.read_trainable` from a real model or :meth:`lora` from a
+    shape. ``None`` in place of a Trainable means everything trains.
+
+    Attributes:
+        layers: per decoder layer, the trainable names: canonical matrix names
+            (:meth:`ModelShape.layer_matrices`), ``input_norm`` / ``post_norm`` for a trainable norm,
+            ``*`` for the whole layer.
+        embedding: the input embedding is trainable (layer 0's input then needs a gradient).
+        lm_head: the LM head weight is trainable (tied to a trainable embedding counts as trainable).
+        adapters: LoRA adapters (always trainable).
+        trainable_params, total_params: ``requires_grad`` parameters and all parameters (adapters
+            included), for the share; None when unknown.
+        source: where this was read (``requires_grad of the model``, ``--lora-rank``, ...).
+    """
+
+    layers: tuple[frozenset[str], ...]
+    embedding: bool = False
+    lm_head: bool = False
+    adapters: tuple[Adapter, ...] = ()
+    trainable_params: int | None = None
+    total_params: int | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(frozenset(x) for x in self.layers))
+        bad = [a.layer for a in self.adapters if a.layer >= len(self.layers)]
+        if bad:
+            raise ValueError(f"adapter layers {bad} are not accepted; the description has {len(self.layers)} layers")
+        if (self.trainable_params is not None and self.total_params is not None
+                and not 0 <= self.trainable_params <= self.total_params):
+            raise ValueError(f"trainable_params={self.trainable_params} must be in 0..total_params={self.total_params}")
+
+    @classmethod
+    def lora(cls, shape: "ModelShape", rank: int, targets, *, params_total: int | None = None) -> "Trainable":
+        """LoRA of rank ``rank`` on the ``targets`` matrices of every layer, everything else frozen
+        (peft's ``get_peft_model`` with ``LoraConfig(r=rank, target_modules=targets)``).
+
+        Args:
+            shape: the model's :class:`ModelShape`.
+            rank: ``r`` (>= 1).
+            targets: canonical matrix names (e.g. ``("q_proj", "v_proj")``), or one comma-separated string.
+            params_total: the base model's parameters (for the share), or None.
+
+        Raises:
+            ValueError: a rank below 1, no target, or a target no layer has.
+        """
+        if isinstance(targets, str):
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        targets = tuple(dict.fromkeys(targets))
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"LoRA rank {rank!r} is not accepted; give an integer >= 1")
+        if not targets:
+            raise ValueError("LoRA targets are empty; give module names such as q_proj,v_proj")
+        adapters = []
+        for i in range(shape.layers):
+            mats = {m.name: m for m in shape.layer_matrices(i)}
+            adapters += [Adapter(i, t, mats[t].d_in, mats[t].d_out, rank) for t in targets if t in mats]
+        missing = [t for t in targets if not any(a.matrix == t for a in adapters)]
+        if missing:
+            known = sorted({m.name for i in range(shape.layers) for m in shape.layer_matrices(i)})
+            raise ValueError(f"LoRA targets {', '.join(missing)} match no matrix of this model; accepted: {', '.join(known)}")
+        extra = sum(a.params for a in adapters)
+        return cls(layers=(frozenset(),) * shape.layers, adapters=tuple(adapters), trainable_params=extra,
+                   total_params=None if params_total is None else params_total + extra,
+                   source=f"LoRA r={rank} on {','.join(targets)} (every layer), base model frozen")
+
+    @property
+    def share(self) -> float | None:
+        """Trainable parameters over all parameters (a fraction in [0, 1]), or None when unknown."""
+        if self.trainable_params is None or not self.total_params:
+            return None
+        return self.trainable_params / self.total_params
+
+    def lora_summary(self) -> str | None:
+        """``r=8 on q_proj,v_proj`` (ranks and targets of the adapters), or None without adapters."""
+        if not self.adapters:
+            return None
+        ranks = sorted({a.rank for a in self.adapters})
+        targets = ",".join(dict.fromkeys(a.matrix for a in self.adapters))
+        return f"r={'/'.join(map(str, ranks))} on {targets}"
+
+    def describe(self) -> str:
+        """One line for the ``llmeff.flops.trainable`` tag and ``llmeff flops``: the trainable share,
+        the LoRA rank and targets, and where it was read."""
+        share = self.share
+        head = (f"{self.trainable_params:,} of {self.total_params:,} parameters trainable ({share:.4%})"
+                if share is not None else "trainable share unknown")
+        lora = self.lora_summary()
+        frozen = [i for i, names in enumerate(self.layers) if not names] if not lora else []
+        parts = [head]
+        if lora:
+            parts.append(f"LoRA {lora} in {len({a.layer for a in self.adapters})} layers")
+        elif frozen:
+            parts.append(f"{len(frozen)} of {len(self.layers)} decoder layers frozen")
+        parts.append(f"embedding {'trainable' if self.embedding else 'frozen'}, "
+                     f"LM head {'trainable' if self.lm_head else 'frozen'}")
+        if self.source:
+            parts.append(f"read from {self.source}")
+        return "; ".join(parts) + ("; FLOPs: forward 2/weight, input gradient 2/weight above the lowest trainable "
+                                   "weight, weight gradient 2/trainable weight, adapters' own matmuls added "
+                                   "(docs/formulas.md; NeMo Automodel #786, VeOmni #983, Hu et al. 2021)")
 
 
 @dataclass(frozen=True)

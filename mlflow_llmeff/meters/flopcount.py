@@ -37,7 +37,8 @@ from mlflow_llmeff.calc.model_shape import _get
 from mlflow_llmeff.names import shorten
 
 __all__ = ["METHOD_FORMULA", "METHOD_META", "METHOD_NONE", "FlopsSource", "resolve", "count_on_meta",
-           "measure_step_flops", "step_counter", "sdpa_flops", "sdpa_backward_flops"]
+           "measure_step_flops", "step_counter", "sdpa_flops", "sdpa_backward_flops", "causal_pairs",
+           "attention_kernel"]
 
 METHOD_FORMULA = "formula"
 METHOD_META = "meta_count"
@@ -249,19 +250,68 @@ def _checkpoint(model, recompute: fl.Recompute) -> None:
             layer.gradient_checkpointing = i in recompute.layers
 
 
+# --------------------------------------------------------------------------- which attention kernel runs
+#: transformers attention implementations (``config._attn_implementation``) whose kernel skips the
+#: masked triangle of a causal decoder, with what is assumed of each.
+CAUSAL_KERNELS = {
+    "sdpa": "causal kernel assumed: transformers calls it with is_causal=True and no mask when a batch has no "
+            "padding and no packed documents; a padding or document mask makes it compute the full square",
+    "flash_attention_2": "causal kernel (causal=True; packed documents run varlen, each its own triangle)",
+    "flash_attention_3": "causal kernel (causal=True; packed documents run varlen, each its own triangle)",
+    "flex_attention": "causal block mask: fully masked blocks are skipped",
+}
+
+
+def attention_kernel(config) -> tuple[bool, str]:
+    """Whether the attention kernel of the decoder ``config`` describes skips the masked triangle.
+
+    Read from ``config._attn_implementation`` (what transformers runs); every model type the
+    formula knows is a causal decoder. Eager attention builds the score matrix of every pair and
+    then masks it: the full square; an unknown or unset kernel is counted as the full square too
+    (the count that cannot be below what ran).
+
+    Args:
+        config: a Hugging Face config (or any object; a missing field reads as unknown).
+
+    Returns:
+        ``(causal, note)``: True for a causal kernel, and one line naming the kernel and what was assumed.
+    """
+    impl = getattr(config, "_attn_implementation", None)
+    if impl in CAUSAL_KERNELS:
+        return True, f"{impl}: {CAUSAL_KERNELS[impl]}"
+    if impl == "eager":
+        return False, "eager: the full square (scores of every query-key pair computed, then masked)"
+    return False, f"{impl or 'unset'}: kernel unknown, the full square assumed"
+
+
 # --------------------------------------------------------------------------- a counter that never stops a step
-def sdpa_flops(query_shape, key_shape, value_shape) -> int:
+def causal_pairs(s_q: int, s_k: int) -> int:
+    """Query-key pairs a causal kernel computes for ``s_q`` queries and ``s_k`` keys (one head).
+
+    The mask of ``is_causal=True`` in ``torch.nn.functional.scaled_dot_product_attention`` is the
+    top-left lower triangle (query ``i`` sees keys ``0..i``): ``s_q(s_q+1)/2`` pairs when
+    ``s_q <= s_k``, plus ``s_k`` per further query. The diagonal is included; the masked half of
+    the diagonal tiles a tiled kernel also computes is not (:func:`mlflow_llmeff.calc.flops.executed_attended_keys`).
+    """
+    if s_q <= s_k:
+        return s_q * (s_q + 1) // 2
+    return s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
+
+
+def sdpa_flops(query_shape, key_shape, value_shape, is_causal: bool = False) -> int:
     """Forward FLOPs of one scaled-dot-product attention call, grouped-query attention included.
 
-    ``2 b h_q s_q s_k (d_qk + d_v)``: the score matmul ``Q K^T`` and the weighted sum ``P V``, each
-    key/value head broadcast to the ``h_q / h_kv`` query heads of its group (the kernels do the same
-    work as for ``h_q`` key/value heads); no causal discount, as torch counts fused kernels. It is
-    ``torch.utils.flop_counter.sdpa_flop_count`` of torch >= 2.12; torch 2.11 asserts equal head
-    counts there, and a GQA model (Llama-1B's 32/4 heads) stopped its first training step on an H200
-    inside the counter (bench/gpu_check.sh, 2026-12-04).
+    ``2 b h_q P (d_qk + d_v)`` with ``P = s_q s_k`` pairs (a dense kernel) or :func:`causal_pairs`
+    (``is_causal``: the kernel skips the masked triangle; Dao 2023, FlashAttention-2, Sec. 3.1.1):
+    the score matmul ``Q K^T`` and the weighted sum ``P V``, each key/value head broadcast to the
+    ``h_q / h_kv`` query heads of its group (the kernels do the same work as for ``h_q`` key/value
+    heads). Dense, it is ``torch.utils.flop_counter.sdpa_flop_count`` of torch >= 2.12, which has no
+    causal discount; torch 2.11 asserts equal head counts there, and a GQA model (Llama-1B's 32/4
+    heads) stopped its first training step on an H200 inside the counter (bench/gpu_check.sh, 2026-12-04).
 
     Args:
         query_shape: ``(b, h_q, s_q, d_qk)``; key_shape ``(b, h_kv, s_k, d_qk)``; value_shape ``(b, h_kv, s_k, d_v)``.
+        is_causal: the call's ``is_causal``.
 
     Raises:
         ValueError: shapes that do not fit together (``h_q`` not a multiple of ``h_kv``, ...).
@@ -272,15 +322,16 @@ def sdpa_flops(query_shape, key_shape, value_shape) -> int:
     if not (b == b2 == b3 and h_kv == h_v and d_q == d_k and s_k == s_v) or h_kv < 1 or h_q % h_kv:
         raise ValueError(f"attention shapes q={tuple(query_shape)} k={tuple(key_shape)} v={tuple(value_shape)} "
                          "do not fit (query heads a multiple of key/value heads)")
-    return 2 * b * h_q * s_q * s_k * (d_q + d_v)
+    return 2 * b * h_q * (causal_pairs(s_q, s_k) if is_causal else s_q * s_k) * (d_q + d_v)
 
 
-def sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape) -> int:
+def sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, is_causal: bool = False) -> int:
     """Backward FLOPs of one scaled-dot-product attention call, grouped-query attention included.
 
-    ``2 b h_q s_q s_k (3 d_qk + 2 d_v)``: the scores recomputed (``Q K^T``), ``dP = dO V^T``,
-    ``dV = P^T dO``, ``dQ = dS K`` and ``dK = dS^T Q`` (torch.utils.flop_counter's
-    ``sdpa_backward_flop_count``, with grouped key/value heads as in :func:`sdpa_flops`).
+    ``2 b h_q P (3 d_qk + 2 d_v)``, ``P`` as in :func:`sdpa_flops`: the scores recomputed
+    (``Q K^T``), ``dP = dO V^T``, ``dV = P^T dO``, ``dQ = dS K`` and ``dK = dS^T Q``
+    (torch.utils.flop_counter's ``sdpa_backward_flop_count``, with grouped key/value heads as in
+    :func:`sdpa_flops` and the causal triangle where the call is causal).
 
     Raises:
         ValueError: shapes that do not fit together.
@@ -291,7 +342,19 @@ def sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape) -> 
     sdpa_flops(query_shape, key_shape, value_shape)  # the same shape checks
     if tuple(grad_out_shape) != (b, h_q, s_q, d_v):
         raise ValueError(f"attention gradient shape {tuple(grad_out_shape)} is not (b, h_q, s_q, d_v)")
-    return 2 * b * h_q * s_q * s_k * (3 * d_q + 2 * d_v)
+    return 2 * b * h_q * (causal_pairs(s_q, s_k) if is_causal else s_q * s_k) * (3 * d_q + 2 * d_v)
+
+
+def _is_causal(op, args, kwargs) -> bool:
+    """The ``is_causal`` argument of one call of an attention ``op`` (its schema says where it sits)."""
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    for schema_op in (op, getattr(op, "default", None)):
+        schema = getattr(schema_op, "_schema", None)
+        if schema is not None:
+            index = [a.name for a in schema.arguments].index("is_causal")
+            return bool(args[index]) if index < len(args) else False
+    return False
 
 
 def step_counter():
@@ -304,12 +367,16 @@ def step_counter():
     names its op in the counter's ``llmeff_failed_ops`` (a set), so the count comes out below the
     formula and is treated as a counter gap (HFU keeps the analytic ratio, never a lower count);
     the fused attention kernels (flash, memory-efficient, cuDNN; forward and backward) are counted
-    with :func:`sdpa_flops` / :func:`sdpa_backward_flops`, which know grouped key/value heads.
+    with :func:`sdpa_flops` / :func:`sdpa_backward_flops`, which know grouped key/value heads and
+    count a causal call (``is_causal=True``) at the triangle it computes. Every forward attention
+    call it sees, CPU SDPA's included (which it still counts 0: the caller adds it analytically),
+    is listed in the counter's ``llmeff_attention`` as ``(kernel, is_causal)``: what the step ran.
     """
     import torch
     from torch.utils import flop_counter as tfc
 
     failed: set[str] = set()
+    seen: list[tuple[str, bool]] = []
 
     def never_raises(formula, op):
         def count(*args, **kwargs):
@@ -323,18 +390,31 @@ def step_counter():
 
     aten = torch.ops.aten
     own = {}
+
+    def forward(op, name, cpu):
+        def count(q, k, v, *a, out_shape=None, **kw):
+            causal = _is_causal(op, (q, k, v, *a), kw)
+            seen.append((name, causal))
+            return 0 if cpu else sdpa_flops(q, k, v, causal)
+        return tfc.shape_wrapper(count)
+
+    def backward(op, cpu):
+        def count(g, q, k, v, *a, out_shape=None, **kw):
+            return 0 if cpu else sdpa_backward_flops(g, q, k, v, _is_causal(op, (g, q, k, v, *a), kw))
+        return tfc.shape_wrapper(count)
+
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention"):
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        cpu = name.endswith("_for_cpu")  # invisible to torch's counter: counted 0, seen, added by the caller
         if hasattr(aten, name):
-            own[getattr(aten, name)] = tfc.shape_wrapper(
-                lambda q, k, v, *a, out_shape=None, **kw: sdpa_flops(q, k, v))
+            own[getattr(aten, name)] = forward(getattr(aten, name), name.removeprefix("_scaled_dot_product_"), cpu)
         if hasattr(aten, name + "_backward"):
-            own[getattr(aten, name + "_backward")] = tfc.shape_wrapper(
-                lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flops(g, q, k, v))
+            own[getattr(aten, name + "_backward")] = backward(getattr(aten, name + "_backward"), cpu)
     mapping = {op: never_raises(own.get(op, f), op) for op, f in tfc.flop_registry.items()}
     mapping.update({op: never_raises(f, op) for op, f in own.items() if op not in mapping})
     counter = tfc.FlopCounterMode(display=False, custom_mapping=mapping)
     counter.llmeff_failed_ops = failed
+    counter.llmeff_attention = seen
     return counter
 
 

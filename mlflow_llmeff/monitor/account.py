@@ -5,7 +5,10 @@ about the model's arithmetic: its shape (formula, else counted on the meta devic
 :func:`~mlflow_llmeff.meters.flopcount.resolve`), what activation checkpointing recomputes, the dense
 peak per device (datasheet, ``peak_tflops=``, or measured) and the hardware-to-model FLOPs ratio
 that turns MFU into HFU: counted by ``FlopCounterMode`` on one early step, else analytic
-(:func:`~mlflow_llmeff.calc.flops.hardware_model_ratio`). Formulas: ``docs/formulas.md``.
+(:func:`~mlflow_llmeff.calc.flops.hardware_model_ratio`). What the model trains (frozen weights, LoRA
+adapters: :func:`~mlflow_llmeff.meters.trainable.read_trainable`) enters both counts, and hardware FLOPs
+count attention as the model's kernel runs it (a causal kernel computes the triangle,
+:func:`~mlflow_llmeff.meters.flopcount.attention_kernel`). Formulas: ``docs/formulas.md``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Any, Callable
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import flops as fl
 from mlflow_llmeff.meters import hardware as hw
-from mlflow_llmeff.meters.flopcount import resolve
+from mlflow_llmeff.meters.flopcount import attention_kernel, resolve
+from mlflow_llmeff.meters.trainable import read_trainable
 from mlflow_llmeff.monitor.conditions import FLOPS_FORMULA_NOTE, recompute_plan
 from mlflow_llmeff.monitor.counting import UNKNOWN_WHY
 
@@ -40,6 +44,10 @@ class FlopsAccount:
         self.hfu_ratio: float | None = None  # hardware FLOPs per model FLOP, counted (None: analytic)
         self.hfu_note = "none: no model config (no FLOPs per token)"
         self.hfu_counted = False
+        self.trainable: fl.Trainable | None = None  # what trains; None: every weight (6N)
+        self.trainable_note: str | None = None  # llmeff.flops.trainable (also in llmeff.flops.method)
+        self.causal_kernel = False  # the attention kernel skips the masked triangle (hardware FLOPs)
+        self.kernel_note = "unset: kernel unknown, the full square assumed"
         self.peak_tflops: float | None = None
         self.peak_source = None
         self.peak_precision: str | None = None  # the dtype whose peak divides (llmeff.peak.precision)
@@ -66,12 +74,41 @@ class FlopsAccount:
                 self.fpt_note = f"unknown: {source.note}"
             else:
                 self.fpt_note = FLOPS_FORMULA_NOTE
+                self.causal_kernel, self.kernel_note = attention_kernel(config)
+                self._read_trainable(model)
                 why = ("compile=true (FlopCounterMode would stop torch.compile)" if compiled
                        else "no FlopCounterMode step on this path")
                 recomputed = (f" + the recomputed forward of {self.recompute.describe()}, LM head and embedding "
                               "not recomputed" if self.recompute else "")
-                self.hfu_note = (f"analytic: {why}; palm-convention FLOPs (dense attention, no causal discount)"
+                attention = ("executed attention of a causal kernel: s(s+1)/2 query-key pairs per sequence"
+                             if self.causal_kernel else "palm-convention FLOPs (dense attention, no causal discount)")
+                self.hfu_note = (f"analytic: {why}; {attention} (kernel {self.kernel_note})"
                                  f"{recomputed} over megatron model FLOPs")
+
+    def _read_trainable(self, model) -> None:
+        """What ``model`` trains (:func:`~mlflow_llmeff.meters.trainable.read_trainable`) into
+        :attr:`trainable`, and the ``llmeff.flops.trainable`` line, which ``llmeff.flops.method`` carries
+        too; a description the FLOPs cannot use leaves every weight trainable and says why."""
+        self.trainable, self.trainable_note = None, None
+        if model is None:
+            return
+        try:
+            found = read_trainable(model)
+        except Exception as e:  # noqa: BLE001 - never a crash for a figure: every weight counted, with why
+            self.trainable_note = f"every weight counted trainable: {type(e).__name__}: {e}"
+        else:
+            if found is None:
+                total = sum(p.numel() for p in model.parameters())
+                self.trainable_note = (f"all {total:,} parameters trainable: 6 FLOPs per weight per token "
+                                       "(Kaplan et al. 2020; docs/formulas.md)")
+                return
+            if isinstance(self.shape, fl.CountedFlops) or len(found.layers) != self.shape.layers:
+                why = ("a meta-device count has no per-matrix breakdown" if isinstance(self.shape, fl.CountedFlops)
+                       else f"{len(found.layers)} decoder layers found, the config has {self.shape.layers}")
+                self.trainable_note = f"{found.describe()}; NOT applied ({why}): every weight counted trainable"
+            else:
+                self.trainable, self.trainable_note = found, found.describe()
+        self.flops_method = f"{self.flops_method}; trainable: {self.trainable_note}"
 
     def resolve_peak(self, accelerator, precision: str, peak_tflops: float | None) -> None:
         """The dense peak TFLOP/s per device: ``peak_tflops`` when given, else the datasheet table
@@ -111,7 +148,7 @@ class FlopsAccount:
         if key not in cache:
             if len(cache) >= 8:
                 cache.clear()
-            cache[key] = fl.flops_per_token(self.shape, s, convention)
+            cache[key] = fl.flops_per_token(self.shape, s, convention, self.trainable)
         return cache[key]
 
     def ratio(self, s_eff: float) -> float | None:
@@ -123,11 +160,12 @@ class FlopsAccount:
         cache = self._ratio_cache
         if s_eff not in cache:
             cache.clear()  # one batch shape at a time in practice
-            cache[s_eff] = fl.hardware_model_ratio(self.shape, s_eff, recompute=self.recompute)
+            cache[s_eff] = fl.hardware_model_ratio(self.shape, s_eff, recompute=self.recompute,
+                                                   causal_kernel=self.causal_kernel, trainable=self.trainable)
         return cache[s_eff]
 
     def count_ratio(self, counted: float, tokens: int, sq: int, *, step: int, device, model_parallel: int,
-                    unseen=(), failed_ops=()) -> None:
+                    unseen=(), failed_ops=(), attention=None) -> None:
         """Set the HFU ratio from ``counted`` FLOPs (``FlopCounterMode``) of one step of ``tokens`` tokens
         whose squared sequence lengths sum to ``sq``; ``step`` is the attempt's step number it names.
 
@@ -136,25 +174,39 @@ class FlopsAccount:
         HFU: the analytic ratio stays, :attr:`counter_gap` says so and names ``unseen``
         (:func:`~mlflow_llmeff.meters.flopcount.unseen_modules`: the modules the counter could not see);
         so is any count in which an op's formula failed (``failed_ops``, counted 0), whatever its size.
+        ``attention``: the counter's ``(kernel, is_causal)`` of each attention call it saw
+        (:func:`~mlflow_llmeff.meters.flopcount.step_counter`): a causal call counts its triangle.
         """
         if tokens <= 0 or counted <= 0:
             return
         s_eff = sq / tokens
-        note = "FlopCounterMode on step {} of the attempt (eager attention counted)"
+        seen = list(attention or ())
+        causal = all(c for _, c in seen) if seen else self.causal_kernel  # what ran, else the config's kernel
+        kernels = ", ".join(sorted({k for k, _ in seen})) or "none seen"
+        calls = f"{sum(c for _, c in seen)} of {len(seen)} calls causal" if seen else "no fused attention call"
+        note = f"FlopCounterMode on step {{}} of the attempt (attention kernels: {kernels}; {calls})"
         attn_impl = getattr(self.config, "_attn_implementation", None)
         r = model_parallel  # a model-parallel rank executes about 1/r of its tokens' FLOPs
-        if attn_impl == "sdpa" and (device is None or device.type == "cpu"):
-            # the counter cannot see CPU SDPA: its training FLOPs (palm) and its recomputation, if any;
-            # a model-parallel rank executes 1/r of them
-            extra = (fl.attention_flops_per_token(self.shape, s_eff, "palm")
-                     + fl.recompute_flops_per_token(self.shape, s_eff, self.recompute, attention_only=True))
+        cpu_calls = [c for k, c in seen if k.endswith("for_cpu")]
+        if attn_impl == "sdpa" and (device is None or device.type == "cpu") and (cpu_calls or not seen):
+            # the counter cannot see CPU SDPA: its training FLOPs and its recomputation, if any, at the
+            # share the kernel computed (is_causal of its calls); a model-parallel rank executes 1/r of them
+            causal = all(cpu_calls) if cpu_calls else self.causal_kernel
+            extra = (fl.attention_flops_per_token(self.shape, s_eff, causal_kernel=causal, trainable=self.trainable)
+                     + fl.recompute_flops_per_token(self.shape, s_eff, self.recompute, attention_only=True,
+                                                    causal_kernel=causal, trainable=self.trainable))
             counted += extra * tokens / r
-            note = "FlopCounterMode on step {} of the attempt; CPU SDPA attention added analytically (palm)"
+            share = ("causal: s(s+1)/2 pairs per sequence, is_causal=True" if causal
+                     else "dense: the full square, is_causal=False")
+            note = (f"FlopCounterMode on step {{}} of the attempt; CPU SDPA attention added analytically ({share}"
+                    f"{'' if cpu_calls else ', assumed: no call seen'}; its 3x forward, not the kernel's score "
+                    "recomputation in backward)")
         if r > 1:
             note += f"; this rank's FLOPs x {r} ranks sharing its tokens"
         from mlflow_llmeff.meters.flopcount import counter_gap
 
-        expected = fl.hardware_flops_per_token(self.shape, s_eff, self.recompute) * tokens / r
+        expected = fl.hardware_flops_per_token(self.shape, s_eff, self.recompute, causal_kernel=causal,
+                                               trainable=self.trainable) * tokens / r
         gap = counter_gap(counted, expected, unseen, failed_ops=failed_ops)
         self.hfu_counted = True
         if gap is not None:  # what the counter could not see is a gap in the count, not in the hardware
@@ -164,7 +216,7 @@ class FlopsAccount:
                                                    "the FlopCounterMode step counted less than the formula "
                                                    "(llmeff.flops.counter_gap)"))
             return
-        self.hfu_ratio = counted * r / (fl.flops_per_token(self.shape, s_eff) * tokens)
+        self.hfu_ratio = counted * r / (fl.flops_per_token(self.shape, s_eff, "megatron", self.trainable) * tokens)
         self.hfu_note = note.format(step)
 
     # ------------------------------------------------------------------------------ figures
@@ -197,6 +249,7 @@ class FlopsAccount:
             step, device = now()
             self.count_ratio(float(counter.get_total_flops()), tokens, sq * slices, step=step, device=device,
                              model_parallel=model_parallel, failed_ops=counter.llmeff_failed_ops,
+                             attention=counter.llmeff_attention,
                              unseen=unseen_modules(model, counter.get_flop_counts(), rows) if model is not None else ())
         except Exception as e:  # noqa: BLE001
             on_error(e)
