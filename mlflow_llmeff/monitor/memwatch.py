@@ -118,7 +118,8 @@ class MemoryWatch:
     # ------------------------------------------------------------------ tags
     def optimizer_tags(self, optimizer) -> dict[str, str]:
         """``{llmeff.optimizer: ...}`` once the optimizer holds states (first call that finds them), else
-        ``{}``; ``final``-less: call at logged points, and :meth:`final_optimizer_tags` at the end."""
+        ``{}``: called at every logged point (:func:`~mlflow_llmeff.monitor.points.log_interval`);
+        :meth:`final_optimizer_tags` covers a run that never stepped."""
         if self.optimizer_tagged or optimizer is None:
             return {}
         try:
