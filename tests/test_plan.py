@@ -24,16 +24,29 @@ def test_model_state_bytes_by_strategy(strategy, expected):
 
 
 def test_activation_bytes_hand_computed():
-    # h=8, n=2, g=1, d=4 -> hq=8, hk=4; gated MLP f=16; L=2; V=10; s=4, b=2 (8 tokens)
+    # h=8, n=2, g=1, d=4 -> hq=8, hk=4; gated MLP f=16; L=2; V=10; s=4, b=2 (8 tokens). Issue 50 corrected the
+    # old count (208 B/token/layer, fp32 logits added) by transformers 5's Llama as measured on CPU
+    # (tests/test_plan_memory.py): bf16 autocast over fp32 weights (c=2, r=4) keeps per token and layer two
+    # RMSNorms 2*(4h + 4h + 2h) = 160, attention (2*8 + 2*4)*2 = 48, the gated MLP 4*16*2 = 128 -> 336 B;
+    # outside the layers the final norm 80 + RoPE tables 2*d*4 = 32 -> 112 B; the loss path is apart
     shape = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10)
-    # per token per layer: attention 2*8 + 2*8 + 4*4 + 2*8 = 64; MLP 2*8 + 6*16 = 112; norms 32 -> 208 B
     full, ckpt = activation_bytes(shape, 4, 2, precision="bf16")
-    assert full == 208 * 8 * 2 + 4 * 10 * 8            # + fp32 logits
-    assert ckpt == 2 * 8 * 8 * 2 + 208 * 8 + 4 * 10 * 8  # layer inputs + one layer recomputed + logits
+    assert full == 8 * (336 * 2 + 112)
+    assert ckpt == 8 * (4 * 8 * 2 + 112)                 # fp32 layer inputs + final norm + RoPE tables
     full32, _ = activation_bytes(shape, 4, 2, precision="fp32")
-    assert full32 == 2 * 208 * 8 * 2 + 4 * 10 * 8
+    assert full32 == 8 * ((2 * 96 + 24 * 4 + 64 * 4) * 2 + 96 + 32)
     eager, _ = activation_bytes(shape, 4, 2, eager_attention=True)
-    assert eager == full + 2 * 2 * 4 * 8 * 2          # softmax output 2*n*s per token per layer
+    assert eager == full + 8 * 2 * 2 * 4 * (4 + 2)        # softmax probs n*s per token and layer, fp32 + bf16 cast
+
+
+def test_loss_path_hand_computed():
+    from mlflow_llmeff.planning.plan import loss_path_bytes
+
+    shape = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10)
+    tv = 8 * 10  # tokens x vocabulary
+    # bf16: logits 2 B; forward: the .float() copy + log_softmax's output; backward start: 3 fp32 tensors
+    assert loss_path_bytes(shape, 4, 2, precision="bf16") == (2 * tv, 8 * tv, 12 * tv)
+    assert loss_path_bytes(shape, 4, 2, precision="fp32") == (4 * tv, 4 * tv, 12 * tv)  # .float() is a no-op
 
 
 def test_unknown_strategy_rejected():
@@ -73,8 +86,8 @@ def test_tensor_parallel_activations_divide_the_block_insides():
     shape = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10)
     full1, _ = activation_bytes(shape, 4, 2, precision="bf16")
     full2, _ = activation_bytes(shape, 4, 2, precision="bf16", tp=2)
-    # per token per layer 208 B of which 2h + 2h + 4h = 64 stay whole and 144 (Q, K, V, attention out, MLP) halve
-    assert full1 - full2 == (144 / 2) * 8 * 2
+    # per token per layer 336 B of which the norms' 160 stay whole and 176 (Q, K, V, attention out, MLP) halve
+    assert full1 - full2 == (176 / 2) * 8 * 2
 
 
 @pytest.mark.slow
@@ -220,16 +233,20 @@ def test_plan_json_states_its_assumptions_and_the_accelerator_it_took(tracking_u
     assert (plan["accelerator_given"], plan["accelerator_assumed"], plan["accelerator_alias_taken"]) == \
         ("H100", "H100-SXM", True)
     assert plan["accelerator_alias"] == "'H100' taken as H100-SXM (also: H100-NVL, H100-PCIe)"
-    assert plan["precision"] == "bf16" and plan["master_weights"] == "fp32"
+    assert plan["precision"] == "bf16" and plan["master_weights"] == "fp32" and plan["weights"] == "fp32"
     assert plan["optimizer"] == "AdamW (torch.optim.AdamW, two fp32 moments)"
+    assert plan["optimizer_states"] == "two moments in the weights' dtype (fp32: 8 B/param)"
     assert (plan["bytes_per_param_weights"], plan["bytes_per_param_gradients"], plan["bytes_per_param_optimizer"],
             plan["bytes_per_param_model_state"]) == (4, 4, 8, 16)
     assert plan["weights_held_as"] == "fp32 weights, the master copy; autocast runs the matmuls in bf16 (4 B)"
     assert plan["model_state_sharding"] == "all of it divided over the 8 ranks of a shard group"
-    # the figures follow the stated bytes: 16 B/param over 8 shards
+    # the figures follow the stated bytes: 16 B/param over 8 shards (+ 4 B of step per tensor, 291 tensors)
     params = plan["params_total"]
     assert plan["memory_weights_gib"] + plan["memory_gradients_gib"] + plan["memory_optimizer_gib"] == \
         pytest.approx(params * 16 / 8 / 2**30)
+    # the peak is one phase's, under the run's checkpointing (off): at seq 4096 the loss path's start
+    assert plan["memory_peak_phase"] == "backward (loss)"
+    assert plan["memory_peak_gib"] == plan["memory_total_gib"] > plan["memory_total_ckpt_gib"]
 
 
 def test_plan_text_names_the_assumptions_and_a_short_name_is_no_alias(tracking_uri, capsys):

@@ -35,10 +35,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape
+from mlflow_llmeff.calc.optimizers import bytes_per_param, choice, weight_bytes
 from mlflow_llmeff.parallel.degrees import Degrees
 from mlflow_llmeff.parallel.mesh import apply_fsdp, apply_tp, autocast_forward, decoder_layers  # noqa: F401
 
-__all__ = ["Strategy", "MeshStrategy", "Layout"]
+__all__ = ["Strategy", "MeshStrategy", "Layout", "per_param_bytes"]
+
+
+def per_param_bytes(optimizer: str = "adamw", weights: str = "fp32",
+                    optimizer_per_param: float | None = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer-state) bytes per parameter before sharding: the weights' dtype
+    for both weights and gradients (4 fp32, 2 bf16), the optimizer's state from
+    :mod:`mlflow_llmeff.calc.optimizers` (``optimizer_per_param`` when the caller counted it over the
+    model's tensors).
+
+    Raises:
+        ValueError: an unknown ``optimizer`` or ``weights``.
+    """
+    wb = float(weight_bytes(weights))
+    o = optimizer_per_param if optimizer_per_param is not None else bytes_per_param(optimizer, int(wb))
+    return wb, wb, float(o)
 
 
 @dataclass
@@ -100,13 +116,17 @@ class Strategy:
         return CommEstimate({})
 
     def model_state_bytes(self, params: int, dp: int, *, dp_shard: int | None = None, tp: int = 1,
-                          tp_params: int = 0, precision: str = "bf16",
-                          persistent_params: int = 0) -> tuple[float, float, float]:
+                          tp_params: int = 0, precision: str = "bf16", persistent_params: int = 0,
+                          optimizer: str = "adamw", weights: str = "fp32",
+                          optimizer_per_param: float | None = None) -> tuple[float, float, float]:
         """(weights, gradients, optimizer) bytes per device for ``params`` parameters over ``dp``
         data-parallel ranks (``planning/plan.py``'s module docstring states the accounting).
 
-        Default: a whole copy on every rank as torch AMP keeps it, fp32 master weights (4 B), fp32
-        gradients (4 B) and AdamW's two fp32 moments (8 B): 16 B/param whatever ``precision``.
+        Default: a whole copy on every rank: the weights in ``weights``' dtype (fp32: 4 B, the master
+        copy torch AMP autocasts from; bf16: 2 B, pure bf16 with no master), gradients in the same
+        dtype (autograd accumulates into ``p.grad`` of ``p``'s dtype), and the optimizer's state
+        (:func:`mlflow_llmeff.calc.optimizers.state_bytes`): 4 + 4 + 8 = 16 B/param for fp32 AdamW,
+        whatever ``precision`` (autocast changes the matmuls, not the stored state).
 
         Args:
             params: model parameters.
@@ -116,19 +136,37 @@ class Strategy:
             tp_params: parameters the tensor-parallel plan splits.
             precision: the run's precision (DeepSpeed keeps its working weights and gradients in it).
             persistent_params: parameters in tensors ZeRO-3 keeps whole on every rank.
-        """
-        p = float(params)
-        return 4 * p, 4 * p, 8 * p
+            optimizer: an ``--optimizer`` value (:data:`mlflow_llmeff.calc.optimizers.OPTIMIZER_NAMES`).
+            weights: ``fp32`` or ``bf16`` (:data:`mlflow_llmeff.calc.optimizers.WEIGHTS`).
+            optimizer_per_param: optimizer-state bytes per parameter of this model (the plan counts
+                them over the model's tensors, small-tensor rules included); None: one large tensor's
+                (:func:`mlflow_llmeff.calc.optimizers.bytes_per_param`).
 
-    def state_held(self, precision: str, weights: float, gradients: float, optimizer: float) -> dict[str, str]:
+        Raises:
+            ValueError: an unknown ``optimizer`` or ``weights``.
+        """
+        w, g, o = per_param_bytes(optimizer, weights, optimizer_per_param)
+        p = float(params)
+        return w * p, g * p, o * p
+
+    def state_held(self, precision: str, weights: float, gradients: float, optimizer: float, *,
+                   optimizer_name: str = "adamw", weights_dtype: str = "fp32") -> dict[str, str]:
         """What :meth:`model_state_bytes`' bytes per parameter (``weights``, ``gradients``,
         ``optimizer``, before sharding) are, in words: ``weights_held_as``, ``gradients_held_as``,
-        ``optimizer_state`` (the plan's text and JSON). Default: torch AMP's fp32 master copy."""
+        ``optimizer_state`` (the plan's text and JSON). Default: torch AMP's fp32 master copy, or pure
+        bf16 weights (``weights_dtype='bf16'``); the optimizer's layout from its catalogue entry."""
         sixteen = precision in ("bf16", "fp16")
-        held_w = ("fp32 weights, the master copy; autocast runs the matmuls in " + precision
-                  if sixteen else f"{precision} weights (the master copy)") + f" ({weights:g} B)"
-        return {"weights_held_as": held_w, "gradients_held_as": f"fp32 gradients ({gradients:g} B)",
-                "optimizer_state": f"AdamW exp_avg and exp_avg_sq in fp32 ({optimizer:g} B)"}
+        if weights_dtype == "bf16":
+            held_w = f"bf16 weights, no fp32 master copy ({weights:g} B)"
+        else:
+            held_w = ("fp32 weights, the master copy; autocast runs the matmuls in " + precision
+                      if sixteen else f"{precision} weights (the master copy)") + f" ({weights:g} B)"
+        c = choice(optimizer_name)
+        state = ("AdamW exp_avg and exp_avg_sq in fp32" if optimizer_name == "adamw" and weights_dtype == "fp32"
+                 else f"{c.cls}: {c.states}")
+        return {"weights_held_as": held_w,
+                "gradients_held_as": f"{'bf16' if weights_dtype == 'bf16' else 'fp32'} gradients ({gradients:g} B)",
+                "optimizer_state": f"{state} ({optimizer:.4g} B)"}
 
     def state_sharding(self, degrees: Degrees) -> str:
         """How a device's share of the model state follows from ``degrees``, in words. Default: none."""

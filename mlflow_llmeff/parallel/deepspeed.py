@@ -37,6 +37,10 @@ CPU_OPS = ("ShareMemCommBuilder",)
 #: ``mark_persistent_parameters``). Our configs leave it unset: Accelerate's plugin fills it (10 x
 #: hidden) only where a config file says ``"auto"``.
 ZERO3_PERSISTENCE_THRESHOLD = 100_000
+#: The one line a plan of a ZeRO strategy with another optimizer or pure bf16 weights answers: ZeRO
+#: keeps its own fp32 master weights and AdamW moments, counted for torch's AdamW only.
+REFUSED = ("parallelism={name!r} is planned for optimizer='adamw' with weights='fp32' only (ZeRO keeps its own "
+           "fp32 master weights and AdamW moments); got optimizer={optimizer!r}, weights={weights!r}")
 
 
 class ZeRO(Strategy):
@@ -72,7 +76,7 @@ class ZeRO(Strategy):
                              "parameter all-gather": bus_factor("all_gather", n) * b * P})
 
     def model_state_bytes(self, params, dp, *, dp_shard=None, tp=1, tp_params=0, precision="bf16",
-                          persistent_params=0):
+                          persistent_params=0, optimizer="adamw", weights="fp32", optimizer_per_param=None):
         """ZeRO keeps its working weights and gradients in the run's precision (2 + 2 B in 16-bit, 4 + 4 B
         in fp32) plus K = 12 B of fp32 master weights and moments per parameter; stage 1 shards the 12,
         stage 2 also the gradients, stage 3 everything (Rajbhandari et al. 2020, "ZeRO", Sec. 5, Fig. 1).
@@ -86,7 +90,17 @@ class ZeRO(Strategy):
         the fp32 master weights and moments; at the optimizer step the persistent parameters are
         partitioned and the step holds an fp32 copy of the rank's gradient partition
         (``_prepare_fp32_grad_for_sub_group``, fp32 runs too), 4 B/param / dp. The larger of
-        ``b x persistent_params`` and ``4 params / dp`` decides."""
+        ``b x persistent_params`` and ``4 params / dp`` decides.
+
+        Counted for torch's AdamW with DeepSpeed's own fp32 master only (its optimizer wraps the one
+        it is given and keeps the master weights itself); ``optimizer`` and ``weights`` other than
+        ``adamw`` / ``fp32`` are refused by the plan (``planning/plan.py`` ``model_state_bytes``).
+
+        Raises:
+            ValueError: ``optimizer`` is not ``adamw`` or ``weights`` not ``fp32`` (one line).
+        """
+        if optimizer != "adamw" or weights != "fp32":
+            raise ValueError(REFUSED.format(name=self.name, optimizer=optimizer, weights=weights))
         p = float(params)
         b = 2.0 if precision in ("bf16", "fp16") else 4.0
         if self.stage == 3:
@@ -99,7 +113,8 @@ class ZeRO(Strategy):
         grads = b * p if self.stage == 1 else b * p / dp
         return b * p, grads + fp32_grads, 12 * p / dp
 
-    def state_held(self, precision: str, weights: float, gradients: float, optimizer: float) -> dict[str, str]:
+    def state_held(self, precision: str, weights: float, gradients: float, optimizer: float, *,
+                   optimizer_name: str = "adamw", weights_dtype: str = "fp32") -> dict[str, str]:
         held_w = f"{precision} working weights ({weights:g} B)"
         if self.stage == 3:
             held_w += (f"; tensors of at most {ZERO3_PERSISTENCE_THRESHOLD:,} elements also whole on every rank "

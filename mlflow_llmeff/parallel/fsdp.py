@@ -10,7 +10,7 @@ memory).
 from __future__ import annotations
 
 from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape, bus_factor
-from mlflow_llmeff.parallel.base import MeshStrategy, tp_local
+from mlflow_llmeff.parallel.base import MeshStrategy, per_param_bytes, tp_local
 from mlflow_llmeff.parallel.degrees import Degrees
 
 
@@ -32,12 +32,20 @@ def sharded_bus_parts(shape: TrafficShape, degrees: Degrees) -> dict[str, float]
     return parts
 
 
-def sharded_state_bytes(params: int, dp: int, dp_shard: int | None, tp: int, tp_params: int) -> tuple[float, float, float]:
-    """FSDP's model state per device: the 16 B/param of torch AMP (fp32 weights, gradients, two AdamW
-    moments) of one tensor-parallel rank's parameters, divided over the shard group (``dp_shard``,
-    default ``dp``)."""
+def sharded_state_bytes(params: int, dp: int, dp_shard: int | None, tp: int, tp_params: int, *,
+                        optimizer: str = "adamw", weights: str = "fp32",
+                        optimizer_per_param: float | None = None) -> tuple[float, float, float]:
+    """FSDP's model state per device: the bytes per parameter of :func:`~mlflow_llmeff.parallel.base.per_param_bytes`
+    (fp32 AdamW under torch AMP: 4 + 4 + 8 = 16 B) of one tensor-parallel rank's parameters, divided
+    over the shard group (``dp_shard``, default ``dp``): FSDP2 shards weights, gradients and every
+    state tensor the optimizer makes from the sharded parameters.
+
+    Raises:
+        ValueError: an unknown ``optimizer`` or ``weights``.
+    """
+    w, g, o = per_param_bytes(optimizer, weights, optimizer_per_param)
     local, shard = tp_local(float(params), tp, tp_params), float(dp_shard or dp)
-    return 4 * local / shard, 4 * local / shard, 8 * local / shard
+    return w * local / shard, g * local / shard, o * local / shard
 
 
 class Sharded(MeshStrategy):
@@ -47,8 +55,9 @@ class Sharded(MeshStrategy):
         return CommEstimate(sharded_bus_parts(shape, degrees))
 
     def model_state_bytes(self, params, dp, *, dp_shard=None, tp=1, tp_params=0, precision="bf16",
-                          persistent_params=0):
-        return sharded_state_bytes(params, dp, dp_shard, tp, tp_params)
+                          persistent_params=0, optimizer="adamw", weights="fp32", optimizer_per_param=None):
+        return sharded_state_bytes(params, dp, dp_shard, tp, tp_params, optimizer=optimizer, weights=weights,
+                                   optimizer_per_param=optimizer_per_param)
 
     def state_sharding(self, degrees: Degrees) -> str:
         return f"all of it divided over the {degrees.dp_shard} ranks of a shard group"

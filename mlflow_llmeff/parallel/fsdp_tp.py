@@ -35,8 +35,10 @@ class FSDPTP(MeshStrategy):
         return CommEstimate({**sharded_bus_parts(shape, degrees), **activation_bus_parts(shape, degrees.tp)})
 
     def model_state_bytes(self, params, dp, *, dp_shard=None, tp=1, tp_params=0, precision="bf16",
-                          persistent_params=0):
-        return sharded_state_bytes(params, dp, dp_shard, tp, tp_params)
+                          persistent_params=0, optimizer="adamw", weights="fp32", optimizer_per_param=None):
+        """Each rank's tensor-parallel part, fully sharded over the data-parallel groups (:func:`sharded_state_bytes`)."""
+        return sharded_state_bytes(params, dp, dp_shard, tp, tp_params, optimizer=optimizer, weights=weights,
+                                   optimizer_per_param=optimizer_per_param)
 
     def state_sharding(self, degrees: Degrees) -> str:
         return f"all of it divided over the {degrees.dp_shard} ranks of a shard group"

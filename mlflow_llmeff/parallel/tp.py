@@ -12,7 +12,7 @@ sees the same batch: the data-parallel degree is 1 and tokens count once.
 from __future__ import annotations
 
 from mlflow_llmeff.calc.comm import CommEstimate, TrafficShape, bus_factor
-from mlflow_llmeff.parallel.base import MeshStrategy, tp_local
+from mlflow_llmeff.parallel.base import MeshStrategy, per_param_bytes, tp_local
 from mlflow_llmeff.parallel.degrees import Degrees
 from mlflow_llmeff.parallel.mesh import apply_tp, tp_plan  # noqa: F401 - apply_tp re-exported
 
@@ -63,10 +63,12 @@ class TP(MeshStrategy):
         return CommEstimate(activation_bus_parts(shape, degrees.tp))
 
     def model_state_bytes(self, params, dp, *, dp_shard=None, tp=1, tp_params=0, precision="bf16",
-                          persistent_params=0):
-        """Torch AMP's 16 B/param of one tensor-parallel rank's parameters, replicated otherwise."""
+                          persistent_params=0, optimizer="adamw", weights="fp32", optimizer_per_param=None):
+        """The bytes per parameter of :func:`~mlflow_llmeff.parallel.base.per_param_bytes` (fp32 AdamW
+        under torch AMP: 16 B) of one tensor-parallel rank's parameters, replicated otherwise."""
+        w, g, o = per_param_bytes(optimizer, weights, optimizer_per_param)
         local = tp_local(float(params), tp, tp_params)
-        return 4 * local, 4 * local, 8 * local
+        return w * local, g * local, o * local
 
 
 STRATEGIES = (TP(),)

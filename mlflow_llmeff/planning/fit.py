@@ -1,8 +1,10 @@
 """Will it fit? Memory per device against what the device has, before a model is built.
 
-The need comes from :func:`mlflow_llmeff.planning.plan.estimate_memory` (the estimator ``llmeff plan``
-prints: weights, gradients and optimizer state under the chosen sharding, activations with or
-without checkpointing), plus a stated allocator margin: :data:`MARGIN_FRACTION` of the estimate
+The need is the step's peak from :func:`mlflow_llmeff.planning.plan.estimate_memory` (the estimator
+``llmeff plan`` prints: the largest of a step's phases, :meth:`~mlflow_llmeff.planning.plan.MemoryEstimate.peak`,
+each holding its share of the model state under the chosen sharding and the run's optimizer and
+weights, the activations with or without checkpointing, the loss path at the vocabulary and the
+optimizer step's temporaries), plus a stated allocator margin: :data:`MARGIN_FRACTION` of the estimate
 (PyTorch's caching allocator fragments; PyTorch's own memory docs and the FSDP/ZeRO papers report
 10-20% above the tensors' bytes) and :data:`MARGIN_FIXED_GIB` per device (the CUDA context,
 cuBLAS workspaces and NCCL buffers; on a CPU the interpreter and its libraries).
@@ -24,7 +26,7 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
-from mlflow_llmeff.planning.plan import GIB, estimate_memory
+from mlflow_llmeff.planning.plan import GIB, estimate_memory, levers
 
 __all__ = ["MARGIN_FRACTION", "MARGIN_FIXED_GIB", "Candidate", "Verdict", "needed_bytes", "verdict", "check",
            "host_available_bytes", "cuda_free_bytes"]
@@ -45,7 +47,7 @@ class Candidate:
 
     Attributes:
         changes: parameter -> new value (the names of ``llmeff train`` / MLproject parameters).
-        estimate_bytes: estimated bytes per device (without the margin).
+        estimate_bytes: the step's estimated peak bytes per device (without the margin).
         devices: devices it uses.
         compute: compute relative to the asked configuration (4/3 with activation checkpointing added).
     """
@@ -80,7 +82,7 @@ class Verdict:
 
     Attributes:
         model: the model name.
-        estimate_bytes: estimated bytes per device (weights, gradients, optimizer, activations).
+        estimate_bytes: the step's estimated peak bytes per device (the largest of its phases).
         available_bytes: what the device has (None: unknown, no verdict).
         where: the device in words, e.g. ``an 80 GiB H100-SXM`` or ``this CPU``.
         processes_share: True when the processes share the memory (CPU: one host for all).
@@ -127,7 +129,9 @@ class Verdict:
         return f"does not fit {self.where}: {need}, {room}. {self.why_none} ({force} skips this check)"
 
 
-def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt, degrees=None) -> float:
+def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt, degrees=None, cuda=True) -> float:
+    """The step's peak bytes per device of ``cfg`` changed as given (its optimizer, weights, attention
+    kernel and accumulation kept)."""
     from mlflow_llmeff.parallel import get
 
     if degrees is None:
@@ -136,9 +140,11 @@ def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ck
                                             processes_per_node=devices)
         except ValueError:
             degrees = None
+    optimizer, weights = levers(cfg)
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, strategy=strategy,
                           dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager",
-                          degrees=degrees)
+                          degrees=degrees, optimizer=optimizer, weights=weights, cuda=cuda,
+                          grad_accum=cfg.grad_accum * (cfg.micro_batch_size // micro_batch_size))
     return mem.total(ckpt)
 
 
@@ -159,7 +165,8 @@ def _candidates(config, cfg, *, precision, strategy, available, cpu, bf16_ok) ->
                     for n in _DEVICE_STEPS if n > cfg.num_processes]
     found: list[Candidate] = []
     for mbs, prec, ckpt, (n, strat) in itertools.product(mbs_options, precisions, ckpts, layouts):
-        est = _estimate(config, cfg, micro_batch_size=mbs, precision=prec, strategy=strat, devices=n, ckpt=ckpt)
+        est = _estimate(config, cfg, micro_batch_size=mbs, precision=prec, strategy=strat, devices=n, ckpt=ckpt,
+                        cuda=not cpu)
         if needed_bytes(est) * (n if cpu else 1) > available:
             continue
         changes = {}
@@ -229,7 +236,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
 
     config = load_config(cfg.model)
     est = _estimate(config, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision, strategy=strategy,
-                    devices=cfg.num_processes, ckpt=cfg.activation_checkpointing, degrees=degrees)
+                    devices=cfg.num_processes, ckpt=cfg.activation_checkpointing, degrees=degrees, cuda=not cpu)
     v = Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, strategy=strategy)
     if available_bytes is None or v.fits:
         return v
@@ -237,9 +244,12 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
                         bf16_ok=bf16_ok)
     why = ""
     if not cands:
+        optimizer, weights = levers(cfg)
         state = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=1, strategy=strategy,
-                                dp=cfg.num_processes, precision=precision)
-        why = (f"Nothing fits there: weights, gradients and AdamW state alone need "
+                                dp=cfg.num_processes, precision=precision, optimizer=optimizer, weights=weights,
+                                cuda=not cpu)
+        named = "AdamW" if optimizer == "adamw" else optimizer
+        why = (f"Nothing fits there: weights, gradients and {named} state alone need "
                f"{_gib(state.weights + state.gradients + state.optimizer)} GiB")
         def largest(prec: str) -> tuple[float, str] | None:
             fitting = []
@@ -248,7 +258,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
                     continue
                 need = needed_bytes(_estimate(load_config(name), cfg, micro_batch_size=cfg.micro_batch_size,
                                               precision=prec, strategy=strategy, devices=cfg.num_processes,
-                                              ckpt=cfg.activation_checkpointing))
+                                              ckpt=cfg.activation_checkpointing, cuda=not cpu))
                 if need * (cfg.num_processes if cpu else 1) <= available_bytes:
                     fitting.append((need, name))
             return max(fitting) if fitting else None
