@@ -564,7 +564,13 @@ def eval_cmd(model_dir: str, tokenizer_name: str | None, tasks: str, num_fewshot
               help="plan for this accelerator short name (e.g. H100-SXM); default: this machine's")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def plan_cmd(accelerator_short, as_json, **kwargs) -> None:
-    """Plan a run without training: parameters, FLOPs/step, memory per device, predicted time and cost."""
+    """Plan a run without training: parameters, FLOPs/step, memory per device, predicted time and cost.
+
+    Memory is the step's peak per device (the largest of forward, backward and optimizer step:
+    ``memory_peak_gib``, ``memory_peak_phase``) for the run's levers: ``--optimizer`` (its state as
+    stored and its step's temporaries), ``--weights`` (fp32 master or pure bf16), ``--attn-implementation``
+    and ``--activation-checkpointing``; docs/memory.md lists every term.
+    """
     from mlflow_llmeff.train.config import TrainConfig
     from mlflow_llmeff.train.launch import dry_run
 
