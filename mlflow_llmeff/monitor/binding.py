@@ -208,7 +208,8 @@ def condition_tags(p: Parts) -> dict[str, str]:
         warmup_steps=p.warmup_steps, energy_source=p.energy.source, energy_why=p.energy.why,
         integration=p.integration, compiled=p.compiled,
         activation_checkpointing=p.activation_checkpointing, cost_tags=p.cost_tags,
-        flops_method=a.flops_method)
+        flops_method=a.flops_method, optimizer=p.optimizer,
+        optimizer_origin=p.memory.origin if p.memory is not None else None)
     dp = p.world_size // (p.counting.copies * p.counting.slices)
     if p.counting.slices > 1:
         tags[names.PAR_CP] = str(p.counting.slices)

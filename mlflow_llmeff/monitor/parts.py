@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the components' types, for the reader: parts.py builds none
     from mlflow_llmeff.monitor.consumption import Consumption
     from mlflow_llmeff.monitor.contention import ContentionMeter
     from mlflow_llmeff.monitor.counting import StepTally
+    from mlflow_llmeff.monitor.memwatch import MemoryWatch
     from mlflow_llmeff.monitor.steptimes import DeviceStepClock, PhaseTimer, StepTimes
     from mlflow_llmeff.parallel.degrees import TokenCounting
     from mlflow_llmeff.tracking.runs import RunHandle
@@ -148,7 +149,7 @@ class Parts:
         tally, meter, ledger, account, energy, carbon, consumption, steps, devclock, phases, contention,
             logger, run: the components (the step tally, throughput meter, time ledger, FLOPs account,
             energy meter, carbon tracker, consumption totals, step times, device step clock or None,
-            phase timer or None, contention meter, run logger, the MLflow run's handle or None).
+            phase timer or None, contention meter, memory watch (where every byte goes), run logger, the MLflow run's handle or None).
         record: the :class:`RunRecord`.
     """
 
@@ -186,6 +187,7 @@ class Parts:
     devclock: DeviceStepClock | None = None
     phases: PhaseTimer | None = None
     contention: ContentionMeter | None = None
+    memory: MemoryWatch | None = None
     logger: Any = None
     run: RunHandle | None = None
     record: RunRecord = field(default_factory=RunRecord)

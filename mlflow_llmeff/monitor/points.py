@@ -152,6 +152,7 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
         m.pop(key, None)
     note_unknown(p, unknown)
     m.update(p.consumption.interval(p.ledger.wall_s(), total.tokens))
+    note_unknown(p, p.consumption.interval_why)  # a counter that did not move: no power, and why
     m.update(p.contention.interval(collective))
     note_unknown(p, getattr(p.contention, "interval_why", {}))
     p.record.totals_step = step

@@ -61,6 +61,9 @@ class NullLogger:
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:  # noqa: D102
         pass
 
+    def log_file(self, path: str, artifact_path: str | None = None) -> None:  # noqa: D102
+        pass
+
     def log_params(self, params: dict[str, str]) -> dict[str, tuple[str, str]]:  # noqa: D102
         return {}
 
@@ -374,6 +377,15 @@ class RunLogger(DeliveryWorker, NullLogger):
         try:
             self._enqueue("table", {"data": {k: list(v) for k, v in data.items()}, "artifact_file": artifact_file})
         except Exception as e:  # noqa: BLE001 - a table must not stop training
+            self._warn(e)
+
+    def log_file(self, path: str, artifact_path: str | None = None) -> None:
+        """Log the local file ``path`` as an artifact of the run under ``artifact_path`` (a folder; None:
+        the root), delivered in order like every call (e.g. the memory snapshot of an out-of-memory
+        failure, :mod:`mlflow_llmeff.monitor.memwatch`). The file must stay until the run is closed."""
+        try:
+            self._enqueue("file", {"path": str(path), "artifact_path": artifact_path})
+        except Exception as e:  # noqa: BLE001 - an artifact must not stop training
             self._warn(e)
 
     def log_eval(self, metrics: dict[str, float], note: str) -> None:

@@ -16,6 +16,8 @@ order the run made them:
 * ``{"eval": {...}}``: ``llmeff eval --run-id`` results, logged at the run's last ``train/tokens`` step;
 * ``{"table": {"data": {...}, "artifact_file": ...}}``: a table artifact (``MlflowClient.log_table``),
   e.g. the per-subject MMLU scores of an eval;
+* ``{"file": {"path": ..., "artifact_path": ...}}``: a local file as an artifact (``MlflowClient.log_artifact``),
+  e.g. the memory snapshot of an out-of-memory failure;
 * ``{"report": true}``: the end-of-run efficiency report (``efficiency_report.json``, the summary
   table, the figures), built from the run as the server holds it once everything before it is
   delivered (:func:`mlflow_llmeff.tracking.run_report.log_run_report`);
@@ -263,6 +265,11 @@ def log_table(client, run_id: str, spec: dict) -> None:
     client.log_table(run_id, data=spec["data"], artifact_file=spec["artifact_file"])
 
 
+def log_file(client, run_id: str, spec: dict) -> None:
+    """Log a ``file`` record (``path``: a local file; ``artifact_path``: the folder in the run) as an artifact."""
+    client.log_artifact(run_id, spec["path"], artifact_path=spec.get("artifact_path"))
+
+
 def log_report(client, run_id: str) -> None:
     """The efficiency report of a run whose points are delivered; a failure becomes ``llmeff.report.warning``."""
     from mlflow_llmeff.tracking.run_report import log_run_report
@@ -338,6 +345,8 @@ def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> Deliver
             sent += len(rec["eval"]["metrics"]) + 1
         elif "table" in rec:
             log_table(client, run_id, rec["table"])
+        elif "file" in rec and os.path.exists(rec["file"]["path"]):  # a file removed since is not sent
+            log_file(client, run_id, rec["file"])
         elif "report" in rec and terminate:
             log_report(client, run_id)
         elif "end" in rec and terminate:

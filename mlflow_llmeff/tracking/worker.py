@@ -193,6 +193,8 @@ class DeliveryWorker:
                 self.eval_step = outbox.log_eval(self._c, self.run_id, job.data)
             elif job.kind == "table":
                 outbox.log_table(self._c, self.run_id, job.data)
+            elif job.kind == "file":
+                outbox.log_file(self._c, self.run_id, job.data)
             elif job.kind == "report":
                 outbox.log_report(self._c, self.run_id)
             elif job.kind == "end":
