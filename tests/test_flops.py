@@ -15,6 +15,8 @@ from mlflow_llmeff.calc.flops import (Recompute, attention_flops_per_token, effe
                                       flops_summary, hardware_model_ratio, mean_attended_keys, mfu_warning,
                                       model_shape, param_counts, recompute_flops_per_token, utilization)
 from mlflow_llmeff.meters.flopcount import measure_step_flops
+from mlflow_llmeff.calc import flops as fl
+from mlflow_llmeff.models.build import load_config
 
 
 def llama(L, h, n, g, f, V, **kw):
@@ -412,3 +414,25 @@ def test_cli_flops_text_names_both_conventions():
     assert "124,439,808 params total" in result.output
     assert "megatron: 0.7978 GFLOP/token" in result.output
     assert "palm: 0.8544 GFLOP/token" in result.output
+
+
+def test_checkpointing_reruns_only_the_layers_backward_reaches_and_their_adapters():
+    # llama-tiny, s = 32, every layer checkpointed (early stop skips down_proj, 64 x 176 = 11,264):
+    # per recomputed layer 2 * (46,080 - 11,264) weights + 2 * 128 * 32 dense attention = 77,824.
+    # Layer 0 frozen with the embedding: backward never reaches it, nothing is recomputed there.
+    # LoRA r=8 on q, v reaches both layers and reruns its adapters too: + 2 * (1,024 + 768) each.
+    cfg = load_config("llama-tiny")
+    top = fl.Trainable(layers=(frozenset(), frozenset({"*"})), lm_head=True)
+    assert fl.recompute_flops_per_token(cfg, 32, fl.Recompute(), trainable=top) == 77_824
+    lora = fl.Trainable.lora(fl.model_shape(cfg), 8, "q_proj,v_proj")
+    assert fl.recompute_flops_per_token(cfg, 32, fl.Recompute(), trainable=lora) == 2 * (77_824 + 2 * 1_792)
+    # a causal kernel reruns 16.5 keys a query, not 32
+    assert fl.recompute_flops_per_token(cfg, 32, fl.Recompute(), causal_kernel=True) == \
+        2 * (2 * 34_816 + 2 * 128 * 16.5)
+
+
+def test_a_meta_device_count_cannot_take_frozen_weights():
+    counted = fl.CountedFlops(model_type="bloom", weight_flops=10.0, attention_per_key=(1.0,), windows=(None,),
+                              chunks=(None,))
+    with pytest.raises(ValueError, match="counted on the meta device, which has no per-matrix breakdown"):
+        fl.flops_per_token(counted, 8, trainable=fl.Trainable(layers=(frozenset(),)))

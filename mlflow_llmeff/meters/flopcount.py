@@ -262,21 +262,20 @@ CAUSAL_KERNELS = {
 }
 
 
-def attention_kernel(config) -> tuple[bool, str]:
-    """Whether the attention kernel of the decoder ``config`` describes skips the masked triangle.
+def attention_kernel(impl: str | None) -> tuple[bool, str]:
+    """Whether a decoder's attention kernel skips the masked triangle.
 
-    Read from ``config._attn_implementation`` (what transformers runs); every model type the
-    formula knows is a causal decoder. Eager attention builds the score matrix of every pair and
+    ``impl`` is the config's ``_attn_implementation`` (what transformers runs); every model type
+    the formula knows is a causal decoder. Eager attention builds the score matrix of every pair and
     then masks it: the full square; an unknown or unset kernel is counted as the full square too
     (the count that cannot be below what ran).
 
     Args:
-        config: a Hugging Face config (or any object; a missing field reads as unknown).
+        impl: ``sdpa``, ``eager``, ``flash_attention_2``, ... or None when unknown.
 
     Returns:
         ``(causal, note)``: True for a causal kernel, and one line naming the kernel and what was assumed.
     """
-    impl = getattr(config, "_attn_implementation", None)
     if impl in CAUSAL_KERNELS:
         return True, f"{impl}: {CAUSAL_KERNELS[impl]}"
     if impl == "eager":
@@ -345,16 +344,21 @@ def sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, is_
     return 2 * b * h_q * (causal_pairs(s_q, s_k) if is_causal else s_q * s_k) * (3 * d_q + 2 * d_v)
 
 
-def _is_causal(op, args, kwargs) -> bool:
-    """The ``is_causal`` argument of one call of an attention ``op`` (its schema says where it sits)."""
+#: Where ``is_causal`` sits among the positional arguments of each attention op (their schemas in
+#: ``aten/src/ATen/native/native_functions.yaml``, torch 2.13; a test checks them against the schemas).
+CAUSAL_ARG = {"_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_backward": 11,
+              "_scaled_dot_product_efficient_attention": 6, "_scaled_dot_product_efficient_attention_backward": 11,
+              "_scaled_dot_product_cudnn_attention": 6, "_scaled_dot_product_cudnn_attention_backward": 14,
+              "_scaled_dot_product_flash_attention_for_cpu": 4,
+              "_scaled_dot_product_flash_attention_for_cpu_backward": 7}
+
+
+def _is_causal(op_name: str, args, kwargs) -> bool:
+    """The ``is_causal`` argument of one call of the attention op ``op_name`` (False where it defaults)."""
     if "is_causal" in kwargs:
         return bool(kwargs["is_causal"])
-    for schema_op in (op, getattr(op, "default", None)):
-        schema = getattr(schema_op, "_schema", None)
-        if schema is not None:
-            index = [a.name for a in schema.arguments].index("is_causal")
-            return bool(args[index]) if index < len(args) else False
-    return False
+    index = CAUSAL_ARG[op_name]
+    return bool(args[index]) if index < len(args) else False
 
 
 def step_counter():
@@ -391,25 +395,25 @@ def step_counter():
     aten = torch.ops.aten
     own = {}
 
-    def forward(op, name, cpu):
+    def forward(op_name, cpu):
         def count(q, k, v, *a, out_shape=None, **kw):
-            causal = _is_causal(op, (q, k, v, *a), kw)
-            seen.append((name, causal))
+            causal = _is_causal(op_name, (q, k, v, *a), kw)
+            seen.append((op_name.removeprefix("_scaled_dot_product_"), causal))
             return 0 if cpu else sdpa_flops(q, k, v, causal)
         return tfc.shape_wrapper(count)
 
-    def backward(op, cpu):
+    def backward(op_name, cpu):
         def count(g, q, k, v, *a, out_shape=None, **kw):
-            return 0 if cpu else sdpa_backward_flops(g, q, k, v, _is_causal(op, (g, q, k, v, *a), kw))
+            return 0 if cpu else sdpa_backward_flops(g, q, k, v, _is_causal(op_name, (g, q, k, v, *a), kw))
         return tfc.shape_wrapper(count)
 
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         cpu = name.endswith("_for_cpu")  # invisible to torch's counter: counted 0, seen, added by the caller
         if hasattr(aten, name):
-            own[getattr(aten, name)] = forward(getattr(aten, name), name.removeprefix("_scaled_dot_product_"), cpu)
+            own[getattr(aten, name)] = forward(name, cpu)
         if hasattr(aten, name + "_backward"):
-            own[getattr(aten, name + "_backward")] = backward(getattr(aten, name + "_backward"), cpu)
+            own[getattr(aten, name + "_backward")] = backward(name + "_backward", cpu)
     mapping = {op: never_raises(own.get(op, f), op) for op, f in tfc.flop_registry.items()}
     mapping.update({op: never_raises(f, op) for op, f in own.items() if op not in mapping})
     counter = tfc.FlopCounterMode(display=False, custom_mapping=mapping)

@@ -74,7 +74,7 @@ class FlopsAccount:
                 self.fpt_note = f"unknown: {source.note}"
             else:
                 self.fpt_note = FLOPS_FORMULA_NOTE
-                self.causal_kernel, self.kernel_note = attention_kernel(config)
+                self.causal_kernel, self.kernel_note = attention_kernel(getattr(self.config, "_attn_implementation", None))
                 self._read_trainable(model)
                 why = ("compile=true (FlopCounterMode would stop torch.compile)" if compiled
                        else "no FlopCounterMode step on this path")
