@@ -54,8 +54,12 @@ def _stored_state_bytes(optimizer) -> int:
 def _make(name, params):
     import torch
 
-    if name in ("adamw", "adamw-bf16"):
+    if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3)
+    if name == "adamw-bf16":
+        from mlflow_llmeff.train.optimizers import AdamWBf16
+
+        return AdamWBf16(params, lr=1e-3)
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     if name == "adafactor":
@@ -67,7 +71,7 @@ def _make(name, params):
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor", "bnb-adamw8bit"])
+@pytest.mark.parametrize("name", ["adamw", "adamw-bf16", "sgd", "adafactor", "bnb-adamw8bit"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_state_bytes_equal_the_state_the_library_allocates(name, dtype):
     torch = pytest.importorskip("torch")
@@ -109,6 +113,23 @@ def test_step_temporaries_follow_the_path_torch_takes():
     assert opt.step_temporary_bytes("adamw", sizes, 4, foreach=False) == 2 * 4 * 3000
     assert opt.step_temporary_bytes("bnb-adamw8bit", sizes, 4, foreach=True) == 0
     assert opt.step_temporary_bytes("sgd", sizes, 4, foreach=True) == 0
+
+
+@pytest.mark.parametrize("dtype, per_element", [("fp32", 16), ("bf16", 24)])
+def test_adamw_bf16_step_temporaries_equal_the_measured_ones(dtype, per_element):
+    # train/optimizers.py AdamWBf16.step: fp32 m, v, denom's two tensors (+ fp32 gradient and weights for bf16)
+    torch = pytest.importorskip("torch")
+    from mlflow_llmeff.train.optimizers import AdamWBf16
+
+    p = torch.nn.Parameter(torch.randn(1000, 1000, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]))
+    p.grad = torch.randn_like(p)
+    o = AdamWBf16([p])
+    o.step()  # the state exists
+    with PeakReading() as r:
+        o.step()
+    planned = opt.step_temporary_bytes("adamw-bf16", [p.numel()], opt.weight_bytes(dtype), foreach=True)
+    assert planned == per_element * 1_000_000
+    assert abs(r.tensor_peak - planned) < 1024  # a 0-d step tensor
 
 
 def test_an_unknown_optimizer_or_weights_is_refused():
