@@ -208,7 +208,8 @@ def _study_config(text: str):
 
 @main.command("study")
 @click.option("--repeats", type=IntRange(min=1), default=None,
-              help="Runs of every configuration, same seed; the study runs repeat 1 of each, then repeat 2, ...")
+              help="Runs of every configuration, same seed; the study runs repeat 1 of each, then repeat 2, ... "
+                   "[default with --config and no --seeds: 1]")
 @click.option("--seeds", type=IntRange(min=1), default=None,
               help="Runs of every configuration, run i with its seed + i - 1 (init, data order, split); not --repeats.")
 @click.option("--target", default=None,
@@ -232,6 +233,8 @@ def study_cmd(repeats: int | None, seeds: int | None, target: str | None, config
     """
     from mlflow_llmeff.train.study import run_study, summary_lines
 
+    if repeats is None and seeds is None and configs:
+        repeats = 1  # one run of each configuration: a study over levers (--config "--optimizer adamw8bit" ...)
     if (repeats is None) == (seeds is None) or not (configs or seeds):
         raise click.UsageError("give --repeats N (the same seed) or --seeds N (seed + i - 1 for run i), and with "
                                "--repeats a --config per configuration (llmeff train options)")
