@@ -219,6 +219,8 @@ def step_temporary_bytes(name: str, numels: Sequence, weight_bytes: int, *, fore
       decay in place): ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``, one model's worth in the
       state dtype, held to the final ``_foreach_addcdiv_`` (the divisions and ``eps`` are in place; the
       bias corrections are Python floats). torchtune PR #389 reports about one more model of fp32.
+      ``llmeff train``'s groups (decay for matrices, none for vectors) step one after the other; the
+      vectors' group is small, so one model's worth is the count (an upper bound by the vectors).
       Single-tensor (``_single_tensor_adam``): ``denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)``
       holds two tensors of the largest parameter at once. Fused: none.
     * ``adamw-bf16`` (mlflow_llmeff/train/optimizers.py ``AdamWBf16.step``, one tensor at a time
