@@ -52,6 +52,8 @@ class TrainConfig:
     lr_warmup_steps: int = field(default=-1, metadata={"help": "linear LR warm-up steps before cosine decay; -1 = 5% of max_steps"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; 0 disables"})
     precision: str = field(default="auto", metadata={"help": "auto (bf16 on GPUs that support it, or with weights=bf16; else fp32), fp32, bf16, fp16"})
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank r of adapters on lora_targets of every layer, the base weights frozen (peft, the lora extra; FLOPs per token count what trains: docs/formulas.md); 0 = train every weight"})
+    lora_targets: str = field(default="q_proj,v_proj", metadata={"help": "comma-separated module names the LoRA adapters wrap (with lora_rank > 0)"})
     weights: str = field(default="fp32", metadata={"help": "fp32 (fp32 weights, the master copy under bf16/fp16 mixed precision) or bf16 (pure bf16 weights and gradients, no fp32 master copy: 2 + 2 B/param; needs precision bf16 or auto)"})
     num_processes: int = field(default=1, metadata={"help": "processes (devices) on this machine; > 1 launches through accelerate launch"})
     num_machines: int = field(default=1, metadata={"help": "machines (nodes) in the job; > 1 launches through accelerate launch on each, with machine_rank and main_process_ip"})
@@ -320,6 +322,19 @@ def _check_levers(cfg: TrainConfig, machine: Machine, *, packages: bool) -> None
                          "would count that compilation as a steady step; use warmup_steps >= 1")
     if cfg.weights == "bf16" and not machine.bf16:
         raise ValueError("weights=bf16 is not supported by this device (no bf16 compute); accepted here: weights=fp32")
+    if cfg.lora_rank < 0:
+        raise ValueError(f"lora_rank={cfg.lora_rank} must be >= 0 (0 = train every weight)")
+    if cfg.lora_rank:
+        import importlib.util
+
+        if packages and importlib.util.find_spec("peft") is None:
+            raise ValueError(f"lora_rank={cfg.lora_rank} needs peft, which is not installed here; "
+                             "pip install 'mlflow-llmeff[lora]'")
+        if not [t for t in cfg.lora_targets.split(",") if t.strip()]:
+            raise ValueError(f"lora_targets={cfg.lora_targets!r} names no module; give e.g. q_proj,v_proj")
+        if cfg.parallelism not in ("auto", "single", "ddp"):
+            raise ValueError(f"lora_rank={cfg.lora_rank} with parallelism={cfg.parallelism!r}: LoRA adapters train "
+                             "here with parallelism auto, single or ddp")
 
 
 def render_mlproject() -> str:

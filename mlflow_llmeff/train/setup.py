@@ -140,9 +140,14 @@ def build(spec: RunSpec) -> Training:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    if cfg.lora_rank:  # the base frozen, adapters of rank r on the targets (the meter reads what trains)
+        from mlflow_llmeff.models.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora_rank, cfg.lora_targets)
     model = strategy.parallelize(model, layout, cfg, precision, accelerator.device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # frozen weights get no optimizer state
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     optimizer = build_optimizer(cfg.optimizer, [{"params": decay, "weight_decay": cfg.weight_decay},
                                                 {"params": no_decay, "weight_decay": 0.0}],
                                 lr=cfg.learning_rate, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
