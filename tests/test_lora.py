@@ -115,7 +115,7 @@ def test_a_frozen_lower_layer_runs_forward_only_and_the_flop_counter_agrees():
         == 484_480 + 2 * 128 * 16 + 6 * 128 * 16
 
 
-def test_the_flop_counter_of_an_eager_lora_step_is_the_formula_less_one_unneeded_key_gradient():
+def test_an_eager_lora_step_skips_one_unneeded_key_gradient_and_the_hardware_count_knows_it():
     # Autograd skips dK of layer 0's score matmul (k_proj frozen and unadapted, nothing below it
     # trains): 2 * n*d * s = 2 * 64 * 32 = 4,096 FLOPs per token the formula (both input gradients of
     # the attention matmuls, as the fused kernels compute them) counts and eager does not run.
@@ -129,9 +129,12 @@ def test_the_flop_counter_of_an_eager_lora_step_is_the_formula_less_one_unneeded
     counter = FlopCounterMode(display=False)
     with counter:
         model(input_ids=ids, labels=ids).loss.backward()
-    dense = fl.hardware_flops_per_token(cfg, 32, trainable=read_trainable(model))
+    read = read_trainable(model)
+    dense = fl.hardware_flops_per_token(cfg, 32, trainable=read)
     assert dense == LORA(32) + 2 * 384 * 32  # the full square: 32 keys per query, not 16, in both layers
-    assert counter.get_total_flops() / 64 == dense - 2 * 64 * 32
+    assert counter.get_total_flops() / 64 == dense - 2 * 64 * 32 == 483_072
+    # which is what the hardware count of eager attention runs (the monitor's expectation of such a step)
+    assert fl.hardware_flops_per_token(cfg, 32, trainable=read, autograd_attention=True) == 483_072
 
 
 def test_lora_targets_the_model_lacks_are_rejected_in_one_line():
@@ -244,3 +247,29 @@ def test_cli_flops_needs_the_lora_rank_and_targets_together():
 
     result = CliRunner().invoke(main, ["flops", "--model", "llama-tiny", "--seq-len", "32", "--lora-rank", "8"])
     assert result.exit_code != 0 and "give --lora-rank and --lora-targets together" in result.output
+
+
+def test_a_counted_eager_lora_step_is_no_counter_gap_and_reads_what_autograd_ran(tracking_uri):
+    # The step FlopCounterMode counts runs 483,072 FLOPs per token (the eager test above) over 462,592 model
+    # FLOPs: HFU / MFU = 1.044272, counted (not mistaken for a kernel the counter could not see).
+    from contextlib import nullcontext
+
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+    from mlflow_llmeff.testing import FakeClock
+
+    model = lora_model("eager")
+    ids = torch.randint(0, 259, (2, 32), generator=torch.Generator().manual_seed(0))
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model=model, peak_tflops=1.0, clock=clock,
+                            measure_energy="none", measure_peak=False)
+    for i in range(2):
+        with mon.counting_hardware_flops() if i == 0 else nullcontext():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad()
+            mon.count({"input_ids": ids})
+        clock.t += 0.5
+        mon.step()
+    s = mon.finish()
+    assert s[names.SUM_HFU] / s[names.SUM_MFU] == pytest.approx(483_072 / 462_592, rel=1e-12)
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert tags[names.HFU_METHOD].startswith("FlopCounterMode on step 1") and names.FLOPS_COUNTER_GAP not in tags

@@ -46,6 +46,7 @@ from mlflow_llmeff.calc.model_shape import (
     ATTENTION,
     FORMULA_TYPES,
     MLP_OUT,
+    QKV,
     LORA_TARGETS,
     Adapter,
     CountedFlops,
@@ -261,8 +262,17 @@ def executed_attended_keys(seq_len: float | Sequence[float], window: int | None 
     return keys + diagonal / 2.0 / sum(lengths)
 
 
-def _trained_flops(m: ModelShape, keys: list[float], trainable: Trainable) -> float:
-    """Training FLOPs per token of ``m`` when only ``trainable`` trains (see :func:`flops_per_token`)."""
+#: Which of Q, K, V each attention projection feeds (MLA's latent key/value projections feed both K and V).
+_FEEDS = {"q_proj": "q", "q_a_proj": "q", "q_b_proj": "q", "k_proj": "k", "v_proj": "v",
+          "kv_a_proj_with_mqa": "kv", "kv_b_proj": "kv"}
+
+
+def _trained_flops(m: ModelShape, keys: list[float], trainable: Trainable, autograd_attention: bool = False) -> float:
+    """Training FLOPs per token of ``m`` when only ``trainable`` trains (see :func:`flops_per_token`).
+
+    ``autograd_attention``: the attention matmuls' backward as eager autograd runs it, each input
+    gradient only where its operand needs one (``dQ``, ``dK`` of ``Q K^T``; ``dP``, ``dV`` of ``P V``),
+    instead of all of them (what the fused kernels compute, and the model-FLOPs rule)."""
     if len(trainable.layers) != m.layers:
         raise ValueError(f"the trainable description has {len(trainable.layers)} layers, the model {m.layers}")
     adapters: dict[tuple[int, str], list[Adapter]] = {}
@@ -280,8 +290,16 @@ def _trained_flops(m: ModelShape, keys: list[float], trainable: Trainable) -> fl
         for stage in range(MLP_OUT + 1):
             # a trainable norm or the whole layer marked from this stage on: later inputs need gradients
             here = any(_NORM_STAGES.get(n) == stage for n in names)
+            if stage == QKV:
+                fed = {c for x in mats if x.stage == QKV and (x.name in names or "*" in names or (i, x.name) in adapters)
+                       for c in _FEEDS.get(x.name, "qkv")}
+                needs = {c: grad or c in fed for c in "qkv"}  # Q, K, V need gradients
             if stage == ATTENTION:  # scores and context: forward, plus both input gradients below something trainable
-                total += 2.0 * m.attention_width() * keys[i] * (3.0 if grad else 1.0)
+                total += 2.0 * m.attention_width() * keys[i] * (1.0 if autograd_attention else (3.0 if grad else 1.0))
+                if autograd_attention:
+                    d_qk, d_v = m.heads * m.head_dim, m.attention_width() - m.heads * m.head_dim
+                    scores = needs["q"] or needs["k"]  # P needs a gradient
+                    total += 2.0 * keys[i] * (d_qk * (needs["q"] + needs["k"]) + d_v * (scores + needs["v"]))
             for mat in (x for x in mats if x.stage == stage):
                 w = mat.weights
                 trains = mat.name in names or "*" in names
@@ -415,7 +433,8 @@ def _reached_layers(layers: int, trainable: Trainable | None) -> list[bool]:
 
 
 def hardware_flops_per_token(config, seq_len: float | Sequence[float], recompute: "Recompute | None" = None, *,
-                             causal_kernel: bool = False, trainable: Trainable | None = None) -> float:
+                             causal_kernel: bool = False, trainable: Trainable | None = None,
+                             autograd_attention: bool = False) -> float:
     """Training FLOPs per token the device executes: the weight matmuls, attention as the kernel runs
     it, and the recomputed forward.
 
@@ -431,6 +450,9 @@ def hardware_flops_per_token(config, seq_len: float | Sequence[float], recompute
         recompute: what activation checkpointing re-executes, or None.
         causal_kernel: True when the attention kernel is causal (default False: the dense square).
         trainable: what trains (None: everything).
+        autograd_attention: eager attention (two autograd matmuls): with frozen weights its backward
+            computes each input gradient only where that operand needs one (``dK`` of ``Q K^T`` is
+            skipped where only ``Q`` trains below it); False: a fused kernel's backward, all of them.
 
     Raises:
         ValueError: as :func:`flops_per_token`.
@@ -440,7 +462,7 @@ def hardware_flops_per_token(config, seq_len: float | Sequence[float], recompute
     if trainable is not None:
         if isinstance(m, CountedFlops):
             flops_per_token(m, seq_len, "palm", trainable)  # raises: no per-matrix breakdown
-        base = _trained_flops(m, _layer_keys(m, seq_len, conv), trainable)
+        base = _trained_flops(m, _layer_keys(m, seq_len, conv), trainable, autograd_attention)
     elif isinstance(m, CountedFlops):
         base = m.weight_flops + attention_flops_per_token(m, seq_len, causal_kernel=causal_kernel)
     else:
@@ -474,7 +496,8 @@ RECOMPUTE_FACTOR = 4.0 / 3.0
 
 
 def hardware_model_ratio(config, seq_len: float, *, recompute: "bool | Recompute | None" = False,
-                         causal_kernel: bool = False, trainable: Trainable | None = None) -> float:
+                         causal_kernel: bool = False, trainable: Trainable | None = None,
+                         autograd_attention: bool = False) -> float:
     """Hardware FLOPs per model FLOP, analytic: what HFU is to MFU when no step was counted.
 
     ``hardware_flops_per_token(s, recompute, causal_kernel) / flops_per_token(s, "megatron")``: dense
@@ -494,9 +517,11 @@ def hardware_model_ratio(config, seq_len: float, *, recompute: "bool | Recompute
             transformers 5); False or None, no checkpointing.
         causal_kernel: the attention kernel is causal (:func:`hardware_flops_per_token`).
         trainable: what trains (None: everything), in both counts.
+        autograd_attention: eager attention's backward (:func:`hardware_flops_per_token`).
     """
     rc = Recompute() if recompute is True else (recompute or None)
-    return (hardware_flops_per_token(config, seq_len, rc, causal_kernel=causal_kernel, trainable=trainable)
+    return (hardware_flops_per_token(config, seq_len, rc, causal_kernel=causal_kernel, trainable=trainable,
+                                     autograd_attention=autograd_attention)
             / flops_per_token(config, seq_len, "megatron", trainable))
 
 

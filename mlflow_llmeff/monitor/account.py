@@ -161,8 +161,13 @@ class FlopsAccount:
         if s_eff not in cache:
             cache.clear()  # one batch shape at a time in practice
             cache[s_eff] = fl.hardware_model_ratio(self.shape, s_eff, recompute=self.recompute,
-                                                   causal_kernel=self.causal_kernel, trainable=self.trainable)
+                                                   causal_kernel=self.causal_kernel, trainable=self.trainable,
+                                                   autograd_attention=self._eager())
         return cache[s_eff]
+
+    def _eager(self) -> bool:
+        """Attention runs as two autograd matmuls (eager): its backward skips gradients nothing needs."""
+        return getattr(self.config, "_attn_implementation", None) == "eager"
 
     def count_ratio(self, counted: float, tokens: int, sq: int, *, step: int, device, model_parallel: int,
                     unseen=(), failed_ops=(), attention=None) -> None:
@@ -206,7 +211,8 @@ class FlopsAccount:
         from mlflow_llmeff.meters.flopcount import counter_gap
 
         expected = fl.hardware_flops_per_token(self.shape, s_eff, self.recompute, causal_kernel=causal,
-                                               trainable=self.trainable) * tokens / r
+                                               trainable=self.trainable,
+                                               autograd_attention=self._eager() and not seen) * tokens / r
         gap = counter_gap(counted, expected, unseen, failed_ops=failed_ops)
         self.hfu_counted = True
         if gap is not None:  # what the counter could not see is a gap in the count, not in the hardware
