@@ -273,3 +273,24 @@ def test_a_counted_eager_lora_step_is_no_counter_gap_and_reads_what_autograd_ran
     assert s[names.SUM_HFU] / s[names.SUM_MFU] == pytest.approx(483_072 / 462_592, rel=1e-12)
     tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
     assert tags[names.HFU_METHOD].startswith("FlopCounterMode on step 1") and names.FLOPS_COUNTER_GAP not in tags
+
+
+def test_gpt2_fused_and_renamed_projections_are_placed_by_name():
+    # GPT-2: c_attn holds q, k and v (one 64 x 192 Conv1D), attn.c_proj is o_proj, mlp.c_proj down_proj
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mlflow_llmeff.meters.trainable import canonical_names, read_trainable
+    from mlflow_llmeff.models.lora import apply_lora
+
+    assert canonical_names("transformer.h.0.attn.c_proj") == ("o_proj",)
+    assert canonical_names("transformer.h.0.mlp.c_proj") == ("down_proj",)
+    assert canonical_names("base_model.model.transformer.h.1.attn.c_attn.base_layer") == ("q_proj", "k_proj", "v_proj")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64))
+    t = read_trainable(apply_lora(model, 4, "c_attn"))
+    assert t.adapters[0] == fl.Adapter(0, "q_proj", 64, 192, 4) and len(t.adapters) == 2
+    assert t.layers == (frozenset(), frozenset())
+    frozen_but_one = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64))
+    for name, p in frozen_but_one.named_parameters():
+        p.requires_grad_(name == "transformer.h.1.mlp.c_proj.weight")
+    assert read_trainable(frozen_but_one).layers == (frozenset(), frozenset({"down_proj"}))

@@ -188,8 +188,7 @@ def attention_flops_per_token(config, seq_len: float | Sequence[float],
     ``sum over layers of 6 * n*(d_qk + d_v) * k_layer`` (``12*(n*d)*k`` for equal head widths):
     forward ``2*n*d_qk*k`` for QK^T and ``2*n*d_v*k`` for the weighted sum of values, times 3 for
     forward + backward. Useful where the flop counter cannot see attention (CPU scaled-dot-product
-    attention) or sees it without the causal discount (fused GPU kernels are counted as the full
-    square).
+    attention), at the share its kernel computes (``causal_kernel``).
 
     Args:
         config: as for :func:`model_shape`, or a :class:`CountedFlops`.

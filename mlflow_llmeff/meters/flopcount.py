@@ -427,7 +427,8 @@ def measure_step_flops(step_fn: Callable[[], object]) -> int:
 
     These are hardware FLOPs (HFU's numerator): activation-checkpointing recomputation is counted
     because it runs. The counter counts matmuls, convolutions and the fused GPU attention kernels
-    (flash, memory-efficient, cuDNN; as the full square, without causal discount). It does NOT count
+    (flash, memory-efficient, cuDNN; the full square, or the triangle of a call with ``is_causal=True``:
+    :func:`sdpa_flops`). It does NOT count
     CPU scaled-dot-product attention (``_scaled_dot_product_flash_attention_for_cpu`` has no
     formula), elementwise ops, norms or softmax. Build models with ``attn_implementation="eager"``
     to have attention counted as the two matmuls it is, or add

@@ -43,6 +43,12 @@ def canonical_names(path: str) -> tuple[str, ...]:
     Experts and shared experts of an MoE block map by their place (``experts.*.up_proj`` ->
     ``experts_in``, ``shared_expert.down_proj`` -> ``shared_out``); a norm maps to ``input_norm`` or
     ``post_norm``.
+
+    Args:
+        path: a module's name in ``model.named_modules()`` (PEFT's ``base_layer`` is looked through).
+
+    Returns:
+        The canonical names (several for a fused projection: ``c_attn`` -> q, k and v), or ``()``.
     """
     parts = [p for p in path.split(".") if p and not p.isdigit() and p != "base_layer"]
     if not parts:
