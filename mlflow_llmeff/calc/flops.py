@@ -31,6 +31,12 @@ biases and RoPE (O(h) per token against O(h^2), well under 1% for real models). 
 formula does not know is counted once on the meta device (:mod:`mlflow_llmeff.meters.flopcount`), which
 yields a :class:`CountedFlops` that every function here accepts in place of a config.
 
+Frozen weights and adapters (``trainable=``, a :class:`Trainable`): a frozen weight costs no
+weight gradient, an input gradient only above the lowest trainable weight, and LoRA adapters add
+their own matmuls (:func:`flops_per_token`). Hardware FLOPs (HFU) count attention as the kernel
+executes it: the dense square, or the causal triangle ``l(l+1)/2`` of a kernel that skips the mask
+(:func:`executed_attended_keys`, :func:`hardware_flops_per_token`).
+
 The model's shapes and parameter counts (:class:`ModelShape`, :func:`model_shape`,
 :func:`attention_windows`, :func:`param_counts`, :class:`CountedFlops`, :class:`Recompute`) are read in
 :mod:`mlflow_llmeff.calc.model_shape` and re-exported here.
@@ -47,7 +53,6 @@ from mlflow_llmeff.calc.model_shape import (
     FORMULA_TYPES,
     MLP_OUT,
     QKV,
-    LORA_TARGETS,
     Adapter,
     CountedFlops,
     ModelShape,
@@ -67,7 +72,6 @@ __all__ = [
     "Recompute",
     "Trainable",
     "Adapter",
-    "LORA_TARGETS",
     "model_shape",
     "attention_windows",
     "flops_per_token",

@@ -24,7 +24,6 @@ __all__ = [
     "Matrix",
     "Adapter",
     "Trainable",
-    "LORA_TARGETS",
     "model_shape",
     "attention_windows",
     "param_counts",
@@ -242,10 +241,6 @@ class Matrix(NamedTuple):
     @property
     def weights(self) -> int:
         return self.d_in * self.d_out * self.count
-
-
-#: LoRA target names ``llmeff flops --lora-targets`` accepts (the canonical matrix names of a dense layer).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
