@@ -358,12 +358,17 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
         first = step == start_step + 1 and cfg.warmup_steps > 0
         bad_step = False  # a micro-batch of this step had a non-finite loss (skip_step only)
         with sampler.around(step), (monitor.counting_hardware_flops() if first else nullcontext()):
-            for i in range(cfg.grad_accum):
-                with monitor.pause("data_wait"):
-                    batch = _next_batch(batches, step, first_micro=i == 0)
-                loss, bad = _micro_step(cfg, t, batch, step, skip_bad, bad_step)
+            with monitor.pause("data_wait"):  # the step's micro-batches first: their loss tokens weigh each
+                micro = [_next_batch(batches, step, first_micro=i == 0) for i in range(cfg.grad_accum)]
+            shares, dp_scale = loss_shares(micro, t.world, t.dp_world)
+            step_loss = None
+            for i, batch in enumerate(micro):
+                loss, bad = _micro_step(cfg, t, batch, step, skip_bad, bad_step, shares[i])
                 bad_step = bad_step or bad
-                monitor.count(batch, loss=None if bad else loss)
+                part = loss * shares[i] * dp_scale  # this micro-batch's summed loss / the step's loss tokens
+                step_loss = part if step_loss is None else step_loss + part
+                last = i == cfg.grad_accum - 1
+                monitor.count(batch, loss=step_loss if last and not bad_step else None)
         t.scheduler.step()
         if sampler.due(step):
             comm.sampled_comm(sampler, monitor)
@@ -424,18 +429,77 @@ def _next_batch(batches, step: int, first_micro: bool) -> dict:
         raise DataError(f"data loading failed at step {step}: {type(e).__name__}: {e}") from e
 
 
-def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_before: bool):
+def _loss_tokens(batch):
+    """Loss-bearing tokens of a micro-batch as a 0-d tensor on its device (no sync): ``labels[:, 1:] != -100``
+    (transformers shifts the labels by one), else each row's real tokens less one, else ``B x (T - 1)``."""
+    import torch
+
+    labels, mask = batch.get("labels"), batch.get("attention_mask")
+    if labels is not None:
+        return (labels[..., 1:] != -100).sum()
+    if mask is not None:
+        return (mask.sum(dim=-1) - 1).clamp(min=0).sum()
+    ids = batch["input_ids"]
+    return torch.tensor(ids.shape[0] * (ids.shape[-1] - 1), device=ids.device)
+
+
+def loss_shares(micro: list, world: int, dp: int):
+    """Each micro-batch's share of the optimizer step's loss-bearing tokens, counted over all its micro-batches
+    and data-parallel ranks, so the step's loss is token-weighted: the summed loss over every loss-bearing
+    token of the step divided by their count, never a mean of micro-batch means (METRICS.md, "Frozen
+    weights, accumulation, compilation"; transformers' Trainer since 4.46 passes ``num_items_in_batch``
+    for the same reason).
+
+    Args:
+        micro: the step's micro-batches on this rank (mappings with ``labels`` ``(B, T)``).
+        world: processes of the job; dp: data-parallel ranks among them (tensor-parallel peers hold the
+            same micro-batches and count them ``world / dp`` times, divided out here).
+
+    Returns:
+        ``(shares, dp)``: one 0-d tensor per micro-batch, ``n_i / N`` (``N``: the step's loss-bearing tokens
+        over every micro-batch and data-parallel rank, at least 1), and ``dp``. A micro-batch's mean loss x
+        ``n_i / N`` x ``dp`` summed over this rank's micro-batches is the step loss this rank reports: its
+        mean over ranks is the token-weighted loss of the step. With more than one process ``N`` is one
+        all-reduce of a scalar per step (no host sync).
+    """
+    import torch
+
+    n = torch.stack([_loss_tokens(b).to(torch.float64) for b in micro])  # (grad_accum,)
+    total = n.sum()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(total)  # every rank's micro-batches; tensor-parallel copies counted world/dp times
+        total = total * dp / world
+    total = total.clamp(min=1.0)
+    return [x / total for x in n], dp
+
+
+def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_before: bool, share=None):
     """Forward, backward and (at the accumulation boundary) the optimizer step.
+
+    The loss backpropagated is the micro-batch's mean loss x ``share`` (its loss-bearing tokens over the
+    step's, :func:`loss_shares`) x ``grad_accum`` x data-parallel ranks: Accelerate (and DeepSpeed) divide
+    the loss by ``grad_accum`` and the data-parallel reduction averages gradients over the ranks, so the
+    step's gradient is that of the summed loss over every loss-bearing token of the step divided by their
+    count. A micro-batch without loss-bearing tokens adds nothing (its mean, 0/0, is not used).
 
     Returns ``(loss, bad)``: the detached mean loss, and whether it was not finite (checked, with
     one device sync and a flag reduced over ranks, only when ``skip_bad``). At the boundary, a
     step with a bad micro-batch (``bad`` or ``bad_before``) drops its gradients instead of stepping.
     """
+    import torch
+
     with t.accelerator.accumulate(t.model):
         out = t.model(**batch)
         loss = out.loss.detach()
         bad = skip_bad and _not_finite(loss, t.world)
-        t.accelerator.backward(out.loss)
+        scaled = out.loss
+        if share is not None:
+            weight = (share * (cfg.grad_accum * t.dp_world)).to(out.loss.dtype)
+            scaled = torch.where(share > 0, out.loss, torch.zeros_like(out.loss)) * weight
+            loss = torch.where(share > 0, loss, torch.zeros_like(loss))
+        t.accelerator.backward(scaled)
         faults.maybe_fault("kill_in_step", step)
         if t.accelerator.sync_gradients and (bad or bad_before):
             t.optimizer.zero_grad(set_to_none=True)  # skip: these gradients come from a non-finite loss
