@@ -432,8 +432,9 @@ def models_cmd(seq_len: int, as_json: bool) -> None:
         click.echo(f"{r['preset']:<11} {r['params']:>15,} {r['layers']:>6} {r['hidden']:>6} {r['seq_len']:>5} "
                    f"{r['flops_per_token'] / 1e9:>11.4g} {r['train_memory_gib']:>9.1f}  {r['source']}")
     click.echo(f"GFLOP/token: training FLOPs per token (megatron convention) at seq = min({seq_len}, the model's "
-               "positions). train GiB: one device, bf16 mixed precision with AdamW (16 B/param) plus the "
-               "activations of one sequence, without the allocator margin (llmeff plan gives any configuration).")
+               "positions). train GiB: one device, bf16 mixed precision with AdamW, the peak of a step "
+               "(the larger of the optimizer step with its temporaries and the backward at the loss, one sequence; "
+               "docs/memory.md), without the allocator margin (llmeff plan gives any configuration and lever).")
 
 
 @main.command("sync")

@@ -369,7 +369,9 @@ def test_counted_and_analytic_hfu_agree_under_activation_checkpointing(tracking_
         clock.t += 0.5
         mon.step()
     s = mon.finish()
-    analytic = (701_568 + 155_648) / 676_992
+    # eager computes the whole score square (palm-style attention); a causal kernel (sdpa with is_causal) its
+    # triangle s(s+1)/2, in the forward and in the recomputed forward alike (calc/flops.py, tests/test_lora.py)
+    analytic = ((701_568 + 155_648) if attn == "eager" else (677_760 + 147_712)) / 676_992
     assert s[names.SUM_HFU] / s[names.SUM_MFU] == pytest.approx(analytic, rel=0.01)
     assert s[names.SUM_HFU] / s[names.SUM_MFU] == pytest.approx(analytic, rel=1e-9)   # exact today
     tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags

@@ -42,7 +42,7 @@ class OptimizerChoice:
 OPTIMIZERS: dict[str, OptimizerChoice] = {c.name: c for c in (
     OptimizerChoice("adamw", "torch", "torch.optim.AdamW", "",
                     "two moments in the weights' dtype (fp32: 8 B/param)"),
-    OptimizerChoice("adamw-bf16", "torch", "torch.optim.AdamW", "",
+    OptimizerChoice("adamw-bf16", "mlflow_llmeff", "mlflow_llmeff.train.optimizers.AdamWBf16", "",
                     "two moments in bf16 (4 B/param), update computed in fp32"),
     OptimizerChoice("adamw8bit", "torchao", "torchao.optim.AdamW8bit", "torchao",
                     "two moments as int8 codes with an fp32 scale per 256-element block (about 2.03 B/param); "

@@ -215,6 +215,8 @@ def condition_tags(p: Parts) -> dict[str, str]:
         tags[names.PAR_CP] = str(p.counting.slices)
     if a.peak_tflops is not None:
         tags[names.PEAK_PRECISION] = a.peak_precision
+    if a.trainable_note:  # frozen weights or adapters: what the FLOPs per token count (docs/formulas.md)
+        tags[names.FLOPS_TRAINABLE] = a.trainable_note
     tags[names.PRECISION_SOURCE] = p.precision_source
     if a.measured_peak_at:
         tags[names.PEAK_MEASURED_AT] = a.measured_peak_at

@@ -421,9 +421,8 @@ def meta_param_count(config) -> int:
 
 
 def levers(cfg) -> tuple[str, str]:
-    """(optimizer, weights) of a :class:`~mlflow_llmeff.train.config.TrainConfig` (``adamw``, ``fp32``
-    for a config from before those settings existed)."""
-    return getattr(cfg, "optimizer", "adamw"), getattr(cfg, "weights", "fp32")
+    """(optimizer, weights) of a :class:`~mlflow_llmeff.train.config.TrainConfig`."""
+    return cfg.optimizer, cfg.weights
 
 
 def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, accelerator_given: str | None = None,

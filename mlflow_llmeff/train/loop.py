@@ -446,8 +446,8 @@ def _loss_tokens(batch):
 def loss_shares(micro: list, world: int, dp: int):
     """Each micro-batch's share of the optimizer step's loss-bearing tokens, counted over all its micro-batches
     and data-parallel ranks, so the step's loss is token-weighted: the summed loss over every loss-bearing
-    token of the step divided by their count, never a mean of micro-batch means (METRICS.md, "Frozen
-    weights, accumulation, compilation"; transformers' Trainer since 4.46 passes ``num_items_in_batch``
+    token of the step divided by their count, never a mean of micro-batch means (docs/formulas.md, "Gradient
+    accumulation: one token-weighted loss"; transformers' Trainer since 4.46 passes ``num_items_in_batch``
     for the same reason).
 
     Args:
