@@ -26,6 +26,7 @@ if [ -d .whl ]; then
 else
   python3 -m pip install -q -e '.[dev]' 2>&1 | tail -2
   python3 -m pip install -q -e '.[deepspeed]' 2>&1 | tail -2   # after torch: keeps the machine's CUDA build
+  python3 -m pip install -q -e '.[bnb]' 2>&1 | tail -2   # the 8-bit optimizer lever's CUDA path (tests/test_train_gpu.py)
 fi
 python3 -c "import torch, transformers, accelerate, mlflow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'mlflow', mlflow.__version__)" 2>&1 | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
