@@ -131,7 +131,7 @@ BADPUT_CATEGORIES = ("init", "warmup", "compile", "data_wait", "eval", "checkpoi
 _BADPUT_MEANING = {
     "init": "set-up before the first step (process start, model build, run creation, peak measurement)",
     "warmup": "the warm-up steps' excess over steady-state step time (allocator, kernels, FlopCounterMode step); not logged when compiling",
-    "compile": "the warm-up steps' excess over steady-state step time under torch.compile (compilation), plus the strategy's op builds (DeepSpeed's JIT-compiled C++ ops); logged only when compiling or building",
+    "compile": "torch.compile's compilations inside steps, timed by torch's compile callbacks (a recompilation after the warm-up included: summary/recompiles counts them), plus the warm-up steps' excess over steady-state step time under torch.compile and the strategy's op builds (DeepSpeed's JIT-compiled C++ ops); logged only when compiling or building",
     "data_wait": "host time blocked on the next batch inside steps",
     "eval": "evaluations (declared pauses)",
     "checkpoint_save": "checkpoint writes (declared pauses)",
@@ -152,6 +152,7 @@ SUM_TPS_CI95_LOW = _metric("summary/tokens_per_sec_ci95_low", "tokens/s", "low e
 SUM_TPS_CI95_HIGH = _metric("summary/tokens_per_sec_ci95_high", "tokens/s", "high end of the 95% interval of summary/tokens_per_sec", S)
 SUM_STALL_S = _metric("summary/stall_s", "s", "seconds in steps longer than 5x the median step (stalls; kept in the means)", S)
 SUM_STALLS = _metric("summary/stalls", "steps", "steps longer than 5x the median step", S)
+SUM_RECOMPILES = _metric("summary/recompiles", "count", "torch.compile (re)compilations after the warm-up (dynamo compilations of a frame that started inside a steady step: a new shape, a guard that failed): their time is summary/badput_compile_s, not steady steps; logged when compiling", S)
 SUM_HOST_OTHER_CPU = _metric("summary/host_other_cpu_fraction", "fraction", "share of the host's CPU time used by other processes during the steady window (/proc/stat minus the run's processes); the most contended host", S)
 SUM_HOST_STEAL = _metric("summary/host_steal_fraction", "fraction", "share of the host's CPU time stolen by the hypervisor during the steady window; the highest host", S)
 SUM_STRAGGLER_RATIO = _metric("summary/straggler_ratio", "ratio", "slowest rank's mean compute time per steady step (forward + backward + optimizer, before the collective waits) / the median rank's (>= 1; 2+ ranks); llmeff.straggler.rank names it, its host and phase", S)

@@ -374,6 +374,9 @@ PRIVATE_REACHES: dict[tuple[str, str], str] = {
     ("monitor.counting", "x._version"): "torch's count of in-place writes to a tensor has no public accessor",
     ("monitor.steptimes", "Variable._execution_engine"):
         "torch's autograd engine: the end-of-backward callback (queue_callback, as DDP and FSDP use) has no public call",
+    ("monitor.compiles", "torch._dynamo"):
+        "torch's compile start and end callbacks (callback_handler, torch/_dynamo/callback.py) have no public "
+        "torch.compiler call in torch 2.13; counters['recompiles'] would count without a time",
     ("monitor.steptimes", "optimizer._optimizer_step_pre_hooks"):
         "torch.optim: an optimizer that supports step hooks (a wrapper may not)",
     ("meters.commprobe", "func._opname"): "torch's OpOverload: the collective's bare name inside a dispatch mode",

@@ -216,6 +216,8 @@ def start_clock(p: Parts) -> None:
     """The attempt's first step starts now: the ledger's clock, the device step clock, the consumption's
     first interval, and (without warm-up) the contention meter's steady window."""
     p.ledger.begin()
+    if p.compiles is not None:  # a model compiled before the monitor: torch._dynamo is imported
+        p.compiles.install()
     if p.devclock is not None:
         p.devclock.restart()
     p.consumption.start_interval(p.ledger.wall_s(), p.meter.total.tokens)
@@ -226,7 +228,8 @@ def start_clock(p: Parts) -> None:
 def stop_meters(p: Parts) -> None:
     """Stop what :func:`set_up_measurement` and :func:`set_up_step_timing` started (a failure is ignored)."""
     for closer in (p.energy.close, p.carbon.stop, p.contention.close,
-                   p.phases.close if p.phases is not None else (lambda: None)):
+                   p.phases.close if p.phases is not None else (lambda: None),
+                   p.compiles.close if p.compiles is not None else (lambda: None)):
         try:
             closer()
         except Exception:  # noqa: BLE001

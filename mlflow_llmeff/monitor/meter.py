@@ -48,6 +48,7 @@ from mlflow_llmeff.evals.targets import parse_targets
 from mlflow_llmeff.meters import collectives
 from mlflow_llmeff.monitor import assembly, binding, closing, lifecycle, points, summary
 from mlflow_llmeff.monitor.assembly import PRECISIONS, check_args
+from mlflow_llmeff.monitor.compiles import CompileWatch
 from mlflow_llmeff.monitor.conditions import infer_precision, infer_strategy, unwrap_model
 from mlflow_llmeff.monitor.counting import StepTally
 from mlflow_llmeff.monitor.memwatch import MemoryWatch
@@ -182,6 +183,10 @@ class EfficiencyMonitor:
         p.memory = MemoryWatch(p.device, origin=optimizer_origin)  # the CPU peak's baseline, CUDA's history
         p.memory.start(unwrap_model(model), optimizer)
         p.meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
+        # torch.compile inside a step: compile time, not the step's (compiles.py, docs/time.md)
+        p.compiles = CompileWatch(ledger, in_step=lambda: not (self._off or self.__dict__.get("_pause_sync")
+                                                               or ledger.paused),
+                                  after_warmup=lambda: not p.meter.is_warmup(p.step_count + 1))
         assembly.set_up_measurement(p, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
                                     energy_meter, country_iso_code, cloud_provider, cloud_region, carbon_tracker)
         assembly.set_up_step_timing(p, model, contention_meter)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the components' types, for the reader: parts.py builds none
     from mlflow_llmeff.meters.energy import EnergyMeter
     from mlflow_llmeff.meters.hardware import AcceleratorInfo
     from mlflow_llmeff.monitor.account import FlopsAccount
+    from mlflow_llmeff.monitor.compiles import CompileWatch
     from mlflow_llmeff.monitor.consumption import Consumption
     from mlflow_llmeff.monitor.contention import ContentionMeter
     from mlflow_llmeff.monitor.counting import StepTally
@@ -150,6 +151,7 @@ class Parts:
             logger, run: the components (the step tally, throughput meter, time ledger, FLOPs account,
             energy meter, carbon tracker, consumption totals, step times, device step clock or None,
             phase timer or None, contention meter, memory watch (where every byte goes), run logger, the MLflow run's handle or None).
+        compiles: the :class:`~mlflow_llmeff.monitor.compiles.CompileWatch` (torch.compile inside steps).
         record: the :class:`RunRecord`.
     """
 
@@ -188,6 +190,7 @@ class Parts:
     phases: PhaseTimer | None = None
     contention: ContentionMeter | None = None
     memory: MemoryWatch | None = None
+    compiles: CompileWatch | None = None
     logger: Any = None
     run: RunHandle | None = None
     record: RunRecord = field(default_factory=RunRecord)

@@ -42,6 +42,8 @@ def edge(p: Parts, collective: bool = True) -> None:
     collective), with their step seconds, into the throughput meter and the step times."""
     rec = p.record
     reduce = partial(reduce_counts, p) if (collective and p.world_size > 1) else None
+    if p.compiles is not None:  # torch.compile called after the monitor started: listen from here on
+        p.compiles.install()
     counts = p.tally.take(rec.pending_steps, reduce=reduce)
     p.meter.add(counts, rec.pending_s)
     time_steps(p, counts, rec.pending_s)
@@ -78,9 +80,11 @@ def time_steps(p: Parts, counts, window_s: float) -> None:
     device_s = p.devclock.take(window_s) if p.devclock is not None else None
     phase_s = p.phases.take() if p.phases is not None else None
     host_s, p.record.pending_step_s = p.record.pending_step_s, []
+    # a window with a compilation booked: the device events hold its gap, the host's step times do not
+    touched = p.compiles is not None and p.compiles.take_touched()
     if counts.steps == 0 or p.meter.is_warmup(p.meter.step):
         return
-    secs = device_s if device_s is not None and len(device_s) == len(host_s) else host_s
+    secs = device_s if device_s is not None and len(device_s) == len(host_s) and not touched else host_s
     p.steps.add_window(secs, counts.tokens)
     if phase_s is not None:
         for phase, s in phase_s.items():

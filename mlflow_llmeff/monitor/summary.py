@@ -115,7 +115,9 @@ def _job_figures(p: Parts) -> dict[str, str]:
 
 def figures(p: Parts, seconds: dict[str, float], collective: bool) -> dict[str, float]:
     """Every ``summary/*`` figure of the run (all attempts); ``seconds``: the ledger's closed seconds by category."""
-    parts = breakdown(seconds, p.ledger.warmup_steps, p.ledger.steady_steps, compiled=p.compiled)
+    # a compilation booked inside a step names the warm-up excess compile too (never both words)
+    compiled = p.compiled or (p.compiles is not None and p.compiles.seen)
+    parts = breakdown(seconds, p.ledger.warmup_steps, p.ledger.steady_steps, compiled=compiled)
     if p.record.down_s:  # the job's down time between attempts: part of its wall time (docs/time.md)
         parts = with_down(parts, p.record.down_s)
     tokens = p.meter.total.tokens
@@ -125,7 +127,7 @@ def figures(p: Parts, seconds: dict[str, float], collective: bool) -> dict[str, 
         _absent(p, names.SUM_GOODPUT, "no wall time (a share of no time is undefined)")
     unknown_excess = None  # the warm-up excess is measured against the steady step time
     if p.ledger.steady_steps == 0 and p.ledger.warmup_steps > 0:
-        unknown_excess = "compile" if p.compiled else "warmup"
+        unknown_excess = "compile" if compiled else "warmup"
         why = (f"no steady-state step (all {p.ledger.warmup_steps} steps were warm-up): the warm-up excess "
                "over steady speed, and so the productive time, is unknown")
         out[names.SUM_GOODPUT] = None
@@ -134,6 +136,8 @@ def figures(p: Parts, seconds: dict[str, float], collective: bool) -> dict[str, 
     for c in names.BADPUT_CATEGORIES:
         if c in parts and c != unknown_excess:
             out[names.SUM_BADPUT[c]] = parts[c]
+    if compiled and p.compiles is not None:  # recompilations after the warm-up: compile time, not steps
+        out[names.SUM_RECOMPILES] = float(p.compiles.recompiles)
     rates = p.meter.summary()
     tflops = None
     if rates is None or tokens == 0:  # no steady rate: a rate over no time, or of no counted token
