@@ -56,3 +56,13 @@ def test_no_straggler_where_the_ratio_is_undefined(ranks):
 def test_a_negative_time_is_one_line():
     with pytest.raises(ValueError, match=r"phase seconds \{'backward': -0.1\} on host 'b' are negative"):
         stragglers([rank("a", 0.1, 0.1, 0.1), rank("b", 0.1, -0.1, 0.1)])
+
+
+def test_each_ranks_data_wait_share_names_the_rank_that_waited_most():
+    from mlflow_llmeff.monitor.summary import data_wait_text
+
+    got = [{"data_wait_s": 1.0, "train_s": 20.0}, {"data_wait_s": 6.2, "train_s": 20.0}]
+    assert data_wait_text(got) == "rank 1 waited most: 0.31 of its step time; rank 0 0.05 (1 s), rank 1 0.31 (6.2 s)"
+    same = [{"data_wait_s": 0.0, "train_s": 4.0}, {"data_wait_s": 0.0, "train_s": 5.0}]
+    assert data_wait_text(same) == "every rank alike: rank 0 0 (0 s), rank 1 0 (0 s)"
+    assert data_wait_text([{"data_wait_s": 0.0, "train_s": 0.0}]) is None

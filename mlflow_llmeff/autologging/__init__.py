@@ -16,7 +16,11 @@ What is patched (``safe_patch``; once-per-run entry points only, so the per-call
   ``Accelerator.end_training`` (summary, on every rank);
 * ``torch.optim.Optimizer.__init__`` (arms discovery of the model a new optimizer trains);
 * ``torch.distributed.destroy_process_group`` (summary on every rank before the group goes);
-* ``mlflow.end_run`` (summary before the run the metrics go to ends; also at interpreter exit).
+* ``mlflow.end_run`` (summary before the run the metrics go to ends; also at interpreter exit);
+* ``torch.utils.data.DataLoader.__iter__`` and Accelerate's prepared loaders' ``__iter__`` (once an
+  epoch; not through ``safe_patch``, which returns the original's result: set on the classes and
+  restored by the cleanup callback): the iterator a loop gets times each batch it awaits as the
+  monitor's ``data_wait`` (:mod:`mlflow_llmeff.autologging.batches`; one pause a batch).
 
 Hot path (torch hooks, removed by the cleanup callback that ``revert_patches`` runs):
 
@@ -47,6 +51,7 @@ from contextlib import contextmanager
 
 from mlflow.utils.autologging_utils import autologging_integration, autologging_is_disabled, safe_patch
 
+from mlflow_llmeff.autologging.batches import ACCELERATE_LOADERS
 from mlflow_llmeff.autologging.hooks import INTEGRATION, _Session, _Settings
 
 __all__ = ["autolog", "INTEGRATION", "is_enabled", "active_monitor", "pause", "HIDDEN_FROM_AUTOLOG",
@@ -332,6 +337,18 @@ def _patch_transformers(module) -> None:
             safe_patch(INTEGRATION, module.Trainer, method, _paused(category))
 
 
+def _patch_accelerate_loaders(module) -> None:
+    """Time the batches a loop awaits from Accelerate's prepared loaders (``accelerate.data_loader``)."""
+    s = _session()
+    if s is None or "accelerate_loaders" in getattr(s, "patched", ()):
+        return
+    s.patched = getattr(s, "patched", set()) | {"accelerate_loaders"}
+    for name in ACCELERATE_LOADERS:
+        cls = getattr(module, name, None)
+        if cls is not None:
+            s.loaders.patch(cls)
+
+
 def _patch_accelerate(module) -> None:
     s = _session()
     if s is None or "accelerate" in getattr(s, "patched", ()):
@@ -424,12 +441,15 @@ def _install(session: _Session) -> None:
     if torch.distributed.is_available():
         safe_patch(INTEGRATION, torch.distributed, "destroy_process_group", _patched_destroy_process_group)
     safe_patch(INTEGRATION, fluent, "end_run", _patched_end_run)
+    session.loaders.patch(torch.utils.data.DataLoader)  # data waits; restored by the cleanup (teardown)
     if mlflow.end_run is not fluent.end_run:
         safe_patch(INTEGRATION, mlflow, "end_run", _patched_end_run)
     # Trainer and Accelerator are patched when their modules are imported (now, if they already are).
     register_post_import_hook(_patch_transformers, "transformers.trainer", overwrite=True)
     register_post_import_hook(_patch_accelerate, "accelerate.accelerator", overwrite=True)
-    for name, fn in (("transformers.trainer", _patch_transformers), ("accelerate.accelerator", _patch_accelerate)):
+    register_post_import_hook(_patch_accelerate_loaders, "accelerate.data_loader", overwrite=True)
+    for name, fn in (("transformers.trainer", _patch_transformers), ("accelerate.accelerator", _patch_accelerate),
+                     ("accelerate.data_loader", _patch_accelerate_loaders)):
         if name in sys.modules:
             fn(sys.modules[name])
     # A loop nobody ends (no end_run, end_training, destroy_process_group) is finished at exit with

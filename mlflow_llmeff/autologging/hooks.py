@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from mlflow.utils.autologging_utils import get_autologging_config, is_testing
 
 from mlflow_llmeff import names
+from mlflow_llmeff.autologging.batches import LoaderPatch
 
 log = logging.getLogger("mlflow_llmeff.autologging")  # the integration's logger, as before the split
 
@@ -74,6 +75,8 @@ class _Session:
         self.warned = False
         self.auto_eval = None  # the monitor whose automatic "eval" pause is open
         self.late = False  # autolog() came after the optimizer was built
+        self.fetching = False  # a loader's batch is being awaited (batches.py: an inner loader is not timed again)
+        self.loaders = LoaderPatch(self)  # the loaders' __iter__ patches (data waits), restored at teardown
 
     # -------------------------------------------------------------------------------- failures
     def fail(self, e: BaseException) -> None:
@@ -280,6 +283,7 @@ class _Session:
         except Exception as e:  # noqa: BLE001
             log.debug("finish at teardown failed", exc_info=e)
         self.disarm_discovery()
+        self.loaders.restore()
         for h in self.handles:
             try:
                 h.remove()

@@ -228,9 +228,29 @@ def _rank_times(p: Parts) -> dict:
     n = p.record.phase_steps
     timer = p.phases
     timed = [phase for phase, ok in timer.timed.items() if ok] if timer is not None else []
-    return {"host": socket.gethostname(), "steps": n,
-            "phases": {phase: p.record.phase_s[phase] / n for phase in timed} if n else {},
-            "step_s": p.record.phase_step_s / n if n else None}
+    out = {"host": socket.gethostname(), "steps": n,
+           "phases": {phase: p.record.phase_s[phase] / n for phase in timed} if n else {},
+           "step_s": p.record.phase_step_s / n if n else None}
+    if p.ledger is not None:  # this rank's data wait and step seconds, all attempts (llmeff.data_wait.ranks)
+        seconds = p.ledger.seconds
+        out.update(data_wait_s=seconds["warmup_data_wait"] + seconds["steady_data_wait"], train_s=p.ledger.train_s())
+    return out
+
+
+def data_wait_text(got: list[dict]) -> str | None:
+    """``llmeff.data_wait.ranks``: each rank's data wait as a share of its step seconds (fraction in [0, 1])
+    and in seconds, and the rank that waited most when the shares differ (``rank 1 waited most: 0.31 of
+    its step time; rank 0 0.05 (1 s), rank 1 0.31 (6.2 s)``); None when a rank has no step seconds.
+    ``got``: every rank's :func:`_rank_times` (``data_wait_s``, ``train_s``)."""
+    shares = [(r, g["data_wait_s"] / g["train_s"], g["data_wait_s"]) for r, g in enumerate(got)
+              if g.get("train_s") and "data_wait_s" in g]
+    if not shares or len(shares) < len(got):  # a rank without its seconds: no comparison
+        return None
+    each = ", ".join(f"rank {r} {share:.2g} ({wait:.3g} s)" for r, share, wait in shares)
+    r, share, _ = max(shares, key=lambda x: x[1])
+    if share == min(x[1] for x in shares):
+        return f"every rank alike: {each}"
+    return f"rank {r} waited most: {share:.2g} of its step time; {each}"
 
 
 def _ms(x: float) -> str:
@@ -244,6 +264,9 @@ def straggler_figures(p: Parts) -> dict[str, float]:
     from mlflow_llmeff.calc.stragglers import RankTimes, stragglers
 
     got = collectives.all_gather_object(_rank_times(p))
+    waits = data_wait_text(got)  # summary/badput_data_wait_s is rank 0's: each rank's share beside it
+    if waits:
+        p.record.stability_tags[names.DATA_WAIT_RANKS] = waits
     idle = [str(r) for r, g in enumerate(got) if not g["steps"]]
     keys = (names.SUM_STRAGGLER_RATIO, *names.SUM_PHASE_STRAGGLER.values())
     if idle:  # a ratio over a rank with no timed step is undefined, never 1.0
