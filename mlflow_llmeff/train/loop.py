@@ -459,14 +459,14 @@ def loss_shares(micro: list, world: int, dp: int):
         ``(shares, dp)``: one 0-d tensor per micro-batch, ``n_i / N`` (``N``: the step's loss-bearing tokens
         over every micro-batch and data-parallel rank, at least 1), and ``dp``. A micro-batch's mean loss x
         ``n_i / N`` x ``dp`` summed over this rank's micro-batches is the step loss this rank reports: its
-        mean over ranks is the token-weighted loss of the step. With more than one process ``N`` is one
-        all-reduce of a scalar per step (no host sync).
+        mean over ranks is the token-weighted loss of the step. With more than one data-parallel rank ``N`` is
+        one all-reduce of a scalar per step (8 bytes; no host sync).
     """
     import torch
 
     n = torch.stack([_loss_tokens(b).to(torch.float64) for b in micro])  # (grad_accum,)
     total = n.sum()
-    if world > 1:
+    if dp > 1:  # (dp = 1: the ranks are tensor-parallel copies holding the same micro-batches)
         import torch.distributed as dist
 
         dist.all_reduce(total)  # every rank's micro-batches; tensor-parallel copies counted world/dp times
