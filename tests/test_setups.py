@@ -90,6 +90,27 @@ def test_an_fp8_run_names_its_denominator_and_logs_the_bf16_figure_beside_it(mon
     assert tags[names.PEAK_PRECISION] == precision and tags[names.PEAK_TFLOPS] == f"{peak:g}"
 
 
+GB300 = hw.AcceleratorInfo("NVIDIA GB300", "GB300", 1, 279.0, "Blackwell", None, "13.0", "cuda")
+
+
+def test_an_fp4_run_divides_by_the_fp4_peak_and_logs_the_bf16_figure_beside_it(monkeypatch, tracking_uri):
+    # GB300's dense NVFP4 15,000 TFLOP/s and BF16 2,500 (meters/hardware.py, its datasheet row)
+    monkeypatch.setattr(hw, "detect_accelerator", lambda **kw: GB300)
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model_config=load_config("llama-tiny"),
+                            precision="fp4", clock=clock, measure_energy="none", measure_peak=False,
+                            device_hour_usd=0.0)
+    per_step = 30e12 * 0.5 / 676_992  # 30 TFLOP/s per device
+    for _ in range(2):
+        clock.t += 0.5
+        mon.step(tokens=per_step, samples=per_step / 32, sum_len_sq=per_step * 32)
+    s = mon.finish()
+    assert s[names.SUM_MFU] == pytest.approx(30 / 15000, rel=1e-5)           # 0.002 against the FP4 peak
+    assert s[names.SUM_MFU_BF16_PEAK] == pytest.approx(30 / 2500, rel=1e-5)  # 0.012 on the one scale
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert (tags[names.PRECISION], tags[names.PEAK_PRECISION], tags[names.PEAK_TFLOPS]) == ("fp4", "fp4", "15000")
+
+
 def test_without_a_peak_no_precision_tag_and_no_bf16_figure(tracking_uri):
     clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, model_config=load_config("llama-tiny"), clock=clock,

@@ -37,7 +37,7 @@ __all__ = ["PRECISIONS", "assumed_tag", "assumed_line", "check_args", "replicati
            "stop_meters", "state", "resume"]
 
 #: Compute precisions the monitor accepts (the ``llmeff.precision`` tag).
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp4")  # fp4: NVFP4/MXFP4 matmuls, against the FP4 peak
 
 
 def check_args(log_every_n_steps, warmup_steps, precision, measure_energy, energy_meter, peak_tflops,

@@ -94,7 +94,7 @@ class RunFacts:
 
 
 #: llmeff.precision -> MLPerf's lowest_numerical_precision_in_linear values.
-_PRECISION = {"fp8": "fp8", "bf16": "bfloat16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32"}
+_PRECISION = {"fp4": "fp4", "fp8": "fp8", "bf16": "bfloat16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32"}
 
 
 def events(f: RunFacts) -> list[tuple[str, str, object, dict, int]]:
