@@ -259,6 +259,11 @@ def test_trainer_evaluate_is_eval_time_and_its_loss_reaches_time_to_quality(trac
     assert m[names.SUM_BADPUT["eval"]] > 0
     assert parts_add_up(m) == pytest.approx(m[names.SUM_WALL_S], rel=1e-9)
     assert run.data.tags["llmeff.ttq.val_loss_le_100"] == "reached_at_step_2"
+    # transformers' Llama takes loss kwargs: the Trainer passes num_items_in_batch, across devices by default
+    assert trainer.model_accepts_loss_kwargs and args.average_tokens_across_devices
+    assert run.data.tags[names.LOSS_WEIGHTING] == (
+        "token-weighted: transformers' Trainer passes num_items_in_batch (loss-bearing tokens of the step's "
+        "micro-batches, counted across devices)")
     # the learning rate of each logged step is the one that step used, as the Trainer logs it
     theirs = {e["step"]: e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e}
     ours = {p.step: p.value for p in mlflow.MlflowClient().get_metric_history(run.info.run_id, names.TRAIN_LR)}
@@ -358,3 +363,21 @@ def test_a_micro_batch_size_that_varies_drops_the_global_batch_but_keeps_the_len
                                names.MICRO_BATCH_SIZE_RANGE: "1-2", names.GRAD_ACCUM: "1",
                                names.GLOBAL_BATCH_TOKENS: "dynamic"}
     assert run.info.run_name == "llama-sgd-single-fp32-s25-cpu"
+
+
+def test_a_trainer_model_without_loss_kwargs_is_said_to_average_micro_batch_means():
+    from mlflow_llmeff.autologging import _trainer_loss_weighting
+
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids, labels=None):  # no **kwargs: the Trainer cannot pass num_items_in_batch
+            return input_ids
+
+    class Says(Plain):
+        accepts_loss_kwargs = False
+
+    class Args:
+        average_tokens_across_devices = True
+
+    assert _trainer_loss_weighting(Args(), Plain()).startswith("mean of micro-batch means: the model's forward")
+    assert _trainer_loss_weighting(Args(), Says()).startswith("mean of micro-batch means")
+    assert _trainer_loss_weighting(Args(), tiny_model()).endswith("counted across devices)")

@@ -247,6 +247,32 @@ def _trainer_origin(args) -> str:
     return f"transformers Trainer optim={getattr(optim, 'value', optim) if optim is not None else 'unknown'}"
 
 
+def _trainer_loss_weighting(args, model) -> str:
+    """``llmeff.loss.weighting`` of a Trainer run, as transformers' Trainer decides it (``trainer.py``,
+    ``model_accepts_loss_kwargs``: the unwrapped model's ``accepts_loss_kwargs``, else a ``**kwargs``
+    forward; ``_get_num_items_in_batch``: across devices with ``average_tokens_across_devices``)."""
+    import inspect
+
+    inner = model
+    for attr in ("module", "base_model", "model"):  # DDP/FSDP, then peft's wrappers
+        if hasattr(inner, "accepts_loss_kwargs") or not hasattr(inner, attr):
+            break
+        inner = getattr(inner, attr)
+    accepts = getattr(inner, "accepts_loss_kwargs", None)
+    if accepts is None:
+        try:
+            accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD
+                          for p in inspect.signature(inner.forward).parameters.values())
+        except (TypeError, ValueError, AttributeError):
+            return "unknown: the model's forward could not be read"
+    if not accepts:
+        return ("mean of micro-batch means: the model's forward takes no loss kwargs, so transformers' Trainer "
+                "passes no num_items_in_batch")
+    across = bool(getattr(args, "average_tokens_across_devices", False))
+    return ("token-weighted: transformers' Trainer passes num_items_in_batch (loss-bearing tokens of the step's "
+            f"micro-batches{', counted across devices' if across else ', on each device'})")
+
+
 def _trainer_callbacks():
     """Our TrainerCallback classes (defined on first use: importing transformers is slow)."""
     global _TRAINER_CALLBACKS
@@ -277,6 +303,7 @@ def _trainer_callbacks():
                                           start_step=int(state.global_step), integration="trainer", track_loss=False,
                                           started_at=getattr(s, "trainer_started", None),
                                           optimizer_origin=_trainer_origin(args), **s.settings.monitor_kwargs())
+            s.monitor.set_tags({names.LOSS_WEIGHTING: _trainer_loss_weighting(args, model)})
             _name_trainer_run(args, s.monitor, getattr(self, "trainer_callbacks", ()))
 
         def on_step_begin(self, args, state, control, optimizer=None, **kwargs):

@@ -247,6 +247,8 @@ def run_tags(spec: RunSpec, data_kind: str) -> dict[str, str]:
             names.GLOBAL_BATCH_TOKENS: spec.tags()[names.GLOBAL_BATCH_TOKENS], **spec.degrees.tags(),
             names.DATASET: dataset_label(cfg.dataset), names.DATASET_KIND: data_kind, names.TOKENIZER: tokenizer_name(cfg.model),
             names.EVAL_BATCH_SIZE: str(cfg.micro_batch_size),  # evaluate.py scores micro_batch_size sequences a pass
+            names.LOSS_WEIGHTING: ("token-weighted: llmeff train divides each step's summed loss by its loss-bearing "
+                                   "tokens over every micro-batch and data-parallel rank (loss_shares)"),
             names.GIT_COMMIT: git_commit(os.path.dirname(os.path.abspath(__file__)))}
     if cfg.eval_tasks:
         tags[names.EVAL_NUM_FEWSHOT] = str(cfg.eval_num_fewshot)
