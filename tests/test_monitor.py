@@ -603,3 +603,19 @@ def test_a_pause_of_an_unknown_category_raises_and_the_next_pause_counts_alone(t
     s = mon.finish()
     assert s[names.SUM_BADPUT["eval"]] == pytest.approx(2.0)  # the refused pause left nothing open
     assert s[names.SUM_STEPS] == 2
+
+
+def test_threads_and_cpu_affinity_are_conditions_of_every_run(tracking_uri):
+    import os
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, measure_energy="none", measure_peak=False,
+                                clock=FakeClock())
+        mon.finish()
+    finally:
+        torch.set_num_threads(before)
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
+    assert tags[names.THREADS] == f"intra-op 1, inter-op {torch.get_num_interop_threads()}"
+    assert tags[names.CPU_AFFINITY] == f"{len(os.sched_getaffinity(0))} of {os.cpu_count()}"

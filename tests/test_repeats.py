@@ -562,3 +562,22 @@ def test_goodput_across_repeats_has_a_t_interval_clipped_at_1_and_one_run_says_s
     runs = [good("a", 0.5), good("b", 0.6), good("c", 0.7)]
     page = to_html(build_report(None, Selection("1", "g", "", runs), plots=False))
     assert "<td class='w' data-v='0.6'" in page and ">0.60<br>[0.35, 0.85]</td>" in page
+
+
+def test_scaling_between_different_threads_per_process_is_refused_in_one_line():
+    # a trial: one process with torch's 2 threads against 2 DDP processes of 1 thread each read a scaling
+    # efficiency of 7.44 on a 2-core machine; the ratio measured threads, not scaling
+    from mlflow_llmeff.report.render import Report, scaling_lines
+
+    one = run("a", 1, 100.0, 99, 101, **{names.THREADS: "intra-op 2, inter-op 2"})
+    two = run("b", 2, 190.0, 189, 191, **{names.THREADS: "intra-op 1, inter-op 1"})
+    row, = scaling_efficiency([one, two])
+    assert row.refused and math.isnan(row.efficiency) and row.low is None
+    rep = Report.__new__(Report)
+    rep.scaling = [row]
+    assert scaling_lines(rep) == [
+        f"{row.group}: run-b (2 devices) vs baseline run-a (1): no scaling efficiency: intra-op 1, inter-op 1 "
+        "threads a process against intra-op 2, inter-op 2 (llmeff.threads): a process's speed moves with its "
+        "threads, so the ratio would not be scaling; run both with the same OMP_NUM_THREADS"]
+    same = run("c", 2, 190.0, 189, 191, **{names.THREADS: "intra-op 2, inter-op 2"})
+    assert scaling_efficiency([one, same])[0].efficiency == pytest.approx(0.95)

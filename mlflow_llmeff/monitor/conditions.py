@@ -161,6 +161,19 @@ def model_tags(model, config) -> dict[str, str]:
     return tags
 
 
+def thread_tags() -> dict[str, str]:
+    """``llmeff.threads`` and ``llmeff.cpu.affinity`` of this process (measurement conditions: a CPU run's
+    speed per process moves with its threads; a DDP run on one host divides the cores among its processes)."""
+    import torch
+
+    out = {names.THREADS: f"intra-op {torch.get_num_threads()}, inter-op {torch.get_num_interop_threads()}"}
+    try:
+        out[names.CPU_AFFINITY] = f"{len(os.sched_getaffinity(0))} of {os.cpu_count()}"
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        out[names.CPU_AFFINITY] = f"unknown of {os.cpu_count()}"
+    return out
+
+
 def condition_tags(*, accelerator, world: int, strategy: str, precision: str, model, config, flops_note: str,
                    peak_tflops: float | None, peak_source: str, measured_peak_note: str, warmup_steps: int,
                    energy_source: str, energy_why: str | None, integration: str, compiled: bool,
@@ -191,6 +204,7 @@ def condition_tags(*, accelerator, world: int, strategy: str, precision: str, mo
     if flops_method is not None:
         tags[names.FLOPS_METHOD] = flops_method
     tags.update(model_tags(model, config))
+    tags.update(thread_tags())
     if model is not None:  # the levers read off the built model (llmeff.optimizer needs states: later)
         try:
             tags.update({names.ATTENTION: attention_tag(unwrap_model(model)), names.WEIGHTS: weights_tag(model)})

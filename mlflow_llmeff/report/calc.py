@@ -72,7 +72,7 @@ class RunRecord:
 CONDITION_TAGS = (names.ACCEL_SHORT, names.ACCEL_COUNT, names.NODES, names.PAR_STRATEGY, names.PRECISION,
                   names.MODEL_NAME, names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM,
                   names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.OPTIMIZER, names.ATTENTION, names.WEIGHTS,
-                  names.ENERGY_SOURCE, names.DATASET,
+                  names.THREADS, names.CPU_AFFINITY, names.ENERGY_SOURCE, names.DATASET,
                   names.FLOPS_FORMULA, names.PEAK_SOURCE, names.EVAL_BATCH_SIZE, names.EVAL_NUM_FEWSHOT,
                   names.EVAL_DOCUMENTS, names.V_LLMEFF)
 

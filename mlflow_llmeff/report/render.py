@@ -197,6 +197,10 @@ def scaling_lines(rep: Report) -> list[str]:
     baseline configuration, and a flag naming what could explain a value above 1.05."""
     out = []
     for s in rep.scaling:
+        if s.refused:
+            out.append(f"{s.group}: {s.name} ({s.devices} devices) vs baseline {s.baseline_name} "
+                       f"({s.baseline_devices}): no scaling efficiency: {s.refused}")
+            continue
         if s.low is None:
             interval = " (no interval)"
         else:

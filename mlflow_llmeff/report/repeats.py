@@ -51,7 +51,7 @@ CONFIG_TAGS = (names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.NOD
                names.PAR_STRATEGY, names.PAR_DP, names.PAR_DP_SHARD, names.PAR_DP_REPLICATE, names.PAR_TP, names.PAR_PP, names.PAR_CP, names.PRECISION,
                names.MODEL_NAME, names.MODEL_PARAMS, names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM,
                names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.OPTIMIZER, names.ATTENTION, names.WEIGHTS,
-               names.DATASET, names.FLOPS_FORMULA, names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
+               names.THREADS, names.CPU_AFFINITY, names.DATASET, names.FLOPS_FORMULA, names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
                names.V_LLMEFF)
 
 #: Scaling efficiency above this is flagged (docs/compare.md, "Scaling efficiency").
@@ -500,6 +500,8 @@ class ScalingRow:
             (a side's batch shape varied within its runs, ``llmeff.global_batch_tokens=dynamic``: neither
             can be told) or ``batch differs``.
         flags: why a value above :data:`SUPERLINEAR` may not be real (empty otherwise).
+        refused: why no efficiency is computed (the two sides ran different threads per process:
+            ``llmeff.threads``); ``efficiency`` is then NaN. Empty otherwise.
     """
 
     group: str
@@ -516,6 +518,7 @@ class ScalingRow:
     high: float | None
     kind: str
     flags: tuple[str, ...] = ()
+    refused: str = ""
 
     @property
     def run_id(self) -> str:
@@ -599,6 +602,15 @@ def _scale_group(members: list[Configuration], baseline: str | None, label: str)
         if c is base or c.devices == n0:  # same device count: no scaling to measure
             continue
         t, n = c.estimate(names.SUM_TOKENS_PER_SEC), c.devices
+        threads, threads0 = c.tag(names.THREADS), base.tag(names.THREADS)
+        if threads and threads0 and threads != threads0:  # the ratio would measure threads, not scaling
+            rows.append(ScalingRow(label, c.label, base.label, tuple(r.run_id for r in c.used),
+                                   tuple(r.run_id for r in base.used), n, n0, t, t0, float("nan"), None, None,
+                                   _kind(c, base), (), refused=(
+                                       f"{threads} threads a process against {threads0} (llmeff.threads): a "
+                                       "process's speed moves with its threads, so the ratio would not be scaling; "
+                                       "run both with the same OMP_NUM_THREADS")))
+            continue
         eff = t.mean / (t0.mean * n / n0)
         low = high = None
         if t.has_interval and t0.has_interval and t0.high > 0:
