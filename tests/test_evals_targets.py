@@ -32,7 +32,7 @@ def test_empty_spec_is_no_target():
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("hellaswag/acc_norm>0.3", "target 'hellaswag/acc_norm>0.3' is not accepted; write metric>=value"),
+    ("hellaswag/acc_norm>0.3", "target 'hellaswag/acc_norm>0.3' is not accepted; write metric=value"),
     ("acc>=0.3", "target 'acc>=0.3' names unknown metric 'acc'; .*hellaswag/acc_norm"),
     ("mmlu_cooking/acc>=0.3", "unknown metric 'mmlu_cooking/acc'"),
     ("val_loss<=low", "non-numeric value 'low'"),
@@ -64,13 +64,14 @@ def test_plain_decimal_values_are_accepted_in_canonical_form(written, threshold,
                                      "+-1", "--1", "1.2.3", "١", "0b1", "5%"])
 def test_values_that_are_not_plain_decimal_numbers_are_rejected(written):
     with pytest.raises(ValueError, match=rf"^target 'val_loss<={re.escape(written)}' has non-numeric value "
-                                         rf"'{re.escape(written)}'; write metric>=value or metric<=value with value "
+                                         rf"'{re.escape(written)}'; write metric=value \(<= for a loss or perplexity, >= for an accuracy\), "
+                                         r"metric>=value or metric<=value with value "
                                          r"a plain decimal number"):
         parse_targets(f"val_loss<={written}")
 
 
 def test_an_empty_value_is_rejected():
-    with pytest.raises(ValueError, match=r"^target 'val_loss<=' is not accepted; write metric>=value"):
+    with pytest.raises(ValueError, match=r"^target 'val_loss<=' is not accepted; write metric=value"):
         parse_targets("val_loss<=")
 
 
@@ -107,9 +108,12 @@ def test_the_equals_form_reads_a_loss_as_at_most_and_an_accuracy_as_at_least(spe
     assert t.op == op and str(t) == spec.replace("=", op)
 
 
-def test_the_equals_form_is_refused_where_it_is_not_asked_for_or_the_direction_is_unknown():
+def test_one_grammar_everywhere_and_the_equals_form_refused_where_the_direction_is_unknown():
+    # a trial: llmeff study --target val_loss=3.0 was accepted where llmeff train --targets val_loss=3.0 was refused
+    assert [str(t) for t in parse_targets("val_loss=3.0")] == ["val_loss<=3.0"]  # llmeff train --targets
+    assert [str(t) for t in parse_targets("hellaswag/acc_norm=0.3", any_metric=True)] == ["hellaswag/acc_norm>=0.3"]
     with pytest.raises(ValueError, match=r"^target 'val_loss=3.0' is not accepted; write metric>=value"):
-        parse_targets("val_loss=3.0")
+        parse_targets("val_loss=3.0", equals=False)
     with pytest.raises(ValueError, match=r"^target metric 'bleu' is unknown, so 'metric=value' cannot say whether "
                                          r"to reach it from above or below; write metric=value"):
         parse_targets("bleu=0.3", equals=True)

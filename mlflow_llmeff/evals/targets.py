@@ -119,7 +119,7 @@ def better_direction(metric: str) -> str:
                      f"above or below; {_ACCEPTED_EQUALS}")
 
 
-def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = False) -> list[Target]:
+def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = True) -> list[Target]:
     """Parse a comma-separated target list; ``None`` or ``""`` gives ``[]``.
 
     A value must be a plain decimal number: optional sign, then digits with an optional ``.digits``
@@ -132,7 +132,9 @@ def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = 
         any_metric: accept any metric name (letters, digits, ``_ . - /``), e.g. one a loop reports
             with ``EfficiencyMonitor.log_eval``; False (``llmeff train``) accepts the evals it runs.
         equals: also accept ``metric=value`` for a metric :func:`better_direction` knows, read as
-            ``val_loss<=value`` for a loss and ``acc>=value`` for an accuracy (``llmeff study --target``).
+            ``val_loss<=value`` for a loss and ``acc>=value`` for an accuracy: one grammar for
+            ``llmeff train --targets``, ``llmeff study --target``, ``autolog(targets=)`` and the monitor
+            (the default; False accepts the two explicit forms only).
 
     Raises:
         ValueError: one line naming the bad target and the accepted metrics, operators and values.
@@ -142,14 +144,14 @@ def parse_targets(spec: str | None, *, any_metric: bool = False, equals: bool = 
     if ";" in spec:
         raise ValueError(f"targets {spec!r} use ';'; separate targets with commas, e.g. "
                          f"'val_loss<=1.9,hellaswag/acc_norm>=0.30'")
-    accepted = _ACCEPTED_EQUALS if equals and not any_metric else _ACCEPTED
+    accepted = _ACCEPTED_EQUALS if equals else _ACCEPTED
     out: list[Target] = []
     for part in spec.split(","):
         given = part.strip()  # quoted in an error as written, not as ``metric=value`` was read
         if not given:
             raise ValueError(f"targets {spec!r} hold an empty target (a comma too many); {accepted}")
         m = (_ANY_TARGET_RE if any_metric else _TARGET_RE).match(part)
-        bare = _EQUALS_RE.match(part) if equals and not m and not any_metric else None
+        bare = _EQUALS_RE.match(part) if equals and not m else None
         if bare:
             metric, written = bare.groups()
             part = f"{metric}{better_direction(metric)}{written}"
