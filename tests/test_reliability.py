@@ -544,3 +544,42 @@ def test_a_short_attempts_set_up_is_in_its_recovery_before_it_ends(tmp_path):
     r = rel.compute(job.attempts(step=5, end=rel.FINISHED))
     assert r.recovery_parts_s["setup"] == 5.0
     assert r.recovery_s == pytest.approx((110.0 - 104.0) + 5.0 + 2.0)  # down, set-up, 2 warm-up steps
+
+
+@pytest.mark.slow
+def test_a_job_killed_between_its_final_checkpoint_and_its_runs_end_is_closed_by_its_rerun(tmp_path, tracking_uri):
+    # issue 52: the rerun said 'already the end of this run; nothing to do' and the run stayed RUNNING for ever
+    import subprocess
+    import sys
+
+    import mlflow
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.train import faults
+
+    from test_train_e2e import env_for, only_run
+
+    ck = tmp_path / "ck"
+    args = [sys.executable, "-m", "mlflow_llmeff", "train", "--model", "llama-tiny", "--dataset", "synthetic",
+            "--max-steps", "4", "--seq-len", "32", "--micro-batch-size", "2", "--log-every-n-steps", "2",
+            "--checkpoint-every", "2", "--warmup-steps", "1", "--measure-energy", "none", "--checkpoint-dir", str(ck)]
+
+    def train(extra):
+        return subprocess.run(args, cwd=tmp_path, env={**env_for(tracking_uri), **extra}, capture_output=True,
+                              text=True, timeout=300)
+
+    first = train({faults.ENV["kill_at_step"]: "4"})  # SIGKILL after the final checkpoint (step 4), before the end
+    assert first.returncode == -9 and (ck / "step_00000004").is_dir(), first.stderr[-2000:]
+    mlflow.set_tracking_uri(tracking_uri)
+    assert only_run().info.status == "RUNNING"
+    second = train({})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "nothing to do" not in second.stdout
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    m = run.data.metrics
+    assert (m[names.SUM_ATTEMPTS], m[names.SUM_FAILURES], m[names.SUM_STEPS]) == (2.0, 1.0, 4.0)
+    assert run.data.tags[names.RELIABILITY].startswith("2 attempts, 1 failure (no exit record (killed or lost) at step 4)")
+    third = train({})  # the job finished: its final checkpoint is now the end, nothing to do
+    assert third.returncode == 0 and "nothing to do" in third.stdout
+    assert only_run().data.metrics[names.SUM_ATTEMPTS] == 2.0

@@ -101,8 +101,10 @@ def _run_training(spec: RunSpec, holder: dict, started: float, start_unix: float
             print(f"llmeff: removed the half-written checkpoint {name} left by an interrupted save")
     t.accelerator.wait_for_everyone()
     found = ckpt.find_resume(cfg.checkpoint_dir, cfg.resume, t.world, cfg.parallelism)
-    if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")):
+    if found and (found[1]["step"] >= cfg.max_steps or found[1].get("stopped_at_targets")) and not _unclosed(cfg):
         return _already_done(cfg, t, found)
+    # (a job killed after its final checkpoint, before its run was closed, goes on: this attempt trains no step
+    # and closes the run, FINISHED with every attempt counted, instead of leaving it RUNNING for ever)
     job, job_run = _begin_attempt(cfg, t, found, holder, start_unix)
     preemption = preempt.watch(cfg, t, holder)
     if job is not None:  # an elastic restart starts at its own process start, not the launcher's
@@ -603,6 +605,16 @@ def _why(e: BaseException, step: int) -> str:
         return (f"out of memory at step {step} ({first}); a smaller micro_batch_size with more grad_accum, "
                 "activation_checkpointing=true, bf16, or more devices with fsdp need less (see llmeff plan)")
     return error_line(e)
+
+
+def _unclosed(cfg: TrainConfig) -> bool:
+    """True when the job in ``cfg.checkpoint_dir`` has attempts on record (train/job.py) and its last one did
+    not finish: its final checkpoint was written, then it was killed before its run was closed. Every rank
+    reads the same folder (the checkpoint folder is shared, as resuming needs)."""
+    from mlflow_llmeff.train import job as jobs
+
+    job = jobs.Job(cfg.checkpoint_dir)
+    return any(e.get("event") == "start" for e in job.events()) and not job.finished()
 
 
 def _already_done(cfg: TrainConfig, t, found) -> dict | None:
