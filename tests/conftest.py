@@ -101,6 +101,19 @@ def require(module: str, how: str = ""):
         pytest.skip(why, allow_module_level=True)
 
 
+def require_peft():
+    """peft for the LoRA tests, from its own folder (``$LLMEFF_PEFT_DIR``, else ``.venv/peft``: .ci/run installs it
+    there, not in the venv, where transformers would import it and bitsandbytes in every process) put on
+    ``sys.path``, or from the environment; :func:`require`'s rules when it is in neither."""
+    import os
+    import sys
+
+    folder = os.environ.get("LLMEFF_PEFT_DIR", str(REPO / ".venv" / "peft"))
+    if os.path.isdir(folder) and folder not in sys.path:
+        sys.path.append(folder)  # after the venv: its torch, transformers and accelerate stay first
+    return require("peft", "pip install 'mlflow-llmeff[lora]' (CI: --target .venv/peft)")
+
+
 def use_store(uri: str, monkeypatch):
     """Point MLflow at ``uri`` for one test (also exported for subprocesses); a generator for fixtures."""
     import mlflow

@@ -33,9 +33,9 @@ from mlflow_llmeff import names
 from mlflow_llmeff.calc import flops as fl
 from mlflow_llmeff.models.build import load_config
 
-from conftest import require, use_store
+from conftest import require_peft, use_store
 
-peft = require("peft", "pip install 'mlflow-llmeff[lora]'")
+peft = require_peft()
 
 LORA = lambda s: 438_016 + 768 * s  # noqa: E731 - the hand count above
 FULL = lambda s: 652_416 + 768 * s  # noqa: E731

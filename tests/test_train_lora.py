@@ -10,7 +10,7 @@ import pytest
 from mlflow_llmeff import names
 from mlflow_llmeff.train.config import TrainConfig, validate
 
-from conftest import require
+from conftest import require_peft
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ TRAINABLE, PARAMS = 3_584, 129_216  # adapters' weights: q 512 + 512, v 512 + 25
 
 @pytest.fixture(scope="module")
 def lora_run(module_store):
-    require("peft", "pip install 'mlflow-llmeff[lora]'")
+    require_peft()
     from mlflow_llmeff.train.loop import run_training
 
     with pytest.MonkeyPatch.context() as mp:
