@@ -583,3 +583,46 @@ def test_a_job_killed_between_its_final_checkpoint_and_its_runs_end_is_closed_by
     third = train({})  # the job finished: its final checkpoint is now the end, nothing to do
     assert third.returncode == 0 and "nothing to do" in third.stdout
     assert only_run().data.metrics[names.SUM_ATTEMPTS] == 2.0
+
+
+@pytest.mark.slow
+def test_sigterm_to_llmeff_train_ends_its_whole_process_tree_and_the_run_keeps_its_points(tmp_path, tracking_uri):
+    # issue 52: SIGTERM (scancel, a Kubernetes pod's stop) to `llmeff train --num-processes 2` ended the launcher
+    # alone; its torch elastic agent and both workers went on
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import mlflow
+    import psutil
+
+    from mlflow_llmeff import names
+
+    from test_train_e2e import env_for
+
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow_llmeff", "train", "--num-processes", "2", "--max-steps",
+                             "100000", "--log-every-n-steps", "2", "--seq-len", "32", "--micro-batch-size", "2",
+                             "--measure-energy", "none", "--measure-comm", "false"],
+                            cwd=tmp_path, env={**env_for(tracking_uri), "ACCELERATE_USE_CPU": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mlflow.set_tracking_uri(tracking_uri)
+    client, run, tree = mlflow.MlflowClient(), None, []
+    deadline = time.time() + 240
+    while time.time() < deadline:  # until the run has logged steps from both workers' job
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        run = runs[0] if runs else None
+        if run is not None and run.data.metrics.get(names.TRAIN_TOKENS, 0) > 0:
+            break
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(1.0)
+    assert run is not None and run.data.metrics.get(names.TRAIN_TOKENS, 0) > 0
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert len(tree) >= 3  # torch elastic's agent and the two workers (and their helpers)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert alive == [], [p.cmdline() for p in alive]
+    run = client.get_run(run.info.run_id)
+    assert run.info.status in ("KILLED", "FAILED")
+    assert client.get_metric_history(run.info.run_id, names.TRAIN_TOKENS)  # its points were kept

@@ -130,7 +130,10 @@ class FakePopen:
     def __init__(self, lines, code):
         self.lines, self.code = lines, code
 
-    def __call__(self, cmd, *, env, stderr, text, bufsize):
+    pid = -1  # no process group to signal
+
+    def __call__(self, cmd, *, env, stderr, text, bufsize, start_new_session):
+        assert start_new_session  # the child heads a group of its own: a stop signal reaches all of it
         FakePopen.seen.append((cmd, env))
         self.stderr = iter(self.lines)
         return self
@@ -141,7 +144,7 @@ class FakePopen:
     def __exit__(self, *exc):
         return False
 
-    def wait(self):
+    def wait(self, timeout=None):
         return self.code
 
 

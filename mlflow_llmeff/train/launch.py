@@ -150,13 +150,78 @@ def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own
     # the scheduler's warning signal must not end this launcher: it is recorded for the workers to agree on a stop
     caught = preempt.forward_to_file(cfg.checkpoint_dir)
     try:
-        rc = subprocess.run([cmd[0], "-m", "mlflow_llmeff.train.elastic", failures_path, *cmd[2:]], env=env).returncode
+        rc = run_tree([cmd[0], "-m", "mlflow_llmeff.train.elastic", failures_path, *cmd[2:]], env=env)
     finally:
         preempt.restore(caught)
     if job:  # how the attempt ended where rank 0 could not say (killed, or stopped after another rank was lost)
         jobs.Job(cfg.checkpoint_dir).close_open(rc, elastic.read_failures(failures_path))
     if rc == 0 and cfg.checkpoint_dir and _last_end(cfg.checkpoint_dir) == "preempted":
         return _after_preemption(cfg)
+    return rc
+
+
+#: Seconds the launcher's process tree has, after a SIGTERM or SIGINT reached the launcher, to end on its own
+#: (the workers end their runs KILLED with their points flushed; torch elastic stops its workers) before
+#: the launcher kills what is left of it.
+STOP_GRACE_S = 20.0
+
+
+def run_tree(cmd: list[str], env: dict[str, str], grace_s: float = STOP_GRACE_S, **popen) -> int:
+    """Run ``cmd`` as the head of a process group of its own and return its exit status; a SIGTERM or
+    SIGINT this process receives (``scancel``, a Kubernetes pod's stop, Ctrl-C) goes to the whole group
+    (the elastic agent and every worker, as SLURM signals every process of a step), and whatever of the
+    group is still alive ``grace_s`` seconds later is killed (SIGKILL), so no launcher or worker outlives
+    ``llmeff train``. Without a signal it is ``subprocess.run``. ``popen``: more ``subprocess.Popen``
+    arguments (``stderr=PIPE`` for a caller that reads it through :func:`read_tree`)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+    return read_tree(proc, grace_s)
+
+
+def read_tree(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S, on_line=None) -> int:
+    """Wait for ``proc`` (the head of its own process group, :func:`run_tree`), forwarding SIGTERM and SIGINT
+    to its group and killing the group ``grace_s`` seconds after one came; ``on_line`` takes each line of
+    its piped stderr meanwhile. Returns its exit status."""
+    import signal
+    import threading
+
+    stopping: dict[str, float] = {}
+
+    def forward(signum, frame):  # noqa: ARG001
+        stopping.setdefault("at", time.monotonic())
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, forward)
+    reader = None
+    if on_line is not None and proc.stderr is not None:
+        reader = threading.Thread(target=lambda: [on_line(line) for line in proc.stderr], daemon=True)
+        reader.start()
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if "at" in stopping and time.monotonic() - stopping["at"] > grace_s:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "at" in stopping:  # the rest of the group (workers the agent left) goes with it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if reader is not None:
+        reader.join(timeout=5)
     return rc
 
 
@@ -205,13 +270,16 @@ def _train_in_own_process(spec: RunSpec, started_unix: float) -> int:
         ValueError: the child's one-line error (exit code 2: bad settings; others: the line as printed).
     """
     cmd, env = own_process_command(spec, started_unix)
-    last = None
-    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1) as proc:
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            if line.startswith("error: "):
-                last = line[len("error: "):].rstrip("\n")
-        rc = proc.wait()
+    said: list[str] = []
+
+    def on_line(line: str) -> None:
+        sys.stderr.write(line)
+        if line.startswith("error: "):
+            said.append(line[len("error: "):].rstrip("\n"))
+
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True) as proc:
+        rc = read_tree(proc, on_line=on_line)
+    last = said[-1] if said else None
     if rc != 0 and last:
         raise ChildError(last, rc)
     return rc
