@@ -606,6 +606,27 @@ def test_sigterm_to_llmeff_train_ends_its_whole_process_tree_and_the_run_keeps_i
                              "--measure-energy", "none", "--measure-comm", "false"],
                             cwd=tmp_path, env={**env_for(tracking_uri), "ACCELERATE_USE_CPU": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _sigterm_the_tree(proc, tracking_uri)
+    finally:  # a failed assertion leaves no process behind either
+        for p in [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)] \
+                if psutil.pid_exists(proc.pid) else []:
+            try:
+                psutil.Process(p).kill()
+            except psutil.Error:
+                pass
+
+
+def _sigterm_the_tree(proc, tracking_uri):
+    import signal
+    import subprocess
+    import time
+
+    import mlflow
+    import psutil
+
+    from mlflow_llmeff import names
+
     mlflow.set_tracking_uri(tracking_uri)
     client, run, tree = mlflow.MlflowClient(), None, []
     deadline = time.time() + 240
