@@ -66,3 +66,22 @@ def test_bad_lora_settings_are_one_line(kw, line):
     with pytest.raises(ValueError) as e:
         validate(TrainConfig(measure_energy="none", **kw))
     assert str(e.value) == line
+
+
+def test_the_plan_and_the_fit_check_count_only_the_adapters_gradients_and_state():
+    # a trial: llmeff plan --lora-rank 8 gave the full model's gradients and AdamW state, so the fit check refused
+    # a LoRA run of llama3-8b in bf16 that fits a 24 GiB machine
+    from mlflow_llmeff.planning.plan import make_plan
+
+    require_peft()  # validate checks that peft is there before it reads the targets
+    plan = make_plan(TrainConfig(lora_rank=8, lora_targets="q_proj,v_proj", seq_len=128, measure_energy="none"),
+                     accelerator_short="cpu", precision="fp32", strategy="single")
+    # fp32 weights: the base's 125,632 and the adapters' 3,584; gradients of the adapters only; AdamW's two fp32
+    # moments of the adapters and a 4-byte step counter for each of their 8 matrices
+    assert round(plan["memory_weights_gib"] * 2**30) == 4 * (125_632 + TRAINABLE)
+    assert round(plan["memory_gradients_gib"] * 2**30) == 4 * TRAINABLE
+    assert round(plan["memory_optimizer_gib"] * 2**30) == 8 * TRAINABLE + 4 * 8
+    assert plan["flops_per_token_megatron"] == LORA(128)
+    assert plan["trainable"].startswith("LoRA r=8 on q_proj,v_proj: 3,584 adapter weights trained")
+    with pytest.raises(ValueError, match=r"^LoRA targets foo_proj match no matrix of this model; accepted: down_proj"):
+        validate(TrainConfig(lora_rank=8, lora_targets="foo_proj", measure_energy="none"))

@@ -26,7 +26,7 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
-from mlflow_llmeff.planning.plan import GIB, estimate_memory, levers
+from mlflow_llmeff.planning.plan import GIB, estimate_memory, levers, lora_trainable
 
 __all__ = ["MARGIN_FRACTION", "MARGIN_FIXED_GIB", "Candidate", "Verdict", "needed_bytes", "verdict", "check",
            "host_available_bytes", "cuda_free_bytes"]
@@ -144,7 +144,8 @@ def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ck
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=micro_batch_size, strategy=strategy,
                           dp=devices, precision=precision, eager_attention=cfg.attn_implementation == "eager",
                           degrees=degrees, optimizer=optimizer, weights=weights, cuda=cuda,
-                          grad_accum=cfg.grad_accum * (cfg.micro_batch_size // micro_batch_size))
+                          grad_accum=cfg.grad_accum * (cfg.micro_batch_size // micro_batch_size),
+                          trainable=lora_trainable(cfg, config))
     return mem.total(ckpt)
 
 
@@ -247,7 +248,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
         optimizer, weights = levers(cfg)
         state = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=1, strategy=strategy,
                                 dp=cfg.num_processes, precision=precision, optimizer=optimizer, weights=weights,
-                                cuda=not cpu)
+                                cuda=not cpu, trainable=lora_trainable(cfg, config))
         named = "AdamW" if optimizer == "adamw" else optimizer
         why = (f"Nothing fits there: weights, gradients and {named} state alone need "
                f"{_gib(state.weights + state.gradients + state.optimizer)} GiB")

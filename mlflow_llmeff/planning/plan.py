@@ -358,7 +358,7 @@ _SHARDED = ("fsdp", "hsdp", "fsdp_tp", "deepspeed_zero1", "deepspeed_zero2", "de
 def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: str, dp: int,
                     precision: str = "bf16", eager_attention: bool = False, degrees=None,
                     optimizer: str = "adamw", weights: str = "fp32", cuda: bool = True,
-                    grad_accum: int = 1) -> MemoryEstimate:
+                    grad_accum: int = 1, trainable=None) -> MemoryEstimate:
     """Bytes per device of every term of a step (see the module docstring and :class:`MemoryEstimate`).
 
     Args:
@@ -372,6 +372,10 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
         cuda: the step runs on CUDA (torch's foreach optimizer path; bitsandbytes' fused kernels);
             False: a CPU (the single-tensor loop; bitsandbytes' CPU backend).
         grad_accum: micro-batches per optimizer step (above 1, the gradients live through forwards).
+        trainable: a :class:`~mlflow_llmeff.calc.model_shape.Trainable` with LoRA adapters (``--lora-rank``,
+            :func:`lora_trainable`): the base weights are held frozen beside the adapters' ``r (d_in + d_out)``
+            weights a matrix, and only the adapters have gradients, optimizer state and step temporaries
+            (a replicated strategy: LoRA trains with single or ddp). None: every weight trains.
 
     Raises:
         ValueError: unknown strategy, optimizer or weights; a ZeRO strategy with another optimizer
@@ -388,6 +392,13 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
                                 tp_params=split["tensor_parallel"], precision=precision,
                                 persistent_params=persistent, optimizer=optimizer, weights=weights,
                                 optimizer_per_param=per_param)
+    adapters = [n for a in (trainable.adapters if trainable is not None else ()) for n in (a.rank * a.d_in,
+                                                                                             a.d_out * a.rank)]
+    if adapters:  # LoRA: the frozen base's weights, and the adapters' weights, gradients and state
+        w1, g1, _ = model_state_bytes(1, strategy, ranks, precision=precision, optimizer=optimizer, weights=weights,
+                                      optimizer_per_param=per_param)
+        w, g = w1 * (split["total"] + sum(adapters)), g1 * sum(adapters)
+        o = opt.state_bytes(optimizer, adapters, opt.weight_bytes(weights))
     a, ac = activation_bytes(config, seq_len, micro_batch_size, precision=precision, eager_attention=eager_attention,
                              tp=tp, cp=cp, weights=weights)
     layer, _, probs = _per_token(config, seq_len, precision=precision, weights=weights,
@@ -398,6 +409,8 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
     wb = opt.weight_bytes(weights)
     if strategy.startswith("deepspeed"):  # AdamW on the rank's flat fp32 partition, one tensor
         temps = opt.step_temporary_bytes("adamw", [int(split["total"] / ranks)], 4, foreach=cuda, cpu=not cuda)
+    elif adapters:  # only the adapters step
+        temps = opt.step_temporary_bytes(optimizer, adapters, wb, foreach=cuda, cpu=not cuda)
     else:  # the whole model's temporaries, scaled to this device's share of the state
         whole = per_param * split["total"]
         temps = opt.step_temporary_bytes(optimizer, param_shapes(config), wb, foreach=cuda, cpu=not cuda)
@@ -418,6 +431,20 @@ def meta_param_count(config) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def lora_trainable(cfg, config):
+    """The :class:`~mlflow_llmeff.calc.model_shape.Trainable` of a run with ``--lora-rank`` (adapters of rank r on
+    ``--lora-targets`` of every layer, the base frozen), or None when every weight trains.
+
+    Raises:
+        ValueError: a target that names no matrix of the model (one line naming the accepted ones).
+    """
+    if not getattr(cfg, "lora_rank", 0):
+        return None
+    from mlflow_llmeff.calc.model_shape import Trainable
+
+    return Trainable.lora(model_shape(config), cfg.lora_rank, cfg.lora_targets)
 
 
 def levers(cfg) -> tuple[str, str]:
@@ -474,12 +501,14 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
     counts["total"] = meta_param_count(config)  # the built model's own count (tied weights once)
     split = parameter_split(config)
     tokens_per_step = global_batch_tokens(cfg.seq_len, cfg.micro_batch_size, cfg.grad_accum, degrees.dp)
-    fpt = flops_per_token(config, cfg.seq_len, "megatron")
+    trainable = lora_trainable(cfg, config)
+    fpt = flops_per_token(config, cfg.seq_len, "megatron", trainable=trainable)
     optimizer, weights = levers(cfg)
     cuda = accelerator_short != "cpu" if cuda is None else cuda
     mem = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, strategy=strategy,
                           dp=degrees.dp, precision=precision, eager_attention=cfg.attn_implementation == "eager",
-                          degrees=degrees, optimizer=optimizer, weights=weights, cuda=cuda, grad_accum=cfg.grad_accum)
+                          degrees=degrees, optimizer=optimizer, weights=weights, cuda=cuda, grad_accum=cfg.grad_accum,
+                          trainable=trainable)
     peak, phase = mem.peak(cfg.activation_checkpointing)
     shape = model_shape(config)
     comm = get(strategy).bus_bytes(TrafficShape(
@@ -501,7 +530,10 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
         "params_non_embedding": counts["non_embedding"],
         "params_active": counts["active"], "layers": shape.layers, "hidden": shape.hidden,
         "tokens_per_step": tokens_per_step,
-        "flops_per_token_megatron": fpt, "flops_per_token_palm": flops_per_token(config, cfg.seq_len, "palm"),
+        "flops_per_token_megatron": fpt,
+        "flops_per_token_palm": flops_per_token(config, cfg.seq_len, "palm", trainable=trainable),
+        **({"trainable": f"LoRA {trainable.lora_summary()}: {trainable.trainable_params:,} adapter weights trained, "
+                         "the base frozen (no gradients or optimizer state)"} if trainable is not None else {}),
         "flops_per_step": fpt * tokens_per_step,
         "memory_weights_gib": mem.weights / GIB, "memory_gradients_gib": mem.gradients / GIB,
         "memory_optimizer_gib": mem.optimizer / GIB, "memory_activations_gib": mem.activations / GIB,

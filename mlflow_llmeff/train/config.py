@@ -332,6 +332,10 @@ def _check_levers(cfg: TrainConfig, machine: Machine, *, packages: bool) -> None
                              "pip install 'mlflow-llmeff[lora]'")
         if not [t for t in cfg.lora_targets.split(",") if t.strip()]:
             raise ValueError(f"lora_targets={cfg.lora_targets!r} names no module; give e.g. q_proj,v_proj")
+        from mlflow_llmeff.models.presets import load_config
+        from mlflow_llmeff.planning.plan import lora_trainable
+
+        lora_trainable(cfg, load_config(cfg.model))  # a target the model lacks: one line, before any weight
         if cfg.parallelism not in ("auto", "single", "ddp"):
             raise ValueError(f"lora_rank={cfg.lora_rank} with parallelism={cfg.parallelism!r}: LoRA adapters train "
                              "here with parallelism auto, single or ddp")
