@@ -276,3 +276,9 @@ def test_a_failed_run_never_takes_the_name_of_a_finished_repeat(tracking_uri, mo
 def test_a_memory_lever_off_its_default_is_named_right_after_the_model(levers, part):
     name = study_name(parts_from_tags({**BASE, **levers}))
     assert name == (f"tiny-{part}-single-fp32-gbt1k-s128-cpu" if part else "tiny-single-fp32-gbt1k-s128-cpu")
+
+
+def test_lora_adapters_are_named_with_their_rank():
+    trainable = "3,584 of 129,216 parameters trainable (2.7737%); LoRA r=8 on q_proj,v_proj in 2 layers"
+    assert study_name(parts_from_tags({**BASE, names.FLOPS_TRAINABLE: trainable})) == \
+        "tiny-lora8-single-fp32-gbt1k-s128-cpu"

@@ -67,3 +67,9 @@ def test_runs_from_before_the_memory_keys_have_no_memory_section():
 def test_activation_checkpointing_is_named_among_the_levers():
     c, = configurations([run("a", TORCH, 8.0, **{names.ACT_CKPT: "true", names.WEIGHTS: "bf16"})])
     assert lever_label(c) == "AdamW (torch.optim), sdpa, bf16 weights, ckpt"
+
+
+def test_lora_is_named_among_the_levers():
+    c, = configurations([run("a", TORCH, 8.0, **{names.FLOPS_TRAINABLE: "3,584 of 129,216 parameters trainable "
+                                                 "(2.7737%); LoRA r=8 on q_proj,v_proj in 2 layers"})])
+    assert lever_label(c) == "AdamW (torch.optim), sdpa, fp32 weights, LoRA r=8 on q_proj,v_proj"

@@ -15,6 +15,8 @@ measured them.
 
 from __future__ import annotations
 
+import re
+
 from mlflow_llmeff import names
 from mlflow_llmeff.report.headline import Cell, Headline
 from mlflow_llmeff.report.repeats import Configuration
@@ -36,6 +38,9 @@ def lever_label(c: Configuration) -> str:
     parts = [opt, attn, f"{c.tag(names.WEIGHTS) or '?'} weights"]
     if (c.tag(names.ACT_CKPT) or "").lower() == "true":
         parts.append("ckpt")
+    lora = re.search(r"LoRA r=[0-9/]+ on [A-Za-z0-9_,]+", c.tag(names.FLOPS_TRAINABLE) or "")
+    if lora:
+        parts.append(lora.group(0))
     return ", ".join(parts)
 
 

@@ -51,7 +51,7 @@ CONFIG_TAGS = (names.ACCEL_NAME, names.ACCEL_SHORT, names.ACCEL_COUNT, names.NOD
                names.PAR_STRATEGY, names.PAR_DP, names.PAR_DP_SHARD, names.PAR_DP_REPLICATE, names.PAR_TP, names.PAR_PP, names.PAR_CP, names.PRECISION,
                names.MODEL_NAME, names.MODEL_PARAMS, names.SEQ_LEN, names.MICRO_BATCH_SIZE, names.GRAD_ACCUM,
                names.GLOBAL_BATCH_TOKENS, names.ACT_CKPT, names.COMPILE, names.OPTIMIZER, names.ATTENTION, names.WEIGHTS,
-               names.THREADS, names.CPU_AFFINITY, names.DATASET, names.FLOPS_FORMULA, names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
+               names.THREADS, names.CPU_AFFINITY, names.FLOPS_TRAINABLE, names.DATASET, names.FLOPS_FORMULA, names.PEAK_SOURCE, names.WARMUP_STEPS, names.V_TORCH, names.V_TRANSFORMERS, names.V_ACCELERATE,
                names.V_LLMEFF)
 
 #: Scaling efficiency above this is flagged (docs/compare.md, "Scaling efficiency").

@@ -21,6 +21,7 @@ first, so repeats of one configuration were named ``tiny-ddp2-fp32-...`` in one 
 
 from __future__ import annotations
 
+import re
 from typing import Mapping
 
 from mlflow_llmeff import names
@@ -76,7 +77,8 @@ def _layout(strategy: str, count: str) -> str:
 
 def _levers(tags: Mapping[str, str]) -> str:
     """The memory levers that differ from the default (torch AdamW, sdpa, fp32 weights, no activation
-    checkpointing), joined by '-': ``ao8bit``, ``eager``, ``wbf16``, ``ckpt``; '' for the default."""
+    checkpointing, every weight trained), joined by '-': ``ao8bit``, ``eager``, ``wbf16``, ``ckpt``, ``lora8``
+    (LoRA rank 8, read from ``llmeff.flops.trainable``); '' for the default."""
     out = []
     opt = tags.get(names.OPTIMIZER, "")
     if opt:  # 'AdamW8bit (torchao.optim); states ...': the class and its package's top module
@@ -90,6 +92,9 @@ def _levers(tags: Mapping[str, str]) -> str:
         out.append("w" + tags[names.WEIGHTS])
     if tags.get(names.ACT_CKPT, "").lower() == "true":
         out.append("ckpt")
+    lora = re.search(r"LoRA r=([0-9/]+)", tags.get(names.FLOPS_TRAINABLE, ""))
+    if lora:  # adapters on a frozen base: 'lora8'
+        out.append("lora" + lora.group(1).replace("/", "+"))
     return "-".join(p for p in out if p)
 
 
