@@ -105,7 +105,14 @@ def test_an_optimizer_whose_package_is_missing_is_refused_naming_the_extra(monke
     without(monkeypatch, "torchao", "bitsandbytes")
     with pytest.raises(ValueError, match=rf"^optimizer='{name}' needs {package}, which is not installed here; "
                                          rf"pip install 'mlflow-llmeff\[{extra}\]'$"):
-        check(optimizer=name)
+        check(optimizer=name, _cuda=name == "bnb-paged-adamw8bit")  # paged states need CUDA first
+
+
+def test_paged_8bit_states_are_refused_without_cuda_in_one_line():
+    # a trial: accepted on CPU, where bitsandbytes falls back to unpaged states, and named 'bnbpaged8bit'
+    with pytest.raises(ValueError, match=r"^optimizer='bnb-paged-adamw8bit' pages its states through CUDA unified "
+                                         r"memory and needs a CUDA device .*; accepted here: bnb-adamw8bit$"):
+        check(optimizer="bnb-paged-adamw8bit")
 
 
 def test_a_plan_checks_the_levers_device_but_not_this_machines_packages(monkeypatch):

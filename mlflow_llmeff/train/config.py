@@ -314,6 +314,10 @@ def _check_levers(cfg: TrainConfig, machine: Machine, *, packages: bool) -> None
         raise ValueError(f"attn_implementation={cfg.attn_implementation!r} {why}; accepted here: {', '.join(here)}")
     from mlflow_llmeff.train.optimizers import compiles_step, missing
 
+    if cfg.optimizer == "bnb-paged-adamw8bit" and not machine.cuda:  # its lever is CUDA's unified memory
+        raise ValueError("optimizer='bnb-paged-adamw8bit' pages its states through CUDA unified memory and needs a "
+                         "CUDA device (on CPU bitsandbytes falls back to unpaged states: the run would be "
+                         "bnb-adamw8bit under another name); accepted here: bnb-adamw8bit")
     why = missing(cfg.optimizer, cuda=machine.cuda) if packages else None
     if why:
         raise ValueError(why)
