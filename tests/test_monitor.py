@@ -619,3 +619,18 @@ def test_threads_and_cpu_affinity_are_conditions_of_every_run(tracking_uri):
     tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags
     assert tags[names.THREADS] == f"intra-op 1, inter-op {torch.get_num_interop_threads()}"
     assert tags[names.CPU_AFFINITY] == f"{len(os.sched_getaffinity(0))} of {os.cpu_count()}"
+
+
+def test_an_mfu_above_one_against_the_measured_peak_is_warned_about_and_tagged(tracking_uri):
+    # a trial read 'MFU 227% of the measured matmul peak' from a cache entry measured on a busy machine, no word
+    clock = FakeClock()
+    mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=0, model_config=load_config("llama-tiny"), clock=clock,
+                            measure_energy="none", measure_peak=False)
+    mon._p.account.measured_peak = 1e-9  # TFLOP/s: any real rate is above it
+    for _ in range(2):
+        clock.t += 0.5
+        mon.step(tokens=64, samples=2, sum_len_sq=64 * 32)
+    s = mon.finish()
+    assert s[names.SUM_MFU_MEASURED_PEAK] > 1  # logged as measured, never clipped
+    tag = mlflow.MlflowClient().get_run(mon.run_id).data.tags[names.MFU_WARNING]
+    assert tag.startswith("summary/mfu_measured_peak (llmeff peak --refresh measures the peak again): utilization")

@@ -45,7 +45,7 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {c.name: c for c in (
     OptimizerChoice("adamw-bf16", "mlflow_llmeff", "mlflow_llmeff.train.optimizers.AdamWBf16", "",
                     "two moments in bf16 (4 B/param), update computed in fp32"),
     OptimizerChoice("adamw8bit", "torchao", "torchao.optim.AdamW8bit", "torchao",
-                    "two moments as int8 codes with an fp32 scale per 256-element block (about 2.03 B/param); "
+                    "two moments as uint8 codes with an fp32 scale per 256-element block (about 2.03 B/param); "
                     "tensors under 4,096 elements or not divisible by 256 keep plain moments"),
     OptimizerChoice("adamw4bit", "torchao", "torchao.optim.AdamW4bit", "torchao",
                     "two moments as 4-bit codes with an fp32 scale per 128-element block (about 1.06 B/param); "

@@ -71,6 +71,10 @@ def conclude(p: Parts, collective: bool) -> dict[str, float]:
         p.logger.set_tags(tags)
         p.logger.log_metrics(out, max(step, 0))
         points.warn_mfu(p, out.get(names.SUM_MFU), "summary")
+        # against the measured matmul peak too: above 1 says the peak was read low (a busy machine, a stale
+        # cache entry: llmeff peak --refresh), as a trial found at 227% with no word
+        points.warn_mfu(p, out.get(names.SUM_MFU_MEASURED_PEAK), "summary/mfu_measured_peak (llmeff peak --refresh "
+                                                                 "measures the peak again)")
     return out
 
 
