@@ -219,6 +219,19 @@ def test_torchao_adamw4bit_counts_two_codes_a_byte_at_1_06_bytes_a_parameter(ao4
     assert mem.state_dtypes(opt) == "4-bit codes (uint8) + fp32 scales + fp32 tables"
 
 
+def test_bf16_weights_and_4bit_states_hold_5_06_bytes_a_parameter_within_the_4_to_6_the_levers_promise():
+    # the seed's 16-32 B/param brought to 4-6: pure bf16 weights and gradients (2 + 2) and torchao's 4-bit moments
+    # (1.06: two codes a byte and an fp32 scale per 128); with 8-bit moments it is 6.03, the block scales' 0.03
+    model = _big(torch.bfloat16)
+    opt = _torchao_optim().AdamW4bit(model.parameters(), lr=1e-3)
+    _step(model, opt, _ids())
+    s = mem.state_split(model, opt)
+    state = 2 * N_BIG // 2 + 2 * 4 * (N_BIG // 128) + 3 * 2 * 64 + 3 * 4
+    assert (s.weights, s.gradients, s.optimizer_state) == (2 * N_BIG, 2 * N_BIG, state)
+    assert s.per_param_total / s.params == pytest.approx(5.0625, abs=1e-4) and s.per_param_total / s.params <= 6
+    assert mem.weights_tag(model) == "bf16"
+
+
 # ---------------------------------------------------------------------------------------------- tags
 def test_optimizer_tag_before_the_first_step_says_the_states_are_not_allocated():
     opt = torch.optim.AdamW(_tiny().parameters())
