@@ -358,6 +358,8 @@ _ACTIVE_RUN = "MLflow's fluent active-run stack: a run made active (or released)
 _PLOT_TEXTS = "matplotlib gives these Text artists (their extents, to keep labels inside the figure) no public getter"
 _CPYTHON_EXIT = "interpreter exit's own order (threading's shutdown, then atexit), run by exit_now before os._exit"
 PRIVATE_REACHES: dict[tuple[str, str], str] = {
+    ("tracking.logger", "self.client.get_run(self.run_id).data._metric_objs"):
+        "MLflow's RunData keeps the latest Metric entities of runs/get (step, timestamp) only here",
     ("autologging", "c._auto_end_run"): "transformers' MLflowCallback: whether it ends the run it opened",
     ("evals.scoring", "self.model._orig_mod"): _COMPILED,
     ("parallel", "m._orig_mod"): _COMPILED,

@@ -154,29 +154,23 @@ class RunLogger(DeliveryWorker, NullLogger):
     def _learn_history(self) -> None:
         """Remember each key's newest point (largest step, then latest timestamp) before this attempt.
 
-        Waits at most ``wait_s`` for a tracking server (none when it is known not to answer); without
-        an answer the history stays unknown (:meth:`assume_logged_through` then drops replayed steps).
+        One ``runs/get``: MLflow keeps every key's latest point (largest step, then latest timestamp,
+        then largest value: the stores' ``latest_metrics``) with the run, so no metric history is read
+        (issue 52: 5,000 points on each of 20 keys took 13 s of ``get_metric_history``, and a slow server
+        was marked down). Waits at most ``wait_s`` for a tracking server (none when it is known not to
+        answer); without an answer the history stays unknown (:meth:`assume_logged_through` then drops
+        replayed steps).
         """
         if self._down_since is not None:
             return
-
-        def read():
-            run_metrics = self.client.get_run(self.run_id).data.metrics
-            return {key: self.client.get_metric_history(self.run_id, key) for key in run_metrics}
-
-        try:
-            histories = self._read(read, "the run's metric history")
+        try:  # RunData keeps the Metric entities (step, timestamp) of runs/get only here
+            latest = self._read(lambda: list(self.client.get_run(self.run_id).data._metric_objs), "the run's metrics")
         except Exception as e:  # noqa: BLE001
             self._warn(e)
             return
         self.history_known = True
-        for key, hist in histories.items():
-            if not hist:
-                self._last_step[key] = max(self._last_step.get(key, -1), -1)
-                continue
-            newest = max(hist, key=lambda m: (m.step, m.timestamp))
-            self._remember(key, newest.step, newest.value, newest.timestamp)
-            self.last_timestamp_s = max(self.last_timestamp_s, max(m.timestamp for m in hist) / 1000)
+        for m in latest:
+            self._remember(m.key, m.step, m.value, m.timestamp)
 
     def _remember(self, key: str, step: int, value: float, timestamp: int) -> None:
         old = self._last_point.get(key)
