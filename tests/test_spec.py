@@ -175,7 +175,9 @@ def test_a_launched_process_resolves_and_validates_nothing(tracking_uri, monkeyp
     seen = {}
 
     class Process:  # the child process, run in this one with its own count
-        def __init__(self, cmd, *, env, stderr, text, bufsize):
+        pid = -1  # no process group of its own to signal
+
+        def __init__(self, cmd, *, env, stderr, text, bufsize, start_new_session):
             seen["launcher"] = dict(calls)
             monkeypatch.setattr(loop.lifecycle, "exit_now", lambda code: None)
             with counted() as child:
@@ -188,7 +190,7 @@ def test_a_launched_process_resolves_and_validates_nothing(tracking_uri, monkeyp
         def __exit__(self, *exc):
             return False
 
-        def wait(self):
+        def wait(self, timeout=None):
             return 0
 
     monkeypatch.setattr(launch_mod.subprocess, "Popen", Process)

@@ -231,9 +231,6 @@ class _Session:
         self.monitor = EfficiencyMonitor(model=module, optimizer=opt, precision=precision, strategy=strategy,
                                          integration=owner, optimizer_origin=_LOOP_ORIGIN.get(owner), **degrees,
                                          **self.settings.monitor_kwargs())
-        self.monitor.set_tags({names.LOSS_WEIGHTING: "unknown: the user's loop computes its own loss (a token-weighted "
-                                                     "one divides the summed loss by the step's loss-bearing tokens; "
-                                                     "docs/formulas.md)"})
         if getattr(self, "late", False):
             self.late = False
             msg = ("autolog() was enabled after the optimizer was built: counting started at the first forward "

@@ -215,6 +215,9 @@ def condition_tags(p: Parts) -> dict[str, str]:
         tags[names.PAR_CP] = str(p.counting.slices)
     if a.peak_tflops is not None:
         tags[names.PEAK_PRECISION] = a.peak_precision
+    # a loop the meter does not run: llmeff train and transformers' Trainer say how they weigh their loss instead
+    tags[names.LOSS_WEIGHTING] = ("unknown: the user's loop computes its own loss (a token-weighted one divides the "
+                                  "summed loss by the step's loss-bearing tokens; docs/formulas.md)")
     if a.trainable_note:  # frozen weights or adapters: what the FLOPs per token count (docs/formulas.md)
         tags[names.FLOPS_TRAINABLE] = a.trainable_note
     tags[names.PRECISION_SOURCE] = p.precision_source
