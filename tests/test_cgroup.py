@@ -77,3 +77,10 @@ def test_v1_unlimited_is_none_even_when_the_hosts_memory_is_unknown(tmp_path, mo
 @pytest.mark.parametrize("n, text", [(100 * GIB, "100 GiB"), (HOST, "1.5 TiB"), (512 * 2**20, "512 MiB"), (10, "10 B")])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_a_hybrid_hosts_unified_v2_mount_is_read_too(tmp_path):
+    # cgroup v2 mounted at /sys/fs/cgroup/unified beside v1 controllers (systemd's hybrid layout)
+    root = tree(tmp_path, "0::/job\n", {"unified/job/memory.max": str(12 * GIB)})
+    got = memory_limit(root, HOST)
+    assert (got.bytes, got.source) == (12 * GIB, "cgroup v2 memory.max")

@@ -11,8 +11,9 @@ kept. A limit at or above the host's memory is no limit. Inside a container the 
 often shows the path as ``/`` with the container's own cgroup mounted at ``/sys/fs/cgroup``; a path
 that is not found under the mount is read at the mount's root instead.
 
-Another reader of the same limit is being written in :mod:`mlflow_llmeff.meters.memory`; the two are
-to be merged into one.
+On a hybrid host the v2 hierarchy may be mounted at ``/sys/fs/cgroup/unified``: both mounts are read.
+The one reader of the limit: codecarbon's RAM power (:mod:`mlflow_llmeff.meters.carbon`) and a run's
+``summary/memory/peak_fraction`` (:func:`mlflow_llmeff.meters.memory.memory_capacity`) use it.
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def memory_limit(root: str | Path = "/", host_bytes: int | None = None) -> Memor
         elif "memory" in controllers.split(","):
             v1_path = path
     found = []
-    if v2_path is not None:
-        got = _smallest(_levels(base / "sys" / "fs" / "cgroup", v2_path), "memory.max")
+    if v2_path is not None:  # the unified hierarchy at the mount, or beside v1 on a hybrid host
+        got = min((g for mount in (base / "sys" / "fs" / "cgroup", base / "sys" / "fs" / "cgroup" / "unified")
+                   if (g := _smallest(_levels(mount, v2_path), "memory.max"))), default=None, key=lambda g: g[0])
         if got:
             found.append((got, "cgroup v2 memory.max"))
     if v1_path is not None and not found:

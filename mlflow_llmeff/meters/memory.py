@@ -25,8 +25,6 @@ __all__ = ["StateBytes", "stored_bytes", "state_split", "inner_optimizer", "opti
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64",
                "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
 
-#: A cgroup limit at or above this many bytes means "no limit" (cgroup v1 writes 2**63 - 4096 for none).
-NO_LIMIT_BYTES = 2 ** 60
 
 
 def _dtype_name(dtype) -> str:
@@ -424,33 +422,12 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _limit_along(mount: str, cgroup_path: str, filename: str) -> tuple[int, str] | None:
-    """The smallest limit in ``filename`` from the cgroup ``cgroup_path`` up to the root of ``mount``
-    (a parent's limit binds its children); None where no level sets one."""
-    best = None
-    path = cgroup_path.strip("/")
-    while True:
-        folder = os.path.join(mount, path) if path else mount
-        text = _read(os.path.join(folder, filename))
-        if text is not None and text != "max":
-            try:
-                v = int(text)
-            except ValueError:
-                v = None
-            if v is not None and v < NO_LIMIT_BYTES and (best is None or v < best[0]):
-                best = (v, os.path.join(folder, filename))
-        if not path:
-            return best
-        path = os.path.dirname(path)
-
-
 def memory_capacity(root: str = "/") -> tuple[int | None, str]:
     """The memory this process may use, bytes, and where it was read (``llmeff.memory.capacity``).
 
-    The cgroup's limit (cgroup v2 ``memory.max``, Documentation/admin-guide/cgroup-v2.rst; then v1
-    ``memory.limit_in_bytes``) of this process's cgroup (``/proc/self/cgroup``) or any cgroup above it,
-    the smallest, when below the host's ``MemTotal`` (``/proc/meminfo``); else the host's memory.
-    ``max`` and 2**60 bytes or more mean no limit.
+    The container's limit as :func:`mlflow_llmeff.meters.cgroup.memory_limit` reads it (cgroup v2
+    ``memory.max``, then v1 ``memory.limit_in_bytes``, the smallest from this process's cgroup up to the
+    root) when below the host's ``MemTotal`` (``/proc/meminfo``); else the host's memory.
 
     Args:
         root: the file-system root the ``proc`` and ``sys`` trees are read under (tests pass a fake one).
@@ -458,29 +435,17 @@ def memory_capacity(root: str = "/") -> tuple[int | None, str]:
     Returns:
         ``(bytes or None where nothing could be read, the source in words)``.
     """
+    from mlflow_llmeff.meters.cgroup import memory_limit
+
     host = None
     meminfo = _read(os.path.join(root, "proc/meminfo"))
     for line in (meminfo or "").splitlines():
         if line.startswith("MemTotal:"):
             host = int(line.split()[1]) * 1024
-    found = None
-    for line in (_read(os.path.join(root, "proc/self/cgroup")) or "").splitlines():
-        hid, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hid == "0" and controllers == "":  # cgroup v2 (a unified hierarchy, maybe beside v1)
-            cands = [(os.path.join(root, "sys/fs/cgroup", sub), "memory.max", "cgroup v2 memory.max")
-                     for sub in ("", "unified")]
-        elif "memory" in controllers.split(","):
-            cands = [(os.path.join(root, "sys/fs/cgroup/memory"), "memory.limit_in_bytes",
-                      "cgroup v1 memory.limit_in_bytes")]
-        else:
-            continue
-        for mount, filename, what in cands:
-            got = _limit_along(mount, path, filename)
-            if got is not None and (found is None or got[0] < found[0]):
-                found = (got[0], f"{what} ({got[1][len(root.rstrip('/')):]})")
-    if found is not None and (host is None or found[0] < host):
-        return found[0], f"{found[1]}: {found[0] / 2**30:.2f} GiB"
+    limit = memory_limit(root, host)
+    if limit is not None:
+        where = limit.path[len(str(root).rstrip("/")):]
+        return limit.bytes, f"{limit.source} ({where}): {limit.bytes / 2**30:.2f} GiB"
     if host is not None:
         return host, f"host memory (/proc/meminfo MemTotal): {host / 2**30:.2f} GiB; no lower cgroup memory limit"
     return None, "unknown: neither a cgroup memory limit nor /proc/meminfo could be read"
