@@ -445,11 +445,16 @@ def headline_text(rep: Report) -> str:
     h = _headline(rep)
     if not h.rows:
         return "No finished run with summary figures to compare."
+    return "\n".join(_padded(h) + [f"- {n}" for n in h.footnotes] + _memory_text(rep))
+
+
+def _padded(h) -> list[str]:
+    """A table's header, a rule and its rows as text lines, each column padded to its widest cell."""
     table = [list(h.columns)] + [[c.text for c in row] for row in h.rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(h.columns))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [f"- {n}" for n in h.footnotes] + _memory_text(rep))
+    return lines
 
 
 def _memory(rep: Report):
@@ -463,11 +468,7 @@ def _memory_text(rep: Report) -> list[str]:
     m = _memory(rep)
     if m is None:
         return []
-    table = [list(m.columns)] + [[c.text for c in row] for row in m.rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(m.columns))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return ["", "Memory per device (levers and where the bytes go):"] + lines + [f"- {n}" for n in m.footnotes]
+    return ["", "Memory per device (levers and where the bytes go):"] + _padded(m) + [f"- {n}" for n in m.footnotes]
 
 
 def _memory_md(rep: Report) -> list[str]:
