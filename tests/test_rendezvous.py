@@ -11,7 +11,9 @@ import time
 import pytest
 
 from mlflow_llmeff.train.config import TrainConfig
-from mlflow_llmeff.train.rendezvous import RendezvousError, disagreement, join, serve, shared_settings
+from mlflow_llmeff.train import rendezvous
+from mlflow_llmeff.train.rendezvous import (PER_MACHINE, Met, RendezvousError, disagreement, interface_of, join, serve,
+                                            shared_settings)
 
 from conftest import free_port
 
@@ -84,8 +86,11 @@ def test_a_rank_given_twice_is_named():
         join(settings(num_machines=3), rank=1, address="127.0.0.1", port=port, timeout_s=20, host="host-c")
     t.join(HANG_S), first.join(HANG_S)
     # whichever came first is named first
-    assert str(e.value) in ("machine_rank 1 was given to two machines, host-b and host-c: give each its own",
-                            "machine_rank 1 was given to two machines, host-c and host-b: give each its own")
+    # (and the rank nobody was given: 3 machines, 2 claim rank 1)
+    assert str(e.value) in ("machine_rank 1 was given to two machines, host-b and host-c; machine_rank 2 to none: "
+                            "give each its own",
+                            "machine_rank 1 was given to two machines, host-c and host-b; machine_rank 2 to none: "
+                            "give each its own")
     assert str(err["head"]) == str(err["first"]) == str(e.value)
 
 
@@ -109,8 +114,8 @@ def test_machine_0_names_the_machines_that_never_came():
 def test_a_difference_names_each_setting_with_both_values():
     a, b = settings(), settings(max_steps=40, seq_len=64)
     assert disagreement(a, b, "machine 0 (a)", "machine 1 (b)") == (
-        "the machines were given different settings: seq_len is 128 on machine 0 (a) and 64 on machine 1 (b); "
-        "max_steps is 50 on machine 0 (a) and 40 on machine 1 (b): give every machine the same")
+        "the machines were given different settings: max_steps is 50 on machine 0 (a) and 40 on machine 1 (b); "
+        "seq_len is 128 on machine 0 (a) and 64 on machine 1 (b): give every machine the same")
     assert disagreement(a, dict(a), "x", "y") is None
 
 
@@ -138,3 +143,128 @@ def test_another_program_on_the_port_is_named_as_not_machine_0():
         f"machine 1 reached 127.0.0.1:{port}, but what answered is not machine 0 of an llmeff train job (it said "
         "'HTTP/1.1 400 Bad Request'): check --main-process-ip and --main-process-port (machine 0's address, and a "
         "port nothing else uses)")
+
+
+# ------------------------------------------------------------------------------ every setting, rank 0 twice
+@pytest.mark.parametrize("field, theirs", [("targets", "val_loss<=2.0"), ("resume", "never"),
+                                           ("reshard_after_forward", False), ("val_blocks", 0),
+                                           ("learning_rate", 0.5), ("eval_limit", 7)])
+def test_settings_outside_the_old_list_that_could_hang_a_job_are_named(field, theirs):
+    # these 4 (and 33 more) passed unchecked when 25 of 62 settings were compared
+    mine = settings()
+    line = disagreement(mine, settings(**{field: theirs}), "machine 0 (a)", "machine 1 (b)")
+    assert line == (f"the machines were given different settings: {field} is {mine[field]!r} on machine 0 (a) and "
+                    f"{theirs!r} on machine 1 (b): give every machine the same")
+
+
+def test_every_setting_but_the_per_machine_ones_is_compared():
+    fields = set(TrainConfig.field_names())
+    compared = set(settings())
+    assert compared == (fields - set(PER_MACHINE)) | {"checkpoint_dir given", "save_model given"}
+    assert set(PER_MACHINE) <= fields
+    local = dict(machine_rank=1, main_process_ip="10.0.0.1", rendezvous_timeout_s=5.0, data_cache_dir="/x",
+                 tokenize_workers=3, data_workers=2, eval_data_dir="/e", link_peak_gbps=1.0, checkpoint_dir="/mnt/c",
+                 save_model="/m", force=True)
+    assert set(local) == set(PER_MACHINE)
+    assert disagreement(settings(checkpoint_dir="/c", save_model="/n"), settings(**local), "a", "b") is None
+    # where a machine checkpoints may differ, whether it does may not (a checkpoint is a collective)
+    assert disagreement(settings(), settings(checkpoint_dir="/c"), "a", "b") == (
+        "the machines were given different settings: checkpoint_dir given is False on a and True on b: "
+        "give every machine the same")
+
+
+def test_what_was_resolved_is_compared_too():
+    from mlflow_llmeff.planning.spec import Machine
+    from mlflow_llmeff.train.config import validate
+
+    cfg = TrainConfig(num_machines=2, main_process_ip="127.0.0.1")
+    cpu, gpu = (validate(cfg, Machine(cuda=c, bf16=c), engine=False) for c in (False, True))
+    mine, theirs = shared_settings(cpu), shared_settings(gpu)
+    assert mine["resolved.precision"] == "fp32" and theirs["resolved.precision"] == "bf16"
+    line = disagreement(mine, theirs, "a", "b")
+    assert "resolved.precision is 'fp32' on a and 'bf16' on b" in line and "resolved.machine is " in line
+
+
+def _serve_in_thread(errors: dict, key: str, **kw) -> threading.Thread:
+    def side():
+        try:
+            errors[key] = serve(**kw)
+        except RendezvousError as e:
+            errors[key] = e
+
+    t = threading.Thread(target=side)
+    t.start()
+    return t
+
+
+def test_rank_0_on_two_machines_is_one_line_on_both_in_seconds_not_the_timeout():
+    # two machines told --machine-rank 0 and the same --main-process-ip: each listened and waited the whole
+    # rendezvous timeout (300 s) for a machine 1 and then said "none came"
+    head_port, other_port = free_port(), free_port()
+    got: dict = {}
+    started = time.monotonic()
+    head = _serve_in_thread(got, "head", settings=settings(), num_machines=2, port=head_port, timeout_s=300.0,
+                            host="host-a", head=("127.0.0.1", head_port))
+    other = _serve_in_thread(got, "other", settings=settings(), num_machines=2, port=other_port, timeout_s=300.0,
+                             host="host-b", head=("127.0.0.1", head_port))
+    head.join(HANG_S), other.join(HANG_S)
+    took = time.monotonic() - started
+    assert not head.is_alive() and not other.is_alive()
+    line = ("machine_rank 0 was given to two machines, host-a and host-b (which reached host-a at main_process_ip): "
+            "give each its own, 0 to the machine at main_process_ip")
+    assert [type(got[k]) for k in ("head", "other")] == [RendezvousError, RendezvousError]
+    assert str(got["head"]) == str(got["other"]) == line  # not the 300 s timeout's "none came"
+    print(f"\nrank 0 twice: both machines failed after {took:.2f} s (timeout 300 s)")
+
+
+def test_machine_0_meets_its_own_listener_and_learns_the_interface_toward_the_others():
+    port = free_port()
+    got: dict = {}
+    t = _serve_in_thread(got, "head", settings=settings(), num_machines=2, port=port, timeout_s=20.0, host="host-a",
+                         head=("127.0.0.1", port))
+    met = join(settings(machine_rank=1), rank=1, address="127.0.0.1", port=port, timeout_s=20.0, host="host-b")
+    t.join(HANG_S)
+    assert got["head"] == Met("127.0.0.1", "lo") and met == Met("127.0.0.1", "lo")
+    assert interface_of("::ffff:127.0.0.1") == "lo" and interface_of("192.0.2.77") is None
+
+
+def test_a_rank_that_comes_after_the_job_met_is_told_in_one_line():
+    port = free_port()
+    got: dict = {}
+    t = _serve_in_thread(got, "head", settings=settings(), num_machines=2, port=port, timeout_s=20.0, host="host-a")
+    join(settings(machine_rank=1), rank=1, address="127.0.0.1", port=port, timeout_s=20.0, host="host-b")
+    with pytest.raises(RendezvousError) as e:  # the third machine, also told rank 1, while machine 0 still listens
+        join(settings(machine_rank=1), rank=1, address="127.0.0.1", port=port, timeout_s=20.0, host="host-c")
+    t.join(HANG_S)
+    assert got["head"] == Met("127.0.0.1", "lo")
+    assert str(e.value) == ("machine_rank 1 was given to two machines, host-b and host-c: the job started without "
+                            "host-c; give each its own")
+
+
+def test_a_checkpoint_folder_the_machines_do_not_share_is_named_on_both(tmp_path, monkeypatch):
+    monkeypatch.setattr(rendezvous, "_FOLDER_S", 0.3)
+    mine, theirs = tmp_path / "head", tmp_path / "other"  # two folders: as two machines' local disks
+    port = free_port()
+    got: dict = {}
+    t = _serve_in_thread(got, "head", settings=settings(checkpoint_dir=str(mine)), num_machines=2, port=port,
+                         timeout_s=20.0, host="host-a", folder=str(mine))
+    with pytest.raises(RendezvousError) as e:
+        join(settings(machine_rank=1, checkpoint_dir=str(theirs)), rank=1, address="127.0.0.1", port=port,
+             timeout_s=20.0, host="host-b", folder=str(theirs))
+    t.join(HANG_S)
+    line = ("the checkpoint folder is not shared between the machines: machine 1 (host-b) does not see machine 0's "
+            f"file llmeff_rendezvous.<rank> in its {theirs}; checkpoints, resume and preemption agree through that "
+            "folder (train/preempt.py): give every machine the same shared folder (a network file system)")
+    assert str(e.value) == str(got["head"]) == line
+    assert list(mine.iterdir()) == [] and list(theirs.iterdir()) == []  # the probe files are removed
+
+
+def test_a_shared_checkpoint_folder_passes(tmp_path):
+    port = free_port()
+    got: dict = {}
+    t = _serve_in_thread(got, "head", settings=settings(checkpoint_dir=str(tmp_path)), num_machines=2, port=port,
+                         timeout_s=20.0, host="host-a", folder=str(tmp_path))
+    met = join(settings(machine_rank=1, checkpoint_dir=str(tmp_path)), rank=1, address="127.0.0.1", port=port,
+               timeout_s=20.0, host="host-b", folder=str(tmp_path))
+    t.join(HANG_S)
+    assert met == got["head"] == Met("127.0.0.1", "lo")

@@ -391,18 +391,15 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
             _evaluate(cfg, t, monitor, step)
         stop = cfg.stop_at_targets and monitor.targets_reached
         if ckpt_now or (stop and cfg.checkpoint_dir):
-            with monitor.pause("checkpoint_save"):
-                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped,
-                                                               "dp_world": t.dp_world}, t.parallel, t.model, t.optimizer)
+            ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": stop, "skipped_steps": skipped,
+                                                           "dp_world": t.dp_world}, t.parallel, t.model, t.optimizer)
             if job is not None:
                 job.checkpoint(step)
         stopped = preemption.due(step) if preemption is not None and step < cfg.max_steps else None
         if stopped is not None:  # every rank stops after this same step (train/preempt.py)
             if not ckpt_now:
-                with monitor.pause("checkpoint_save"):
-                    ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": False, "skipped_steps": skipped,
-                                                                   "dp_world": t.dp_world}, t.parallel, t.model,
-                              t.optimizer)
+                ckpt.save(t.accelerator, cfg, step, monitor, {"stopped_at_targets": False, "skipped_steps": skipped,
+                                                               "dp_world": t.dp_world}, t.parallel, t.model, t.optimizer)
                 if job is not None:
                     job.checkpoint(step)
             if oom is not None:
