@@ -1,5 +1,6 @@
-"""meters/scheduler.py: SLURM's and a PyTorchJob's environment read as the machines' layout and the
-llmeff.scheduler.* tags, with a faked environment and a fake scontrol; train/placement.py applies it."""
+"""meters/scheduler.py and meters/schedulers/: SLURM's, a PyTorchJob's, a Kubeflow Trainer v2 TrainJob's
+and Ray Train's environment read as the machines' layout and the llmeff.scheduler.* tags, with a faked
+environment, a fake scontrol and a fake Ray train context; train/placement.py applies it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from mlflow_llmeff import names
 from mlflow_llmeff.meters import scheduler
+from mlflow_llmeff.meters.schedulers import slurm as slurm_engine
 from mlflow_llmeff.train.config import TrainConfig
 from mlflow_llmeff.train.placement import from_scheduler
 
@@ -154,8 +156,8 @@ def test_llmeff_train_refuses_a_contradicting_layout_before_any_heavy_work(monke
 
     for k, v in STEP_ENV.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(scheduler, "hostnames", lambda text, run=None: ["gpu-07", "gpu-08"])
-    monkeypatch.setattr(scheduler, "queue_wait_s", lambda job, run=None: None)
+    monkeypatch.setattr(slurm_engine, "hostnames", lambda text, run=None: ["gpu-07", "gpu-08"])
+    monkeypatch.setattr(slurm_engine, "queue_wait_s", lambda job, run=None: None)
     with pytest.raises(SystemExit) as e:
         main(["train", "--num-machines", "4"])
     assert e.value.code != 0
@@ -171,7 +173,7 @@ def test_a_monitored_run_under_slurm_carries_the_scheduler_tags(tracking_uri, mo
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     fake = FakeScontrol(["n1"], "JobId=77 SubmitTime=2026-12-04T10:00:00 StartTime=2026-12-04T10:00:05")
-    monkeypatch.setattr(scheduler.subprocess, "run", fake)
+    monkeypatch.setattr(subprocess, "run", fake)
     clock = FakeClock()
     mon = EfficiencyMonitor(log_every_n_steps=1, warmup_steps=0, clock=clock, measure_energy="none",
                             measure_peak=False)
@@ -189,3 +191,119 @@ def test_a_monitored_run_under_slurm_carries_the_scheduler_tags(tracking_uri, mo
 
 def test_outside_a_scheduler_no_scheduler_tag_is_made_up():
     assert scheduler.read({"HOME": "/root"}) is None and scheduler.tags(None) == {}
+
+
+# ------------------------------------------------------------------ one class per engine
+TRAINJOB_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "JOB_COMPLETION_INDEX": "1", "PET_NNODES": "2",
+                "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": "1",
+                "PET_MASTER_ADDR": "llmeff-train-node-0-0.llmeff-train", "PET_MASTER_PORT": "29400"}
+
+
+def test_the_engines_are_asked_in_order_and_each_detects_only_its_own():
+    from mlflow_llmeff.meters import schedulers
+
+    assert [e.name for e in schedulers.ENGINES] == ["ray", "slurm", "kubeflow-trainer", "torchrun"]
+    assert schedulers.detect(STEP_ENV).name == "slurm"
+    assert schedulers.detect(TRAINJOB_ENV).name == "kubeflow-trainer"
+    pytorchjob = {k: v for k, v in TRAINJOB_ENV.items() if k != "JOB_COMPLETION_INDEX"}
+    assert schedulers.detect(pytorchjob).name == "torchrun"  # read as "kubernetes": KUBERNETES_SERVICE_HOST
+    assert schedulers.detect({"HOME": "/root"}) is None
+
+
+@pytest.mark.parametrize("accelerators, cpus, value, want", [
+    (1, 16, "auto", 1),   # one GPU: torchrun starts one process
+    (8, 16, "auto", 8),
+    (0, 2, "auto", 2),    # no accelerator: torchrun's auto is the CPU count
+    (0, 2, "cpu", 2),
+    (4, 2, "gpu", 4),
+    (4, 2, "3", 3),
+])
+def test_nproc_per_node_resolves_as_torchrun_does(accelerators, cpus, value, want):
+    from mlflow_llmeff.meters.schedulers.torchrun import nproc_per_node
+
+    assert nproc_per_node(value, accelerators=lambda: accelerators, cpus=lambda: cpus) == want
+
+
+@pytest.mark.parametrize("value, match", [("many", r"^PET_NPROC_PER_NODE='many' is not accepted; use a positive "
+                                                    r"integer or one of: auto, cpu, gpu$"),
+                                          ("0", r"PET_NPROC_PER_NODE='0' is not accepted"),
+                                          ("gpu", r"^PET_NPROC_PER_NODE='gpu' but this machine has no accelerator")])
+def test_nproc_per_node_refuses_what_torchrun_refuses(value, match):
+    from mlflow_llmeff.meters.schedulers.torchrun import nproc_per_node
+
+    with pytest.raises(ValueError, match=match):
+        nproc_per_node(value, accelerators=lambda: 0, cpus=lambda: 2)
+
+
+def test_a_trainjob_node_with_auto_processes_on_a_one_device_machine_reads_as_one():
+    from mlflow_llmeff.meters.schedulers import KubeflowTrainer
+
+    engine = KubeflowTrainer(accelerators=lambda: 1, cpus=lambda: 16)
+    assert engine.detect(TRAINJOB_ENV)
+    p = engine.read(TRAINJOB_ENV)
+    assert (p.scheduler, p.num_machines, p.machine_rank, p.main_process_host, p.main_process_port,
+            p.processes_per_node, p.job_id) == ("kubeflow-trainer", 2, 1, "llmeff-train-node-0-0.llmeff-train",
+                                                29400, 1, "llmeff-train")
+    assert scheduler.tags(p) == {names.SCHEDULER_NAME: "kubeflow-trainer", names.SCHEDULER_JOB_ID: "llmeff-train",
+                                 names.SCHEDULER_NODES: "2"}
+    cfg = from_scheduler(TrainConfig(), p, say=False)
+    assert (cfg.num_machines, cfg.machine_rank, cfg.main_process_ip, cfg.main_process_port, cfg.num_processes) == \
+        (2, 1, "llmeff-train-node-0-0.llmeff-train", 29400, 1)
+
+
+def test_a_trainjob_node_on_this_cpu_machine_reads_auto_as_torchrun_would_here():
+    import os
+
+    import torch
+
+    p = scheduler.read(TRAINJOB_ENV)  # the real device count: no accelerator in this venv's torch
+    want = torch.accelerator.device_count() if torch.accelerator.is_available() else len(os.sched_getaffinity(0))
+    assert p.scheduler == "kubeflow-trainer" and p.processes_per_node == want
+
+
+def test_a_contradicting_machine_rank_under_a_trainjob_names_the_trainers_variable():
+    p = scheduler.read({**TRAINJOB_ENV, "PET_NPROC_PER_NODE": "2"})
+    with pytest.raises(ValueError, match=r"^machine_rank=0 contradicts kubeflow-trainer's 1 \(PET_NODE_RANK\)"):
+        scheduler.layout(p, num_machines=2, machine_rank=0, main_process_ip="", defaults=(1, 9, ""))
+
+
+class FakeRayContext:
+    """``ray.train.get_context()`` of a worker: run name, world, ranks (Ray Train V2's TrainContext methods)."""
+
+    def __init__(self, world=4, rank=2, local=1, local_world=2, node=1, name="llmeff-ray"):
+        self.world, self.rank, self.local, self.local_world, self.node, self.name = world, rank, local, local_world, node, name
+
+    def get_world_size(self): return self.world
+    def get_world_rank(self): return self.rank
+    def get_local_rank(self): return self.local
+    def get_local_world_size(self): return self.local_world
+    def get_node_rank(self): return self.node
+    def get_experiment_name(self): return self.name
+
+
+def test_a_ray_train_worker_is_tagged_with_its_run_and_world_and_gives_no_launch_layout():
+    from mlflow_llmeff.meters.schedulers import RayTrain
+
+    engine = RayTrain(context=lambda: FakeRayContext())
+    assert engine.detect({}) and not RayTrain(context=lambda: None).detect({})
+    p = engine.read({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (p.scheduler, p.job_id, p.world_size, p.processes_per_node, p.machine_rank, p.nodes) == \
+        ("ray", "llmeff-ray", 4, 2, 1, None)
+    assert "Ray Train starts the processes" in p.why_no_layout
+    assert scheduler.tags(p) == {names.SCHEDULER_NAME: "ray", names.SCHEDULER_JOB_ID: "llmeff-ray",
+                                 names.SCHEDULER_WORLD_SIZE: "4"}
+    assert scheduler.layout(p, num_machines=1, machine_rank=0, main_process_ip="") == \
+        {"num_machines": 1, "machine_rank": 0, "main_process_ip": ""}
+    one_node = RayTrain(context=lambda: FakeRayContext(world=2, local_world=2, node=0)).read({})
+    assert one_node.nodes == 1 and scheduler.tags(one_node)[names.SCHEDULER_NODES] == "1"
+
+
+def test_outside_a_ray_worker_ray_is_not_detected_nor_imported():
+    import sys
+
+    from mlflow_llmeff.meters.schedulers.ray import train_context
+
+    if "ray.train" not in sys.modules:
+        assert train_context() is None and "ray.train" not in sys.modules
+    else:  # imported by an earlier test of this process: still no run here
+        assert train_context() is None
