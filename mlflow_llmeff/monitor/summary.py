@@ -14,6 +14,7 @@ functions work on the monitor's components and run record (:class:`~mlflow_llmef
 from __future__ import annotations
 
 import math
+import os
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import stability as st
@@ -232,13 +233,25 @@ def _rank_times(p: Parts) -> dict:
     n = p.record.phase_steps
     timer = p.phases
     timed = [phase for phase, ok in timer.timed.items() if ok] if timer is not None else []
-    out = {"host": socket.gethostname(), "steps": n,
+    out = {"host": socket.gethostname(), "address": os.environ.get("LLMEFF_HOST_ADDRESS") or None, "steps": n,
            "phases": {phase: p.record.phase_s[phase] / n for phase in timed} if n else {},
            "step_s": p.record.phase_step_s / n if n else None}
     if p.ledger is not None:  # this rank's data wait and step seconds, all attempts (llmeff.data_wait.ranks)
         seconds = p.ledger.seconds
         out.update(data_wait_s=seconds["warmup_data_wait"] + seconds["steady_data_wait"], train_s=p.ledger.train_s())
     return out
+
+
+def told_apart(got: list[dict]) -> list[dict]:
+    """Each rank's ``host``, with its machine's address appended (``node (10.0.0.2)``) where machines of
+    other addresses share its host name (containers and pods often do), so ``llmeff.hosts`` and the
+    straggler do not merge them. The address is the one the machines' handshake crossed
+    (``$LLMEFF_HOST_ADDRESS``, train/launch.py)."""
+    addresses: dict[str, set] = {}
+    for g in got:
+        addresses.setdefault(g["host"], set()).add(g.get("address"))
+    return [{**g, "host": f"{g['host']} ({g.get('address') or 'address unknown'})"} if len(addresses[g["host"]]) > 1
+            else g for g in got]
 
 
 def data_wait_text(got: list[dict]) -> str | None:
@@ -267,7 +280,7 @@ def straggler_figures(p: Parts) -> dict[str, float]:
     collective (every rank's times are gathered)."""
     from mlflow_llmeff.calc.stragglers import RankTimes, stragglers
 
-    got = collectives.all_gather_object(_rank_times(p))
+    got = told_apart(collectives.all_gather_object(_rank_times(p)))
     waits = data_wait_text(got)  # summary/badput_data_wait_s is rank 0's: each rank's share beside it
     if waits:
         p.record.stability_tags[names.DATA_WAIT_RANKS] = waits

@@ -31,11 +31,17 @@ def mark_machine_runs(cfg: TrainConfig, monitor) -> None:
     from mlflow_llmeff.tracking.runs import mark_machine_runs
 
     first = os.environ.get("LOCAL_RANK", "0") == "0"
-    mine = (cfg.machine_rank, os.environ.get("MLFLOW_RUN_ID", "") if first else "", socket.gethostname())
+    mine = (cfg.machine_rank, os.environ.get("MLFLOW_RUN_ID", "") if first else "", socket.gethostname(),
+            monitor.run_id if monitor.is_main else None)
     try:
         every = collectives.all_gather_object(mine)
+        told = os.environ.get("LLMEFF_JOB_RUN_FILE")  # machines 1..: the launcher names the job's run at its end
+        job_run = next((run for *_, run in every if run), None)
+        if told and first and job_run:
+            with open(told, "w", encoding="utf-8") as f:
+                f.write(job_run)
         if monitor.is_main and monitor.run_id:
-            said = mark_machine_runs(monitor.run_id, {r: (run, host) for r, run, host in every if r > 0 and run},
+            said = mark_machine_runs(monitor.run_id, {r: (run, host) for r, run, host, _ in every if r > 0 and run},
                                        cfg.num_machines)
             if said:
                 monitor.set_tags({names.MACHINE_RUNS: said})

@@ -127,16 +127,27 @@ def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own
         return _after_preemption(cfg) if result and result.get("preempted") is not None else 0
     from mlflow_llmeff.train import job as jobs
 
+    met = None
     if cfg.num_machines > 1:  # every machine meets machine 0 in time, given the same job, or one line says why not
         from mlflow_llmeff.train.rendezvous import handshake
 
-        handshake(cfg)
+        met = handshake(spec)
+        via = f" through {met.interface} ({met.address})" if met.interface else ""
         print(f"llmeff: machine {cfg.machine_rank} of {cfg.num_machines} met the others at "
-              f"{cfg.main_process_ip}:{cfg.main_process_port} with the same settings", file=sys.stderr)
+              f"{cfg.main_process_ip}:{cfg.main_process_port}{via} with the same settings", file=sys.stderr)
     cmd, env = accelerate_command(spec)
+    if met is not None:
+        env.update(interface_env(met, env))
     env["LLMEFF_NUM_MACHINES"] = str(spec.nodes)  # for the nodes tag, whatever the launcher sets
     # the job's clock starts at this command (or at the start the caller gave)
     env[jobs.START_ENV] = repr(jobs.attempt_start_unix() if started_unix is None else float(started_unix))
+    if cfg.num_machines > 1 and cfg.machine_rank > 0:
+        import tempfile
+
+        fd, env[JOB_RUN_ENV] = tempfile.mkstemp(prefix="llmeff-job-run-")
+        os.close(fd)
+    if met is not None and met.address:
+        env[HOST_ADDRESS_ENV] = met.address  # llmeff.hosts tells apart machines that share a host name
     from mlflow_llmeff.train import elastic
 
     # the launcher runs inside train/elastic.py, which keeps torch elastic's record of failed workers
@@ -155,9 +166,63 @@ def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own
         preempt.restore(caught)
     if job:  # how the attempt ended where rank 0 could not say (killed, or stopped after another rank was lost)
         jobs.Job(cfg.checkpoint_dir).close_open(rc, elastic.read_failures(failures_path))
+    if cfg.num_machines > 1 and cfg.machine_rank > 0:  # machine 0 prints the run's report; the others say this
+        print(f"llmeff: {machine_end_line(cfg, rc, _read_job_run(env.get(JOB_RUN_ENV)))}", file=sys.stderr, flush=True)
     if rc == 0 and cfg.checkpoint_dir and _last_end(cfg.checkpoint_dir) == "preempted":
         return _after_preemption(cfg)
     return rc
+
+
+#: The file a machine's launcher names to its first worker, which writes the job's run id there
+#: (train/comm.py, once rank 0 made the run): machines 1.. say which run they were part of.
+JOB_RUN_ENV = "LLMEFF_JOB_RUN_FILE"
+#: This machine's address toward the others (the handshake's), for the workers' ``llmeff.hosts`` entry.
+HOST_ADDRESS_ENV = "LLMEFF_HOST_ADDRESS"
+
+
+def interface_env(met, env: dict[str, str]) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` set to the interface the handshake crossed
+    (:class:`~mlflow_llmeff.train.rendezvous.Met`), each unless ``env`` (the user's) sets it already.
+
+    Without them gloo binds the address this machine's host name resolves to: loopback where the name
+    does not resolve to the machine's address (containers, network namespaces), and the job's first
+    collective fails (machine 0 after 14 s with ~90 lines of traceback, machine 1 hanging). NCCL picks
+    its own interface by prefix (``ib``, then not ``docker``/``lo``), which may not route to the others.
+    Returns the variables to add (none when the interface is unknown)."""
+    if not met.interface:
+        return {}
+    return {k: met.interface for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not env.get(k)}
+
+
+def machine_end_line(cfg: TrainConfig, rc: int, run_id: str | None) -> str:
+    """The line machines 1.. print at their end (machine 0 prints the run's report): how this machine's
+    part of the job ended and the job's run, e.g. ``machine 1 of 2 (host-b): its part of the job
+    finished (exit 0); the job's run is 3f2a... (logged by machine 0 at 10.0.0.1)``."""
+    import socket
+
+    from mlflow_llmeff.train import preempt
+
+    how = ("finished" if rc == 0 else "was preempted (checkpointed; rerun the same command to resume)"
+           if rc == preempt.EXIT_PREEMPTED else "failed")
+    run = (f"the job's run is {run_id} (logged by machine 0 at {cfg.main_process_ip})" if run_id else
+           f"the job's run was not reported to this machine (machine 0 at {cfg.main_process_ip} logs it)")
+    return (f"machine {cfg.machine_rank} of {cfg.num_machines} ({socket.gethostname()}): its part of the job "
+            f"{how} (exit {rc}); {run}")
+
+
+def _read_job_run(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 #: Seconds the launcher's process tree has, after a SIGTERM or SIGINT reached the launcher, to end on its own
