@@ -85,11 +85,14 @@ class Hosts:
         addresses: their IPv4 addresses, host 0 first.
         gateway: the bridge's address in the root namespace (servers the hosts reach).
         rate_mbit: each link's tbf rate in Mbit/s (10^6 bit/s), per direction; 0: not shaped.
+        resolve_names: False: the hosts' names resolve nowhere (each host's ``/etc/hosts`` holds only
+            ``localhost``), as in containers and pods whose host name is not in any name service.
     """
 
     n: int = 2
     rate_mbit: float = 200.0
     tag: str = ""
+    resolve_names: bool = True
     names: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     gateway: str = ""
@@ -140,7 +143,8 @@ class Hosts:
 
     def _write_etc(self) -> None:
         """``/etc/netns/<name>/hosts`` (every host of the set by name) and an empty ``resolv.conf``."""
-        lines = ["127.0.0.1 localhost"] + [f"{a} {n}" for a, n in zip(self.addresses, self.names)]
+        lines = ["127.0.0.1 localhost"] + ([f"{a} {n}" for a, n in zip(self.addresses, self.names)]
+                                           if self.resolve_names else [])
         for ns in self.names:
             d = os.path.join("/etc/netns", ns)
             os.makedirs(d, exist_ok=True)
