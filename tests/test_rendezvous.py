@@ -183,6 +183,12 @@ def test_what_was_resolved_is_compared_too():
     assert mine["resolved.precision"] == "fp32" and theirs["resolved.precision"] == "bf16"
     line = disagreement(mine, theirs, "a", "b")
     assert "resolved.precision is 'fp32' on a and 'bf16' on b" in line and "resolved.machine is " in line
+    # another node count changes the degrees too: the setting is named, not what was resolved from it
+    three = shared_settings(validate(TrainConfig(num_machines=3, main_process_ip="127.0.0.1"), Machine(cuda=False,
+                                                                                                       bf16=False),
+                                     engine=False))
+    assert disagreement(mine, three, "a", "b") == ("the machines were given different settings: num_machines is 2 on "
+                                                   "a and 3 on b: give every machine the same")
 
 
 def _serve_in_thread(errors: dict, key: str, **kw) -> threading.Thread:

@@ -117,6 +117,8 @@ def disagreement(mine: dict, theirs: dict, me: str, them: str) -> str | None:
     """
     keys = list(mine) + [k for k in theirs if k not in mine]
     differ = [k for k in keys if k not in PER_MACHINE and mine.get(k) != theirs.get(k)]
+    given = [k for k in differ if not k.startswith("resolved.")]
+    differ = given or differ  # what was resolved from settings that differ differs too: the settings are the news
     if not differ:
         return None
     parts = [f"{k} is {mine.get(k)!r} on {me} and {theirs.get(k)!r} on {them}" for k in differ]
