@@ -174,6 +174,25 @@ def missing(name: str, *, cuda: bool) -> str | None:
     return None
 
 
+def _fused_where_torch_can(param_groups) -> dict:
+    """``{"fused": True}`` when torch's fused AdamW kernel can step every parameter, else ``{}`` (torch's default).
+
+    torch picks its fused kernel by default nowhere and its multi-tensor (foreach) path only on CUDA
+    (torch/optim/optimizer.py ``_default_to_fused_or_foreach``): on a CPU the default is a Python loop of
+    ~12 kernels per tensor. The fused kernel (``torch._fused_adamw_``, CPU and CUDA since torch 2.4) computes
+    the same AdamW update (Loshchilov & Hutter 2019) in one pass per tensor and holds no temporaries; it is what
+    the best loops use (torchtitan's default ``implementation="fused"``; transformers' ``adamw_torch_fused``,
+    the Trainer's default optimizer). Measured on llama-tiny (21 tensors, 125,632 parameters), 2-core CPU:
+    3.4 ms a step single-tensor, 1.2 ms fused. Left to torch's default: sharded (DTensor) parameters of
+    FSDP2 and tensor parallelism, a non-floating parameter, another device type.
+    """
+    params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    plain = all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params)
+    if params and plain and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
+        return {"fused": True}
+    return {}
+
+
 def build_optimizer(name: str, param_groups, *, lr: float, betas: tuple[float, float], eps: float,
                     weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer ``--optimizer name`` stands for, over ``param_groups``.
@@ -187,7 +206,8 @@ def build_optimizer(name: str, param_groups, *, lr: float, betas: tuple[float, f
         weight_decay: decoupled weight decay where a group gives none (SGD: L2, added to the gradient).
 
     Returns:
-        ``adamw``: ``torch.optim.AdamW``; ``adamw-bf16``: :class:`AdamWBf16`; ``adamw8bit`` /
+        ``adamw``: ``torch.optim.AdamW``, its fused kernel where every parameter is a plain floating tensor on
+        a CPU or CUDA device (:func:`_fused_where_torch_can`); ``adamw-bf16``: :class:`AdamWBf16`; ``adamw8bit`` /
         ``adamw4bit``: ``torchao.optim.AdamW8bit`` / ``AdamW4bit`` (block-quantized states; tensors
         too small or not divisible by the block keep plain ones); ``bnb-adamw8bit`` /
         ``bnb-paged-adamw8bit``: ``bitsandbytes.optim.AdamW8bit`` / ``PagedAdamW8bit``;
@@ -199,9 +219,10 @@ def build_optimizer(name: str, param_groups, *, lr: float, betas: tuple[float, f
         ImportError: the package is not installed (:func:`missing` says so first, at validation).
     """
     c = choice(name)
+    param_groups = list(param_groups)  # a generator (model.parameters()) is read twice below
     adam = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(param_groups, **adam)
+        return torch.optim.AdamW(param_groups, **adam, **_fused_where_torch_can(param_groups))
     if name == "adamw-bf16":
         return AdamWBf16(param_groups, **adam)
     if name == "adafactor":
