@@ -295,3 +295,29 @@ def test_one_file_given_by_two_paths_is_one_dataset_condition(tmp_path, monkeypa
         == str(f.resolve())
     assert dataset_label("synthetic") == "synthetic" and dataset_label("python-docs") == "python-docs"
     assert dataset_label("roneneldan/TinyStories") == "roneneldan/TinyStories"
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "text"])
+def test_full_blocks_are_gathered_from_the_columns_views_exactly_as_datasets_reads_them(tok, tmp_path, cache, dataset):
+    if dataset == "text":
+        p = tmp_path / "a.txt"
+        p.write_text("".join(chr(0x20 + i % 90) for i in range(400)))
+        dataset = str(p)
+    d = D.prepare_data(dataset, tok, 8, packing=True, val_fraction=0.0, cache_dir=cache, synthetic_blocks=20,
+                       vocab_size=259)
+    blocks = d.train
+    assert blocks._chunks is not None  # every row holds seq_len ids: numpy views of the Arrow column
+    idx = [7, 0, 3, 3, 11]
+    fast = blocks.__getitems__(idx)
+    blocks._chunks = None  # the datasets path
+    slow = blocks.__getitems__(idx)
+    assert fast.keys() == slow.keys()
+    for k in slow:
+        assert fast[k].dtype == slow[k].dtype == torch.int64 and torch.equal(fast[k], slow[k])
+
+
+def test_padded_rows_keep_the_datasets_path(tok, tmp_path, cache):
+    p = tmp_path / "a.txt"
+    p.write_text("\x07\x07\n\n" + "\x08" * 9)
+    d = D.prepare_data(str(p), tok, 5, packing=False, val_fraction=0.0, cache_dir=cache)
+    assert d.train._chunks is None  # rows of 3 and 5 ids: not full blocks
