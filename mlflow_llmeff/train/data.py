@@ -521,6 +521,13 @@ class TokenBlocks:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __getstate__(self) -> dict:  # a worker started by spawn maps the column again (no copy in the pickle)
+        return {**self.__dict__, "_chunks": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._chunks = _full_block_chunks(self.table, self.seq_len)
+
     def __getitem__(self, i):
         if isinstance(i, int):
             return {k: v[0] for k, v in self.__getitems__([i]).items()}
