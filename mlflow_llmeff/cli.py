@@ -238,15 +238,21 @@ def study_cmd(repeats: int | None, seeds: int | None, target: str | None, config
     if (repeats is None) == (seeds is None) or not (configs or seeds):
         raise click.UsageError("give --repeats N (the same seed) or --seeds N (seed + i - 1 for run i), and with "
                                "--repeats a --config per configuration (llmeff train options)")
+    from mlflow_llmeff.tracking.delivery import Unreachable
+
     parsed = [_study_config(text) for text in configs] or [_study_config("")]
     try:
         result = run_study(parsed, repeats or seeds, experiment=experiment, echo=click.echo, seeds=seeds is not None,
                            target=target)
+        import mlflow
+
+        lines = summary_lines(mlflow.MlflowClient(), result)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    import mlflow
-
-    for line in summary_lines(mlflow.MlflowClient(), result):
+    except Unreachable as e:  # one line: the server, the bound, what was kept (the outbox)
+        click.echo(f"Error: {e}", err=True)
+        raise SystemExit(1) from None
+    for line in lines:
         click.echo(line)
     code = 1 if result.failed else 0
     if code:
@@ -605,6 +611,7 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
     from mlflow_llmeff.report.compare import compare
     from mlflow_llmeff.report.mlperf import text_lines
     from mlflow_llmeff.report.render import headline_text, reliability_text, scaling_lines
+    from mlflow_llmeff.tracking.delivery import Unreachable
 
     try:
         rep, paths, run_id = compare(experiment, filter_string=filter_string, group_by=group_by,
@@ -612,6 +619,9 @@ def compare_cmd(experiment, filter_string, group_by, baseline, out_dir, log_to_m
                                      ui_base=ui_url)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    except Unreachable as e:  # one line: the server and the bound; nothing compared
+        click.echo(f"Error: {e}; nothing was compared", err=True)
+        raise SystemExit(1) from None
     for w in rep.warnings:
         click.echo(f"WARNING: {w.text()}", err=True)
     for r in rep.runs:

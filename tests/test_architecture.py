@@ -54,6 +54,19 @@ CLIENT_WRITES = frozenset({
     "delete_tag", "log_text", "log_artifact", "log_artifacts", "log_dict", "log_figure", "log_image",
     "create_experiment", "set_experiment_tag", "start_run", "end_run"})
 
+#: MLflow's fluent writes (``mlflow.log_metrics(...)``, ...): a call of one on the ``mlflow`` module is a write too.
+FLUENT_WRITES = CLIENT_WRITES | frozenset({
+    "log_metrics", "log_params", "set_tags", "log_table", "log_input", "log_inputs", "set_experiment_tags",
+    "set_terminated"})
+#: The one door (STYLE.md, "One door per outside system"): the only modules that call an MLflow write.
+#: Every other module hands its writes to a writer (``RunLogger``, ``RunWriter``), which checks keys, masks
+#: secrets, batches, and waits a bounded time; the background worker makes the calls.
+WRITERS = {
+    f"{PKG}.tracking.writer": "the writer: RunWriter, and the fluent run of a local store",
+    f"{PKG}.tracking.worker": "the background worker: its thread delivers every call of a run in order",
+    f"{PKG}.tracking.outbox": "the records the background worker delivers (and llmeff sync, from the outbox file)",
+}
+
 #: At most this many modules at the top of the package besides its subpackages (issue 27).
 MAX_TOP_MODULES = 6
 #: No file longer than this (STYLE.md: a file that needs more than ~600 lines holds two concerns).
@@ -125,9 +138,16 @@ def imports_of(module: str, source: str, known: set[str], is_package: bool = Fal
 
 
 def client_writes(source: str) -> list[tuple[int, str]]:
-    """``(line, method)`` of every call of an MLflow client write (:data:`CLIENT_WRITES`) in ``source``."""
-    return [(n.lineno, n.func.attr) for n in ast.walk(ast.parse(source))
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in CLIENT_WRITES]
+    """``(line, method)`` of every call of an MLflow client write (:data:`CLIENT_WRITES`) in ``source``, and
+    of a fluent write on the ``mlflow`` module (:data:`FLUENT_WRITES`: ``mlflow.log_metrics(...)``), in line order."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            continue
+        on_mlflow = isinstance(n.func.value, ast.Name) and n.func.value.id == "mlflow"
+        if n.func.attr in CLIENT_WRITES or (on_mlflow and n.func.attr in FLUENT_WRITES):
+            found.append((n.lineno, n.func.attr))
+    return sorted(found)
 
 
 def server_apps() -> set[str]:
@@ -189,9 +209,9 @@ def violations(sources: dict[str, str], packages: set[str] = frozenset(), apps: 
             elif name not in ONLY_IN.get(target.split(".")[0], (name,)) and mod not in apps:
                 out.append(f"{mod}:{line} ({name}) imports {target.split('.')[0]}; only tracking/ and the entry "
                            "points may (every MLflow read and write goes through tracking/)")
-        if name not in ONLY_IN["mlflow"] and mod not in apps:
-            out += [f"{mod}:{line} ({name}) calls .{call}(), an MLflow client write, outside tracking/"
-                    for line, call in client_writes(src)]
+        if mod not in WRITERS and mod not in apps:
+            out += [f"{mod}:{line} ({name}) calls .{call}(), an MLflow write, outside the writer (tracking/writer.py "
+                    "and the background worker: worker.py, outbox.py)" for line, call in client_writes(src)]
     return out
 
 
@@ -262,16 +282,45 @@ def test_only_tracking_and_the_entry_points_talk_to_mlflow():
                                         "    client.set_tag(run_id, 'k', 'v')\n")
     sources[f"{PKG}.tracking.injected"] = "import mlflow\n\n\ndef f(client):\n    client.set_tag('r', 'k', 'v')\n"
     found = [v for v in violations(sources, _packages(), server_apps()) if "injected" in v]
+    door = "outside the writer (tracking/writer.py and the background worker: worker.py, outbox.py)"
     assert found == [
         f"{PKG}.report.injected:1 (report) imports mlflow; only tracking/ and the entry points may (every MLflow "
         "read and write goes through tracking/)",
-        f"{PKG}.report.injected:5 (report) calls .log_metric(), an MLflow client write, outside tracking/",
+        f"{PKG}.report.injected:5 (report) calls .log_metric(), an MLflow write, {door}",
+        f"{PKG}.tracking.injected:5 (tracking) calls .set_tag(), an MLflow write, {door}",
         f"{PKG}.train.injected:5 (train) imports mlflow; only tracking/ and the entry points may (every MLflow "
         "read and write goes through tracking/)",
-        f"{PKG}.train.injected:6 (train) calls .set_tag(), an MLflow client write, outside tracking/",
+        f"{PKG}.train.injected:6 (train) calls .set_tag(), an MLflow write, {door}",
     ]
     assert server_apps() == {f"{PKG}.report.server", f"{PKG}.report.auth"}  # pyproject's mlflow.app factories
     assert "import mlflow" in "".join(sources[m] for m in server_apps()).replace("from mlflow", "import mlflow")
+
+
+@pytest.mark.parametrize("module", ["tracking.plans", "tracking.runs", "tracking.logger", "cli", "autologging",
+                                    "train.study"])
+def test_an_injected_client_write_outside_the_writer_and_the_worker_fails(module):
+    """One door to MLflow (issue 52): ``MlflowClient().set_tag`` (or a fluent ``mlflow.log_metrics``) added to
+    any module but the writer and the background worker is a violation, even in tracking/ and the entry
+    points, which may import mlflow; the same call in the writer is not."""
+    sources = module_sources()
+    name = f"{PKG}.{module}"
+    lines = len(sources[name].splitlines())
+    sources[name] += ("\n\ndef _injected(run_id):\n    from mlflow import MlflowClient\n\n"
+                      "    MlflowClient().set_tag(run_id, 'k', 'v')\n    mlflow.log_metrics({'x': 1.0})\n")
+    found = [v for v in violations(sources, _packages(), server_apps()) if v.startswith(f"{name}:")]
+    assert [v.split(" calls ")[1].split(",")[0] for v in found if f":{lines + 6} " in v or f":{lines + 7} " in v] == [
+        ".set_tag()", ".log_metrics()"]
+    sources = module_sources()
+    sources[f"{PKG}.tracking.writer"] += "\n\ndef _allowed(client, run_id):\n    client.set_tag(run_id, 'k', 'v')\n"
+    assert violations(sources, _packages(), server_apps()) == []
+
+
+def test_only_the_writer_and_the_worker_call_mlflow_writes():
+    """Every module's MLflow writes, read from the code: none outside :data:`WRITERS`, and each of those
+    still makes some (the list stays the truth)."""
+    writes = {m: client_writes(s) for m, s in module_sources().items() if client_writes(s)}
+    assert set(writes) - set(WRITERS) - server_apps() == set()
+    assert set(WRITERS) - set(writes) == set()
 
 
 def test_imports_that_bypass_the_layers_are_found():

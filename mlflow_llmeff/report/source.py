@@ -10,12 +10,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlflow_llmeff import names
+from mlflow_llmeff.tracking.delivery import Unreachable, bounded_reads
 from mlflow_llmeff.tracking.redact import clean, environment_secrets
 from mlflow_llmeff.tracking.runs import ui_run_url
 from mlflow_llmeff.tracking.search import all_runs, apply_filter, filters_datasets, is_store_error, parse_filter
 from mlflow_llmeff.report.calc import RunRecord
 
-__all__ = ["Selection", "select_runs", "metric_history", "ui_run_url"]
+__all__ = ["Selection", "select_runs", "metric_history", "ui_run_url", "change_token", "READ", "REPORT_TAGS",
+           "REPORT_METRIC_PREFIXES", "REPORT_PARAMS"]
+
+#: What a database-backed store's read (:func:`_read_by_sql`) takes of each run: the tags the reports read
+#: (every ``llmeff.*`` condition and provenance tag, and the run's name), the latest metrics under these
+#: prefixes (summary figures, time to quality, final evals, the network's ``comm/*``, memory, training), and
+#: these params (a run's seed, its targets and step cap, an eval's few-shot count: report/calc.py and
+#: report/repeats.py). Keys a search filter names are read besides. tests/test_scale.py checks that every
+#: key the report modules read is among them.
+REPORT_TAGS = ("llmeff.%", "mlflow.runName")
+REPORT_METRIC_PREFIXES = ("summary/", "ttq/", "eval/", "comm/", "memory/", "train/")
+REPORT_PARAMS = ("seed", "targets", "stop_at_targets", "max_steps", "eval_num_fewshot")
+
+
+class _Reads:
+    """Counted work of the store reads (the page's tests assert it, never wall time): SQL queries issued,
+    rows read, and :func:`change_token` look-ups."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.queries, self.rows, self.tokens = 0, 0, 0
+
+
+#: The module's counters (:class:`_Reads`).
+READ = _Reads()
 
 @dataclass(frozen=True)
 class Selection:
@@ -79,6 +106,8 @@ def _known_experiments(client, limit: int = 10) -> str:
     ``limit``), or what to give when none can be read."""
     try:
         page = client.search_experiments(max_results=limit + 1, order_by=["creation_time DESC"])
+    except Unreachable:
+        raise
     except Exception:  # noqa: BLE001 - the list is a help, not the error
         page = []
     if not page:
@@ -105,22 +134,30 @@ def select_runs(client, experiment: str, filter_string: str = "") -> Selection:
     Tags and params come back masked as our logger masks them (secret-looking names, values of
     secret environment variables, URI user-info), whoever logged them.
 
+    An ``MlflowClient`` of a tracking server is read through
+    :class:`~mlflow_llmeff.tracking.delivery.BoundedReads`: each read waits at most the delivery wait
+    (``LLMEFF_DELIVERY_WAIT_S``), and after one unanswered read the rest are not tried.
+
     Raises:
         ValueError: unknown experiment, a filter MLflow cannot parse, or no run to compare (each one line).
+        mlflow_llmeff.tracking.delivery.Unreachable: the tracking server did not answer within the wait
+            (one line naming it and the bound).
     """
+    client = bounded_reads(client)
     exp = _experiment(client, experiment)
     secrets = environment_secrets()
     try:
-        found = _read_by_sql(client, exp.experiment_id, filter_string or "")
-        if found is None:  # MLflow's search, active runs only
+        runs = _read_by_sql(client, exp.experiment_id, filter_string or "", secrets)
+        if runs is None:  # MLflow's search, active runs only
             found = all_runs(client, [exp.experiment_id], filter_string or "", order_by=["attributes.start_time DESC"])
     except Exception as e:
-        if not is_store_error(e):
+        if not is_store_error(e) or isinstance(e, Unreachable):
             raise
         first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0]
         raise ValueError(f"bad filter {filter_string!r}: {first}") from None
-    memo: dict = {}  # condition tags repeat over the runs: each (key, value) is masked once
-    runs = [_record(r, secrets, memo) for r in found]
+    if runs is None:
+        memo: dict = {}  # condition tags repeat over the runs: each (key, value) is masked once
+        runs = [_record(r, secrets, memo) for r in found]
     compared = [r for r in runs if names.COMPARE_RUN_IDS not in r.tags]
     left_out, runs = len(runs) - len(compared), compared
     trained = [r for r in runs if names.STUDY not in r.tags]  # a study's parent trains nothing
@@ -143,18 +180,45 @@ def _sql_engine(client):
     return engine if hasattr(engine, "connect") else None
 
 
-def _read_by_sql(client, experiment_id: str, filter_string: str):
-    """The active runs of ``experiment_id`` matching ``filter_string``, newest first, read straight
-    from a database-backed store's tables, or None where this does not apply (another store, a
-    filter on datasets, which these runs do not carry).
+def _filter_keys(clauses: list[dict]) -> dict[str, set[str]]:
+    """The tag, metric and param keys a parsed search filter names (read besides the report's own)."""
+    out: dict[str, set[str]] = {"tags": set(), "latest_metrics": set(), "params": set()}
+    kinds = {"tag": "tags", "metric": "latest_metrics", "parameter": "params"}
+    for c in clauses:
+        table = kinds.get(c.get("type", ""))
+        if table:
+            out[table].add(c["key"])
+    return out
+
+
+def _key_condition(table: str, extra: set[str]) -> tuple[str, list[str]]:
+    """The SQL condition on ``v.key`` for the keys of ``table`` the reports read, and its parameters."""
+    if table == "tags":
+        likes, exact = [t for t in REPORT_TAGS if t.endswith("%")], [t for t in REPORT_TAGS if not t.endswith("%")]
+    elif table == "latest_metrics":
+        likes, exact = [p + "%" for p in REPORT_METRIC_PREFIXES], []
+    else:
+        likes, exact = [], list(REPORT_PARAMS)
+    exact = sorted(set(exact) | extra)
+    parts = ["v.key LIKE ?"] * len(likes) + ([f"v.key IN ({', '.join('?' * len(exact))})"] if exact else [])
+    return "(" + " OR ".join(parts) + ")", likes + exact
+
+
+def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[str]):
+    """The active runs of ``experiment_id`` matching ``filter_string`` as :class:`RunRecord`, newest first,
+    read straight from a database-backed store's tables, or None where this does not apply (another store,
+    a filter on datasets, which these runs do not carry).
 
     MLflow's ``search_runs`` on such a store builds an ORM object for every tag, param and latest
     metric of every run: 5.9 s for 1,000 runs of 41 values each on this 2-core machine, most of a
     page's time. Here: four queries of plain rows (runs, ``latest_metrics``, ``tags``, ``params``:
-    MLflow's schema since 1.x), each run a light object with MLflow's ``info``/``data`` attributes,
-    filtered by ``mlflow.utils.search_utils.SearchUtils.filter`` (MLflow's own evaluator of its
-    search syntax, the one its file store uses) and ordered as ``search_runs`` orders
-    ``attributes.start_time DESC`` (then by run id).
+    MLflow's schema since 1.x), each reading only the keys the reports show (:data:`REPORT_TAGS`,
+    :data:`REPORT_METRIC_PREFIXES`, :data:`REPORT_PARAMS`, and those the filter names), each row put
+    straight into its run's record (tags and params masked once per distinct value). A filter is
+    applied by ``mlflow.utils.search_utils.SearchUtils.filter`` (MLflow's own evaluator of its search
+    syntax, the one its file store uses) on light objects with MLflow's ``info``/``data`` attributes;
+    the order is ``search_runs``' ``attributes.start_time DESC`` (then by run id). Every query and row
+    is counted in :data:`READ`.
 
     Raises:
         mlflow.exceptions.MlflowException: a filter MLflow cannot parse.
@@ -162,31 +226,50 @@ def _read_by_sql(client, experiment_id: str, filter_string: str):
     engine = _sql_engine(client)
     if engine is None or not str(experiment_id).isdigit():
         return None
-    from types import SimpleNamespace
-
-    if filters_datasets(parse_filter(filter_string)):
+    clauses = parse_filter(filter_string)
+    if filters_datasets(clauses):
         return None
+    extra = _filter_keys(clauses)
     # the id is all digits (checked above): a literal, so the driver's own cursor runs the queries
     # (SQLAlchemy's row objects cost 4 s of 5 for 10,000 runs)
     where = f"r.experiment_id = {int(experiment_id)} AND r.lifecycle_stage = 'active'"
+    memo: dict = {}  # condition tags repeat over the runs: each (key, value) is masked once
+
+    def cleaned(k: str, v: str) -> str:
+        got = memo.get((k, v))
+        if got is None:
+            got = memo[(k, v)] = clean(k, v, secrets)
+        return got
+
     try:
         with engine.connect() as conn:
-            cursor = conn.connection.cursor()
+            raw = conn.connection
+            cursor = raw.cursor()
+            style = getattr(engine.dialect, "paramstyle", "qmark")  # sqlite3: ?, psycopg2 and pymysql: %s
             try:
                 cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, r.artifact_uri, "
                                f"r.lifecycle_stage FROM runs r WHERE {where} ORDER BY r.start_time DESC, r.run_uuid")
                 rows = cursor.fetchall()
+                READ.queries, READ.rows = READ.queries + 1, READ.rows + len(rows)
                 values = {}
                 for table in ("latest_metrics", "tags", "params"):
                     nan = ", v.is_nan" if table == "latest_metrics" else ""
+                    keys, args = _key_condition(table, extra[table])
+                    if style != "qmark":  # psycopg2, pymysql: %s placeholders
+                        keys = keys.replace("?", "%s")
                     got = values[table] = {}
                     cursor.execute(f"SELECT v.run_uuid, v.key, v.value{nan} FROM {table} v JOIN runs r ON "
-                                   f"r.run_uuid = v.run_uuid WHERE {where}")
-                    for row in cursor.fetchall():
+                                   f"r.run_uuid = v.run_uuid WHERE {where} AND {keys}", args)
+                    found = cursor.fetchall()
+                    READ.queries, READ.rows = READ.queries + 1, READ.rows + len(found)
+                    for row in found:
                         one = got.get(row[0])
                         if one is None:
                             one = got[row[0]] = {}
-                        one[row[1]] = row[2] if not nan else (float("nan") if row[3] else float(row[2]))
+                        if nan:
+                            one[row[1]] = float("nan") if row[3] else float(row[2])
+                        else:
+                            one[row[1]] = cleaned(row[1], row[2])
             finally:
                 cursor.close()
     except Exception as e:  # noqa: BLE001 - a schema this read does not know: MLflow's own search instead
@@ -194,15 +277,72 @@ def _read_by_sql(client, experiment_id: str, filter_string: str):
 
         logging.getLogger(__name__).info("llmeff: the store's tables read as MLflow's search instead (%s)", e)
         return None
-    runs = []
-    for run_uuid, name, status, start, end, user, artifact_uri, stage in rows:
-        info = SimpleNamespace(run_id=run_uuid, run_uuid=run_uuid, run_name=name, status=status, start_time=start,
-                               end_time=end, user_id=user, artifact_uri=artifact_uri, lifecycle_stage=stage,
-                               experiment_id=str(experiment_id))
-        data = SimpleNamespace(metrics=values["latest_metrics"].get(run_uuid, {}), tags=values["tags"].get(run_uuid, {}),
-                               params=values["params"].get(run_uuid, {}))
-        runs.append(SimpleNamespace(info=info, data=data, inputs=SimpleNamespace(dataset_inputs=[])))
-    return apply_filter(runs, filter_string)
+    exp_id = str(experiment_id)
+    metrics, tags, params = values["latest_metrics"], values["tags"], values["params"]
+    records = [RunRecord(run_id=u, name=tags.get(u, {}).get("mlflow.runName") or name or "", status=status,
+                         experiment_id=exp_id, metrics=metrics.get(u, {}), tags=tags.get(u, {}),
+                         params=params.get(u, {}), start_time_ms=start)
+               for u, name, status, start, _end, _user, _uri, _stage in rows]
+    if not filter_string:
+        return records
+    from types import SimpleNamespace
+
+    light = []
+    for rec, (u, name, status, start, end, user, artifact_uri, stage) in zip(records, rows):
+        info = SimpleNamespace(run_id=u, run_uuid=u, run_name=name, status=status, start_time=start, end_time=end,
+                               user_id=user, artifact_uri=artifact_uri, lifecycle_stage=stage, experiment_id=exp_id)
+        data = SimpleNamespace(metrics=rec.metrics, tags=rec.tags, params=rec.params)
+        light.append(SimpleNamespace(info=info, data=data, inputs=SimpleNamespace(dataset_inputs=[]), record=rec))
+    return [x.record for x in apply_filter(light, filter_string)]
+
+
+def change_token(client) -> str | None:
+    """A value that changes whenever the store behind ``client`` commits a change, read without reading
+    any run; None where no such value is known (then every page reads its runs).
+
+    * sqlite: the database file's (and its write-ahead log's) modification time and size. A file's
+      time moves in steps of the kernel's clock tick, so a token whose file changed less than
+      :data:`SETTLED_S` before it was read is None (a write in the same tick would leave it equal):
+      only a store quiet for that long is served from a cache.
+    * PostgreSQL: the write-ahead log's position (``pg_current_wal_lsn()``; a replica's
+      ``pg_last_wal_replay_lsn()``), which every committed write moves, in any process.
+    * other stores (MySQL, an ``MlflowClient``): None.
+
+    Each look-up is counted in :data:`READ` (``tokens``).
+    """
+    engine = _sql_engine(client)
+    if engine is None:
+        return None
+    READ.tokens += 1
+    url = engine.url
+    try:
+        if url.get_backend_name() == "sqlite":
+            import os
+            import time
+
+            path = url.database
+            if not path or path == ":memory:":
+                return None
+            stats = [os.stat(p) for p in (path, path + "-wal") if os.path.exists(p)]
+            newest = max(st.st_mtime for st in stats)
+            if time.time() - newest < SETTLED_S:
+                return None
+            return "sqlite:" + ",".join(f"{st.st_mtime_ns}:{st.st_size}" for st in stats)
+        if url.get_backend_name() == "postgresql":
+            import sqlalchemy as sa
+
+            with engine.connect() as conn:
+                lsn = conn.execute(sa.text("SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()::text "
+                                           "ELSE pg_current_wal_lsn()::text END")).scalar()
+            READ.queries += 1
+            return f"postgresql:{lsn}"
+    except Exception:  # noqa: BLE001 - no token: the page reads its runs, as without one
+        return None
+    return None
+
+
+#: Seconds a sqlite file must have been unchanged before :func:`change_token` vouches for it.
+SETTLED_S = 1.0
 
 
 def _record(run, secrets: list[str], memo: dict | None = None) -> RunRecord:
@@ -226,9 +366,10 @@ def _record(run, secrets: list[str], memo: dict | None = None) -> RunRecord:
 
 
 def metric_history(client, run_id: str, key: str) -> list[tuple[int, int, float]]:
-    """``(step, timestamp_ms, value)`` points of one metric of one run, by step; [] when it has none."""
+    """``(step, timestamp_ms, value)`` points of one metric of one run, by step; [] when it has none, or
+    when a tracking server does not answer within the delivery wait (:func:`~mlflow_llmeff.tracking.delivery.bounded_reads`)."""
     try:
-        points = client.get_metric_history(run_id, key)
+        points = bounded_reads(client).get_metric_history(run_id, key)
     except Exception:  # noqa: BLE001 - a missing history is an empty plot line, not an error
         return []
     return sorted((int(m.step), int(m.timestamp), float(m.value)) for m in points)

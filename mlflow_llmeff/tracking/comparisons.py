@@ -15,15 +15,23 @@ def log_comparison(client, experiment_id: str, tags: dict[str, str], run_ids: li
     The run is a new FINISHED run of ``experiment_id``, or under ``mlflow run -e compare`` the launcher's
     run (``MLFLOW_RUN_ID``, which the launcher ends).
 
+    Written through :class:`~mlflow_llmeff.tracking.writer.RunWriter`, waiting at most the delivery wait.
+
     Raises:
-        mlflow.exceptions.MlflowException: what the store raises.
+        mlflow_llmeff.tracking.delivery.Unreachable: the server did not take it all (it waits in the outbox;
+            the message says where).
+        mlflow.exceptions.MlflowException: a refusal of the store.
     """
+    from mlflow_llmeff.tracking import delivery
+    from mlflow_llmeff.tracking.writer import RunWriter
+
     launcher = os.environ.get("MLFLOW_RUN_ID")
-    run_id = launcher or client.create_run(experiment_id).info.run_id
-    for k, v in tags.items():
-        client.set_tag(run_id, k, v)
-    client.log_text(run_id, "".join(f"{i}\n" for i in run_ids), run_ids_artifact)
-    client.log_artifacts(run_id, os.path.abspath(out_dir))
-    if not launcher:
-        client.set_terminated(run_id, "FINISHED")
-    return run_id
+    writer = (RunWriter.attach(launcher, client=client) if launcher else
+              RunWriter.create(tags.get("mlflow.runName", ""), experiment_id=experiment_id, client=client))
+    writer.set_tags(tags, synchronous=False)
+    writer.write_text("".join(f"{i}\n" for i in run_ids), run_ids_artifact)
+    writer.log_folder(os.path.abspath(out_dir))
+    if not writer.end(None if launcher else "FINISHED"):
+        raise delivery.Unreachable(f"{writer.unanswered_reason or 'the tracking server did not take the comparison run'}; "
+                                   f"the comparison run waits in {writer.spilled_to} (llmeff sync {writer.outbox_dir})")
+    return writer.run_id

@@ -15,7 +15,12 @@ Two bounds, documented in ``docs/training.md`` ("How long anything waits for the
   not delivered by then waits in the outbox (:mod:`mlflow_llmeff.tracking.outbox`).
 
 :func:`bounded` runs one call on a daemon thread and stops waiting for it after a timeout (the
-call itself is abandoned, never joined), for the few reads a process needs before it can go on.
+call itself is abandoned, never joined), for the few reads a process needs before it can go on;
+:func:`call` is one such call against the current store (direct for a local store), turning a server
+that does not answer, or fails without refusing the request itself, into :class:`Unreachable`: one
+line naming the server and the bound, which ``llmeff compare`` and ``llmeff study`` print as their
+``Error:`` line. :class:`BoundedReads` is a client whose every read is such a call (the reads of
+``llmeff compare`` and of the study's summary).
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["REQUEST_DEFAULTS", "WAIT_ENV", "DEFAULT_WAIT_S", "NoAnswer", "apply_request_settings",
-           "request_settings", "request_bound_s", "delivery_wait_s", "is_server", "bounded"]
+__all__ = ["REQUEST_DEFAULTS", "WAIT_ENV", "DEFAULT_WAIT_S", "NoAnswer", "Unreachable", "apply_request_settings",
+           "request_settings", "request_bound_s", "delivery_wait_s", "is_server", "bounded", "call", "BoundedReads", "bounded_reads"]
 
 #: MLflow's request settings as mlflow_llmeff sets them unless the environment already does:
 #: a connect or read may take 10 s, a request is tried 3 times, backoff 1 s x 2^(retry-1).
@@ -42,6 +47,18 @@ DEFAULT_WAIT_S = 30.0
 
 class NoAnswer(TimeoutError):
     """The tracking server did not answer within the wait (the message says which call and how long)."""
+
+
+class Unreachable(ConnectionError):
+    """The tracking server did not answer a call within the delivery wait, or failed without refusing the
+    request itself (connection refused, a 5xx answer after MLflow's retries). The message is one line
+    naming the server (no credential) and the bound; ``one_line`` marks it as the line to print."""
+
+    one_line = True
+
+#: MLflow error codes that say the request is wrong, not that the server is away: raised as they are.
+REFUSALS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                      "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS"})
 
 
 def apply_request_settings() -> dict[str, str]:
@@ -128,3 +145,83 @@ def bounded(fn, timeout_s: float, what: str):
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+def _server_name(uri: str | None) -> str:
+    from mlflow_llmeff.tracking.redact import strip_uri_secrets
+
+    return strip_uri_secrets(uri or "")
+
+
+def call(fn, what: str, *, uri: str | None = None, wait_s: float | None = None):
+    """``fn()``, one call of the tracking store at ``uri`` (default: MLflow's current tracking URI):
+    directly for a local store; for a tracking server within ``wait_s`` seconds (default
+    :func:`delivery_wait_s`), MLflow's request settings applied first (:func:`apply_request_settings`).
+
+    Raises:
+        Unreachable: the server did not answer ``what`` within ``wait_s`` (``fn`` goes on alone), or
+            failed without refusing the request (the message names the server, ``what`` and the bound).
+        Exception: what ``fn`` raises otherwise (a refusal: an error code of :data:`REFUSALS`; any error
+            of a local store).
+    """
+    if uri is None:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
+    if not is_server(uri):
+        return fn()
+    apply_request_settings()
+    wait = delivery_wait_s() if wait_s is None else float(wait_s)
+    server = _server_name(uri)
+    try:
+        return bounded(fn, wait, what)
+    except NoAnswer:
+        raise Unreachable(f"the tracking server {server} did not answer {what} within {wait:g} s "
+                          f"({WAIT_ENV})") from None
+    except Exception as e:  # noqa: BLE001
+        if getattr(e, "error_code", None) in REFUSALS or isinstance(e, Unreachable):
+            raise
+        from mlflow_llmeff.names import shorten
+
+        first = shorten((str(getattr(e, "message", None) or e).strip().splitlines() or [""])[0], 200)
+        raise Unreachable(f"the tracking server {server} did not answer {what} ({type(e).__name__}: {first}; "
+                          f"each call waits at most {wait:g} s, {WAIT_ENV})") from None
+
+
+def bounded_reads(client):
+    """``client`` as :class:`BoundedReads` when it is an ``MlflowClient`` of a tracking server (it says
+    its ``tracking_uri``); anything else (a local store, a server's own tracking store) as it is."""
+    uri = getattr(client, "tracking_uri", None)
+    if isinstance(client, BoundedReads) or not isinstance(uri, str) or not is_server(uri):
+        return client
+    return BoundedReads(client, uri)
+
+
+class BoundedReads:
+    """An ``MlflowClient`` whose every method call is one :func:`call` (bounded for a tracking server);
+    once one did not answer, every later call raises :class:`Unreachable` at once, so a run of reads
+    against a server that is away costs one wait, not one per read. Attributes that are not methods
+    are the client's."""
+
+    def __init__(self, client, uri: str | None = None, wait_s: float | None = None) -> None:
+        tracking = getattr(client, "tracking_uri", None)  # an MlflowClient's; a tracking store has none
+        self.client, self.uri = client, uri or (tracking if isinstance(tracking, str) else None)
+        self.wait_s = wait_s
+        self.down: Unreachable | None = None
+
+    def __getattr__(self, name):
+        attr = getattr(self.client, name)
+        if not callable(attr):
+            return attr
+
+        def bounded_call(*args, **kwargs):
+            if self.down is not None:
+                raise self.down
+            try:
+                return call(lambda: attr(*args, **kwargs), f"a {name} request", uri=self.uri, wait_s=self.wait_s)
+            except Unreachable as e:
+                self.down = e
+                raise
+
+        return bounded_call
+

@@ -39,21 +39,19 @@ def run_exists(run_id: str) -> bool:
 
 def log_to_active_run(metrics: dict[str, float], step: int | None = None, table: dict | None = None,
                       table_file: str = "") -> bool:
-    """Log ``metrics`` at ``step`` and ``table`` (columns of equal length, as ``table_file``) to the active
-    MLflow run, else to ``$MLFLOW_RUN_ID``'s run; False when there is neither."""
-    import mlflow
+    """Log ``metrics`` at ``step`` (None: 0) and ``table`` (columns of equal length, as ``table_file``) to the
+    active MLflow run, else to ``$MLFLOW_RUN_ID``'s run, through
+    :class:`~mlflow_llmeff.tracking.writer.RunWriter` (waiting at most the delivery wait; what the server
+    does not take waits in the outbox); False when there is neither run."""
+    from mlflow_llmeff.tracking.store import active_run_id
+    from mlflow_llmeff.tracking.writer import RunWriter
 
-    def log() -> None:
-        mlflow.log_metrics(metrics, step=step)
-        if table is not None:
-            mlflow.log_table(data=table, artifact_file=table_file)
-
-    if mlflow.active_run() is not None:
-        log()
-        return True
-    run_id = os.environ.get("MLFLOW_RUN_ID")
-    if run_id:
-        with mlflow.start_run(run_id=run_id):
-            log()
-        return True
-    return False
+    run_id = active_run_id() or os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        return False
+    writer = RunWriter.attach(run_id)
+    writer.log_metrics(metrics, step=int(step or 0))
+    if table is not None:
+        writer.log_table(table, table_file)
+    writer.end(None)
+    return True

@@ -1,44 +1,17 @@
-"""Where a new run goes and what it is called: the experiment (and its kind tag), the run's name.
+"""What a new run is called: the default name of a configuration, a name unique in its experiment
+(the experiment of a new run and its kind tag are written by the outbox's records, :mod:`mlflow_llmeff.tracking.outbox`).
 
 Shared by the outbox (:mod:`mlflow_llmeff.tracking.outbox`, which creates and attaches runs when
 the server answers), the run choice (:mod:`mlflow_llmeff.tracking.runs`) and the logger, so it
-imports none of them: only ``names``, the pure name calculator (:mod:`mlflow_llmeff.tracking.naming`)
+imports none of them: only the pure name calculator (:mod:`mlflow_llmeff.tracking.naming`)
 and the paged search (:mod:`mlflow_llmeff.tracking.search`).
 """
 
 from __future__ import annotations
 
-import logging
-
-from mlflow_llmeff import names
 from mlflow_llmeff.tracking import naming
 
-__all__ = ["default_run_name", "ensure_experiment_kind", "experiment_id", "unique_run_name"]
-
-log = logging.getLogger(__name__)
-
-def experiment_id(client, spec: dict) -> str:
-    """The experiment of a ``create`` record: ``experiment_id``, else ``experiment_name`` (created when
-    missing), else MLflow's current experiment."""
-    if spec.get("experiment_id"):
-        return str(spec["experiment_id"])
-    if spec.get("experiment_name"):
-        exp = client.get_experiment_by_name(spec["experiment_name"])
-        return exp.experiment_id if exp else client.create_experiment(spec["experiment_name"])
-    from mlflow.tracking.fluent import _get_experiment_id
-
-    return _get_experiment_id()
-
-
-def ensure_experiment_kind(client, experiment_id: str) -> None:
-    """Tag an experiment for MLflow 3's training-runs page unless it already has a kind."""
-    try:
-        exp = client.get_experiment(experiment_id)
-        if names.EXPERIMENT_KIND_TAG not in (exp.tags or {}):
-            client.set_experiment_tag(experiment_id, names.EXPERIMENT_KIND_TAG, names.EXPERIMENT_KIND_VALUE)
-    except Exception:  # noqa: BLE001 - cosmetic; never fatal
-        log.debug("could not tag experiment %s", experiment_id, exc_info=True)
-
+__all__ = ["default_run_name", "unique_run_name"]
 
 def default_run_name(model: str, accel_short: str, count: int, strategy: str, precision: str, *,
                      seq_len: int | str | None = None, global_batch_tokens: int | str | None = None) -> str:

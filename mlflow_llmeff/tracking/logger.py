@@ -35,7 +35,8 @@ import warnings
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking import delivery, keys, outbox, redact
 from mlflow_llmeff.tracking.delivery import WAIT_ENV  # noqa: F401 - re-exported
-from mlflow_llmeff.tracking.experiments import default_run_name, ensure_experiment_kind  # noqa: F401 - re-exported
+from mlflow_llmeff.tracking.experiments import default_run_name  # noqa: F401 - re-exported
+from mlflow_llmeff.tracking.outbox import ensure_experiment_kind  # noqa: F401 - re-exported
 from mlflow_llmeff.tracking.outbox import default_outbox_dir, deliver_outbox, deliver_outbox_file, write_outbox  # noqa: F401 - re-exported
 from mlflow_llmeff.tracking.worker import DeliveryWorker
 

@@ -268,13 +268,24 @@ def log_result(client, run_id: str, eval_key: str, stem: str, started_unix: floa
     """Write a finished run's result log (:func:`facts_from_run`, :func:`write_log`) and log it as its artifact
     ``mllog/result_<seed>.txt``, with the tag ``llmeff.mllog`` saying what it is; a run whose log cannot be
     made gets the tag saying why instead. Returns the tag's value and the log's artifact path in the run (None
-    where no log was written). Never raises (a study goes on)."""
+    where no log was written). Never raises (a study goes on).
+
+    The run is read within the delivery wait (``LLMEFF_DELIVERY_WAIT_S``, :func:`mlflow_llmeff.tracking.delivery.call`)
+    and written through :class:`~mlflow_llmeff.tracking.writer.RunWriter` (what the server does not take
+    in that wait is kept in the outbox)."""
+    from mlflow_llmeff.tracking import delivery
+    from mlflow_llmeff.tracking.writer import RunWriter
+
     artifact = None
+    writer = RunWriter.attach(run_id, client=client)
     try:
-        f = facts_from_run(client, run_id, eval_key, stem, started_unix)
+        f = delivery.call(lambda: facts_from_run(client, run_id, eval_key, stem, started_unix), "reading the run",
+                          uri=getattr(client, "tracking_uri", None))
         with tempfile.TemporaryDirectory(prefix="llmeff-mllog-") as d:
             local = write_log(f, os.path.join(d, f"result_{f.seed}.txt"))
-            client.log_artifact(run_id, local, ARTIFACT_DIR)
+            writer.log_file(local, ARTIFACT_DIR)
+            if not writer.flush():  # the file is gone after this block: kept in a folder of its own
+                raise delivery.Unreachable(writer.unanswered_reason or "the tracking server did not take the log")
         status = "success" if f.target_s is not None else "aborted"
         artifact = f"{ARTIFACT_DIR}/result_{f.seed}.txt"
         what = (f"{artifact}: MLPerf-style result log (mlperf-logging; the rules every "
@@ -282,7 +293,8 @@ def log_result(client, run_id: str, eval_key: str, stem: str, started_unix: floa
     except Exception as e:  # noqa: BLE001 - the log is a by-product; the training run stands
         what = f"not written: {names.shorten(f'{type(e).__name__}: {e}', 500)}"
     try:
-        client.set_tag(run_id, names.MLLOG, what)
+        writer.set_tags({names.MLLOG: what}, synchronous=False)
+        writer.end(None)
     except Exception:  # noqa: BLE001
         pass
     return what, artifact

@@ -18,6 +18,10 @@ order the run made them:
   e.g. the per-subject MMLU scores of an eval;
 * ``{"file": {"path": ..., "artifact_path": ...}}``: a local file as an artifact (``MlflowClient.log_artifact``),
   e.g. the memory snapshot of an out-of-memory failure;
+* ``{"text": {"text": ..., "artifact_file": ...}}``: a text artifact (``MlflowClient.log_text``), e.g.
+  the ids a comparison run compared;
+* ``{"files": {"path": ..., "artifact_path": ...}}``: a local folder's files as artifacts
+  (``MlflowClient.log_artifacts``), e.g. a comparison's report;
 * ``{"report": true}``: the end-of-run efficiency report (``efficiency_report.json``, the summary
   table, the figures), built from the run as the server holds it once everything before it is
   delivered (:func:`mlflow_llmeff.tracking.run_report.log_run_report`);
@@ -39,7 +43,7 @@ import uuid
 from typing import NamedTuple
 
 from mlflow_llmeff import names
-from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+from mlflow_llmeff.tracking.experiments import unique_run_name
 from mlflow_llmeff.tracking.search import all_runs
 
 __all__ = ["LOCAL_PREFIX", "entity", "new_local_id", "is_local_id", "default_outbox_dir", "known_run_id", "remember_run_id",
@@ -145,6 +149,55 @@ def read_outbox(path: str) -> tuple[dict, list[dict]]:
 
 
 # ------------------------------------------------------------------------------------ the records
+def experiment_id(client, spec: dict) -> str:
+    """The experiment of a ``create`` record: ``experiment_id``, else ``experiment_name`` (created when
+    missing), else MLflow's current experiment."""
+    if spec.get("experiment_id"):
+        return str(spec["experiment_id"])
+    if spec.get("experiment_name"):
+        exp = client.get_experiment_by_name(spec["experiment_name"])
+        return exp.experiment_id if exp else client.create_experiment(spec["experiment_name"])
+    from mlflow.tracking.fluent import _get_experiment_id
+
+    return _get_experiment_id()
+
+
+def ensure_experiment_kind(client, experiment_id: str) -> None:
+    """Tag an experiment for MLflow 3's training-runs page unless it already has a kind (never raises)."""
+    try:
+        exp = client.get_experiment(experiment_id)
+        if names.EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+            client.set_experiment_tag(experiment_id, names.EXPERIMENT_KIND_TAG, names.EXPERIMENT_KIND_VALUE)
+    except Exception:  # noqa: BLE001 - cosmetic; never fatal
+        log.debug("could not tag experiment %s", experiment_id, exc_info=True)
+
+
+def create_now(client, spec: dict, local_id: str, gave_up=None):
+    """Create a new run from a ``create`` spec now (the experiment made if named and missing), tagged with
+    ``local_id`` (``llmeff.outbox.local_run_id``); the Run. Called within a bounded wait
+    (:func:`mlflow_llmeff.tracking.delivery.bounded`); without an answer the ``create`` record is delivered
+    later (:func:`create_run`), so the run is created once.
+
+    One run per local id: copies that MLflow's retried request created are deleted (:func:`keep_only`).
+    A creation that lands after the caller stopped waiting (``gave_up``, a ``threading.Event``, set)
+    yields to the worker's: it deletes itself when that one exists.
+    """
+    exp_id = experiment_id(client, spec)
+    name = (unique_run_name(client, exp_id, spec["run_name"], parts=spec.get("name_parts")) if spec.get("unique")
+            else spec.get("run_name"))
+    tags = {**(spec.get("tags") or {}), names.OUTBOX_LOCAL_ID: local_id}
+    tags.pop("mlflow.runName", None)  # the name is run_name (MLflow refuses the two when they differ)
+    run = client.create_run(exp_id, start_time=spec.get("start_ms"), tags=tags, run_name=name)
+    if gave_up is not None and gave_up.is_set():  # nobody holds this id: the worker's run (if any) wins
+        if [r for r in runs_of_local_id(client, exp_id, local_id) if r != run.info.run_id]:
+            client.delete_run(run.info.run_id)
+            return run
+    else:
+        keep_only(client, exp_id, local_id, run.info.run_id)
+    ensure_experiment_kind(client, exp_id)
+    return run
+
+
 def create_run(client, spec: dict, local_id: str) -> str:
     """Create the run of a ``create`` record (or find the one already created for ``local_id``); its id.
 
@@ -270,11 +323,33 @@ def log_file(client, run_id: str, spec: dict) -> None:
     client.log_artifact(run_id, spec["path"], artifact_path=spec.get("artifact_path"))
 
 
-def log_report(client, run_id: str) -> None:
-    """The efficiency report of a run whose points are delivered; a failure becomes ``llmeff.report.warning``."""
-    from mlflow_llmeff.tracking.run_report import log_run_report
+def log_text(client, run_id: str, spec: dict) -> None:
+    """Log a ``text`` record (``text``; ``artifact_file``: its path in the run) as a text artifact."""
+    client.log_text(run_id, spec["text"], spec["artifact_file"])
 
-    problem = log_run_report(client, run_id)
+
+def log_files(client, run_id: str, spec: dict) -> None:
+    """Log a ``files`` record (``path``: a local folder; ``artifact_path``: the folder in the run) as artifacts."""
+    client.log_artifacts(run_id, spec["path"], artifact_path=spec.get("artifact_path"))
+
+
+def log_report(client, run_id: str) -> None:
+    """The efficiency report of a run whose points are delivered (:func:`mlflow_llmeff.tracking.run_report.report_artifacts`:
+    ``efficiency_report.json``, the summary table, the figures); a failure becomes ``llmeff.report.warning``."""
+    from mlflow_llmeff.names import shorten
+    from mlflow_llmeff.tracking.run_report import report_artifacts
+
+    try:
+        report, table, figures = report_artifacts(client, run_id)
+        client.log_dict(run_id, report, "efficiency_report.json")
+        if table:
+            client.log_table(run_id, data=table, artifact_file="efficiency_summary.json")
+        for path, fig in figures.items():
+            client.log_figure(run_id, fig, path)
+        problem = None
+    except Exception as e:  # noqa: BLE001 - a report must never stop or fail the run
+        first = shorten(str(e).splitlines()[0], 300) if str(e) else ""
+        problem = f"efficiency report not (fully) logged: {type(e).__name__}: {first}"
     if problem:
         log.warning("mlflow_llmeff: %s", problem)
         client.set_tag(run_id, names.REPORT_WARNING, problem)
@@ -347,6 +422,10 @@ def deliver_outbox_file(path: str, client, *, terminate: bool = True) -> Deliver
             log_table(client, run_id, rec["table"])
         elif "file" in rec and os.path.exists(rec["file"]["path"]):  # a file removed since is not sent
             log_file(client, run_id, rec["file"])
+        elif "text" in rec:
+            log_text(client, run_id, rec["text"])
+        elif "files" in rec and os.path.isdir(rec["files"]["path"]):  # a folder removed since is not sent
+            log_files(client, run_id, rec["files"])
         elif "report" in rec and terminate:
             log_report(client, run_id)
         elif "end" in rec and terminate:

@@ -28,19 +28,17 @@ def log_plan(run_id: str, tags: dict[str, str], plan: dict, fit_line: str, *, ev
         eval_tasks: the run's eval tasks (a part of the name).
         client: an ``MlflowClient`` (default: one for the current tracking URI).
 
-    Raises:
-        mlflow.exceptions.MlflowException: what the store raises.
+    Written through :class:`~mlflow_llmeff.tracking.writer.RunWriter` (key checks, masking, one batch),
+    waiting at most the delivery wait (``LLMEFF_DELIVERY_WAIT_S``); what the server does not take then
+    waits in the outbox. Never raises.
     """
-    from mlflow_llmeff.tracking.store import client as new_client
+    from mlflow_llmeff.tracking.writer import RunWriter
 
-    client = client or new_client()
-    client.set_tag(run_id, names.DRY_RUN, "true")
     tags = dict(tags)
     name = "plan-" + study_name(parts_from_tags(tags, eval_tasks))
     if plan.get("assumed"):
         tags[names.ASSUMED] = assumed_text(plan["assumed"])
-    for k, v in {"mlflow.runName": name, **tags, names.PLAN_FIT: fit_line}.items():
-        client.set_tag(run_id, k, v)
-    for k, v in plan.items():
-        if isinstance(v, (int, float)):
-            client.log_metric(run_id, f"plan/{k}", float(v))
+    writer = RunWriter.attach(run_id, client=client)
+    writer.set_tags({names.DRY_RUN: "true", "mlflow.runName": name, **tags, names.PLAN_FIT: fit_line}, synchronous=False)
+    writer.log_metrics({f"plan/{k}": float(v) for k, v in plan.items() if isinstance(v, (int, float))}, step=0)
+    writer.end(None)

@@ -4,16 +4,16 @@ Written by rank 0 from what the run holds in MLflow once its points are flushed 
 ``llmeff.*`` conditions, the interval histories), through MLflow's own artifact APIs:
 ``log_dict`` (``efficiency_report.json``), ``log_table`` (``efficiency_summary.json``, one row per
 summary figure, shown as a table in the artifact viewer) and ``log_figure`` (``efficiency/*.png``).
-:func:`log_run_report` never raises: a failure is returned as one line for the
-``llmeff.report.warning`` tag.
+:func:`report_artifacts` builds them; the background worker logs them
+(:func:`mlflow_llmeff.tracking.outbox.log_report`, the one place that writes them), and a failure
+becomes the ``llmeff.report.warning`` tag.
 """
 
 from __future__ import annotations
 
 from mlflow_llmeff import names
-from mlflow_llmeff.names import shorten
 
-__all__ = ["FORMULAS", "build_report_dict", "log_run_report"]
+__all__ = ["FORMULAS", "build_report_dict", "report_artifacts"]
 
 #: Formula and source of each headline figure (docs/formulas.md has the derivations).
 FORMULAS = {
@@ -131,30 +131,27 @@ def _figures(client, run_id: str, summary: dict | None = None) -> dict:
     return out
 
 
-def log_run_report(client, run_id: str) -> str | None:
-    """Log the run's efficiency report (JSON, summary table, figures) as its artifacts.
+def report_artifacts(client, run_id: str) -> tuple[dict, dict | None, dict]:
+    """The run's efficiency report as artifacts to log (the writes are the background worker's:
+    :func:`mlflow_llmeff.tracking.outbox.log_report`).
 
     Args:
-        client: ``mlflow.MlflowClient`` of the run's tracking store.
-        run_id: the run, with its points already flushed.
+        client: ``mlflow.MlflowClient`` of the run's tracking store (read only).
+        run_id: the run, with its points already delivered.
 
     Returns:
-        None when everything was logged; else one line saying what failed (never raises).
-    """
-    try:
-        run = client.get_run(run_id)
-        from mlflow_llmeff.tracking.redact import clean_obj
+        ``(efficiency_report.json's dict, efficiency_summary.json's table or None, {artifact path: figure})``;
+        the report's tags and params masked (no secrets).
 
-        report = clean_obj(build_report_dict(run_id, dict(run.data.metrics), dict(run.data.tags)))  # no secrets
-        client.log_dict(run_id, report, "efficiency_report.json")
-        if report["summary"]:
-            rows = list(report["summary"].items())
-            client.log_table(run_id, data={"key": [k for k, _ in rows], "value": [d["value"] for _, d in rows],
-                                           "unit": [d["unit"] for _, d in rows]},
-                             artifact_file="efficiency_summary.json")
-        for path, fig in _figures(client, run_id, dict(run.data.metrics)).items():
-            client.log_figure(run_id, fig, path)
-        return None
-    except Exception as e:  # noqa: BLE001 - a report must never stop or fail the run
-        first = shorten(str(e).splitlines()[0], 300) if str(e) else ""
-        return f"efficiency report not (fully) logged: {type(e).__name__}: {first}"
+    Raises:
+        Exception: what MLflow raises reading the run.
+    """
+    run = client.get_run(run_id)
+    from mlflow_llmeff.tracking.redact import clean_obj
+
+    report = clean_obj(build_report_dict(run_id, dict(run.data.metrics), dict(run.data.tags)))  # no secrets
+    table = None
+    if report["summary"]:
+        rows = list(report["summary"].items())
+        table = {"key": [k for k, _ in rows], "value": [d["value"] for _, d in rows], "unit": [d["unit"] for _, d in rows]}
+    return report, table, _figures(client, run_id, dict(run.data.metrics))

@@ -23,16 +23,16 @@ import time
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id, unique_run_name
+from mlflow_llmeff.tracking import outbox, writer
+from mlflow_llmeff.tracking.delivery import REFUSALS as _REFUSALS
+from mlflow_llmeff.tracking.experiments import unique_run_name
 from mlflow_llmeff.names import shorten
 
-__all__ = ["RunHandle", "open_run", "release", "end_run", "unique_run_name", "ui_run_url", "run_url_line",
+__all__ = ["RunHandle", "open_run", "release", "unique_run_name", "ui_run_url", "run_url_line",
            "mark_machine_runs"]
 
-# MLflow error codes that say the request is wrong, not that the server is away: raised, never
-# turned into a local run.
-_REFUSALS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
-                       "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS"})
+# _REFUSALS: MLflow error codes that say the request is wrong, not that the server is away: raised,
+# never turned into a local run.
 
 
 @dataclass
@@ -78,7 +78,7 @@ def open_run(client, *, run_id: str | None, run_name: str, experiment_name: str 
     """
     import mlflow
 
-    from mlflow_llmeff.tracking import delivery, outbox
+    from mlflow_llmeff.tracking import delivery
 
     delivery.apply_request_settings()
     env_run = os.environ.get("MLFLOW_RUN_ID") or None
@@ -155,17 +155,14 @@ def _uri(client) -> str:
 
 
 def _claim_env_run(client, env_run: str, run_name: str, unique_name: bool, name_parts: dict | None = None) -> RunHandle:
-    client.update_run(env_run, status="RUNNING")
-    run = client.get_run(env_run)
-    fresh = not run.data.metrics
-    if fresh:  # the launcher's fresh run: give it the standard name
-        if unique_name:
-            run_name = unique_run_name(client, run.info.experiment_id, run_name, exclude_run_id=env_run,
-                                       parts=name_parts)
-        client.set_tag(env_run, "mlflow.runName", run_name)
-    ensure_experiment_kind(client, run.info.experiment_id)
+    """Mark the launcher's run RUNNING and, while it has no metrics, name it (an ``attach`` record delivered
+    now: :func:`mlflow_llmeff.tracking.outbox.attach_run`)."""
+    before = client.get_run(env_run)
+    outbox.attach_run(client, env_run, {"run_name": run_name, "unique": unique_name, "name_parts": name_parts})
+    fresh = not before.data.metrics
+    start = before.info.start_time
     return RunHandle(env_run, owned=True, fluent=False, resumed=True,
-                     fresh_since_unix=run.info.start_time / 1000 if fresh and run.info.start_time else None)
+                     fresh_since_unix=start / 1000 if fresh and start else None)
 
 
 def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool, name_parts: dict | None = None) -> dict:
@@ -185,45 +182,16 @@ def _create_spec(run_name: str, experiment_name: str | None, unique_name: bool, 
 
 
 def _create(client, spec: dict, local_id: str, gave_up: threading.Event | None = None):
-    """Create a new run from a ``create`` spec (the experiment made if named and missing), tagged with
-    ``local_id`` (``llmeff.outbox.local_run_id``); the Run.
-
-    One run per local id: copies that MLflow's retried request created are deleted
-    (:func:`outbox.keep_only`). A creation that lands after the caller stopped waiting
-    (``gave_up`` set) yields to the outbox worker's: it deletes itself when that one exists.
-    """
-    from mlflow_llmeff.tracking import outbox
-
-    exp_id = experiment_id(client, spec)
-    name = (unique_run_name(client, exp_id, spec["run_name"], parts=spec.get("name_parts")) if spec["unique"]
-            else spec["run_name"])
-    run = client.create_run(exp_id, start_time=spec["start_ms"], tags={**spec["tags"], names.OUTBOX_LOCAL_ID: local_id},
-                            run_name=name)
-    if gave_up is not None and gave_up.is_set():  # nobody holds this id: the worker's run (if any) wins
-        if [r for r in outbox.runs_of_local_id(client, exp_id, local_id) if r != run.info.run_id]:
-            client.delete_run(run.info.run_id)
-            return run
-    else:
-        outbox.keep_only(client, exp_id, local_id, run.info.run_id)
-    ensure_experiment_kind(client, exp_id)
-    return run
+    """:func:`mlflow_llmeff.tracking.outbox.create_now`: the run of a ``create`` spec, created now."""
+    return outbox.create_now(client, spec, local_id, gave_up)
 
 
 def _start_run(client, run_name: str, experiment_name: str | None, unique_name: bool,
                name_parts: dict | None = None) -> RunHandle:
-    import mlflow
+    def name(exp_id: str) -> str:
+        return unique_run_name(client, exp_id, run_name, parts=name_parts) if unique_name else run_name
 
-    if experiment_name:
-        exp = client.get_experiment_by_name(experiment_name)
-        exp_id = exp.experiment_id if exp else client.create_experiment(experiment_name)
-    else:
-        from mlflow.tracking.fluent import _get_experiment_id
-
-        exp_id = _get_experiment_id()
-    if unique_name:
-        run_name = unique_run_name(client, exp_id, run_name, parts=name_parts)
-    run = mlflow.start_run(experiment_id=exp_id, run_name=run_name)
-    ensure_experiment_kind(client, run.info.experiment_id)
+    run = writer.start_fluent_run(client, experiment_name, name)
     return RunHandle(run.info.run_id, owned=True, fluent=True, resumed=False)
 
 
@@ -273,19 +241,7 @@ def release(handle: RunHandle) -> None:
         if monitor is not None:
             monitor.finish()
     except Exception:  # noqa: BLE001 - MLflow internals moved: end it the documented way
-        import mlflow
-
-        active = mlflow.active_run()
-        if active is not None and active.info.run_id == handle.run_id:
-            mlflow.end_run()
-
-
-def end_run(client, handle: RunHandle, status: str) -> None:
-    """End a run the meter owns with ``status`` (and an end time) now; leaves a user's active run open."""
-    if not handle.owned:
-        return
-    release(handle)
-    client.set_terminated(handle.run_id, status)
+        writer.end_fluent_run(handle.run_id)
 
 
 def error_line(exc: BaseException) -> str:
@@ -361,19 +317,19 @@ def mark_machine_runs(job_run_id: str, machine_runs: dict[int, tuple[str, str]],
     todo = {r: v for r, v in sorted(machine_runs.items()) if v[0] and v[0] != job_run_id}
     if not todo:
         return None
-    from mlflow import MlflowClient
-
-    client = client or MlflowClient()
     said = []
     for rank, (run_id, host) in todo.items():
         note = (f"Machine {rank} of {num_machines} ({host}) of the job whose run is {job_run_id}: rank 0 logs every "
                 "figure there. This machine's launcher (mlflow run on each machine) made this run; it logs nothing.")
         try:
-            for key, value in {names.MACHINE_JOB_RUN: job_run_id, "mlflow.parentRunId": job_run_id,
-                               "mlflow.note.content": note}.items():
-                client.set_tag(run_id, key, value)
-            client.set_terminated(run_id, "FINISHED")
-            said.append(f"machine {rank} ({host}): run {run_id}")
+            w = writer.RunWriter.attach(run_id, client=client)
+            w.set_tags({names.MACHINE_JOB_RUN: job_run_id, "mlflow.parentRunId": job_run_id,
+                        "mlflow.note.content": note}, synchronous=False)
+            if w.end("FINISHED"):
+                said.append(f"machine {rank} ({host}): run {run_id}")
+            else:
+                said.append(f"machine {rank} ({host}): run {run_id} not marked yet ({w.unanswered_reason or 'no answer'}; "
+                            f"waits in {w.spilled_to})")
         except Exception as e:  # noqa: BLE001 - a run left unmarked is named, never the end of training
             said.append(f"machine {rank} ({host}): run {run_id} not marked ({type(e).__name__}: {shorten(str(e), 200)})")
     return "; ".join(said)

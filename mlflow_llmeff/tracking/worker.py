@@ -84,7 +84,14 @@ class _Tracked:
 
 class DeliveryWorker:
     """The queue, the delivery thread, the bounded waits and the spill of a ``RunLogger`` (see the
-    module docstring); ``RunLogger`` calls :meth:`_start_delivery` in its constructor."""
+    module docstring); ``RunLogger`` calls :meth:`_start_delivery` in its constructor.
+
+    Attributes:
+        quiet: True for a writer whose caller says on the terminal what was kept
+            (:class:`~mlflow_llmeff.tracking.writer.RunWriter`): its lines go to the log at INFO only.
+    """
+
+    quiet = False
 
     def _start_delivery(self, client, run_id: str, *, outbox_dir: str | None, wait_s: float | None,
                         local_id: str | None, unanswered: str | None) -> None:
@@ -195,6 +202,10 @@ class DeliveryWorker:
                 outbox.log_table(self._c, self.run_id, job.data)
             elif job.kind == "file":
                 outbox.log_file(self._c, self.run_id, job.data)
+            elif job.kind == "text":
+                outbox.log_text(self._c, self.run_id, job.data)
+            elif job.kind == "files":
+                outbox.log_files(self._c, self.run_id, job.data)
             elif job.kind == "report":
                 outbox.log_report(self._c, self.run_id)
             elif job.kind == "end":
@@ -232,7 +243,8 @@ class DeliveryWorker:
         outbox.remember_run_id(self.outbox_dir, local, run_id)
         msg = f"mlflow_llmeff: the tracking server answered: local run {local} is MLflow run {run_id}"
         log.info(msg)  # printed, not also warned: a terminal would show it twice
-        print(msg, flush=True)
+        if not self.quiet:
+            print(msg, flush=True)
 
     def _log_batch(self, entries: list):
         """One ``log_batch`` call carrying ``entries`` (Metric, Param and RunTag mixed)."""
@@ -281,8 +293,9 @@ class DeliveryWorker:
             self._down_reason = _reason(error)
             if self._outage is None:
                 self._outage = (self._down_since, self._down_reason)
-            log.warning("mlflow_llmeff: the tracking server is not answering (%s); training goes on, points are "
-                        "held and sent when it answers (outbox: %s)", self._down_reason, self.outbox_dir)
+            log.log(logging.INFO if self.quiet else logging.WARNING,
+                    "mlflow_llmeff: the tracking server is not answering (%s); training goes on, points are "
+                    "held and sent when it answers (outbox: %s)", self._down_reason, self.outbox_dir)
 
     def _answered(self, empty: bool) -> None:
         """A delivery succeeded: the server answers again; once the queue is empty after an outage, the
@@ -373,7 +386,8 @@ class DeliveryWorker:
         msg = (f"mlflow_llmeff: the tracking server did not take {left} in {self.spilled_to}: "
                f"run `llmeff sync {self.outbox_dir}` when it answers")
         log.info(msg)  # printed, not also warned: a terminal would show it twice
-        print(msg, flush=True)
+        if not self.quiet:
+            print(msg, flush=True)
 
     def _say_local(self) -> None:
         why = self._down_reason or "the tracking server has not created this run yet"
@@ -382,7 +396,8 @@ class DeliveryWorker:
         msg = (f"mlflow_llmeff: {why}; training goes on as local run {self.run_id}: its creation and every point "
                f"wait in {self.outbox_dir} and are sent when the server answers, or by `llmeff sync {self.outbox_dir}`")
         log.info(msg)  # printed, not also warned: a terminal would show it twice
-        print(msg, flush=True)
+        if not self.quiet:
+            print(msg, flush=True)
 
 
 def _tracking_uri(client) -> str | None:

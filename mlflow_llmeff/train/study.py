@@ -17,7 +17,7 @@ configuration's figure is a mean over repeated runs with a Student-t interval ac
   the order (in one process only the first did: a trial's first child had 6.45 s of init and goodput
   0.20, the next three 0.09-0.17 s and 0.79-0.85). The study creates it and hands it to the training as
   the launcher's run (``MLFLOW_RUN_ID``, as ``mlflow run`` does), and the training names it with its
-  configuration's standard stem, unique in the experiment (``tiny-single-fp32-gbt256-s32-cpu``,
+  configuration's standard stem, unique in the experiment (``tiny-fp32-gbt256-s32-cpu``,
   ``...-2``: :mod:`mlflow_llmeff.tracking.naming`). Each child's clock starts at its own start, so
   no repeat's ``summary/wall_s`` holds the repeats before it.
 * A child that fails is recorded on its run (``llmeff.error``, FAILED) and the study goes on; the
@@ -228,26 +228,36 @@ class TrainRunner:
                                                                           own_process=True))
 
     def __call__(self, child: Child, tags: dict) -> Outcome:
+        from mlflow_llmeff.tracking import delivery
         from mlflow_llmeff.tracking.experiments import unique_run_name
         from mlflow_llmeff.tracking.runs import error_line
-        from mlflow_llmeff.tracking.studies import create_child, end_open_child
+        from mlflow_llmeff.tracking.writer import RunWriter
         from mlflow_llmeff.train.loop import stopped_with_one_line
 
         started = time.time()  # the child's clock: its wall time starts here, not at the study's start
         run = child.spec or child.cfg  # the resolved run where check() resolved it
         if child.cfg.run_name:  # a name the user gave: the same stem on every repeat, -2, -3 for the later ones
-            name = unique_run_name(self.client, self.experiment_id, child.cfg.run_name)
+            try:
+                name = delivery.call(lambda: unique_run_name(self.client, self.experiment_id, child.cfg.run_name),
+                                     "reading the run names taken", uri=self.client.tracking_uri)
+            except delivery.Unreachable:  # the creation below says so: the stem it is
+                name = child.cfg.run_name
             run = run.with_options(run_name=name) if child.spec else dataclasses.replace(run, run_name=name)
         # named until the training names it (the configuration's stem), or for good when it fails before
         placeholder = f"study-config{child.config}-repeat{child.repeat}"
-        run_id = create_child(self.client, self.experiment_id, placeholder, tags)
+        writer = RunWriter.create(placeholder, experiment_id=self.experiment_id, tags=tags, client=self.client)
+        if not writer.answered:  # nothing to train into: the study stops here, its run kept
+            writer.end("KILLED")
+            raise delivery.Unreachable(f"{writer.unanswered_reason}; configuration {child.config} repeat "
+                                       f"{child.repeat} was not trained: its run waits in {writer.spilled_to}")
+        run_id = writer.run_id
         before = os.environ.get("MLFLOW_RUN_ID")
         os.environ["MLFLOW_RUN_ID"] = run_id
         error = None
         try:
             code = int(self.launch(run, started_unix=started) or 0)
         except (KeyboardInterrupt, SystemExit):
-            end_open_child(self.client, run_id, "KILLED", "stopped by Ctrl-C")
+            _end_open_child(self.client, run_id, "KILLED", "stopped by Ctrl-C")
             raise
         except Exception as e:  # noqa: BLE001 - one child's failure is recorded; the study goes on
             code, error = 1, stopped_with_one_line(e) or error_line(e)
@@ -260,8 +270,38 @@ class TrainRunner:
                 os.environ["MLFLOW_RUN_ID"] = before
         if code != 0:
             error = error or f"the training ended with exit code {code}"
-            end_open_child(self.client, run_id, "FAILED", error)
+            _end_open_child(self.client, run_id, "FAILED", error)
         return Outcome(run_id, code, error, started)
+
+
+def _end_open_child(client, run_id: str, status: str, why: str) -> None:
+    """End a child its training left open (it failed before its meter started) with ``why`` on it
+    (``llmeff.error`` and the description ``Failed: <why>``, as :func:`~mlflow_llmeff.tracking.runs.record_failure`
+    writes them), through the writer. Never raises: the failure is already on the terminal and in the parent."""
+    from mlflow_llmeff.tracking import delivery
+    from mlflow_llmeff.tracking.writer import RunWriter
+
+    try:
+        if delivery.call(lambda: client.get_run(run_id).info.status, "reading the child run",
+                         uri=client.tracking_uri) == "RUNNING":
+            writer = RunWriter.attach(run_id, client=client)
+            writer.set_tags({names.ERROR: shorten(why, 2000), "mlflow.note.content": f"Failed: {shorten(why, 2000)}"},
+                            synchronous=False)
+            writer.end(status)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _end_parent(parent, status: str, error: str | None = None, note: str | None = None) -> bool:
+    """End the study's parent (a :class:`~mlflow_llmeff.tracking.writer.RunWriter`) with ``status``, ``error``
+    as ``llmeff.error`` and the description (``Failed: <error>``, else ``note``) where given; True when
+    the server took it (else it waits in the outbox)."""
+    tags = {names.ERROR: shorten(error, 2000)} if error else {}
+    description = f"Failed: {shorten(error, 2000)}" if error and status == "FAILED" else note
+    if description:
+        tags["mlflow.note.content"] = description
+    parent.set_tags(tags, synchronous=False)
+    return parent.end(status)
 
 
 def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | None = None, client=None,
@@ -288,11 +328,14 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     Raises:
         ValueError: bad settings (:func:`check`, :func:`schedule`) or an active MLflow run (the children
             would log into it), before any run is created.
+        mlflow_llmeff.tracking.delivery.Unreachable: the tracking server did not answer the creation of the
+            parent or of a child within the delivery wait (``LLMEFF_DELIVERY_WAIT_S``); the message (one
+            line) names the server, the bound and where the study's runs wait (the outbox); the parent
+            ends FAILED (nothing trained) or KILLED there.
     """
-    from mlflow_llmeff.tracking import store
-    from mlflow_llmeff.tracking.experiments import ensure_experiment_kind, experiment_id
+    from mlflow_llmeff.tracking import delivery, store
     from mlflow_llmeff.tracking.redact import clean, environment_secrets
-    from mlflow_llmeff.tracking.studies import create_parent, end_parent
+    from mlflow_llmeff.tracking.writer import RunWriter
 
     goals = []
     if target:
@@ -304,8 +347,6 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
         raise ValueError(f"MLflow run {active} is active: llmeff study creates its own "
                          "parent run and children; end the active run first")
     client = client or store.client()
-    exp_id = experiment_id(client, {"experiment_name": specs[0].options.experiment_name or None})
-    ensure_experiment_kind(client, exp_id)
     k = len(configs)
     unit = "seed" if seeds else "repeat"
     what = f"{k} configuration{'s' if k != 1 else ''} x {repeats} {unit}{'s' if repeats != 1 else ''}, round-robin"
@@ -316,16 +357,26 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     params = {"seeds" if seeds else "repeats": str(repeats), **({"target": spec} if spec else {}),
               **{f"config_{i}": shorten(clean(f"config_{i}", c.options, secrets), 6000)
                  for i, c in enumerate(configs, 1)}}
-    parent = create_parent(client, exp_id, f"study-{k}x{repeats}",
-                           {names.STUDY: what, **({names.STUDY_TARGET: spec} if spec else {})}, params)
+    # the parent's creation waits at most the delivery wait (LLMEFF_DELIVERY_WAIT_S); without an answer
+    # nothing is trained, and the parent (the study's settings, FAILED with why) waits in the outbox
+    parent = RunWriter.create(f"study-{k}x{repeats}", experiment_name=specs[0].options.experiment_name or None,
+                              tags={names.STUDY: what, **({names.STUDY_TARGET: spec} if spec else {})},
+                              params=params, unique=True, client=client)
+    if not parent.answered:
+        why = parent.unanswered_reason or "the tracking server did not take the study's parent run"
+        _end_parent(parent, "FAILED", error=f"{why}; nothing was trained")
+        raise delivery.Unreachable(f"{why}; nothing was trained: the study's parent run ({what}, its settings) "
+                                   f"waits in {parent.spilled_to} (llmeff sync {parent.outbox_dir} when it answers)")
+    exp_id = parent.experiment_id
     runner = runner or TrainRunner(client, exp_id)
-    result = StudyResult(parent, exp_id)
-    echo(f"llmeff study: parent run {parent}, {what} ({len(children)} runs)")
+    result = StudyResult(parent.run_id, exp_id)
+    echo(f"llmeff study: parent run {parent.run_id}, {what} ({len(children)} runs)")
     try:
         for n, child in enumerate(children, 1):
             echo(f"llmeff study: run {n} of {len(children)}: configuration {child.config}, {unit} {child.repeat} "
                  f"of {repeats}" + (f" (seed {child.cfg.seed})" if seeds else ""))
-            tags = {PARENT_TAG: parent, names.STUDY_CONFIG: str(child.config), names.STUDY_REPEAT: str(child.repeat)}
+            tags = {PARENT_TAG: parent.run_id, names.STUDY_CONFIG: str(child.config),
+                    names.STUDY_REPEAT: str(child.repeat)}
             if spec:
                 tags[names.STUDY_TARGET] = spec
             outcome = runner(child, tags)
@@ -341,14 +392,17 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
     except BaseException:
-        end_parent(client, parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
+        _end_parent(parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
         raise
     failed = result.failed
     if failed:
         why = "; ".join(f"configuration {c.config} repeat {c.repeat} (run {o.run_id}): {o.error}" for c, o in failed)
-        end_parent(client, parent, "FAILED", error=f"{len(failed)} of {len(children)} runs failed: {why}")
+        ended = _end_parent(parent, "FAILED", error=f"{len(failed)} of {len(children)} runs failed: {why}")
     else:
-        end_parent(client, parent, "FINISHED", note=f"{what}: {len(children)} runs finished")
+        ended = _end_parent(parent, "FINISHED", note=f"{what}: {len(children)} runs finished")
+    if not ended:
+        echo(f"llmeff study: the parent run's end waits in {parent.spilled_to} ({parent.unanswered_reason or 'no answer'}; "
+             f"llmeff sync {parent.outbox_dir} sends it)")
     return result
 
 
@@ -366,6 +420,9 @@ def summary_lines(client, result: StudyResult) -> list[str]:
     from mlflow_llmeff.report.repeats import CONFIG_TAGS, Configuration
     from mlflow_llmeff.report.source import select_runs
 
+    from mlflow_llmeff.tracking.delivery import bounded_reads
+
+    client = bounded_reads(client)  # every read within the delivery wait: Unreachable, one line, else
     query = f"tags.`{PARENT_TAG}` = '{result.parent_run_id}'"
     try:
         runs = select_runs(client, result.experiment_id, query).runs
