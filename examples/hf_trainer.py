@@ -4,7 +4,7 @@ A tiny Llama built from its config (nothing downloaded) learns eight hand-made s
 token ids, two per batch, padded by the collator. ``max_steps=8`` covers the sentences exactly
 twice (in shuffled order), so the run's ``train/tokens`` must be 2 x 197 = 394 non-padding tokens.
 With ``--report-to mlflow`` the Trainer's own MLflow callback logs into the same, single run. Either
-way the run is named from its configuration, ``llama-single-fp32-cpu`` (``-2``, ``-3``, ... for
+way the run is named from its configuration, ``llama-fp32-cpu`` (``-2``, ``-3``, ... for
 the repeats in one experiment; the padded length varies, 23 to 32, so ``llmeff.seq_len`` is
 ``dynamic`` and the name has no batch or length part), unless ``TrainingArguments(run_name=...)`` names it.
 

@@ -5,7 +5,7 @@ sentences, bytes as token ids, two sentences per batch, padded to the longer one
 steps cover the sentences twice, so the run's ``train/tokens`` must be 2 x 197 = 394 non-padding
 tokens (the padded batches hold 436 positions). The padded length changes from batch to batch
 (25, 32, 27, 25), so the run's ``llmeff.seq_len`` is ``dynamic`` (``llmeff.seq_len.range`` 25-32) and
-its name ``llama-single-fp32-cpu`` has no batch or length part (docs/autolog.md).
+its name ``llama-fp32-cpu`` has no batch or length part (docs/autolog.md).
 
     MLFLOW_TRACKING_URI=sqlite:///mlflow.db python examples/plain_pytorch.py
 """

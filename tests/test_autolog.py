@@ -330,7 +330,7 @@ def test_padded_lengths_that_vary_make_seq_len_and_global_batch_dynamic_and_drop
                                    names.MICRO_BATCH_SIZE: "2", names.GRAD_ACCUM: "1",
                                    names.GLOBAL_BATCH_TOKENS: "dynamic"}
     # one configuration, one stem: the second is its repeat
-    assert [first.info.run_name, second.info.run_name] == ["llama-sgd-single-fp32-cpu", "llama-sgd-single-fp32-cpu-2"]
+    assert [first.info.run_name, second.info.run_name] == ["llama-sgd-fp32-cpu", "llama-sgd-fp32-cpu-2"]
 
 
 def test_varying_padded_lengths_still_count_the_non_padding_tokens(experiment):
@@ -345,7 +345,7 @@ def test_a_constant_shape_keeps_its_batch_parts_and_tags(experiment):
     run = padded_loop([(2, 25)] * 4)
     assert shape_tags(run) == {names.SEQ_LEN: "25", names.MICRO_BATCH_SIZE: "2", names.GRAD_ACCUM: "1",
                                names.GLOBAL_BATCH_TOKENS: "50"}
-    assert run.info.run_name == "llama-sgd-single-fp32-gbt50-s25-cpu"
+    assert run.info.run_name == "llama-sgd-fp32-gbt50-s25-cpu"
     assert run.data.metrics[names.SUM_TOKENS] == 4 * (25 + 24)
 
 
@@ -354,7 +354,7 @@ def test_a_partial_last_batch_is_no_varying_batch_size(experiment):
     run = padded_loop([(2, 25)] * 3 + [(1, 25)])
     assert shape_tags(run) == {names.SEQ_LEN: "25", names.MICRO_BATCH_SIZE: "2", names.GRAD_ACCUM: "1",
                                names.GLOBAL_BATCH_TOKENS: "50"}
-    assert run.info.run_name == "llama-sgd-single-fp32-gbt50-s25-cpu"
+    assert run.info.run_name == "llama-sgd-fp32-gbt50-s25-cpu"
 
 
 def test_a_micro_batch_size_that_varies_drops_the_global_batch_but_keeps_the_length(experiment):
@@ -362,7 +362,7 @@ def test_a_micro_batch_size_that_varies_drops_the_global_batch_but_keeps_the_len
     assert shape_tags(run) == {names.SEQ_LEN: "25", names.MICRO_BATCH_SIZE: "dynamic",
                                names.MICRO_BATCH_SIZE_RANGE: "1-2", names.GRAD_ACCUM: "1",
                                names.GLOBAL_BATCH_TOKENS: "dynamic"}
-    assert run.info.run_name == "llama-sgd-single-fp32-s25-cpu"
+    assert run.info.run_name == "llama-sgd-fp32-s25-cpu"
 
 
 def test_a_trainer_model_without_loss_kwargs_is_said_to_average_micro_batch_means():

@@ -81,7 +81,7 @@ def test_plain_pytorch_example(tmp_path):
     assert run.data.metrics[names.TRAIN_LOSS_TOKENS] == 378  # 394 - 16 sequences
     # each batch padded to its longer sentence, 25, 32, 27, 25 bytes: no fixed length, no gbt/s parts
     assert (run.data.tags[names.SEQ_LEN], run.data.tags[names.SEQ_LEN_RANGE]) == ("dynamic", "25-32")
-    assert run.info.run_name == "llama-single-fp32-cpu"
+    assert run.info.run_name == "llama-fp32-cpu"
     assert_no_duplicate_points(run)
 
 

@@ -120,7 +120,7 @@ def test_the_headline_command_on_this_machine_refuses_before_building_the_model_
     assert run.data.tags["mlflow.note.content"].startswith("Failed: does not fit")
     assert run.data.tags[names.MODEL_NAME] == "llama-7b" and run.data.tags[names.ACCEL_SHORT] == "cpu"
     # named as the run would have been: strategy and precision resolved (auto: single, fp32 on a CPU), 128 x 8 tokens
-    assert run.info.run_name == "7b-single-fp32-gbt1k-s128-cpu"
+    assert run.info.run_name == "7b-fp32-gbt1k-s128-cpu"
 
 
 @pytest.mark.slow

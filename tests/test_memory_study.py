@@ -48,8 +48,8 @@ def test_each_lever_is_a_finished_run_named_by_its_lever(study):
     kids = [r for r in client.search_runs([exp], order_by=["attributes.start_time ASC"])
             if names.STUDY not in r.data.tags]
     assert [r.info.status for r in kids] == ["FINISHED"] * 4
-    assert [r.info.run_name for r in kids] == ["tiny-single-fp32-gbt512-s64-cpu", "tiny-bnb8bit-single-fp32-gbt512-s64-cpu",
-                                               "tiny-eager-single-fp32-gbt512-s64-cpu", "tiny-ckpt-single-fp32-gbt512-s64-cpu"]
+    assert [r.info.run_name for r in kids] == ["tiny-fp32-gbt512-s64-cpu", "tiny-bnb8bit-fp32-gbt512-s64-cpu",
+                                               "tiny-eager-fp32-gbt512-s64-cpu", "tiny-ckpt-fp32-gbt512-s64-cpu"]
     torch_run, bnb_run = kids[0].data, kids[1].data
     # bytes as stored: fp32 AdamW keeps 8 B/param of moments (+ its 4-byte step counters, a few per million);
     # bitsandbytes' 8-bit moments are far less, though llama-tiny's small tensors (< 4,096 elements) stay fp32

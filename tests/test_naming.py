@@ -22,9 +22,38 @@ def five_names() -> list[str]:
 
 
 def test_the_five_trial_runs_get_their_parts_in_the_fixed_order():
-    assert five_names() == ["tiny-single-fp32-gbt1k-s128-cpu", "tiny-ddp2-fp32-gbt2k-s128-cpu",
-                            "tiny-single-fp32-gbt4k-s128-cpu", "160m-single-fp32-gbt1k-s128-cpu",
-                            "tiny-single-hs-fp32-gbt1k-s128-cpu"]
+    assert five_names() == ["tiny-fp32-gbt1k-s128-cpu", "tiny-ddp2-fp32-gbt2k-s128-cpu",
+                            "tiny-fp32-gbt4k-s128-cpu", "160m-fp32-gbt1k-s128-cpu",
+                            "tiny-hs-fp32-gbt1k-s128-cpu"]
+
+
+def _first_difference(a: str, b: str) -> int:
+    """The 1-based position of the first character where two names differ."""
+    return next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) + 1)
+
+
+def test_two_batches_differ_within_the_20_characters_the_runs_table_shows():
+    # issue 53: 'tiny-single-fp32-gbt512-s128-cpu' and 'tiny-single-fp32-gbt4k-s128-cpu' were one name in the
+    # MLflow runs table, which cuts a name at 20 characters ('tiny-single-fp32-gbt')
+    small, large = ({**BASE, names.GLOBAL_BATCH_TOKENS: str(n)} for n in (512, 4096))
+    a, b = study_name(parts_from_tags(small)), study_name(parts_from_tags(large))
+    assert (a, b) == ("tiny-fp32-gbt512-s128-cpu", "tiny-fp32-gbt4k-s128-cpu")
+    assert a[:20] != b[:20] and _first_difference(a, b) == 14
+
+
+@pytest.mark.parametrize("change, at", [
+    ({names.GLOBAL_BATCH_TOKENS: "2048"}, 14),  # a batch sweep
+    ({names.SEQ_LEN: "256"}, 18),  # a length sweep
+    ({names.PRECISION: "bf16"}, 6),  # a precision sweep
+    ({names.PAR_STRATEGY: "ddp", names.ACCEL_COUNT: "2"}, 6),  # one process against two
+    ({names.MODEL_NAME: "llama-160m"}, 1),  # a model sweep
+    ({names.OPTIMIZER: "AdamW8bit (torchao.optim)"}, 6),  # a memory lever
+    ({names.ACCEL_SHORT: "h100"}, 22),  # another machine: the last part, past the table's cut
+])
+def test_what_a_study_varies_comes_within_the_first_20_characters(change, at):
+    base = study_name(parts_from_tags(BASE))
+    other = study_name(parts_from_tags({**BASE, **change}))
+    assert _first_difference(base, other) == at
 
 
 def test_a_configuration_has_one_name_stem_in_every_experiment():
@@ -44,9 +73,9 @@ def test_every_condition_gives_its_part_in_the_fixed_order():
 
 def test_a_batch_shape_that_varied_gives_no_batch_or_seq_part():
     dynamic = {**BASE, names.SEQ_LEN: "dynamic", names.GLOBAL_BATCH_TOKENS: "dynamic"}  # dynamic padding
-    assert study_name(parts_from_tags(dynamic)) == "tiny-single-fp32-cpu"
+    assert study_name(parts_from_tags(dynamic)) == "tiny-fp32-cpu"
     sizes = {**BASE, names.GLOBAL_BATCH_TOKENS: "dynamic"}  # only the micro-batch size varied
-    assert study_name(parts_from_tags(sizes)) == "tiny-single-fp32-s128-cpu"
+    assert study_name(parts_from_tags(sizes)) == "tiny-fp32-s128-cpu"
 
 
 def test_a_run_without_conditions_has_an_empty_stem():
@@ -261,6 +290,11 @@ def test_a_failed_run_never_takes_the_name_of_a_finished_repeat(tracking_uri, mo
     assert client.get_run(last).info.run_name == STEM
 
 
+def test_a_single_process_gives_no_layout_part_and_another_layout_gives_its_count():
+    assert "layout" not in parts_from_tags(BASE)
+    assert parts_from_tags({**BASE, names.PAR_STRATEGY: "fsdp", names.ACCEL_COUNT: "4"})["layout"] == "fsdp4"
+
+
 @pytest.mark.parametrize("levers, part", [
     ({names.OPTIMIZER: "AdamW (torch.optim); states float32; from llmeff train --optimizer adamw",
       names.ATTENTION: "sdpa", names.WEIGHTS: "fp32", names.ACT_CKPT: "false"}, None),
@@ -275,10 +309,10 @@ def test_a_failed_run_never_takes_the_name_of_a_finished_repeat(tracking_uri, mo
 ])
 def test_a_memory_lever_off_its_default_is_named_right_after_the_model(levers, part):
     name = study_name(parts_from_tags({**BASE, **levers}))
-    assert name == (f"tiny-{part}-single-fp32-gbt1k-s128-cpu" if part else "tiny-single-fp32-gbt1k-s128-cpu")
+    assert name == (f"tiny-{part}-fp32-gbt1k-s128-cpu" if part else "tiny-fp32-gbt1k-s128-cpu")
 
 
 def test_lora_adapters_are_named_with_their_rank():
     trainable = "3,584 of 129,216 parameters trainable (2.7737%); LoRA r=8 on q_proj,v_proj in 2 layers"
     assert study_name(parts_from_tags({**BASE, names.FLOPS_TRAINABLE: trainable})) == \
-        "tiny-lora8-single-fp32-gbt1k-s128-cpu"
+        "tiny-lora8-fp32-gbt1k-s128-cpu"

@@ -103,7 +103,7 @@ def test_dry_run_of_llama_7b_works_on_cpu(tracking_uri, tmp_path):
     assert run.data.tags["llmeff.dry_run"] == "true"
     assert run.data.metrics["plan/params_total"] == 6_738_415_616
     # the stem llmeff train gives the configuration (was plan-llama-7b-cpu-1x-single-fp32)
-    assert run.info.run_name == "plan-7b-single-fp32-gbt1k-s128-cpu"
+    assert run.info.run_name == "plan-7b-fp32-gbt1k-s128-cpu"
 
 
 def test_plan_json_for_another_accelerator(tracking_uri):

@@ -111,8 +111,8 @@ def test_training_run_has_a_dataset_input_distinct_names_and_the_run_link(tracki
     second = run_training(TrainConfig(**cfg))
     client = mlflow.MlflowClient()
     r1, r2 = client.get_run(first["run_id"]), client.get_run(second["run_id"])
-    assert r1.info.run_name == "tiny-single-fp32-gbt64-s32-cpu"
-    assert r2.info.run_name == "tiny-single-fp32-gbt64-s32-cpu-2"  # everything else equal: a repeat index
+    assert r1.info.run_name == "tiny-fp32-gbt64-s32-cpu"
+    assert r2.info.run_name == "tiny-fp32-gbt64-s32-cpu-2"  # everything else equal: a repeat index
     (inp,) = r1.inputs.dataset_inputs
     assert inp.dataset.name == "python-docs" and len(inp.dataset.digest) == 16
     assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == "training"

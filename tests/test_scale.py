@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from mlflow_llmeff import names
 
-STEM = "tiny-single-fp32-gbt1k-s128-cpu"
+STEM = "tiny-fp32-gbt1k-s128-cpu"
 N = 1001
 
 

@@ -285,8 +285,8 @@ def test_a_real_study_of_two_configurations_twice(tracking_uri, monkeypatch):
     assert {r.data.tags[PARENT_TAG] for r in kids} == {parent.info.run_id}
     assert [r.info.status for r in runs] == ["FINISHED"] * 5 and not parent.data.metrics
     # one stem per configuration, the repeat with a unique suffix (tracking/naming.py)
-    assert [r.info.run_name for r in kids] == ["tiny-single-fp32-gbt32-s32-cpu", "tiny-single-fp32-gbt64-s32-cpu",
-                                               "tiny-single-fp32-gbt32-s32-cpu-2", "tiny-single-fp32-gbt64-s32-cpu-2"]
+    assert [r.info.run_name for r in kids] == ["tiny-fp32-gbt32-s32-cpu", "tiny-fp32-gbt64-s32-cpu",
+                                               "tiny-fp32-gbt32-s32-cpu-2", "tiny-fp32-gbt64-s32-cpu-2"]
     # each start handed over comes after the parent's start, or the previous child's end (MLflow's
     # times, in ms rounded down), and before its own run is created
     assert len(handed) == 4 and parent.info.start_time / 1000 <= handed[0]
@@ -303,7 +303,7 @@ def test_a_real_study_of_two_configurations_twice(tracking_uri, monkeypatch):
         assert r.data.metrics[names.SUM_WALL_S] <= (r.info.end_time - r.info.start_time) / 1000 + 0.5
         assert r.data.metrics[names.SUM_STEPS] == 4
     assert f"llmeff study: parent run {parent.info.run_id}, 2 configurations x 2 repeats, round-robin" in res.output
-    assert "configuration 1 (tiny-single-fp32-gbt32-s32-cpu (+1 repeat)): " in res.output
+    assert "configuration 1 (tiny-fp32-gbt32-s32-cpu (+1 repeat)): " in res.output
     assert "mean of 2 repeats, 95% Student-t interval across them (df 1)" in res.output
     tps = [r.data.metrics[names.SUM_TOKENS_PER_SEC] for r in kids if r.data.tags[names.STUDY_CONFIG] == "1"]
     mean = sum(tps) / 2

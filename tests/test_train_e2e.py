@@ -68,7 +68,7 @@ def test_readme_command_gives_one_finished_run_with_every_key(tracking_uri, tmp_
     assert run.data.tags[names.ACCEL_SHORT] == "cpu"
     assert names.SUM_BYTES_PER_PARAM not in run.data.metrics  # CPU: no allocator statistics, never from RSS
     assert run.data.tags[names.PAR_STRATEGY] == "single"
-    assert run.info.run_name == "tiny-single-fp32-gbt1k-s128-cpu"  # 128 x 8 x 1 x 1 = 1k tokens a step
+    assert run.info.run_name == "tiny-fp32-gbt1k-s128-cpu"  # 128 x 8 x 1 x 1 = 1k tokens a step
     # 50 steps x 8 sequences x 128 packed tokens, no padding
     assert run.data.metrics[names.TRAIN_TOKENS] == 50 * 8 * 128 == run.data.metrics[names.SUM_TOKENS]
     assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(5, 51, 5))

@@ -47,7 +47,7 @@ def test_a_lora_run_counts_the_hand_flops_per_token(lora_run):
     assert m[names.SUM_MFU] == pytest.approx(m[names.SUM_DEVICE_TOKENS_PER_SEC] * LORA(32) / 1e12, rel=1e-9)
     assert FULL(32) / LORA(32) == pytest.approx(1.4635, abs=1e-4)
     assert "LoRA r=8 on q_proj,v_proj in 2 layers" in lora_run.data.tags[names.FLOPS_METHOD]
-    assert lora_run.info.run_name.startswith("tiny-lora8-single-fp32-")  # the lever, named
+    assert lora_run.info.run_name.startswith("tiny-lora8-fp32-")  # the lever, named
 
 
 def test_only_the_adapters_hold_optimizer_state(lora_run):

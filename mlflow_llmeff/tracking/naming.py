@@ -2,21 +2,28 @@
 
 A name is made of short parts, one per condition (``tiny``, ``ao8bit``, ``ddp2``, ``hs+mmlu``, ``bf16``,
 ``gbt4k``, ``s4k``, ``h100``), always in the order of :data:`PARTS` (model, memory levers that differ
-from the default, layout, evals, precision, global batch, sequence length, accelerator); a condition the run lacks gives no part, and
-so does a batch shape that varied between micro-batches (``llmeff.seq_len=dynamic``, dynamic padding
-or packing: ``llama-single-fp32-cpu``).
+from the default, layout, evals, precision, global batch, sequence length, accelerator); a condition the run
+lacks gives no part, and neither does a default: torch AdamW, sdpa, fp32 weights (no lever part) and a single
+process (no layout part: ``tiny-fp32-gbt1k-s128-cpu``, where two DDP processes give
+``tiny-ddp2-fp32-gbt2k-s128-cpu``). A batch shape that varied between micro-batches
+(``llmeff.seq_len=dynamic``, dynamic padding or packing) gives no batch or length part: ``llama-fp32-cpu``.
 So the same configuration has the same name stem in every experiment and for every repeat, and a
 name can be read (and searched: ``attributes.run_name LIKE 'tiny-ddp2-%'``) without knowing which
 other runs existed when it was made. A repeat index (``-2``, ``-3``) is added only when a run of the
 experiment already has the name (by :func:`mlflow_llmeff.tracking.experiments.unique_run_name`). A pure
 calculator.
 
-Example: the UI trial's five runs are ``tiny-single-fp32-gbt1k-s128-cpu``,
-``tiny-ddp2-fp32-gbt2k-s128-cpu``, ``tiny-single-fp32-gbt4k-s128-cpu``,
-``160m-single-fp32-gbt1k-s128-cpu`` and ``tiny-single-hs-fp32-gbt1k-s128-cpu``
+What differs comes within the first 20 characters, which the MLflow runs table shows of a name: the
+parts are short and defaults give none, so a short model's layout, precision and batch (the axes a study
+varies) end by the 20th character. Until issue 53 a single process was named ``single``, and
+``tiny-single-fp32-gbt512-s128-cpu`` and ``tiny-single-fp32-gbt4k-s128-cpu`` differed only after the
+20th character (``tiny-single-fp32-gbt``), one name in the table for two batches.
+
+Example: the UI trial's five runs are ``tiny-fp32-gbt1k-s128-cpu``, ``tiny-ddp2-fp32-gbt2k-s128-cpu``,
+``tiny-fp32-gbt4k-s128-cpu``, ``160m-fp32-gbt1k-s128-cpu`` and ``tiny-hs-fp32-gbt1k-s128-cpu``
 (tests/test_naming.py). Until issue 31 the parts that varied most among the experiment's runs came
 first, so repeats of one configuration were named ``tiny-ddp2-fp32-...`` in one experiment and
-``ddp2-gbt2k-tiny-...`` in another.
+``ddp2-gbt2k-tiny-...`` in another: a name that depends on the other runs is no name of a configuration.
 """
 
 from __future__ import annotations
@@ -69,8 +76,11 @@ def _model(name: str) -> str:
 
 
 def _layout(strategy: str, count: str) -> str:
+    """``ddp2``, ``zero3x8``, ``fsdp``; '' for a single process (the default layout gives no part)."""
     short = _STRATEGY_SHORT.get(strategy, strategy.replace("_", ""))
-    if short == "single" or not count:
+    if short == "single":
+        return ""
+    if not count:
         return short
     return f"{short}x{count}" if short[-1].isdigit() else f"{short}{count}"
 
@@ -113,8 +123,9 @@ def parts_from_tags(tags: Mapping[str, str], eval_tasks: str | None = None) -> d
     levers = _levers(tags)
     if levers:
         out["levers"] = levers
-    if tags.get(names.PAR_STRATEGY):
-        out["layout"] = _layout(tags[names.PAR_STRATEGY], tags.get(names.ACCEL_COUNT, ""))
+    layout = _layout(tags[names.PAR_STRATEGY], tags.get(names.ACCEL_COUNT, "")) if tags.get(names.PAR_STRATEGY) else ""
+    if layout:
+        out["layout"] = layout
     tasks = [t.strip() for t in (eval_tasks or "").split(",") if t.strip() and t.strip() != "none"]
     if tasks:
         out["evals"] = "+".join(_EVAL_SHORT.get(t, t) for t in tasks)
