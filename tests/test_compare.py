@@ -503,3 +503,78 @@ def test_the_flops_method_is_compared_by_method_not_by_model_type():
     assert comparability_warnings(same) == []
     w, = comparability_warnings([*same, counted])
     assert w.what == "FLOPs method" and w.values == {"formula": ["run-a", "run-b"], "meta_count": ["run-c"]}
+
+
+# ----------------------------------------------------------------------------------------- network
+# what a two-host run of tests/test_two_hosts.py logs: busbw through the interface toward the head,
+# its tc shaper's rate as the link's peak, the straggler by host and phase
+LINK = "eth0 toward the head 10.0.0.1: tc shaper rate 200Mbit (0.025 GB/s)"
+STRAGGLER = ("rank 1 on host node-1: backward 2.3x the median rank (41.2 vs 17.9 ms/step); compute (forward + "
+             "backward + optimizer) 2.1x (60.1 vs 28.6 ms/step)")
+TWO_HOSTS = {names.NODES: "2", names.COMM_PEAK_GBPS: "0.025", names.COMM_PEAK_SOURCE: LINK,
+             names.STRAGGLER_RANK: STRAGGLER}
+NETWORK_METRICS = {names.COMM_ALLREDUCE_BUSBW: 0.0207, names.COMM_BUSBW_UTIL: 0.828, names.SUM_COMM_EXPOSED: 0.314,
+                   names.SUM_STRAGGLER_RATIO: 2.1}
+
+
+def _network_experiment():
+    """A one-host single-process run and a two-host 2-process run carrying the network keys."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    if "network" not in _EXPERIMENTS:
+        exp_id = client.create_experiment("network")
+        one = log_run(client, exp_id, "tiny-fp32-gbt1k-s128-cpu", 1, 1000.0, **{names.NODES: "1"})
+        two = log_run(client, exp_id, "tiny-ddp2-fp32-gbt2k-s128-cpu", 2, 1200.0, **TWO_HOSTS)
+        for k, v in NETWORK_METRICS.items():
+            client.log_metric(two, k, v)
+        _EXPERIMENTS["network"] = (exp_id, [one, two])
+    return client, *_EXPERIMENTS["network"]
+
+
+def test_a_two_host_runs_busbw_utilisation_and_link_source_are_in_compare_md_and_html(tracking_uri, tmp_path):
+    _network_experiment()
+    out = tmp_path / "net"
+    r = invoke("compare", "--experiment", "network", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    row = "| tiny-ddp2-fp32-gbt2k-s128-cpu | 2 | 2 | 0.0207 | 0.025 | 82.8% | " + LINK + " | 31.4% | 2.1 | " \
+          "rank 1 on host node-1: backward 2.3x the median rank (41.2 vs 17.9 ms/step) |"
+    assert "## Network" in md and row in md
+    assert md.count("| tiny-fp32-gbt1k-s128-cpu | 1 | 1 |") == 0  # one host, no collective: not in the section
+    # the terminal: the same row, padded
+    assert "Network (collectives, the link they cross, the straggler):" in r.output
+    line = next(x for x in r.output.splitlines() if LINK in x)
+    assert line.split()[:8] == ["tiny-ddp2-fp32-gbt2k-s128-cpu", "2", "2", "0.0207", "0.025", "82.8%", "eth0", "toward"]
+    assert line.split("(0.025 GB/s)")[1].split()[:3] == ["31.4%", "2.1", "rank"] and "on host node-1: backward 2.3x" in line
+    import html as _html
+
+    assert "<table id='network' class='sortable'>" in page
+    for text in ("82.8%", "0.0207", LINK, "rank 1 on host node-1: backward 2.3x the median rank", STRAGGLER):
+        assert _html.escape(text) in page, text
+
+
+def test_the_efficiency_page_shows_the_two_host_runs_network_figures(tracking_uri, monkeypatch):
+    import html as _html
+
+    from flask import Flask
+
+    from mlflow_llmeff.report import server as srv
+    from mlflow_llmeff.tracking import store
+
+    client, exp_id, _ = _network_experiment()
+    monkeypatch.setattr(srv, "_store", lambda: store.client(tracking_uri)._tracking_client.store)
+    app = Flask("t")
+    srv.register(app)
+    page = app.test_client().get(f"/llmeff/experiments/{exp_id}").get_data(as_text=True)
+    section = page.split("<table id='network'", 1)[1].split("</table>", 1)[0]
+    cells = ["tiny-ddp2-fp32-gbt2k-s128-cpu", "0.0207", "0.025", "82.8%", _html.escape(LINK), "31.4%", "2.1",
+             "rank 1 on host node-1: backward 2.3x the median rank (41.2 vs 17.9 ms/step)"]
+    assert all(c in section for c in cells) and "tiny-fp32-gbt1k-s128-cpu" not in section
+
+
+def test_runs_without_network_figures_have_no_network_section(experiment, tmp_path):
+    out = tmp_path / "plain"
+    assert invoke("compare", "--experiment", "cmp", "--out", str(out)).exit_code == 0
+    assert "## Network" not in (out / "report.md").read_text()
+    assert "id='network'" not in (out / "report.html").read_text()

@@ -374,6 +374,7 @@ def to_markdown(rep: Report) -> str:
         lines += [""] + [f"- {_md_lead(n)}" for n in h.footnotes[1:]] + ([""] if h.footnotes[1:] else [])
         lines += targets_markdown(rep.targets)
         lines += _memory_md(rep)
+        lines += _network_md(rep)
         lines += ["## All runs", ""]
     lines += [f"> **WARNING** {w.text()}" for w in rep.warnings] + ([""] if rep.warnings else [])
     runs = ordered_runs(rep)
@@ -445,7 +446,7 @@ def headline_text(rep: Report) -> str:
     h = _headline(rep)
     if not h.rows:
         return "No finished run with summary figures to compare."
-    return "\n".join(_padded(h) + [f"- {n}" for n in h.footnotes] + _memory_text(rep))
+    return "\n".join(_padded(h) + [f"- {n}" for n in h.footnotes] + _memory_text(rep) + _network_text(rep))
 
 
 def _padded(h) -> list[str]:
@@ -481,18 +482,53 @@ def _memory_md(rep: Report) -> list[str]:
 
 
 def _memory_html(rep: Report) -> str:
+    return _section_html("Memory per device", "memory", _memory(rep), text_columns=(0, 1))
+
+
+def _network(rep: Report):
+    from mlflow_llmeff.report.network import network_table
+
+    return network_table(rep.configs)
+
+
+def _network_text(rep: Report) -> list[str]:
+    """The network section for the terminal (:func:`mlflow_llmeff.report.network.network_table`), [] without one."""
+    n = _network(rep)
+    if n is None:
+        return []
+    return ["", "Network (collectives, the link they cross, the straggler):"] + _padded(n) + [f"- {x}" for x in n.footnotes]
+
+
+def _network_md(rep: Report) -> list[str]:
+    n = _network(rep)
+    if n is None:
+        return []
+    out = ["## Network", "", "| " + " | ".join(n.columns) + " |", "|" + " --- |" * len(n.columns)]
+    out += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in n.rows]
+    return out + [""] + [f"- {_md_lead(x)}" for x in n.footnotes] + [""]
+
+
+def _network_html(rep: Report) -> str:
+    return _section_html("Network", "network", _network(rep), text_columns=(0, 6, 9))
+
+
+def _section_html(title: str, ident: str, table, text_columns: tuple[int, ...]) -> str:
+    """A section table of the page (memory, network): sortable, a cell's title kept, its footnotes below."""
     e = html.escape
-    m = _memory(rep)
-    if m is None:
+    if table is None:
         return ""
-    out = ["<h2>Memory per device</h2><table id='memory' class='sortable'><thead><tr>"
-           + "".join(f"<th class='{'t' if i < 2 else ''}'>{e(c)}</th>" for i, c in enumerate(m.columns))
+    out = [f"<h2>{e(title)}</h2><table id='{ident}' class='sortable'><thead><tr>"
+           + "".join(f"<th class='{'t' if i in text_columns else ''}'>{e(c)}</th>" for i, c in enumerate(table.columns))
            + "</tr></thead><tbody>"]
-    for row in m.rows:
-        out.append("<tr>" + "".join(f"<td data-v='{'' if c.sort is None else e(str(c.sort))}'>{e(c.text)}</td>"
-                                    for c in row) + "</tr>")
+    for row in table.rows:
+        cells = []
+        for i, c in enumerate(row):
+            klass = " class='t'" if i in text_columns else ""
+            title_attr = f" title='{e(c.title)}'" if c.title else ""
+            cells.append(f"<td{klass} data-v='{'' if c.sort is None else e(str(c.sort))}'{title_attr}>{e(c.text)}</td>")
+        out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</tbody></table>")
-    return "\n".join(out + [f"<p class='note'>{e(n)}</p>" for n in m.footnotes])
+    return "\n".join(out + [f"<p class='note'>{e(n)}</p>" for n in table.footnotes])
 
 
 def _headline_html(rep: Report) -> str:
@@ -597,6 +633,7 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
     out.append(_headline_html(rep))
     out.append(html_section(rep.targets))
     out.append(_memory_html(rep))
+    out.append(_network_html(rep))
     out += [f"<div class='warn'>WARNING: {e(w.text())}</div>" for w in rep.warnings]
     out.append(_runs_table_html(rep, max_runs, rest_html))
     rel_html = _reliability_html(rep)
