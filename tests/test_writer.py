@@ -148,3 +148,19 @@ def test_compare_against_a_server_that_does_not_answer_says_so_in_one_line(serve
     assert r.returncode == 1, r.stdout + r.stderr
     assert _one_error_line(r, uri).endswith("; nothing was compared")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plans_history_is_read_within_the_wait_and_says_why_it_has_none(closed_port, monkeypatch):
+    """``llmeff plan``'s predictions read earlier runs through ``store.reader()``: a server that does not answer
+    is one bounded read, named in the prediction's basis, and later reads do not wait again."""
+    from mlflow_llmeff.planning.predict import history_power_w, history_tflops
+    from mlflow_llmeff.tracking import store
+
+    monkeypatch.setenv("LLMEFF_DELIVERY_WAIT_S", str(WAIT_S))
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    reader = store.reader(closed_port)
+    tflops, n, basis = history_tflops(reader, "CPU", "llama-tiny")
+    assert (tflops, n) == (None, 0)
+    assert basis.startswith(f"no tracking server reachable (the tracking server {closed_port} did not answer a "
+                            "search_experiments request")
+    assert reader.down is not None and history_power_w(reader, "CPU") is None  # no second wait: it is known down

@@ -60,8 +60,9 @@ def history_tflops(client, accelerator_short: str, model: str, strategy: str | N
     """
     try:
         runs = _finished_runs_on(client, accelerator_short)
-    except Exception:  # noqa: BLE001 - no tracking server: no prediction
-        return None, 0, "no tracking server reachable"
+    except Exception as e:  # noqa: BLE001 - no tracking server: no prediction, and why
+        why = names.shorten(str(e).strip().splitlines()[0], 300) if str(e).strip() else type(e).__name__
+        return None, 0, f"no tracking server reachable ({why})"
     runs = [r for r in runs if r.data.metrics.get(names.SUM_DEVICE_TFLOPS, 0) > 0]
 
     def same_shape(r) -> bool:
@@ -111,7 +112,9 @@ def add_predictions(plan: dict, cfg, *, client, accelerator_short: str, strategy
     Args:
         plan: the pure plan.
         cfg: the :class:`~mlflow_llmeff.train.config.TrainConfig`.
-        client: an ``MlflowClient``.
+        client: an ``MlflowClient``; for a tracking server one whose reads are bounded
+            (``tracking/store.reader()``: each read waits at most the delivery wait, ``LLMEFF_DELIVERY_WAIT_S``),
+            so that a server that does not answer costs one wait and the plan says why it has no prediction.
         accelerator_short: accelerator planned for (history and price are looked up by it).
         strategy: the resolved strategy.
         device_hour_usd: price per device-hour (None: no cost prediction).

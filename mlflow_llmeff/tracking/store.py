@@ -6,7 +6,7 @@ the store's client they get here, and every write they make is a function of ``t
 
 from __future__ import annotations
 
-__all__ = ["client", "tracking_uri", "active_run_id", "run_identity", "autolog_setting"]
+__all__ = ["client", "reader", "tracking_uri", "active_run_id", "run_identity", "autolog_setting"]
 
 
 def client(uri: str | None = None):
@@ -14,6 +14,15 @@ def client(uri: str | None = None):
     import mlflow
 
     return mlflow.MlflowClient(uri) if uri else mlflow.MlflowClient()
+
+
+def reader(uri: str | None = None):
+    """A client for reads only, each bounded by the delivery wait for a tracking server
+    (:func:`mlflow_llmeff.tracking.delivery.bounded_reads`: after one unanswered read the rest raise
+    :class:`~mlflow_llmeff.tracking.delivery.Unreachable` at once); a local store's client as it is."""
+    from mlflow_llmeff.tracking.delivery import bounded_reads
+
+    return bounded_reads(client(uri))
 
 
 def tracking_uri() -> str:

@@ -430,7 +430,7 @@ def dry_run(run: TrainConfig | RunSpec, *, accelerator_short: str | None = None,
     if not cfg.device_hour_usd and price is not None:
         assumed["device_hour_usd"] = f"{price:g} USD per device-hour ({price_source}: pass device_hour_usd for yours)"
     plan = add_predictions(plan_run(spec, accelerator_given=given, accelerator_alias=alias), cfg,
-                           client=store.client(), accelerator_short=accelerator_short, strategy=spec.strategy_name,
+                           client=store.reader(), accelerator_short=accelerator_short, strategy=spec.strategy_name,
                            device_hour_usd=price)
     plan["device_hour_usd"] = price  # None (JSON null): no price, no predicted_usd
     plan["device_hour_usd_source"] = price_source
