@@ -8,7 +8,6 @@ import os
 from mlflow_llmeff import names
 from mlflow_llmeff.report.render import DEFAULT_GROUP_BY, Report, build_report, write_report
 from mlflow_llmeff.report.source import select_runs
-from mlflow_llmeff.tracking.comparisons import log_comparison
 from mlflow_llmeff.tracking.keys import tag_value_limit
 
 __all__ = ["RUN_IDS_ARTIFACT", "compare", "compared_ids_tag", "default_ui_base", "log_report"]
@@ -101,12 +100,29 @@ def log_report(client, rep: Report, out_dir: str) -> str:
     Every compared id is also the artifact :data:`RUN_IDS_ARTIFACT` (one a line): MLflow's tag value
     value (8,000 characters) holds about 240 ids, and the tag then says how many of how many it holds.
     The run is a new FINISHED run of the compared experiment, or under ``mlflow run -e compare`` the
-    launcher's run (``MLFLOW_RUN_ID``, which the launcher ends).
+    launcher's run (``MLFLOW_RUN_ID``, which the launcher ends), written through the one door
+    (:class:`~mlflow_llmeff.tracking.writer.RunWriter`), waiting at most the delivery wait.
+
+    Raises:
+        mlflow_llmeff.tracking.delivery.Unreachable: the server did not take it all (it waits in the
+            outbox; the message says where).
     """
+    from mlflow_llmeff.tracking.delivery import Unreachable
+    from mlflow_llmeff.tracking.writer import RunWriter
+
     sel = rep.selection
     ids = [r.run_id for r in sel.runs]
     tags = {names.COMPARE_RUN_IDS: compared_ids_tag(ids),
             names.COMPARE_EXPERIMENT: sel.experiment_name, names.COMPARE_FILTER: sel.filter_string,
             "mlflow.runName": f"compare-{len(sel.runs)}-runs",
             "mlflow.note.content": "llmeff compare report: open report.html in Artifacts"}
-    return log_comparison(client, sel.experiment_id, tags, ids, out_dir, RUN_IDS_ARTIFACT)
+    launcher = os.environ.get("MLFLOW_RUN_ID")
+    writer = (RunWriter.attach(launcher, client=client) if launcher else
+              RunWriter.create(tags["mlflow.runName"], experiment_id=sel.experiment_id, client=client))
+    writer.set_tags(tags, synchronous=False)
+    writer.write_text("".join(f"{i}\n" for i in ids), RUN_IDS_ARTIFACT)
+    writer.log_folder(out_dir)
+    if not writer.end(None if launcher else "FINISHED"):
+        raise Unreachable(f"{writer.unanswered_reason or 'the tracking server did not take the comparison run'}; "
+                          f"the comparison run waits in {writer.spilled_to} (llmeff sync {writer.outbox_dir})")
+    return writer.run_id
