@@ -17,6 +17,8 @@ What is patched (``safe_patch``; once-per-run entry points only, so the per-call
 * ``torch.optim.Optimizer.__init__`` (arms discovery of the model a new optimizer trains);
 * ``torch.distributed.destroy_process_group`` (summary on every rank before the group goes);
 * ``mlflow.end_run`` (summary before the run the metrics go to ends; also at interpreter exit);
+* ``ray.train.report`` (a Ray Train worker): the meter's state goes into rank 0's checkpoint, and a
+  restarted worker group continues the run from it (:mod:`mlflow_llmeff.autologging.ray`);
 * ``torch.utils.data.DataLoader.__iter__`` and Accelerate's prepared loaders' ``__iter__`` (once an
   epoch; not through ``safe_patch``, which returns the original's result: set on the classes and
   restored by the cleanup callback): the iterator a loop gets times each batch it awaits as the
@@ -51,6 +53,7 @@ from contextlib import contextmanager
 
 from mlflow.utils.autologging_utils import autologging_integration, autologging_is_disabled, safe_patch
 
+from mlflow_llmeff.autologging import ray as ray_train
 from mlflow_llmeff.autologging.batches import ACCELERATE_LOADERS
 from mlflow_llmeff.autologging.hooks import INTEGRATION, _Session, _Settings
 
@@ -387,6 +390,15 @@ def _patch_accelerate(module) -> None:
     safe_patch(INTEGRATION, module.Accelerator, "load_state", _paused("checkpoint_load"))
 
 
+def _patch_ray_train(module) -> None:
+    """Ray Train's ``report`` carries the meter's state in rank 0's checkpoint (:mod:`.ray`)."""
+    s = _session()
+    if s is None or "ray.train" in getattr(s, "patched", ()) or not hasattr(module, "report"):
+        return
+    s.patched = getattr(s, "patched", set()) | {"ray.train"}
+    ray_train.patch_report(INTEGRATION, active_monitor)
+
+
 @autologging_integration(INTEGRATION)
 def autolog(log_every_n_steps: int = 10, warmup_steps: int = 3, device_hour_usd: float | None = None,
             measure_energy: str = "auto", peak_tflops: float | None = None, usd_per_kwh: float | None = None,
@@ -475,8 +487,9 @@ def _install(session: _Session) -> None:
     register_post_import_hook(_patch_transformers, "transformers.trainer", overwrite=True)
     register_post_import_hook(_patch_accelerate, "accelerate.accelerator", overwrite=True)
     register_post_import_hook(_patch_accelerate_loaders, "accelerate.data_loader", overwrite=True)
+    register_post_import_hook(_patch_ray_train, "ray.train", overwrite=True)
     for name, fn in (("transformers.trainer", _patch_transformers), ("accelerate.accelerator", _patch_accelerate),
-                     ("accelerate.data_loader", _patch_accelerate_loaders)):
+                     ("accelerate.data_loader", _patch_accelerate_loaders), ("ray.train", _patch_ray_train)):
         if name in sys.modules:
             fn(sys.modules[name])
     # A loop nobody ends (no end_run, end_training, destroy_process_group) is finished at exit with

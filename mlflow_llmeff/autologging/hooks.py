@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from mlflow.utils.autologging_utils import get_autologging_config, is_testing
 
 from mlflow_llmeff import names
+from mlflow_llmeff.autologging import ray as ray_train
 from mlflow_llmeff.autologging.batches import LoaderPatch
 
 log = logging.getLogger("mlflow_llmeff.autologging")  # the integration's logger, as before the split
@@ -77,6 +78,10 @@ class _Session:
         self.late = False  # autolog() came after the optimizer was built
         self.fetching = False  # a loader's batch is being awaited (batches.py: an inner loader is not timed again)
         self.loaders = LoaderPatch(self)  # the loaders' __iter__ patches (data waits), restored at teardown
+        import time
+
+        # when autolog() was called (unix s, perf_counter s): a Ray Train attempt starts here (ray.py)
+        self.created_unix, self.created_perf = time.time(), time.perf_counter()
 
     # -------------------------------------------------------------------------------- failures
     def fail(self, e: BaseException) -> None:
@@ -228,9 +233,13 @@ class _Session:
             strategy = _accelerate_strategy(acc)
             degrees = _accelerate_degrees(acc)
         opt = self.optimizer() if self.optimizer is not None else None
+        resumed = ray_train.resume_kwargs(self.created_perf)  # a Ray Train worker: run, state, attempt start
         self.monitor = EfficiencyMonitor(model=module, optimizer=opt, precision=precision, strategy=strategy,
                                          integration=owner, optimizer_origin=_LOOP_ORIGIN.get(owner), **degrees,
-                                         **self.settings.monitor_kwargs())
+                                         **resumed, **self.settings.monitor_kwargs())
+        if resumed.get("resume_state") and self.monitor.is_main:  # the gap since the killed attempt
+            self.monitor.continue_job(down_s=ray_train.down_s(resumed["resume_state"], resumed.get("heartbeat_path"),
+                                                              resumed["run_id"], self.created_unix))
         if getattr(self, "late", False):
             self.late = False
             msg = ("autolog() was enabled after the optimizer was built: counting started at the first forward "

@@ -1,0 +1,124 @@
+"""Ray Train for real (CPU, 2 workers, gloo): ``mlflow_llmeff.autolog()`` inside ``train_loop_per_worker``
+gives one MLflow run per Ray Train run, and a worker killed mid-run under ``FailureConfig(max_failures=1)``
+continues that run as a second attempt from Ray's checkpoint (autologging/ray.py). One local Ray
+(``ray.init(num_cpus=2)``) for the module: starting it costs about 15 s here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+
+import mlflow
+import pytest
+import torch
+
+from mlflow_llmeff import names
+
+from conftest import REPO, require
+
+pytestmark = pytest.mark.slow
+
+ray = require("ray", "pip install 'mlflow-llmeff[ray]'")
+TOKENS_PER_STEP = 2 * 8 + 2 * 9  # rank 0: 2 rows of 8 tokens, rank 1: 2 rows of 9
+
+
+class Tiny(torch.nn.Module):
+    """The smallest causal LM the hooks count: ``forward(input_ids, labels)`` returning ``{"loss"}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.out(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.view(-1, 64), labels.view(-1)), "logits": logits}
+
+
+def train_loop(config):
+    """Ray Train's worker loop: autolog, a DDP model, ``config["steps"]`` steps, rank 0's checkpoint after
+    step 2; with ``config["kill"]``, rank 1 of the first attempt dies (SIGKILL) before step 4."""
+    import ray.train
+    import ray.train.torch
+
+    import mlflow_llmeff
+
+    mlflow_llmeff.autolog(log_every_n_steps=1, warmup_steps=0, measure_energy="none")
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(Tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = ray.train.get_context().get_world_rank()
+    ckpt, start = ray.train.get_checkpoint(), 0
+    if ckpt is not None:
+        with ckpt.as_directory() as folder:
+            saved = torch.load(os.path.join(folder, "model.pt"))
+        model.module.load_state_dict(saved["model"])
+        start = saved["step"]
+    for step in range(start, config["steps"]):
+        if config["kill"] and ckpt is None and step == 3 and rank == 1:
+            ray.train.get_all_reported_checkpoints()  # Ray holds the checkpoint before the worker dies
+            os.kill(os.getpid(), signal.SIGKILL)
+        ids = torch.randint(0, 64, (2, 8 + rank))
+        model(input_ids=ids, labels=ids)["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            with tempfile.TemporaryDirectory() as folder:
+                if rank == 0:
+                    torch.save({"model": model.module.state_dict(), "step": step + 1}, os.path.join(folder, "model.pt"))
+                ray.train.report({"step": step + 1},
+                                 checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None)
+
+
+@pytest.fixture(scope="module")
+def cluster(module_store, tmp_path_factory):
+    """A local Ray of 2 CPUs whose workers log to the module's store and import this module."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "PYTHONPATH", "OMP_NUM_THREADS")}
+    os.environ.update(MLFLOW_TRACKING_URI=module_store, OMP_NUM_THREADS="1",
+                      PYTHONPATH=os.pathsep.join([str(REPO / "tests"), saved["PYTHONPATH"] or ""]).rstrip(os.pathsep))
+    mlflow.set_tracking_uri(module_store)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield tmp_path_factory.mktemp("ray")
+    finally:
+        ray.shutdown()
+        mlflow.set_tracking_uri(None)
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def fit(storage, name: str, steps: int, kill: bool, max_failures: int = 0):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(train_loop, train_loop_config={"steps": steps, "kill": kill},
+                 scaling_config=ScalingConfig(num_workers=2),
+                 run_config=RunConfig(name=name, storage_path=str(storage),
+                                      failure_config=FailureConfig(max_failures=max_failures))).fit()
+    return mlflow.search_runs(search_all_experiments=True, output_format="list",
+                              filter_string=f"tags.`{names.SCHEDULER_JOB_ID}` = '{name}'")
+
+
+def test_two_ray_workers_with_autolog_give_one_finished_run_with_both_workers_tokens_once(cluster):
+    before = len(mlflow.search_runs(search_all_experiments=True, output_format="list"))
+    runs = fit(cluster, "two-workers", steps=4, kill=False)
+    assert len(runs) == 1 and len(mlflow.search_runs(search_all_experiments=True, output_format="list")) == before + 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics[names.TRAIN_TOKENS] == run.data.metrics[names.SUM_TOKENS] == 4 * TOKENS_PER_STEP == 136
+    assert {k: run.data.tags.get(k) for k in (names.SCHEDULER_NAME, names.SCHEDULER_WORLD_SIZE, names.RESUME_ATTEMPTS)} \
+        == {names.SCHEDULER_NAME: "ray", names.SCHEDULER_WORLD_SIZE: "2", names.RESUME_ATTEMPTS: "1"}
+
+
+def test_a_worker_killed_mid_run_continues_the_same_run_as_a_second_attempt_with_its_down_time(cluster):
+    runs = fit(cluster, "killed", steps=6, kill=True, max_failures=1)
+    assert len(runs) == 1
+    run = runs[0]
+    m = run.data.metrics
+    assert run.info.status == "FINISHED" and run.data.tags[names.RESUME_ATTEMPTS] == "2"
+    # steps 1-2 of the first attempt (its checkpoint) and steps 3-6 of the second: each counted once
+    assert m[names.SUM_STEPS] == 6 and m[names.SUM_TOKENS] == m[names.TRAIN_TOKENS] == 6 * TOKENS_PER_STEP == 204
+    assert m["summary/badput_down_s"] > 0  # from the killed attempt's last heartbeat to autolog() in the new workers
+    assert m["summary/badput_lost_progress_s"] > 0  # its step 3, after the checkpoint, is redone
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, names.TRAIN_TOKENS)
+    assert max(p.value for p in history if p.step == 6) == 204
