@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import pathlib
 import re
@@ -221,3 +222,66 @@ def test_the_data_bench_exits_1_saying_not_measured_when_its_throughput_step_is_
         data.main()
     assert done.value.code == 1
     assert capsys.readouterr().err.strip() == "target NOT MEASURED: throughput ours / bare >= 0.70x (--skip-throughput)"
+
+
+# ------------------------------------------------------------------------------ bench/peers.py
+def _peers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_peers", BENCH / "peers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _round(bare, llmeff, other=0.02, steal=0.0, **more):
+    return {"tps": {"bare": bare, **more, "llmeff": llmeff}, "other": other, "steal": steal, "load": 0.5}
+
+
+def test_peers_reads_the_target_from_the_median_of_the_quiet_rounds_only():
+    peers = _peers()
+    rounds = [_round(1000, 1010, accelerate=990), _round(1000, 700, other=0.6, accelerate=600),  # contended
+              _round(1000, 1030, accelerate=1000)]
+    lines, status = peers.verdict(rounds, target=1.0, quiet_other=0.10, quiet_steal=0.02)
+    assert status == 0
+    assert lines[1].startswith("round 2 (CONTENDED: 60% others, 0% steal, load 0.50)")
+    assert "ratio llmeff/bare: median 1.010x over 3 rounds, 1.020x over 2 quiet" in lines
+    assert "ratio accelerate/bare: median 0.990x over 3 rounds, 0.995x over 2 quiet" in lines
+    assert lines[-1] == "target llmeff/bare >= 1 in the median of 2 quiet rounds: 1.020x met"
+
+
+def test_peers_exits_1_below_the_target_and_2_without_a_quiet_round():
+    peers = _peers()
+    slow = [_round(1000, 980), _round(1000, 990), _round(1000, 1200, steal=0.05)]  # the fast one was stolen from
+    lines, status = peers.verdict(slow, target=1.0, quiet_other=0.10, quiet_steal=0.02)
+    assert status == 1 and lines[-1] == "target llmeff/bare >= 1 in the median of 2 quiet rounds: 0.985x NOT met"
+    busy = [_round(1000, 1100, other=0.5), _round(1000, 1100, other=None)]  # an unread share is not quiet
+    lines, status = peers.verdict(busy, target=1.0, quiet_other=0.10, quiet_steal=0.02)
+    assert status == 2 and "not resolvable (no quiet round" in lines[-1]
+    assert "ratio llmeff/bare: median 1.100x over 2 rounds, no quiet round" in lines
+
+
+def test_peers_interleaves_the_contenders_and_prints_the_ratios(monkeypatch, capsys):
+    peers = _peers()
+    from mlflow_llmeff.meters import contention as ct
+
+    runs, tps = [], {"bare": 1000.0, "accelerate": 990.0, "trainer": 960.0, "llmeff": 1010.0}
+    monkeypatch.setattr(peers, "_contender", lambda args, name: runs.append(name) or {"tokens_per_sec": tps[name]})
+    ticks = iter([ct.HostCpu(total=0, busy=0, steal=0), ct.HostCpu(total=1000, busy=50, steal=0)] * 3)
+    monkeypatch.setattr(ct, "read_host_cpu", lambda *a: next(ticks))
+    monkeypatch.setattr(peers, "_cpu_s", lambda: 0.0)
+    with pytest.raises(SystemExit) as done:
+        peers.main(["--rounds", "3", "--steps", "4", "--warmup", "1"])
+    assert done.value.code == 0
+    assert runs == [*peers.CONTENDERS, *peers.CONTENDERS[::-1], *peers.CONTENDERS]  # reversed every other round
+    out = capsys.readouterr().out
+    assert "ratio accelerate/bare: median 0.990x over 3 rounds, 0.990x over 3 quiet" in out
+    assert "ratio trainer/bare: median 0.960x over 3 rounds" in out
+    assert "target llmeff/bare >= 1 in the median of 3 quiet rounds: 1.010x met" in out
+
+
+def test_peers_bare_contender_trains_its_steady_steps(capsys):
+    peers = _peers()
+    peers.main(["--run", "bare", "--seq-len", "16", "--micro-batch-size", "2", "--steps", "3", "--warmup", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == {"tokens_per_sec"} and out["tokens_per_sec"] > 0
