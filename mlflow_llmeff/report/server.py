@@ -25,9 +25,12 @@ metrics, tags, params: :func:`mlflow_llmeff.report.source.select_runs`; MLflow's
 builds an ORM object per value, 5.9 s for 1,000 runs), every run of the selection, however many;
 metric histories are read only for what the figures draw. A page whose run set (its digest, below)
 and query were served before is served again from memory without being built (``PAGE_CACHE_SIZE``
-pages; its figures section filled on each request from the figures as they are then): the second
-request of an unchanged experiment costs one read of its runs (bench/page.py measures it at 50,
-1,000 and 10,000 runs; docs/compare.md). The "All runs" table shows the first
+pages; its figures section filled on each request from the figures as they are then). Before its runs,
+a request reads the store's last change (:func:`mlflow_llmeff.report.source.change_token`: a sqlite
+file's time and size, PostgreSQL's WAL position): while it is unchanged, a query served before is
+served again without one run read, one report built or one page rendered (``RENDERED`` and
+``source.READ`` count them; tests/test_report_page.py). bench/page.py measures it at 10,000 runs: the
+second request 0.05 s, where reading the runs again took 1.04 s (issue 53). The "All runs" table shows the first
 :data:`~mlflow_llmeff.report.render.RUNS_SHOWN` runs and says how many of how many, with where every
 run is (``?all_runs=1``, MLflow's run list filtered the same way, report.csv/report.md).
 
@@ -318,6 +321,14 @@ def _page_report(store, experiment_id: str, args, sel=None):
 #: Pages served again without building them: by run set (digest), query and filter-form values.
 PAGE_CACHE_SIZE = 16
 _pages: "OrderedDict[str, tuple[str, str]]" = OrderedDict()
+#: The page of a query while the store is unchanged: (store change token, experiment, query) -> (digest, page key).
+_tokens: "OrderedDict[str, tuple[str, str]]" = OrderedDict()
+#: Counted work of the pages (tests assert it, never wall time): reports built and pages rendered to HTML.
+RENDERED = {"reports": 0, "pages": 0}
+
+
+def _token_key(token: str, experiment_id: str, args) -> str:
+    return hashlib.sha1(json.dumps([token, experiment_id, sorted(args.items(multi=True))]).encode()).hexdigest()
 
 
 def _page_key(digest: str, args, every) -> str:
@@ -370,7 +381,7 @@ def experiment_page(experiment_id: str):
     from flask import request
 
     from mlflow_llmeff.report.render import RUNS_SHOWN, to_html
-    from mlflow_llmeff.report.source import select_runs
+    from mlflow_llmeff.report.source import change_token, select_runs
 
     store = _store()
     args = request.args
@@ -391,6 +402,22 @@ def experiment_page(experiment_id: str):
                                       "all_runs=1 (every run in the table) or leave it out (the first "
                                       f"{RUNS_SHOWN})</p>", 400)
     rep = None
+    # the store's last change, read before its runs: while it is unchanged, the page of this query is the
+    # page served before, without one run read (source.change_token; None: read every time)
+    token = change_token(store)
+    tkey = _token_key(token, exp.experiment_id, args) if token else None
+    with _lock:
+        known = _tokens.get(tkey) if tkey else None
+    if known is not None:
+        digest, key = known
+        with _lock:
+            parts = _pages.get(key)
+            if parts is not None:
+                _pages.move_to_end(key)
+            drawing = digest in _drawing
+        hit = _cached(digest)
+        if parts is not None and (hit is not None or drawing):
+            return _serve(exp.experiment_id, args, digest, parts, hit)
     try:
         sel = select_runs(store, exp.experiment_id, filter_string(args))
         # the filter form offers the values of every run: a second search only when a filter is on
@@ -407,32 +434,44 @@ def experiment_page(experiment_id: str):
             drawing = digest in _drawing
         if parts is None or (hit is None and not drawing):  # a figure set dropped: its report draws it again
             sel, rep, group_by, baseline = _page_report(store, exp.experiment_id, args, sel)
+            RENDERED["reports"] += 1
     except ValueError as e:
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
                                       f"<p><a href='{base()}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
                      400)
-    from flask import Response
-
-    from mlflow_llmeff.report.plots import FIGURES
-    from mlflow_llmeff.report.render import figures_html
-
     if hit is None and rep is not None:  # drawn in the background; the page does not wait (each image does)
         _start_drawing(store, rep, digest)
-    shown, notes = ([name for name, _ in FIGURES], []) if hit is None else (list(hit[0]), list(hit[1]))
     if parts is None:  # the page without its figures, kept for every request of the same runs and query
         text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figures_block=_FIGURES_MARK,
                        max_runs=None if all_runs == "1" else RUNS_SHOWN,
                        rest_html=_rest_html(exp.experiment_id, args, sel.filter_string))
+        RENDERED["pages"] += 1
         head, _, tail = text.partition(_FIGURES_MARK)
         parts = (head, tail)
         with _lock:
             _pages[key] = parts
             while len(_pages) > PAGE_CACHE_SIZE:
                 _pages.popitem(last=False)
+    if tkey:
+        with _lock:
+            _tokens[tkey] = (digest, key)
+            while len(_tokens) > PAGE_CACHE_SIZE:
+                _tokens.popitem(last=False)
+    return _serve(exp.experiment_id, args, digest, parts, hit)
+
+
+def _serve(exp_id: str, args, digest: str, parts: tuple[str, str], hit):
+    """The page: its cached parts around the figures section of run set ``digest`` as it is now (being
+    drawn: every figure's URL; drawn: the drawn ones and why any was left out)."""
     from urllib.parse import urlencode
 
-    query = urlencode([("experiment", exp.experiment_id)] + [(k, v) for k, v in args.items(multi=True)
-                                                             if k != "experiment"])
+    from flask import Response
+
+    from mlflow_llmeff.report.plots import FIGURES
+    from mlflow_llmeff.report.render import figures_html
+
+    shown, notes = ([name for name, _ in FIGURES], []) if hit is None else (list(hit[0]), list(hit[1]))
+    query = urlencode([("experiment", exp_id)] + [(k, v) for k, v in args.items(multi=True) if k != "experiment"])
     urls = {name: f"{base()}/figures/{digest}/{name}?{query}" for name in shown}
     return Response(parts[0] + figures_html(urls, notes) + parts[1], mimetype="text/html")
 
