@@ -167,7 +167,7 @@ def _progress_bar(total: int, what: str):
 def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir: str | None = None,
              num_fewshot: int = 0, limit: int | float | None = None, batch_size: int = 8, device: Any = None,
              seed: int = 1234, share_prefix: bool = True, add_bos: bool | None = None,
-             subset_seed: int | None = None, progress: bool = False) -> EvalResult:
+             subset_seed: int | None = None, progress: bool = False, threads: int | None = None) -> EvalResult:
     """Score MMLU and/or HellaSwag with lm-evaluation-harness 0.4.x definitions.
 
     Args:
@@ -190,12 +190,29 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
             instead of the first ones (training-time evals use one fixed subset per run).
         progress: show a progress bar on stderr (documents scored of all, rate, ETA); redrawn at
             most every 30 s when stderr is not a terminal, so logs stay short.
+        threads: torch intra-op threads while scoring (restored after). None (default): the CPUs
+            this process may use (affinity, the cgroup CPU quota rounded down, ``OMP_NUM_THREADS``),
+            fewer while other processes hold them, re-decided every 0.5 s
+            (:mod:`mlflow_llmeff.evals.threads`); on a CUDA device torch's setting is left alone.
+            What was used is ``config["llmeff.threads"]`` and ``config["llmeff.cpu.affinity"]``.
 
     Raises:
-        ValueError: unknown task, bad ``num_fewshot``/``limit``, missing or malformed data files.
+        ValueError: unknown task, bad ``num_fewshot``/``limit``/``threads``, missing or malformed data files.
     """
     from mlflow_llmeff.evals.scoring import LoglikelihoodScorer  # torch is imported here, not at module load
+    from mlflow_llmeff.evals.threads import ThreadChooser, affinity_tag, usable_cpus
 
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads {threads!r} is not accepted; use an integer >= 1 or None (chosen from the CPUs)")
+    chooser = None
+    on_cpu = str(device if device is not None else next(model.parameters()).device).startswith("cpu")
+    if on_cpu:
+        if threads is None:
+            chooser = ThreadChooser.for_this_process()
+        else:
+            n, where = usable_cpus()
+            chooser = ThreadChooser(threads, f"threads={threads} asked; {n} usable: {where}", None)
+        chooser.begin()  # data loading below is the first window of others' load
     scored, group = expand_tasks(tasks)
     if not 0 <= num_fewshot <= 5 or (num_fewshot and "hellaswag" in scored):
         raise ValueError(f"num_fewshot {num_fewshot} is not accepted; use 0-5 for MMLU (5 dev examples per subject) "
@@ -228,9 +245,14 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
                 families.append(task if task != "hellaswag" else None)  # MMLU: one family per subject
         label = ",".join(dict.fromkeys("mmlu" if t.startswith("mmlu_") and len(scored) >= 4 else t for t in scored))
         scorer.progress = _progress_bar(len(all_reqs), label) if progress else None
+        if chooser is not None:
+            chooser.start()
+            scorer.between = chooser.tick
         try:
             lls = scorer.score(all_reqs, families)
         finally:
+            if chooser is not None:
+                chooser.stop()
             if scorer.progress is not None:
                 scorer.progress.close()
     finally:
@@ -274,6 +296,9 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
               "limit": limit, "batch_size": batch_size, "seed": seed, "share_prefix": share_prefix,
               "data_dir": data.resolve_data_dir(data_dir), "max_length": scorer.max_length,
               "forward_passes": scorer.forward_passes, "forward_tokens": scorer.forward_tokens}
+    if chooser is not None:  # the measurement condition, under the training runs' tag names
+        config[names.THREADS] = chooser.describe()
+        config[names.CPU_AFFINITY] = affinity_tag()
     return EvalResult(metrics, examples, counts, config, seconds)
 
 
@@ -308,18 +333,24 @@ def mlflow_metrics(result: EvalResult) -> dict[str, float]:
 def check_run(run_id: str) -> bool:
     """Raise ValueError (one line naming the id and the tracking store) when ``run_id`` is no run.
 
-    Waits at most the delivery wait (``LLMEFF_DELIVERY_WAIT_S``) for a tracking server; one that does
-    not answer (or is unreachable) is not a missing run: False, and the results will wait in the
-    outbox. True when the run was found (:func:`mlflow_llmeff.tracking.eval_results.run_exists`).
+    Waits at most the delivery wait (``LLMEFF_DELIVERY_WAIT_S``, :func:`mlflow_llmeff.tracking.delivery.call`)
+    for a tracking server; one that does not answer (or is unreachable, or fails without saying the run is
+    not there) is not a missing run: False, and the results will wait in the outbox. True when the run was found.
     """
-    from mlflow_llmeff.tracking import store
-    from mlflow_llmeff.tracking.eval_results import run_exists
+    from mlflow_llmeff.tracking import delivery, store
 
+    client = store.client()
     try:
-        return run_exists(run_id)
-    except LookupError as e:
+        delivery.call(lambda: client.get_run(run_id), "looking up the run")
+        return True
+    except delivery.Unreachable:
+        return False
+    except Exception as e:  # noqa: BLE001 - one line instead of the store's stack trace
+        missing = getattr(e, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+        if delivery.is_server(store.tracking_uri()) and not missing:
+            return False  # the server is away, or refuses us, not the run
         raise ValueError(f"--run-id {run_id!r}: no such run in the tracking store {store.tracking_uri()!r} "
-                         f"({e})") from None
+                         f"({type(e).__name__})") from None
 
 
 def log_to_run(result: EvalResult, run_id: str, note: str, *, found: bool | None = None,
@@ -358,8 +389,18 @@ def log_to_mlflow(result: EvalResult, step: int | None = None, *, subject_metric
     Per-subject MMLU scores are one table artifact (``eval/mmlu_subjects/llmeff_eval.json``), and
     metrics too with ``subject_metrics``.
     """
-    from mlflow_llmeff.tracking.eval_results import log_to_active_run
+    import os
 
+    from mlflow_llmeff.tracking.store import active_run_id
+    from mlflow_llmeff.tracking.writer import RunWriter
+
+    run_id = active_run_id() or os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
+        return False
     metrics, table = split_subjects(mlflow_metrics(result), "eval/")
-    return log_to_active_run(mlflow_metrics(result) if subject_metrics else metrics, step, table,
-                             "eval/mmlu_subjects/llmeff_eval.json")
+    writer = RunWriter.attach(run_id)  # the one door: checked, bounded, the outbox when the server is away
+    writer.log_metrics(mlflow_metrics(result) if subject_metrics else metrics, step=int(step or 0))
+    if table is not None:
+        writer.log_table(table, "eval/mmlu_subjects/llmeff_eval.json")
+    writer.end(None)
+    return True

@@ -131,6 +131,7 @@ class LoglikelihoodScorer(_PrefixCache):
         self.forward_tokens = 0  # input positions run (padding included), for benchmarks
         self.progress = None  # an object with update(n): documents scored (a tqdm bar)
         self._carry = 0.0  # documents scored but not yet shown (fractions of a document)
+        self.between = None  # called between batches (no arguments): evaluate() re-decides its threads there
 
     # ------------------------------------------------------------------ encoding
     def encode_request(self, context: str, continuation: str) -> Encoded:
@@ -331,7 +332,10 @@ class LoglikelihoodScorer(_PrefixCache):
 
     def _advance(self, documents: float) -> None:
         """Move the progress bar by whole documents (a document scored choice by choice, as
-        truncated ones are, counts 1/len(choices) a choice; the fraction waits for the rest)."""
+        truncated ones are, counts 1/len(choices) a choice; the fraction waits for the rest); calls
+        :attr:`between` first."""
+        if self.between is not None:
+            self.between()
         if self.progress is not None:
             self._carry += documents
             whole = int(self._carry + 1e-6)

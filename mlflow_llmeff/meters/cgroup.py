@@ -14,6 +14,13 @@ that is not found under the mount is read at the mount's root instead.
 On a hybrid host the v2 hierarchy may be mounted at ``/sys/fs/cgroup/unified``: both mounts are read.
 The one reader of the limit: codecarbon's RAM power (:mod:`mlflow_llmeff.meters.carbon`) and a run's
 ``summary/memory/peak_fraction`` (:func:`mlflow_llmeff.meters.memory.memory_capacity`) use it.
+
+The container's CPU quota is read the same way (:func:`cpu_quota`): v2 ``cpu.max`` (``<quota> <period>``
+in microseconds, ``max`` = no quota), else v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (``-1`` = no
+quota) under the ``cpu`` controller's mount (``cpu`` or ``cpu,cpuacct``), every level up to the root, the
+smallest quota in CPUs kept (kernel docs: "Control Group v2", CPU interface files; "CFS Bandwidth
+Control", docs.kernel.org/scheduler/sched-bwc.html). The eval's thread count
+(:mod:`mlflow_llmeff.evals.threads`) uses it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MemoryLimit", "memory_limit", "host_memory_bytes", "format_bytes"]
+__all__ = ["CpuQuota", "MemoryLimit", "cpu_quota", "memory_limit", "host_memory_bytes", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,93 @@ def memory_limit(root: str | Path = "/", host_bytes: int | None = None) -> Memor
     if host is not None and value >= host:
         return None
     return MemoryLimit(value, source, str(path))
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """A container CPU quota (CFS bandwidth control).
+
+    Attributes:
+        cpus: quota / period, CPUs' worth of time per period (> 0; e.g. 1.5 for ``150000 100000``).
+        source: ``cgroup v2 cpu.max`` or ``cgroup v1 cpu.cfs_quota_us``.
+        path: the file that held it (under the root given to :func:`cpu_quota`).
+    """
+
+    cpus: float
+    source: str
+    path: str
+
+
+def _v2_cpu(d: Path) -> float | None:
+    text = _read(d / "cpu.max")
+    if not text:
+        return None
+    parts = text.split()
+    try:
+        quota, period = parts[0], (int(parts[1]) if len(parts) > 1 else 100_000)
+        return None if quota == "max" or period <= 0 or int(quota) <= 0 else int(quota) / period
+    except ValueError:
+        return None
+
+
+def _v1_cpu(d: Path) -> float | None:
+    quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+    try:
+        q, p = int(quota or ""), int(period or "")
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None  # -1: no quota
+
+
+def cpu_quota(root: str | Path = "/") -> CpuQuota | None:
+    """This process's container CPU quota (module docstring), or None when there is none.
+
+    Args:
+        root: the file-system root holding ``proc/self/cgroup`` and ``sys/fs/cgroup`` (``/``; tests
+            pass a fake tree).
+
+    Returns:
+        A :class:`CpuQuota` (cgroup v2 first, then v1; the smallest over the cgroup and its
+        ancestors), or None: no cgroup file readable, ``max`` / ``-1`` everywhere. Never raises on an
+        unreadable or odd file.
+    """
+    base = Path(root)
+    text = _read(base / "proc" / "self" / "cgroup")
+    if text is None:
+        return None
+    v2_path, v1_path = None, None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2_path = path
+        elif "cpu" in controllers.split(","):
+            v1_path = (path, controllers)
+    mount = base / "sys" / "fs" / "cgroup"
+    candidates: list[tuple[float, Path, str]] = []
+    if v2_path is not None:
+        for m in (mount, mount / "unified"):
+            for d in _levels(m, v2_path):
+                got = _v2_cpu(d)
+                if got is not None:
+                    candidates.append((got, d / "cpu.max", "cgroup v2 cpu.max"))
+    if v1_path is not None and not candidates:
+        path, controllers = v1_path
+        for name in dict.fromkeys([controllers, "cpu", "cpu,cpuacct", "cpuacct,cpu"]):
+            m = mount / name
+            if not m.is_dir():
+                continue
+            for d in _levels(m, path):
+                got = _v1_cpu(d)
+                if got is not None:
+                    candidates.append((got, d / "cpu.cfs_quota_us", "cgroup v1 cpu.cfs_quota_us"))
+            break
+    if not candidates:
+        return None
+    cpus, path, source = min(candidates, key=lambda c: c[0])
+    return CpuQuota(cpus, source, str(path))
 
 
 def format_bytes(n: float) -> str:
