@@ -15,6 +15,15 @@ included), counted by a forward pre-hook on the model for both sides. HellaSwag 
 Documents come from --data-dir, else $LLMEFF_DATA_DIR, else the hub (cais/mmlu, Rowan/hellaswag).
 Needs `pip install lm-eval`.
 
+Under load (``--hogs N``, e.g. 2): N busy-loop processes (``while True: pass``) run beside both sides in
+half of the rounds. Each round runs both conditions (quiet, then hogs; the order alternating between
+rounds) and in each both sides (their order alternating too). Each side's slowdown = median of its hog
+rounds' seconds / median of its quiet rounds'; printed with each round's load average (1 min) and the
+threads our side used. The run exits 1 unless our slowdown <= lm-eval's for every task (and, as
+always, when predictions differ); the speed targets below are not checked in this mode.
+
+    python bench/evals.py --tasks hellaswag --limit 1000 --vocabs 32000 --hogs 2 --rounds 3
+
 Targets (docs/evals.md, "Cross-check and speed"): HellaSwag 1.8x with the byte vocabulary (259) and
 2.5x with 32000; few-shot MMLU 3x at either. 0-shot MMLU and a --model have none (printed so).
 The script exits 1 naming every missed target (``target NOT met``), as when predictions differ;
@@ -57,6 +66,41 @@ def missed_targets(rows: list[tuple[str, int | None, int, float]], override: flo
         if target is not None and ratio < target:
             out.append(f"{label} vocab {vocab if vocab else 'model'}: {ratio:.2f}x < {target:g}x")
     return out
+
+
+def slowdowns(quiet: list[float], loaded: list[float]) -> float:
+    """A side's slowdown under load: median of its loaded rounds' seconds / median of its quiet rounds'."""
+    if not quiet or not loaded:
+        raise ValueError(f"rounds quiet={quiet} loaded={loaded}: both need at least one round")
+    return statistics.median(loaded) / statistics.median(quiet)
+
+
+def slower_than_theirs(rows: list[tuple[str, int | None, float, float]]) -> list[str]:
+    """``'<label> vocab <v>: ours <a>x > lm-eval <b>x'`` for each ``(label, vocab, our slowdown,
+    lm-eval's slowdown)`` where ours is the larger (the ``--hogs`` check)."""
+    return [f"{label} vocab {vocab if vocab else 'model'}: ours {a:.2f}x > lm-eval {b:.2f}x"
+            for label, vocab, a, b in rows if a > b]
+
+
+class Hogs:
+    """``n`` busy-loop processes (``python -c 'while True: pass'``), started and ended by their ids."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> "Hogs":
+        import subprocess
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        time.sleep(0.2)  # let them reach the loop
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.procs = []
 
 
 def _positions_counter(model):
@@ -109,6 +153,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds of both sides (order alternating); the median ratio is printed")
+    ap.add_argument("--hogs", type=int, default=0,
+                    help="busy-loop processes beside both sides in alternate rounds; checks slowdowns (docstring)")
     ap.add_argument("--target", type=float, default=None,
                     help="one median ratio in place of every target (default: the targets of the docstring)")
     args = ap.parse_args()
@@ -140,7 +186,7 @@ def main() -> None:
     if mmlu:
         groups.insert(0, ("mmlu" if len(mmlu) > 1 else mmlu[0], mmlu, args.num_fewshot))
     vocabs = [None] if args.model else [int(v) for v in args.vocabs.split(",")]
-    failed, rows = [], []
+    failed, rows, slow = [], [], []
     for vocab in vocabs:
         model, tok = _build(args, vocab)
         params = sum(p.numel() for p in model.parameters())
@@ -153,22 +199,40 @@ def main() -> None:
             evaluate(model, tok, tasks, **dict(kw, limit=2))  # warm-up (allocator, kernels)
             count, handle = _positions_counter(model)
             ours_s, theirs_s, pos, same = [], [], {}, True
+            loaded = {"ours": [], "harness": []}  # --hogs: seconds of the rounds with hogs
+            conditions = (0, args.hogs) if args.hogs else (0,)
             for r in range(args.rounds):  # interleaved, the order alternating: the machine's drift hits both
-                for side in (("harness", "ours") if r % 2 == 0 else ("ours", "harness")):
-                    count["n"], spent["s"] = 0, 0.0
-                    if side == "harness":
-                        theirs = run_harness(model, tok, tasks, **kw)
-                        theirs_s.append(spent["s"])
-                    else:
-                        ours = evaluate(model, tok, tasks, **kw)
-                        ours_s.append(ours.seconds)
-                    if args.device.startswith("cuda"):
-                        torch.cuda.synchronize()
-                    pos[side] = count["n"]
-                same = same and [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
-                if "hellaswag" in tasks:  # acc_norm's prediction too (the harness records whether it was right)
-                    same = same and [a["correct_norm"] for a in ours.examples] == [b["correct_norm"] for b in theirs.examples]
+                for hogs in (conditions if r % 2 == 0 else conditions[::-1]):
+                    with Hogs(hogs):
+                        load = os.getloadavg()[0]
+                        for side in (("harness", "ours") if r % 2 == 0 else ("ours", "harness")):
+                            count["n"], spent["s"] = 0, 0.0
+                            if side == "harness":
+                                theirs = run_harness(model, tok, tasks, **kw)
+                                (loaded["harness"] if hogs else theirs_s).append(spent["s"])
+                            else:
+                                ours = evaluate(model, tok, tasks, **kw)
+                                (loaded["ours"] if hogs else ours_s).append(ours.seconds)
+                            if args.device.startswith("cuda"):
+                                torch.cuda.synchronize()
+                            pos[side] = count["n"]
+                    if args.hogs:
+                        print(f"  round {r + 1} {'hogs ' + str(hogs) if hogs else 'quiet  '}: load {load:5.1f}  "
+                              f"ours {(loaded['ours'] if hogs else ours_s)[-1]:7.2f} s  "
+                              f"lm-eval {(loaded['harness'] if hogs else theirs_s)[-1]:7.2f} s  "
+                              f"threads {ours.config.get('llmeff.threads', '-')}", flush=True)
+                    same = same and [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
+                    if "hellaswag" in tasks:  # acc_norm's prediction too (the harness records whether it was right)
+                        same = same and ([a["correct_norm"] for a in ours.examples]
+                                         == [b["correct_norm"] for b in theirs.examples])
             handle.remove()
+            if args.hogs:
+                mine, theirs_x = slowdowns(ours_s, loaded["ours"]), slowdowns(theirs_s, loaded["harness"])
+                under = statistics.median(loaded["harness"]) / statistics.median(loaded["ours"])
+                print(f"{label}: slowdown under {args.hogs} hogs: ours {mine:.2f}x, lm-eval {theirs_x:.2f}x; "
+                      f"ratio quiet {statistics.median(theirs_s) / statistics.median(ours_s):.2f}x, "
+                      f"under hogs {under:.2f}x; same preds {same}")
+                slow.append((label, vocab, mine, theirs_x))
             n = len(ours.examples)
             ratios = sorted(t / o for t, o in zip(theirs_s, ours_s))
             a, b = n / statistics.median(ours_s), n / statistics.median(theirs_s)
@@ -180,8 +244,14 @@ def main() -> None:
             rows.append((label, vocab, shots, statistics.median(ratios)))
             if not same:
                 failed.append((vocab, label))
-    missed = missed_targets(rows, args.target)
-    if missed:
+    missed = missed_targets(rows, args.target) if not args.hogs else slower_than_theirs(slow)
+    if args.hogs:
+        print(f"load average now: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        if missed:
+            print(f"slowdown NOT within lm-eval's: {'; '.join(missed)}", file=sys.stderr)
+        else:
+            print("our slowdown <= lm-eval's for every task")
+    elif missed:
         print(f"target NOT met: {'; '.join(missed)}", file=sys.stderr)
     else:
         print("targets met" if any(target_for(*r[:3], args.target) is not None for r in rows) else "no target applies")

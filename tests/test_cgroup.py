@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlflow_llmeff.meters.cgroup import MemoryLimit, format_bytes, memory_limit
+from mlflow_llmeff.meters.cgroup import CpuQuota, MemoryLimit, cpu_quota, format_bytes, memory_limit
 
 GIB, TIB = 2**30, 2**40
 HOST = 1536 * GIB  # a 1.5 TiB host
@@ -84,3 +84,42 @@ def test_a_hybrid_hosts_unified_v2_mount_is_read_too(tmp_path):
     root = tree(tmp_path, "0::/job\n", {"unified/job/memory.max": str(12 * GIB)})
     got = memory_limit(root, HOST)
     assert (got.bytes, got.source) == (12 * GIB, "cgroup v2 memory.max")
+
+
+# ---- the CPU quota (cpu_quota): what the eval's thread count is bounded by
+
+
+@pytest.mark.parametrize("text, cpus", [("150000 100000", 1.5), ("200000 100000", 2.0), ("50000 100000", 0.5),
+                                        ("100000", 1.0)])  # no period: the kernel's default 100000 us
+def test_cgroup_v2_cpu_max_is_quota_over_period(tmp_path, text, cpus):
+    root = tree(tmp_path, "0::/kubepods/pod1/ctr\n", {"kubepods/pod1/ctr/cpu.max": text,
+                                                       "kubepods/pod1/cpu.max": "max 100000"})
+    assert cpu_quota(root) == CpuQuota(cpus, "cgroup v2 cpu.max", str(root / "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max"))
+
+
+def test_a_parents_smaller_cpu_quota_bounds_the_child(tmp_path):
+    root = tree(tmp_path, "0::/job/ctr\n", {"job/ctr/cpu.max": "max 100000", "job/cpu.max": "300000 100000"})
+    assert cpu_quota(root).cpus == 3.0
+
+
+@pytest.mark.parametrize("controllers", ["cpu,cpuacct", "cpu"])
+def test_cgroup_v1_cfs_quota_over_period(tmp_path, controllers):
+    root = tree(tmp_path, f"4:memory:/d\n2:{controllers}:/docker/abc\n",
+                {f"{controllers}/docker/abc/cpu.cfs_quota_us": "250000",
+                 f"{controllers}/docker/abc/cpu.cfs_period_us": "100000"})
+    got = cpu_quota(root)
+    assert (got.cpus, got.source) == (2.5, "cgroup v1 cpu.cfs_quota_us")
+
+
+@pytest.mark.parametrize("cgroup, files", [
+    ("0::/ctr\n", {"ctr/cpu.max": "max 100000", "cpu.max": "max 100000"}),          # v2: no quota
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}),  # v1: no quota (this machine)
+    ("0::/ctr\n", {"ctr/cpu.max": "garbage"}),
+    ("0::/ctr\n", {}),
+])
+def test_no_cpu_quota_is_none(tmp_path, cgroup, files):
+    assert cpu_quota(tree(tmp_path, cgroup, files)) is None
+
+
+def test_no_proc_file_is_no_cpu_quota(tmp_path):
+    assert cpu_quota(tmp_path) is None
