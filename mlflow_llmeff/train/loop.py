@@ -353,6 +353,7 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
     now = {"step": start_step + 1}
     oom = faults.oom_hook(t.model, lambda: now["step"])
     skip_bad = cfg.nan_policy == "skip_step"
+    shown = [None]  # the monitor's latest point on the progress bar
     t.model.train()
     for step in range(start_step + 1, cfg.max_steps + 1):
         now["step"] = step
@@ -369,7 +370,8 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
             for i, batch in enumerate(micro):
                 loss, bad = _micro_step(cfg, t, batch, step, skip_bad, bad_step, shares[i])
                 bad_step = bad_step or bad
-                part = loss * shares[i] * dp_scale  # this micro-batch's summed loss / the step's loss tokens
+                # this micro-batch's summed loss / the step's loss tokens (a float share: its loss read as a number)
+                part = (loss.item() if isinstance(shares[i], float) else loss) * shares[i] * dp_scale
                 step_loss = part if step_loss is None else step_loss + part
                 last = i == cfg.grad_accum - 1
                 monitor.count(batch, loss=step_loss if last and not bad_step else None)
@@ -406,7 +408,7 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
                 oom.remove()
             bar.close()
             return stopped
-        _progress(bar, monitor)
+        _progress(bar, monitor, shown)
         _inject_faults(step, monitor)
         if stop:
             if t.accelerator.is_main_process:
@@ -444,6 +446,11 @@ def _loss_tokens(batch):
     return torch.tensor(ids.shape[0] * (ids.shape[-1] - 1), device=ids.device)
 
 
+def _on_host(batch) -> bool:
+    """True when every tensor of the micro-batch is a CPU tensor (reading a count from it syncs nothing)."""
+    return all(getattr(v, "is_cpu", False) for v in batch.values())
+
+
 def loss_shares(micro: list, world: int, dp: int):
     """Each micro-batch's share of the optimizer step's loss-bearing tokens, counted over all its micro-batches
     and data-parallel ranks, so the step's loss is token-weighted: the summed loss over every loss-bearing
@@ -457,7 +464,8 @@ def loss_shares(micro: list, world: int, dp: int):
             same micro-batches and count them ``world / dp`` times, divided out here).
 
     Returns:
-        ``(shares, dp)``: one 0-d tensor per micro-batch, ``n_i / N`` (``N``: the step's loss-bearing tokens
+        ``(shares, dp)``: one 0-d float64 tensor per micro-batch (a Python float where the micro-batches are
+        on the CPU and ``dp`` is 1: the same value, without a dozen tiny tensor operations a step), ``n_i / N`` (``N``: the step's loss-bearing tokens
         over every micro-batch and data-parallel rank, at least 1), and ``dp``. A micro-batch's mean loss x
         ``n_i / N`` x ``dp`` summed over this rank's micro-batches is the step loss this rank reports: its
         mean over ranks is the token-weighted loss of the step. With more than one data-parallel rank ``N`` is
@@ -465,6 +473,10 @@ def loss_shares(micro: list, world: int, dp: int):
     """
     import torch
 
+    if dp == 1 and all(_on_host(b) for b in micro):  # CPU tensors: the counts are read, no device to keep busy
+        n_host = [int(_loss_tokens(b)) for b in micro]
+        total_host = max(sum(n_host), 1)
+        return [x / total_host for x in n_host], dp  # the float64 quotients the tensors would hold
     n = torch.stack([_loss_tokens(b).to(torch.float64) for b in micro])  # (grad_accum,)
     total = n.sum()
     if dp > 1:  # (dp = 1: the ranks are tensor-parallel copies holding the same micro-batches)
@@ -489,6 +501,7 @@ def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_befor
     one device sync and a flag reduced over ranks, only when ``skip_bad``). At the boundary, a
     step with a bad micro-batch (``bad`` or ``bad_before``) drops its gradients instead of stepping.
     """
+    import numpy
     import torch
 
     with t.accelerator.accumulate(t.model):
@@ -496,7 +509,11 @@ def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_befor
         loss = out.loss.detach()
         bad = skip_bad and _not_finite(loss, t.world)
         scaled = out.loss
-        if share is not None:
+        if isinstance(share, float) and share > 0:  # (CPU, one data-parallel rank): the weight as a number
+            weight = float(numpy.float32(share * (cfg.grad_accum * t.dp_world)))  # as .to(float32) rounds it
+            scaled = out.loss if weight == 1.0 else out.loss * weight  # x 1.0 would change no bit of a gradient
+        elif share is not None:
+            share = torch.as_tensor(share, dtype=torch.float64)  # a float 0: the NaN mean is masked below
             weight = (share * (cfg.grad_accum * t.dp_world)).to(out.loss.dtype)
             scaled = torch.where(share > 0, out.loss, torch.zeros_like(out.loss)) * weight
             loss = torch.where(share > 0, loss, torch.zeros_like(loss))
@@ -506,10 +523,24 @@ def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_befor
             t.optimizer.zero_grad(set_to_none=True)  # skip: these gradients come from a non-finite loss
         else:
             if t.accelerator.sync_gradients and cfg.max_grad_norm > 0 and not t.parallel.clips_in_engine:
-                t.accelerator.clip_grad_norm_(t.model.parameters(), cfg.max_grad_norm)
+                _clip_gradients(t, cfg.max_grad_norm)
             t.optimizer.step()  # Accelerate's optimizer wrapper steps at the accumulation boundary only
             t.optimizer.zero_grad(set_to_none=True)
     return loss, bad
+
+
+def _clip_gradients(t, max_norm: float) -> None:
+    """Clip the gradients' global 2-norm to ``max_norm``: single and DDP without a gradient scaler through
+    torch's multi-tensor path (``foreach=True``: one call for every gradient, where Accelerate's
+    ``clip_grad_norm_`` lets torch loop over them in Python on a CPU: 0.75 ms -> 0.17 ms a step for llama-tiny
+    on a 2-core CPU; the same per-tensor norms, so the same total); every other strategy through Accelerate,
+    which unscales fp16 gradients and reduces sharded (DTensor, FSDP) norms."""
+    import torch
+
+    if t.strategy in ("single", "ddp") and getattr(t.accelerator, "scaler", None) is None:
+        torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_norm, foreach=True)
+    else:
+        t.accelerator.clip_grad_norm_(t.model.parameters(), max_norm)
 
 
 def _not_finite(loss, world: int) -> bool:
@@ -556,11 +587,15 @@ def _evaluate(cfg: TrainConfig, t, monitor, step: int) -> None:
     monitor.log_eval(values, step)
 
 
-def _progress(bar, monitor) -> None:
+def _progress(bar, monitor, shown: list) -> None:
+    """Advance the bar one step; its loss and tokens/s change only at a logged step (``shown[0]``: the latest
+    point already on the bar), so they are formatted then, not at every step."""
     latest = monitor.latest_metrics
-    loss, tps = latest.get(names.TRAIN_LOSS), latest.get(names.TPUT_TOKENS)
-    if loss is not None:
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}" if tps else "warm-up", refresh=False)
+    if latest is not shown[0]:
+        shown[0] = latest
+        loss, tps = latest.get(names.TRAIN_LOSS), latest.get(names.TPUT_TOKENS)
+        if loss is not None:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}" if tps else "warm-up", refresh=False)
     bar.update(1)
 
 
