@@ -164,3 +164,17 @@ def test_the_plans_history_is_read_within_the_wait_and_says_why_it_has_none(clos
     assert basis.startswith(f"no tracking server reachable (the tracking server {closed_port} did not answer a "
                             "search_experiments request")
     assert reader.down is not None and history_power_w(reader, "CPU") is None  # no second wait: it is known down
+
+
+def test_llmeff_evals_run_check_tells_a_missing_run_from_a_server_that_does_not_answer(sqlite_uri, closed_port,
+                                                                                     monkeypatch):
+    from mlflow_llmeff.evals.api import check_run
+
+    run_id = mlflow.MlflowClient().create_run("0").info.run_id
+    assert check_run(run_id) is True
+    with pytest.raises(ValueError, match=r"^--run-id 'f{32}': no such run in the tracking store 'sqlite:"):
+        check_run("f" * 32)
+    monkeypatch.setenv("LLMEFF_DELIVERY_WAIT_S", str(WAIT_S))
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    mlflow.set_tracking_uri(closed_port)
+    assert check_run(run_id) is False  # no answer is not "no such run": the scores wait in the outbox
