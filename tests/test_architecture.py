@@ -296,7 +296,7 @@ def test_only_tracking_and_the_entry_points_talk_to_mlflow():
     assert "import mlflow" in "".join(sources[m] for m in server_apps()).replace("from mlflow", "import mlflow")
 
 
-@pytest.mark.parametrize("module", ["tracking.plans", "tracking.runs", "tracking.logger", "cli", "autologging",
+@pytest.mark.parametrize("module", ["train.launch", "tracking.runs", "tracking.logger", "cli", "autologging",
                                     "train.study"])
 def test_an_injected_client_write_outside_the_writer_and_the_worker_fails(module):
     """One door to MLflow (issue 52): ``MlflowClient().set_tag`` (or a fluent ``mlflow.log_metrics``) added to

@@ -226,7 +226,7 @@ def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypat
     from mlflow_llmeff.monitor import binding
     from mlflow_llmeff.tracking.outbox import name_run
     from mlflow_llmeff.planning.spec import Machine, resolve
-    from mlflow_llmeff.tracking.plans import log_plan
+    from mlflow_llmeff.train.launch import log_plan
     from mlflow_llmeff.train.config import TrainConfig
     from mlflow_llmeff.train.launch import plan_tags
 

@@ -385,7 +385,7 @@ def dry_run(run: TrainConfig | RunSpec, *, accelerator_short: str | None = None,
     ``assumed`` (``<input>: <what was taken and why>``), beside ``device_hour_usd`` and its
     ``device_hour_usd_source``. Under ``mlflow run`` the plan is logged to the run as ``plan/*``
     metrics and the tags ``llmeff.dry_run=true``, ``llmeff.plan.fit`` and ``llmeff.assumed``
-    (:func:`mlflow_llmeff.tracking.plans.log_plan`).
+    (:func:`log_plan`).
 
     Raises:
         ValueError: bad settings, or an accelerator the tables do not know (one line).
@@ -449,10 +449,39 @@ def dry_run(run: TrainConfig | RunSpec, *, accelerator_short: str | None = None,
     print(_json.dumps({**plan, "fit": line}, indent=1) if as_json else format_plan(plan) + "\n" + line)
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if run_id:
-        from mlflow_llmeff.tracking.plans import log_plan
-
         log_plan(run_id, plan_tags(spec), plan, line, eval_tasks=cfg.eval_tasks)
     return 0
+
+
+def log_plan(run_id: str, tags: dict[str, str], plan: dict, fit_line: str, *, eval_tasks: str = "", client=None) -> None:
+    """Write ``plan`` onto run ``run_id`` through the one door (:class:`~mlflow_llmeff.tracking.writer.RunWriter`:
+    key checks, masking, one batch, at most the delivery wait ``LLMEFF_DELIVERY_WAIT_S``, else the outbox;
+    never raises): ``llmeff.dry_run=true``, the condition ``tags``, the name ``plan-<stem>`` (the stem
+    ``llmeff train`` gives the configuration, :mod:`mlflow_llmeff.tracking.naming`), ``llmeff.assumed`` when
+    the plan took something for the user (an alias, auto precision there, a list price: ``<input>: <value>
+    (<why>)`` joined by ``; ``), ``llmeff.plan.fit`` (``fit_line``) and every number of the plan as ``plan/<field>``.
+
+    Args:
+        run_id: the launcher's run.
+        tags: the plan's condition tags (model, accelerator, count, strategy, precision, sequence
+            length, global batch).
+        plan: :func:`mlflow_llmeff.planning.plan.make_plan`'s dict with predictions and ``assumed``.
+        fit_line: the fit verdict's line.
+        eval_tasks: the run's eval tasks (a part of the name).
+        client: an ``MlflowClient`` (default: one for the current tracking URI).
+    """
+    from mlflow_llmeff import names
+    from mlflow_llmeff.tracking.naming import parts_from_tags, study_name
+    from mlflow_llmeff.tracking.writer import RunWriter
+
+    tags = dict(tags)
+    name = "plan-" + study_name(parts_from_tags(tags, eval_tasks))
+    if plan.get("assumed"):
+        tags[names.ASSUMED] = "; ".join(f"{k}: {v}" for k, v in plan["assumed"].items())
+    writer = RunWriter.attach(run_id, client=client)
+    writer.set_tags({names.DRY_RUN: "true", "mlflow.runName": name, **tags, names.PLAN_FIT: fit_line}, synchronous=False)
+    writer.log_metrics({f"plan/{k}": float(v) for k, v in plan.items() if isinstance(v, (int, float))}, step=0)
+    writer.end(None)
 
 
 def plan_tags(spec: RunSpec) -> dict[str, str]:
