@@ -17,8 +17,11 @@ import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 
 STATE_FILE = "llmeff_state.json"
+#: Called on every rank with ``(path, step)`` once a checkpoint is complete (:func:`on_saved`).
+_SAVED: list = []
 _DIR_RE = re.compile(r"^step_(\d{8})$")
 PARTIAL = ".partial"  # suffix of a checkpoint folder still being written
 
@@ -225,3 +228,16 @@ def save(accelerator, cfg, step: int, monitor, extra: dict, strategy=None, model
             _fsync_dir(cfg.checkpoint_dir)
             prune(cfg.checkpoint_dir, cfg.checkpoint_keep)
         accelerator.wait_for_everyone()
+        for fn in list(_SAVED):  # e.g. Ray Train's report of it (train/ray.py): the checkpoint's time too
+            fn(final, step)
+
+
+@contextmanager
+def on_saved(fn):
+    """While inside, call ``fn(path, step)`` on every rank after each complete checkpoint :func:`save` writes
+    (``llmeff train`` under Ray Train reports it to Ray: :mod:`mlflow_llmeff.train.ray`)."""
+    _SAVED.append(fn)
+    try:
+        yield
+    finally:
+        _SAVED.remove(fn)
