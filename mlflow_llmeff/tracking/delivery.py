@@ -183,9 +183,15 @@ def call(fn, what: str, *, uri: str | None = None, wait_s: float | None = None):
             raise
         from mlflow_llmeff.names import shorten
 
-        first = shorten((str(getattr(e, "message", None) or e).strip().splitlines() or [""])[0], 200)
-        raise Unreachable(f"the tracking server {server} did not answer {what} ({type(e).__name__}: {first}; "
-                          f"each call waits at most {wait:g} s, {WAIT_ENV})") from None
+        text = str(getattr(e, "message", None) or e).strip()
+        if "Connection refused" in text or isinstance(e, ConnectionRefusedError):
+            first = "connection refused"  # MLflow's message is a page of urllib3's retry text
+        elif "Max retries exceeded" in text:
+            first = "no answer after MLflow's retries"
+        else:
+            first = f"{type(e).__name__}: {shorten((text.splitlines() or [''])[0], 200)}"
+        raise Unreachable(f"the tracking server {server} did not answer {what} ({first}; each call waits at "
+                          f"most {wait:g} s, {WAIT_ENV})") from None
 
 
 def bounded_reads(client):
