@@ -634,3 +634,29 @@ def test_an_mfu_above_one_against_the_measured_peak_is_warned_about_and_tagged(t
     assert s[names.SUM_MFU_MEASURED_PEAK] > 1  # logged as measured, never clipped
     tag = mlflow.MlflowClient().get_run(mon.run_id).data.tags[names.MFU_WARNING]
     assert tag.startswith("summary/mfu_measured_peak (llmeff peak --refresh measures the peak again): utilization")
+
+
+def test_the_process_tree_is_read_from_its_children_files_as_psutil_finds_it():
+    import subprocess
+    import time
+
+    import psutil
+
+    from mlflow_llmeff.meters import contention as ct
+
+    kids = [subprocess.Popen(["sleep", "30"]), subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30"])]
+    try:
+        for _ in range(50):  # bash has started its two sleeps
+            if len(psutil.Process(kids[1].pid).children()) == 2:
+                break
+            time.sleep(0.05)
+        me = psutil.Process()
+        expected = sorted([me.pid] + [p.pid for p in me.children(recursive=True)])
+        assert ct._descendants(me.pid) is not None  # Linux: /proc/<pid>/task/<tid>/children
+        assert sorted(p.pid for p in ct.own_tree()) == expected and len(expected) >= 5
+    finally:
+        for k in kids:
+            for c in psutil.Process(k.pid).children(recursive=True):
+                c.kill()
+            k.kill()
+            k.wait()
