@@ -1,6 +1,8 @@
-"""Ray Train for real (CPU, 2 workers, gloo): ``mlflow_llmeff.autolog()`` inside ``train_loop_per_worker``
-gives one MLflow run per Ray Train run, and a worker killed mid-run under ``FailureConfig(max_failures=1)``
-continues that run as a second attempt from Ray's checkpoint (autologging/ray.py). One local Ray
+"""Ray Train for real (CPU, gloo): ``mlflow_llmeff.autolog()`` inside ``train_loop_per_worker`` gives one
+MLflow run per Ray Train run (2 workers, and 1 worker, where Ray never destroys the process group), and a
+worker killed mid-run under ``FailureConfig(max_failures=1)`` continues that run as a second attempt from
+Ray's checkpoint (autologging/ray.py); ``llmeff train`` as the worker function (train/ray.py) gives the
+entrypoint's run from Ray, and a restart before its first checkpoint continues that run. One local Ray
 (``ray.init(num_cpus=2)``) for the module: starting it costs about 15 s here."""
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ def train_loop(config):
     mlflow_llmeff.autolog(log_every_n_steps=1, warmup_steps=0, measure_energy="none")
     torch.manual_seed(0)
     model = ray.train.torch.prepare_model(Tiny())
+    inner = getattr(model, "module", model)  # one worker: prepare_model wraps no DDP
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = ray.train.get_context().get_world_rank()
     ckpt, start = ray.train.get_checkpoint(), 0
     if ckpt is not None:
         with ckpt.as_directory() as folder:
             saved = torch.load(os.path.join(folder, "model.pt"))
-        model.module.load_state_dict(saved["model"])
+        inner.load_state_dict(saved["model"])
         start = saved["step"]
     for step in range(start, config["steps"]):
         if config["kill"] and ckpt is None and step == 3 and rank == 1:
@@ -65,7 +68,7 @@ def train_loop(config):
         if step == 1:
             with tempfile.TemporaryDirectory() as folder:
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "step": step + 1}, os.path.join(folder, "model.pt"))
+                    torch.save({"model": inner.state_dict(), "step": step + 1}, os.path.join(folder, "model.pt"))
                 ray.train.report({"step": step + 1},
                                  checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None)
 
@@ -87,14 +90,19 @@ def cluster(module_store, tmp_path_factory):
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def fit(storage, name: str, steps: int, kill: bool, max_failures: int = 0):
+def fit(storage, name: str, steps: int, kill: bool, max_failures: int = 0, workers: int = 2):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     TorchTrainer(train_loop, train_loop_config={"steps": steps, "kill": kill},
-                 scaling_config=ScalingConfig(num_workers=2),
+                 scaling_config=ScalingConfig(num_workers=workers),
                  run_config=RunConfig(name=name, storage_path=str(storage),
                                       failure_config=FailureConfig(max_failures=max_failures))).fit()
+    return runs_named(name)
+
+
+def runs_named(name: str):
+    """The MLflow runs of the Ray Train run ``name`` (``llmeff.scheduler.job_id``: Ray's run name)."""
     return mlflow.search_runs(search_all_experiments=True, output_format="list",
                               filter_string=f"tags.`{names.SCHEDULER_JOB_ID}` = '{name}'")
 
@@ -122,3 +130,102 @@ def test_a_worker_killed_mid_run_continues_the_same_run_as_a_second_attempt_with
     assert m["summary/badput_lost_progress_s"] > 0  # its step 3, after the checkpoint, is redone
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, names.TRAIN_TOKENS)
     assert max(p.value for p in history if p.step == 6) == 204
+
+
+def test_one_ray_worker_with_autolog_ends_its_run_when_the_worker_function_returns(cluster):
+    # one worker: Ray never calls destroy_process_group, and kills the worker's process (no atexit)
+    runs = fit(cluster, "one-worker", steps=3, kill=False, workers=1)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.end_time is not None
+    assert run.data.metrics[names.SUM_TOKENS] == run.data.metrics[names.TRAIN_TOKENS] == 3 * 2 * 8 == 48
+    assert run.data.tags[names.SCHEDULER_WORLD_SIZE] == "1"
+
+
+# ---------------------------------------------------------------- llmeff train as Ray Train's worker function
+def tiny(**kw):
+    """llama-tiny on synthetic blocks: 2 sequences of 32 tokens a step on each worker."""
+    from mlflow_llmeff.train.config import TrainConfig
+
+    return TrainConfig(model="llama-tiny", dataset="synthetic", seq_len=32, micro_batch_size=2, log_every_n_steps=1,
+                       warmup_steps=1, measure_energy="none", **kw)
+
+
+def test_llmeff_train_as_the_worker_function_of_two_ray_workers_gives_the_entrypoints_run(cluster):
+    from ray.train import RunConfig, ScalingConfig
+
+    from mlflow_llmeff.train.ray import trainer
+
+    result = trainer(tiny(max_steps=4, checkpoint_every=2), ScalingConfig(num_workers=2),
+                     RunConfig(name="llmeff-train", storage_path=str(cluster))).fit()
+    runs = runs_named("llmeff-train")
+    assert len(runs) == 1
+    run = runs[0]
+    m, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED"
+    assert m[names.TRAIN_TOKENS] == m[names.SUM_TOKENS] == 4 * 2 * 2 * 32 == 512  # steps x workers x rows x tokens
+    assert m[names.SUM_STEPS] == 4
+    assert {k: tags.get(k) for k in (names.SCHEDULER_NAME, names.SCHEDULER_WORLD_SIZE, names.PAR_STRATEGY)} \
+        == {names.SCHEDULER_NAME: "ray", names.SCHEDULER_WORLD_SIZE: "2", names.PAR_STRATEGY: "ddp"}
+    assert run.data.params["num_processes"] == "2"
+    # llmeff train's checkpoints are Ray's: the last one reported, in Ray's run folder, not copied
+    assert result.checkpoint.path == str(cluster / "llmeff-train" / "llmeff" / "step_00000004")
+
+
+def killed_once(config):
+    """:func:`mlflow_llmeff.train.ray.train_loop_per_worker`, whose first attempt is SIGKILLed after step
+    ``config["kill_at"]`` (train/faults.py), before its first checkpoint."""
+    from mlflow_llmeff.train.faults import ENV
+    from mlflow_llmeff.train.ray import train_loop_per_worker
+
+    marker = config.pop("marker")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.environ[ENV["kill_at_step"]] = str(config.pop("kill_at"))
+    else:
+        os.environ.pop(ENV["kill_at_step"], None)
+    train_loop_per_worker(config)
+
+
+def test_a_restart_before_the_first_checkpoint_continues_the_same_run(cluster):
+    import dataclasses
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(killed_once, train_loop_config={"settings": dataclasses.asdict(tiny(max_steps=3)),
+                                                 "marker": str(cluster / "killed-once"), "kill_at": 2},
+                 scaling_config=ScalingConfig(num_workers=1),
+                 run_config=RunConfig(name="restart-early", storage_path=str(cluster),
+                                      failure_config=FailureConfig(max_failures=1))).fit()
+    runs = runs_named("restart-early")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics[names.SUM_ATTEMPTS] == 2 and run.data.tags[names.RESUME_ATTEMPTS] == "2"
+    assert run.data.metrics[names.SUM_STEPS] == 3
+
+
+def test_one_workers_run_ends_when_the_thread_running_its_function_ends_and_two_workers_are_left_to_ray():
+    import threading
+
+    from mlflow_llmeff.autologging.ray import finish_when_returned
+
+    ended, started, go = [], [], threading.Event()
+
+    def worker_function():  # Ray runs train_loop_per_worker in a thread of its own
+        started.append(finish_when_returned(ended.append, world_size=1))
+        go.wait(5)
+        assert ended == []  # not before it returns
+
+    t = threading.Thread(target=worker_function)
+    t.start()
+    go.set()
+    t.join()
+    for _ in range(500):
+        if ended:
+            break
+        threading.Event().wait(0.01)
+    assert started == [True] and ended == ["FINISHED"]  # outside Ray V2's runner no error is known
+    assert finish_when_returned(ended.append, world_size=2) is False  # Ray's destroy_process_group ends it
+    assert finish_when_returned(ended.append, world_size=1) is False  # a main thread is no Ray worker's

@@ -240,6 +240,9 @@ class _Session:
         if resumed.get("resume_state") and self.monitor.is_main:  # the gap since the killed attempt
             self.monitor.continue_job(down_s=ray_train.down_s(resumed["resume_state"], resumed.get("heartbeat_path"),
                                                               resumed["run_id"], self.created_unix))
+        if resumed:  # a Ray Train worker: one alone is never given destroy_process_group, so its run ends here
+            ray_train.finish_when_returned(lambda status: self.finish(collective=True, status=status),
+                                           self.monitor.world_size)
         if getattr(self, "late", False):
             self.late = False
             msg = ("autolog() was enabled after the optimizer was built: counting started at the first forward "

@@ -19,6 +19,9 @@ at window edges, and Ray's ``destroy_process_group`` at the worker group's shutd
   (the attempt's start: its set-up until the first step is ``init``, as for ``llmeff train``). The
   steps the killed attempt ran after its checkpoint are lost progress, as for ``llmeff train``.
 * without a checkpoint a restart starts a new run (nothing tells it the run to continue).
+* **one worker ends its run too.** Ray makes a process group of one but destroys it only for two or
+  more workers, and then kills the worker's process (no exit hook runs): the run would stay RUNNING.
+  With one worker the run ends when ``train_loop_per_worker`` returns (:func:`finish_when_returned`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import json
 import logging
 import os
 import sys
+import threading
 from typing import Any, Callable
 
-__all__ = ["STATE_FILE", "HEARTBEAT_FILE", "in_worker", "resume_kwargs", "down_s", "patch_report"]
+__all__ = ["STATE_FILE", "HEARTBEAT_FILE", "in_worker", "resume_kwargs", "down_s", "patch_report",
+           "finish_when_returned"]
 
 log = logging.getLogger("mlflow_llmeff.autologging")
 
@@ -136,3 +141,38 @@ def patch_report(integration: str, active_monitor: Callable[[], Any]) -> None:
         return _report_with_state(active_monitor, original, *args, **kwargs)
 
     safe_patch(integration, sys.modules["ray.train"], "report", patched)
+
+
+def _worker_function_failed() -> bool:
+    """True when this worker's ``train_loop_per_worker`` raised: Ray Train V2 keeps the error in the worker's
+    thread runner (``ray.train.v2._internal``: an internal module, read fail-soft; False when unknown)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().execution_context.training_thread_runner.get_error() is not None
+    except Exception:  # noqa: BLE001 - another Ray: the status is FINISHED
+        return False
+
+
+def finish_when_returned(finish: Callable[[str], None], world_size: int) -> bool:
+    """A Ray Train run of one worker (``world_size`` 1): call ``finish(status)`` when the thread that runs
+    ``train_loop_per_worker`` (this one: Ray runs the function in a thread of its own) ends, ``FAILED`` when
+    it raised, else ``FINISHED``. Returns whether it will (not for 2 or more workers, where Ray's
+    ``destroy_process_group`` ends the run, nor in a process's main thread).
+
+    Ray's controller sees the thread end at its next poll (every 2 s by default) and kills the worker's
+    process 5 s after asking it to stop at the latest, so the run is ended before that (tens of ms here).
+    """
+    thread = threading.current_thread()
+    if world_size != 1 or thread is threading.main_thread():
+        return False
+
+    def wait() -> None:
+        thread.join()
+        try:
+            finish("FAILED" if _worker_function_failed() else "FINISHED")
+        except Exception as e:  # noqa: BLE001 - ending a run never raises into Ray
+            log.warning("mlflow_llmeff: the run of this Ray Train worker was not ended: %s: %s", type(e).__name__, e)
+
+    threading.Thread(target=wait, name="mlflow_llmeff-ray-end", daemon=True).start()
+    return True
