@@ -407,3 +407,38 @@ def test_a_real_study_of_three_seeds_to_a_target_is_scored_as_mlperf_does_with_c
         assert "[lowest, highest]" not in line
     else:
         assert f"time from training start invalid: {3 - reached} of 3 not reached" in line
+
+
+def test_a_child_the_server_does_not_create_stops_the_study_in_one_line_and_waits_in_the_outbox(tmp_path, monkeypatch):
+    """Issue 52: a child run whose creation the tracking server does not answer (a closed port) is not trained;
+    the runner says so in one line naming the server, the bound and the outbox file that keeps the child
+    (created, with its study tags, then KILLED)."""
+    import os
+    import socket
+
+    from mlflow_llmeff.tracking import delivery, outbox
+    from mlflow_llmeff.train.study import TrainRunner
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    uri = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there
+    monkeypatch.setenv("LLMEFF_DELIVERY_WAIT_S", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("LLMEFF_OUTBOX_DIR", str(tmp_path))
+    trained = []
+    runner = TrainRunner(mlflow.MlflowClient(uri), "7", launch=lambda run, *, started_unix: trained.append(run))
+    [child] = schedule([TrainConfig()], 1)
+    tags = {PARENT_TAG: "p1", names.STUDY_CONFIG: "1", names.STUDY_REPEAT: "1"}
+    with pytest.raises(delivery.Unreachable) as e:
+        runner(child, tags)
+    assert trained == []
+    line = str(e.value)
+    assert line.startswith(f"the tracking server {uri} did not answer creating the run (connection refused; each call "
+                           "waits at most 2 s, LLMEFF_DELIVERY_WAIT_S); configuration 1 repeat 1 was not trained: "
+                           f"its run waits in {tmp_path}/local-") and "\n" not in line
+    [kept] = [f for f in os.listdir(tmp_path) if f.endswith(".jsonl")]
+    _, records = outbox.read_outbox(str(tmp_path / kept))
+    create = records[0]["create"]
+    assert (create["experiment_id"], create["run_name"]) == ("7", "study-config1-repeat1")
+    assert {k: create["tags"][k] for k in tags} == tags and records[-1]["end"][0] == "KILLED"
