@@ -638,3 +638,33 @@ def test_an_autolog_run_whose_server_stops_answering_ends_within_the_wait_and_sy
     assert history(run, names.TRAIN_TOKENS) == [(s, 8.0 * s) for s in range(2, 13, 2)]  # every point once
     assert run.data.metrics[names.SUM_STEPS] == 12.0 and names.SUM_WALL_S in run.data.metrics
     assert "efficiency_report.json" in {f.path for f in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+
+
+def test_bounded_reads_wait_once_for_a_server_that_does_not_answer_then_fail_at_once():
+    """``delivery.BoundedReads`` (``llmeff compare``'s and the study's reads): a read that gets no answer within
+    the wait raises ``Unreachable`` naming the server and the bound; the next read is not even tried."""
+    import threading
+
+    from mlflow_llmeff.tracking import delivery
+
+    never, calls = threading.Event(), []
+
+    class Silent:  # a client whose every read hangs, as against a server that accepts and never answers
+        tracking_uri = "http://user:pw@tracking.example:5000"
+
+        def search_runs(self, *args):
+            calls.append(args)
+            never.wait(30)
+
+    reads = delivery.bounded_reads(Silent())
+    assert isinstance(reads, delivery.BoundedReads) and reads.wait_s is None
+    reads.wait_s = 0.2
+    with pytest.raises(delivery.Unreachable, match=r"^the tracking server http://tracking.example:5000 did not "
+                                                   r"answer a search_runs request within 0.2 s \(LLMEFF_DELIVERY_WAIT_S\)$"):
+        reads.search_runs(["0"])
+    with pytest.raises(delivery.Unreachable):
+        reads.search_runs(["1"])
+    assert calls == [(["0"],)]  # the second read was never sent
+    never.set()
+    local = type("Local", (), {"tracking_uri": "sqlite:///x.db"})()
+    assert delivery.bounded_reads(local) is local  # a local store is read directly
