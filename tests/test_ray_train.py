@@ -229,3 +229,61 @@ def test_one_workers_run_ends_when_the_thread_running_its_function_ends_and_two_
     assert started == [True] and ended == ["FINISHED"]  # outside Ray V2's runner no error is known
     assert finish_when_returned(ended.append, world_size=2) is False  # Ray's destroy_process_group ends it
     assert finish_when_returned(ended.append, world_size=1) is False  # a main thread is no Ray worker's
+
+
+# ---------------------------------------------------------------- train/ray.py's layout and restore, by hand
+@pytest.mark.parametrize("world, local, node, expected", [
+    (2, 2, 0, (2, 1, 0, "")),  # one node: no machine address needed
+    (4, 2, 1, (2, 2, 1, "10.0.0.1")),  # two nodes of two: node rank 1, machine 0's address from Ray
+    (3, 2, 1, (3, 1, 0, "")),  # placed unevenly: one node of 3 (the product Accelerate checks)
+])
+def test_a_worker_takes_rays_layout(world, local, node, expected):
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.ray import settings_for_worker
+
+    cfg = settings_for_worker(TrainConfig(), world=world, local_world=local, node_rank=node, master_addr="10.0.0.1",
+                              ray_folder="/ray/run")
+    assert (cfg.num_processes, cfg.num_machines, cfg.machine_rank, cfg.main_process_ip) == expected
+
+
+def test_the_checkpoint_folder_is_the_given_one_else_in_rays_run_folder_else_none():
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.ray import settings_for_worker
+
+    def folder(given, ray_folder):
+        return settings_for_worker(TrainConfig(checkpoint_dir=given), world=1, local_world=1, node_rank=0,
+                                   master_addr="", ray_folder=ray_folder).checkpoint_dir
+
+    assert folder("", "/ray/run") == os.path.join("/ray/run", "llmeff")
+    assert folder("/shared/ck", "/ray/run") == "/shared/ck"
+    assert folder("", None) == ""  # Ray stores elsewhere (s3://): no checkpoint unless checkpoint_dir says where
+
+
+def test_a_layout_given_against_rays_is_refused_in_one_line():
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.ray import settings_for_worker
+
+    with pytest.raises(ValueError, match=r"num_processes=4 contradicts Ray's layout \(2 workers: num_processes=2"):
+        settings_for_worker(TrainConfig(num_processes=4), world=2, local_world=2, node_rank=0, master_addr="",
+                            ray_folder=None)
+
+
+def test_rays_restored_checkpoint_is_copied_in_only_when_the_folder_lacks_it(tmp_path):
+    import json
+
+    from mlflow_llmeff.train import checkpoint as ckpt
+    from ray.train import Checkpoint
+
+    from mlflow_llmeff.train.ray import _restore
+
+    source = tmp_path / "ray" / "checkpoint_000001"
+    source.mkdir(parents=True)
+    (source / ckpt.STATE_FILE).write_text(json.dumps({"step": 4}))
+    (source / "model.safetensors").write_text("weights")
+    folder = tmp_path / "ck"
+    _restore(Checkpoint.from_directory(str(source)), str(folder))
+    assert ckpt.complete_checkpoints(str(folder)) == [(4, ckpt.step_dir(str(folder), 4))]
+    assert (folder / "step_00000004" / "model.safetensors").read_text() == "weights"
+    (source / ckpt.STATE_FILE).write_text(json.dumps({"step": 2}))  # older than the folder's newest: kept out
+    _restore(Checkpoint.from_directory(str(source)), str(folder))
+    assert [s for s, _ in ckpt.complete_checkpoints(str(folder))] == [4]
