@@ -15,7 +15,7 @@ included), counted by a forward pre-hook on the model for both sides. HellaSwag 
 Documents come from --data-dir, else $LLMEFF_DATA_DIR, else the hub (cais/mmlu, Rowan/hellaswag).
 Needs `pip install lm-eval`.
 
-Under load (``--hogs N``, e.g. 2): N busy-loop processes (``while True: pass``) run beside both sides in
+Under load (``--hogs N``, e.g. 2): N busy-loop processes (pure Python, :data:`HOG`) run beside both sides in
 half of the rounds. Each round runs both conditions (quiet, then hogs; the order alternating between
 rounds) and in each both sides (their order alternating too). Each side's slowdown = median of its hog
 rounds' seconds / median of its quiet rounds'; printed with each round's load average (1 min) and the
@@ -82,8 +82,12 @@ def slower_than_theirs(rows: list[tuple[str, int | None, float, float]]) -> list
             for label, vocab, a, b in rows if a > b]
 
 
+#: A CPU hog: a pure-Python busy loop that ends by itself once its parent is gone (a killed bench leaves none).
+HOG = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    for _ in range(1_000_000):\n        pass\n"
+
+
 class Hogs:
-    """``n`` busy-loop processes (``python -c 'while True: pass'``), started and ended by their ids."""
+    """``n`` busy-loop processes (:data:`HOG`), started and ended by their ids."""
 
     def __init__(self, n: int) -> None:
         self.n, self.procs = n, []
@@ -91,7 +95,7 @@ class Hogs:
     def __enter__(self) -> "Hogs":
         import subprocess
 
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        self.procs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(self.n)]
         time.sleep(0.2)  # let them reach the loop
         return self
 
