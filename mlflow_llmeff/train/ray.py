@@ -135,16 +135,15 @@ def train_loop_per_worker(config: dict) -> None:
     from mlflow_llmeff.train.loop import run_training
 
     ctx = ray.train.get_context()
-    world, rank = int(ctx.get_world_size()), int(ctx.get_world_rank())
+    world, rank, folder = int(ctx.get_world_size()), int(ctx.get_world_rank()), _ray_folder(ctx)
     cfg = settings_for_worker(TrainConfig(**config["settings"]), world=world, local_world=int(ctx.get_local_world_size()),
                               node_rank=int(ctx.get_node_rank()), master_addr=os.environ.get("MASTER_ADDR", ""),
-                              ray_folder=_ray_folder(ctx))
+                              ray_folder=folder)
     spec = settle(cfg)
     for k, v in spec.strategy.launcher_env(cuda=spec.machine.cuda).items():
         os.environ.setdefault(k, v)  # what accelerate launch would have set (CPU: ACCELERATE_USE_CPU=1)
     if cfg.checkpoint_dir and rank == 0:
         _restore(ray.train.get_checkpoint(), cfg.checkpoint_dir)
-    folder = _ray_folder(ctx)
     inside = bool(folder) and os.path.abspath(cfg.checkpoint_dir).startswith(os.path.abspath(folder) + os.sep)
     with ckpt.on_saved(lambda path, step: _report(path, step, rank, inside)):
         run_training(spec, started_at=started)
@@ -157,10 +156,9 @@ def _report(path: str, step: int, rank: int, inside: bool) -> None:
 
     checkpoint = ray.train.Checkpoint.from_directory(path) if rank == 0 else None
     kwargs = {}
-    if inside:
-        from ray.train import CheckpointUploadMode
-
-        kwargs["checkpoint_upload_mode"] = CheckpointUploadMode.NO_UPLOAD
+    mode = getattr(ray.train, "CheckpointUploadMode", None)  # a Ray without it copies the folder
+    if inside and mode is not None:
+        kwargs["checkpoint_upload_mode"] = mode.NO_UPLOAD
     ray.train.report({"step": step}, checkpoint=checkpoint, **kwargs)
 
 
