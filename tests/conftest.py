@@ -8,6 +8,9 @@ import tempfile
 
 import pytest
 
+# assertions of the helper modules the tests share (tests/strategies.py) say what differed, as a test's do
+pytest.register_assert_rewrite("strategies")
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA_DIR = pathlib.Path(os.environ.get("LLMEFF_DATA_DIR", REPO.parent / "shared" / "data"))
 
@@ -125,17 +128,52 @@ def use_store(uri: str, monkeypatch):
     mlflow.set_tracking_uri(None)
 
 
+_EMPTY_STORE: pathlib.Path | None = None
+
+
+def empty_store(path, artifacts=None) -> str:
+    """A new, empty MLflow sqlite store at ``path`` (a ``.db`` file): a copy of one this process made once,
+    whose tables MLflow created; returns its URI.
+
+    Creating an MLflow database runs its schema migrations: 1.5-2 s of a quiet 2-core machine, 6-11 s of a
+    loaded one, where the copy takes 0.35-0.5 s to its first run (measured); the suite makes hundreds. The
+    copy holds what a fresh store holds (the ``Default`` experiment, the schema version), so a test sees
+    no difference but the time. The ``Default`` experiment's artifacts go where a fresh store's would if
+    it were made beside ``path`` (``<its folder>/mlruns/0``, as a process started there makes it), or in
+    ``artifacts/0`` (what ``mlflow server --default-artifact-root artifacts`` gives it)."""
+    import shutil
+    import sqlite3
+
+    global _EMPTY_STORE
+    if _EMPTY_STORE is None:
+        import mlflow
+
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="llmeff_empty_store_", dir=_TMP_ROOT))
+        import atexit
+
+        atexit.register(shutil.rmtree, str(folder), True)
+        made = folder / "mlflow.db"
+        mlflow.MlflowClient(f"sqlite:///{made}").search_experiments()  # creates the tables
+        _EMPTY_STORE = made
+    path = pathlib.Path(path)
+    shutil.copyfile(_EMPTY_STORE, path)
+    where = pathlib.Path(artifacts) if artifacts is not None else path.parent / "mlruns"
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (str(where / "0"),))
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture
 def tracking_uri(tmp_path, monkeypatch):
-    """A fresh sqlite MLflow store for one test; also exported for subprocesses."""
-    yield from use_store(f"sqlite:///{tmp_path / 'mlflow.db'}", monkeypatch)
+    """A fresh sqlite MLflow store for one test (:func:`empty_store`); also exported for subprocesses."""
+    yield from use_store(empty_store(tmp_path / "mlflow.db"), monkeypatch)
 
 
 @pytest.fixture(scope="module")
 def module_store(tmp_path_factory):
-    """One sqlite store for a module's tests (creating an MLflow database costs seconds); a module
-    overrides ``tracking_uri`` with ``use_store(module_store, ...)``."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    """One sqlite store for a module's tests (:func:`empty_store`); a module overrides ``tracking_uri``
+    with ``use_store(module_store, ...)``."""
+    return empty_store(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
 
 
 @pytest.fixture
@@ -224,6 +262,8 @@ class LoopbackServer:
         import time
         import urllib.request
 
+        if not (self.root / "mlflow.db").exists():  # the server's first start: its tables made once (empty_store)
+            empty_store(self.root / "mlflow.db", artifacts=self.root / "artifacts")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
@@ -306,11 +346,36 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(gate, fcntl.LOCK_UN)
 
 
-#: The files that take longest (measured: tests/conftest.py's two workers give each file to one), run
-#: first so that neither worker starts one of them when the other is about to finish.
-_LONGEST_FIRST = ("test_strategies.py", "test_survive.py", "test_compare_server.py", "test_train_e2e.py",
-                  "test_delivery.py", "test_lifecycle.py", "test_autolog_examples.py", "test_postgres.py", "test_logger.py",
-                  "test_fit.py")
+#: Seconds each test file takes (the sum of its tests' setup, call and teardown; ``--durations=0``, or
+#: ``--junitxml`` summed by file), measured with the whole suite on two workers. xdist's ``--dist loadfile``
+#: hands a worker one file at a time in collection order (with ``--no-loadscope-reorder``: by default it
+#: orders files by their number of tests, which put test_strategies.py's minutes at the end), so
+#: :func:`pytest_collection_modifyitems` puts the longest first and the two workers end together (the
+#: longest-processing-time rule). A file not listed (a new one) counts :data:`_UNMEASURED_S`.
+#: Measured at 327bf28: the slow files from the fresh-clone CI's slowest durations (2 workers, 1,149 s),
+#: the rest from the whole suite with ``--junitxml`` on a machine loaded ~4.5x by other jobs, divided by
+#: 4.5 (an order, not a promise: re-measure with ``--durations=0`` when files change much). The files that
+#: run had not reached when that run was stopped are not listed.
+_FILE_SECONDS: dict[str, float] = {
+    "test_strategies.py": 150, "test_strategies_zero.py": 150, "test_train_e2e.py": 150, "test_lifecycle.py": 141,
+    "test_postgres.py": 120, "test_survive.py": 120, "test_logger.py": 115.1, "test_delivery.py": 100,
+    "test_reliability.py": 100, "test_intervals.py": 95.8, "test_study.py": 90, "test_plan.py": 88,
+    "test_plan_memory.py": 83.2, "test_compare_server.py": 80, "test_scale.py": 72.9, "test_server_modes.py": 70,
+    "test_slurm.py": 55, "test_monitor.py": 50.5, "test_preempt.py": 50, "test_autolog_examples.py": 45,
+    "test_memory_study.py": 45, "test_world_change.py": 45, "test_autolog.py": 40, "test_node_loss.py": 40,
+    "test_three_ways.py": 35, "test_trainer_name.py": 32, "test_memory.py": 29.5, "test_compare.py": 26.1,
+    "test_stability.py": 25.1, "test_config.py": 22.5, "test_architecture.py": 15.3, "test_flopcount.py": 15,
+    "test_lora.py": 14, "test_setups.py": 11.2, "test_mlperf.py": 10.2, "test_evals_tasks.py": 7.7,
+    "test_naming.py": 6.7, "test_data.py": 4.9, "test_comm.py": 4.5, "test_undefined.py": 4.3,
+    "test_counting.py": 3.6, "test_parallel.py": 3.5, "test_scheduler.py": 3.5, "test_levers.py": 3.4,
+    "test_rendezvous.py": 2.3, "test_evals_scoring.py": 1.7, "test_repeats.py": 0.9, "test_zero_state.py": 0.9,
+    "test_report_reliability.py": 0.7, "test_flops.py": 0.6, "test_energy.py": 0.3, "test_cli.py": 0.1,
+    "test_hardware.py": 0.1, "test_keys.py": 0.1,
+}
+
+#: Where a file not in :data:`_FILE_SECONDS` goes: among the long files, so that a new slow file does not
+#: start last and hold the session's end; a short one costs nothing there.
+_UNMEASURED_S = 30.0
 
 
 #: The files of ``serial`` tests, run last. A serial test waits for the test the other worker is in
@@ -319,10 +384,16 @@ _LONGEST_FIRST = ("test_strategies.py", "test_survive.py", "test_compare_server.
 _LAST = ("test_contention.py", "test_timed_alone.py", "test_two_hosts.py")
 
 
+def schedule_key(name: str) -> tuple[int, float]:
+    """Where file ``name`` runs: the ``serial`` files (:data:`_LAST`) last, in that order; every other
+    file longest first (:data:`_FILE_SECONDS`)."""
+    if name in _LAST:
+        return 1, _LAST.index(name)
+    return 0, -_FILE_SECONDS.get(name, _UNMEASURED_S)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    rank.update({name: 1000 + i for i, name in enumerate(_LAST)})
-    items.sort(key=lambda item: rank.get(item.path.name, len(_LONGEST_FIRST)))  # stable: order within a file kept
+    items.sort(key=lambda item: schedule_key(item.path.name))  # stable: order within a file kept
 
 
 def stop_process_group(proc, wait_s: float = 20) -> None:

@@ -16,7 +16,7 @@ from mlflow_llmeff.meters import hardware as hw
 from mlflow_llmeff.meters.carbon import CarbonTracker, FakeCarbonTracker
 from mlflow_llmeff.monitor.meter import EfficiencyMonitor
 
-from conftest import use_store
+from conftest import empty_store, use_store
 
 H100 = hw.AcceleratorInfo("NVIDIA H100 80GB HBM3", "H100-SXM", 1, 79.2, "Hopper", None, None, "cuda")
 LAMBDA_SRC = ("default table: Lambda on-demand 8x NVIDIA H100 SXM, per GPU, https://lambda.ai/instances "
@@ -27,7 +27,7 @@ PUE = "1 (carbon/* is the devices' energy x grid intensity: no data-centre cooli
 
 @pytest.fixture(scope="module")
 def module_store(tmp_path_factory):
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    return empty_store(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
 
 
 @pytest.fixture

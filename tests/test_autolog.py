@@ -16,7 +16,7 @@ from mlflow_llmeff import names
 
 AL = importlib.import_module("mlflow_llmeff.autologging")
 
-from conftest import use_store
+from conftest import empty_store, use_store
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_script_that_dies_with_an_exception_leaves_a_failed_run(tmp_path):
         "for step in range(3):\n"
         "    m(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()\n"
         "raise RuntimeError('user code failed')\n")
-    own_store = f"sqlite:///{tmp_path / 'own.db'}"  # this module's shared store holds other tests' runs
+    own_store = empty_store(tmp_path / "own.db")  # this module's shared store holds other tests' runs
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MLFLOW_TRACKING_URI": own_store})
     assert r.returncode == 1 and "user code failed" in r.stderr

@@ -15,7 +15,7 @@ import pytest
 
 from mlflow_llmeff import names
 
-from conftest import REPO
+from conftest import REPO, empty_store
 
 EXAMPLES = REPO / "examples"
 OUR_PREFIXES = ("train/", "throughput/", "summary/", "memory/", "energy/", "cost/", "carbon/", "eval/")
@@ -72,7 +72,7 @@ def assert_no_duplicate_points(run) -> list[str]:
 
 
 def test_plain_pytorch_example(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = empty_store(tmp_path / "mlflow.db")
     err = run_script([sys.executable, str(EXAMPLES / "plain_pytorch.py")], uri)
     run = only_run(uri)
     assert_standard(run, 394, "1", "single", "pytorch")  # 2 epochs x 197 bytes
@@ -87,7 +87,7 @@ def test_plain_pytorch_example(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_example_one_process(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = empty_store(tmp_path / "mlflow.db")
     err = run_script([sys.executable, str(EXAMPLES / "accelerate_loop.py")], uri)
     run = only_run(uri)
     assert_standard(run, 1536, "1", "single", "accelerate")  # 6 steps x 2 x 4 x 32
@@ -97,7 +97,7 @@ def test_accelerate_example_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_example_ddp_two_cpu_processes_one_run_tokens_summed(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = empty_store(tmp_path / "mlflow.db")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(EXAMPLES / "accelerate_loop.py")]
@@ -115,7 +115,7 @@ def test_accelerate_example_ddp_two_cpu_processes_one_run_tokens_summed(tmp_path
 
 @pytest.mark.slow
 def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = empty_store(tmp_path / "mlflow.db")
     err = run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
     run = only_run(uri)
     assert_standard(run, 394, "1", "single", "trainer")  # 8 steps = 2 epochs x 197 bytes
@@ -130,7 +130,7 @@ def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(tmp
 
 @pytest.mark.slow
 def test_hf_trainer_without_mlflow_reporting_gets_its_own_run(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = empty_store(tmp_path / "mlflow.db")
     err = run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
     run = only_run(uri)
     assert_standard(run, 394, "1", "single", "trainer")

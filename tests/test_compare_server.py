@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from conftest import HEALTHY_SERVER_ENV, REPO, stop_process_group
+from conftest import HEALTHY_SERVER_ENV, REPO, empty_store, stop_process_group
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
@@ -268,7 +268,7 @@ def test_figures_keep_every_text_inside_their_images(tmp_path):
     from mlflow_llmeff.report.render import build_report
     from mlflow_llmeff.report.source import metric_history, select_runs
 
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = mlflow.MlflowClient(empty_store(tmp_path / "m.db"))
     log_five_runs(client, "five")
     rep = build_report(client, select_runs(client, "five"), plots=False)
     drawn = 0
@@ -298,7 +298,7 @@ def test_a_figure_is_served_by_any_worker_of_the_server(tmp_path, monkeypatch):
     from mlflow_llmeff.report import server as srv
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    client = mlflow.MlflowClient(empty_store(tmp_path / "m.db"))
     exp_id, _ = log_five_runs(client, "five")
     monkeypatch.setattr(srv, "_store", lambda: client)
     app = Flask("t")

@@ -71,3 +71,22 @@ def test_every_serial_test_is_in_a_file_collected_last():
                 found.setdefault(path.name, []).append(node.name)
     assert set(found) == set(_LAST), found  # each _LAST file holds serial tests, and no other file does
     assert len(found["test_timed_alone.py"]) == 2 and len(found["test_contention.py"]) == 3
+
+
+def test_files_run_longest_first_and_the_serial_ones_last():
+    """The two workers end together only if xdist hands out files longest first (conftest's measured
+    table) and keeps that order: ``--no-loadscope-reorder`` (its default orders files by test count)."""
+    import pathlib
+    import tomllib
+
+    from conftest import _FILE_SECONDS, _LAST, _UNMEASURED_S, schedule_key
+
+    tests = pathlib.Path(__file__).parent
+    assert set(_FILE_SECONDS) <= {p.name for p in tests.glob("test_*.py")}  # no stale name in the table
+    assert len(_FILE_SECONDS) >= 50 and not set(_FILE_SECONDS) & set(_LAST)
+    order = sorted([*_FILE_SECONDS, *_LAST, "test_not_measured_yet.py"], key=schedule_key)
+    assert order[-len(_LAST):] == list(_LAST)
+    seconds = [_FILE_SECONDS.get(name, _UNMEASURED_S) for name in order[:-len(_LAST)]]
+    assert seconds == sorted(seconds, reverse=True)
+    addopts = tomllib.loads((tests.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "--dist loadfile" in addopts and "--no-loadscope-reorder" in addopts

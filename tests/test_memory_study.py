@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from mlflow_llmeff import names
 from mlflow_llmeff.cli import main
-from conftest import require
+from conftest import empty_store, require
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ LEVERS = ("--optimizer adamw", "--optimizer bnb-adamw8bit", "--attn-implementati
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     require("bitsandbytes", "pip install 'mlflow-llmeff[bnb]' (the 8-bit optimizer lever)")
-    store = f"sqlite:///{tmp_path_factory.mktemp('levers') / 'mlflow.db'}"
+    store = empty_store(tmp_path_factory.mktemp("levers") / "mlflow.db")
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_TRACKING_URI", store)
     mlflow.set_tracking_uri(store)

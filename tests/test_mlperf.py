@@ -9,6 +9,7 @@ import math
 import mlflow
 import pytest
 
+from conftest import empty_store
 from five_runs import COMMON
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.mlperf import MIN_RUNS, olympic
@@ -242,7 +243,7 @@ def _log(client, exp: str, records) -> str:
 
 @pytest.fixture
 def seeds_store(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = empty_store(tmp_path / "m.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = mlflow.MlflowClient(uri)
     exp_id = _log(client, "seeds", [_seed_record(*s) for s in SEEDS])

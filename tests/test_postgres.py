@@ -27,7 +27,7 @@ import urllib.request
 
 import pytest
 
-from conftest import HEALTHY_SERVER_ENV, stop_process_group
+from conftest import HEALTHY_SERVER_ENV, empty_store, stop_process_group
 from click.testing import CliRunner
 
 pytestmark = pytest.mark.slow
@@ -133,7 +133,7 @@ def both(server, tmp_path_factory):
     from five_runs import log_five_runs
 
     exp_pg, _ = log_five_runs(mlflow.MlflowClient(server), "five")
-    sqlite = f"sqlite:///{tmp_path_factory.mktemp('pgsqlite') / 'mlflow.db'}"
+    sqlite = empty_store(tmp_path_factory.mktemp("pgsqlite") / "mlflow.db")
     exp_sq, _ = log_five_runs(mlflow.MlflowClient(sqlite), "five")
     return server, exp_pg, sqlite, exp_sq
 
@@ -257,7 +257,7 @@ def test_a_two_process_job_killed_and_resumed_on_the_postgres_server_is_one_run(
     assert history == [(s, 128.0 * s) for s in range(1, 7)]
 
     # the same run in a sqlite store: its latest values, tags and params
-    sqlite = f"sqlite:///{tmp_path / 'copy.db'}"
+    sqlite = empty_store(tmp_path / "copy.db")
     sq = mlflow.MlflowClient(sqlite)
     exp = sq.create_experiment("pgtrain")
     copy = sq.create_run(exp, start_time=run.info.start_time, run_name=run.info.run_name).info.run_id

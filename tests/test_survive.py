@@ -17,6 +17,7 @@ from mlflow_llmeff.train import faults
 from mlflow_llmeff.train.config import TrainConfig
 from mlflow_llmeff.train.loop import run_training
 
+from conftest import empty_store
 from test_train_e2e import env_for, history, only_run, parts_add_up
 
 
@@ -108,10 +109,10 @@ def _all(jobs, tmp_path):
 def test_sigkill_in_a_step_in_a_save_and_in_an_eval_each_resume_to_an_uninterrupted_runs_weights(tmp_path, tracking_uri):
     import torch
 
-    ref_uri = f"sqlite:///{tmp_path / 'ref.db'}"
+    ref_uri = empty_store(tmp_path / "ref.db")
     # point -> (the step it fires at, the last complete checkpoint before it)
     cases = {"kill_in_step": (7, 4), "kill_in_save": (8, 4), "kill_in_eval": (8, 4)}  # the eval runs before the save
-    uris = {point: f"sqlite:///{tmp_path / (point + '.db')}" for point in cases}
+    uris = {point: empty_store(tmp_path / (point + ".db")) for point in cases}
     firsts = _all([(ref_uri, tmp_path / "ref", None)]
                   + [(uris[p], tmp_path / p, {faults.ENV[p]: str(at)}) for p, (at, _) in cases.items()], tmp_path)
     r = firsts[0]

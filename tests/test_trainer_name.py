@@ -16,13 +16,14 @@ import pytest
 
 from mlflow_llmeff import names
 
+from conftest import empty_store
 from test_autolog_examples import EXAMPLES, run_script
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_trainers_own_run_and_autologs_run_share_the_configurations_name(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = empty_store(tmp_path / "mlflow.db")
     run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
     run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
     runs = mlflow.MlflowClient(uri).search_runs(["0"], order_by=["attributes.start_time ASC"])

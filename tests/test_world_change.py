@@ -21,7 +21,7 @@ from mlflow_llmeff.testing import FakeClock
 from mlflow_llmeff.train import checkpoint as ckpt
 from mlflow_llmeff.train.job import carry
 
-from conftest import use_store
+from conftest import empty_store, use_store
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_an_fsdp_checkpoint_of_two_processes_resumes_on_one(tmp_path, monkeypatc
 
     from test_train_e2e import env_for, only_run
 
-    tracking_uri = next(use_store(f"sqlite:///{tmp_path / 'mlflow.db'}", monkeypatch))  # this run alone
+    tracking_uri = next(use_store(empty_store(tmp_path / "mlflow.db"), monkeypatch))  # this run alone
     ck = tmp_path / "ck"
     args = [sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", "6", "--log-every-n-steps", "2",
             "--seq-len", "32", "--micro-batch-size", "2", "--warmup-steps", "1", "--measure-energy", "none",
