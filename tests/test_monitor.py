@@ -234,9 +234,9 @@ def test_creates_and_ends_its_own_run_with_the_standard_name(tracking_uri):
     run = mlflow.MlflowClient().get_run(mon.run_id)
     assert run.info.status == "FINISHED" and mlflow.active_run() is None
     # the standard name's parts (their order follows the other runs of this module's shared store, and a
-    # counter may follow): model, layout, precision, accelerator
+    # counter may follow): model, precision, accelerator (one process: no layout part, tracking/naming.py)
     parts = re.sub(r"-\d+$", "", run.info.run_name).split("-")
-    assert sorted(parts) == ["cpu", "fp32", "llama", "single"], run.info.run_name
+    assert sorted(parts) == ["cpu", "fp32", "llama"], run.info.run_name
     assert run.data.tags[names.MODEL_PARAMS] == str(sum(p.numel() for p in model.parameters()))
     assert run.data.tags[names.AUTOLOG_INTEGRATION] == "monitor"
 
