@@ -9,7 +9,8 @@ ranks split them: 2 data-parallel ranks of 4 sequences see the same 8 blocks as 
 8, so runs of different strategies with the same global batch train on the same tokens in the
 same order (and a tensor-parallel group, one data-parallel rank, reads one stream). Each rank
 reads its blocks through a torch ``DataLoader`` (worker processes, pinned memory on CUDA,
-prefetching).
+prefetching). :func:`loss_shares` weighs each micro-batch of a step by its share of the step's
+loss-bearing tokens (the loop's token-weighted loss).
 """
 
 from __future__ import annotations
@@ -148,3 +149,59 @@ class BatchStream:
 
     def __iter__(self):
         return self
+
+
+def _loss_tokens(batch):
+    """Loss-bearing tokens of a micro-batch as a 0-d tensor on its device (no sync): ``labels[:, 1:] != -100``
+    (transformers shifts the labels by one), else each row's real tokens less one, else ``B x (T - 1)``."""
+    import torch
+
+    labels, mask = batch.get("labels"), batch.get("attention_mask")
+    if labels is not None:
+        return (labels[..., 1:] != -100).sum()
+    if mask is not None:
+        return (mask.sum(dim=-1) - 1).clamp(min=0).sum()
+    ids = batch["input_ids"]
+    return torch.tensor(ids.shape[0] * (ids.shape[-1] - 1), device=ids.device)
+
+
+def _on_host(batch) -> bool:
+    """True when every tensor of the micro-batch is a CPU tensor (reading a count from it syncs nothing)."""
+    return all(getattr(v, "is_cpu", False) for v in batch.values())
+
+
+def loss_shares(micro: list, world: int, dp: int):
+    """Each micro-batch's share of the optimizer step's loss-bearing tokens, counted over all its micro-batches
+    and data-parallel ranks, so the step's loss is token-weighted: the summed loss over every loss-bearing
+    token of the step divided by their count, never a mean of micro-batch means (docs/formulas.md, "Gradient
+    accumulation: one token-weighted loss"; transformers' Trainer since 4.46 passes ``num_items_in_batch``
+    for the same reason).
+
+    Args:
+        micro: the step's micro-batches on this rank (mappings with ``labels`` ``(B, T)``).
+        world: processes of the job; dp: data-parallel ranks among them (tensor-parallel peers hold the
+            same micro-batches and count them ``world / dp`` times, divided out here).
+
+    Returns:
+        ``(shares, dp)``: one 0-d float64 tensor per micro-batch (a Python float where the micro-batches are
+        on the CPU and ``dp`` is 1: the same value, without a dozen tiny tensor operations a step), ``n_i / N`` (``N``: the step's loss-bearing tokens
+        over every micro-batch and data-parallel rank, at least 1), and ``dp``. A micro-batch's mean loss x
+        ``n_i / N`` x ``dp`` summed over this rank's micro-batches is the step loss this rank reports: its
+        mean over ranks is the token-weighted loss of the step. With more than one data-parallel rank ``N`` is
+        one all-reduce of a scalar per step (8 bytes; no host sync).
+    """
+    import torch
+
+    if dp == 1 and all(_on_host(b) for b in micro):  # CPU tensors: the counts are read, no device to keep busy
+        n_host = [int(_loss_tokens(b)) for b in micro]
+        total_host = max(sum(n_host), 1)
+        return [x / total_host for x in n_host], dp  # the float64 quotients the tensors would hold
+    n = torch.stack([_loss_tokens(b).to(torch.float64) for b in micro])  # (grad_accum,)
+    total = n.sum()
+    if dp > 1:  # (dp = 1: the ranks are tensor-parallel copies holding the same micro-batches)
+        import torch.distributed as dist
+
+        dist.all_reduce(total)  # every rank's micro-batches; tensor-parallel copies counted world/dp times
+        total = total * dp / world
+    total = total.clamp(min=1.0)
+    return [x / total for x in n], dp

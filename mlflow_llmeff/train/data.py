@@ -458,17 +458,15 @@ def _full_block_chunks(table, seq_len: int):
     """``(chunk start rows, [(rows, seq_len) array per chunk])``: zero-copy numpy views of the Arrow
     ``input_ids`` column when each row holds ``seq_len`` ids (a fixed-size list, as the token cache stores
     packed blocks, or a list whose every row is full, as the synthetic blocks), without nulls, and the table
-    has no index mapping; else None.
+    reads its Arrow rows in order (no index mapping: as many rows, the first and last the same); else None.
 
-    Reading a micro-batch's rows from these views is one numpy gather of ``B x T`` ids: ~400 us a
-    micro-batch of 8 x 128 through ``datasets``' row formatting became ~20 us here (2-core CPU), time
-    that lay inside every step of ``llmeff train`` and in no bare loop reading an in-memory tensor.
-    """
+    A micro-batch is then one numpy gather of ``B x T`` ids: 8 x 128 took ~400 us through ``datasets``' row
+    formatting, ~30 us here (2-core CPU), inside every step of ``llmeff train`` and no bare loop's."""
     import numpy as np
     import pyarrow as pa
 
     try:
-        if getattr(table, "_indices", None) is not None:
+        if table.data.num_rows != len(table):  # an index mapping over the Arrow rows: datasets reads through it
             return None
         column = table.data.column("input_ids")
         fixed = pa.types.is_fixed_size_list(column.type)
@@ -478,17 +476,19 @@ def _full_block_chunks(table, seq_len: int):
             return None
         starts, views, at = [], [], 0
         for chunk in column.chunks:
-            if not fixed:  # a list column: full blocks only when every row holds seq_len ids
-                offsets = chunk.offsets.to_numpy()
-                if len(offsets) > 1 and not (np.diff(offsets) == seq_len).all():
-                    return None
+            if not fixed and not (np.diff(chunk.offsets.to_numpy()) == seq_len).all():  # a list: full rows only
+                return None
             values = chunk.flatten()  # the chunk's own slice of the child values
             if values.null_count or not pa.types.is_integer(values.type):
                 return None
             views.append(values.to_numpy(zero_copy_only=True).reshape(-1, seq_len))
             starts.append(at)
             at += len(chunk)
-        return (np.asarray(starts, dtype=np.int64), views) if views else None
+        last = len(table) - 1  # a same-length index mapping (a permutation) would show at the ends
+        if not views or not (np.array_equal(np.asarray(table[0]["input_ids"]), views[0][0])
+                and np.array_equal(np.asarray(table[last]["input_ids"]), views[-1][last - starts[-1]])):
+            return None
+        return np.asarray(starts, dtype=np.int64), views
     except Exception:  # noqa: BLE001 - any other layout reads through datasets
         return None
 
@@ -525,8 +525,7 @@ class TokenBlocks:
         return {**self.__dict__, "_chunks": None}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._chunks = _full_block_chunks(self.table, self.seq_len)
+        self.__dict__.update(state, _chunks=_full_block_chunks(state["table"], state["seq_len"]))
 
     def __getitem__(self, i):
         if isinstance(i, int):

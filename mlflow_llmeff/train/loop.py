@@ -19,6 +19,7 @@ from mlflow_llmeff.monitor import lifecycle
 from mlflow_llmeff import names
 from mlflow_llmeff.train import checkpoint as ckpt
 from mlflow_llmeff.train import comm, faults, preempt
+from mlflow_llmeff.train.batches import loss_shares  # noqa: F401 - the loop's; tests import it here
 from mlflow_llmeff.planning.spec import RunSpec
 from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.train.messages import message_style
@@ -180,10 +181,6 @@ def _begin_attempt(cfg: TrainConfig, t, found, holder: dict, start_unix: float |
     return job, run_id
 
 
-
-
-
-
 def _tracking_uri() -> str | None:
     try:
         from mlflow_llmeff.tracking import store
@@ -312,10 +309,6 @@ def _subject_metrics(cfg: TrainConfig) -> bool:
     return cfg.eval_subject_metrics or "mmlu" not in tasks
 
 
-
-
-
-
 def _log_dataset(cfg: TrainConfig, t, monitor) -> None:
     """The training data as the run's MLflow dataset input (rank 0; a failure is a warning, never fatal)."""
     try:
@@ -420,8 +413,6 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
     return None
 
 
-
-
 def _next_batch(batches, step: int, first_micro: bool) -> dict:
     """The next micro-batch; a failure becomes a :class:`DataError` naming the step."""
     try:
@@ -430,62 +421,6 @@ def _next_batch(batches, step: int, first_micro: bool) -> dict:
         return next(batches)
     except Exception as e:  # noqa: BLE001 - any loader failure ends the run with one line
         raise DataError(f"data loading failed at step {step}: {type(e).__name__}: {e}") from e
-
-
-def _loss_tokens(batch):
-    """Loss-bearing tokens of a micro-batch as a 0-d tensor on its device (no sync): ``labels[:, 1:] != -100``
-    (transformers shifts the labels by one), else each row's real tokens less one, else ``B x (T - 1)``."""
-    import torch
-
-    labels, mask = batch.get("labels"), batch.get("attention_mask")
-    if labels is not None:
-        return (labels[..., 1:] != -100).sum()
-    if mask is not None:
-        return (mask.sum(dim=-1) - 1).clamp(min=0).sum()
-    ids = batch["input_ids"]
-    return torch.tensor(ids.shape[0] * (ids.shape[-1] - 1), device=ids.device)
-
-
-def _on_host(batch) -> bool:
-    """True when every tensor of the micro-batch is a CPU tensor (reading a count from it syncs nothing)."""
-    return all(getattr(v, "is_cpu", False) for v in batch.values())
-
-
-def loss_shares(micro: list, world: int, dp: int):
-    """Each micro-batch's share of the optimizer step's loss-bearing tokens, counted over all its micro-batches
-    and data-parallel ranks, so the step's loss is token-weighted: the summed loss over every loss-bearing
-    token of the step divided by their count, never a mean of micro-batch means (docs/formulas.md, "Gradient
-    accumulation: one token-weighted loss"; transformers' Trainer since 4.46 passes ``num_items_in_batch``
-    for the same reason).
-
-    Args:
-        micro: the step's micro-batches on this rank (mappings with ``labels`` ``(B, T)``).
-        world: processes of the job; dp: data-parallel ranks among them (tensor-parallel peers hold the
-            same micro-batches and count them ``world / dp`` times, divided out here).
-
-    Returns:
-        ``(shares, dp)``: one 0-d float64 tensor per micro-batch (a Python float where the micro-batches are
-        on the CPU and ``dp`` is 1: the same value, without a dozen tiny tensor operations a step), ``n_i / N`` (``N``: the step's loss-bearing tokens
-        over every micro-batch and data-parallel rank, at least 1), and ``dp``. A micro-batch's mean loss x
-        ``n_i / N`` x ``dp`` summed over this rank's micro-batches is the step loss this rank reports: its
-        mean over ranks is the token-weighted loss of the step. With more than one data-parallel rank ``N`` is
-        one all-reduce of a scalar per step (8 bytes; no host sync).
-    """
-    import torch
-
-    if dp == 1 and all(_on_host(b) for b in micro):  # CPU tensors: the counts are read, no device to keep busy
-        n_host = [int(_loss_tokens(b)) for b in micro]
-        total_host = max(sum(n_host), 1)
-        return [x / total_host for x in n_host], dp  # the float64 quotients the tensors would hold
-    n = torch.stack([_loss_tokens(b).to(torch.float64) for b in micro])  # (grad_accum,)
-    total = n.sum()
-    if dp > 1:  # (dp = 1: the ranks are tensor-parallel copies holding the same micro-batches)
-        import torch.distributed as dist
-
-        dist.all_reduce(total)  # every rank's micro-batches; tensor-parallel copies counted world/dp times
-        total = total * dp / world
-    total = total.clamp(min=1.0)
-    return [x / total for x in n], dp
 
 
 def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_before: bool, share=None):
@@ -680,8 +615,6 @@ def _print_summary(monitor, summary: dict, reliability: str | None = None) -> No
 
     restarted = reliability and summary.get(names.SUM_ATTEMPTS, 1) > 1
     print("\n".join(report_lines(monitor, summary, reliability if restarted else None)))
-
-
 
 
 def main(argv: list[str] | None = None) -> None:
