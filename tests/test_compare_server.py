@@ -260,6 +260,40 @@ def test_page_and_report_lead_with_the_answer_in_the_first_1600x1000(server, fiv
             browser.close()
 
 
+def test_the_first_load_shows_every_figure_at_its_own_size(server, tmp_path):
+    # a trial: the first load drew the figures stretched and blurred until a reload (each PNG scaled to
+    # half the page by the style). Each image now shows pixel for pixel, on the first load (figures still
+    # being drawn: no size known) and after (drawn: width and height from the PNG, laid out before it comes).
+    import mlflow
+
+    from five_runs import log_five_runs
+    from mlflow_llmeff.report import plots
+
+    sync_playwright = _chromium()
+    exp_id, _ = log_five_runs(mlflow.MlflowClient(server), "first-load")  # a run set no request has drawn
+    measure = ("Array.from(document.querySelectorAll('.figs img')).map(i => ({alt: i.alt, w: i.naturalWidth, "
+               "h: i.naturalHeight, cw: i.clientWidth, ch: i.clientHeight, box: i.getBoundingClientRect().width, "
+               "attr: i.getAttribute('width')}))")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            for load in ("first", "reload"):
+                _open(page, f"{server}/llmeff/experiments/{exp_id}")
+                page.screenshot(path=str(tmp_path / f"{load}.png"), full_page=True)
+                imgs = page.evaluate(measure)
+                if load == "first":  # every figure's URL while they are drawn, no size yet
+                    assert [i["alt"] for i in imgs] == [name for name, _ in plots.FIGURES]
+                    assert all(i["attr"] is None for i in imgs)
+                else:  # the drawn ones, each with its PNG's size in the page
+                    assert imgs and all(i["attr"] == str(i["w"]) for i in imgs), imgs
+                for i in imgs:
+                    assert i["w"] > 0 and (i["cw"], i["ch"]) == (i["w"], i["h"]), (load, i)  # 1:1, never scaled
+                    assert i["box"] == i["w"] + 2, (load, i)  # its 1-px border, nothing stretched
+        finally:
+            browser.close()
+
+
 def test_figures_keep_every_text_inside_their_images(tmp_path):
     import mlflow
 

@@ -153,3 +153,132 @@ def test_every_param_and_metric_the_reports_read_is_among_the_keys_read():
     metric_keys = {k for k in keys if "/" in k and not k.startswith("llmeff.")}
     assert metric_keys and all(k.startswith(REPORT_METRIC_PREFIXES) for k in metric_keys), \
         sorted(k for k in metric_keys if not k.startswith(REPORT_METRIC_PREFIXES))
+
+
+# ------------------------------------------------------------- the sqlite read, one row per run (issue 53)
+def test_the_grouped_sqlite_read_gives_the_records_the_row_read_gives(page, monkeypatch):
+    """The sqlite read joins each run's keys and values in SQL (one row per run); every record equals the
+    row-per-value read's (tags, params, names, metrics to the last bit: doubles written with 21 digits)."""
+    import math
+
+    from mlflow_llmeff.report import source
+
+    _, store, client, exp_id, ids = page
+    odd = [0.1 + 0.2, 1 / 3, 5e-324, 2.2250738585072014e-308, 1.7976931348623157e308, 1e23, 8.228927346002939e-297]
+    for i, v in enumerate(odd):
+        client.log_metric(ids[0], f"summary/odd_{i}", v)
+    client.log_metric(ids[1], "summary/not_a_number", float("nan"))
+    client.set_tag(ids[2], "llmeff.note", "a\x1fvalue holding the separator")  # read again by rows
+    grouped = source.select_runs(store, exp_id).runs
+    source.READ.reset()
+    monkeypatch.setattr(source, "_sqlite_grouped", source._by_rows)
+    by_rows = source.select_runs(store, exp_id).runs
+    assert [r.run_id for r in grouped] == [r.run_id for r in by_rows] and len(grouped) == 5
+    for a, b in zip(grouped, by_rows):
+        nan = [k for k, v in a.metrics.items() if math.isnan(v)]
+        assert nan == [k for k, v in b.metrics.items() if math.isnan(v)]
+        assert {k: v for k, v in a.metrics.items() if k not in nan} == {k: v for k, v in b.metrics.items() if k not in nan}
+        assert (a.name, a.status, a.tags, a.params, a.start_time_ms) == (b.name, b.status, b.tags, b.params, b.start_time_ms)
+    first = next(r for r in grouped if r.run_id == ids[0])
+    assert [first.metrics[f"summary/odd_{i}"] for i in range(len(odd))] == odd
+    assert next(r for r in grouped if r.run_id == ids[2]).tags["llmeff.note"] == "a\x1fvalue holding the separator"
+    assert next(r for r in grouped if r.run_id == ids[1]).metrics["summary/not_a_number"] != 0  # NaN, never a 0
+
+
+def test_the_grouped_read_makes_a_row_per_run_and_repeats_share_their_parsing(page):
+    from mlflow_llmeff.report import source
+
+    get, store, *_ , exp_id, _ = page
+    source.READ.reset()
+    runs = source.select_runs(store, exp_id).runs
+    # four queries (runs, metrics, tags, params), each at most a row per run: 5 + 5 + 5 + (runs with params)
+    assert source.READ.queries == 4 and source.READ.rows <= 4 * len(runs)
+    assert all(r.tags.get("mlflow.runName") == r.name for r in runs)
+    assert len({id(r.tags) for r in runs}) == len(runs)  # each record its own dict
+
+
+def test_a_target_none_of_2000_runs_reached_names_five_of_them_and_counts_the_rest():
+    from mlflow_llmeff.report import mlperf
+
+    class Run:
+        def __init__(self, i):
+            self.label, self.end_s, self.steps, self.status = f"run-{i}", 10.0, 50, "FINISHED"
+
+    class Score:
+        not_reached = [Run(i) for i in range(2000)]
+
+    got = mlperf._not_reached(Score())
+    assert got[:5] == [f"run-{i} did not reach it (10 s, 50 steps)" for i in range(5)]
+    assert got[5:] == ["and 1,995 more runs that did not reach it or failed (each run's row: the All runs table, "
+                       "report.csv)"]
+
+
+# ------------------------------------------------------------------------------ figures (issue 53)
+def _five_figures(tmp_path):
+    """Every figure of the five standard runs, laid out as the page draws it: ``{name: figure}``."""
+    import mlflow
+
+    from conftest import empty_store
+    from five_runs import log_five_runs
+    from mlflow_llmeff.report import plots
+    from mlflow_llmeff.report.render import build_report
+    from mlflow_llmeff.report.source import metric_history, select_runs
+
+    client = mlflow.MlflowClient(empty_store(tmp_path / 'f.db'))
+    log_five_runs(client, "five")
+    rep = build_report(client, select_runs(client, "five"), plots=False)
+    out = {}
+    for name, fn in plots.FIGURES:
+        fig = fn(rep, lambda run_id, key: metric_history(client, run_id, key))
+        if not isinstance(fig, str):
+            plots.lay_out(fig)
+            out[name] = fig
+    return out
+
+
+def test_the_time_to_target_label_lies_inside_the_image_written(tmp_path):
+    # laid out at matplotlib's 100 dpi and written at 90, the label 'llama-tiny-cpu-…(+1 repeat):
+    # val_loss_le_3.0' started at x = -0.8 px: its first letter cut. The layout is at the PNG's dpi now.
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mlflow_llmeff.report import plots
+
+    figs = _five_figures(tmp_path)
+    fig = figs["ttq.png"]
+    r = fig.canvas.get_renderer()
+    assert fig.dpi == plots.DPI
+    labels = [t for t in fig.axes[0].get_yticklabels() if t.get_text()]
+    assert [t.get_text() for t in labels] == ["llama-tiny-cpu-\u2026(+1 repeat): val_loss_le_3.0"]
+    for t in labels + [fig.axes[0].xaxis.label, fig.axes[0].title]:
+        bb = t.get_window_extent(r)
+        assert bb.x0 >= 0 and bb.y0 >= 0 and bb.x1 <= fig.bbox.width and bb.y1 <= fig.bbox.height, (t.get_text(), bb)
+    png = plots.png(fig)
+    ink = np.asarray(Image.open(io.BytesIO(png)).convert("L")) < 200
+    assert plots.png_size(png) == (630, 234) and not ink[:, :3].any()  # nothing drawn in the first 3 columns
+
+
+def test_no_legend_box_covers_a_plotted_point(tmp_path):
+    figs = _five_figures(tmp_path)
+    checked = 0
+    for name, fig in figs.items():
+        r = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            legends = [a.get_legend() for a in fig.axes if a.get_legend() is not None]
+            points = []
+            for coll in ax.collections:  # scatter points (errorbar lines are LineCollections without offsets)
+                offsets = coll.get_offsets()
+                if len(offsets) and hasattr(coll, "get_sizes") and len(coll.get_sizes()):
+                    points += [tuple(p) for p in coll.get_offset_transform().transform(offsets)]
+            for line in ax.lines:  # curves' points
+                points += [tuple(p) for p in line.get_transform().transform(line.get_xydata())]
+            boxes = [p.get_window_extent(r) for p in ax.patches]  # bars
+            for legend in legends:
+                lb = legend.get_window_extent(r)
+                inside = [p for p in points if lb.x0 <= p[0] <= lb.x1 and lb.y0 <= p[1] <= lb.y1]
+                assert not inside, (name, lb, inside[:3])
+                assert not [b for b in boxes if b.overlaps(lb) and b.width > 0 and b.height > 0], name
+                checked += len(points) + len(boxes)
+    assert checked > 50

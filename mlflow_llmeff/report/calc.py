@@ -9,6 +9,7 @@ Formulas and their sources are in ``docs/compare.md``.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -19,6 +20,9 @@ __all__ = ["RunRecord", "Incomparability", "round_sig", "unit_of", "header", "me
            "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok", "absent_why",
            "CONDITION_TAGS", "COMPARABILITY", "Fleet", "Failure", "CauseRow", "fleet_reliability",
            "parse_failures", "failures_by_cause", "run_length", "stopped_at_targets"]
+
+
+_IS_SUMMARY = operator.methodcaller("startswith", "summary/")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class RunRecord:
     @property
     def has_summary(self) -> bool:
         """True when the run logged its end-of-run ``summary/*`` figures."""
-        return any(k.startswith("summary/") for k in self.metrics)
+        return any(map(_IS_SUMMARY, self.metrics))
 
     @property
     def comparable(self) -> bool:
@@ -148,7 +152,7 @@ def metric_columns(runs: list[RunRecord]) -> list[str]:
     """Every ``summary/*`` key any run holds in ``names.py`` order, then the standard eval keys
     (:data:`EVAL_COLUMNS`, their last logged value) any run holds, then ``ttq/*`` keys sorted.
     A run that did not evaluate shows an empty cell under an eval column."""
-    keys = {k for r in runs for k in r.metrics}
+    keys = set().union(*(r.metrics for r in runs))
     summary = sorted((k for k in keys if k.startswith("summary/")), key=lambda k: (_ORDER.get(k, 10**6), k))
     return summary + [k for k in EVAL_COLUMNS if k in keys] + sorted(k for k in keys if k.startswith("ttq/"))
 
@@ -195,7 +199,12 @@ def differing_tags(runs: list[RunRecord], keys: tuple[str, ...] = CONDITION_TAGS
     make every condition look different); with none, every run counts.
     """
     compared = [r for r in runs if r.comparable] or runs
-    return [k for k in keys if len({r.tags.get(k) for r in compared}) > 1]
+    rows = {tuple(map(r.tags.get, keys)) for r in compared}  # repeats share their values: a few distinct rows
+    return [k for i, k in enumerate(keys) if len({row[i] for row in rows}) > 1]
+
+
+#: Runs an :class:`Incomparability` line names per value (then how many more).
+RUNS_NAMED = 5
 
 
 @dataclass(frozen=True)
@@ -213,8 +222,15 @@ class Incomparability:
     values: dict[str, list[str]]
 
     def text(self) -> str:
-        """One line, e.g. ``not comparable: eval batch size (llmeff.eval.batch_size) differs: 8 (a, b); 16 (c)``."""
-        parts = "; ".join(f"{v} ({', '.join(runs)})" for v, runs in self.values.items())
+        """One line, e.g. ``not comparable: eval batch size (llmeff.eval.batch_size) differs: 8 (a, b); 16 (c)``;
+        each value names its first :data:`RUNS_NAMED` runs, then how many more (the line stays one line
+        at 10,000 runs)."""
+
+        def named(runs: list[str]) -> str:
+            more = len(runs) - RUNS_NAMED
+            return ", ".join(runs[:RUNS_NAMED]) + (f" and {more:,} more" if more > 0 else "")
+
+        parts = "; ".join(f"{v} ({named(runs)})" for v, runs in self.values.items())
         return f"not comparable: {self.what} ({self.key}) differs: {parts}"
 
 
@@ -230,8 +246,9 @@ def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
     compared = [r for r in runs if r.comparable] or runs
     for what, key, param, affects, norm in COMPARABILITY:
         values: dict[str, list[str]] = {}
+        metrics = None if affects is None else frozenset(affects)
         for r in compared:
-            if affects is not None and not any(k in r.metrics for k in affects):
+            if metrics is not None and metrics.isdisjoint(r.metrics):
                 continue
             v = _condition(r, key, param)
             if v is not None and norm is not None:

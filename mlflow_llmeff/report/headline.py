@@ -96,7 +96,7 @@ def _quality(c: Configuration) -> Cell:
         if v is not None:
             parts.append(f"{label} {v:.3g}")
             sort = v if sort is None else sort
-    targets = sorted({k for r in c.used for k in r.tags if k.startswith(names.TTQ_TAG_PREFIX)})
+    targets = sorted(k for k in set().union(*(r.tags for r in c.used)) if k.startswith(names.TTQ_TAG_PREFIX))
     if targets:
         reached = [k for k in targets if all(r.tags.get(k, "").startswith("reached") for r in c.used if k in r.tags)]
         parts.append(f"{len(reached)}/{len(targets)} targets")

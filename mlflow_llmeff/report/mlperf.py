@@ -108,8 +108,9 @@ class TargetScore:
 def targets_of(c: Configuration) -> list[str]:
     """The target stems any run of ``c`` was given (its ``llmeff.ttq.<stem>`` tags, or a ``ttq/<stem>_wall_s``
     an older run logged without the tag), sorted."""
-    tagged = {k[len(names.TTQ_TAG_PREFIX):] for r in c.runs for k in r.tags if k.startswith(names.TTQ_TAG_PREFIX)}
-    timed = {k[len("ttq/"):-len("_wall_s")] for r in c.runs for k in r.metrics
+    tagged = {k[len(names.TTQ_TAG_PREFIX):] for k in set().union(*(r.tags for r in c.runs))
+              if k.startswith(names.TTQ_TAG_PREFIX)}
+    timed = {k[len("ttq/"):-len("_wall_s")] for k in set().union(*(r.metrics for r in c.runs))
              if k.startswith("ttq/") and k.endswith("_wall_s")}
     return sorted(tagged | timed)
 
@@ -203,13 +204,25 @@ def _method(ts: TargetScore, sep: str = " (dropped: ", end: str = ")") -> str:
             + ("; [lowest, highest] of those" if o.high > o.low else ""))  # as _cell shows a range
 
 
+#: Runs that did not reach a target named one by one in the scoring's "how" (the first ones; then how many
+#: more): a configuration of 2,000 seeds listed every one, 350 KiB of the page at 10,000 runs (issue 53).
+NOT_REACHED_NAMED = 5
+
+
 def _not_reached(ts: TargetScore) -> list[str]:
-    """``<run> did not reach it (<s> s, <n> steps)`` / ``<run> failed (...)`` for each run that did not."""
+    """``<run> did not reach it (<s> s, <n> steps)`` / ``<run> failed (...)`` for each run that did not, the
+    first :data:`NOT_REACHED_NAMED` of them, then ``and <n> more runs that did not reach it or failed (each
+    run's row: the All runs table, report.csv)``."""
     out = []
-    for r in ts.not_reached:
+    missed = ts.not_reached
+    for r in missed[:NOT_REACHED_NAMED]:
         at = f" ({_g(r.end_s)} s" + (f", {r.steps} steps)" if r.steps is not None else ")") if r.end_s is not None else ""
         what = "failed" if r.status in ("FAILED", "KILLED") else "did not reach it"
         out.append(f"{r.label} {what}{at}")
+    if len(missed) > NOT_REACHED_NAMED:
+        more = len(missed) - NOT_REACHED_NAMED
+        out.append(f"and {more:,} more run{'s' if more != 1 else ''} that did not reach it or failed (each run's "
+                   "row: the All runs table, report.csv)")
     return out
 
 

@@ -127,8 +127,9 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     keys = parse_group_by(group_by)
     runs = selection.runs
     tag_cols = [k for k in differing_tags(runs) if k not in keys]
+    configs = configurations(runs)  # each run's key once: scaling regroups these
     rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
-                 scaling_efficiency(runs, baseline), best_first(configurations(runs)), ui_base=ui_base)
+                 scaling_efficiency(runs, baseline, configs), best_first(configs), ui_base=ui_base)
     rep.targets = target_scores(rep.configs, [r for r in runs if not r.comparable])
     if plots:
         from mlflow_llmeff.report import plots as pl
@@ -418,7 +419,7 @@ table.sortable th{cursor:pointer}table.sortable th:after{content:" \\2195";color
 #runs td:first-child,#runs td:nth-child(2),#runs td:nth-child(3){text-align:left}
 tr.nosummary td{background:#fde2e2;color:#700}tr.notcomparable td:last-child{background:#fff3cd;font-weight:600}
 .warn{background:#fff3cd;border:2px solid #d39e00;padding:4px 10px;margin:6px 0;font-weight:600;font-size:13px}
-.figs{display:flex;flex-wrap:wrap;gap:8px}.figs img{width:calc(50% - 8px);max-width:760px;border:1px solid #ddd}
+.figs{display:flex;flex-wrap:wrap;gap:8px;align-items:flex-start}.figs img{max-width:100%;height:auto;border:1px solid #ddd}
 .note{color:#555;font-size:12px;margin:4px 0}form.filters{margin:4px 0;font-size:13px}form.filters input{width:30em}
 #chooser{font-size:12px;margin:6px 0}#chooser label{margin-right:10px;white-space:nowrap}
 details summary{cursor:pointer;font-weight:600;margin:10px 0 4px}"""
@@ -595,12 +596,24 @@ def _runs_table_html(rep: Report, max_runs: int | None = None, rest_html: str = 
     return "\n".join(out)
 
 
-def figures_html(sources: dict[str, str], notes: list[str]) -> str:
+def figures_html(sources: dict[str, str], notes: list[str], sizes: dict[str, tuple[int, int]] | None = None) -> str:
     """The page's figures section: an image per figure (``sources``: name -> its URL or data URI),
-    then one line per figure left out (``notes``)."""
+    then one line per figure left out (``notes``).
+
+    Each image is shown at its own size, pixel for pixel (a PNG stretched to half the page was blurred):
+    ``sizes`` (name -> its PNG's ``(width, height)``, :func:`mlflow_llmeff.report.plots.png_size`) go into
+    its ``width``/``height`` attributes, so the page is laid out at the final size before the image
+    arrives; an image whose size is not known yet (being drawn) takes its own size when it comes. The
+    style only narrows an image on a screen narrower than it (``max-width:100%``)."""
     e = html.escape
+    sizes = sizes or {}
+
+    def dims(name: str) -> str:
+        got = sizes.get(name)
+        return f" width='{got[0]}' height='{got[1]}'" if got else ""
+
     out = ["<h2>Figures</h2><div class='figs'>"]
-    out += [f"<img alt='{e(name)}' title='{e(name)}' src='{e(src)}'>" for name, src in sources.items()]
+    out += [f"<img alt='{e(name)}' title='{e(name)}' src='{e(src)}'{dims(name)}>" for name, src in sources.items()]
     out.append("</div>" + "".join(f"<p class='note'>{e(n)}</p>" for n in notes))
     return "\n".join(out)
 
@@ -646,7 +659,10 @@ def to_html(rep: Report, *, extra_head: str = "", figure_urls: dict[str, str] | 
     if figures_block is None:
         sources = (dict(figure_urls) if figure_urls is not None else
                    {name: "data:image/png;base64," + base64.b64encode(png).decode() for name, png in rep.figures.items()})
-        figures_block = figures_html(sources, rep.notes)
+        from mlflow_llmeff.report.plots import png_size
+
+        sizes = {name: png_size(png) for name, png in rep.figures.items() if png_size(png)}
+        figures_block = figures_html(sources, rep.notes, sizes)
     out.append(figures_block)
     out.append("<p class='note'>Formulas and what is comparable: docs/compare.md and docs/stability.md of "
                f"mlflow_llmeff. Conditions shown when they differ: {e(', '.join(CONDITION_TAGS))}.</p>")

@@ -243,11 +243,6 @@ def _single_run_estimate(r: RunRecord, key: str, left_out: tuple[str, ...]) -> E
     return Estimate(v, None, None, 1, "no interval", None, left_out, kind)
 
 
-def _finite(r: RunRecord, key: str) -> bool:
-    v = r.metrics.get(key)
-    return v is not None and math.isfinite(v)
-
-
 def _left_out(r: RunRecord, key: str) -> str:
     """``"<run>: <why>"`` for a repeat without a finite ``key``: the why its ``llmeff.summary.absent`` gives."""
     why = absent_why(r, key)
@@ -350,13 +345,16 @@ class Configuration:
         return self._remembered(("estimate", key), lambda: self._estimate(key))
 
     def _estimate(self, key: str) -> Estimate | None:
-        have = [r for r in self.used if _finite(r, key)]
+        used = self.used
+        got = [r.metrics.get(key) for r in used]
+        fin = [v is not None and math.isfinite(v) for v in got]
+        have = [r for r, ok in zip(used, fin) if ok]
         if not have:
             return None
-        left_out = tuple(_left_out(r, key) for r in self.used if not _finite(r, key))
+        left_out = tuple(_left_out(r, key) for r, ok in zip(used, fin) if not ok)
         if len(have) == 1:
             return _single_run_estimate(have[0], key, left_out)
-        vals = [r.metrics[key] for r in have]
+        vals = [v for v, ok in zip(got, fin) if ok]
         n = len(vals)
         mean = sum(vals) / n
         sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
@@ -396,16 +394,16 @@ class Configuration:
 def config_key(r: RunRecord) -> tuple:
     """A run's configuration: its :data:`CONFIG_TAGS` and its length (:func:`~mlflow_llmeff.report.calc.run_length`:
     the optimizer steps, or for a run stopped at its targets what it ran to)."""
-    return tuple(r.tags.get(k) for k in CONFIG_TAGS) + (run_length(r),)
+    return (*map(r.tags.get, CONFIG_TAGS), run_length(r))
 
 
 def configurations(runs: list[RunRecord]) -> list[Configuration]:
-    """The configurations of the finished runs with a summary, in order of first appearance."""
+    """The configurations of the finished runs with a summary, in order of first appearance (a key per run)."""
     out: dict[tuple, Configuration] = {}
     for r in runs:
-        if not r.comparable:
-            continue
-        out.setdefault(config_key(r), Configuration(config_key(r))).runs.append(r)
+        if r.comparable:
+            key = config_key(r)
+            (out.get(key) or out.setdefault(key, Configuration(key))).runs.append(r)
     return list(out.values())
 
 
@@ -541,7 +539,8 @@ def _batch_per_device(c: Configuration) -> str | None:
         return None
 
 
-def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None) -> list[ScalingRow]:
+def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None,
+                       configs: list[Configuration] | None = None) -> list[ScalingRow]:
     """Scaling efficiency of configurations that differ only in device count, with its interval.
 
     Configurations (:func:`configurations`) are grouped by :data:`SAME_JOB` and parallelism
@@ -558,6 +557,7 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None) -> li
     Args:
         runs: the compared runs; those without ``summary/tokens_per_sec`` or a device count are left out.
         baseline: run id whose configuration is the baseline of its group.
+        configs: :func:`configurations` of ``runs`` where known (regrouped, no key computed again; the same result).
 
     Returns:
         One :class:`ScalingRow` per non-baseline configuration of a group, by group then device count.
@@ -571,7 +571,7 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None) -> li
         why = "has no summary/tokens_per_sec or device count" if baseline in known else "is not among the compared runs"
         raise ValueError(f"--baseline {baseline!r} {why}")
     groups: dict[tuple, list[Configuration]] = {}
-    for c in configurations(usable):
+    for c in _usable_configurations(usable, configs):
         groups.setdefault(tuple(c.tag(k) for k in SAME_JOB), []).append(c)
     out: list[ScalingRow] = []
     for key, members in groups.items():
@@ -580,6 +580,15 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None) -> li
             sub = [c for c in members if c.tag(names.PAR_STRATEGY) in ("single", strategy)]
             out += _scale_group(sub, baseline, f"{key[2]} {key[0]} {key[1]} seq {key[3]} {strategy}")
     return out
+
+
+def _usable_configurations(usable: list[RunRecord], configs: list[Configuration] | None) -> list[Configuration]:
+    """``configurations(usable)``, from every run's ``configs`` where given (in order of the first usable run)."""
+    if configs is None:
+        return configurations(usable)
+    ok = {id(r): i for i, r in enumerate(usable)}
+    out = [Configuration(c.key, sub) for c in configs if (sub := [r for r in c.runs if id(r) in ok])]
+    return sorted(out, key=lambda c: ok[id(c.runs[0])])
 
 
 def _pick_baseline(members: list[Configuration], baseline: str | None) -> Configuration:

@@ -204,21 +204,26 @@ def _key_condition(table: str, extra: set[str]) -> tuple[str, list[str]]:
     return "(" + " OR ".join(parts) + ")", likes + exact
 
 
-def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[str]):
+def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[str] | None = None):
     """The active runs of ``experiment_id`` matching ``filter_string`` as :class:`RunRecord`, newest first,
     read straight from a database-backed store's tables, or None where this does not apply (another store,
     a filter on datasets, which these runs do not carry).
 
     MLflow's ``search_runs`` on such a store builds an ORM object for every tag, param and latest
     metric of every run: 5.9 s for 1,000 runs of 41 values each on this 2-core machine, most of a
-    page's time. Here: four queries of plain rows (runs, ``latest_metrics``, ``tags``, ``params``:
-    MLflow's schema since 1.x), each reading only the keys the reports show (:data:`REPORT_TAGS`,
-    :data:`REPORT_METRIC_PREFIXES`, :data:`REPORT_PARAMS`, and those the filter names), each row put
-    straight into its run's record (tags and params masked once per distinct value). A filter is
-    applied by ``mlflow.utils.search_utils.SearchUtils.filter`` (MLflow's own evaluator of its search
-    syntax, the one its file store uses) on light objects with MLflow's ``info``/``data`` attributes;
-    the order is ``search_runs``' ``attributes.start_time DESC`` (then by run id). Every query and row
-    is counted in :data:`READ`.
+    page's time. Here: four queries (runs, ``latest_metrics``, ``tags``, ``params``: MLflow's schema
+    since 1.x), each reading only the keys the reports show (:data:`REPORT_TAGS`,
+    :data:`REPORT_METRIC_PREFIXES`, :data:`REPORT_PARAMS`, and those the filter names). The runs are
+    the outer loop of every join (``runs CROSS JOIN <table>``: sqlite otherwise walked the key index
+    and looked each value's run up, 5x the CPU at 10,000 runs). On sqlite each query returns one row
+    per run, its keys and values joined by the database (:func:`_sqlite_grouped`: repeats' equal tags
+    parsed and masked once, metrics split in C); other databases a row per value (:func:`_by_rows`).
+    A filter is applied by ``mlflow.utils.search_utils.SearchUtils.filter`` (MLflow's own evaluator of
+    its search syntax, the one its file store uses) on light objects with MLflow's ``info``/``data``
+    attributes; the order is ``search_runs``' ``attributes.start_time DESC`` (then by run id). Every
+    query and row is counted in :data:`READ`.
+
+    ``secrets``: values to mask (default: the environment's, :func:`~mlflow_llmeff.tracking.redact.environment_secrets`).
 
     Raises:
         mlflow.exceptions.MlflowException: a filter MLflow cannot parse.
@@ -230,6 +235,7 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
     if filters_datasets(clauses):
         return None
     extra = _filter_keys(clauses)
+    secrets = environment_secrets() if secrets is None else secrets
     # the id is all digits (checked above): a literal, so the driver's own cursor runs the queries
     # (SQLAlchemy's row objects cost 4 s of 5 for 10,000 runs)
     where = f"r.experiment_id = {int(experiment_id)} AND r.lifecycle_stage = 'active'"
@@ -246,6 +252,7 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
             raw = conn.connection
             cursor = raw.cursor()
             style = getattr(engine.dialect, "paramstyle", "qmark")  # sqlite3: ?, psycopg2 and pymysql: %s
+            grouped = engine.url.get_backend_name() == "sqlite"
             try:
                 cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, r.artifact_uri, "
                                f"r.lifecycle_stage FROM runs r WHERE {where} ORDER BY r.start_time DESC, r.run_uuid")
@@ -253,23 +260,11 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
                 READ.queries, READ.rows = READ.queries + 1, READ.rows + len(rows)
                 values = {}
                 for table in ("latest_metrics", "tags", "params"):
-                    nan = ", v.is_nan" if table == "latest_metrics" else ""
                     keys, args = _key_condition(table, extra[table])
                     if style != "qmark":  # psycopg2, pymysql: %s placeholders
                         keys = keys.replace("?", "%s")
-                    got = values[table] = {}
-                    cursor.execute(f"SELECT v.run_uuid, v.key, v.value{nan} FROM {table} v JOIN runs r ON "
-                                   f"r.run_uuid = v.run_uuid WHERE {where} AND {keys}", args)
-                    found = cursor.fetchall()
-                    READ.queries, READ.rows = READ.queries + 1, READ.rows + len(found)
-                    for row in found:
-                        one = got.get(row[0])
-                        if one is None:
-                            one = got[row[0]] = {}
-                        if nan:
-                            one[row[1]] = float("nan") if row[3] else float(row[2])
-                        else:
-                            one[row[1]] = cleaned(row[1], row[2])
+                    read = _sqlite_grouped if grouped else _by_rows
+                    values[table] = read(cursor, table, where, keys, args, cleaned)
             finally:
                 cursor.close()
     except Exception as e:  # noqa: BLE001 - a schema this read does not know: MLflow's own search instead
@@ -279,9 +274,10 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
         return None
     exp_id = str(experiment_id)
     metrics, tags, params = values["latest_metrics"], values["tags"], values["params"]
-    records = [RunRecord(run_id=u, name=tags.get(u, {}).get("mlflow.runName") or name or "", status=status,
-                         experiment_id=exp_id, metrics=metrics.get(u, {}), tags=tags.get(u, {}),
-                         params=params.get(u, {}), start_time_ms=start)
+    none: dict = {}
+    # dict(...): runs of equal tags or params share the parsed dict; each record gets its own
+    records = [RunRecord(u, tags.get(u, none).get(_RUN_NAME) or name or "", status, exp_id, metrics.get(u) or {},
+                         dict(tags.get(u, none)), dict(params.get(u, none)), start)
                for u, name, status, start, _end, _user, _uri, _stage in rows]
     if not filter_string:
         return records
@@ -294,6 +290,93 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
         data = SimpleNamespace(metrics=rec.metrics, tags=rec.tags, params=rec.params)
         light.append(SimpleNamespace(info=info, data=data, inputs=SimpleNamespace(dataset_inputs=[]), record=rec))
     return [x.record for x in apply_filter(light, filter_string)]
+
+
+_RUN_NAME = "mlflow.runName"
+
+
+def _by_rows(cursor, table: str, where: str, keys: str, args: list, cleaned, ids=()) -> dict[str, dict]:
+    """``{run id: {key: value}}`` of ``table`` for the selected runs, a row per value (PostgreSQL, MySQL):
+    metrics as floats (NaN where MLflow's ``is_nan`` is set), tags and params through ``cleaned``;
+    ``ids``: only these runs (sqlite's placeholders)."""
+    nan = ", v.is_nan" if table == "latest_metrics" else ""
+    if ids:
+        where += f" AND r.run_uuid IN ({', '.join('?' * len(ids))})"
+    cursor.execute(f"SELECT v.run_uuid, v.key, v.value{nan} FROM runs r CROSS JOIN {table} v WHERE "
+                   f"r.run_uuid = v.run_uuid AND {where} AND {keys}", list(ids) + list(args))
+    found = cursor.fetchall()
+    READ.queries, READ.rows = READ.queries + 1, READ.rows + len(found)
+    got: dict[str, dict] = {}
+    for row in found:
+        one = got.get(row[0])
+        if one is None:
+            one = got[row[0]] = {}
+        if nan:
+            one[row[1]] = float("nan") if row[3] else float(row[2])
+        else:
+            one[row[1]] = cleaned(row[1], row[2])
+    return got
+
+
+#: What joins a run's keys and its values in :func:`_sqlite_grouped`: the ASCII unit separator (no MLflow
+#: key holds it; a run with a value that does is read by rows).
+_SEP = "\x1f"
+
+
+def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, cleaned) -> dict[str, dict]:
+    """``{run id: {key: value}}`` of ``table`` for the selected runs of a sqlite store, from one row per run:
+    its keys and its values each joined by sqlite's ``group_concat`` (with :data:`_SEP`), so Python makes
+    10,000 rows of a few strings where a row per value made 380,000 (10,000 runs of 38 values).
+
+    Metrics are written by ``printf('%!.20e')`` (21 significant digits: every double reads back
+    exactly, tests/test_report_page.py; sqlite's own text of a REAL keeps 15), ``nan`` where MLflow's
+    ``is_nan`` is set. Tags and params: runs whose keys and values are equal (repeats of a
+    configuration) share one parsed, masked dict (the caller copies it per run); a run's name tag is
+    read beside the others, so runs of different names still share them. A run whose values do not
+    split into as many as its keys (a value holding the separator, a NULL value) is read by rows."""
+    name = "'" + _RUN_NAME + "'"
+    if table == "latest_metrics":
+        value, other, named = "CASE WHEN v.is_nan THEN 'nan' ELSE printf('%!.20e', v.value) END", "1", "NULL, 0"
+    else:
+        value, other = "v.value", f"v.key != {name}"
+        named = f"max(CASE WHEN v.key = {name} THEN v.value END), sum(v.key = {name})"
+    cursor.execute(f"SELECT v.run_uuid, sum({other}), group_concat(CASE WHEN {other} THEN v.key END, char(31)), "
+                   f"group_concat(CASE WHEN {other} THEN {value} END, char(31)), {named} FROM runs r CROSS JOIN "
+                   f"{table} v WHERE r.run_uuid = v.run_uuid AND {where} AND {keys} GROUP BY v.run_uuid", args)
+    found = cursor.fetchall()
+    READ.queries, READ.rows = READ.queries + 1, READ.rows + len(found)
+    got: dict[str, dict] = {}
+    again = []
+    split: dict[str, list[str]] = {}  # each distinct set of keys split once
+    if table == "latest_metrics":
+        for u, n, ks, vs, _, _ in found:
+            k_list = split.get(ks)
+            if k_list is None:
+                k_list = split[ks] = ks.split(_SEP)
+            v_list = vs.split(_SEP)
+            if len(v_list) != n or len(k_list) != n:
+                again.append(u)
+                continue
+            got[u] = dict(zip(k_list, map(float, v_list)))
+    else:
+        parsed: dict[tuple, dict] = {}
+        for u, n, ks, vs, run_name, has_name in found:
+            one = parsed.get((ks, vs)) if n else {}
+            if one is None:
+                k_list, v_list = ks.split(_SEP), (vs or "").split(_SEP)
+                if len(k_list) != n or len(v_list) != n:
+                    again.append(u)
+                    continue
+                one = parsed[(ks, vs)] = {k: cleaned(k, v) for k, v in zip(k_list, v_list)}
+            if has_name:
+                if run_name is None:  # a NULL name: as the row read has it
+                    again.append(u)
+                    continue
+                one = {**one, _RUN_NAME: cleaned(_RUN_NAME, run_name)}
+            got[u] = one
+    for i in range(0, len(again), 500):  # the few runs the joined strings cannot carry, by rows
+        got.update(_by_rows(cursor, table, where, keys, args, cleaned, ids=again[i:i + 500]))
+    return got
 
 
 def change_token(client) -> str | None:

@@ -14,6 +14,7 @@ by anything that writes a report artifact. Three rules:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -35,6 +36,12 @@ def secret_name(name: str) -> bool:
     >>> [secret_name(n) for n in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "api_key", "tokenizer", "train/tokens")]
     [True, True, True, False, False]
     """
+    return _secret_name(name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _secret_name(name: str) -> bool:
+    """:func:`secret_name`, remembered per name (the page masks 10,000 runs' tags: a few keys, each once)."""
     words = [w.lower() for w in _WORD_SPLIT.split(name) if w]
     for i, w in enumerate(words):
         if w in _SECRET_WORDS:
