@@ -78,7 +78,7 @@ def test_compare_shows_four_configurations_labelled_by_their_lever_with_the_memo
         assert column in header
     rows = [line for line in section.splitlines() if line.startswith("tiny-")]
     assert len(rows) == 4
-    labels = {"tiny-single": "AdamW (torch.optim), sdpa, fp32 weights",
+    labels = {"tiny-fp32": "AdamW (torch.optim), sdpa, fp32 weights",
               "tiny-bnb8bit": "AdamW8bit (bitsandbytes.optim", "tiny-eager": "AdamW (torch.optim), eager, fp32 weights",
               "tiny-ckpt": "AdamW (torch.optim), sdpa, fp32 weights, ckpt"}
     for stem, label in labels.items():

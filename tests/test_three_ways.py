@@ -46,9 +46,14 @@ def test_one_loop_three_ways_gives_the_same_keys(tracking_uri):
     by = {r.data.tags[names.AUTOLOG_INTEGRATION]: r for r in runs}
     assert set(by) == {"pytorch", "monitor", "train"}
     train_m, train_t, train_p = keys_of(by["train"])
+    # the host CPU share is measured only over 100 CPU ticks or more, which a 6-step run reaches on some
+    # paths and not others: present or absent-with-its-reason is checked per run below, not across paths
+    measured_by_ticks = {names.SUM_HOST_OTHER_CPU, names.SUM_HOST_STEAL}
+    train_m -= measured_by_ticks
     assert len(train_m) >= 35 and len(train_t) >= 50 and len(train_p) == len(TrainConfig.field_names())
     for way, hidden in (("monitor", HIDDEN_FROM_MONITOR), ("pytorch", HIDDEN_FROM_AUTOLOG)):
         m, t, p = keys_of(by[way])
+        m -= measured_by_ticks
         assert m == without(train_m, hidden), (way, m ^ without(train_m, hidden))
         assert t == without(train_t, hidden), (way, t ^ without(train_t, hidden))
         assert p == set() and "params" in hidden
