@@ -333,7 +333,9 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
     ``is_nan`` is set. Tags and params: runs whose keys and values are equal (repeats of a
     configuration) share one parsed, masked dict (the caller copies it per run); a run's name tag is
     read beside the others, so runs of different names still share them. A run whose values do not
-    split into as many as its keys (a value holding the separator, a NULL value) is read by rows."""
+    split into as many as its keys (a value holding the separator, a NULL value) is read by rows. The runs
+    are a list the values' index is searched with in run order (``IN (SELECT ...)``: no sort for the
+    grouping; 2.0 s of CPU for 100,000 runs' tags where the join took 2.8-3.1 s)."""
     name = "'" + _RUN_NAME + "'"
     if table == "latest_metrics":
         value, other, named = "CASE WHEN v.is_nan THEN 'nan' ELSE printf('%!.20e', v.value) END", "1", "NULL, 0"
@@ -341,8 +343,8 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
         value, other = "v.value", f"v.key != {name}"
         named = f"max(CASE WHEN v.key = {name} THEN v.value END), sum(v.key = {name})"
     cursor.execute(f"SELECT v.run_uuid, sum({other}), group_concat(CASE WHEN {other} THEN v.key END, char(31)), "
-                   f"group_concat(CASE WHEN {other} THEN {value} END, char(31)), {named} FROM runs r CROSS JOIN "
-                   f"{table} v WHERE r.run_uuid = v.run_uuid AND {where} AND {keys} GROUP BY v.run_uuid", args)
+                   f"group_concat(CASE WHEN {other} THEN {value} END, char(31)), {named} FROM {table} v WHERE "
+                   f"v.run_uuid IN (SELECT r.run_uuid FROM runs r WHERE {where}) AND {keys} GROUP BY v.run_uuid", args)
     found = cursor.fetchall()
     READ.queries, READ.rows = READ.queries + 1, READ.rows + len(found)
     got: dict[str, dict] = {}
