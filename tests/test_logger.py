@@ -1,4 +1,5 @@
 import math
+import os
 import sys
 import threading
 
@@ -10,7 +11,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 from mlflow_llmeff import names
 from mlflow_llmeff.evals.targets import parse_targets
-from mlflow_llmeff.tracking import keys
+from mlflow_llmeff.tracking import keys, worker
 from mlflow_llmeff.tracking.logger import NullLogger, RunLogger, default_run_name
 from mlflow_llmeff.testing import FakeClock
 
@@ -292,6 +293,84 @@ def test_every_call_is_made_by_the_delivery_thread(tracking_uri):
     log.close()
     assert len(threads) == 2 and all(t.name == "llmeff-delivery" for t in threads)  # the tag, then the metric
     assert steps(client, run_id, "train/loss") == [1]
+
+
+class CountingClient:
+    """A client whose log_batch only counts the metric points it is given (no store: usable in a forked child)."""
+
+    def __init__(self):
+        self.points = 0
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), synchronous=True):
+        self.points += len(metrics)
+
+
+def delivery_starts(monkeypatch):
+    """The delivery threads started from now on (a list the patched Thread.start fills)."""
+    started = []
+    real = threading.Thread.start
+
+    def start(self):
+        if self.name == "llmeff-delivery":
+            started.append(self)
+        return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return started
+
+
+def test_logged_steps_start_one_delivery_thread_not_one_each(tracking_uri, monkeypatch):
+    # issue 53: the thread exited whenever its queue was empty, so each logged step started a new one on the
+    # training thread; it now waits on the empty queue (IDLE_S) and a step only appends a job
+    monkeypatch.setattr(worker, "IDLE_S", 3600.0)
+    started = delivery_starts(monkeypatch)
+    client = RecordingClient()
+    run_id = new_run(client)
+    log = RunLogger(run_id, client, send_interval_s=0.0)
+    for step in range(1, 21):
+        log.log_metrics({"train/loss": 1.0 / step}, step)
+        assert log.flush(send=False)  # delivered: the queue is empty again before the next step
+    assert len(started) == 1 and started[0].is_alive()  # idle, not gone
+    assert log.close()
+    started[0].join(30)  # a hang guard only: a successful close wakes it to exit at once
+    assert not started[0].is_alive() and len(started) == 1
+    assert steps(client, run_id, "train/loss") == list(range(1, 21))
+    assert client.calls == [(1, 0, 0, True)] * 20  # one batch per logged step (the end is set_terminated)
+
+
+def test_an_idle_delivery_thread_exits_and_the_next_job_starts_another(monkeypatch):
+    monkeypatch.setattr(worker, "IDLE_S", 0.05)
+    started = delivery_starts(monkeypatch)
+    client = CountingClient()
+    log = RunLogger("r" * 32, client, send_interval_s=0.0)
+    log.log_metrics({"train/loss": 1.0}, 1)
+    assert log.flush(send=False)
+    started[0].join(30)  # exits IDLE_S after its last job (30 s: a hang guard only)
+    assert not started[0].is_alive() and log._courier is None
+    log.log_metrics({"train/loss": 0.5}, 2)
+    assert log.flush(send=False)
+    assert len(started) == 2 and client.points == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_forked_child_delivers_with_its_own_thread(monkeypatch):
+    # the parent's idle thread is not in the child (only the forking thread survives a fork)
+    monkeypatch.setattr(worker, "IDLE_S", 3600.0)
+    client = CountingClient()
+    log = RunLogger("r" * 32, client, send_interval_s=0.0)
+    log.log_metrics({"train/loss": 1.0}, 1)
+    assert log.flush(send=False) and log._courier.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only when its own thread delivered its point
+        code = 1
+        try:
+            log.log_metrics({"train/loss": 0.5}, 2)
+            code = 0 if log.flush(send=False) and client.points == 2 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.points == 1 and log.close(status=None)
 
 
 def test_last_point_after_resume_is_the_newest_point_per_key(tracking_uri):

@@ -479,6 +479,7 @@ class RunLogger(DeliveryWorker, NullLogger):
             raise
         if ok:
             self._spill()  # removes a file an earlier spill left
+            self._retire()  # the delivery thread exits now, not after its idle wait
             return True
         self._stop_and_say(status)
         return False

@@ -3,6 +3,10 @@ queue, the bounded waits for the tracking server, and the spill to the outbox fi
 
 Every MLflow call of a run is a job in one queue (:class:`_Job`), delivered in order by one daemon
 thread (``llmeff-delivery``), which backs off 1, 2, 4, 8, 10 s while the server does not answer.
+The thread stays, blocked on the empty queue, for ``IDLE_S`` after its last job (or until a
+successful close, :meth:`DeliveryWorker._retire`), so a logged step only appends to the queue: a
+thread started at each logged step cost more than all the rest of the step's logging (issue 53).
+A forked child starts its own thread (:func:`_after_fork_in_child`).
 The process waits for that thread only where the logger says (:meth:`DeliveryWorker._wait`), for at
 most the delivery wait ``wait_s`` without an answer (:mod:`mlflow_llmeff.tracking.delivery`);
 what is not delivered then is written to ``<outbox_dir>/<run id>.jsonl``
@@ -22,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 
 from mlflow_llmeff.tracking import delivery, outbox
@@ -36,6 +41,11 @@ log = logging.getLogger("mlflow_llmeff.tracking.logger")
 # MLflow error codes that blame an entry of the request; any other failure (store unreachable, run
 # deleted, ...) is not retried entry by entry: it means the server is not taking anything now.
 _ENTRY_ERRORS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST"})
+
+IDLE_S = 10.0  # seconds the delivery thread waits on an empty queue before it exits (a new job starts another)
+
+# every worker of this process, for the fork handler: a forked child has none of the parent's threads
+_WORKERS: "weakref.WeakSet[DeliveryWorker]" = weakref.WeakSet()
 
 
 class _Job:
@@ -112,6 +122,9 @@ class DeliveryWorker:
         self._queue: list[_Job] = []
         self._seq = self._done = 0
         self._courier: threading.Thread | None = None
+        self._idle = False  # the delivery thread waits on the empty queue: a new job wakes it
+        self._retiring = False  # closed with everything delivered: the thread exits once the queue is empty
+        self._threads_started = 0  # delivery threads this worker started (a test counts them)
         self._in_flight_since: float | None = None  # monotonic start of the request in flight
         self._down_since: float | None = None  # unix time the server stopped answering (None: it answers)
         self._down_mono: float | None = None  # the same on the monotonic clock: the start of the unanswered request
@@ -120,6 +133,7 @@ class DeliveryWorker:
         self._closing = False  # the end is spilled: the delivery thread stops
         if unanswered:
             self._down_since, self._down_mono, self._down_reason = time.time(), time.monotonic(), unanswered
+        _WORKERS.add(self)
 
     # ------------------------------------------------------------------ bounded reads
     def _read(self, fn, what: str):
@@ -140,11 +154,19 @@ class DeliveryWorker:
         with self._cv:
             self._seq += 1
             self._queue.append(_Job(self._seq, kind, data))
+            self._retiring = False
             closing = self._closing
-            if not closing and (self._courier is None or not self._courier.is_alive()):
+            if closing:
+                pass
+            elif self._courier is not None and self._courier.is_alive():  # it exits under this lock, setting None
+                if self._idle:
+                    self._idle = False
+                    self._cv.notify_all()
+            else:
                 try:
                     self._courier = threading.Thread(target=self._deliver_all, name="llmeff-delivery", daemon=True)
                     self._courier.start()
+                    self._threads_started += 1
                 except RuntimeError:  # the interpreter is shutting down: the outbox file keeps it
                     self._courier = None
         if closing:  # the end was spilled: what comes after it goes straight to the file
@@ -162,8 +184,9 @@ class DeliveryWorker:
         delay = 1.0
         while True:
             with self._cv:
-                if not self._queue or self._closing:
+                if not self._await_job():
                     self._courier = None
+                    self._idle = False
                     return
                 job = self._queue[0]
             if self._deliver(job):
@@ -176,9 +199,35 @@ class DeliveryWorker:
                 self._answered(empty)
                 delay = 1.0
                 continue
+            until = time.monotonic() + delay
             with self._cv:
-                self._cv.wait(delay)  # woken early only to stop
+                while not self._closing and (left := until - time.monotonic()) > 0:
+                    self._cv.wait(left)  # a new job does not shorten the back-off; a close ends it
             delay = min(10.0, delay * 2)
+
+    def _await_job(self) -> bool:
+        """Under ``_cv``: wait while the queue is empty, at most ``IDLE_S`` and not after a close;
+        True when a job is first in line."""
+        if self._closing:
+            return False
+        if self._queue:
+            return True
+        until = time.monotonic() + IDLE_S
+        while not self._queue and not self._closing and not self._retiring:
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            self._idle = True
+            self._cv.wait(left)
+        self._idle = False
+        return bool(self._queue) and not self._closing
+
+    def _retire(self) -> None:
+        """Everything is delivered and the run closed: the delivery thread exits now rather than after
+        ``IDLE_S`` (a later job starts a new one)."""
+        with self._cv:
+            self._retiring = True
+            self._cv.notify_all()
 
     def _deliver(self, job: _Job) -> bool:
         """One delivery attempt of ``job``; False when the server did not take it (it stays first in line)."""
@@ -398,6 +447,21 @@ class DeliveryWorker:
         log.info(msg)  # printed, not also warned: a terminal would show it twice
         if not self.quiet:
             print(msg, flush=True)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: no delivery thread runs (only the forking thread survives a fork), and the
+    parent's lock may have been held by one; each worker gets a fresh lock and starts its own thread
+    at its next job."""
+    for w in list(_WORKERS):
+        w._cv = threading.Condition()
+        w._courier = None
+        w._idle = False
+        w._in_flight_since = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _tracking_uri(client) -> str | None:
