@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import subprocess
 import sys
@@ -50,6 +51,9 @@ class FakeMonitor:
 
     def flush(self):
         self.flushed += 1
+
+    def pause(self, category):
+        return contextlib.nullcontext()
 
 
 def test_checkpoint_appears_only_when_complete_and_half_writes_are_never_picked(tmp_path):

@@ -2,7 +2,7 @@
 
 A pure calculator over :class:`~mlflow_llmeff.report.repeats.Configuration` values, beside the memory
 section (:mod:`mlflow_llmeff.report.memory`), reading the keys a multi-process run already logs
-(``../shared/METRICS.md``, "Parallelism and communication"; ``docs/parallelism.md``):
+(``docs/metrics.md``; ``docs/parallelism.md``):
 
 * nodes: ``llmeff.nodes`` (machines taking part) and the devices of the run (``llmeff.accelerator.count``);
 * all-reduce bus bandwidth: ``comm/allreduce_busbw_gbps`` (nccl-tests' busbw = algbw x 2(n-1)/n, GB/s
