@@ -68,6 +68,26 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _membership(base: Path, controller: str) -> tuple[str | None, tuple[str, str] | None] | None:
+    """This process's cgroup paths from ``proc/self/cgroup`` under ``base``: (the v2 unified path or None,
+    (the v1 path, its controllers field) of the hierarchy holding ``controller`` or None); None where the
+    file cannot be read."""
+    text = _read(base / "proc" / "self" / "cgroup")
+    if text is None:
+        return None
+    v2_path, v1 = None, None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2_path = path
+        elif controller in controllers.split(","):
+            v1 = (path, controllers)
+    return v2_path, v1
+
+
 def _levels(mount: Path, cg_path: str) -> list[Path]:
     """The cgroup directories from the process's own up to the mount's root (the mount's root alone
     when the path is not under the mount: a namespaced view)."""
@@ -107,20 +127,12 @@ def memory_limit(root: str | Path = "/", host_bytes: int | None = None) -> Memor
         or a limit >= ``host_bytes``. Never raises on an unreadable or odd file.
     """
     base = Path(root)
-    text = _read(base / "proc" / "self" / "cgroup")
-    if text is None:
+    member = _membership(base, "memory")
+    if member is None:
         return None
     host = host_bytes if host_bytes is not None else host_memory_bytes()
-    v2_path, v1_path = None, None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
-        if hid == "0" and controllers == "":
-            v2_path = path
-        elif "memory" in controllers.split(","):
-            v1_path = path
+    v2_path, v1 = member
+    v1_path = v1[0] if v1 is not None else None
     found = []
     if v2_path is not None:  # the unified hierarchy at the mount, or beside v1 on a hybrid host
         got = min((g for mount in (base / "sys" / "fs" / "cgroup", base / "sys" / "fs" / "cgroup" / "unified")
@@ -188,19 +200,10 @@ def cpu_quota(root: str | Path = "/") -> CpuQuota | None:
         unreadable or odd file.
     """
     base = Path(root)
-    text = _read(base / "proc" / "self" / "cgroup")
-    if text is None:
+    member = _membership(base, "cpu")
+    if member is None:
         return None
-    v2_path, v1_path = None, None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
-        if hid == "0" and controllers == "":
-            v2_path = path
-        elif "cpu" in controllers.split(","):
-            v1_path = (path, controllers)
+    v2_path, v1_path = member
     mount = base / "sys" / "fs" / "cgroup"
     candidates: list[tuple[float, Path, str]] = []
     if v2_path is not None:
