@@ -96,6 +96,12 @@ def main() -> None:
         mon = EfficiencyMonitor(model=model, optimizer=opt, log_every_n_steps=args.log_every, warmup_steps=0,
                                 run_id=train_run, integration="train")  # set-up outside the timing
         timing[0] = "train_path"
+        rate = timed_loop(mon, "train_path", n)
+        timing[0] = None
+        mon.finish()
+        return rate
+
+    def timed_loop(mon, name, n):  # the train path's loop, timing the calls into mon: one loop for meter and floor
         t0 = time.perf_counter()
         for _ in range(n):
             t_in = time.perf_counter()
@@ -109,11 +115,9 @@ def main() -> None:
             t_in = time.perf_counter()
             mon.count(b, loss=out.loss.detach())
             mon.step(learning_rate=1e-4)
-            inside["train_path"] += spent + time.perf_counter() - t_in
+            inside[name] += spent + time.perf_counter() - t_in
         elapsed = time.perf_counter() - t0
-        timing[0] = None
-        wall["train_path"] += elapsed
-        mon.finish()
+        wall[name] += elapsed
         return n * args.batch * args.seq_len / elapsed
 
     class NullMonitor:
@@ -130,24 +134,7 @@ def main() -> None:
             pass
 
     def null_path(n):  # train_path's loop and timing around NullMonitor: the floor of "time inside our calls"
-        mon = NullMonitor()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            t_in = time.perf_counter()
-            with mon.pause("data_wait"):
-                b = batch
-            spent = time.perf_counter() - t_in
-            out = model(**b)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t_in = time.perf_counter()
-            mon.count(b, loss=out.loss.detach())
-            mon.step(learning_rate=1e-4)
-            inside["null_path"] += spent + time.perf_counter() - t_in
-        elapsed = time.perf_counter() - t0
-        wall["null_path"] += elapsed
-        return n * args.batch * args.seq_len / elapsed
+        return timed_loop(NullMonitor(), "null_path", n)
 
     def monitor(n):
         mon = EfficiencyMonitor(model=model, optimizer=opt, log_every_n_steps=args.log_every, warmup_steps=0,
