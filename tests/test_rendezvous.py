@@ -1,6 +1,6 @@
 """The machines' handshake before the launcher (train/rendezvous.py), on loopback: agreement, a different
-node count named with both values, a rank given twice, an unreachable head and an absent machine within
-the stated timeout."""
+node count named with both values, a rank given twice or outside the job, an unreachable head and an absent
+machine within the stated timeout, and what a waiting machine says after its grace (injected clocks)."""
 
 from __future__ import annotations
 
@@ -274,3 +274,150 @@ def test_a_shared_checkpoint_folder_passes(tmp_path):
                timeout_s=20.0, host="host-b", folder=str(tmp_path))
     t.join(HANG_S)
     assert met == got["head"] == Met("127.0.0.1", "lo")
+
+
+# ------------------------------------------------------------------------------ a rank that never comes, said in seconds
+class Clock:
+    """An injected monotonic clock: each of ``first`` once, then :attr:`now`, which the test moves."""
+
+    def __init__(self, now: float, *first: float) -> None:
+        self.now, self._first, self._lock = now, list(first), threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._first.pop(0) if self._first else self.now
+
+
+class Said:
+    """The lines a machine prints while it waits (its ``say``), with an event per line."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.event = threading.Event()
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        self.event.set()
+
+
+def _join_in_thread(errors: dict, key: str, **kw) -> threading.Thread:
+    def side():
+        try:
+            errors[key] = join(**kw)
+        except RendezvousError as e:
+            errors[key] = e
+
+    t = threading.Thread(target=side)
+    t.start()
+    return t
+
+
+def _ranks_0_and_2_of_3(port: int, got: dict, head_clock: Clock, join_clock: Clock, head_said: Said,
+                        joined_said: Said) -> tuple[threading.Thread, threading.Thread]:
+    """Machine 0 (host-a) and machine 2 (host-c) of 3, each waiting up to 300 s on its own clock; machine 1 never
+    starts."""
+    head = _serve_in_thread(got, "head", settings=settings(num_machines=3), num_machines=3, port=port,
+                            timeout_s=300.0, host="host-a", clock=head_clock, say=head_said)
+    joined = _join_in_thread(got, "joined", settings=settings(num_machines=3, machine_rank=2), rank=2,
+                             address="127.0.0.1", port=port, timeout_s=300.0, host="host-c", clock=join_clock,
+                             say=joined_said)
+    return head, joined
+
+
+CAME_0_AND_2 = "(came: 0 from host-a 127.0.0.1, 2 from host-c 127.0.0.1)"
+
+
+def test_a_missing_rank_is_named_on_every_waiting_machine_after_the_grace_then_at_the_timeout():
+    # 3 machines, machine 1 never starts: each waited the whole rendezvous timeout (300 s) silently, machine 2 then
+    # saying only "machine 0 waits for the other machines"
+    port = free_port()
+    got: dict = {}
+    head_clock = Clock(0.0)  # machine 0 stays inside its 5 s grace until the test moves it
+    join_clock = Clock(10.0, 0.0)  # machine 2 starts at 0 and is past its grace when machine 0 answers
+    head_said, joined_said = Said(), Said()
+    head, joined = _ranks_0_and_2_of_3(port, got, head_clock, join_clock, head_said, joined_said)
+    assert joined_said.event.wait(HANG_S)  # told by machine 0 over the handshake's socket
+    assert joined_said.lines == [f"llmeff: machine 2 waits for machine_rank 1 of 3 {CAME_0_AND_2}; giving up in 290 s "
+                                 "(rendezvous_timeout_s)"]
+    assert head_said.lines == []  # 0 s on machine 0's clock: still inside its grace
+    head_clock.now = 6.0
+    assert head_said.event.wait(HANG_S)
+    assert head_said.lines == [f"llmeff: machine 0 waits for machine_rank 1 of 3 {CAME_0_AND_2}; giving up in 294 s "
+                               "(rendezvous_timeout_s)"]
+    assert "head" not in got and "joined" not in got  # both still wait, before the deadline
+    head_clock.now = 300.0  # machine 0's deadline: its verdict reaches machine 2
+    head.join(HANG_S), joined.join(HANG_S)
+    assert not head.is_alive() and not joined.is_alive()
+    line = (f"machine 0 at port {port} waited 300 s (rendezvous_timeout_s) for machine 1 of 3: none came {CAME_0_AND_2}; "
+            "start `llmeff train --machine-rank R` with this --main-process-ip on each, within the timeout")
+    assert [type(got[k]) for k in ("head", "joined")] == [RendezvousError, RendezvousError]
+    assert str(got["head"]) == str(got["joined"]) == line
+    assert len(head_said.lines) == len(joined_said.lines) == 1  # one line each, however long the wait
+
+
+def test_a_joined_machine_that_gives_up_first_names_the_rank_machine_0_waits_for():
+    port = free_port()
+    got: dict = {}
+    head_clock, join_clock = Clock(0.0), Clock(10.0, 0.0)
+    head_said, joined_said = Said(), Said()
+    head, joined = _ranks_0_and_2_of_3(port, got, head_clock, join_clock, head_said, joined_said)
+    assert joined_said.event.wait(HANG_S)
+    join_clock.now = 300.0  # machine 2's own deadline, machine 0 still waiting
+    joined.join(HANG_S)
+    assert not joined.is_alive()
+    assert str(got["joined"]) == (
+        f"machine 2 reached machine 0 at 127.0.0.1:{port} but had no verdict within 300 s (rendezvous_timeout_s): "
+        f"machine 0 still waits for machine_rank 1 of 3 {CAME_0_AND_2}; start `llmeff train --machine-rank R` with "
+        "this --main-process-ip on each, within the timeout")
+    head_clock.now = 300.0
+    head.join(HANG_S)
+    assert not head.is_alive() and "for machine 1 of 3: none came" in str(got["head"])
+
+
+def test_a_missing_machine_0_is_named_by_the_joined_machine_after_the_grace():
+    port = free_port()  # nothing listens there
+    got: dict = {}
+    join_clock, joined_said = Clock(10.0, 0.0), Said()
+    joined = _join_in_thread(got, "joined", settings=settings(machine_rank=1), rank=1, address="127.0.0.1", port=port,
+                             timeout_s=300.0, host="host-b", clock=join_clock, say=joined_said)
+    assert joined_said.event.wait(HANG_S)
+    assert joined_said.lines == [f"llmeff: machine 1 waits for machine 0 at 127.0.0.1:{port} (last try: Connection "
+                                 "refused); giving up in 290 s (rendezvous_timeout_s)"]
+    join_clock.now = 300.0
+    joined.join(HANG_S)
+    assert not joined.is_alive() and len(joined_said.lines) == 1
+    assert str(got["joined"]).startswith(f"machine 1 could not reach machine 0 at 127.0.0.1:{port} within 300 s")
+
+
+def test_a_rank_outside_the_job_is_refused_at_once_on_both_machines_naming_the_range():
+    # the clocks never move: the refusal comes from the hello itself, not from any timeout
+    port = free_port()
+    got: dict = {}
+    head_said, joined_said = Said(), Said()
+    head = _serve_in_thread(got, "head", settings=settings(), num_machines=2, port=port, timeout_s=300.0,
+                            host="host-a", clock=Clock(0.0), say=head_said)
+    with pytest.raises(RendezvousError) as e:
+        join(settings(), rank=5, address="127.0.0.1", port=port, timeout_s=300.0, host="host-b", clock=Clock(0.0),
+             say=joined_said)
+    head.join(HANG_S)
+    assert not head.is_alive()
+    line = ("machine 5 (host-b) has machine_rank 5, outside 0..1 of num_machines=2: give each machine its own rank in "
+            "0..1, 0 to the machine at main_process_ip")
+    assert str(e.value) == str(got["head"]) == line
+    assert head_said.lines == joined_said.lines == []
+
+
+def test_a_node_count_other_than_machine_0s_is_refused_at_once_while_it_waits_for_others():
+    # machine 0 expects 3 and waits for machine 2; machine 1 told 2 machines is refused at its hello
+    port = free_port()
+    got: dict = {}
+    head = _serve_in_thread(got, "head", settings=settings(num_machines=3), num_machines=3, port=port, timeout_s=300.0,
+                            host="host-a", clock=Clock(0.0), say=Said())
+    with pytest.raises(RendezvousError) as e:
+        join(settings(machine_rank=1), rank=1, address="127.0.0.1", port=port, timeout_s=300.0, host="host-b",
+             clock=Clock(0.0), say=Said())
+    head.join(HANG_S)
+    assert not head.is_alive()
+    line = ("the machines were given different settings: num_machines is 3 on machine 0 (host-a) and 2 on machine 1 "
+            "(host-b): give every machine the same")
+    assert str(e.value) == str(got["head"]) == line

@@ -20,6 +20,12 @@ hangs at its first collective):
   (host-a) and 3 on machine 1 (host-b)``), a rank claimed twice, a checkpoint folder the machines do
   not share, or the machines that never came; a machine that comes after the verdict (a rank
   claimed twice, the first holder already met) is answered too, while machine 0 still listens;
+* a machine still waiting after :data:`_GRACE_S` seconds (every machine that came already agreed)
+  prints one line on stderr naming what it waits for, who came from which host and address, and
+  when it gives up: ``llmeff: machine 0 waits for machine_rank 1 of 3 (came: 0 from host-a 10.0.0.1,
+  2 from host-c 10.0.0.3); giving up in 295 s (rendezvous_timeout_s)``; machine 0 tells the machines
+  that came (a ``llmeff_waiting`` line before the verdict, to those whose hello says ``hears_waiting``)
+  so they name the same ranks, and a timeout names them on every machine;
 * then machine 0 closes the port and every machine launches, with the interface its handshake
   crossed (:attr:`Met.interface`) handed to gloo and NCCL (``GLOO_SOCKET_IFNAME``,
   ``NCCL_SOCKET_IFNAME``; train/launch.py): without it gloo binds the address the host name
@@ -38,6 +44,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from typing import Callable
@@ -64,6 +71,10 @@ FOLDER_FILE = "llmeff_rendezvous"
 
 #: Seconds machine 0 waits, after its verdict, for the other machines to read it before it closes the port.
 _ACK_S = 10.0
+#: Seconds a machine waits quietly before it prints what it waits for (machines started together meet sooner).
+_GRACE_S = 5.0
+#: The longest real wait, in seconds, between two looks at the (possibly injected) clock.
+_TICK_S = 0.2
 #: Seconds a machine waits for a file another machine wrote to appear in the shared folder (NFS caches
 #: a directory's attributes for up to 3 s by default, ``acdirmin``).
 _FOLDER_S = 5.0
@@ -174,6 +185,62 @@ def _line(sock: socket.socket, deadline: float, clock) -> str | None:
     return data.decode("utf-8", "replace").strip()
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class _Lines:
+    """The ``\\n``-ended lines of a socket, read in slices of real time without losing a partial line."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.closed, self._buf = sock, False, b""
+
+    def next(self, wait_s: float) -> str | None:
+        """The next line, waiting up to ``wait_s`` real seconds; None when none came (:attr:`closed`: never will)."""
+        while b"\n" not in self._buf:
+            if self.closed:
+                return None
+            self.sock.settimeout(max(wait_s, 0.001))
+            try:
+                chunk = self.sock.recv(4096)
+            except (socket.timeout, TimeoutError):
+                return None
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.closed = True
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode("utf-8", "replace").strip()
+
+
+def _came(came: list) -> str:
+    """``0 from host-a 10.0.0.1, 2 from host-c 10.0.0.3``; ``came``: ``[rank, host, address or None]`` per
+    machine that came."""
+    return ", ".join(f"{r} from {h}" + (f" {a}" if a else "") for r, h, a in sorted(came, key=lambda c: c[0]))
+
+
+def _awaited(missing: list[int], num_machines: int, came: list) -> str:
+    """``machine_rank 1 of 3 (came: 0 from host-a 10.0.0.1, 2 from host-c 10.0.0.3)``."""
+    return f"machine_rank {', '.join(str(r) for r in missing)} of {num_machines} (came: {_came(came)})"
+
+
+def _waits(rank: int, what: str, left_s: float) -> str:
+    """The one line a waiting machine prints."""
+    return f"llmeff: machine {rank} waits for {what}; giving up in {max(0.0, left_s):.0f} s (rendezvous_timeout_s)"
+
+
+def _status(msg) -> tuple[list[int], int, list] | None:
+    """``(missing, num_machines, came)`` from machine 0's ``llmeff_waiting`` message, or None (not one)."""
+    try:
+        w = msg["llmeff_waiting"]
+        came = [[int(r), str(h), None if a is None else str(a)] for r, h, a in w["came"]]
+        return [int(r) for r in w["missing"]], int(w["num_machines"]), came
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _send(conn: socket.socket, msg: dict) -> None:
     try:
         conn.sendall((json.dumps(msg) + "\n").encode("utf-8"))
@@ -232,7 +299,7 @@ def _not_shared(who: str, whose: str, folder: str) -> str:
 # ------------------------------------------------------------------------------ machine 0
 def serve(settings: dict, *, num_machines: int, port: int, timeout_s: float, host: str | None = None,
           head: tuple[str, int] | None = None, folder: str | None = None,
-          clock: Callable[[], float] = time.monotonic) -> Met:
+          clock: Callable[[], float] = time.monotonic, say: Callable[[str], None] | None = None) -> Met:
     """Machine 0's side: wait for machines ``1..num_machines-1`` and answer each with the verdict.
 
     Args:
@@ -247,6 +314,8 @@ def serve(settings: dict, *, num_machines: int, port: int, timeout_s: float, hos
         folder: this machine's checkpoint folder (None or ``""``: none): the other machines must see
             its file there and it theirs.
         clock: seconds, monotonic (tests inject one).
+        say: where the one waiting line goes (default: stderr), printed once after :data:`_GRACE_S`
+            seconds without a verdict, naming the ranks still missing and who came from where.
 
     Returns:
         :class:`Met`: this machine's address and interface toward the other machines.
@@ -266,27 +335,43 @@ def serve(settings: dict, *, num_machines: int, port: int, timeout_s: float, hos
                               "another job may hold it; give every machine another --main-process-port") from None
     nonce = secrets.token_hex(8)
     mine_file = _write_folder_file(folder, 0, nonce)
-    deadline = clock() + timeout_s
+    started = clock()
+    deadline = started + timeout_s
     probe = _Probe(head, settings, host, nonce, deadline, clock) if head else None
     clients: list[socket.socket] = []
+    listeners: list[socket.socket] = []  # the clients that read llmeff_waiting lines before the verdict
     seen: dict[int, str] = {}
+    where: dict[int, str | None] = {}  # each machine's address as machine 0 saw it
     met = Met()
     verdict = None
+    said = False
+
+    def status() -> tuple[list[int], list]:
+        missing = [r for r in range(1, num_machines) if r not in seen]
+        mine = met.address or (head[0] if head else None)
+        return missing, [[0, host, mine]] + [[r, seen[r], where.get(r)] for r in seen]
+
     try:
         while verdict is None:
-            left = deadline - clock()
+            now = clock()
+            left = deadline - now
             if probe is not None and probe.verdict is not None:
                 verdict = probe.verdict  # another machine 0 answered: it tells its machines too
                 break
             if left <= 0:
-                missing = [str(r) for r in range(1, num_machines) if r not in seen]
+                missing, came = status()
                 verdict = (f"machine 0 at port {port} waited {timeout_s:g} s (rendezvous_timeout_s) for machine"
-                           f"{'s' if len(missing) > 1 else ''} {', '.join(missing)} of {num_machines}: none came; "
+                           f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {num_machines}: none "
+                           f"came{f' (came: {_came(came)})' if seen else ''}; "
                            "start `llmeff train --machine-rank R` with this --main-process-ip on each, within the timeout")
                 break
+            if not said and now - started >= _GRACE_S:  # every machine that came agreed: say what is missing
+                missing, came = status()
+                (say or _say)(_waits(0, _awaited(missing, num_machines, came), left))
+                said = True
             server.settimeout(min(left, 0.2))
             try:
-                conn, _ = server.accept()
+                conn, peer = server.accept()
             except (socket.timeout, TimeoutError):
                 continue
             line = _line(conn, min(deadline, clock() + 30.0), clock)
@@ -309,7 +394,8 @@ def serve(settings: dict, *, num_machines: int, port: int, timeout_s: float, hos
                 verdict = _twice(rank, seen[rank], them_host, seen, num_machines)
             elif not 0 < rank < num_machines:
                 verdict = disagreement(settings, theirs, me, them) or (
-                    f"{them} has machine_rank {rank}, outside 1..{num_machines - 1} of num_machines={num_machines}")
+                    f"{them} has machine_rank {rank}, outside 0..{num_machines - 1} of num_machines={num_machines}: "
+                    f"give each machine its own rank in 0..{num_machines - 1}, 0 to the machine at main_process_ip")
             else:
                 verdict = disagreement(settings, theirs, me, them)
                 if verdict is None and folder and msg.get("folder") is not None:
@@ -318,10 +404,18 @@ def serve(settings: dict, *, num_machines: int, port: int, timeout_s: float, hos
                     elif not _sees(folder, rank, msg.get("folder_nonce"), clock):
                         verdict = _not_shared(me, f"{them}'s", folder)
                 seen[rank] = them_host
+                where[rank] = _plain(str(peer[0])) if peer else None
                 if met.address is None:
                     met = _met(conn)
+                if msg.get("hears_waiting") is True:
+                    listeners.append(conn)
                 if verdict is None and len(seen) == num_machines - 1:
                     verdict = "ok"
+                elif verdict is None:  # tell every machine that came what the job still waits for
+                    missing, came = status()
+                    for each in listeners:
+                        _send(each, {"llmeff_waiting": {"num_machines": num_machines, "missing": missing,
+                                                        "came": came}})
         _answer(server, clients, verdict, seen, nonce, clock)
     finally:
         server.close()
@@ -426,28 +520,38 @@ def _closed(conn: socket.socket) -> bool:
 
 # ------------------------------------------------------------------------------ machines 1..
 def join(settings: dict, *, rank: int, address: str, port: int, timeout_s: float, host: str | None = None,
-         folder: str | None = None, clock: Callable[[], float] = time.monotonic) -> Met:
+         folder: str | None = None, clock: Callable[[], float] = time.monotonic,
+         say: Callable[[str], None] | None = None) -> Met:
     """Machine ``rank``'s side (> 0): reach machine 0 at ``address:port``, retrying until ``timeout_s``,
     send this machine's settings and read the verdict.
 
     Args:
         folder: this machine's checkpoint folder (None or ``""``: none), see :func:`serve`.
+        clock: seconds, monotonic (tests inject one).
+        say: where a waiting line goes (default: stderr): after :data:`_GRACE_S` seconds without a verdict,
+            once while machine 0 does not answer (``waits for machine 0 at 10.0.0.1:29500 (last try: ...)``),
+            and once while machine 0 waits for other ranks (the ranks machine 0 named, who came from where).
 
     Returns:
         :class:`Met`: this machine's address and interface toward machine 0.
 
     Raises:
-        RendezvousError: machine 0 did not answer within ``timeout_s`` seconds, or its verdict is not ``ok``.
+        RendezvousError: machine 0 did not answer within ``timeout_s`` seconds (naming the ranks it still
+            waited for, when it said), or its verdict is not ``ok``.
     """
-    deadline = clock() + timeout_s
+    say = say or _say
+    started = clock()
+    deadline = started + timeout_s
     where = f"{address}:{port}"
     last = "no answer"
     nonce = secrets.token_hex(8)
     mine_file = _write_folder_file(folder, rank, nonce)
     sock = None
+    said = False
     try:
         while sock is None:
-            left = deadline - clock()
+            now = clock()
+            left = deadline - now
             if left <= 0:
                 raise RendezvousError(
                     f"machine {rank} could not reach machine 0 at {where} within {timeout_s:g} s (rendezvous_timeout_s; "
@@ -457,10 +561,14 @@ def join(settings: dict, *, rank: int, address: str, port: int, timeout_s: float
                 sock = socket.create_connection((address, port), timeout=min(left, 5.0))
             except OSError as e:
                 last = e.strerror or ("no answer" if isinstance(e, TimeoutError) else type(e).__name__)
-                time.sleep(min(0.5, max(0.0, deadline - clock())))
+                now = clock()
+                if not said and now - started >= _GRACE_S:  # machine 0 is the one missing, or not reachable
+                    say(_waits(rank, f"machine 0 at {where} (last try: {last})", deadline - now))
+                    said = True
+                time.sleep(min(0.5, max(0.0, deadline - now)))
         with sock:
             met = _met(sock)
-            msg = {"rank": rank, "host": host or socket.gethostname(), "settings": settings}
+            msg = {"rank": rank, "host": host or socket.gethostname(), "settings": settings, "hears_waiting": True}
             if folder:  # machine 0 wrote its file before it listened: it is there now, if the folder is shared
                 head_nonce = _head_nonce(folder)
                 msg.update({"folder": folder, "folder_nonce": nonce, "head_nonce": head_nonce})
@@ -469,7 +577,7 @@ def join(settings: dict, *, rank: int, address: str, port: int, timeout_s: float
             except OSError as e:
                 raise RendezvousError(f"machine {rank} lost machine 0 at {where} while sending its settings "
                                       f"({e.strerror or e})") from None
-            answer = _line(sock, deadline, clock)
+            answer, waited, closed = _read_verdict(sock, rank, started + _GRACE_S, deadline, clock, say)
     finally:
         _remove(mine_file)
     verdict = answer
@@ -481,12 +589,52 @@ def join(settings: dict, *, rank: int, address: str, port: int, timeout_s: float
                 f"machine {rank} reached {where}, but what answered is not machine 0 of an llmeff train job (it said "
                 f"{shorten((answer.splitlines() or [''])[0], 80)!r}): check --main-process-ip and --main-process-port (machine 0's address, and a "
                 "port nothing else uses)") from None
+    if verdict is None and closed:
+        raise RendezvousError(f"machine {rank} lost machine 0 at {where} before its verdict (it closed the connection"
+                              f"{'; it waited for ' + waited if waited else ''}): machine 0's own error says why")
     if verdict is None:
+        what = (f"machine 0 still waits for {waited}; start `llmeff train --machine-rank R` with this "
+                "--main-process-ip on each, within the timeout" if waited else
+                "machine 0 waits for the other machines; start them all")
         raise RendezvousError(f"machine {rank} reached machine 0 at {where} but had no verdict within {timeout_s:g} s "
-                              "(rendezvous_timeout_s): machine 0 waits for the other machines; start them all")
+                              f"(rendezvous_timeout_s): {what}")
     if verdict != "ok":
         raise RendezvousError(verdict)
     return met
+
+
+def _read_verdict(sock: socket.socket, rank: int, quiet_until: float, deadline: float, clock,
+                  say: Callable[[str], None]) -> tuple[str | None, str | None, bool]:
+    """Machine ``rank``'s wait for machine 0's verdict on ``sock``: its ``llmeff_waiting`` lines on the way keep
+    what machine 0 waits for, said once from ``quiet_until`` on.
+
+    Returns:
+        ``(answer, waited, closed)``: the first other line (the verdict; None: none before ``deadline``), what
+        machine 0 last said it waited for (``machine_rank 1 of 3 (came: ...)``; None: it did not say), and
+        whether machine 0 closed the connection without an answer.
+    """
+    lines = _Lines(sock)
+    waited, said = None, False
+    while True:
+        now = clock()
+        if waited is not None and not said and now >= quiet_until:
+            say(_waits(rank, waited, deadline - now))
+            said = True
+        if now >= deadline:
+            return None, waited, False
+        line = lines.next(min(deadline - now, _TICK_S))
+        if line is None:
+            if lines.closed:
+                return None, waited, True
+            continue
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return line, waited, False
+        known = _status(msg) if isinstance(msg, dict) and "llmeff_waiting" in msg else None
+        if known is None:
+            return line, waited, False
+        waited = _awaited(*known)
 
 
 def _head_nonce(folder: str, wait_s: float | None = None) -> str | None:
