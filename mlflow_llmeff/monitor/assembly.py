@@ -180,7 +180,7 @@ def set_up_step_timing(p: Parts, model, contention_meter) -> None:
     cuda = p.device is not None and p.device.type == "cuda"
     p.steps = StepTimes()
     p.devclock = DeviceStepClock(cuda_event_factory()) if cuda else None
-    # this attempt's steady steps' phase times (stragglers) are summed in p.record; the timer takes them
+    # this attempt's steady steps' phase times (stragglers) are summed in p.phase_totals; the timer takes them
     p.phases = None
     inner = unwrap_model(model) if model is not None else None
     if inner is not None and p.world_size > 1 and hasattr(inner, "register_forward_pre_hook"):

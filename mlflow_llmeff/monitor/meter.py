@@ -324,23 +324,19 @@ class EfficiencyMonitor:
                        samples=samples, sum_len_sq=sum_len_sq, loss=loss)
         try:
             p = self._p
-            rec, meter, tally = p.record, p.meter, p.tally
-            if learning_rate is not None:
-                rec.lr = float(learning_rate)
+            meter, tally, window = p.meter, p.tally, p.window
             tally.end_step()
             if p.devclock is not None:
                 p.devclock.step_end()
-            step = meter.step + rec.pending_steps + 1
+            step = meter.step + window.steps + 1
             log_now = step % self.log_every_n_steps == 0
             at_edge = log_now or edge or step == meter.warmup_end_step
             if at_edge:
                 collectives.synchronize(p.device)
             warmup = meter.is_warmup(step)
             seconds = p.ledger.step_done(warmup)
-            rec.pending_s += seconds
-            rec.pending_steps += 1
-            if not warmup:
-                rec.pending_step_s.append(seconds)
+            window.add(seconds, warmup, learning_rate)
+            rec = p.record
             if rec.shape_tags_pending or (not rec.shape_varied and tally.varies):  # the first step, or the
                 binding.note_shape(p)  # first whose batch shape differs from the first one's: once each
             if at_edge:
@@ -513,7 +509,7 @@ class EfficiencyMonitor:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed attempt needs to continue (JSON-safe). A collective: call on every rank."""
         p = self._p
-        if p.record.pending_steps and not self._broken:
+        if p.window.steps and not self._broken:
             points.edge(p)
         if not self._broken:
             points.refresh_consumption(p)

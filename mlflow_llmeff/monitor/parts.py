@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from mlflow_llmeff.monitor.steptimes import PHASES
+from mlflow_llmeff.monitor.steptimes import PhaseTotals, Window
 
 if TYPE_CHECKING:  # the components' types, for the reader: parts.py builds none of them
     from mlflow_llmeff.calc.goodput import TimeLedger
@@ -53,13 +53,6 @@ class RunRecord:
     """What a monitor has recorded of its run, beyond its components' own state (one per monitor).
 
     Attributes:
-        pending_steps: optimizer steps since the last window edge (not yet in the throughput meter).
-        pending_s: their step seconds (host clock).
-        pending_step_s: seconds of each steady one of them (warm-up steps left out).
-        phase_s: this attempt's steady steps' seconds by compute phase (forward, backward, optimizer).
-        phase_steps: the steady steps whose phases were timed.
-        phase_step_s: their step seconds (the straggler figures divide by them).
-        lr: the learning rate last given to ``step()`` (None: read from the optimizer).
         nonfinite: ``(step, value)`` of the first logged non-finite ``train/loss``, else None.
         totals_step: the step of the last logged running totals (-1: none yet).
         latest: the interval metrics of the last logged step.
@@ -90,13 +83,6 @@ class RunRecord:
         end_status: the MLflow status the run ends with.
     """
 
-    pending_steps: int = 0
-    pending_s: float = 0.0
-    pending_step_s: list[float] = field(default_factory=list)
-    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    phase_steps: int = 0
-    phase_step_s: float = 0.0
-    lr: float | None = None
     nonfinite: tuple[int, float] | None = None
     totals_step: int = -1
     latest: dict[str, float] = field(default_factory=dict)
@@ -152,6 +138,8 @@ class Parts:
             energy meter, carbon tracker, consumption totals, step times, device step clock or None,
             phase timer or None, contention meter, memory watch (where every byte goes), run logger, the MLflow run's handle or None).
         compiles: the :class:`~mlflow_llmeff.monitor.compiles.CompileWatch` (torch.compile inside steps).
+        window: the steps since the last window edge (:class:`~mlflow_llmeff.monitor.steptimes.Window`).
+        phase_totals: this attempt's steady phase seconds (:class:`~mlflow_llmeff.monitor.steptimes.PhaseTotals`).
         record: the :class:`RunRecord`.
     """
 
@@ -193,6 +181,8 @@ class Parts:
     compiles: CompileWatch | None = None
     logger: Any = None
     run: RunHandle | None = None
+    window: Window = field(default_factory=Window)
+    phase_totals: PhaseTotals = field(default_factory=PhaseTotals)
     record: RunRecord = field(default_factory=RunRecord)
 
     @property
@@ -203,12 +193,12 @@ class Parts:
     @property
     def step_count(self) -> int:
         """Optimizer steps seen (earlier attempts and ``start_step`` included), the pending ones too."""
-        return self.meter.step + self.record.pending_steps
+        return self.meter.step + self.window.steps
 
     def forward_counts(self) -> bool:
         """True while a forward pass is part of a steady step (not warm-up, not inside a declared pause)."""
         meter = self.meter  # (read by the phase timer's hooks inside every step: the step count inlined)
-        return not self.ledger.paused and meter.step + self.record.pending_steps + 1 > meter.warmup_end_step
+        return not self.ledger.paused and meter.step + self.window.steps + 1 > meter.warmup_end_step
 
     def assumptions(self) -> dict[str, str]:
         """What the monitor took for the user (precision, list price) and what its carbon figures assume

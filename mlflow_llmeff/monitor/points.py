@@ -40,14 +40,14 @@ log = logging.getLogger("mlflow_llmeff.monitor.meter")  # the monitor's own logg
 def edge(p: Parts, collective: bool = True) -> None:
     """Account the pending steps: counts summed over ranks (with ``collective`` on several ranks: a
     collective), with their step seconds, into the throughput meter and the step times."""
-    rec = p.record
+    window = p.window
     reduce = partial(reduce_counts, p) if (collective and p.world_size > 1) else None
     if p.compiles is not None:  # torch.compile called after the monitor started: listen from here on
         p.compiles.install()
-    counts = p.tally.take(rec.pending_steps, reduce=reduce)
-    p.meter.add(counts, rec.pending_s)
-    time_steps(p, counts, rec.pending_s)
-    rec.pending_steps, rec.pending_s = 0, 0.0
+    counts = p.tally.take(window.steps, reduce=reduce)
+    p.meter.add(counts, window.seconds)
+    time_steps(p, counts, window.seconds)
+    window.close()
 
 
 def reduce_counts(p: Parts, t):
@@ -79,7 +79,7 @@ def time_steps(p: Parts, counts, window_s: float) -> None:
     """Keep the per-step seconds (device events on CUDA) and phase times of a steady window just added."""
     device_s = p.devclock.take(window_s) if p.devclock is not None else None
     phase_s = p.phases.take() if p.phases is not None else None
-    host_s, p.record.pending_step_s = p.record.pending_step_s, []
+    host_s = p.window.take_steady()
     # a window with a compilation booked: the device events hold its gap, the host's step times do not
     touched = p.compiles is not None and p.compiles.take_touched()
     if counts.steps == 0 or p.meter.is_warmup(p.meter.step):
@@ -87,10 +87,7 @@ def time_steps(p: Parts, counts, window_s: float) -> None:
     secs = device_s if device_s is not None and len(device_s) == len(host_s) and not touched else host_s
     p.steps.add_window(secs, counts.tokens)
     if phase_s is not None:
-        for phase, s in phase_s.items():
-            p.record.phase_s[phase] += s
-        p.record.phase_steps += counts.steps
-        p.record.phase_step_s += sum(secs)
+        p.phase_totals.add(phase_s, counts.steps, secs)
 
 
 def absent_text(absent: dict[str, str]) -> str:
@@ -201,7 +198,7 @@ def log_eval(p: Parts, values: dict[str, float], step: int) -> None:
 def log_ttq(p: Parts, newly, step: int) -> None:
     """``ttq/<target>_*`` at the first step the targets ``newly`` are reached (``docs/time.md``, "Time to quality");
     a collective (pending steps are accounted, consumption read over ranks)."""
-    if p.record.pending_steps:
+    if p.window.steps:
         edge(p)
     refresh_consumption(p)
     seconds = p.ledger.snapshot()
@@ -300,8 +297,9 @@ def memory(p: Parts, collective: bool = True, fresh: bool = False) -> tuple[floa
 
 def learning_rate(p: Parts) -> float | None:
     """The learning rate given to ``step()``, else the optimizer's first group's, else None."""
-    if p.record.lr is not None:
-        return p.record.lr
+    lr = p.window.lr
+    if lr is not None:
+        return lr
     try:
         lr = p.optimizer.param_groups[0]["lr"] if p.optimizer is not None else None
         return float(lr) if lr is not None else None

@@ -27,7 +27,7 @@ import base64
 from array import array
 from typing import Any, Callable, Sequence
 
-__all__ = ["StepTimes", "DeviceStepClock", "PhaseTimer", "PHASES", "cuda_event_factory"]
+__all__ = ["StepTimes", "Window", "DeviceStepClock", "PhaseTimer", "PhaseTotals", "PHASES", "cuda_event_factory"]
 
 
 def cuda_event_factory() -> Callable[[], Any]:
@@ -84,6 +84,42 @@ class StepTimes:
         """Continue the steps of a checkpoint (no-op for an older checkpoint without them)."""
         if state:
             self.seconds, self.tokens = _unpack(state["seconds"]), _unpack(state["tokens"])
+
+
+class Window:
+    """The optimizer steps :meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.step` ended since the
+    last window edge (not yet in the throughput meter), and the learning rate it was last given.
+
+    Attributes (read them; :meth:`add`, :meth:`take_steady` and :meth:`close` change them):
+        steps: optimizer steps since the last window edge (>= 0).
+        seconds: their step seconds on the host clock (s).
+        steady_s: seconds of each steady one of them, in step order (warm-up steps left out).
+        lr: the learning rate last given to ``step()`` (None: read it from the optimizer).
+    """
+
+    __slots__ = ("steps", "seconds", "steady_s", "lr")
+
+    def __init__(self) -> None:
+        self.steps, self.seconds, self.steady_s, self.lr = 0, 0.0, [], None
+
+    def add(self, seconds: float, warmup: bool, lr=None) -> None:
+        """One more step of ``seconds`` (a warm-up one with ``warmup``), given ``lr`` (None: none given).
+        Called at every step: the fields are updated in place, nothing is allocated."""
+        if lr is not None:
+            self.lr = float(lr)
+        self.seconds += seconds
+        self.steps += 1
+        if not warmup:
+            self.steady_s.append(seconds)
+
+    def take_steady(self) -> list[float]:
+        """The steady steps' seconds since the last call (the list itself, handed over; a new one starts)."""
+        out, self.steady_s = self.steady_s, []
+        return out
+
+    def close(self) -> None:
+        """The window's steps and seconds are in the throughput meter: count from 0 again."""
+        self.steps, self.seconds = 0, 0.0
 
 
 class DeviceStepClock:
@@ -349,3 +385,35 @@ class PhaseTimer:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class PhaseTotals:
+    """This attempt's steady steps' seconds by compute phase (:data:`PHASES`), summed window by window
+    from a :class:`PhaseTimer`, and the step seconds of those steps: what a rank gives the straggler
+    figures (mean seconds per step, :func:`~mlflow_llmeff.monitor.summary.straggler_figures`)."""
+
+    __slots__ = ("_phase_s", "_steps", "_step_s")
+
+    def __init__(self) -> None:
+        self._phase_s = dict.fromkeys(PHASES, 0.0)
+        self._steps, self._step_s = 0, 0.0
+
+    def add(self, phase_s: dict[str, float], steps: int, step_s: Sequence[float]) -> None:
+        """A steady window: its seconds by phase ``{phase: s}``, its ``steps`` and their seconds ``(steps,)``."""
+        for phase, s in phase_s.items():
+            self._phase_s[phase] += s
+        self._steps += steps
+        self._step_s += sum(step_s)
+
+    @property
+    def steps(self) -> int:
+        """The steady steps whose phases were timed."""
+        return self._steps
+
+    def per_step(self, phases: Sequence[str]) -> tuple[dict[str, float], float | None]:
+        """Mean seconds per timed step of each of ``phases``, and the mean step seconds
+        (``({}, None)`` before a timed step)."""
+        n = self._steps
+        if not n:
+            return {}, None
+        return {phase: self._phase_s[phase] / n for phase in phases}, self._step_s / n

@@ -38,7 +38,7 @@ def conclude(p: Parts, collective: bool) -> dict[str, float]:
     it (rank 0 alone) that tail is left out and ``llmeff.autolog.note`` says so."""
     note = None
     step = p.step_count
-    if p.record.pending_steps:
+    if p.window.steps:
         if collective:
             points.edge(p)
         else:
@@ -230,12 +230,12 @@ def _rank_times(p: Parts) -> dict:
     """This rank's host, mean seconds per steady step of each phase it timed, and mean step time."""
     import socket
 
-    n = p.record.phase_steps
+    totals = p.phase_totals
     timer = p.phases
     timed = [phase for phase, ok in timer.timed.items() if ok] if timer is not None else []
-    out = {"host": socket.gethostname(), "address": os.environ.get("LLMEFF_HOST_ADDRESS") or None, "steps": n,
-           "phases": {phase: p.record.phase_s[phase] / n for phase in timed} if n else {},
-           "step_s": p.record.phase_step_s / n if n else None}
+    phases, step_s = totals.per_step(timed)
+    out = {"host": socket.gethostname(), "address": os.environ.get("LLMEFF_HOST_ADDRESS") or None,
+           "steps": totals.steps, "phases": phases, "step_s": step_s}
     if p.ledger is not None:  # this rank's data wait and step seconds, all attempts (llmeff.data_wait.ranks)
         seconds = p.ledger.seconds
         out.update(data_wait_s=seconds["warmup_data_wait"] + seconds["steady_data_wait"], train_s=p.ledger.train_s())
