@@ -89,11 +89,19 @@ def run_set_digest(runs, group_by: str, baseline: str) -> str:
     return h.hexdigest()[:20]
 
 
-def figures_key(experiment_id: str, runs, group_by: str, baseline: str) -> str:
-    """``<experiment id>-<run_set_digest>``: the key of a run set's figures. The experiment it names is the
+def figures_key(experiment_id: str, runs, group_by: str, baseline: str, content: str | None = None) -> str:
+    """``<experiment id>-<digest>``: the key of a run set's figures. The experiment it names is the
     one whose read permission a figure request needs (report/auth.py), and a key is only ever drawn from
-    that experiment's runs (:func:`_draw_again` checks the digest)."""
-    return f"{experiment_id}-{run_set_digest(runs, group_by, baseline)}"
+    that experiment's runs (:func:`_draw_again` checks the digest).
+
+    ``content``: the digest of what a database-backed store's read returned
+    (:attr:`mlflow_llmeff.report.source.Selection.content`), from which ``runs`` follow: digested with the
+    grouping and baseline instead of a pass over the runs (:func:`run_set_digest`, 0.16-0.2 s of CPU at
+    10,000 runs)."""
+    if content is None:
+        return f"{experiment_id}-{run_set_digest(runs, group_by, baseline)}"
+    digest = hashlib.sha1(json.dumps(["read", content, group_by, baseline]).encode()).hexdigest()[:20]
+    return f"{experiment_id}-{digest}"
 
 
 def _experiment_of(key: str) -> str:
@@ -365,7 +373,7 @@ def _draw_again(digest: str, args):
         sel, rep, group_by, baseline = _page_report(store, args["experiment"], args)
     except Exception:  # noqa: BLE001 - then the 404 page says to reload
         return None
-    if figures_key(args["experiment"], sel.runs, group_by, baseline or "") != digest:
+    if figures_key(args["experiment"], sel.runs, group_by, baseline or "", sel.content) != digest:
         return None
     _start_drawing(store, rep, digest)
     with _lock:
@@ -441,7 +449,7 @@ def experiment_page(experiment_id: str):
         # the filter form offers the values of every run: a second search only when a filter is on
         every = sel.runs if not sel.filter_string else select_runs(store, exp.experiment_id, "").runs
         group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
-        digest = figures_key(exp.experiment_id, sel.runs, group_by, baseline or "")
+        digest = figures_key(exp.experiment_id, sel.runs, group_by, baseline or "", sel.content)
         key = _page_key(digest, args, every)
         with _lock:
             parts = _pages.get(key)
@@ -457,8 +465,6 @@ def experiment_page(experiment_id: str):
         return _page("llmeff: error", f"<p class='error'>{html.escape(str(e))}</p>"
                                       f"<p><a href='{base()}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
                      400)
-    if hit is None and rep is not None:  # drawn in the background; the page does not wait (each image does)
-        _start_drawing(store, rep, digest)
     if parts is None:  # the page without its figures, kept for every request of the same runs and query
         text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figures_block=_FIGURES_MARK,
                        max_runs=None if all_runs == "1" else RUNS_SHOWN,
@@ -470,6 +476,10 @@ def experiment_page(experiment_id: str):
             _pages[key] = parts
             while len(_pages) > PAGE_CACHE_SIZE:
                 _pages.popitem(last=False)
+    if hit is None and rep is not None:  # drawn in the background; the page does not wait (each image does)
+        # started once the page is rendered: a drawing thread beside the rendering took its turns with
+        # the GIL from the page's own work
+        _start_drawing(store, rep, digest)
     if tkey:
         with _lock:
             _tokens[tkey] = (digest, key)
