@@ -546,6 +546,92 @@ def test_an_injected_private_reach_is_found():
     assert private_reaches(source) == [(11, "mon._tally"), (13, "mon._ledger"), (13, "mon.parts._logger")]
 
 
+#: The monitor's Parts as its helper modules name it (``p``) and as the monitor holds it (``self._p``).
+def _is_parts(node: ast.AST) -> bool:
+    return ((isinstance(node, ast.Name) and node.id == "p")
+            or (isinstance(node, ast.Attribute) and node.attr == "_p" and isinstance(node.value, ast.Name)
+                and node.value.id == "self"))
+
+
+#: Writes of a component's field from outside it, each with why it stays: ``(module, write)``.
+COMPONENT_WRITES = {
+    ("monitor.meter", "tally.micro"): "count() runs per micro-batch: a method call there is overhead issue 53 removes",
+}
+
+
+def component_writes(source: str) -> list[tuple[int, str]]:
+    """``(line, target)`` of every write of a monitor component's field in ``source`` (issue 52: a component
+    owns its fields, the others call its methods): ``p.<component>.<field> = ...`` (and ``+=``,
+    ``p.<component>.<field>[k] = ...``), with ``self._p`` for ``p``, and the same through a local name bound
+    to ``p.<component>`` in the function. A field of :class:`~mlflow_llmeff.monitor.parts.Parts` itself
+    (``p.device = ...``) is no component's; a mutating call (``p.x.y.update(...)``) or a component
+    handed in as an argument is not seen."""
+    found = set()
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        aliases = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign):
+                pairs = []
+                for t in node.targets:
+                    pairs += (zip(t.elts, node.value.elts) if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                              else [(t, node.value)])
+                aliases |= {t.id for t, v in pairs if isinstance(t, ast.Name) and isinstance(v, ast.Attribute)
+                            and _is_parts(v.value)}
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, ast.Store):
+                base = node.value  # x.y = ... writes x's field; x.y[k] = ... writes into x's field
+                if isinstance(node, ast.Subscript):
+                    base = base.value if isinstance(base, ast.Attribute) else None
+                if (isinstance(base, ast.Attribute) and _is_parts(base.value)) or (
+                        isinstance(base, ast.Name) and base.id in aliases):
+                    found.add((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def _monitor_sources() -> dict[str, str]:
+    return {m.removeprefix(PKG + "."): s for m, s in module_sources().items()
+            if m.startswith((f"{PKG}.monitor.", f"{PKG}.autologging"))}
+
+
+def test_no_monitor_module_writes_another_components_fields():
+    """The monitor's run record is gone (issue 52): each of its concerns is a component of
+    :class:`~mlflow_llmeff.monitor.parts.Parts` that owns its fields, and the helpers call its methods."""
+    found = [f"{module}:{line}: {target}" for module, source in _monitor_sources().items()
+             for line, target in component_writes(source) if (module, target) not in COMPONENT_WRITES]
+    assert found == []
+    made = {(module, target) for module, source in _monitor_sources().items() for _, target in component_writes(source)}
+    assert set(COMPONENT_WRITES) - made == set()  # an allowed write that is gone leaves the list
+
+
+def test_the_monitor_has_no_shared_run_record():
+    """No ``RunRecord`` class and no ``p.record`` / ``self._p.record`` read in the monitor or autologging."""
+    found = [f"{module}:{node.lineno}" for module, source in _monitor_sources().items()
+             for node in ast.walk(ast.parse(source))
+             if (isinstance(node, ast.ClassDef) and node.name == "RunRecord")
+             or (isinstance(node, ast.Attribute) and node.attr == "record" and _is_parts(node.value))]
+    assert found == []
+
+
+def test_an_injected_component_write_is_found():
+    source = (
+        "def edge(p, x):\n"
+        "    p.device = x  # a field of Parts itself: allowed\n"
+        "    p.window.steps = 0\n"
+        "    p.last.metrics['a'] += 1\n"
+        "    tally, n = p.tally, 3\n"
+        "    tally.micro += n\n"
+        "    p.reached.reach('k', 1)  # a method: allowed\n"
+        "\n"
+        "class M:\n"
+        "    def step(self):\n"
+        "        self._p.job.attempts = 2\n"
+    )
+    assert component_writes(source) == [(3, "p.window.steps"), (4, "p.last.metrics['a']"), (6, "tally.micro"),
+                                        (11, "self._p.job.attempts")]
+
+
 def test_the_architecture_page_names_every_layer():
     page = (ROOT.parent / "docs" / "architecture.md").read_text()
     missing = [name for name, prefixes in LAYERS[:-1] if f"`{prefixes[0].removeprefix(PKG + '.')}" not in page]

@@ -156,16 +156,17 @@ def test_llmeff_train_names_the_configuration_at_creation_and_the_first_step_kee
     cfg = TrainConfig(num_processes=2, precision="fp32")
     given = {names.MODEL_NAME: cfg.model, names.SEQ_LEN: str(cfg.seq_len),  # the tags train/loop.py gives
              names.GLOBAL_BATCH_TOKENS: str(resolve(cfg, Machine(cuda=False, bf16=True)).global_batch_tokens)}
-    meter.record.name_parts, meter.record.name_given = binding.name_parts(meter, given), (given, "")
-    assert study_name(meter.record.name_parts) == STEM
+    meter.naming.named(binding.name_parts(meter, given))
+    meter.naming.given_by_caller(given, "")
+    assert study_name(meter.naming.parts) == STEM
     assert _first_step(meter) == []  # nothing new: no rename
 
 
 def test_autologs_own_run_gets_the_batch_parts_at_its_first_step(meter):
     from mlflow_llmeff.monitor import binding
 
-    meter.record.name_parts = binding.name_parts(meter)  # created before any step: no batch shape yet
-    assert study_name(meter.record.name_parts) == "tiny-ddp2-fp32-cpu"
+    meter.naming.named(binding.name_parts(meter))  # created before any step: no batch shape yet
+    assert study_name(meter.naming.parts) == "tiny-ddp2-fp32-cpu"
     assert _first_step(meter) == [STEM]  # the trial's HF Trainer run stayed 'llama-single-fp32-cpu'
 
 
@@ -178,8 +179,8 @@ def _shaped(meter, given: dict | None = None):
     meter.rank, meter.world_size = 0, 2
     meter.tally = SimpleNamespace(first_shape=(8, 128, 1))
     meter.counting = SimpleNamespace(slices=1, copies=1)
-    meter.record.given_tags, meter.record.name_given = set(given or {}), (dict(given or {}), None)
-    meter.record.name_parts = binding.name_parts(meter, given)
+    meter.naming.given_by_caller(given or {}, None)
+    meter.naming.named(binding.name_parts(meter, given))
     return meter
 
 
@@ -238,7 +239,7 @@ def test_every_path_names_one_configuration_alike(meter, tracking_uri, monkeypat
     set_tags = lambda tags: [client.set_tag(trainer, k, v) for k, v in tags.items()]  # noqa: E731
     assert binding.name_adopted_run(meter, exp, set_tags) == "tiny-ddp2-fp32-cpu"
     assert _first_step(meter) == [STEM]
-    parts = meter.record.name_parts  # what the logger's name record carries
+    parts = meter.naming.parts  # what the logger's name record carries
     assert name_run(client, trainer, {"name_parts": parts}) == STEM + "-2"  # a repeat: the suffix
     assert client.get_run(trainer).info.run_name == STEM + "-2" and client.get_run(taken).info.run_name == STEM
 

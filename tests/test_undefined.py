@@ -122,7 +122,7 @@ def test_an_interval_without_a_steady_tokens_per_sec_to_centre_on_is_absent_not_
     assert steps.analyse().ci95 is not None
     assert names.SUM_TPS_CI95_LOW not in out and names.SUM_TPS_CI95_HIGH not in out
     why = "no steady-state tokens/s to centre the interval on"
-    assert mon.record.absent == {names.SUM_TPS_CI95_LOW: why, names.SUM_TPS_CI95_HIGH: why}
+    assert mon.summary_absent.why == {names.SUM_TPS_CI95_LOW: why, names.SUM_TPS_CI95_HIGH: why}
 
 
 def test_a_run_that_never_left_warm_up_logs_no_rate_and_says_why(tracking_uri):
@@ -174,7 +174,7 @@ def test_a_straggler_ratio_over_a_rank_without_a_timed_step_is_absent_not_comput
     mon = _stub(world_size=2)
     out = summary.stability_figures(mon, collective=True)
     assert names.SUM_STRAGGLER_RATIO not in out and names.SUM_PHASE_STRAGGLER["backward"] not in out
-    assert mon.record.absent[names.SUM_STRAGGLER_RATIO] == "no timed steady step on rank 0"
+    assert mon.summary_absent.why[names.SUM_STRAGGLER_RATIO] == "no timed steady step on rank 0"
     # both ranks timed theirs: compute 12 ms vs a median of (10 + 12) / 2 ms
     monkeypatch.setattr(collectives, "all_gather_object",
                         lambda obj: _ranks((0.003, 0.006, 0.001), (0.003, 0.008, 0.001)))
@@ -183,7 +183,7 @@ def test_a_straggler_ratio_over_a_rank_without_a_timed_step_is_absent_not_comput
     assert out[names.SUM_STRAGGLER_RATIO] == pytest.approx(0.012 / 0.011)
     assert out[names.SUM_PHASE_STRAGGLER["backward"]] == pytest.approx(0.008 / 0.007)
     assert out[names.SUM_PHASE_STRAGGLER["forward"]] == 1.0
-    assert names.SUM_STRAGGLER_RATIO not in mon.record.absent
+    assert names.SUM_STRAGGLER_RATIO not in mon.summary_absent.why
 
 
 def test_a_phase_not_timed_on_some_rank_has_no_ratio_and_says_why(monkeypatch):
@@ -195,7 +195,7 @@ def test_a_phase_not_timed_on_some_rank_has_no_ratio_and_says_why(monkeypatch):
     mon = _stub(world_size=2)
     out = summary.stability_figures(mon, collective=True)
     assert out[names.SUM_STRAGGLER_RATIO] == pytest.approx(0.011 / 0.010)  # forward + backward only
-    assert mon.record.absent[names.SUM_PHASE_STRAGGLER["optimizer"]] == "optimizer not timed on rank 1 (its optimizer has no step hooks)"
+    assert mon.summary_absent.why[names.SUM_PHASE_STRAGGLER["optimizer"]] == "optimizer not timed on rank 1 (its optimizer has no step hooks)"
 
 
 def test_model_state_bytes_per_param_of_a_model_without_parameters_is_absent_not_0():
@@ -203,7 +203,7 @@ def test_model_state_bytes_per_param_of_a_model_without_parameters_is_absent_not
 
     mon = Parts(model=torch.nn.Module(), optimizer=SimpleNamespace(state={}))
     assert summary._memory_figures(mon, collective=False) == {}  # was {summary/model_state_bytes_per_param: 0.0}
-    assert mon.record.absent == {names.SUM_MODEL_STATE_BYTES_PER_PARAM: "the model has no parameters"}
+    assert mon.summary_absent.why == {names.SUM_MODEL_STATE_BYTES_PER_PARAM: "the model has no parameters"}
     mon = Parts(model=torch.nn.Linear(4, 2, bias=False), optimizer=SimpleNamespace(state={}))
     # 8 fp32 weights and their 8 gradients (counted at their size), no optimizer state: 8 bytes a parameter
     assert summary._memory_figures(mon, collective=False) == {names.SUM_MODEL_STATE_BYTES_PER_PARAM: 8.0}

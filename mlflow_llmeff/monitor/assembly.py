@@ -196,7 +196,7 @@ def start_meters(p: Parts) -> None:
     """Start the carbon tracker (its grid intensity prices the consumption's carbon) and note the set-up
     seconds of this attempt before the energy meter started (:func:`note_energy_head_gap`)."""
     p.carbon.start()
-    p.consumption.intensity_g_per_kwh = p.carbon.intensity_g_per_kwh
+    p.consumption.price_carbon(p.carbon.intensity_g_per_kwh)
     note_energy_head_gap(p)
 
 
@@ -209,7 +209,7 @@ def note_energy_head_gap(p: Parts) -> None:
     except Exception:  # noqa: BLE001 - an unreadable meter leaves the span as it is
         return
     attempt = p.ledger.snapshot()["init"] - p.ledger.seconds["init"]  # still in init: this attempt so far
-    p.consumption.head_gap_s += max(0.0, attempt - elapsed)
+    p.consumption.add_head_gap(max(0.0, attempt - elapsed))
 
 
 def start_clock(p: Parts) -> None:
@@ -244,10 +244,9 @@ def state(p: Parts) -> dict:
     ledger = p.ledger.state_dict()  # its seconds date the device-seconds below
     seconds = ledger["seconds"]
     consumption = p.consumption.state_dict(wall_s=wall_of(seconds), init_s=seconds.get("init", 0.0))
-    rec = p.record
     return {"step": p.meter.step, "throughput": p.meter.state_dict(),
             "ledger": ledger, "consumption": consumption,
-            "ttq_reached": dict(rec.reached), "attempts": rec.attempts, "run_id": p.logger.run_id,
+            "ttq_reached": p.reached.state(), "attempts": p.job.attempts, "run_id": p.logger.run_id,
             "hfu_counted": p.account.state(),
             "step_times": p.steps.state_dict(), "shapes": p.tally.shape_state(),
             "saved_at_unix": time.time()}
@@ -256,19 +255,19 @@ def state(p: Parts) -> dict:
 def resume(p: Parts, state: dict) -> None:
     """Continue counters, clock, consumption, step times, reached targets, the counted HFU ratio and the
     batch shapes seen from a checkpoint's state (:meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.state_dict`)."""
-    rec = p.record
+    job = p.job
     p.meter = ThroughputMeter(num_devices=p.world_size, warmup_steps=p.warmup_steps)
     p.meter.load_state_dict(state["throughput"])
     p.ledger.load_state_dict(state["ledger"])
     # the checkpoint's clock at the devices its attempts held (a checkpoint without them: this many)
     seconds, held = state["ledger"]["seconds"], state.get("consumption", {})
-    rec.tail_devices = int(held.get("devices") or p.world_size)  # the writer's, for its lost tail
+    job.written_on(int(held.get("devices") or p.world_size))  # the writer's, for its lost tail
     wall, init = wall_of(seconds), float(seconds.get("init", 0.0))
-    p.consumption.add_earlier(wall, device_s=float(held.get("device_s", wall * rec.tail_devices)), init_s=init,
-                              init_device_s=float(held.get("init_device_s", init * rec.tail_devices)))
-    p.consumption.prior_devices = tuple(int(n) for n in held.get("device_counts", [rec.tail_devices]))
-    rec.reached = {k: int(v) for k, v in state.get("ttq_reached", {}).items()}
-    rec.attempts = int(state.get("attempts", 1)) + 1
+    p.consumption.add_earlier(wall, device_s=float(held.get("device_s", wall * job.tail_devices)), init_s=init,
+                              init_device_s=float(held.get("init_device_s", init * job.tail_devices)))
+    p.consumption.earlier_devices(tuple(int(n) for n in held.get("device_counts", [job.tail_devices])))
+    p.reached.load(state.get("ttq_reached", {}))
+    job.set_attempts(int(state.get("attempts", 1)) + 1)
     p.consumption.resume(state.get("consumption", {}), {})
     p.steps.load_state_dict(state.get("step_times"))
     p.account.load(state.get("hfu_counted"))  # counted in an earlier attempt: not again

@@ -7,8 +7,9 @@ continue, else a new one named by :func:`~mlflow_llmeff.tracking.naming.study_na
 (:func:`condition_tags`), and on a resumed attempt accounts what the crashed attempt did after its
 checkpoint (:func:`account_crashed_tail`, from the server's last points or the heartbeat file,
 :func:`write_heartbeat`); the run's name follows the first step's batch shape (:func:`tag_shape`,
-:func:`varying_shape`). These functions work on the monitor's components and run record
-(:class:`~mlflow_llmeff.monitor.parts.Parts`, ``p``): they are the part of the monitor that talks to
+:func:`varying_shape`). These functions work on the monitor's components
+(:class:`~mlflow_llmeff.monitor.parts.Parts`, ``p``; the name and the caller's tags are its
+:class:`~mlflow_llmeff.monitor.conditions.RunNaming`): they are the part of the monitor that talks to
 MLflow about the run itself, kept out of the step's story.
 """
 
@@ -46,8 +47,8 @@ HEARTBEAT_KEYS = (names.ENERGY_TOTAL_KWH, names.ENERGY_ESTIMATE_CPU_KWH, names.E
 def open_run(p: Parts, run_id, run_name, experiment_name, extra_tags, params, resume_state) -> None:
     """Rank 0: open or continue the MLflow run, tag the conditions, account a crashed attempt's tail.
 
-    Sets ``p.run``, ``p.logger``, ``p.record.created_after_s`` (seconds from the attempt's start to
-    the run's creation; None for a run an earlier attempt created) and ``p.record.given_tags``.
+    Sets ``p.run`` and ``p.logger``, and tells ``p.naming`` the name's parts, the caller's tags and
+    when the run was created (seconds from the attempt's start; None for a run an earlier attempt created).
     """
     from mlflow_llmeff.tracking import store
 
@@ -61,21 +62,20 @@ def open_run(p: Parts, run_id, run_name, experiment_name, extra_tags, params, re
     named_here = h.owned and (not h.resumed or h.fresh_since_unix is not None
                               or any("create" in r for r in h.pending))
     # the name's parts, for the first step to complete (its batch shape); None: not a name we gave
-    p.record.name_parts = parts if run_name is None and named_here else None
-    p.record.name_given = (dict(extra_tags), params.get("eval_tasks"))
+    naming = p.naming
+    naming.named(parts if run_name is None and named_here else None)
+    naming.given_by_caller(extra_tags, params.get("eval_tasks"))
     # seconds from this attempt's start to the run's creation (None: a run created by an earlier attempt)
-    p.record.created_after_s = None if p.run.resumed and p.run.fresh_since_unix is None else \
-        p.clock() - p.attempt_start
+    naming.created(None if p.run.resumed and p.run.fresh_since_unix is None else p.clock() - p.attempt_start)
     if p.run.fresh_since_unix is not None and not resume_state:  # mlflow run: the run's wall time
         p.ledger.start_earlier(p.clock() - max(0.0, time.time() - p.run.fresh_since_unix))
-        p.record.created_after_s = 0.0  # the launcher created it; the wall time starts there too
+        naming.created(0.0)  # the launcher created it; the wall time starts there too
     p.logger = RunLogger(p.run.run_id, client, resume=p.run.resumed, outbox_dir=p.outbox_dir,
                          first=p.run.pending, unanswered=p.run.unanswered, local_id=p.run.local_id)
     if resume_state:
         account_crashed_tail(p, resume_state)
-    p.record.given_tags = set(extra_tags)
     changed = p.logger.log_params(params) if params else {}
-    tags = {**condition_tags(p), **extra_tags, names.RESUME_ATTEMPTS: str(p.record.attempts)}
+    tags = {**condition_tags(p), **extra_tags, names.RESUME_ATTEMPTS: str(p.job.attempts)}
     if resume_state:
         tags[names.RESUMED_FROM] = str(p.meter.step)
     if changed:
@@ -111,20 +111,18 @@ def continue_job(p: Parts, down_s: float, earlier_s: dict[str, float], tail_end_
     :meth:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor.continue_job` documents them): their seconds
     by category into the clock and the consumption, the resumed writer's lost tail moved to its last
     completed step, and, with no checkpoint resumed, energy continued from the run's newest totals."""
-    rec = p.record
-    rec.down_s = down_s
+    job = p.job
+    job.set_down(down_s)
     for category, seconds in earlier_s.items():
         p.ledger.add(category, seconds)
         p.consumption.add_earlier(seconds, device_s=earlier_device_s.get(category, seconds * p.world_size),
                                   init_s=seconds if category == "init" else 0.0,
                                   init_device_s=earlier_device_s.get(category) if category == "init" else 0.0)
-    if tail_end_unix is not None and rec.tail_lost is not None:
-        added, saved = rec.tail_lost
-        lost = max(0.0, float(tail_end_unix) - saved)
-        p.ledger.add("lost_progress", lost - added)
-        p.consumption.add_earlier(lost - added, rec.tail_devices)
-        rec.tail_lost = (lost, saved)
-    elif earlier_s and rec.tail_lost is None and p.is_main and p.run is not None:
+    more = job.move_tail_end(tail_end_unix)
+    if more is not None:
+        p.ledger.add("lost_progress", more)
+        p.consumption.add_earlier(more, job.tail_devices)
+    elif earlier_s and job.tail_lost is None and p.is_main and p.run is not None:
         continue_consumption(p)
 
 
@@ -140,8 +138,8 @@ def account_crashed_tail(p: Parts, state: dict) -> None:
     if newest is not None and saved is not None:
         lost = max(0.0, float(newest) - float(saved))
         p.ledger.add("lost_progress", lost)
-        p.consumption.add_earlier(lost, p.record.tail_devices)  # the checkpoint's writer ran it on its devices
-        p.record.tail_lost = (lost, float(saved))  # continue_job may move its end to the last completed step
+        p.consumption.add_earlier(lost, p.job.tail_devices)  # the checkpoint's writer ran it on its devices
+        p.job.lose_tail(lost, float(saved))  # continue_job may move its end to the last completed step
 
 
 def name_parts(p: Parts, extra_tags: dict | None = None, eval_tasks: str | None = None,
@@ -167,27 +165,26 @@ def name_adopted_run(p: Parts, experiment_id: str, set_tags: Callable[[dict[str,
     """
     from mlflow_llmeff.tracking import store
 
-    extra, evals = p.record.name_given
-    parts = name_parts(p, extra, evals)
+    parts = name_parts(p, p.naming.given, p.naming.eval_tasks)
     name = runs.unique_run_name(store.client(), experiment_id, "", exclude_run_id=p.logger.run_id, parts=parts)
     if name:
         set_tags({"mlflow.runName": name})
-        p.record.name_parts = parts
+        p.naming.named(parts)
     return name
 
 
 def rename_when_shaped(p: Parts, shape: dict[str, str]) -> None:
-    """A run this meter named before its first step (``p.record.name_parts``) is named again with the
+    """A run this meter named before its first step (``p.naming.parts``) is named again with the
     batch shape's parts (global batch, sequence length) once that step told them, so its name is
     the one ``llmeff train`` gives the same configuration, and again without them when the shape
     varies (:func:`varying_shape`); the uniqueness search runs on the logger's delivery thread
     (the step never waits)."""
-    before = p.record.name_parts
+    naming = p.naming
+    before = naming.parts
     if before is None:
         return
-    extra, evals = p.record.name_given
-    after = name_parts(p, extra, evals, shape)
-    p.record.name_parts = after
+    after = name_parts(p, naming.given, naming.eval_tasks, shape)
+    naming.named(after)
     if study_name(after) != study_name(before):
         p.logger.rename(after)
 
@@ -255,11 +252,11 @@ def note_shape(p: Parts) -> None:
     """Inside a step (the tags never wait): the first step tags its batch shape (:func:`tag_shape`); the
     first step whose batch shape differs from the first one's tags it ``dynamic`` (:func:`varying_shape`;
     the end of the run tags the final range)."""
-    rec = p.record
-    if rec.shape_tags_pending:
+    naming = p.naming
+    if naming.shape_pending:
         tag_shape(p)
-    if not rec.shape_varied and p.tally.varies:
-        rec.shape_varied = True
+    if not naming.shape_varied and p.tally.varies:
+        naming.shape_varies()
         tags = varying_shape(p, p.tally.shapes)
         if tags:
             p.logger.set_tags(tags, synchronous=False)
@@ -276,13 +273,13 @@ def _first_shape_tags(p: Parts) -> dict[str, str]:
 def tag_shape(p: Parts) -> None:
     """Tag the batch shape of the first step (batch size, sequence length, accumulation, global batch),
     once, leaving out the tags the caller gave; inside the first step, so the tags do not wait."""
-    p.record.shape_tags_pending = False
+    p.naming.shape_tagged()
     late = fp8_after_first_step(p)
     if late and p.is_main:
         p.logger.set_tags(late, synchronous=False)
     if p.tally.first_shape is not None and p.is_main:
         shape = _first_shape_tags(p)
-        given = p.record.given_tags
+        given = p.naming.given_keys
         tags = {k: v for k, v in shape.items() if k not in given}
         if tags:
             p.logger.set_tags(tags, synchronous=False)  # inside the first step: no wait
@@ -308,7 +305,7 @@ def fp8_after_first_step(p: Parts) -> dict[str, str]:
             names.PEAK_TFLOPS: f"{a.peak_tflops:g}" if a.peak_tflops else "unknown", names.PEAK_SOURCE: a.peak_source}
     if a.peak_tflops is not None:
         tags[names.PEAK_PRECISION] = a.peak_precision
-    given = p.record.given_tags
+    given = p.naming.given_keys
     return {k: v for k, v in tags.items() if k not in given or k == names.PRECISION_SOURCE}
 
 
@@ -330,7 +327,7 @@ def varying_shape(p: Parts, shapes) -> dict[str, str]:
         return {}
     slices = p.counting.slices
     dynamic = cond.varying_shape_tags(dataclasses.replace(shapes, seq=(shapes.seq[0] * slices, shapes.seq[1] * slices)))
-    given = p.record.given_tags
+    given = p.naming.given_keys
     ranges = {names.SEQ_LEN: names.SEQ_LEN_RANGE, names.MICRO_BATCH_SIZE: names.MICRO_BATCH_SIZE_RANGE}
     # a range explains a 'dynamic' value: none beside a length or size the caller gave
     dropped = given | {ranges[k] for k in ranges if k in given}

@@ -16,7 +16,7 @@ from mlflow_llmeff.meters.memory import attention_tag, optimizer_tag, weights_ta
 
 __all__ = ["unwrap_model", "infer_precision", "infer_strategy", "is_compiled", "uses_activation_checkpointing",
            "recompute_plan", "model_name", "condition_tags", "shape_tags", "varying_shape_tags", "FLOPS_FORMULA_NOTE",
-           "WARMUP_NOTE"]
+           "WARMUP_NOTE", "RunNaming"]
 
 FLOPS_FORMULA_NOTE = ("megatron: L*h^2*(12+12g/n+18f/h+6s/h)+6hV per token, causal attention counted once "
                       "(Megatron-LM num_floating_point_operations); palm beside it")
@@ -253,3 +253,50 @@ def varying_shape_tags(shapes) -> dict[str, str]:
     if tags:
         tags[names.GLOBAL_BATCH_TOKENS] = names.SHAPE_DYNAMIC
     return tags
+
+
+class RunNaming:
+    """The run's name as the meter gave it, the tags its caller gave, and the batch-shape tags the
+    name follows (:mod:`~mlflow_llmeff.monitor.binding`: the first step's shape completes the name).
+
+    Attributes (read them; the methods change them):
+        parts: the name's parts when the meter named the run (None: a name it did not give).
+        given: the caller's tags the name was made from (they win over the meter's).
+        given_keys: their keys.
+        eval_tasks: the ``eval_tasks`` param the name was made with (None: none).
+        created_after_s: seconds from the attempt's start to the run's creation (None: an earlier
+            attempt's run).
+        shape_pending: the first step's batch shape is still to be tagged.
+        shape_varied: a micro-batch's shape differed from the first one's (tagged ``dynamic``).
+    """
+
+    __slots__ = ("parts", "given", "given_keys", "eval_tasks", "created_after_s", "shape_pending", "shape_varied")
+
+    def __init__(self) -> None:
+        self.parts: dict[str, str] | None = None
+        self.given: dict[str, str] = {}
+        self.given_keys: frozenset[str] = frozenset()
+        self.eval_tasks: str | None = None
+        self.created_after_s: float | None = None
+        self.shape_pending, self.shape_varied = True, False
+
+    def given_by_caller(self, tags: dict[str, str], eval_tasks: str | None) -> None:
+        """The caller gave ``tags`` (a copy is kept) and the ``eval_tasks`` param."""
+        self.given, self.given_keys, self.eval_tasks = dict(tags), frozenset(tags), eval_tasks
+
+    def named(self, parts: dict[str, str] | None) -> None:
+        """The meter named the run from ``parts`` (None: the name is not the meter's)."""
+        self.parts = parts
+
+    def created(self, after_s: float | None) -> None:
+        """The run was created ``after_s`` seconds after the attempt started (None: by an earlier attempt)."""
+        self.created_after_s = after_s
+
+    def shape_tagged(self) -> None:
+        """The first step's batch shape is tagged."""
+        self.shape_pending = False
+
+    def shape_varies(self) -> None:
+        """A micro-batch's shape differed from the first one's (tagged once)."""
+        self.shape_varied = True
+

@@ -38,7 +38,7 @@ from mlflow_llmeff.meters import energy as en
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.cost import device_hours_cost_usd, usd_per_billion_tokens
 
-__all__ = ["Consumption"]
+__all__ = ["Consumption", "EnergyShare"]
 
 
 @dataclass
@@ -103,6 +103,18 @@ class Consumption:
         self.domains = int(devices)
         self.unmeasured = dict(unmeasured or {})
         self.shared = dict(shared or {})
+
+    def price_carbon(self, intensity_g_per_kwh: float | None) -> None:
+        """The grid intensity the carbon tracker found (g CO2e/kWh; None: no carbon figures)."""
+        self.intensity_g_per_kwh = intensity_g_per_kwh
+
+    def add_head_gap(self, seconds: float) -> None:
+        """``seconds`` of set-up ran before the energy meter started (in the wall time, not in the energy)."""
+        self.head_gap_s += seconds
+
+    def earlier_devices(self, counts: tuple[int, ...]) -> None:
+        """The device counts the earlier attempts held (a checkpoint's), for the tags."""
+        self.prior_devices = counts
 
     def add_earlier(self, seconds: float, devices: int | None = None, *, device_s: float | None = None,
                     init_s: float = 0.0, init_device_s: float | None = None) -> None:
@@ -377,3 +389,32 @@ class Consumption:
                              "not measured")
                 out[names.ENERGY_SPAN] = text + cost
         return out
+
+
+class EnergyShare:
+    """The energy devices this rank reports (each physical device is summed once over ranks,
+    :func:`~mlflow_llmeff.meters.energy.device_owners`), gathered once per run and again when a device
+    leaves the measurement.
+
+    Attributes (read them; :meth:`gathered` and :meth:`check` change them):
+        ids: the device ids this rank reports (None: not gathered yet).
+    """
+
+    __slots__ = ("ids", "_unmeasured")
+
+    def __init__(self) -> None:
+        self.ids: set[str] | None = None
+        self._unmeasured: float | None = None  # devices left out over every rank, when last gathered
+
+    def gathered(self, ids: set[str], unmeasured: float) -> None:
+        """Every rank's devices were gathered: this rank reports ``ids``; ``unmeasured`` devices were left out."""
+        self.ids, self._unmeasured = ids, unmeasured
+
+    def check(self, unmeasured: float) -> bool:
+        """``unmeasured`` devices are left out now (the sum over ranks); True, and the ids forgotten, when
+        that is not the number gathered (a device left the measurement: gather again, on every rank)."""
+        if unmeasured != self._unmeasured:
+            self.ids = None
+            return True
+        return False
+

@@ -18,7 +18,7 @@ from typing import Any
 from mlflow_llmeff import names
 from mlflow_llmeff.meters import memory as mem
 
-__all__ = ["MemoryWatch", "HISTORY_MAX_ENTRIES", "SNAPSHOT_ARTIFACT"]
+__all__ = ["MemoryWatch", "HeldPeak", "HISTORY_MAX_ENTRIES", "SNAPSHOT_ARTIFACT"]
 
 #: Allocation events the CUDA allocator's history keeps (torch.cuda.memory._record_memory_history);
 #: the oldest are dropped past it.
@@ -116,6 +116,20 @@ class MemoryWatch:
         self.history = "stacks" if stacks else "events"
 
     # ------------------------------------------------------------------ tags
+    def learn_device(self, device) -> None:
+        """The device the model lives on, once known (a model-less monitor learns it from the first batch;
+        None keeps the one known)."""
+        if device is not None:
+            self.device = device
+
+    def note_given(self, tags: dict[str, str]) -> None:
+        """Tags the caller set on the run (an ``llmeff.error`` given is kept: an OOM adds its largest term)."""
+        self.given.update(tags)
+
+    def keep_end_tags(self, tags: dict[str, str]) -> None:
+        """The tags of the last :meth:`figures`, for the summary's end tags."""
+        self.end_tags = tags
+
     def optimizer_tags(self, optimizer) -> dict[str, str]:
         """``{llmeff.optimizer: ...}`` once the optimizer holds states (first call that finds them), else
         ``{}``: called at every logged point (:func:`~mlflow_llmeff.monitor.points.log_interval`);
@@ -262,3 +276,34 @@ class MemoryWatch:
             tags[names.ERROR] = names.shorten(f"{given}; {largest}" if given else
                                               f"CUDA out of memory ({names.shorten(first, 200)}); {largest}", 1000)
         return tags
+
+
+class HeldPeak:
+    """The peak memory a monitor last read for its interval keys, and where it was read
+    (:func:`~mlflow_llmeff.monitor.points.memory`: a CPU process's peak RSS is a system call, read
+    again at most every ``refresh_s``).
+
+    Attributes (read them; :meth:`read` changes them):
+        source: where the peak was last read (``llmeff.memory.source``; None: never read).
+    """
+
+    __slots__ = ("source", "_held")
+
+    def __init__(self) -> None:
+        self.source: str | None = None
+        self._held: tuple[float, float, float] | None = None  # (clock s, allocated GiB, reserved GiB)
+
+    def reuse(self, now: float, refresh_s: float) -> tuple[float, float, str] | None:
+        """``(allocated GiB, reserved GiB, source)`` held from a reading less than ``refresh_s`` before
+        ``now`` (seconds on the monitor's clock), else None (read again)."""
+        held = self._held
+        if held is None or now - held[0] >= refresh_s:
+            return None
+        return held[1], held[2], self.source
+
+    def read(self, now: float, alloc: float, reserved: float, source: str, hold: bool) -> None:
+        """A reading at ``now`` from ``source`` (GiB); ``hold``: keep it for :meth:`reuse` (a CPU peak)."""
+        self.source = source
+        if hold:
+            self._held = (now, alloc, reserved)
+

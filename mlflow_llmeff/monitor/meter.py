@@ -26,7 +26,7 @@ monitor after construction warns once and turns it into a no-op; it never stops 
 arguments raise ``ValueError``.
 
 The class reads as the story of a step. What it measures with is one
-:class:`~mlflow_llmeff.monitor.parts.Parts` (the components, what set-up decided, and the run record),
+:class:`~mlflow_llmeff.monitor.parts.Parts` (the components and what set-up decided),
 the one interface of its helper modules: set-up (:mod:`~mlflow_llmeff.monitor.assembly`), the MLflow run
 (:mod:`~mlflow_llmeff.monitor.binding`), the logged points and window edges
 (:mod:`~mlflow_llmeff.monitor.points`) and the end-of-run summary (:mod:`~mlflow_llmeff.monitor.summary`);
@@ -174,7 +174,7 @@ class EfficiencyMonitor:
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
         counting = assembly.token_counting(self.world_size, data_parallel_size, context_parallel_size)
-        # the components and the run record, the one object the helper modules work on (parts.py)
+        # the components and what set-up decided, the one object the helper modules work on (parts.py)
         self._p = p = Parts(world_size=self.world_size, rank=self.rank, counting=counting, warmup_steps=warmup_steps,
                             clock=clock, attempt_start=attempt_start, integration=integration, model=model,
                             optimizer=optimizer, targets=targets_, subject_metrics=bool(eval_subject_metrics),
@@ -239,8 +239,8 @@ class EfficiencyMonitor:
             raise ValueError(f"down time {down_s} s is negative")
         binding.continue_job(self._p, float(down_s), earlier_s or {}, tail_end_unix, earlier_device_s or {})
         if attempts:
-            self._p.record.attempts = int(attempts)
-            self.set_tags({names.RESUME_ATTEMPTS: str(self._p.record.attempts)})
+            self._p.job.set_attempts(int(attempts))
+            self.set_tags({names.RESUME_ATTEMPTS: str(self._p.job.attempts)})
 
     def set_job_figures(self, figures: Callable[[float], tuple[dict, dict, str | None]]) -> None:
         """The job's reliability figures, computed at :meth:`finish` when the clock stops (rank 0).
@@ -250,12 +250,12 @@ class EfficiencyMonitor:
         so figures over the job's wall time end where ``summary/wall_s`` ends. A failure in it is
         the tag ``llmeff.reliability.why``, never the end of the run.
         """
-        self._p.record.job_figures = figures
+        self._p.job.set_figures(figures)
 
     def add_summary(self, metrics: dict[str, float]) -> None:
         """Figures measured outside the meter (e.g. ``summary/comm_*``) to log with the ``summary/*`` at
         :meth:`finish`; call it on rank 0 at least (other ranks' calls are ignored)."""
-        self._p.record.extra_summary.update({k: float(v) for k, v in metrics.items()})
+        self._p.ending.add_figures(metrics)
 
     # ------------------------------------------------------------------------------ failures
     def _fail(self, e: BaseException) -> None:
@@ -336,8 +336,8 @@ class EfficiencyMonitor:
             warmup = meter.is_warmup(step)
             seconds = p.ledger.step_done(warmup)
             window.add(seconds, warmup, learning_rate)
-            rec = p.record
-            if rec.shape_tags_pending or (not rec.shape_varied and tally.varies):  # the first step, or the
+            naming = p.naming
+            if naming.shape_pending or (not naming.shape_varied and tally.varies):  # the first step, or the
                 binding.note_shape(p)  # first whose batch shape differs from the first one's: once each
             if at_edge:
                 self._at_edge(step, log_now)
@@ -447,7 +447,7 @@ class EfficiencyMonitor:
         Checked where the loss is read anyway (logged steps, summed over ranks), so it costs no
         device synchronization; :meth:`check_loss` looks at the steps since the last logged one.
         """
-        return self._p.record.nonfinite
+        return self._p.last.nonfinite
 
     def check_loss(self, collective: bool = True) -> tuple[int, float] | None:
         """Like :attr:`nonfinite_loss`, also looking at the losses counted since the last logged step.
@@ -456,18 +456,18 @@ class EfficiencyMonitor:
         every rank), so call it where the loop waits anyway, e.g. before a checkpoint save, so
         that a checkpoint never holds weights trained on a non-finite loss.
         """
-        rec = self._p.record
-        if rec.nonfinite is None and not self._off:
+        last = self._p.last
+        if last.nonfinite is None and not self._off:
             try:
                 points.check_loss(self._p, collective)
             except Exception as e:  # noqa: BLE001
                 self._fail(e)
-        return rec.nonfinite
+        return last.nonfinite
 
     @property
     def latest_metrics(self) -> dict[str, float]:
         """The interval metrics of the last logged step (empty before the first)."""
-        return self._p.record.latest
+        return self._p.last.metrics
 
     # ------------------------------------------------------------------------------ evals, extras
     def log_eval(self, values: dict[str, float], step: int | None = None) -> None:
@@ -491,7 +491,7 @@ class EfficiencyMonitor:
     def targets_reached(self) -> bool:
         """True once every target has been reached (False without targets)."""
         p = self._p
-        return bool(p.targets) and all(t.key in p.record.reached for t in p.targets)
+        return p.reached.every(p.targets)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log extra metrics (rank 0) at ``step`` (default: the current optimizer step); keys MLflow
@@ -503,7 +503,7 @@ class EfficiencyMonitor:
         """Set extra tags on the run (rank 0)."""
         if not self._broken and self.is_main:
             self._p.logger.set_tags(tags)
-            self._p.memory.given.update(tags)  # an llmeff.error given is kept (an OOM adds its largest term)
+            self._p.memory.note_given(tags)  # an llmeff.error given is kept (an OOM adds its largest term)
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -539,7 +539,7 @@ class EfficiencyMonitor:
         self._finished = True
         status = status or lifecycle.status_for(None)
         collective = (collective and lifecycle.signalled() is None) or self.world_size == 1
-        self._p.record.end_status = status
+        self._p.ending.ended(status)
         try:
             if not self._broken:
                 self._summary = summary.conclude(self._p, collective)
@@ -573,7 +573,7 @@ class EfficiencyMonitor:
     @property
     def stability(self) -> str | None:
         """``llmeff.stability`` after :meth:`finish` (``stable`` or ``unstable: <why>``), else None."""
-        return self._p.record.stability_tags.get(names.STABILITY)
+        return self._p.ending.stability.get(names.STABILITY)
 
     @property
     def peak_tflops(self) -> float | None:
@@ -627,7 +627,7 @@ class EfficiencyMonitor:
     @property
     def summary_absent(self) -> dict[str, str]:
         """``summary/*`` key -> why it is undefined for this run (``llmeff.summary.absent``), after :meth:`finish`."""
-        return self._p.record.absent
+        return self._p.summary_absent.why
 
     def assumptions(self) -> dict[str, str]:
         """What was assumed for the user (``llmeff.assumed``): ``{input: '<value> (<why>)'}``, empty when nothing."""

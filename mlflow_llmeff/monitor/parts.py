@@ -1,4 +1,4 @@
-"""The interface between a monitor and its helper modules: its components (:class:`Parts`) and its run record.
+"""The interface between a monitor and its helper modules: its components and what set-up decided (:class:`Parts`).
 
 :class:`~mlflow_llmeff.monitor.meter.EfficiencyMonitor` tells the story of a step; what it measures
 with lives in one :class:`Parts`, built once by its constructor (:mod:`~mlflow_llmeff.monitor.assembly`
@@ -8,18 +8,20 @@ public fields and the components' own public methods, never through the monitor'
 edges and the logged points) and :mod:`~mlflow_llmeff.monitor.summary` (the end of the run). The way
 torchtitan's ``MetricsProcessor`` owns what a log step needs and the trainer only calls it.
 
-A :class:`Parts` holds three kinds of things:
+A :class:`Parts` holds two kinds of things:
 
 * what the construction decided (the world, the model and its device, precision, strategy, price,
   the targets): read-only afterwards, except ``precision`` (FP8 layers may tell only after the
   first step), ``device`` (a model-less monitor learns it from the first batch) and ``optimizer``
   (``autolog()`` may find it late);
-* the components, each used through its own methods: the counting tally, the throughput meter, the
-  time ledger, the FLOPs account, energy meter, carbon tracker, consumption, step times, device step
-  clock, phase timer, contention meter, the run logger and the MLflow run;
-* :class:`RunRecord`: what the monitor has recorded of its run so far beyond the components' own
-  state (the window being counted, targets reached, the job's earlier attempts, the run's name,
-  what was said once, the figures left undefined).
+* the components, each owning its fields and used through its own methods: the counting tally, the
+  throughput meter, the time ledger, the FLOPs account, energy meter, carbon tracker, consumption,
+  step times, device step clock, phase timer, contention meter, the run logger and the MLflow run;
+  and what the monitor notes of its run beside them, one small component per concern (the window
+  being counted, the phase totals, the run's name and the caller's tags, the warnings said once, the
+  keys left undefined, the last logged point, the targets reached, the job's earlier attempts, what
+  the end collects, the held peak memory, this rank's energy devices). A helper module calls their
+  methods; none assigns another component's fields (tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from mlflow_llmeff.monitor.conditions import RunNaming
+from mlflow_llmeff.monitor.consumption import EnergyShare
+from mlflow_llmeff.monitor.memwatch import HeldPeak
+from mlflow_llmeff.monitor.notes import Absences, Ending, JobHistory, LastPoint, Notices, Reached
 from mlflow_llmeff.monitor.steptimes import PhaseTotals, Window
 
-if TYPE_CHECKING:  # the components' types, for the reader: parts.py builds none of them
+if TYPE_CHECKING:  # the set-up components' types, for the reader: parts.py builds none of these
     from mlflow_llmeff.calc.goodput import TimeLedger
     from mlflow_llmeff.calc.throughput import ThroughputMeter
     from mlflow_llmeff.meters.carbon import CarbonTracker
@@ -45,72 +51,7 @@ if TYPE_CHECKING:  # the components' types, for the reader: parts.py builds none
     from mlflow_llmeff.parallel.degrees import TokenCounting
     from mlflow_llmeff.tracking.runs import RunHandle
 
-__all__ = ["Parts", "RunRecord"]
-
-
-@dataclass(eq=False)
-class RunRecord:
-    """What a monitor has recorded of its run, beyond its components' own state (one per monitor).
-
-    Attributes:
-        nonfinite: ``(step, value)`` of the first logged non-finite ``train/loss``, else None.
-        totals_step: the step of the last logged running totals (-1: none yet).
-        latest: the interval metrics of the last logged step.
-        reached: target key -> the step it was first reached at (time to quality).
-        attempts: the job's attempts, this one included (``llmeff.resume.attempts``).
-        down_s: the job's seconds no attempt ran (``continue_job``).
-        tail_lost: ``(lost progress added, Unix time the resumed checkpoint was written)``, else None.
-        tail_devices: devices of the resumed checkpoint's writer (None: this attempt's).
-        job_figures: ``end Unix time -> (summary metrics, tags, description line)`` (``set_job_figures``).
-        job_note: the job's line added to the run's description at the end.
-        extra_summary: figures measured outside the meter, logged with the ``summary/*``.
-        name_parts: the run name's parts when the meter named the run (None: a name it did not give).
-        name_given: ``(the caller's tags, eval_tasks)`` the name was made from.
-        given_tags: keys of the tags the caller gave (they win over the meter's).
-        created_after_s: seconds from the attempt's start to the run's creation (None: an earlier
-            attempt's run).
-        shape_tags_pending: the first step's batch shape is still to be tagged.
-        shape_varied: a micro-batch's shape differed from the first one's (tagged ``dynamic``).
-        replica_warned, mfu_warned, nothing_noted: the warning was given (each once per run).
-        interval_absent: interval key -> why it is left out (``llmeff.interval.absent``).
-        energy_ids: the energy device ids this rank reports (None: not gathered yet).
-        unmeasured_seen: devices left out of the energy over every rank, when last gathered.
-        memory_source: where the peak memory was read (``llmeff.memory.source``).
-        memory_held: a CPU process's last peak-RSS reading, ``(monotonic s, allocated GiB, reserved GiB)``
-            (:func:`~mlflow_llmeff.monitor.points.memory` reads it at most every ``CPU_MEMORY_REFRESH_S``).
-        absent: ``summary/*`` key -> why it is undefined for this run (``llmeff.summary.absent``).
-        stability_tags: ``llmeff.stability`` and the tags beside it, set by the summary.
-        end_status: the MLflow status the run ends with.
-    """
-
-    nonfinite: tuple[int, float] | None = None
-    totals_step: int = -1
-    latest: dict[str, float] = field(default_factory=dict)
-    reached: dict[str, int] = field(default_factory=dict)
-    attempts: int = 1
-    down_s: float = 0.0
-    tail_lost: tuple[float, float] | None = None
-    tail_devices: int | None = None
-    job_figures: Callable[[float], tuple[dict, dict, str | None]] | None = None
-    job_note: str | None = None
-    extra_summary: dict[str, float] = field(default_factory=dict)
-    name_parts: dict[str, str] | None = None
-    name_given: tuple[dict, str | None] = ({}, None)
-    given_tags: set[str] = field(default_factory=set)
-    created_after_s: float | None = None
-    shape_tags_pending: bool = True
-    shape_varied: bool = False
-    replica_warned: bool = False
-    mfu_warned: bool = False
-    nothing_noted: bool = False
-    interval_absent: dict[str, str] = field(default_factory=dict)
-    energy_ids: set[str] | None = None
-    unmeasured_seen: float | None = None
-    memory_source: str | None = None
-    memory_held: tuple[float, float, float] | None = None
-    absent: dict[str, str] = field(default_factory=dict)
-    stability_tags: dict[str, str] = field(default_factory=dict)
-    end_status: str | None = None
+__all__ = ["Parts"]
 
 
 @dataclass(eq=False)
@@ -140,7 +81,18 @@ class Parts:
         compiles: the :class:`~mlflow_llmeff.monitor.compiles.CompileWatch` (torch.compile inside steps).
         window: the steps since the last window edge (:class:`~mlflow_llmeff.monitor.steptimes.Window`).
         phase_totals: this attempt's steady phase seconds (:class:`~mlflow_llmeff.monitor.steptimes.PhaseTotals`).
-        record: the :class:`RunRecord`.
+        naming: the run's name, the caller's tags, the batch-shape tags the name follows
+            (:class:`~mlflow_llmeff.monitor.conditions.RunNaming`).
+        notices: the warnings said once (:class:`~mlflow_llmeff.monitor.notes.Notices`).
+        interval_absent, summary_absent: interval and ``summary/*`` keys left undefined and why
+            (:class:`~mlflow_llmeff.monitor.notes.Absences`: ``llmeff.interval.absent``, ``llmeff.summary.absent``).
+        last: the last logged point and the first non-finite loss (:class:`~mlflow_llmeff.monitor.notes.LastPoint`).
+        reached: the time-to-quality targets reached (:class:`~mlflow_llmeff.monitor.notes.Reached`).
+        job: the job's earlier attempts (:class:`~mlflow_llmeff.monitor.notes.JobHistory`).
+        ending: the run's end status, stability tags and figures given from outside
+            (:class:`~mlflow_llmeff.monitor.notes.Ending`).
+        peak: the peak memory last read for the interval keys (:class:`~mlflow_llmeff.monitor.memwatch.HeldPeak`).
+        energy_share: the energy devices this rank reports (:class:`~mlflow_llmeff.monitor.consumption.EnergyShare`).
     """
 
     world_size: int = 1
@@ -183,7 +135,16 @@ class Parts:
     run: RunHandle | None = None
     window: Window = field(default_factory=Window)
     phase_totals: PhaseTotals = field(default_factory=PhaseTotals)
-    record: RunRecord = field(default_factory=RunRecord)
+    naming: RunNaming = field(default_factory=RunNaming)
+    notices: Notices = field(default_factory=Notices)
+    interval_absent: Absences = field(default_factory=Absences)
+    summary_absent: Absences = field(default_factory=Absences)
+    last: LastPoint = field(default_factory=LastPoint)
+    reached: Reached = field(default_factory=Reached)
+    job: JobHistory = field(default_factory=JobHistory)
+    ending: Ending = field(default_factory=Ending)
+    peak: HeldPeak = field(default_factory=HeldPeak)
+    energy_share: EnergyShare = field(default_factory=EnergyShare)
 
     @property
     def is_main(self) -> bool:

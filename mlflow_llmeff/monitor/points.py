@@ -5,8 +5,8 @@ codecarbon's estimate on every rank and sums them (each physical device once), t
 memory and the learning rate, and hands ``train/*``, ``throughput/*``, ``memory/*``, the running
 consumption totals and the contention figures to the logger (:func:`log_interval`); rank 0 then
 rewrites the heartbeat file. At every window edge :func:`edge` folds the steps counted since the last
-one into the throughput meter. These functions work on the monitor's components and run record
-(:class:`~mlflow_llmeff.monitor.parts.Parts`, ``p``); they are collectives where they say so, called
+one into the throughput meter. These functions work on the monitor's components
+(:class:`~mlflow_llmeff.monitor.parts.Parts`, ``p``) through their methods; they are collectives where they say so, called
 on every rank in the same order.
 """
 
@@ -26,6 +26,7 @@ from mlflow_llmeff.meters import energy as en
 from mlflow_llmeff.meters.probes import peak_memory_gib
 from mlflow_llmeff.monitor.binding import write_heartbeat
 from mlflow_llmeff.monitor.counting import UNKNOWN_WHY
+from mlflow_llmeff.monitor.notes import absent_text  # noqa: F401 - re-exported (llmeff.*.absent's text)
 from mlflow_llmeff.monitor.parts import Parts
 
 __all__ = ["edge", "reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "check_loss", "log_eval", "log_ttq", "refresh_consumption",
@@ -65,8 +66,7 @@ def reduce_counts(p: Parts, t):
     r, k = rule.copies, rule.slices
     if r > 1 or k > 1:
         counts = t[:5]  # REDUCE_LAYOUT: tokens, loss tokens, sum(l^2), padded, samples; then the unknowns,
-        if r > 1 and bool((counts % r).any()) and not p.record.replica_warned:  # kept as sums
-            p.record.replica_warned = True
+        if r > 1 and bool((counts % r).any()) and p.notices.first("replica counts"):  # kept as sums
             warnings.warn(f"mlflow_llmeff: token counts summed over ranks are not a multiple of the {r} ranks of "
                           "a model-parallel group: its ranks counted different batches", stacklevel=3)
         mul = torch.tensor([1, 1, k, 1, 1], dtype=t.dtype, device=t.device)
@@ -90,15 +90,6 @@ def time_steps(p: Parts, counts, window_s: float) -> None:
         p.phase_totals.add(phase_s, counts.steps, secs)
 
 
-def absent_text(absent: dict[str, str]) -> str:
-    """``llmeff.summary.absent`` and ``llmeff.interval.absent``: ``<key>: <why>`` joined by ``; ``, keys
-    with the same why named together (``summary/a, summary/b: <why>``), in the order they were found."""
-    by_why: dict[str, list[str]] = {}
-    for key, why in absent.items():
-        by_why.setdefault(why, []).append(key)
-    return "; ".join(f"{', '.join(keys)}: {why}" for why, keys in by_why.items())
-
-
 def unknown_counts(p: Parts, total, window) -> dict[str, str]:
     """Interval keys that rest on a count the run was not given (:data:`~mlflow_llmeff.monitor.counting.UNKNOWN_WHY`):
     the cumulative padded and loss-bearing tokens (``total``), samples/s and the FLOPs figures of the
@@ -119,10 +110,9 @@ def unknown_counts(p: Parts, total, window) -> dict[str, str]:
 
 def note_unknown(p: Parts, why: dict[str, str]) -> None:
     """Tag ``llmeff.interval.absent`` (rank 0) with every interval key left out so far for an unknown count."""
-    seen = p.record.interval_absent
-    if why and not why.items() <= seen.items():
-        p.record.interval_absent = {**seen, **why}
-        p.logger.set_tags({names.INTERVAL_ABSENT: absent_text(p.record.interval_absent)}, synchronous=False)
+    absent = p.interval_absent
+    if absent.note(why):
+        p.logger.set_tags({names.INTERVAL_ABSENT: absent.text()}, synchronous=False)
 
 
 def log_interval(p: Parts, step: int, collective: bool = True) -> None:
@@ -136,8 +126,8 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
     unknown = unknown_counts(p, total, None)
     if loss_n:
         m[names.TRAIN_LOSS] = loss_sum / loss_n
-        if not math.isfinite(m[names.TRAIN_LOSS]) and p.record.nonfinite is None:
-            p.record.nonfinite = (step, m[names.TRAIN_LOSS])
+        if not math.isfinite(m[names.TRAIN_LOSS]):
+            p.last.note_nonfinite(step, m[names.TRAIN_LOSS])
     lr = learning_rate(p)
     if lr is not None:
         m[names.TRAIN_LR] = lr
@@ -156,8 +146,7 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
     note_unknown(p, p.consumption.interval_why)  # a counter that did not move: no power, and why
     m.update(p.contention.interval(collective))
     note_unknown(p, getattr(p.contention, "interval_why", {}))
-    p.record.totals_step = step
-    p.record.latest = m
+    p.last.logged(step, m)
     p.logger.log_metrics(m, step)
     if p.is_main and getattr(p, "memory", None) is not None:  # llmeff.optimizer once its states exist
         found = p.memory.optimizer_tags(p.optimizer)
@@ -168,14 +157,14 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
 
 
 def check_loss(p: Parts, collective: bool = True) -> None:
-    """Set ``p.record.nonfinite`` at the current step when the mean of the losses counted since the last
+    """Note a non-finite loss (``p.last``) at the current step when the mean of the losses counted since the last
     logged step is not finite (on any rank, with ``collective``: a collective). Synchronizes the device."""
     s, n = p.tally.peek_loss()
     bad = 1.0 if (n and not math.isfinite(s)) else 0.0
     if collective and p.world_size > 1:
         bad = collectives.all_reduce([bad], op="max")[0]
     if bad:
-        p.record.nonfinite = (p.step_count, s / n if n else float("nan"))
+        p.last.note_nonfinite(p.step_count, s / n if n else float("nan"))
 
 
 def log_eval(p: Parts, values: dict[str, float], step: int) -> None:
@@ -190,7 +179,7 @@ def log_eval(p: Parts, values: dict[str, float], step: int) -> None:
             p.logger.log_table(table, SUBJECT_TABLE.format(step=step))
         p.logger.log_metrics({f"eval/{k}": v for k, v in (clean if p.subject_metrics else shown).items()},
                                 step)
-    newly = [t for t in p.targets if t.key not in p.record.reached and t.reached(clean.get(t.metric))]
+    newly = [t for t in p.targets if t.key not in p.reached and t.reached(clean.get(t.metric))]
     if newly:
         log_ttq(p, newly, step)
 
@@ -211,7 +200,7 @@ def log_ttq(p: Parts, newly, step: int) -> None:
                "device_hours": held / 3600.0, "kwh": kwh, "usd": usd,
                "kg_co2e": p.consumption.kg_co2e(kwh)}
     for t in newly:
-        p.record.reached[t.key] = step
+        p.reached.reach(t.key, step)
         keys = t.metric_keys()
         p.logger.log_metrics({keys[k]: v for k, v in figures.items() if v is not None}, step)
         p.logger.set_tags({t.not_reached_tag: f"reached_at_step_{step}"})
@@ -242,9 +231,8 @@ def refresh_consumption(p: Parts, collective: bool = True, loss: tuple[float, in
     local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
              est[1] if est else 0.0, 1.0 if est else 0.0, float(domains), float(len(p.energy.unmeasured))]
     g = collectives.all_reduce(local) if many else local
-    if g[8] != p.record.unmeasured_seen:  # a device left the measurement (another process on it): every rank
-        p.record.energy_ids = None        # sees the same sum, so all gather the devices and reasons again
-        _energy_share(p, many)
+    if p.energy_share.check(g[8]):  # a device left the measurement (another process on it): every rank
+        _energy_share(p, many)        # sees the same sum, so all gather the devices and reasons again
     p.consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
                          measured_domains=int(g[7]), wall_s=p.ledger.wall_s())
     return g[0], int(g[1])
@@ -252,8 +240,8 @@ def refresh_consumption(p: Parts, collective: bool = True, loss: tuple[float, in
 
 def _energy_share(p: Parts, many: bool) -> set[str]:
     """The device ids this rank reports (once per run: one collective gathering every rank's devices)."""
-    if p.record.energy_ids is not None:
-        return p.record.energy_ids
+    if p.energy_share.ids is not None:
+        return p.energy_share.ids
     owned = list(p.energy.owned)
     if not owned and p.energy.measures:  # a meter that names no devices: the ones it reads are its own
         owned = list(p.energy.read().per_device_j)
@@ -263,9 +251,9 @@ def _energy_share(p: Parts, many: bool) -> set[str]:
     unmeasured = {d: why for r in ranks for d, why in r["unmeasured"].items() if d in owners}
     shared = {d: [i for i, r in enumerate(ranks) if d in r["owned"]] for d in owners}
     p.consumption.set_devices(len(owners), unmeasured, {d: rs for d, rs in shared.items() if len(rs) > 1})
-    p.record.energy_ids = {d for d, rank in owners.items() if rank == p.rank}
-    p.record.unmeasured_seen = float(sum(len(r["unmeasured"]) for r in ranks))
-    return p.record.energy_ids
+    ids = {d for d, rank in owners.items() if rank == p.rank}
+    p.energy_share.gathered(ids, float(sum(len(r["unmeasured"]) for r in ranks)))
+    return ids
 
 
 def memory(p: Parts, collective: bool = True, fresh: bool = False) -> tuple[float, float, str]:
@@ -280,16 +268,15 @@ def memory(p: Parts, collective: bool = True, fresh: bool = False) -> tuple[floa
     import torch
 
     dev = p.device if p.device is not None else torch.device("cpu")
-    rec = p.record
-    held = rec.memory_held
+    peak = p.peak
     now = p.clock() if p.clock is not None else time.monotonic()
-    if dev.type == "cuda" or fresh or held is None or now - held[0] >= CPU_MEMORY_REFRESH_S:
+    cuda = dev.type == "cuda"
+    held = None if cuda or fresh else peak.reuse(now, CPU_MEMORY_REFRESH_S)
+    if held is None:
         alloc, reserved, source = peak_memory_gib(dev)
-        rec.memory_source = source
-        if dev.type != "cuda":
-            rec.memory_held = (now, alloc, reserved)
+        peak.read(now, alloc, reserved, source, hold=not cuda)
     else:
-        alloc, reserved, source = held[1], held[2], rec.memory_source
+        alloc, reserved, source = held
     if collective and p.world_size > 1:
         alloc, reserved = collectives.all_reduce([alloc, reserved], op="max")
     return alloc, reserved, source
@@ -309,9 +296,8 @@ def learning_rate(p: Parts) -> float | None:
 
 def note_nothing_counted(p: Parts) -> None:
     """Warn once (and tag) that steps ran with no token counted: no rate is logged."""
-    if p.record.nothing_noted:
+    if not p.notices.first("nothing counted"):
         return
-    p.record.nothing_noted = True
     msg = ("EfficiencyMonitor.step() ran with no token counted (pass batch= or tokens= to step() or count()): "
            "no throughput, MFU or per-token figure is logged")
     warnings.warn(f"mlflow_llmeff: {msg}", stacklevel=4)  # the user's step() or finish()
@@ -321,7 +307,6 @@ def note_nothing_counted(p: Parts) -> None:
 def warn_mfu(p: Parts, mfu: float | None, where: str) -> None:
     """Warn once (and tag ``llmeff.mfu_warning``) about an implausible MFU; it is reported, never clipped."""
     warn = fl.mfu_warning(mfu)
-    if warn and not p.record.mfu_warned:  # reported, never clipped
-        p.record.mfu_warned = True
+    if warn and p.notices.first("mfu"):  # reported, never clipped
         log.warning(warn)
         p.logger.set_tags({names.MFU_WARNING: f"{where}: {warn}"}, synchronous=False)

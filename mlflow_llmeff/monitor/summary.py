@@ -7,8 +7,9 @@ parameter, and the consumption totals (energy, carbon, cost). :func:`stability_f
 dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
 :func:`end_tags` the tags that say where each figure comes from, and :func:`batch_shapes` the padded
 shapes of every rank's micro-batches (a shape that varied is tagged ``dynamic`` at the end). These
-functions work on the monitor's components and run record (:class:`~mlflow_llmeff.monitor.parts.Parts`,
-``p``); with ``collective`` they reduce over ranks (call on every rank).
+functions work on the monitor's components (:class:`~mlflow_llmeff.monitor.parts.Parts`, ``p``; what the
+end collects is its :class:`~mlflow_llmeff.monitor.notes.Ending`, the undefined figures its
+``summary_absent``); with ``collective`` they reduce over ranks (call on every rank).
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ def conclude(p: Parts, collective: bool) -> dict[str, float]:
     seconds = p.ledger.close()  # the wall time ends here; cost and the summary use it
     job_tags = _job_figures(p)
     p.carbon.stop()
-    if step > 0 and p.record.totals_step != step:  # counters and totals at the last step, once
+    if step > 0 and p.last.step != step:  # counters and totals at the last step, once
         points.log_interval(p, step, collective)
     else:  # each key is logged once per step: the end-of-run totals are the summary's
         points.refresh_consumption(p, collective)
-    p.record.absent = {}  # summary/* key -> why it is undefined for this run (llmeff.summary.absent)
+    p.summary_absent.clear()  # summary/* key -> why it is undefined for this run (llmeff.summary.absent)
     out = figures(p, seconds, collective)
     out.update(stability_figures(p, collective))
     shapes = batch_shapes(p, collective)
@@ -64,11 +65,11 @@ def conclude(p: Parts, collective: bool) -> dict[str, float]:
         if refilled:
             tags[names.COUNTING_REFILLED] = (f"{refilled} CPU micro-batches kept for their window's edge had their "
                                              "tensors written in place before it: counted as they then were")
-        if (p.record.end_status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
-                and "mlflow.note.content" not in p.record.given_tags):  # a failure keeps its why
+        if (p.ending.status == "FINISHED" and names.SUM_TOKENS_PER_SEC in out
+                and "mlflow.note.content" not in p.naming.given_keys):  # a failure keeps its why
             tags["mlflow.note.content"] = headline(p, out)
-            if p.record.job_note:  # what happened across the job's attempts
-                tags["mlflow.note.content"] += f"\n\n{p.record.job_note}"
+            if p.job.note:  # what happened across the job's attempts
+                tags["mlflow.note.content"] += f"\n\n{p.job.note}"
         p.logger.set_tags(tags)
         p.logger.log_metrics(out, max(step, 0))
         points.warn_mfu(p, out.get(names.SUM_MFU), "summary")
@@ -106,15 +107,15 @@ def _job_figures(p: Parts) -> dict[str, str]:
     metrics join the summary, its line the description; returns its tags."""
     if not p.is_main:
         return {}
-    if p.record.job_figures is None:  # absent, and why (never a made-up 'attempts 1')
+    if not p.job.has_figures:  # absent, and why (never a made-up 'attempts 1')
         return {names.RELIABILITY_WHY: NO_JOB_TRAIN if p.integration == "train" else NO_JOB_LOOP}
     import time
 
     try:
-        metrics, tags, p.record.job_note = p.record.job_figures(time.time())
+        metrics, tags = p.job.figures(time.time())  # its description line: p.job.note
     except Exception as e:  # noqa: BLE001 - reliability figures never stop the run's end
         return {names.RELIABILITY_WHY: f"not computed: {type(e).__name__}: {shorten(str(e), 300)}"}
-    p.record.extra_summary.update({k: float(v) for k, v in metrics.items()})
+    p.ending.add_figures(metrics)
     return dict(tags)
 
 
@@ -123,8 +124,8 @@ def figures(p: Parts, seconds: dict[str, float], collective: bool) -> dict[str, 
     # a compilation booked inside a step names the warm-up excess compile too (never both words)
     compiled = p.compiled or (p.compiles is not None and p.compiles.seen)
     parts = breakdown(seconds, p.ledger.warmup_steps, p.ledger.steady_steps, compiled=compiled)
-    if p.record.down_s:  # the job's down time between attempts: part of its wall time (docs/time.md)
-        parts = with_down(parts, p.record.down_s)
+    if p.job.down_s:  # the job's down time between attempts: part of its wall time (docs/time.md)
+        parts = with_down(parts, p.job.down_s)
     tokens = p.meter.total.tokens
     out: dict[str, float] = {names.SUM_TOKENS: float(tokens), names.SUM_STEPS: float(p.meter.step),
                              names.SUM_WALL_S: parts["wall"], names.SUM_GOODPUT: goodput(parts)}
@@ -166,15 +167,15 @@ def figures(p: Parts, seconds: dict[str, float], collective: bool) -> dict[str, 
     out.update(p.consumption.summary(parts["wall"] - parts.get("down", 0.0), tokens, tflops))
     for key, why in p.consumption.absent().items():
         _absent(p, key, why)
-    out.update(p.record.extra_summary)
+    out.update(p.ending.figures)
     return {k: v for k, v in out.items() if v is not None and math.isfinite(v)}
 
 
 def stability_figures(p: Parts, collective: bool) -> dict[str, float]:
     """Dispersion and interval of the steady steps, contention and stragglers (docs/stability.md);
-    their tags wait in ``p.record.stability_tags`` for :func:`end_tags`."""
+    their tags wait in ``p.ending.stability`` for :func:`end_tags`."""
     s = p.steps.analyse()
-    p.record.stability_tags = {names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT}
+    p.ending.start_stability({names.STABILITY: st.verdict(s), names.STABILITY_METHOD: st.THRESHOLDS_TEXT})
     out: dict[str, float] = {}
     if s is None:  # no steady step that took time: no spread, percentile or interval of one
         for key in (names.SUM_STEP_TIME_P50_S, names.SUM_STEP_TIME_P90_S, names.SUM_STEP_TIME_CV, names.SUM_STALL_S,
@@ -216,7 +217,7 @@ def stability_figures(p: Parts, collective: bool) -> dict[str, float]:
         for key in (names.SUM_HOST_OTHER_CPU, names.SUM_HOST_STEAL):
             if key not in contention:
                 _absent(p, key, why)
-    p.record.stability_tags.update(tags)
+    p.ending.add_stability(tags)
     if not collective and p.world_size > 1:
         for key in (names.SUM_STRAGGLER_RATIO, *names.SUM_PHASE_STRAGGLER.values()):
             _absent(p, key, "the run ended on rank 0 only: the other ranks' phase times could not be gathered "
@@ -276,14 +277,14 @@ def _ms(x: float) -> str:
 
 def straggler_figures(p: Parts) -> dict[str, float]:
     """``summary/straggler_ratio`` and the phase ratios; the tags ``llmeff.straggler.rank`` (rank, host,
-    phase) and ``llmeff.hosts`` (each host's ranks and times) wait in ``p.record.stability_tags``. A
+    phase) and ``llmeff.hosts`` (each host's ranks and times) wait in ``p.ending.stability``. A
     collective (every rank's times are gathered)."""
     from mlflow_llmeff.calc.stragglers import RankTimes, stragglers
 
     got = told_apart(collectives.all_gather_object(_rank_times(p)))
     waits = data_wait_text(got)  # summary/badput_data_wait_s is rank 0's: each rank's share beside it
     if waits:
-        p.record.stability_tags[names.DATA_WAIT_RANKS] = waits
+        p.ending.add_stability({names.DATA_WAIT_RANKS: waits})
     idle = [str(r) for r, g in enumerate(got) if not g["steps"]]
     keys = (names.SUM_STRAGGLER_RATIO, *names.SUM_PHASE_STRAGGLER.values())
     if idle:  # a ratio over a rank with no timed step is undefined, never 1.0
@@ -309,11 +310,11 @@ def straggler_figures(p: Parts) -> dict[str, float]:
     waits = [w for w in found.wait_s if w is not None]
     wait = (f"; collective wait and other: rank {r} {_ms(found.wait_s[r])} ms/step, the median rank "
             f"{_ms(st.percentile(waits, 50))}" if found.wait_s[r] is not None and waits else "")
-    p.record.stability_tags[names.STRAGGLER_RANK] = (
+    p.ending.add_stability({names.STRAGGLER_RANK: (
         f"rank {r} on host {found.host}: {found.phase}{of} ({_ms(mine[found.phase])} vs "
         f"{_ms(found.medians[found.phase])} ms/step); compute ({' + '.join(found.phases)}) {found.ratio:.3g}x "
-        f"({_ms(found.compute_s[r])} vs {_ms(found.medians['compute'])} ms/step){wait}")
-    p.record.stability_tags[names.HOSTS] = hosts_text(got, found)
+        f"({_ms(found.compute_s[r])} vs {_ms(found.medians['compute'])} ms/step){wait}")})
+    p.ending.add_stability({names.HOSTS: hosts_text(got, found)})
     return out
 
 
@@ -337,7 +338,7 @@ def hosts_text(got: list[dict], found) -> str:
 
 def _absent(p: Parts, key: str, why: str) -> None:
     """Record that ``key`` is undefined for this run (not logged) and why, for ``llmeff.summary.absent``."""
-    p.record.absent[key] = why
+    p.summary_absent.add(key, why)
 
 
 def headline(p: Parts, out: dict[str, float]) -> str:
@@ -345,7 +346,7 @@ def headline(p: Parts, out: dict[str, float]) -> str:
     figures are (the runs table shows an interval metric's last window, not the run's figure)."""
     tps, low, high = (out.get(k) for k in (names.SUM_TOKENS_PER_SEC, names.SUM_TPS_CI95_LOW, names.SUM_TPS_CI95_HIGH))
     interval = f" (95% interval {low:,.0f} to {high:,.0f})" if low is not None and high is not None else ""
-    return (f"{tps:,.0f} tokens/s steady state{interval}, {p.record.stability_tags.get(names.STABILITY) or 'stability unknown'}. "
+    return (f"{tps:,.0f} tokens/s steady state{interval}, {p.ending.stability.get(names.STABILITY) or 'stability unknown'}. "
             "The run's figures are the summary/* metrics; throughput/* are per-window rates (the runs table "
             "shows their last window).")
 
@@ -398,7 +399,7 @@ def memory_split_figures(p: Parts, watch, inner, collective: bool) -> dict[str, 
     (docs/metrics.md "Memory"): per device, ``max`` over ranks (the counts summed) with ``collective``
     (one all-reduce of each kind, on every rank). Their tags wait in ``watch.end_tags``; a figure no
     rank could read is left out, the rest of a peak below the model state is absent and says why."""
-    watch.device = p.device if p.device is not None else watch.device  # a model-less monitor learns it late
+    watch.learn_device(p.device)  # a model-less monitor learns it late
     try:
         mine, tags = watch.figures(inner, p.optimizer)
     except Exception as e:  # noqa: BLE001 - memory figures never stop the run's end
@@ -416,12 +417,12 @@ def memory_split_figures(p: Parts, watch, inner, collective: bool) -> dict[str, 
         _absent(p, names.SUM_MEM_OTHER_GIB, f"the peak ({out.get(names.SUM_MEM_PEAK_GIB, 0):.3g} GiB) is below the "
                                             f"model state by {-other:.3g} GiB: it was read before the state existed")
     tags.update(watch.final_optimizer_tags(p.optimizer))
-    if p.record.end_status == "FAILED":  # the exception being handled, else the one the interpreter printed
+    if p.ending.status == "FAILED":  # the exception being handled, else the one the interpreter printed
         import sys
 
         ending = sys.exc_info()[1] or getattr(sys, "last_value", None)
         tags.update(watch.on_failure(ending, p.logger if p.is_main else None))
-    watch.end_tags = tags
+    watch.keep_end_tags(tags)
     return out
 
 
@@ -431,9 +432,9 @@ def end_tags(p: Parts, note: str | None) -> dict[str, str]:
     (``llmeff.summary.absent``) and wall time vs MLflow's Duration."""
     tags = {names.HFU_METHOD: p.account.hfu_note, **p.carbon.tags(
         energy_source=p.energy.source if p.consumption.measured else None),
-        **p.consumption.tags(p.ledger.wall_s()), **p.record.stability_tags}
-    if p.record.down_s:  # time between attempts: no process read a counter, no device is priced
-        down = f"{p.record.down_s:.3f} s of summary/badput_down_s (no attempt ran)"
+        **p.consumption.tags(p.ledger.wall_s()), **p.ending.stability}
+    if p.job.down_s:  # time between attempts: no process read a counter, no device is priced
+        down = f"{p.job.down_s:.3f} s of summary/badput_down_s (no attempt ran)"
         tags[names.ENERGY_SPAN] = (
             f"{tags[names.ENERGY_SPAN]}; the times above are the attempts' time: summary/wall_s also holds the "
             f"job's {down}, neither measured nor priced in cost/*" if names.ENERGY_SPAN in tags else
@@ -446,8 +447,8 @@ def end_tags(p: Parts, note: str | None) -> dict[str, str]:
             "count each attempt's seconds at the devices it held")
     if p.account.counter_gap:
         tags[names.FLOPS_COUNTER_GAP] = p.account.counter_gap
-    if p.record.memory_source is not None:
-        tags[names.MEMORY_SOURCE] = p.record.memory_source
+    if p.peak.source is not None:
+        tags[names.MEMORY_SOURCE] = p.peak.source
     memory_tags = dict(getattr(getattr(p, "memory", None), "end_tags", None) or {})
     peak_source = memory_tags.pop(names.MEMORY_SOURCE, None)
     if peak_source is not None:  # the CPU peak of summary/memory/peak_gib beside the interval keys' RSS
@@ -459,14 +460,14 @@ def end_tags(p: Parts, note: str | None) -> dict[str, str]:
         tags[names.ENERGY_WHY] = (f"no measured energy ({p.energy.why}); only codecarbon's CPU/RAM estimate is "
                                   "logged, under energy/estimate/* and carbon/estimate_kg_co2e")
     for t in p.targets:
-        if t.key not in p.record.reached:
+        if t.key not in p.reached:
             tags[t.not_reached_tag] = "not_reached"
     if note:
         tags[names.AUTOLOG_NOTE] = note
-    if p.record.absent:
-        tags[names.SUMMARY_ABSENT] = points.absent_text(p.record.absent)
+    if p.summary_absent:
+        tags[names.SUMMARY_ABSENT] = p.summary_absent.text()
     tags.update(assumed_tag(p.assumptions()))
-    tags[names.WALL_VS_DURATION] = wall_vs_duration(p.record.created_after_s)
+    tags[names.WALL_VS_DURATION] = wall_vs_duration(p.naming.created_after_s)
     return tags
 
 
