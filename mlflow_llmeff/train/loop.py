@@ -346,6 +346,7 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
     now = {"step": start_step + 1}
     oom = faults.oom_hook(t.model, lambda: now["step"])
     skip_bad = cfg.nan_policy == "skip_step"
+    armed = any(faults.fault_step(point) for point in faults.ENV)  # a test's fault point is set (read once)
     shown = [None]  # the monitor's latest point on the progress bar
     t.model.train()
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -357,11 +358,11 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
         bad_step = False  # a micro-batch of this step had a non-finite loss (skip_step only)
         with sampler.around(step), (monitor.counting_hardware_flops() if first else nullcontext()):
             with monitor.pause("data_wait"):  # the step's micro-batches first: their loss tokens weigh each
-                micro = [_next_batch(batches, step, first_micro=i == 0) for i in range(cfg.grad_accum)]
+                micro = [_next_batch(batches, step, first_micro=armed and i == 0) for i in range(cfg.grad_accum)]
             shares, dp_scale = loss_shares(micro, t.world, t.dp_world)
             step_loss = None
             for i, batch in enumerate(micro):
-                loss, bad = _micro_step(cfg, t, batch, step, skip_bad, bad_step, shares[i])
+                loss, bad = _micro_step(cfg, t, batch, step, skip_bad, bad_step, shares[i], armed)
                 bad_step = bad_step or bad
                 # this micro-batch's summed loss / the step's loss tokens (a float share: its loss read as a number)
                 part = (loss.item() if isinstance(shares[i], float) else loss) * shares[i] * dp_scale
@@ -402,7 +403,8 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
             bar.close()
             return stopped
         _progress(bar, monitor, shown)
-        _inject_faults(step, monitor)
+        if armed:
+            _inject_faults(step, monitor)
         if stop:
             if t.accelerator.is_main_process:
                 print(f"llmeff: every target reached at step {step}; stopping (stop_at_targets=true)")
@@ -423,7 +425,8 @@ def _next_batch(batches, step: int, first_micro: bool) -> dict:
         raise DataError(f"data loading failed at step {step}: {type(e).__name__}: {e}") from e
 
 
-def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_before: bool, share=None):
+def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_before: bool, share=None,
+                armed: bool = True):
     """Forward, backward and (at the accumulation boundary) the optimizer step.
 
     The loss backpropagated is the micro-batch's mean loss x ``share`` (its loss-bearing tokens over the
@@ -431,6 +434,11 @@ def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_befor
     the loss by ``grad_accum`` and the data-parallel reduction averages gradients over the ranks, so the
     step's gradient is that of the summed loss over every loss-bearing token of the step divided by their
     count. A micro-batch without loss-bearing tokens adds nothing (its mean, 0/0, is not used).
+
+    Where :attr:`Training.direct_optimizer` is set (one process or DDP, no gradient scaler) the loss is
+    backpropagated and the optimizer stepped and zeroed here, as Accelerate's wrappers would, without their
+    per-call work (train/setup.py :func:`~mlflow_llmeff.train.setup.direct_optimizer`). ``armed``: a fault
+    point is set (train/faults.py; read once a run, not at every micro-batch).
 
     Returns ``(loss, bad)``: the detached mean loss, and whether it was not finite (checked, with
     one device sync and a flag reduced over ranks, only when ``skip_bad``). At the boundary, a
@@ -452,12 +460,24 @@ def _micro_step(cfg: TrainConfig, t, batch, step: int, skip_bad: bool, bad_befor
             weight = (share * (cfg.grad_accum * t.dp_world)).to(out.loss.dtype)
             scaled = torch.where(share > 0, out.loss, torch.zeros_like(out.loss)) * weight
             loss = torch.where(share > 0, loss, torch.zeros_like(loss))
-        t.accelerator.backward(scaled)
-        faults.maybe_fault("kill_in_step", step)
-        if t.accelerator.sync_gradients and (bad or bad_before):
+        direct = t.direct_optimizer  # (train/setup.py direct_optimizer: the wrapper would add only its own work)
+        if direct is None:
+            t.accelerator.backward(scaled)
+        else:  # Accelerator.backward's arithmetic: / grad_accum (/ 1 changes no bit, so it is left out)
+            (scaled / cfg.grad_accum if cfg.grad_accum > 1 else scaled).backward()
+        if armed:
+            faults.maybe_fault("kill_in_step", step)
+        sync = t.accelerator.sync_gradients  # the accumulation boundary (set by accumulate() above)
+        if sync and (bad or bad_before):
             t.optimizer.zero_grad(set_to_none=True)  # skip: these gradients come from a non-finite loss
+        elif direct is not None:
+            if sync:  # where Accelerate's wrapper steps and zeroes: at the boundary only
+                if cfg.max_grad_norm > 0:
+                    _clip_gradients(t, cfg.max_grad_norm)
+                direct.step()
+                direct.zero_grad(set_to_none=True)
         else:
-            if t.accelerator.sync_gradients and cfg.max_grad_norm > 0 and not t.parallel.clips_in_engine:
+            if sync and cfg.max_grad_norm > 0 and not t.parallel.clips_in_engine:
                 _clip_gradients(t, cfg.max_grad_norm)
             t.optimizer.step()  # Accelerate's optimizer wrapper steps at the accumulation boundary only
             t.optimizer.zero_grad(set_to_none=True)

@@ -30,6 +30,8 @@ class Training:
         op_build_s: seconds this process spent compiling the strategy's C++ ops before the
             ``Accelerator`` was made (DeepSpeed's JIT build on a machine's first run; 0.0 when
             cached or none): build time, not set-up.
+        direct_optimizer: the torch optimizer inside Accelerate's wrapper where the loop may call it
+            and ``loss.backward()`` itself (:func:`direct_optimizer`), else None.
     """
 
     accelerator: Any
@@ -44,6 +46,7 @@ class Training:
     parallel: Any = None
     layout: Any = None
     op_build_s: float = 0.0
+    direct_optimizer: Any = None
 
     @property
     def world(self) -> int:
@@ -85,6 +88,33 @@ def build_accelerator(spec: RunSpec):
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=spec.options.grad_accum,
                                                                 sync_with_dataloader=False),
         **spec.strategy.accelerator_kwargs(spec))
+
+
+def direct_optimizer(accelerator, optimizer, strategy: str):
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` where calling it directly does what the
+    wrapper does, else None.
+
+    That is one process or DDP (``strategy`` ``single`` or ``ddp``; Accelerate's ``DistributedType`` ``NO``,
+    ``MULTI_CPU`` or ``MULTI_GPU``) without a gradient scaler (fp16 has one): there the wrapper's ``step`` and
+    ``zero_grad`` call the optimizer's at the accumulation boundary only, and ``Accelerator.backward`` is
+    ``(loss / grad_accum).backward()``. The wrapper's own per-call work is then what it adds: Accelerate 1.x's
+    ``step`` asks ``importlib.util.find_spec("lomo_optim")`` twice (a walk of ``sys.path``) and ``zero_grad``
+    builds ``inspect.signature`` of the optimizer's, every step (~140 us of CPU a step on the development
+    machine, against 21 ms for a llama-tiny step: ``bench/peers.py``). The loop calls the optimizer itself,
+    at the same boundary (:func:`mlflow_llmeff.train.loop._micro_step`): the same arithmetic, step for step;
+    the monitor's hooks are on this very optimizer (monitor/steptimes.py) and fire as before. Checkpoints
+    still save and load through the wrapper.
+    """
+    import torch
+
+    from accelerate.utils import DistributedType
+
+    inner = getattr(optimizer, "optimizer", None)
+    plain = accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+    if strategy in ("single", "ddp") and plain and getattr(accelerator, "scaler", None) is None \
+            and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return None
 
 
 def build(spec: RunSpec) -> Training:
@@ -159,7 +189,8 @@ def build(spec: RunSpec) -> Training:
     # it num_processes times per call), and registered so save_state/load_state carry it.
     accelerator.register_for_checkpointing(scheduler)
     return Training(accelerator, model, optimizer, scheduler, tokenizer, data, model_config,
-                    spec.strategy_name, precision, strategy, layout, op_build_s)
+                    spec.strategy_name, precision, strategy, layout, op_build_s,
+                    direct_optimizer(accelerator, optimizer, spec.strategy_name))
 
 
 def teardown(t: Training) -> None:
