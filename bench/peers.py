@@ -15,9 +15,18 @@ imports. Each reports its **steady tokens/s**: the tokens of the steps after ``-
 * ``trainer``: ``transformers.Trainer`` with its defaults (its default optimizer, its data loader), timed
   by a callback from ``on_step_begin`` of the first steady step to ``on_step_end`` of the last.
 * ``llmeff``: ``llmeff train --dataset synthetic`` with its defaults (the meter, codecarbon, MLflow logging
-  to a sqlite store); its own ``summary/tokens_per_sec`` (the steady window; the meter's work at logged
-  steps is booked as ``other``, not in a step: bench/overhead.py measures that work directly, and the round's
-  line gives ``summary/badput_other_s`` and the tokens/s with all of it counted inside the steps).
+  to a sqlite store), the command line's ``train`` run in the contender's process; its own
+  ``summary/tokens_per_sec`` (the steady window; the meter's work at logged steps is booked as ``other``, not
+  in a step: bench/overhead.py measures that work directly, and the round's line gives
+  ``summary/badput_other_s``, the tokens/s with all of it counted inside the steps, and
+  ``window_tokens_per_sec``: the bench's own clock on the bare loop's window, from the end of step
+  ``--warmup`` to the end of the last, everything inside).
+
+Each contender also reports the CPU time of its process (every thread, ``time.process_time``) per steady
+step over the same window, and its torch threads. CPU time is counted work: on a machine other processes
+load, the wall clock of every contender stretches with them, its CPU time far less, so ``bare/llmeff``
+CPU ms a step is the comparison to read there (the target is still read from the tokens/s of quiet rounds).
+``--threads N`` gives every contender ``OMP_NUM_THREADS=N``; contenders whose threads differ are named.
 
 Contenders run interleaved, ``--rounds`` rounds (the order reversed every other round), and each round's
 ratio to that round's bare loop is kept. A round is **contended** when other processes took more than
@@ -28,6 +37,7 @@ is read from the quiet rounds only: ``median(llmeff / bare) >= --target`` (defau
 
     python bench/peers.py [--model llama-tiny] [--seq-len 128] [--micro-batch-size 8] [--steps 60]
                           [--warmup 5] [--rounds 3] [--target 1.0] [--contenders bare,accelerate,trainer,llmeff]
+                          [--threads N]
 
 Exits 0 when the target is met, 1 when it is missed, 2 when no round was quiet (the target cannot be read).
 """
@@ -79,15 +89,28 @@ def _schedule(opt, steps: int):
     return get_cosine_schedule_with_warmup(opt, int(0.05 * steps), steps)
 
 
+def _threads() -> str:
+    """This process's torch CPU threads, ``intra N, inter M`` (the ``llmeff.threads`` tag's form)."""
+    import torch
+
+    return f"intra {torch.get_num_threads()}, inter {torch.get_num_interop_threads()}"
+
+
+def _steady(args, seconds: float, cpu_s: float) -> dict:
+    """The steady window's figures: tokens/s, and CPU ms a step (this process, every thread: ``time.process_time``)."""
+    n = args.steps - args.warmup
+    return {"tokens_per_sec": n * args.micro_batch_size * args.seq_len / seconds,
+            "cpu_ms_per_step": round(1e3 * cpu_s / n, 3), "threads": _threads()}
+
+
 def _timed_loop(args, step) -> dict:
-    """Run ``step()`` ``args.steps`` times; the steady tokens/s of those after ``args.warmup``."""
+    """Run ``step()`` ``args.steps`` times; the steady figures (:func:`_steady`) of those after ``args.warmup``."""
     for _ in range(args.warmup):
         step()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(args.steps - args.warmup):
         step()
-    seconds = time.perf_counter() - t0
-    return {"tokens_per_sec": (args.steps - args.warmup) * args.micro_batch_size * args.seq_len / seconds}
+    return _steady(args, time.perf_counter() - t0, time.process_time() - c0)
 
 
 def run_bare(args) -> dict:
@@ -153,11 +176,11 @@ def run_trainer(args) -> dict:
     class Steady(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
             if state.global_step == args.warmup:
-                clock["t0"] = time.perf_counter()
+                clock["t0"], clock["c0"] = time.perf_counter(), time.process_time()
 
         def on_step_end(self, a, state, control, **kw):
             if state.global_step == args.steps:
-                clock["t1"] = time.perf_counter()
+                clock["t1"], clock["c1"] = time.perf_counter(), time.process_time()
 
     out = tempfile.mkdtemp()
     targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.micro_batch_size,
@@ -169,24 +192,53 @@ def run_trainer(args) -> dict:
     trainer = Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Steady()])
     trainer._get_train_sampler = lambda *a, **k: sampler(trainer.train_dataset)
     trainer.train()
-    seconds = clock["t1"] - clock["t0"]
-    return {"tokens_per_sec": (args.steps - args.warmup) * args.micro_batch_size * args.seq_len / seconds,
+    return {**_steady(args, clock["t1"] - clock["t0"], clock["c1"] - clock["c0"]),
             "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
                               else trainer.optimizer).__name__}
 
 
 def run_llmeff(args) -> dict:
-    import mlflow
+    """``llmeff train`` in this contender's own fresh process (the command line's ``train``, as
+    ``python -m mlflow_llmeff train`` runs it: one process trains in the command's own), with the bench's clock
+    on the same window as the bare loop's: from the end of step ``--warmup`` to the end of the last step
+    (the end of ``EfficiencyMonitor.step``, so the window holds everything the loop and the meter do then,
+    the meter's logged steps included)."""
+    import contextlib
+    import io
 
     store = tempfile.mkdtemp()
     uri = f"sqlite:///{store}/peers.db"
-    cmd = [sys.executable, "-m", "mlflow_llmeff", "train", "--model", args.model, "--dataset", "synthetic",
-           "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
-           "--max-steps", str(args.steps), "--warmup-steps", str(args.warmup), "--val-fraction", "0",
-           "--seed", str(args.seed), "--experiment-name", "peers", "--run-name", "peers"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri})
-    if r.returncode != 0:
-        raise RuntimeError(f"llmeff train failed: {r.stdout[-800:]} {r.stderr[-1500:]}")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    import mlflow
+
+    from mlflow_llmeff.cli import main as cli
+    from mlflow_llmeff.monitor.meter import EfficiencyMonitor
+
+    clock, step = {"n": 0}, EfficiencyMonitor.step
+
+    def timed_step(self, *a, **k):  # the bench's clock around the meter's own step end
+        step(self, *a, **k)
+        clock["n"] += 1
+        if clock["n"] == args.warmup:
+            clock["t0"], clock["c0"] = time.perf_counter(), time.process_time()
+        elif clock["n"] == args.steps:
+            clock["t1"], clock["c1"] = time.perf_counter(), time.process_time()
+
+    EfficiencyMonitor.step = timed_step
+    argv = ["train", "--model", args.model, "--dataset", "synthetic", "--seq-len", str(args.seq_len),
+            "--micro-batch-size", str(args.micro_batch_size), "--max-steps", str(args.steps),
+            "--warmup-steps", str(args.warmup), "--val-fraction", "0", "--seed", str(args.seed),
+            "--experiment-name", "peers", "--run-name", "peers"]
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):  # this contender's last stdout line is its result
+            cli(args=argv, prog_name="llmeff", standalone_mode=False)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise RuntimeError(f"llmeff train failed ({e.code}): {said.getvalue()[-1500:]}") from None
+    finally:
+        EfficiencyMonitor.step = step
+    window = _steady(args, clock["t1"] - clock["t0"], clock["c1"] - clock["c0"])
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("peers")
     m = client.search_runs([exp.experiment_id])[0].data.metrics
@@ -195,7 +247,9 @@ def run_llmeff(args) -> dict:
     tokens = (args.steps - args.warmup) * args.micro_batch_size * args.seq_len
     other = m.get("summary/badput_other_s", 0.0)
     return {"tokens_per_sec": m["summary/tokens_per_sec"], "other_s": round(other, 4),
-            "with_other_tokens_per_sec": round(tokens / (tokens / m["summary/tokens_per_sec"] + other), 1)}
+            "with_other_tokens_per_sec": round(tokens / (tokens / m["summary/tokens_per_sec"] + other), 1),
+            "window_tokens_per_sec": round(window["tokens_per_sec"], 1),
+            "cpu_ms_per_step": window["cpu_ms_per_step"], "threads": window["threads"]}
 
 
 # ------------------------------------------------------------------------------ the comparison
@@ -205,14 +259,19 @@ def verdict(rounds: list[dict], *, target: float, quiet_other: float, quiet_stea
     Args:
         rounds: one mapping per round: ``tps`` (contender -> steady tokens/s, ``bare`` among them),
             ``other`` and ``steal`` (fractions of the host's CPU in [0, 1], None when unread) and ``load``
-            (the 1-minute load average at the round's end).
+            (the 1-minute load average at the round's end); optionally ``cpu`` (contender -> CPU ms a steady
+            step, every thread of its process) and ``threads`` (contender -> its torch threads, ``intra N,
+            inter M``).
         target: the least median ``llmeff / bare`` of the quiet rounds.
         quiet_other, quiet_steal: a round with more of the host's CPU taken by other processes or stolen
             is contended (an unread share counts as contended).
 
     Returns:
         The lines to print (each round with its ratios and whether it was quiet; each contender's median ratio
-        over all rounds and over the quiet ones; the verdict) and 0 (met), 1 (missed) or 2 (no quiet round).
+        over all rounds and over the quiet ones; where given, each contender's median CPU ms a step and its
+        ratio to bare's, a counted figure that other processes move far less than the wall clock, and
+        contenders whose threads differ; the verdict) and 0 (met), 1 (missed) or 2 (no quiet round). The
+        target is read from the tokens/s only.
     """
     lines, quiet = [], []
     names = [c for c in rounds[0]["tps"] if c != "bare"] if rounds else []
@@ -230,6 +289,16 @@ def verdict(rounds: list[dict], *, target: float, quiet_other: float, quiet_stea
         calm = (f"{statistics.median(r['tps'][c] / r['tps']['bare'] for r in quiet):.3f}x over {len(quiet)} quiet"
                 if quiet else "no quiet round")
         lines.append(f"ratio {c}/bare: median {every:.3f}x over {len(rounds)} rounds, {calm}")
+    timed = [r for r in rounds if r.get("cpu", {}).get("bare")]
+    for c in ["bare", *names] if timed else []:
+        has = [r["cpu"][c] for r in timed if r["cpu"].get(c)]
+        if has:
+            ratio = statistics.median(r["cpu"]["bare"] / r["cpu"][c] for r in timed if r["cpu"].get(c))
+            lines.append(f"cpu per steady step {c}: median {statistics.median(has):.2f} ms over {len(has)} rounds"
+                         + ("" if c == "bare" else f" (bare/{c} {ratio:.3f}x: above 1, {c} spends less CPU a step)"))
+    differ = sorted({f"round {i}: " + ", ".join(f"{c} {v}" for c, v in r["threads"].items())
+                     for i, r in enumerate(rounds, 1) if len(set(r.get("threads", {}).values())) > 1})
+    lines += [f"threads differ ({d}): the ratios compare unlike settings" for d in differ]
     if "llmeff" not in names:
         lines.append("llmeff was not among the contenders: no target read")
         return lines, 0
@@ -249,7 +318,10 @@ def _contender(args, name: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--run", name, "--model", args.model, "--seq-len",
            str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--seed", str(args.seed)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.threads:  # every contender the same intra-op threads (torch reads OMP_NUM_THREADS at start)
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"contender {name} failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -265,15 +337,21 @@ def _round(args, order: list[str]) -> dict:
     from mlflow_llmeff.meters import contention as ct
 
     host0, own0 = ct.read_host_cpu(), _cpu_s()
-    tps, extra = {}, {}
+    tps, cpu, threads, extra = {}, {}, {}, {}
     for name in order:
         res = _contender(args, name)
         tps[name] = res.pop("tokens_per_sec")
+        if "cpu_ms_per_step" in res:
+            cpu[name] = res.pop("cpu_ms_per_step")
+        if "threads" in res:
+            threads[name] = res.pop("threads")
         extra.update({f"{name}.{k}": v for k, v in res.items()})
     host1, own1 = ct.read_host_cpu(), _cpu_s()
     fr = ct.host_fractions(host0, host1, own1 - own0) if host0 and host1 else None
     return {"tps": {c: tps[c] for c in args.contenders}, "other": fr[0] if fr else None,
-            "steal": fr[1] if fr else None, "load": os.getloadavg()[0], "extra": extra}
+            "steal": fr[1] if fr else None, "load": os.getloadavg()[0], "extra": extra,
+            "cpu": {c: cpu[c] for c in args.contenders if c in cpu},
+            "threads": {c: threads[c] for c in args.contenders if c in threads}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -290,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="a round where other processes took more of the host's CPU than this is contended")
     p.add_argument("--quiet-steal", type=float, default=0.02)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads of every contender (OMP_NUM_THREADS); 0: torch's default")
     p.add_argument("--run", choices=CONTENDERS, help=argparse.SUPPRESS)  # one contender, in this process
     args = p.parse_args(argv)
     if args.warmup >= args.steps:
@@ -306,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         order = args.contenders if r % 2 == 0 else args.contenders[::-1]
         rounds.append(_round(args, order))
         print(f"round {r + 1} done: " + ", ".join(f"{c} {v:,.0f} tok/s" for c, v in rounds[-1]["tps"].items())
+              + f"; cpu ms/step {rounds[-1]['cpu']}; threads {rounds[-1]['threads']}"
               + (f" ({', '.join(f'{k} {v}' for k, v in rounds[-1]['extra'].items())})" if rounds[-1]["extra"] else ""),
               flush=True)
     lines, status = verdict(rounds, target=args.target, quiet_other=args.quiet_other, quiet_steal=args.quiet_steal)

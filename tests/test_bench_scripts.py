@@ -280,8 +280,25 @@ def test_peers_interleaves_the_contenders_and_prints_the_ratios(monkeypatch, cap
     assert "target llmeff/bare >= 1 in the median of 3 quiet rounds: 1.010x met" in out
 
 
+def test_peers_gives_each_contenders_cpu_a_step_and_names_unlike_threads():
+    peers = _peers()
+    rounds = [{**_round(1000, 1010), "cpu": {"bare": 20.0, "llmeff": 19.0}, "threads": {"bare": "intra 1, inter 2",
+                                                                                       "llmeff": "intra 1, inter 2"}},
+              {**_round(1000, 990), "cpu": {"bare": 22.0, "llmeff": 20.0}, "threads": {"bare": "intra 1, inter 2",
+                                                                                      "llmeff": "intra 2, inter 2"}}]
+    lines, status = peers.verdict(rounds, target=1.0, quiet_other=0.10, quiet_steal=0.02)
+    assert status == 0  # the target is read from the tokens/s: median of 1.010 and 0.990
+    assert "cpu per steady step bare: median 21.00 ms over 2 rounds" in lines
+    # bare/llmeff per round: 20/19 = 1.0526, 22/20 = 1.1; their median 1.0763
+    assert ("cpu per steady step llmeff: median 19.50 ms over 2 rounds (bare/llmeff 1.076x: above 1, llmeff spends "
+            "less CPU a step)") in lines
+    assert ("threads differ (round 2: bare intra 1, inter 2, llmeff intra 2, inter 2): the ratios compare unlike "
+            "settings") in lines
+
+
 def test_peers_bare_contender_trains_its_steady_steps(capsys):
     peers = _peers()
     peers.main(["--run", "bare", "--seq-len", "16", "--micro-batch-size", "2", "--steps", "3", "--warmup", "1"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out) == {"tokens_per_sec"} and out["tokens_per_sec"] > 0
+    assert set(out) == {"tokens_per_sec", "cpu_ms_per_step", "threads"} and out["tokens_per_sec"] > 0
+    assert out["cpu_ms_per_step"] > 0 and out["threads"].startswith("intra ")
