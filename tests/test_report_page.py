@@ -282,3 +282,76 @@ def test_no_legend_box_covers_a_plotted_point(tmp_path):
                 assert not [b for b in boxes if b.overlaps(lb) and b.width > 0 and b.height > 0], name
                 checked += len(points) + len(boxes)
     assert checked > 50
+
+
+# ------------------------------------------------------------- the same page, counted work (issue 53)
+_FIGURE_KEY = re.compile(r"/llmeff/figures/[0-9]+-[0-9a-f]+/")
+
+
+@pytest.mark.parametrize("query", ["", "?all_runs=1", "?precision=fp32", "?group_by=model.name",
+                                   "?filter=metrics.%60summary/goodput%60%20%3E%200.3"])
+def test_the_page_read_by_sql_is_the_page_read_through_mlflows_search(page, monkeypatch, query):
+    """The page of the store's SQL read (its keys, side by side, the figures' key from the rows read) is
+    the page of MLflow's own ``search_runs`` records (the path of a store that is not SQL), character for
+    character but the figures' key."""
+    from mlflow_llmeff.report import server as srv
+    from mlflow_llmeff.report import source
+
+    get, *_ = page
+    by_sql = get(query)
+    for cache in (srv._pages, srv._tokens, srv._figures):
+        cache.clear()
+    monkeypatch.setattr(source, "_sql_engine", lambda client: None)  # a store without tables: search_runs
+    c0 = _counts()
+    by_search = get(query)
+    assert _delta(c0, _counts())["queries"] == 0  # no SQL read: MLflow's search
+    assert _FIGURE_KEY.sub("/llmeff/figures/K/", by_sql) == _FIGURE_KEY.sub("/llmeff/figures/K/", by_search)
+    assert "data-run-id=" in by_sql and _FIGURE_KEY.search(by_sql)
+
+
+def test_the_first_request_issues_four_queries_however_many_runs(tmp_path, monkeypatch):
+    """The page's first request: four queries (runs, metrics, tags, params) for 5 runs and for 60, one report
+    and one page; the rows read at most one a run per query (sqlite's grouped read)."""
+    import mlflow
+    from flask import Flask
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from many_runs import log_many_runs
+    from mlflow_llmeff.report import server as srv
+    from mlflow_llmeff.report import source
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = mlflow.MlflowClient(uri)
+    small, _ = log_many_runs(client, "small", 5, history=False)
+    large, _ = log_many_runs(client, "large", 60, history=False)
+    store = SqlAlchemyStore(uri, str(tmp_path / "artifacts"))
+    monkeypatch.setattr(srv, "_store", lambda: store)
+    monkeypatch.setattr(source, "SETTLED_S", 0.0)
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for cache in (srv._pages, srv._tokens, srv._figures):
+        cache.clear()
+    app = Flask("t")
+    srv.register(app)
+    web = app.test_client()
+    got = {}
+    for exp_id, n in ((small, 5), (large, 60)):
+        c0 = _counts()
+        assert web.get(f"/llmeff/experiments/{exp_id}").status_code == 200
+        got[n] = _delta(c0, _counts())
+    for n, d in got.items():
+        assert (d["queries"], d["tokens"], d["reports"], d["pages"]) == (4, 1, 1, 1)
+        assert n < d["rows"] <= 4 * n  # the runs, and at most a row per run of each value table
+    assert got[60]["rows"] == 3 * 60  # runs, metrics, tags (these runs hold no param the reports read)
+
+
+def test_the_tables_read_side_by_side_give_the_records_and_key_read_in_turn(page, monkeypatch):
+    from mlflow_llmeff.report import source
+
+    _, store, _, exp_id, _ = page
+    side = source.select_runs(store, exp_id)
+    monkeypatch.setattr(source, "_SIDE_BY_SIDE", False)
+    in_turn = source.select_runs(store, exp_id)
+    assert side.runs == in_turn.runs and side.content == in_turn.content and len(side.content) == 40
+    assert source.select_runs(store, exp_id, "tags.`llmeff.precision` = 'fp32'").content != side.content

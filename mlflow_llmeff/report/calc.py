@@ -12,6 +12,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import reliability as _rel
@@ -49,15 +50,16 @@ class RunRecord:
     params: dict[str, str] = field(default_factory=dict)
     start_time_ms: int | None = None
 
-    @property
+    @cached_property
     def has_summary(self) -> bool:
-        """True when the run logged its end-of-run ``summary/*`` figures."""
+        """True when the run logged its end-of-run ``summary/*`` figures (worked out once per record: a
+        report asks it six times a run)."""
         return any(map(_IS_SUMMARY, self.metrics))
 
-    @property
+    @cached_property
     def comparable(self) -> bool:
         """True for a run that finished with its summary: only these enter scaling, fronts and plots
-        (a FAILED run, e.g. a diverged loss, is a marked row, never a baseline)."""
+        (a FAILED run, e.g. a diverged loss, is a marked row, never a baseline). Worked out once per record."""
         return self.has_summary and self.status == "FINISHED"
 
     @property

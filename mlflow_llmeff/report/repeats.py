@@ -291,8 +291,7 @@ class Configuration:
     def used(self) -> list[RunRecord]:
         """The repeats the figures use: every one (a repeat is a sample; an unstable one is named,
         not dropped), the stable ones first."""
-        stable, unstable = self._split()
-        return stable + unstable
+        return list(self._remembered("used", lambda: self._split()[0] + self._split()[1]))
 
     @property
     def unstable(self) -> list[RunRecord]:
@@ -347,14 +346,17 @@ class Configuration:
     def _estimate(self, key: str) -> Estimate | None:
         used = self.used
         got = [r.metrics.get(key) for r in used]
-        fin = [v is not None and math.isfinite(v) for v in got]
-        have = [r for r, ok in zip(used, fin) if ok]
-        if not have:
-            return None
-        left_out = tuple(_left_out(r, key) for r, ok in zip(used, fin) if not ok)
+        if got and None not in got and all(map(math.isfinite, got)):  # every repeat holds it (the usual case)
+            have, vals, left_out = used, got, ()
+        else:
+            fin = [v is not None and math.isfinite(v) for v in got]
+            have = [r for r, ok in zip(used, fin) if ok]
+            if not have:
+                return None
+            left_out = tuple(_left_out(r, key) for r, ok in zip(used, fin) if not ok)
+            vals = [v for v, ok in zip(got, fin) if ok]
         if len(have) == 1:
             return _single_run_estimate(have[0], key, left_out)
-        vals = [v for v, ok in zip(got, fin) if ok]
         n = len(vals)
         mean = sum(vals) / n
         sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))

@@ -8,8 +8,11 @@ this code. Errors are ``ValueError`` with one line naming the bad value.
 from __future__ import annotations
 
 import hashlib
-import json
+import threading
+from array import array
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 
 from mlflow_llmeff import names
 from mlflow_llmeff.tracking.delivery import Unreachable, bounded_reads
@@ -42,9 +45,17 @@ class _Reads:
     def reset(self) -> None:
         self.queries, self.rows, self.tokens = 0, 0, 0
 
+    def count(self, rows: int) -> None:
+        """One query that returned ``rows`` rows (from any thread)."""
+        with _COUNT_LOCK:
+            self.queries, self.rows = self.queries + 1, self.rows + rows
 
+
+_COUNT_LOCK = threading.Lock()
 #: The module's counters (:class:`_Reads`).
 READ = _Reads()
+#: Read a database's three value tables side by side (threads, a connection each); False: in turn.
+_SIDE_BY_SIDE = True
 
 @dataclass(frozen=True)
 class Selection:
@@ -257,32 +268,57 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
             got = memo[(k, v)] = clean(k, v, secrets)
         return got
 
-    try:
+    tables = ("latest_metrics", "tags", "params")
+    # each table's digest apart (the threads finish in any order), given to ``content`` in table order
+    seen = {t: (None if content is None else hashlib.sha1()) for t in tables}
+
+    def values_of(table: str) -> dict[str, dict]:
+        keys, args = _key_condition(table, extra[table])
+        if style != "qmark":  # psycopg2, pymysql: %s placeholders
+            keys = keys.replace("?", "%s")
         with engine.connect() as conn:
-            raw = conn.connection
-            cursor = raw.cursor()
-            style = getattr(engine.dialect, "paramstyle", "qmark")  # sqlite3: ?, psycopg2 and pymysql: %s
-            grouped = engine.url.get_backend_name() == "sqlite"
+            cursor = conn.connection.cursor()
             try:
-                cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, r.artifact_uri, "
-                               f"r.lifecycle_stage FROM runs r WHERE {where} ORDER BY r.start_time DESC, r.run_uuid")
-                rows = cursor.fetchall()
-                READ.queries, READ.rows = READ.queries + 1, READ.rows + len(rows)
-                _seen(content, "runs", rows)
-                values = {}
-                for table in ("latest_metrics", "tags", "params"):
-                    keys, args = _key_condition(table, extra[table])
-                    if style != "qmark":  # psycopg2, pymysql: %s placeholders
-                        keys = keys.replace("?", "%s")
-                    read = _sqlite_grouped if grouped else _by_rows
-                    values[table] = read(cursor, table, where, keys, args, cleaned, content=content)
+                return read(cursor, table, where, keys, args, cleaned, content=seen[table])
             finally:
                 cursor.close()
+
+    try:
+        style = getattr(engine.dialect, "paramstyle", "qmark")  # sqlite3: ?, psycopg2 and pymysql: %s
+        grouped = engine.url.get_backend_name() == "sqlite"
+        read = _sqlite_grouped if grouped else _by_rows
+        # the three tables side by side, each on its own connection of the store's pool: the drivers
+        # (sqlite3, psycopg2) let go of the GIL while the database works, which is most of a read (at
+        # 10,000 runs: tags 0.22 s, metrics 0.13 s of the database's CPU). One snapshot per query, as a
+        # single connection gives (sqlite3 opens no transaction for a SELECT; PostgreSQL's READ COMMITTED
+        # takes one per statement). An in-memory sqlite database is one connection's own: read in turn.
+        side = _SIDE_BY_SIDE and not (grouped and (not engine.url.database or "memory" in engine.url.database))
+        pool = ThreadPoolExecutor(len(tables), thread_name_prefix="llmeff-read") if side else None
+        try:
+            pending = {t: pool.submit(values_of, t) for t in tables} if pool else {}
+            with engine.connect() as conn:
+                cursor = conn.connection.cursor()
+                try:
+                    cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, "
+                                   f"r.artifact_uri, r.lifecycle_stage FROM runs r WHERE {where} "
+                                   "ORDER BY r.start_time DESC, r.run_uuid")
+                    rows = cursor.fetchall()
+                finally:
+                    cursor.close()
+            READ.count(len(rows))
+            values = {t: pending[t].result() if pool else values_of(t) for t in tables}
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
     except Exception as e:  # noqa: BLE001 - a schema this read does not know: MLflow's own search instead
         import logging
 
         logging.getLogger(__name__).info("llmeff: the store's tables read as MLflow's search instead (%s)", e)
         return None
+    _seen(content, "runs", rows)
+    for t in tables:
+        if content is not None:
+            content.update(seen[t].digest())
     _seen(content, "filter", [(filter_string,)])
     exp_id = str(experiment_id)
     metrics, tags, params = values["latest_metrics"], values["tags"], values["params"]
@@ -308,11 +344,15 @@ _RUN_NAME = "mlflow.runName"
 
 
 def _seen(content, what: str, rows: list) -> None:
-    """Give ``content`` (a ``hashlib`` object, or None) the rows one query returned, as JSON (exact for
-    strings, integers and floats; C's encoder: about 0.01 s for 10,000 runs' rows, where digesting the
-    records took 0.16-0.2 s)."""
+    """Give ``content`` (a ``hashlib`` object, or None) the rows one query returned: every value's text
+    (``str``: exact for strings, integers and floats) joined, and each one's length, so no two row sets
+    give the same bytes (C's loops: 0.02 s for 10,000 runs' 8.7 MB of tags; JSON took 0.06 s, digesting
+    the records 0.16-0.2 s)."""
     if content is not None:
-        content.update(json.dumps([what, rows], check_circular=False, default=str).encode())
+        cells = list(map(str, chain.from_iterable(rows)))
+        content.update(f"{what}:{len(rows)}:".encode())
+        content.update(array("q", map(len, cells)).tobytes())
+        content.update("\x1e".join(cells).encode("utf-8", "surrogatepass"))
 
 
 def _by_rows(cursor, table: str, where: str, keys: str, args: list, cleaned, ids=(), content=None) -> dict[str, dict]:
@@ -325,7 +365,7 @@ def _by_rows(cursor, table: str, where: str, keys: str, args: list, cleaned, ids
     cursor.execute(f"SELECT v.run_uuid, v.key, v.value{nan} FROM runs r CROSS JOIN {table} v WHERE "
                    f"r.run_uuid = v.run_uuid AND {where} AND {keys}", list(ids) + list(args))
     found = cursor.fetchall()
-    READ.queries, READ.rows = READ.queries + 1, READ.rows + len(found)
+    READ.count(len(found))
     _seen(content, table, found)
     got: dict[str, dict] = {}
     for row in found:
@@ -367,7 +407,7 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
                    f"group_concat(CASE WHEN {other} THEN {value} END, char(31)), {named} FROM {table} v WHERE "
                    f"v.run_uuid IN (SELECT r.run_uuid FROM runs r WHERE {where}) AND {keys} GROUP BY v.run_uuid", args)
     found = cursor.fetchall()
-    READ.queries, READ.rows = READ.queries + 1, READ.rows + len(found)
+    READ.count(len(found))
     _seen(content, table, found)
     got: dict[str, dict] = {}
     again = []
