@@ -373,6 +373,26 @@ _FILE_SECONDS: dict[str, float] = {
     "test_hardware.py": 0.1, "test_keys.py": 0.1,
 }
 
+#: Seconds of each test file in this session (setup, call and teardown of its tests, as the workers
+#: reported them), printed at the end (:func:`pytest_terminal_summary`) so that every CI log gives the
+#: numbers :data:`_FILE_SECONDS` is kept from.
+_SEEN_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    name = report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    _SEEN_SECONDS[name] = _SEEN_SECONDS.get(name, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The 30 longest files of the session and the sum over all, in seconds of worker time."""
+    if getattr(config, "workerinput", None) is not None or not _SEEN_SECONDS:
+        return
+    ranked = sorted(_SEEN_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"seconds by file (worker time, {sum(_SEEN_SECONDS.values()):.0f} s in all)")
+    terminalreporter.write_line("  ".join(f"{name} {s:.0f}" for name, s in ranked[:30]))
+
+
 #: Where a file not in :data:`_FILE_SECONDS` goes: among the long files, so that a new slow file does not
 #: start last and hold the session's end; a short one costs nothing there.
 _UNMEASURED_S = 30.0
