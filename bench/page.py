@@ -23,6 +23,12 @@ runs table shows the first 200 runs (docs/compare.md), so the page's size stops 
 second request of an unchanged store reads no run (report/source.py ``change_token``).
 
     python bench/page.py --runs 10000,100000      # the issue-53 targets (the 100,000-run store: ~1 min)
+    python bench/page.py --runs 10000 --against HEAD~3 --rounds 3   # interleaved with older code, one store
+
+With ``--against REV`` each run count's store is made once and served in turn by this tree and by REV (a
+``git worktree``, first on the server's ``PYTHONPATH``), the order alternating by round; each server is fresh
+(its first request is its first) with a temporary folder of its own. It prints every server's times and
+load average, whether the two codes' first pages are the same (figure keys aside), and each code's median.
 """
 
 from __future__ import annotations
@@ -141,15 +147,40 @@ def make_store(root: str, n: int, api: bool) -> tuple[str, str, list[str], float
 
 def measure(n: int, api: bool) -> dict:
     """Start a server over ``n`` fresh runs and time the page's requests; the figures in a dict."""
+    root = tempfile.mkdtemp(prefix="llmeff_page_")
+    try:
+        uri, exp_id, ids, made_s = make_store(root, n, api)
+        return serve(root, uri, exp_id, ids, n, made_s)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # the store (about 1 MB per 1,000 runs)
+
+
+def old_code(rev: str, root: str) -> str:
+    """A checkout of this repository at ``rev`` (``git worktree``, detached) under ``root``: its folder, which
+    a server started with it first on ``PYTHONPATH`` imports ``mlflow_llmeff`` from."""
+    where = os.path.join(root, f"code-{rev}")
+    subprocess.run(["git", "-C", os.path.join(HERE, ".."), "worktree", "add", "--detach", where, rev], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return where
+
+
+def serve(root: str, uri: str, exp_id: str, ids: list[str], n: int, made_s: float, code: str | None = None,
+          point: int = 0) -> dict:
+    """Start a server over the store ``uri`` (``code``: the folder ``mlflow_llmeff`` is imported from, else the
+    installed one) and time the page's requests; the figures in a dict. The store's first run gets a new
+    ``train/loss`` point (step 60 + ``point``, a value of its own) before the "after a new point" request.
+    The server's temporary folder is its own (no figures another server drew and left on disk)."""
     import mlflow
 
-    root = tempfile.mkdtemp(prefix="llmeff_page_")
-    uri, exp_id, ids, made_s = make_store(root, n, api)
     port = _port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           "TMPDIR": tempfile.mkdtemp(prefix="tmp-", dir=root)}
+    if code:
+        env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--app-name", "llmeff", "--backend-store-uri",
                                uri, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
                               cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+                              env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
@@ -167,14 +198,14 @@ def measure(n: int, api: bool) -> dict:
         figs = re.findall(r"src='(/llmeff/figures/[^']+)'", body.decode())
         fig_s = sum(_get(url + f.replace("&amp;", "&"))[0] for f in figs)
         second, _ = _get(page)
-        mlflow.MlflowClient(url).log_metric(ids[0], "train/loss", 1.0, step=60)
+        mlflow.MlflowClient(url).log_metric(ids[0], "train/loss", 1.0 + point / 1000, step=60 + point)
         changed, _ = _get(page)
         return {"runs": n, "made_s": made_s, "figures": len(figs), "kib": len(body) / 1024, "first": first,
-                "figures_s": fig_s, "second": second, "changed": changed}
+                "figures_s": fig_s, "second": second, "changed": changed, "load": os.getloadavg()[0],
+                "body": re.sub(r"/llmeff/figures/[^/]+/", "/llmeff/figures/K/", body.decode())}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
-        shutil.rmtree(root, ignore_errors=True)  # the store (about 1 MB per 1,000 runs)
 
 
 def growth_table(rows: list[dict]) -> list[str]:
@@ -192,18 +223,66 @@ def growth_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def _median(rows: list[dict]) -> dict:
+    """The row of each figure's median over ``rows`` (rounds of one code at one run count)."""
+    import statistics
+
+    return {**rows[0], **{k: statistics.median(r[k] for r in rows) for k in TIMED}}
+
+
+#: The timed figures of a row (:func:`serve`).
+TIMED = ("first", "figures_s", "second", "changed", "load")
+
+
+def compare(n: int, api: bool, rev: str, rounds: int) -> dict:
+    """The page at ``n`` runs, this code and the code at ``rev``, interleaved on one store (``rounds`` rounds,
+    the order alternating): prints a line a server and whether the two first pages are the same; the median
+    row of this code."""
+    root = tempfile.mkdtemp(prefix="llmeff_page_")
+    try:
+        old = old_code(rev, root)
+        uri, exp_id, ids, made_s = make_store(root, n, api)
+        got: dict[str, list[dict]] = {"old": [], "new": []}
+        point = 0
+        for i in range(rounds):
+            for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                point += 1
+                r = serve(root, uri, exp_id, ids, n, made_s, old if which == "old" else None, point)
+                got[which].append(r)
+                print(f"{n:,} runs, round {i + 1}, {which} code ({rev if which == 'old' else 'this tree'}), load "
+                      f"{r['load']:.1f}: first {r['first']:.2f} s, figures {r['figures_s']:.2f} s, second "
+                      f"{r['second']:.2f} s, after a new point {r['changed']:.2f} s, page {r['kib']:.0f} KiB", flush=True)
+            same = got["old"][-1]["body"] == got["new"][-1]["body"]
+            print(f"  round {i + 1}: the first page of both codes is {'the same' if same else 'NOT the same'} "
+                  "(figure keys aside)", flush=True)
+        for which in ("old", "new"):
+            m = _median(got[which])
+            print(f"{n:,} runs, {which} code, median of {rounds}: first {m['first']:.2f} s, second {m['second']:.2f} s, "
+                  f"after a new point {m['changed']:.2f} s (load {m['load']:.1f})", flush=True)
+        return _median(got["new"])
+    finally:
+        subprocess.run(["git", "-C", os.path.join(HERE, ".."), "worktree", "remove", "--force",
+                        os.path.join(root, f"code-{rev}")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="50", help="comma-separated run counts, e.g. 50,1000,10000")
     p.add_argument("--api", action="store_true", help="log every run through MlflowClient (no SQL copies)")
+    p.add_argument("--against", metavar="REV", help="also time the code at this git revision, interleaved on the "
+                   "same store (e.g. HEAD~3); the targets are checked on this tree's median")
+    p.add_argument("--rounds", type=int, default=1, help="rounds per code with --against (default 1)")
     args = p.parse_args()
     counts = [int(x) for x in args.runs.split(",") if x.strip()]
     if not counts or min(counts) < 1:
         raise SystemExit("--runs: give positive run counts, e.g. 50,1000")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give 1 or more")
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     rows = []
     for n in counts:
-        r = measure(n, args.api)
+        r = compare(n, args.api, args.against, args.rounds) if args.against else measure(n, args.api)
         rows.append(r)
         print(f"{n:,} runs (made in {r['made_s']:.0f} s), {r['figures']} figures, page {r['kib']:.0f} KiB: first "
               f"{r['first']:.2f} s, figures {r['figures_s']:.2f} s, second {r['second']:.2f} s, after a new point "
