@@ -14,6 +14,8 @@ __all__ = ["EvalResult", "TASK_NAMES", "check_inputs", "evaluate", "expand_tasks
 
 TASK_NAMES = ("mmlu", "hellaswag") + tuple(f"mmlu_{s}" for s in data.MMLU_SUBJECTS)
 # the keys docs/metrics.md lists; other metrics are logged as "eval/<metric>"
+#: ``EvalResult.config`` key: the worker processes that scored (1: this process; :mod:`.workers`)
+EVAL_WORKERS = "llmeff.eval.workers"
 _STANDARD_KEYS = {"mmlu/acc": names.EVAL_MMLU_ACC, "hellaswag/acc": names.EVAL_HELLASWAG_ACC,
                   "hellaswag/acc_norm": names.EVAL_HELLASWAG_ACC_NORM}
 
@@ -167,7 +169,8 @@ def _progress_bar(total: int, what: str):
 def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir: str | None = None,
              num_fewshot: int = 0, limit: int | float | None = None, batch_size: int = 8, device: Any = None,
              seed: int = 1234, share_prefix: bool = True, add_bos: bool | None = None,
-             subset_seed: int | None = None, progress: bool = False, threads: int | None = None) -> EvalResult:
+             subset_seed: int | None = None, progress: bool = False, threads: int | None = None,
+             workers: int | None = None) -> EvalResult:
     """Score MMLU and/or HellaSwag with lm-evaluation-harness 0.4.x definitions.
 
     Args:
@@ -195,18 +198,31 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
             fewer while other processes hold them, re-decided every 0.5 s
             (:mod:`mlflow_llmeff.evals.threads`); on a CUDA device torch's setting is left alone.
             What was used is ``config["llmeff.threads"]`` and ``config["llmeff.cpu.affinity"]``.
+        workers: on CPU, score in this many forked processes of one torch thread each
+            (:mod:`mlflow_llmeff.evals.workers`: no OpenMP barrier to stall while other jobs hold the
+            CPUs). None (default): the CPUs this process may use (as ``threads``, without others'
+            load) when ``threads`` is None, at least two chunks of documents are to be scored, the
+            platform can fork and no ``torch.distributed`` group is up; else 1 (in this process).
+            ``config["llmeff.eval.workers"]`` records it.
 
     Raises:
-        ValueError: unknown task, bad ``num_fewshot``/``limit``/``threads``, missing or malformed data files.
+        ValueError: unknown task, bad ``num_fewshot``/``limit``/``threads``/``workers``, missing or
+            malformed data files.
+        RuntimeError: a worker process failed (its error in one line).
     """
     from mlflow_llmeff.evals.scoring import LoglikelihoodScorer  # torch is imported here, not at module load
-    from mlflow_llmeff.evals.threads import ThreadChooser, affinity_tag, usable_cpus
+    from mlflow_llmeff.evals.threads import ThreadChooser, affinity_tag, default_workers, usable_cpus
+    from mlflow_llmeff.evals.workers import score_in_workers
 
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads {threads!r} is not accepted; use an integer >= 1 or None (chosen from the CPUs)")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers {workers!r} is not accepted; use an integer >= 1 or None (chosen from the CPUs)")
     chooser = None
     on_cpu = str(device if device is not None else next(model.parameters()).device).startswith("cpu")
     if on_cpu:
+        if workers is None:
+            workers = default_workers(threads)
         if threads is None:
             chooser = ThreadChooser.for_this_process()
         else:
@@ -245,11 +261,20 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
                 families.append(task if task != "hellaswag" else None)  # MMLU: one family per subject
         label = ",".join(dict.fromkeys("mmlu" if t.startswith("mmlu_") and len(scored) >= 4 else t for t in scored))
         scorer.progress = _progress_bar(len(all_reqs), label) if progress else None
+        encoded = [[scorer.encode_request(c, k) for c, k in doc] for doc in all_reqs]
+        if not on_cpu or (workers or 1) < 2 or len(encoded) < 2 * scorer.batch_size * scorer.branch_window:
+            workers = 1
+        if chooser is not None and workers > 1:  # one torch thread per worker process
+            chooser = ThreadChooser(1, f"1 per process, {workers} worker processes; {chooser.where}", None)
         if chooser is not None:
             chooser.start()
             scorer.between = chooser.tick
         try:
-            lls = scorer.score(all_reqs, families)
+            if workers > 1:
+                lls = score_in_workers(scorer, encoded, families, workers,
+                                       progress=scorer.progress.update if scorer.progress is not None else None)
+            else:
+                lls = scorer.score_encoded(encoded, families)
         finally:
             if chooser is not None:
                 chooser.stop()
@@ -299,6 +324,7 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
     if chooser is not None:  # the measurement condition, under the training runs' tag names
         config[names.THREADS] = chooser.describe()
         config[names.CPU_AFFINITY] = affinity_tag()
+        config[EVAL_WORKERS] = workers
     return EvalResult(metrics, examples, counts, config, seconds)
 
 

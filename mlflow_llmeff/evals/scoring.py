@@ -196,6 +196,12 @@ class LoglikelihoodScorer(_PrefixCache):
                         out[d][i] = s
         return out
 
+    def probe(self) -> None:
+        """Run the structure checks now (:meth:`_head_split`, :meth:`_last_mlp`; once per scorer), e.g.
+        before forking worker processes that would each run them again."""
+        self._head_split()
+        self._last_mlp()
+
     # ------------------------------------------------------------------ internals
     def _forward(self, ids: torch.Tensor, mask: Any, pos: torch.Tensor, past: Any, use_cache: bool,
                  keep: torch.Tensor | None = None, hidden: bool = False) -> tuple[torch.Tensor, Any]:

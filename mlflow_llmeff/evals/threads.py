@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["CpuShare", "ThreadChooser", "affinity_tag", "choose_threads", "usable_cpus"]
+__all__ = ["CpuShare", "ThreadChooser", "affinity_tag", "choose_threads", "choose_workers", "default_workers",
+           "usable_cpus"]
 
 
 def _affinity() -> set[int] | None:
@@ -110,6 +111,45 @@ def choose_threads(usable: int, others: float | None, cap: int | None = None) ->
     n = usable if others is None else math.floor(usable - max(0.0, others) + 0.5)
     n = max(1, min(usable, n))
     return max(1, min(n, cap)) if cap is not None else n
+
+
+def choose_workers(usable: int, cap: int | None, threads: int | None, forkable: bool, distributed: bool) -> int:
+    """Worker processes of one thread each for scoring (:mod:`mlflow_llmeff.evals.workers`).
+
+    ``usable`` (capped by ``cap``, ``OMP_NUM_THREADS``: torchrun sets 1 for each of its processes),
+    unless a thread count was asked (``threads``), the platform cannot fork, or a
+    ``torch.distributed`` group is up (a worker would call a sharded model's collectives alone): then 1.
+    Not less for others' load: a process of one thread has no OpenMP barrier to stall, and a worker
+    that other jobs slow takes fewer chunks.
+
+    Raises:
+        ValueError: ``usable`` < 1.
+    """
+    if usable < 1:
+        raise ValueError(f"usable {usable} is not accepted; use a CPU count >= 1")
+    if threads is not None or not forkable or distributed:
+        return 1
+    return max(1, min(usable, cap)) if cap is not None else usable
+
+
+def _omp_cap() -> int | None:
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) >= 1 else None
+
+
+def default_workers(threads: int | None = None) -> int:
+    """:func:`choose_workers` for this process: its usable CPUs (:func:`usable_cpus`),
+    ``OMP_NUM_THREADS``, fork and ``torch.distributed`` as found."""
+    from mlflow_llmeff.evals.workers import can_fork
+
+    distributed = False
+    try:
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+    except ImportError:  # torch without distributed
+        pass
+    return choose_workers(usable_cpus()[0], _omp_cap(), threads, can_fork(), distributed)
 
 
 def _read_stat(cpus: set[int] | None) -> float | None:
@@ -205,10 +245,9 @@ class ThreadChooser:
         """Usable CPUs from affinity and the cgroup quota, others' load from ``/proc/stat``."""
         affinity = _affinity()
         usable, where = usable_cpus(affinity)
-        cap = None
-        env = os.environ.get("OMP_NUM_THREADS", "").strip()
-        if env.isdigit() and int(env) >= 1:
-            cap, where = int(env), where + f", OMP_NUM_THREADS={env}"
+        cap = _omp_cap()
+        if cap is not None:
+            where += f", OMP_NUM_THREADS={cap}"
         return cls(usable, f"{usable} usable: {where}", CpuShare.of(affinity), cap)
 
     def _set(self, n: int) -> None:
