@@ -18,8 +18,11 @@ Needs `pip install lm-eval`.
 Under load (``--hogs N``, e.g. 2): N busy-loop processes (pure Python, :data:`HOG`) run beside both sides in
 half of the rounds. Each round runs both conditions (quiet, then hogs; the order alternating between
 rounds) and in each both sides (their order alternating too). Each side's slowdown = median of its hog
-rounds' seconds / median of its quiet rounds'; printed with each round's load average (1 min) and the
-threads our side used. The run exits 1 unless our slowdown <= lm-eval's for every task (and, as
+rounds' seconds / median of its quiet rounds'; printed with each round's load average (1 min), the
+threads and worker processes our side used, and both sides' median seconds (the lead in absolute terms).
+The hogs are children of this process, in its session (Linux's autogroup, when on, shares CPU time
+between sessions and then between the runnable threads of one): beside two hogs, one thread gets a
+third of the session's CPU time, two processes half. The run exits 1 unless our slowdown <= lm-eval's for every task (and, as
 always, when predictions differ); the speed targets below are not checked in this mode.
 
     python bench/evals.py --tasks hellaswag --limit 1000 --vocabs 32000 --hogs 2 --rounds 3
@@ -224,7 +227,8 @@ def main() -> None:
                         print(f"  round {r + 1} {'hogs ' + str(hogs) if hogs else 'quiet  '}: load {load:5.1f}  "
                               f"ours {(loaded['ours'] if hogs else ours_s)[-1]:7.2f} s  "
                               f"lm-eval {(loaded['harness'] if hogs else theirs_s)[-1]:7.2f} s  "
-                              f"threads {ours.config.get('llmeff.threads', '-')}", flush=True)
+                              f"threads {ours.config.get('llmeff.threads', '-')}, "
+                              f"workers {ours.config.get('llmeff.eval.workers', '-')}", flush=True)
                     same = same and [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
                     if "hellaswag" in tasks:  # acc_norm's prediction too (the harness records whether it was right)
                         same = same and ([a["correct_norm"] for a in ours.examples]
@@ -234,7 +238,10 @@ def main() -> None:
                 mine, theirs_x = slowdowns(ours_s, loaded["ours"]), slowdowns(theirs_s, loaded["harness"])
                 under = statistics.median(loaded["harness"]) / statistics.median(loaded["ours"])
                 print(f"{label}: slowdown under {args.hogs} hogs: ours {mine:.2f}x, lm-eval {theirs_x:.2f}x; "
-                      f"ratio quiet {statistics.median(theirs_s) / statistics.median(ours_s):.2f}x, "
+                      f"median s quiet / hogs: ours {statistics.median(ours_s):.2f} / "
+                      f"{statistics.median(loaded['ours']):.2f}, lm-eval {statistics.median(theirs_s):.2f} / "
+                      f"{statistics.median(loaded['harness']):.2f}; lm-eval / ours quiet "
+                      f"{statistics.median(theirs_s) / statistics.median(ours_s):.2f}x, "
                       f"under hogs {under:.2f}x; same preds {same}")
                 slow.append((label, vocab, mine, theirs_x))
             n = len(ours.examples)
