@@ -12,7 +12,6 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import reliability as _rel
@@ -50,17 +49,20 @@ class RunRecord:
     params: dict[str, str] = field(default_factory=dict)
     start_time_ms: int | None = None
 
-    @cached_property
+    @property
     def has_summary(self) -> bool:
-        """True when the run logged its end-of-run ``summary/*`` figures (worked out once per record: a
-        report asks it six times a run)."""
+        """True when the run logged its end-of-run ``summary/*`` figures."""
         return any(map(_IS_SUMMARY, self.metrics))
 
-    @cached_property
+    @property
     def comparable(self) -> bool:
         """True for a run that finished with its summary: only these enter scaling, fronts and plots
-        (a FAILED run, e.g. a diverged loss, is a marked row, never a baseline). Worked out once per record."""
-        return self.has_summary and self.status == "FINISHED"
+        (a FAILED run, e.g. a diverged loss, is a marked row, never a baseline). Worked out once per record
+        (a report asks six times a run; kept beside the fields, which eq and repr do not read)."""
+        got = self.__dict__.get("_comparable")
+        if got is None:
+            got = self.__dict__["_comparable"] = self.has_summary and self.status == "FINISHED"
+        return got
 
     @property
     def devices(self) -> int | None:
@@ -250,9 +252,10 @@ def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
         values: dict[str, list[str]] = {}
         metrics = None if affects is None else frozenset(affects)
         normed: dict = {}  # each distinct value normalised once
-        for r in compared:
-            if metrics is not None and metrics.isdisjoint(r.metrics):
-                continue
+        taking = compared if metrics is None else [r for r in compared if not metrics.isdisjoint(r.metrics)]
+        if key != names.SUM_STEPS and _one_value(taking, key, norm):
+            continue  # the same on every run: no warning, no run to name (10,000 runs x 8 conditions)
+        for r in taking:
             v = r.tags.get(key)  # _condition's first answer, without a call (10,000 runs x 8 conditions)
             if v is None or key == names.SUM_STEPS:
                 v = _condition(r, key, param)
@@ -266,6 +269,17 @@ def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
         if len(values) > 1:
             out.append(Incomparability(what, key, values))
     return out
+
+
+def _one_value(runs: list[RunRecord], key: str, norm) -> bool:
+    """True when every run of ``runs`` holds tag ``key`` with one value (after ``norm``): then
+    :func:`comparability_warnings` has nothing to say of it. A run without the tag answers False (its
+    param or metric may stand in: the full pass decides)."""
+    try:
+        seen = set(map(operator.itemgetter(key), map(operator.attrgetter("tags"), runs)))
+    except KeyError:
+        return False
+    return len({norm(v) for v in seen} if norm is not None else seen) <= 1
 
 
 def pareto_front(points: list[tuple[float, float]], *, maximize_x: bool, maximize_y: bool) -> list[int]:

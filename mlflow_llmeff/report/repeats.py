@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord, absent_why, run_length
@@ -304,9 +305,8 @@ class Configuration:
         run), by MLflow start time; the first given where the starts are not known. Whatever order the
         runs were read in (a study listed its seeds by repeat and named the configuration '...-cpu';
         compare read them newest first and named the same runs '...-cpu-3')."""
-        stable, unstable = self._split()
-        pool = stable or unstable
-        return min(pool, key=lambda r: (r.start_time_ms is None, r.start_time_ms or 0))
+        pool = self._split()[0] or self._split()[1]
+        return self._remembered("first", lambda: min(pool, key=lambda r: (r.start_time_ms is None, r.start_time_ms or 0)))
 
     @property
     def label(self) -> str:
@@ -344,8 +344,8 @@ class Configuration:
         return self._remembered(("estimate", key), lambda: self._estimate(key))
 
     def _estimate(self, key: str) -> Estimate | None:
-        used = self.used
-        got = [r.metrics.get(key) for r in used]
+        used = self.used  # each repeat's value of key: dict.get over the repeats' metrics, kept (C's loop)
+        got = list(map(dict.get, self._remembered("metrics", lambda: [r.metrics for r in used]), repeat(key)))
         if got and None not in got and all(map(math.isfinite, got)):  # every repeat holds it (the usual case)
             have, vals, left_out = used, got, ()
         else:
