@@ -23,6 +23,7 @@ ends with ``os._exit`` (multiprocessing's fork child): no atexit handler of the 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -76,8 +77,9 @@ def _work(scorer: Any, encoded: Sequence[Sequence[Any]], families: Sequence[Hash
 
     torch.set_num_threads(1)
     scorer.progress, scorer.between = None, None
+    parent = os.getppid()
     try:
-        while True:
+        while os.getppid() == parent:  # a killed parent: no more chunks
             with counter.get_lock():
                 c = counter.value
                 counter.value += 1
