@@ -150,7 +150,7 @@ class BatchCounter:
         self._unknown = {"loss_unknown": 0, "samples_unknown": 0, "lengths_unknown": 0}  # flat micro-batches
 
     def add(self, input_ids=None, attention_mask=None, labels=None, position_ids=None, cu_seqlens=None,
-            seq_idx=None) -> None:
+            seq_idx=None, loss_tokens=None) -> None:
         """Count one micro-batch (a few fused tensor ops on its device, no synchronization).
 
         Args:
@@ -167,6 +167,9 @@ class BatchCounter:
                 (``cu_seq_lens_q`` of ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``);
                 document lengths are its differences. Takes precedence over the other two.
             seq_idx: ``(B, T)`` document index of every token; a change starts a document.
+            loss_tokens: this micro-batch's loss-bearing tokens as its caller already counted them (an
+                int, or a 0-d integer-valued tensor on the batch's device, added unsynchronized): the
+                labels are then not read (``llmeff train`` counts them once, for its loss weights).
 
         Raises:
             ValueError: when neither ``input_ids`` nor ``attention_mask`` is given.
@@ -176,10 +179,14 @@ class BatchCounter:
         ref = attention_mask if attention_mask is not None else input_ids
         if ref is None:
             raise ValueError("BatchCounter.add needs input_ids or attention_mask")
+        if loss_tokens is not None:  # counted by the caller: the labels are not read again
+            labels = None
+            if ref.is_cpu or not torch.is_tensor(loss_tokens):
+                loss_tokens = int(loss_tokens)
         if ref.dim() == 2 and cu_seqlens is None and position_ids is None and seq_idx is None:
-            if ref.is_cpu and self._defer(ref, attention_mask, labels):  # (is_cpu: no device object)
+            if ref.is_cpu and self._defer(ref, attention_mask, labels, loss_tokens):  # (is_cpu: no device object)
                 return
-            self._add_rows(ref, attention_mask, labels)  # the common dense batch: rows are sequences
+            self._add_rows(ref, attention_mask, labels, loss=loss_tokens)  # the common dense batch: rows are sequences
             return
         flat = ref.dim() == 1  # a flat stream: no rows, so no sequence unless documents are marked
         if flat:
@@ -214,7 +221,9 @@ class BatchCounter:
         else:  # every position is real: all counts are shapes
             tokens = torch.tensor(b * t, device=dev)
             sum_sq = torch.tensor(b * t * t, device=dev)
-        if labels is not None:
+        if loss_tokens is not None:
+            loss = loss_tokens if torch.is_tensor(loss_tokens) else torch.tensor(loss_tokens, device=dev)
+        elif labels is not None:
             lab = labels if labels.dim() == 2 else labels.unsqueeze(0)
             loss = (lab[:, 1:] != -100).sum()
         elif docs is not None:
@@ -233,7 +242,7 @@ class BatchCounter:
         self._acc_used = True
         self._padded += b * t
 
-    def _defer(self, ref, attention_mask, labels) -> bool:
+    def _defer(self, ref, attention_mask, labels, loss_tokens: int | None = None) -> bool:
         """Keep a CPU batch to be read at the window edge (:meth:`take`); False: read it now.
 
         Right after a training step the first code to run finds the host's caches cold: on a 2-core
@@ -244,7 +253,8 @@ class BatchCounter:
         miscounted: the second micro-batch decides (a loop passing the first batch's very tensors
         again, written in place since (``Tensor._version``, torch's count of in-place writes), is read
         at once, for good), and a kept batch whose tensors were written after it came is counted as
-        they are then, in :attr:`refilled`, and the counter reads at once from then on."""
+        they are then, in :attr:`refilled`, and the counter reads at once from then on. ``loss_tokens``
+        (the caller's count, its labels ``None``) is added at once."""
         m = attention_mask if attention_mask is not None else labels
         if m is None:
             return False  # the counts are the shape's: nothing to read
@@ -259,24 +269,29 @@ class BatchCounter:
         if not self.defer:
             return False
         b, t = ref.shape
-        self._host[_SAMPLES] += b
+        h = self._host
+        h[_SAMPLES] += b
+        given = loss_tokens is not None
+        if given:
+            h[_LOSS] += loss_tokens
         self._padded += b * t
-        self._deferred.append((ref.shape, attention_mask, labels, _version(attention_mask), _version(labels)))
+        self._deferred.append((ref.shape, attention_mask, labels, _version(attention_mask), _version(labels), given))
         return True
 
     def _settle(self) -> None:
         """Count the batches :meth:`_defer` kept (at the window edge)."""
         kept, self._deferred = self._deferred, []
-        for shape, mask, labels, v_mask, v_labels in kept:
+        for shape, mask, labels, v_mask, v_labels, _ in kept:
             if _version(mask) != v_mask or _version(labels) != v_labels:  # refilled in place since
                 self.refilled += 1
                 self.defer = False
         first = kept[0]
-        shape, mask_dtype, labels_dtype = first[0], _dtype(first[1]), _dtype(first[2])
-        same = all(k[0] == shape and _dtype(k[1]) == mask_dtype and _dtype(k[2]) == labels_dtype for k in kept)
+        shape, mask_dtype, labels_dtype, given = first[0], _dtype(first[1]), _dtype(first[2]), first[5]
+        same = all(k[0] == shape and _dtype(k[1]) == mask_dtype and _dtype(k[2]) == labels_dtype and k[5] == given
+                   for k in kept)
         if not same or len(kept) == 1:
-            for shape, mask, labels, _, _ in kept:
-                self._add_rows(_Shape(shape), mask, labels, counted=True)
+            for shape, mask, labels, _, _, given_k in kept:  # (a given loss count was added when it came)
+                self._add_rows(_Shape(shape), mask, labels, counted=True, loss=0 if given_k else None)
             return
         # One pass over the window's micro-batches of one shape, stacked to (k, B, T), in torch: right after
         # a training step torch's code is warm and NumPy's is not (bench/overhead.py, 5 batches of 8 x 128:
@@ -294,7 +309,9 @@ class BatchCounter:
             rows = None
             h[_TOKENS] += len(kept) * b * t
             h[_SUM_LEN_SQ] += len(kept) * b * t * t
-        if first[2] is not None:
+        if given:  # the caller's loss counts, added when they came
+            pass
+        elif first[2] is not None:
             labs = torch.stack([k[2] if k[2].dim() == 2 else k[2][None] for k in kept])  # (k, B, T)
             h[_LOSS] += labs[:, :, 1:].ne(-100).sum().item()
         elif rows is not None:
@@ -302,14 +319,15 @@ class BatchCounter:
         else:
             h[_LOSS] += len(kept) * b * (t - 1)
 
-    def _add_rows(self, ref, attention_mask, labels, counted: bool = False) -> None:
+    def _add_rows(self, ref, attention_mask, labels, counted: bool = False, loss=None) -> None:
         """Count a ``(B, T)`` batch whose rows are its sequences (no packed documents), in as few ops as
         the counts need: each row's length from the mask (or ``T``), ``sum(l)``, ``sum(l^2)`` and the
         loss-bearing ``labels[:, 1:] != -100`` (or ``l - 1`` a row). On CPU the tensors are read in place
         through NumPy (no device to wait for, and a NumPy reduction of a small array costs a few
         microseconds where a torch op costs several times that); on an accelerator the sums stay on it,
         added to the accumulator unsynchronized. The same counts as the general path of :meth:`add`
-        (``tests/test_counting.py`` holds both)."""
+        (``tests/test_counting.py`` holds both). ``loss``: the loss-bearing tokens as the caller counted them
+        (an int, or a 0-d tensor on the batch's device), read from neither labels nor mask."""
         import torch
 
         b, t = ref.shape
@@ -317,8 +335,26 @@ class BatchCounter:
         if not counted:  # (kept batches counted their rows and positions when they came)
             h[_SAMPLES] += b
             self._padded += b * t
-        lab = labels if labels is None or labels.dim() == 2 else labels.unsqueeze(0)
         on_host = _host_readable(ref.device)
+        if loss is not None:  # counted by the caller
+            if torch.is_tensor(loss):
+                self._acc[_LOSS] += loss.reshape(()).to(torch.int64)
+                self._acc_used = True
+            else:
+                h[_LOSS] += loss
+            if attention_mask is None:
+                h[_TOKENS] += b * t
+                h[_SUM_LEN_SQ] += b * t * t
+            elif on_host:
+                rows = _array(attention_mask).sum(axis=1, dtype="int64")
+                h[_TOKENS] += int(rows.sum())
+                h[_SUM_LEN_SQ] += int((rows * rows).sum())
+            else:
+                lens = attention_mask.sum(dim=1, dtype=torch.int64)
+                self._acc[0:3:2] += torch.stack((lens, lens * lens)).sum(dim=1)  # tokens, sum(l^2)
+                self._acc_used = True
+            return
+        lab = labels if labels is None or labels.dim() == 2 else labels.unsqueeze(0)
         if attention_mask is None:  # every position is real: the counts are the shape's
             h[_TOKENS] += b * t
             h[_SUM_LEN_SQ] += b * t * t
@@ -442,10 +478,11 @@ class StepTally:
         self._varied = False  # shapes.varies, kept as each shape is noted (read on every step)
 
     # ------------------------------------------------------------------------------ counting
-    def add_batch(self, batch) -> None:
+    def add_batch(self, batch, loss_tokens=None) -> None:
         """Count a mapping with ``input_ids`` / ``attention_mask`` / ``labels`` ``(B, T)`` (and, in a
         packed batch, ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q`` / ``cu_seqlens``: see
-        :meth:`BatchCounter.add`), or a ``(B, T)`` id tensor."""
+        :meth:`BatchCounter.add`), or a ``(B, T)`` id tensor; ``loss_tokens``: its loss-bearing tokens
+        as the caller counted them (the labels are then not read)."""
         import torch
 
         is_tensor = torch.is_tensor
@@ -478,7 +515,7 @@ class StepTally:
             return
         if self.counter is None:
             self.counter, self.device = BatchCounter(ref.device), ref.device
-        self.counter.add(ids, mask, labels, pos, cu, seq_idx)
+        self.counter.add(ids, mask, labels, pos, cu, seq_idx, loss_tokens)
         shape = ref.shape
         if len(shape) == 2:
             b, t = shape

@@ -282,7 +282,10 @@ class EfficiencyMonitor:
             padded_tokens: input positions including padding (not given: ``train/padded_tokens`` is
                 absent, ``llmeff.interval.absent`` says why).
             loss_tokens: loss-bearing tokens (default: ``tokens - samples`` when ``samples`` is given;
-                neither: ``train/loss_tokens`` is absent).
+                neither: ``train/loss_tokens`` is absent). With ``batch`` (and no ``tokens``): the batch's
+                loss-bearing tokens as the caller already counted them (an int, or a 0-d tensor on the
+                batch's device, not synchronized), so its labels are not compared again; default: counted
+                from ``labels[:, 1:] != -100``.
             samples: sequences (not given: ``throughput/samples_per_sec`` is absent, never 0).
             sum_len_sq: sum of squared sequence lengths (default: ``tokens^2 / samples``, i.e. equal
                 lengths); sets the effective sequence length of the attention FLOPs. With neither
@@ -297,7 +300,7 @@ class EfficiencyMonitor:
             p = self._p
             tally = p.tally
             if batch is not None:
-                tally.add_batch(batch)
+                tally.add_batch(batch, loss_tokens if tokens is None else None)
                 if p.device is None:
                     p.device = tally.device
             if tokens is not None:

@@ -170,7 +170,17 @@ def _on_host(batch) -> bool:
     return all(getattr(v, "is_cpu", False) for v in batch.values())
 
 
-def loss_shares(micro: list, world: int, dp: int):
+def loss_token_counts(micro: list) -> list:
+    """Each micro-batch's loss-bearing tokens (:func:`_loss_tokens`): host ints where every micro-batch is on
+    the CPU (read at once, nothing to wait for), else 0-d tensors on their device (no sync). The loop counts
+    them once a micro-batch and hands them both to :func:`loss_shares` and to the meter
+    (``EfficiencyMonitor.count(batch, loss_tokens=...)``), which then does not compare the labels again."""
+    if all(_on_host(b) for b in micro):
+        return [int(_loss_tokens(b)) for b in micro]
+    return [_loss_tokens(b) for b in micro]
+
+
+def loss_shares(micro: list, world: int, dp: int, counts: list | None = None):
     """Each micro-batch's share of the optimizer step's loss-bearing tokens, counted over all its micro-batches
     and data-parallel ranks, so the step's loss is token-weighted: the summed loss over every loss-bearing
     token of the step divided by their count, never a mean of micro-batch means (docs/formulas.md, "Gradient
@@ -181,6 +191,7 @@ def loss_shares(micro: list, world: int, dp: int):
         micro: the step's micro-batches on this rank (mappings with ``labels`` ``(B, T)``).
         world: processes of the job; dp: data-parallel ranks among them (tensor-parallel peers hold the
             same micro-batches and count them ``world / dp`` times, divided out here).
+        counts: :func:`loss_token_counts` of ``micro`` when the caller has them (default: counted here).
 
     Returns:
         ``(shares, dp)``: one 0-d float64 tensor per micro-batch (a Python float where the micro-batches are
@@ -192,11 +203,13 @@ def loss_shares(micro: list, world: int, dp: int):
     """
     import torch
 
-    if dp == 1 and all(_on_host(b) for b in micro):  # CPU tensors: the counts are read, no device to keep busy
-        n_host = [int(_loss_tokens(b)) for b in micro]
-        total_host = max(sum(n_host), 1)
-        return [x / total_host for x in n_host], dp  # the float64 quotients the tensors would hold
-    n = torch.stack([_loss_tokens(b).to(torch.float64) for b in micro])  # (grad_accum,)
+    counts = loss_token_counts(micro) if counts is None else counts
+    on_host = all(isinstance(c, int) for c in counts)  # CPU micro-batches: the counts were read, no device busy
+    if dp == 1 and on_host:
+        total_host = max(sum(counts), 1)
+        return [x / total_host for x in counts], dp  # the float64 quotients the tensors would hold
+    n = (torch.tensor(counts, dtype=torch.float64) if on_host
+         else torch.stack([c.to(torch.float64) for c in counts]))  # (grad_accum,)
     total = n.sum()
     if dp > 1:  # (dp = 1: the ranks are tensor-parallel copies holding the same micro-batches)
         import torch.distributed as dist

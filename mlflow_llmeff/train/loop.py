@@ -19,7 +19,7 @@ from mlflow_llmeff.monitor import lifecycle
 from mlflow_llmeff import names
 from mlflow_llmeff.train import checkpoint as ckpt
 from mlflow_llmeff.train import comm, faults, preempt
-from mlflow_llmeff.train.batches import loss_shares  # noqa: F401 - the loop's; tests import it here
+from mlflow_llmeff.train.batches import loss_shares, loss_token_counts  # noqa: F401 - the loop's; tests import it here
 from mlflow_llmeff.planning.spec import RunSpec
 from mlflow_llmeff.train.config import TrainConfig, validate
 from mlflow_llmeff.train.messages import message_style
@@ -359,7 +359,8 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
         with sampler.around(step), (monitor.counting_hardware_flops() if first else nullcontext()):
             with monitor.pause("data_wait"):  # the step's micro-batches first: their loss tokens weigh each
                 micro = [_next_batch(batches, step, first_micro=armed and i == 0) for i in range(cfg.grad_accum)]
-            shares, dp_scale = loss_shares(micro, t.world, t.dp_world)
+            n_loss = loss_token_counts(micro)  # counted once: the shares' weights and the meter's loss tokens
+            shares, dp_scale = loss_shares(micro, t.world, t.dp_world, counts=n_loss)
             step_loss = None
             for i, batch in enumerate(micro):
                 loss, bad = _micro_step(cfg, t, batch, step, skip_bad, bad_step, shares[i], armed)
@@ -368,7 +369,8 @@ def _train(spec: RunSpec, t, monitor, start_step: int, skipped: int = 0, job=Non
                 part = (loss.item() if isinstance(shares[i], float) else loss) * shares[i] * dp_scale
                 step_loss = part if step_loss is None else step_loss + part
                 last = i == cfg.grad_accum - 1
-                monitor.count(batch, loss=step_loss if last and not bad_step else None)
+                monitor.count(batch, loss=step_loss if last and not bad_step else None,
+                              loss_tokens=n_loss[i] if "labels" in batch else None)  # (else: the meter's own rule)
         t.scheduler.step()
         if sampler.due(step):
             comm.sampled_comm(sampler, monitor)
