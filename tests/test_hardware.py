@@ -264,6 +264,27 @@ def test_every_short_name_and_family_is_accepted_case_insensitively(typed, short
     assert resolve_short(typed) == (short, note)
 
 
+@pytest.mark.parametrize("typed, short, note", [
+    # a fresh user's `llmeff plan --accelerator A100-40GB` was the size-less A100: memory unknown, no fit checked
+    ("A100-40GB", "A100-SXM4-40GB", "'A100-40GB' taken as A100-SXM4-40GB (also A100-PCIe-40GB: the same peaks and memory)"),
+    ("a100 80gb", "A100-80GB", "'a100 80gb' taken as A100-80GB (also A100-PCIe-80GB: the same peaks and memory)"),
+])
+def test_a_family_name_with_a_memory_size_is_the_part_of_that_size(typed, short, note):
+    from mlflow_llmeff.meters.hardware import MEMORY_GB, resolve_short
+
+    assert resolve_short(typed) == (short, note)
+    assert MEMORY_GB[short] == float(typed.upper().split("GB")[0][-2:])  # its memory is known: the fit is checked
+
+
+def test_a_memory_size_no_part_of_the_family_has_is_one_line_naming_the_parts():
+    from mlflow_llmeff.meters.hardware import resolve_short
+
+    with pytest.raises(ValueError) as e:
+        resolve_short("A100-32GB")
+    assert str(e.value) == ("accelerator 'A100-32GB': no A100 part has 32 GB; use one of: A100-SXM4-40GB (40 GB), "
+                            "A100-80GB (80 GB), A100-PCIe-40GB (40 GB), A100-PCIe-80GB (80 GB)")
+
+
 def test_an_unknown_accelerator_is_one_line_listing_the_short_names():
     from mlflow_llmeff.meters.hardware import resolve_short
 

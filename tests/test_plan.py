@@ -199,6 +199,30 @@ def test_plan_takes_a_family_name_as_its_table_row_and_says_so(tracking_uri, cap
     assert plan["precision"] == "bf16" and plan["memory_available_gib"] == 80
 
 
+def test_plan_takes_a_family_name_with_a_size_as_the_part_of_that_size_and_checks_its_fit(tracking_uri, capsys):
+    # a fresh user's "--accelerator A100-40GB" was the size-less A100 row: "the memory of a A100 is unknown, so
+    # it is not checked", exit 0 and no fit line
+    from mlflow_llmeff.train.config import TrainConfig
+    from mlflow_llmeff.train.launch import dry_run
+
+    assert dry_run(TrainConfig(model="llama-7b"), accelerator_short="A100-40GB", as_json=True) == 0  # a plan, not a run
+    got = capsys.readouterr()
+    assert ("llmeff: accelerator 'A100-40GB' taken as A100-SXM4-40GB (also A100-PCIe-40GB: the same peaks and "
+            "memory)\n") in got.err
+    plan = json.loads(got.out)
+    assert plan["memory_available_gib"] == 40 and plan["fits"] is False
+    assert plan["fit"].startswith("does not fit a 40 GiB A100-SXM4-40GB: llama-7b needs about 126 GiB per device")
+
+
+@pytest.mark.parametrize("word, article", [("80", "an"), ("40", "a"), ("11", "an"), ("8", "an"), ("141", "a"),
+                                           ("A100", "an"), ("H200", "an"), ("MI300X", "an"), ("L4", "an"),
+                                           ("B200", "a"), ("GB200", "a"), ("V100-SXM2", "a")])
+def test_the_fit_lines_article_is_read_aloud(word, article):
+    from mlflow_llmeff.train.launch import _a
+
+    assert _a(word) == article
+
+
 def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri):
     import mlflow
 

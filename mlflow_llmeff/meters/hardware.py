@@ -251,9 +251,36 @@ def resolve_short(text: str) -> tuple[str, str | None]:
         return short, f"{want!r} taken as {short}" + (f" (also: {', '.join(p for p in parts if p != short)})"
                                                      if len(parts) > 1 else "")
     row = match_row(want)
+    sized = _sized_part(want, row)
+    if sized is not None:
+        return sized
     if row is not None:
         return row.short, f"{want!r} is {row.short}"
     raise ValueError(f"accelerator {text!r} is not known; use one of: {', '.join(sorted(shorts.values(), key=str.lower))}")
+
+
+def _sized_part(text: str, row: PeakRow | None) -> tuple[str, str] | None:
+    """The part of ``row``'s family whose memory (:data:`MEMORY_GB`) is the size ``text`` names, where
+    ``row`` stands for several sizes (``A100-40GB`` -> ``A100-SXM4-40GB``, not the size-less ``A100``),
+    with a note naming the other parts of that size; None when ``text`` names no size or ``row`` fixes
+    its own memory.
+
+    Raises:
+        ValueError: ``text`` names a size no part of the family has (the message lists the parts).
+    """
+    size = re.search(r"(\d+)\s*GB?\b", text.upper())
+    if row is None or size is None or row.short in MEMORY_GB:
+        return None
+    family = [r.short for r in PEAK_TABLE if r.short != row.short and r.short.upper().startswith(row.short.upper())
+              and r.short in MEMORY_GB]
+    fit = [short for short in family if MEMORY_GB[short] == float(size.group(1))]
+    if not fit:
+        raise ValueError(f"accelerator {text!r}: no {row.short} part has {size.group(1)} GB; use one of: "
+                         f"{', '.join(f'{s} ({MEMORY_GB[s]:g} GB)' for s in family)}")
+    peaks = {r.short: r.tflops for r in PEAK_TABLE}
+    same = "the same peaks and memory" if all(peaks[o] == peaks[fit[0]] for o in fit[1:]) else "the same memory"
+    others = f" (also {', '.join(fit[1:])}: {same})" if len(fit) > 1 else ""
+    return fit[0], f"{text!r} taken as {fit[0]}{others}"
 
 
 _TOKEN_SPLIT = re.compile(r"[\s\-_/()]+")

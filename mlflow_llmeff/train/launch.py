@@ -440,7 +440,8 @@ def dry_run(run: TrainConfig | RunSpec, *, accelerator_short: str | None = None,
     else:
         gb = hw.MEMORY_GB.get(accelerator_short)
         verdict = fit.check(spec, available_bytes=gb * 2**30 if gb else None,
-                            where=f"an {gb:g} GiB {accelerator_short}" if gb else f"a {accelerator_short}")
+                            where=f"{_a(f'{gb:g}')} {gb:g} GiB {accelerator_short}" if gb
+                            else f"{_a(accelerator_short)} {accelerator_short}")
     line = verdict.line(message_style())
     plan["memory_needed_gib"] = verdict.needed_bytes / 2**30
     if verdict.available_bytes is not None:
@@ -482,6 +483,15 @@ def log_plan(run_id: str, tags: dict[str, str], plan: dict, fit_line: str, *, ev
     writer.set_tags({names.DRY_RUN: "true", "mlflow.runName": name, **tags, names.PLAN_FIT: fit_line}, synchronous=False)
     writer.log_metrics({f"plan/{k}": float(v) for k, v in plan.items() if isinstance(v, (int, float))}, step=0)
     writer.end(None)
+
+
+def _a(word: str) -> str:
+    """``a`` or ``an`` before ``word`` as it is read aloud: a number (``an 80``, ``a 40``, ``an 11``) or an
+    accelerator's name spelled letter by letter (``an A100``, ``an H200``, ``a B200``, ``a GB200``)."""
+    digits = word[:len(word) - len(word.lstrip("0123456789"))]
+    if digits:
+        return "an" if digits.startswith("8") or digits in ("11", "18") else "a"
+    return "an" if word[:1].upper() in "AEFHILMNORSX" and word[:1] else "a"
 
 
 def plan_tags(spec: RunSpec) -> dict[str, str]:
