@@ -363,7 +363,7 @@ _FILE_SECONDS: dict[str, float] = {
     "test_plan_memory.py": 83.2, "test_compare_server.py": 80, "test_scale.py": 72.9, "test_server_modes.py": 70,
     "test_slurm.py": 55, "test_monitor.py": 50.5, "test_preempt.py": 50, "test_autolog_examples.py": 45,
     "test_memory_study.py": 45, "test_world_change.py": 45, "test_autolog.py": 40, "test_node_loss.py": 40,
-    "test_three_ways.py": 35, "test_trainer_name.py": 32, "test_memory.py": 29.5, "test_compare.py": 26.1,
+    "test_three_ways.py": 35, "test_memory.py": 29.5, "test_compare.py": 26.1,
     "test_stability.py": 25.1, "test_config.py": 22.5, "test_architecture.py": 15.3, "test_flopcount.py": 15,
     "test_lora.py": 14, "test_setups.py": 11.2, "test_mlperf.py": 10.2, "test_evals_tasks.py": 7.7,
     "test_naming.py": 6.7, "test_data.py": 4.9, "test_comm.py": 4.5, "test_undefined.py": 4.3,

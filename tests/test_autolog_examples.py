@@ -113,11 +113,35 @@ def test_accelerate_example_ddp_two_cpu_processes_one_run_tokens_summed(tmp_path
     assert_no_duplicate_points(run)
 
 
+@pytest.fixture(scope="module")
+def hf_trainer(tmp_path_factory):
+    """``examples/hf_trainer.py`` run twice as a user repeats it, into one store: ``--report-to mlflow`` (the
+    Trainer's own MLflow callback starts the run), then ``--report-to none`` (autolog starts it). Each
+    launch's stderr, the ids of the runs it added to the store, and the store's URI. The three tests below
+    read these two launches (they each ran the same script before: 4 launches of it, now 2)."""
+    folder = tmp_path_factory.mktemp("hf_trainer")
+    uri = empty_store(folder / "mlflow.db")
+    client, seen, out = mlflow.MlflowClient(uri), set(), {}
+    for report_to in ("mlflow", "none"):
+        err = run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", report_to], uri)
+        ids = {r.info.run_id for r in client.search_runs([e.experiment_id for e in client.search_experiments()])}
+        out[report_to] = (err, sorted(ids - seen))
+        seen |= ids
+    return uri, out
+
+
+def hf_trainer_run(hf_trainer, report_to: str):
+    """The one run the launch ``--report-to report_to`` of :func:`hf_trainer` added (and its stderr)."""
+    uri, out = hf_trainer
+    err, new = out[report_to]
+    assert len(new) == 1, new  # the launch made exactly one run
+    mlflow.set_tracking_uri(uri)
+    return mlflow.MlflowClient().get_run(new[0]), err
+
+
 @pytest.mark.slow
-def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(tmp_path):
-    uri = empty_store(tmp_path / "mlflow.db")
-    err = run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "mlflow"], uri)
-    run = only_run(uri)
+def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(hf_trainer):
+    run, err = hf_trainer_run(hf_trainer, "mlflow")
     assert_standard(run, 394, "1", "single", "trainer")  # 8 steps = 2 epochs x 197 bytes
     assert_closing_line(err, run)
     ours = assert_no_duplicate_points(run)
@@ -129,10 +153,29 @@ def test_hf_trainer_with_its_own_mlflow_callback_one_run_no_duplicate_points(tmp
 
 
 @pytest.mark.slow
-def test_hf_trainer_without_mlflow_reporting_gets_its_own_run(tmp_path):
-    uri = empty_store(tmp_path / "mlflow.db")
-    err = run_script([sys.executable, str(EXAMPLES / "hf_trainer.py"), "--report-to", "none"], uri)
-    run = only_run(uri)
+def test_hf_trainer_without_mlflow_reporting_gets_its_own_run(hf_trainer):
+    run, err = hf_trainer_run(hf_trainer, "none")
     assert_standard(run, 394, "1", "single", "trainer")
     assert_closing_line(err, run)
     assert "loss" not in run.data.metrics
+
+
+@pytest.mark.slow
+def test_the_trainers_own_run_and_autologs_run_share_the_configurations_name(hf_trainer):
+    """The HF Trainer's run is named from its configuration, with or without the Trainer's own MLflow callback.
+
+    The trial (issue 31): ``examples/hf_trainer.py --report-to mlflow`` gave a random MLflow name
+    (``overjoyed-slug-911``: the Trainer's callback starts the run with ``run_name=None``), while the
+    same script without the callback gave ``llama-fp32-cpu``, without the batch parts a run of
+    ``llmeff train`` has (they are known at the end of the first step, and the run is named again
+    then). Both paths must give the one stem of the configuration, with a suffix for the repeat.
+    (It was tests/test_trainer_name.py, which launched the script twice more.)
+    """
+    uri, _ = hf_trainer
+    runs = mlflow.MlflowClient(uri).search_runs(["0"], order_by=["attributes.start_time ASC"])
+    # the collator pads each batch to its longest row (23 to 32 bytes): the sequence length and the global
+    # batch are no condition, so no gbt/s parts (they were the first step's, 'gbt46-s23', whichever
+    # sentences the shuffle put first, until a trial split repeats of one script into configurations)
+    assert [r.info.run_name for r in runs] == ["llama-fp32-cpu", "llama-fp32-cpu-2"]
+    assert {r.data.tags[names.SEQ_LEN] for r in runs} == {"dynamic"}
+    assert "loss" in runs[0].data.metrics  # the first is the Trainer's own run (its callback logged into it)
