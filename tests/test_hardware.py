@@ -259,7 +259,7 @@ def test_measured_peak_accepts_a_ddp_rank_cpu_device(tmp_path):
     ("mi300x", "MI300X", None), ("NVIDIA H100 80GB HBM3", "H100-SXM", "'NVIDIA H100 80GB HBM3' is H100-SXM"),
 ])
 def test_every_short_name_and_family_is_accepted_case_insensitively(typed, short, note):
-    from mlflow_llmeff.meters.hardware import resolve_short
+    from mlflow_llmeff.meters.accelerator_names import resolve_short
 
     assert resolve_short(typed) == (short, note)
 
@@ -270,14 +270,15 @@ def test_every_short_name_and_family_is_accepted_case_insensitively(typed, short
     ("a100 80gb", "A100-80GB", "'a100 80gb' taken as A100-80GB (also A100-PCIe-80GB: the same peaks and memory)"),
 ])
 def test_a_family_name_with_a_memory_size_is_the_part_of_that_size(typed, short, note):
-    from mlflow_llmeff.meters.hardware import MEMORY_GB, resolve_short
+    from mlflow_llmeff.meters.accelerator_names import resolve_short
+    from mlflow_llmeff.meters.hardware import MEMORY_GB
 
     assert resolve_short(typed) == (short, note)
     assert MEMORY_GB[short] == float(typed.upper().split("GB")[0][-2:])  # its memory is known: the fit is checked
 
 
 def test_a_memory_size_no_part_of_the_family_has_is_one_line_naming_the_parts():
-    from mlflow_llmeff.meters.hardware import resolve_short
+    from mlflow_llmeff.meters.accelerator_names import resolve_short
 
     with pytest.raises(ValueError) as e:
         resolve_short("A100-32GB")
@@ -286,7 +287,7 @@ def test_a_memory_size_no_part_of_the_family_has_is_one_line_naming_the_parts():
 
 
 def test_an_unknown_accelerator_is_one_line_listing_the_short_names():
-    from mlflow_llmeff.meters.hardware import resolve_short
+    from mlflow_llmeff.meters.accelerator_names import resolve_short
 
     with pytest.raises(ValueError, match=r"accelerator 'H30' is not known; use one of: A10, A100, .*H100-SXM"):
         resolve_short("H30")

@@ -50,10 +50,20 @@ def test_the_memory_section_splits_the_model_state_in_bytes_per_parameter():
                              "model state B/param", "rest of peak GiB"]
     torch_row, ao_row = ([c.text for c in row] for row in m.rows)
     # 4 MiB of fp32 weights over 2^20 parameters: 4 B/param, exactly; the optimizer's ratio as logged
-    assert torch_row[2:9] == ["0.05", "25.0%", "4", "4", "8", "16", "0.0344"]  # 0.05 - 16 MiB = 0.034375 GiB
-    assert ao_row[6:8] == ["2.03", "10", ] and ao_row[8] == f"{0.04 - 10.03 * PARAMS / GIB:.3g}"
+    # one run each: no interval (memory has no between-run floor), said in the cell
+    assert torch_row[2:9] == ["0.05 (1 run)", "25.0%", "4", "4", "8", "16", "0.0344 (1 run)"]  # 0.05 - 16 MiB
+    assert ao_row[6:8] == ["2.03", "10", ] and ao_row[8] == f"{0.04 - 10.03 * PARAMS / GIB:.3g} (1 run)"
     assert torch_row[10] == "12.5% *" and any(n.startswith("* MFU against the measured") for n in m.footnotes)
     assert any("peak on CPU" in n for n in m.footnotes)
+
+
+def test_the_peak_of_repeats_carries_its_95_percent_interval():
+    # a fresh user's study: peaks of two levers 0.137 and 0.134 GiB, with nothing saying whether that differs
+    m = memory_table(configurations([run("a", TORCH, 8.0, peak_gib=0.05), run("b", TORCH, 8.0, peak_gib=0.06)]))
+    row, = ([c.text for c in r] for r in m.rows)
+    # mean 0.055, s = 0.00707, t(0.975, 1) = 12.706: half width 12.706 x 0.00707 / sqrt(2) = 0.0635, low clipped at 0
+    assert row[2] == "0.055 [0, 0.119]"
+    assert row[8] == f"{0.055 - 16 * PARAMS / GIB:.3g} [0, {0.055 - 16 * PARAMS / GIB + 0.0635:.3g}]"
 
 
 def test_runs_from_before_the_memory_keys_have_no_memory_section():

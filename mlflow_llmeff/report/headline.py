@@ -17,7 +17,7 @@ from mlflow_llmeff.report.calc import absent_why
 from mlflow_llmeff.report.repeats import (METHOD_NOTE, Configuration, Estimate, best_index, floor_for,
                                           standing_order, versus_best)
 
-__all__ = ["Cell", "Headline", "headline", "assumed_notes", "QUALITY_KEYS", "MFU_COLUMN", "MFU_COLUMN_OTHER",
+__all__ = ["Cell", "Headline", "headline", "estimate_cell", "assumed_notes", "QUALITY_KEYS", "MFU_COLUMN", "MFU_COLUMN_OTHER",
            "MFU_NOTE"]
 
 #: The MFU column's header: its denominator named. An FP8 run's MFU against the BF16 peak is "too good to
@@ -69,7 +69,7 @@ def _g(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _est_cell(e: Estimate | None, *, pct: bool = False, fmt=None) -> Cell:
+def estimate_cell(e: Estimate | None, *, pct: bool = False, fmt=None) -> Cell:
     """The figure with its interval; a single run's floor bounds marked (``6,761 [1,285, 12,237] floor``: its
     bounds, not ``+-81%``, which a per-token figure's ``/ (1 -+ f)`` is not); the method and any repeat left
     out in the cell's title. ``fmt`` formats a value (default: a percentage with ``pct``, else 3 figures)."""
@@ -176,11 +176,11 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
     for i, c in enumerate(configs):
         mfu = c.estimate(names.SUM_MFU_BF16_PEAK)  # one denominator across precisions (docs/formulas.md)
         if mfu is not None:
-            mfu_cell = _est_cell(mfu, pct=True)
+            mfu_cell = estimate_cell(mfu, pct=True)
             notes.add(MFU_NOTE)
         else:
             mp = c.estimate(names.SUM_MFU_MEASURED_PEAK)
-            mfu_cell = _est_cell(mp, pct=True)
+            mfu_cell = estimate_cell(mp, pct=True)
             if mp is not None:
                 mfu_cell = Cell(mfu_cell.text + " *", mfu_cell.sort, f"against the measured matmul peak; {mfu_cell.title}")
                 notes.add("* MFU against the measured matmul peak of the device (no datasheet peak: "
@@ -203,17 +203,17 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                       "an empty USD cell: no price per device-hour (there is no default price for "
                       f"{c.tag(names.ACCEL_SHORT) or 'this device'}; give device_hour_usd)")
         carbon = c.estimate(names.SUM_KG_CO2E_PER_BTOK)
-        carbon_cell = _est_cell(carbon)
+        carbon_cell = estimate_cell(carbon)
         if carbon is None:
             est = c.estimate(names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
-            carbon_cell = _est_cell(est)
+            carbon_cell = estimate_cell(est)
             if est is not None:
                 carbon_cell = Cell(carbon_cell.text + " est.", carbon_cell.sort,
                                    f"codecarbon's CPU+RAM estimate; {carbon_cell.title}")
                 notes.add("est.: kg CO2e from codecarbon's CPU+RAM estimate (no measured energy)")
         # goodput: each run's is a count of its own time; across repeats it varies, so a t interval (a
         # trial saw 0.06 alone over 3 seeds beside tokens/s and MFU with theirs); one run: '(1 run)'
-        good = _est_cell(c.estimate(names.SUM_GOODPUT), fmt=lambda v: f"{v:.2f}")
+        good = estimate_cell(c.estimate(names.SUM_GOODPUT), fmt=lambda v: f"{v:.2f}")
         quality = _quality(c)
         if not quality.text:
             notes.add("an empty quality reached: no HellaSwag or MMLU score, eval/val_loss or time-to-quality "
@@ -223,9 +223,9 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             Cell(c.label, c.label, f"{len(c.runs)} run(s)", links[i] if links else ""),
             Cell(c.tag(names.ACCEL_COUNT) or "", float(c.devices) if c.devices else None),  # unknown sorts last
             layout_cell(c),
-            _est_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
+            estimate_cell(c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC)),
             Cell(stand, float(standing_order(stand)), best_title),
-            mfu_cell, _est_cell(usd), carbon_cell,
+            mfu_cell, estimate_cell(usd), carbon_cell,
             good,
             quality, _stability(c)])
     per_config = []  # every repeat that is unstable (kept) or left out of a figure, named with its value and why

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.headline import Cell, Headline
+from mlflow_llmeff.report.headline import Cell, Headline, estimate_cell
 from mlflow_llmeff.report.repeats import Configuration
 
 __all__ = ["memory_table", "lever_label", "MEMORY_KEYS"]
@@ -57,6 +57,10 @@ def _per_param(c: Configuration, key: str) -> float | None:
     return gib * _GIB / int(params)
 
 
+def _three(v: float) -> str:
+    return format(v, ".3g")
+
+
 def _num(v: float | None, fmt: str) -> Cell:
     return Cell("" if v is None else format(v, fmt), v)
 
@@ -65,11 +69,12 @@ def memory_table(configs: list[Configuration]) -> Headline | None:
     """The memory section: one row per configuration that holds a memory figure, in ``configs``' order.
 
     Columns: configuration, levers (:func:`lever_label`), peak GiB per device
-    (``summary/memory/peak_gib``), share of capacity (``summary/memory/peak_fraction``), weights,
+    (``summary/memory/peak_gib``, with its 95% interval across repeats as the headline's figures have it:
+    Student's t over two or more, ``(1 run)`` for one, whose memory has no between-run floor), share of capacity (``summary/memory/peak_fraction``), weights,
     gradients and optimizer state in bytes per parameter (``summary/memory/*_gib`` x 2^30 /
     ``llmeff.model.params``: one device's bytes, so a sharded run reads its share), their sum
     (``summary/model_state_bytes_per_param``), the rest of the peak in GiB (activations, workspace, the
-    optimizer step's temporaries: ``summary/memory/other_gib``), tokens/s per device and MFU (against
+    optimizer step's temporaries: ``summary/memory/other_gib``, with its interval the same way), tokens/s per device and MFU (against
     the dense BF16 datasheet peak where known, else the measured matmul peak, marked ``*``).
 
     Returns:
@@ -91,12 +96,13 @@ def memory_table(configs: list[Configuration]) -> Headline | None:
                       "held then (llmeff.memory.source); share of capacity: peak RSS / the cgroup's limit, else the "
                       "host's memory (llmeff.memory.capacity)")
         rows.append([Cell(c.label, c.label), Cell(lever_label(c), lever_label(c)),
-                     _num(peak, ".3g"), Cell("" if frac is None else f"{frac:.1%}", frac),
+                     estimate_cell(c.estimate(names.SUM_MEM_PEAK_GIB), fmt=_three),
+                     Cell("" if frac is None else f"{frac:.1%}", frac),
                      _num(_per_param(c, names.SUM_MEM_WEIGHTS_GIB), ".3g"),
                      _num(_per_param(c, names.SUM_MEM_GRADIENTS_GIB), ".3g"),
                      _num(_mean(c, names.SUM_OPT_STATE_BYTES_PER_PARAM), ".3g"),
                      _num(_mean(c, names.SUM_MODEL_STATE_BYTES_PER_PARAM), ".3g"),
-                     _num(_mean(c, names.SUM_MEM_OTHER_GIB), ".3g"),
+                     estimate_cell(c.estimate(names.SUM_MEM_OTHER_GIB), fmt=_three),
                      _num(_mean(c, names.SUM_DEVICE_TOKENS_PER_SEC), ",.0f"),
                      Cell(mfu_text, mfu)])
         shown.append(c)

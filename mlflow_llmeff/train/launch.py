@@ -364,8 +364,9 @@ def planned_machine(accelerator_short: str) -> tuple[Machine, str | None]:
     (``H100`` taken as ``H100-SXM``: the note of the alias is returned beside it, else None): CUDA
     unless it is ``cpu``; bf16 where its datasheet row lists bf16 matrix units."""
     from mlflow_llmeff.meters import hardware as hw
+    from mlflow_llmeff.meters.accelerator_names import resolve_short
 
-    short, alias = hw.resolve_short(accelerator_short)  # H100 -> H100-SXM, with a note
+    short, alias = resolve_short(accelerator_short)  # H100 -> H100-SXM, with a note
     cuda = short.lower() != "cpu"
     row = next((r for r in hw.PEAK_TABLE if r.short == short), None)
     bf16 = not cuda or (row is not None and "bf16" in row.tflops)  # its datasheet's matrix units
