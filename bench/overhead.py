@@ -2,7 +2,7 @@
 
 Prints the ratio of tokens/s of a training loop instrumented the way ``llmeff train`` drives the
 meter (``EfficiencyMonitor``: the batch fetch declared as ``data_wait``, on-device token counting
-of every micro-batch with its loss, ``step`` with the learning rate; at every logged step: window
+of every micro-batch with its loss and the loss-bearing tokens the loop counted for its loss weights, ``step`` with the learning rate; at every logged step: window
 edge, rates, MFU/HFU, energy and codecarbon's running estimate, asynchronous batched MLflow
 logging to a real sqlite store; codecarbon running as in a default run) to the same loop bare, on
 the same tiny model. Contenders run interleaved in rounds and the median of the per-round ratios is
@@ -112,8 +112,9 @@ def main() -> None:
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            n_loss = int((b["labels"][..., 1:] != -100).sum())  # the loop's own count, for its loss weights
             t_in = time.perf_counter()
-            mon.count(b, loss=out.loss.detach())
+            mon.count(b, loss=out.loss.detach(), loss_tokens=n_loss)  # handed over as llmeff train does
             mon.step(learning_rate=1e-4)
             inside[name] += spent + time.perf_counter() - t_in
         elapsed = time.perf_counter() - t0
@@ -127,7 +128,7 @@ def main() -> None:
         def pause(self, category):
             return contextlib.nullcontext()
 
-        def count(self, batch=None, *, loss=None):
+        def count(self, batch=None, *, loss=None, loss_tokens=None):
             pass
 
         def step(self, *, learning_rate=None):

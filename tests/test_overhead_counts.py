@@ -141,3 +141,15 @@ def test_llmeff_train_compares_each_micro_batchs_labels_once(tracking_uri, monke
 
     hist = mlflow.MlflowClient().get_metric_history(out["run_id"], names.TRAIN_LOSS_TOKENS)
     assert max(m.value for m in hist) == steps * accum * mbs * (seq - 1) == 180
+
+
+def test_the_scripts_commit_is_read_once_a_process(monkeypatch):
+    """Set-up and the first step's renaming both ask for the commit: one ``git`` subprocess, not one a call."""
+    from mlflow_llmeff.meters import probes
+    from mlflow_llmeff.monitor import conditions
+
+    calls = []
+    monkeypatch.setattr(conditions, "_COMMITS", {})
+    monkeypatch.setattr(probes, "git_commit", lambda d: calls.append(d) or "abc123")
+    assert [conditions.script_git_commit() for _ in range(3)] == ["abc123"] * 3
+    assert len(calls) == 1

@@ -123,12 +123,23 @@ def model_name(model, config) -> str:
     return type(inner).__name__.lower() if inner is not None else "model"
 
 
+#: The commits :func:`script_git_commit` read, by directory: one ``git rev-parse`` a directory a process.
+_COMMITS: dict[str, str] = {}
+
+
 def script_git_commit() -> str:
-    """Git commit of the directory holding the running script (``sys.argv[0]``), where known."""
+    """Git commit of the directory holding the running script (``sys.argv[0]``), where known.
+
+    Read once a directory a process (a ``git`` subprocess, 10-20 ms on a 2-core host): the commit of the
+    code this process runs is the one it found first, and a meter's tags ask at set-up and again at the
+    first step's renaming (``bench/overhead.py`` timed that second call inside the first step)."""
     from mlflow_llmeff.meters.probes import git_commit
 
     here = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else os.getcwd()
-    return git_commit(here)
+    commit = _COMMITS.get(here)
+    if commit is None:
+        commit = _COMMITS[here] = git_commit(here)
+    return commit
 
 
 def nodes(world: int) -> int:
