@@ -60,6 +60,26 @@ def test_the_largest_loss_is_named_beside_goodput_when_it_is_a_tenth_of_the_wall
         "wall 13.9 s, goodput 0.25 (counted, not sampled: no interval)")
 
 
+@pytest.mark.parametrize("share, stability, threads, said", [
+    # a fresh user's README run at load 11: 415 tokens/s with 2 threads (7,347 with OMP_NUM_THREADS=1), and the
+    # report said only "unstable: p90/p50 step time 3.3"
+    (0.857, "unstable: p90/p50 step time 3.3 (> 1.5)", 2,
+     "contended: other processes took 86% of the host's CPU in the steady window (summary/host_other_cpu_fraction), "
+     "so the steps waited for CPU; rerun on a quiet machine; its 2 intra-op threads (llmeff.threads) wait on each "
+     "other whenever a core is taken: OMP_NUM_THREADS=1 avoids that on a shared machine (a configuration of its "
+     "own: compare runs with the same threads)"),
+    (0.40, "unstable: too few independent steps (5.0 of 47)", 1,
+     "contended: other processes took 40% of the host's CPU in the steady window (summary/host_other_cpu_fraction), "
+     "so the steps waited for CPU; rerun on a quiet machine"),
+    (0.24, "unstable: p90/p50 step time 3.3 (> 1.5)", 2, None),  # under a quarter: not the machine's word
+    (0.90, "stable", 2, None),  # stable in spite of it: nothing to explain
+    (None, "unstable: p90/p50 step time 3.3 (> 1.5)", 2, None),  # not measured: nothing said
+])
+def test_an_unstable_run_on_a_contended_host_names_the_contention_and_its_threads(share, stability, threads, said):
+    summary = dict(BASE) if share is None else {**BASE, names.SUM_HOST_OTHER_CPU: share}
+    assert closing.contention_line(summary, stability, threads) == said
+
+
 def test_without_a_name_the_run_is_its_id():
     line = closing_line({**BASE, names.SUM_GOODPUT: None}, run_id="local-1",
                         absent={names.SUM_GOODPUT: "no wall time (a share of no time is undefined)"})
@@ -97,7 +117,8 @@ def test_a_monitored_loop_prints_one_closing_line_with_its_name_and_tokens_per_s
     assert verdict == f"llmeff: {run.data.tags[names.STABILITY]}" and verdict.startswith("llmeff: ")
     assert rest[-1].startswith(f"llmeff: view run: mlflow ui --backend-store-uri {tracking_uri} then open ")
     assert rest[-1].endswith(f"/runs/{mon.run_id}?workflowType=machine_learning")
-    assert [x for x in rest[:-1] if not x.startswith("llmeff: assumed for you: ")] == []
+    # between them only what was assumed, and the host's contention where the run is unstable beside other processes
+    assert [x for x in rest[:-1] if not x.startswith(("llmeff: assumed for you: ", "llmeff: contended: "))] == []
     assert "llmeff:" not in out
     mon.finish()  # a second finish prints nothing more
     assert _llmeff_lines(capsys.readouterr().err) == []

@@ -119,6 +119,26 @@ def run_identity(run_id: str | None) -> tuple[str | None, str | None]:
         return None, None
 
 
+#: The share of the host's CPU other processes took in the steady window above which an unstable run's
+#: closing report says the machine was contended (a quarter: one of 4 cores, half of a 2-core machine's one).
+CONTENDED_SHARE = 0.25
+
+
+def contention_line(summary: dict[str, float], stability: str | None, intra_op_threads: int) -> str | None:
+    """``contended: ...`` for an unstable run whose host others took at least :data:`CONTENDED_SHARE` of
+    (``summary/host_other_cpu_fraction``), naming this process's intra-op threads (``llmeff.threads``), which
+    wait on each other when a core is taken; None otherwise. A fresh user's run at load 11: 415 tokens/s with
+    2 threads, 7,347 with one, and the report blamed only the step times' spread."""
+    share = summary.get(names.SUM_HOST_OTHER_CPU)
+    if not (stability or "").startswith("unstable") or share is None or not share >= CONTENDED_SHARE:
+        return None
+    threads = (f"; its {intra_op_threads} intra-op threads (llmeff.threads) wait on each other whenever a core is "
+               "taken: OMP_NUM_THREADS=1 avoids that on a shared machine (a configuration of its own: compare runs "
+               "with the same threads)") if intra_op_threads > 1 else ""
+    return (f"contended: other processes took {share:.0%} of the host's CPU in the steady window "
+            f"(summary/host_other_cpu_fraction), so the steps waited for CPU; rerun on a quiet machine{threads}")
+
+
 def report_lines(mon, summary: dict[str, float], reliability: str | None = None) -> list[str]:
     """The closing report of a finished monitor, each line ``llmeff: ...``: :func:`closing_line`, the
     stability verdict (``llmeff.stability``), what was assumed (``llmeff.assumed``), ``reliability``
@@ -133,6 +153,11 @@ def report_lines(mon, summary: dict[str, float], reliability: str | None = None)
     lines = [closing_line(summary, run_id=mon.run_id, run_name=name, absent=mon.summary_absent)]
     if mon.stability:
         lines.append(f"llmeff: {mon.stability}")
+        import torch
+
+        contended = contention_line(summary, mon.stability, torch.get_num_threads())
+        if contended:
+            lines.append(f"llmeff: {contended}")
     told = assumed_line(mon.assumptions())  # not only in a tag: the figures rest on it
     if told:
         lines.append(f"llmeff: {told}")
