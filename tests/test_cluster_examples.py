@@ -10,13 +10,11 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 import yaml
 
 from conftest import REPO
-from test_train_e2e import env_for
 
 K8S = REPO / "examples" / "k8s" / "pytorchjob.yaml"
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
@@ -123,16 +121,22 @@ def test_the_check_finds_what_the_api_or_llmeff_would_refuse(edit, problem):
 
 
 @pytest.mark.slow
-def test_the_workers_command_takes_its_layout_from_the_operators_variables(tracking_uri, tmp_path):
+def test_the_workers_command_takes_its_layout_from_the_operators_variables(tracking_uri, tmp_path, monkeypatch):
     doc = _doc()
     c = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     operator = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": doc["spec"]["nprocPerNode"],
                 "MASTER_ADDR": "llmeff-train-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "16", "RANK": "1",
                 "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
-    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", *c["command"][1:], *c["args"], "--dry-run", "true"],
-                       env={**env_for(tracking_uri), **operator}, capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert c["command"][0] == "llmeff"
+    # the dry run in this process, under the operator's variables (CliRunner sets them for the call alone):
+    # what it prints is what the container's command prints; a process of its own proved no more
+    from click.testing import CliRunner
+
+    from mlflow_llmeff.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, [*c["command"][1:], *c["args"], "--dry-run", "true"], env=operator)
+    assert r.exit_code == 0, (r.output[-3000:], r.exception)
     assert ("llmeff: kubernetes on 2 nodes: num_machines=2, machine_rank=1, main_process_ip=llmeff-train-master-0, "
             "main_process_port=23456, num_processes=8") in r.stderr
     assert re.search(r"^devices\s+16$", r.stdout, re.M) and re.search(r"^strategy\s+fsdp$", r.stdout, re.M)
