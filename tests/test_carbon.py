@@ -219,3 +219,48 @@ def test_the_tracker_is_given_the_containers_ram_power_and_the_tag_says_so(tmp_c
     ct.stop()
     assert ct.tags()[names.CARBON_ESTIMATE_METHOD].endswith(
         "; RAM power 38 W from the container's memory limit 100 GiB (cgroup v2 memory.max), not the host's 1.5 TiB")
+
+
+def test_the_cpu_model_is_read_from_proc_cpuinfo_not_from_a_cpuinfo_subprocess(tmp_cwd, no_network, planted_lock,
+                                                                               monkeypatch):
+    # codecarbon's detect_cpu_model asks py-cpuinfo, which runs itself as `python cpuinfo.py --json`: a process
+    # (1.2-1.4 s, 0.9 s of CPU here) at every monitored run's start
+    import subprocess
+
+    import cpuinfo
+    from codecarbon.core.util import detect_cpu_model
+
+    from mlflow_llmeff.meters.carbon import cpu_model_from_proc
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(args, *a, **kw):
+        started.append(args)
+        return real_popen(args, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    asked = cpuinfo.get_cpu_info
+    detect_cpu_model.cache_clear()  # as in a fresh process
+    ct = CarbonTracker(country_iso_code="USA", env={})
+    ct.start()
+    ct.stop()
+    assert ct.why is None, ct.why
+    assert [a for a in started if "cpuinfo" in str(a)] == []
+    assert cpuinfo.get_cpu_info is asked  # put back
+    model = cpu_model_from_proc()
+    if model is not None:  # x86 Linux (CI): codecarbon took /proc/cpuinfo's model name
+        assert detect_cpu_model() == model
+    detect_cpu_model.cache_clear()
+
+
+def test_the_model_name_is_the_first_model_name_line(tmp_path):
+    from mlflow_llmeff.meters.carbon import cpu_model_from_proc
+
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n\nprocessor\t: 1\n"
+                 "model name\t: AMD EPYC 7B13\n")
+    assert cpu_model_from_proc(str(f)) == "AMD EPYC 7B13"
+    f.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")  # ARM: no model name
+    assert cpu_model_from_proc(str(f)) is None
+    assert cpu_model_from_proc(str(tmp_path / "none")) is None
