@@ -312,12 +312,35 @@ def _join_in_thread(errors: dict, key: str, **kw) -> threading.Thread:
     return t
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket listens on ``port`` (any address, IPv4 or IPv6: /proc/net/tcp and tcp6, state 0A) within
+    ``HANG_S`` seconds, read without connecting to it (machine 0 would take a connection for a machine)."""
+    import time
+
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    rows = [line.split() for line in list(f)[1:]]
+            except OSError:
+                continue
+            if any(r[1].rsplit(":", 1)[1] == f"{port:04X}" and r[3] == "0A" for r in rows):
+                return True
+        time.sleep(0.01)
+    return False
+
+
 def _ranks_0_and_2_of_3(port: int, got: dict, head_clock: Clock, join_clock: Clock, head_said: Said,
                         joined_said: Said) -> tuple[threading.Thread, threading.Thread]:
     """Machine 0 (host-a) and machine 2 (host-c) of 3, each waiting up to 300 s on its own clock; machine 1 never
     starts."""
     head = _serve_in_thread(got, "head", settings=settings(num_machines=3), num_machines=3, port=port,
                             timeout_s=300.0, host="host-a", clock=head_clock, say=head_said)
+    if not _listening(port):  # else machine 2, past its grace, names machine 0 missing (a CI run's race)
+        head_clock.now = 300.0  # machine 0's deadline: its thread ends
+        head.join(HANG_S)
+        raise AssertionError(f"machine 0 does not listen on port {port} after {HANG_S} s")
     joined = _join_in_thread(got, "joined", settings=settings(num_machines=3, machine_rank=2), rank=2,
                              address="127.0.0.1", port=port, timeout_s=300.0, host="host-c", clock=join_clock,
                              say=joined_said)
