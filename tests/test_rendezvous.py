@@ -191,16 +191,21 @@ def test_what_was_resolved_is_compared_too():
                                                    "a and 3 on b: give every machine the same")
 
 
-def _serve_in_thread(errors: dict, key: str, **kw) -> threading.Thread:
-    def side():
+def _in_thread(side, errors: dict, key: str, **kw) -> threading.Thread:
+    """``side(**kw)`` (:func:`serve` or :func:`join`) in a started thread, its result or RendezvousError in ``errors[key]``."""
+    def run():
         try:
-            errors[key] = serve(**kw)
+            errors[key] = side(**kw)
         except RendezvousError as e:
             errors[key] = e
 
-    t = threading.Thread(target=side)
+    t = threading.Thread(target=run)
     t.start()
     return t
+
+
+def _serve_in_thread(errors: dict, key: str, **kw) -> threading.Thread:
+    return _in_thread(serve, errors, key, **kw)
 
 
 def test_rank_0_on_two_machines_is_one_line_on_both_in_seconds_not_the_timeout():
@@ -301,15 +306,7 @@ class Said:
 
 
 def _join_in_thread(errors: dict, key: str, **kw) -> threading.Thread:
-    def side():
-        try:
-            errors[key] = join(**kw)
-        except RendezvousError as e:
-            errors[key] = e
-
-    t = threading.Thread(target=side)
-    t.start()
-    return t
+    return _in_thread(join, errors, key, **kw)
 
 
 def _listening(port: int) -> bool:
