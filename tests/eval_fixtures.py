@@ -60,3 +60,15 @@ def eval_fixture_dir() -> str:
         with open(path, "w", encoding="utf-8", newline="") as f:
             f.write(text)
     return root
+
+
+def tiny_llama():
+    """A seeded 2-layer Llama of 32 hidden units over ByT5's bytes (259 tokens) in eval mode, and its tokenizer:
+    what the eval tests score with."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(cfg).eval(), transformers.ByT5Tokenizer(extra_ids=0)

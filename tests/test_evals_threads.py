@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from mlflow_llmeff import names
 from mlflow_llmeff.evals import evaluate
 from mlflow_llmeff.evals import threads as th
 from mlflow_llmeff.evals.threads import CpuShare, ThreadChooser, choose_threads, usable_cpus
 
-from eval_fixtures import eval_fixture_dir
+from eval_fixtures import tiny_llama, eval_fixture_dir
 
 FIX = eval_fixture_dir()
 
@@ -136,10 +135,7 @@ def test_omp_num_threads_caps_the_chooser(monkeypatch):
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, max_position_embeddings=512)
-    return transformers.LlamaForCausalLM(cfg).eval(), transformers.ByT5Tokenizer(extra_ids=0)
+    return tiny_llama()
 
 
 def test_evaluate_records_the_threads_as_its_measurement_condition_and_restores_them(llama):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from mlflow_llmeff import names
 from mlflow_llmeff.evals import evaluate
@@ -13,6 +12,8 @@ from mlflow_llmeff.evals.api import EVAL_WORKERS
 from mlflow_llmeff.evals.scoring import LoglikelihoodScorer
 from mlflow_llmeff.evals.threads import choose_workers
 from mlflow_llmeff.evals.workers import can_fork, plan_chunks, score_in_workers
+
+from eval_fixtures import tiny_llama
 
 
 def test_plan_chunks_cuts_longest_first_and_a_family_into_at_most_workers_chunks():
@@ -50,10 +51,7 @@ def test_choose_workers_refuses_no_cpu():
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, max_position_embeddings=512)
-    return transformers.LlamaForCausalLM(cfg).eval(), transformers.ByT5Tokenizer(extra_ids=0)
+    return tiny_llama()
 
 
 def _docs(n: int) -> list[list[tuple[str, str]]]:
