@@ -134,16 +134,10 @@ def ram_power_basis(tracking_mode: str, env: Mapping[str, str], *, cgroup_root: 
 
 def cpu_model_from_proc(path: str = "/proc/cpuinfo") -> str | None:
     """The CPU's model as the first ``model name`` line of ``path`` gives it (Linux x86, proc(5)), else None
-    (no such file or line: ARM's /proc/cpuinfo has none)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        return None
-    return None
+    (no such file or line: ARM's /proc/cpuinfo has none): :func:`~mlflow_llmeff.meters.hardware.cpuinfo_value`."""
+    from mlflow_llmeff.meters.hardware import cpuinfo_value
+
+    return cpuinfo_value(("model name",), path)
 
 
 @contextmanager

@@ -313,17 +313,24 @@ class AcceleratorInfo:
         }
 
 
-def _cpu_model() -> str:
+def cpuinfo_value(keys: tuple[str, ...] = ("model name",), path: str = "/proc/cpuinfo") -> str | None:
+    """The first non-empty value of a ``path`` line whose key (lower case) starts with one of ``keys`` (proc(5):
+    ``model name`` on x86, ``Hardware`` / ``cpu model`` elsewhere), else None (no such line or file)."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    value = line.split(":", 1)[1].strip()
+                if line.lower().startswith(keys):
+                    value = line.split(":", 1)[1].strip() if ":" in line else ""
                     if value:
                         return value
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    return None
+
+
+def _cpu_model() -> str:
+    return (cpuinfo_value(("model name", "hardware", "cpu model")) or platform.processor() or platform.machine()
+            or "cpu")
 
 
 # Compute capability major -> NVIDIA architecture (CUDA C Programming Guide, compute capabilities).
