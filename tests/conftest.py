@@ -186,21 +186,41 @@ def shared_data():
     return DATA_DIR
 
 
+def _restore_tracking_uri():
+    """MLflow's explicit tracking URI now (None when unset or MLflow not imported) and a function that puts it back."""
+    import sys
+
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    before = getattr(utils, "_tracking_uri", None) if utils is not None else None
+
+    def restore():
+        now = sys.modules.get("mlflow.tracking._tracking_service.utils")
+        if now is not None and getattr(now, "_tracking_uri", None) != before:
+            import mlflow
+
+            mlflow.set_tracking_uri(before)
+    return restore
+
+
 @pytest.fixture(autouse=True)
 def _no_tracking_uri_leaks():
     """A tracking URI a test set with ``mlflow.set_tracking_uri`` outlives it in its worker, and outranks
     ``MLFLOW_TRACKING_URI`` for every later test there (a compare of 1,001 runs read another test's store
     and found no experiment): each test ends with MLflow's explicit URI as it found it."""
-    import sys
-
-    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-    before = getattr(utils, "_tracking_uri", None) if utils is not None else None
+    restore = _restore_tracking_uri()
     yield
-    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
-    if utils is not None and getattr(utils, "_tracking_uri", None) != before:
-        import mlflow
+    restore()
 
-        mlflow.set_tracking_uri(before)
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_module_tracking_uri_leaks():
+    """The same for a module-scoped fixture: it is set up before any function fixture, so the guard above
+    takes its URI for the baseline and keeps it; this guard, set up first in its module and torn down last,
+    ends each module with the URI it found (at CI 2-core, test_memory_study's store outlived its module and
+    test_mlperf's compare on the same worker found experiment 'levers' instead of 'seeds')."""
+    restore = _restore_tracking_uri()
+    yield
+    restore()
 
 
 @pytest.fixture(autouse=True)

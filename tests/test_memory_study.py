@@ -38,6 +38,7 @@ def study(tmp_path_factory):
     compared = CliRunner().invoke(main, ["compare", "--experiment", "levers", "--out",
                                          str(tmp_path_factory.mktemp("cmp"))])
     yield res, compared, mlflow.MlflowClient()
+    mlflow.set_tracking_uri(None)
     mp.undo()
 
 
