@@ -74,6 +74,25 @@ def test_an_unchanged_store_serves_the_page_again_without_reading_a_run(page):
     assert second == first
 
 
+def test_the_exit_waits_for_the_figures_being_drawn(page):
+    """A page starts drawing its figures in a thread; at exit, :func:`finish_background` (an atexit hook)
+    waits for it: a process whose drawing thread was still in matplotlib's C++ font code when the interpreter
+    finalized aborted with status 134 (``pytest -n 0 tests/test_mlperf.py``: 28 passed, then the abort)."""
+    import atexit
+    import threading
+
+    from mlflow_llmeff.report import server as srv
+
+    get, *_ = page
+    get()
+    drawing = [t for t in threading.enumerate() if t.name.startswith("llmeff-figures-")]
+    assert drawing and all(t in srv._background for t in drawing)  # this page's (and an earlier test's, if alive)
+    assert srv.finish_background(60.0) == 0
+    assert not any(t.is_alive() for t in drawing) and srv._figures  # drawn, not abandoned
+    assert atexit.unregister(srv.finish_background) is None  # registered: put it back for this process's exit
+    atexit.register(srv.finish_background)
+
+
 def test_a_new_point_reads_the_runs_and_builds_the_page_again(page):
     get, _, client, _, ids = page
     first = get()

@@ -47,6 +47,7 @@ image URL carries the experiment and the page's query, so a worker that finds ne
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import html
 import json
@@ -161,6 +162,38 @@ def _store_drawn(digest: str, drawn) -> None:
         pass
 
 
+#: Seconds the interpreter's exit waits for figures being drawn (:func:`finish_background`).
+EXIT_WAIT_S = 30.0
+_background: list[threading.Thread] = []
+
+
+def _in_background(target, name: str) -> None:
+    """Run ``target`` in a daemon thread that :func:`finish_background` waits for at exit."""
+    t = threading.Thread(target=target, name=name, daemon=True)
+    with _lock:
+        _background[:] = [b for b in _background if b.is_alive()] + [t]
+    t.start()
+
+
+@atexit.register
+def finish_background(timeout_s: float = EXIT_WAIT_S) -> int:
+    """Wait up to ``timeout_s`` seconds in all for the figure threads still drawing; return how many are left.
+
+    matplotlib's font code is C++: a daemon thread still drawing when the interpreter finalizes is unwound
+    inside it and the process aborts ("terminate called without an active exception", exit status 134:
+    a page test's process, or a Flask server stopped with Ctrl-C, while a figure was drawn). Registered
+    with :mod:`atexit`, which runs before finalization; a thread still alive after ``timeout_s`` is left.
+    """
+    import time
+
+    end = time.monotonic() + timeout_s
+    with _lock:
+        threads = list(_background)
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return sum(t.is_alive() for t in threads)
+
+
 def _start_drawing(store, rep, digest: str) -> None:
     """Draw the figures of ``rep`` into the cache in a background thread (once per digest)."""
     with _lock:
@@ -184,7 +217,7 @@ def _start_drawing(store, rep, digest: str) -> None:
             _drawing.pop(digest, None)
         done.set()
 
-    threading.Thread(target=work, name=f"llmeff-figures-{digest}", daemon=True).start()
+    _in_background(work, f"llmeff-figures-{digest}")
 
 
 def _note_png(text: str) -> bytes:
@@ -514,7 +547,7 @@ def register(app) -> None:
     app.add_url_rule(f"{root}/", "llmeff_experiments", experiments_page, methods=["GET"])
     app.add_url_rule(f"{root}/experiments/<experiment_id>", "llmeff_experiment", experiment_page, methods=["GET"])
     app.add_url_rule(f"{root}/figures/<digest>/<name>", "llmeff_figure", figure, methods=["GET"])
-    threading.Thread(target=_warm_matplotlib, name="llmeff-warm-matplotlib", daemon=True).start()
+    _in_background(_warm_matplotlib, "llmeff-warm-matplotlib")
 
 
 def _warm_matplotlib() -> None:
