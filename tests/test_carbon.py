@@ -264,3 +264,40 @@ def test_the_model_name_is_the_first_model_name_line(tmp_path):
     f.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n")  # ARM: no model name
     assert cpu_model_from_proc(str(f)) is None
     assert cpu_model_from_proc(str(tmp_path / "none")) is None
+
+
+def test_a_window_edge_reads_codecarbons_own_sample_and_samples_itself_only_when_it_is_stale(
+        tmp_cwd, no_network, planted_lock, monkeypatch):
+    """codecarbon's own timer samples every SAMPLE_S (1 s, under ESTIMATE_AGE_S), so the running estimate at
+    a window edge is two totals read on the caller's thread; only a sample older than ESTIMATE_AGE_S (its
+    timer fell behind) is refreshed there. The sample's age is set by the test, not waited for."""
+    import threading
+    import time
+
+    from mlflow_llmeff.meters import carbon
+
+    assert carbon.SAMPLE_S < carbon.ESTIMATE_AGE_S
+    ct = CarbonTracker(country_iso_code="USA", env={})
+    ct.start()
+    tracker = ct._tracker
+    try:
+        assert tracker._measure_power_secs == carbon.SAMPLE_S and tracker._scheduler.interval == carbon.SAMPLE_S
+        tracker._scheduler.stop()  # the test moves the sample's age itself
+        callers: list[bool] = []
+        measure = tracker._do_measurements
+
+        def spy():
+            callers.append(threading.current_thread() is threading.main_thread())
+            measure()
+
+        monkeypatch.setattr(tracker, "_do_measurements", spy)
+        tracker._last_measured_time = time.perf_counter() - (carbon.ESTIMATE_AGE_S - 0.5)  # a fresh sample
+        before = float(tracker._total_cpu_energy.kWh), float(tracker._total_ram_energy.kWh)
+        assert ct.running_estimate() == before and callers == []  # read, not measured
+        tracker._last_measured_time = time.perf_counter() - (carbon.ESTIMATE_AGE_S + 0.5)  # the timer fell behind
+        after = ct.running_estimate()
+        assert callers == [True]  # measured once, here
+        assert after[1] > before[1]  # RAM power x the 2.5 s since the last sample
+        assert ct.running_estimate() == after and callers == [True]  # fresh again: read
+    finally:
+        ct.stop()

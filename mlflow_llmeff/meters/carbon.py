@@ -33,7 +33,8 @@ from typing import Any, Mapping
 from mlflow_llmeff import names
 
 __all__ = ["CodecarbonEstimate", "CarbonTracker", "FakeCarbonTracker", "check_location", "grid_intensity_g_per_kwh",
-           "DEFAULT_COUNTRY", "resolve_location", "PUE", "ram_power_basis"]
+           "DEFAULT_COUNTRY", "resolve_location", "PUE", "ram_power_basis",
+           "SAMPLE_S", "ESTIMATE_AGE_S"]
 
 #: The grid country taken when the user gives neither a country nor a cloud region (recorded in
 #: ``llmeff.assumed``: it sets the carbon figures, and the user's grid may differ by a factor of 10).
@@ -42,6 +43,15 @@ DEFAULT_COUNTRY = "USA"
 #: Power usage effectiveness applied: 1, the devices' energy alone (no data-centre cooling or power
 #: delivery), for our measured energy and for codecarbon's estimate alike (``pue=1.0``).
 PUE = 1.0
+
+#: codecarbon's sampling period here, s (its ``measure_power_secs``; codecarbon's default is 15 s). Its own
+#: background timer samples this often, so the running estimate read at a window edge
+#: (:meth:`CarbonTracker.running_estimate`) is already younger than :data:`ESTIMATE_AGE_S` and the
+#: training thread only reads two totals; it samples itself only when codecarbon's timer fell behind.
+SAMPLE_S = 1.0
+
+#: The most a running estimate read at a window edge lags codecarbon's power model, s.
+ESTIMATE_AGE_S = 2.0
 
 _log = logging.getLogger(__name__)
 
@@ -301,7 +311,8 @@ class CarbonTracker:
         cloud_region: cloud region (param ``cloud_region``).
         enabled: False turns everything off (``measure_energy=none``).
         tracking_mode: codecarbon's ``machine`` (whole node) or ``process``.
-        measure_power_secs: codecarbon's sampling period, s.
+        measure_power_secs: codecarbon's sampling period, s (default :data:`SAMPLE_S`, which keeps the running
+            estimate younger than :data:`ESTIMATE_AGE_S` without sampling on the caller's thread).
         env: environment (default ``os.environ``): ``LOCAL_RANK``, ``CODECARBON_LOG_LEVEL``, ``SLURM_JOB_ID``.
         cgroup_root: root of ``proc/self/cgroup`` and ``sys/fs/cgroup`` for the container's memory limit
             (:func:`ram_power_basis`); tests pass a fake tree.
@@ -322,7 +333,7 @@ class CarbonTracker:
         cloud_region: str | None = None,
         enabled: bool = True,
         tracking_mode: str = "machine",
-        measure_power_secs: float = 15.0,
+        measure_power_secs: float = SAMPLE_S,
         env: Mapping[str, str] | None = None,
         cgroup_root: str = "/",
         host_memory_bytes: int | None = None,
@@ -422,16 +433,19 @@ class CarbonTracker:
         except Exception as e:
             self.why = f"codecarbon tracker failed to stop ({type(e).__name__}: {e}); no CPU/RAM estimate"
 
-    def running_estimate(self, min_age_s: float = 2.0) -> tuple[float, float] | None:
+    def running_estimate(self, min_age_s: float = ESTIMATE_AGE_S) -> tuple[float, float] | None:
         """codecarbon's CPU and RAM energy estimate so far, kWh (after :meth:`stop`: the final one); else None.
 
-        codecarbon samples every ``measure_power_secs`` (15 s by default) in a background thread; a
-        sample older than ``min_age_s`` is refreshed first (0.3-0.4 ms of the training thread, at a
-        window edge), so logged running totals lag the truth by at most ``min_age_s``: 2 s keeps that
-        cost under 0.02% of the time (it was 0.25 s: a refresh every third edge of a llama-tiny run,
-        ~10% of the meter's time, bench/overhead.py); the run's totals are the final estimate. Uses the tracker's running totals (``_total_cpu_energy``,
-        ``_total_ram_energy``; codecarbon has no public reading short of ``flush()``, which also
-        writes its outputs). Never raises.
+        codecarbon samples every ``measure_power_secs`` (:data:`SAMPLE_S`, 1 s) on its own background
+        timer, so a reading here is two totals read, younger than ``min_age_s``: logged running totals
+        lag codecarbon's power model by at most ``min_age_s``, and the run's totals are the final
+        estimate. Only a sample older than ``min_age_s`` (codecarbon's timer fell behind, e.g. on a
+        loaded host, or a longer ``measure_power_secs``) is refreshed here first, on the caller's
+        thread: 0.3-0.4 ms on a quiet 2-core host and several ms on a loaded one (psutil reading
+        ``/proc/meminfo``); with codecarbon's 15 s period that refresh ran at every 2 s of window edges,
+        ~12% of a llama-tiny run's logged steps (``bench/overhead.py``). Uses the tracker's running totals
+        (``_total_cpu_energy``, ``_total_ram_energy``; codecarbon has no public reading short of
+        ``flush()``, which also writes its outputs). Never raises.
         """
         tracker = self._tracker
         if tracker is None:
@@ -556,7 +570,7 @@ class FakeCarbonTracker(CarbonTracker):
         """Set the running estimate since :meth:`start`, kWh."""
         self._running = (float(cpu_kwh), float(ram_kwh))
 
-    def running_estimate(self, min_age_s: float = 2.0) -> tuple[float, float] | None:
+    def running_estimate(self, min_age_s: float = ESTIMATE_AGE_S) -> tuple[float, float] | None:
         if self.estimate is not None:
             return self.estimate.cpu_kwh, self.estimate.ram_kwh
         return self._running
