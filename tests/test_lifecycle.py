@@ -12,7 +12,7 @@ import pytest
 from mlflow_llmeff.monitor import lifecycle
 from mlflow_llmeff import names
 
-from conftest import REPO
+from conftest import HEALTHY_SERVER_ENV, REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "ending_loop.py"
 
@@ -25,7 +25,9 @@ def test_status_for_each_ending(exc, status):
 
 
 def run(meter: str, end: str, uri: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # the store stays up: the product's wait, not the suite's 3 s (at load 11, one sqlite write took longer,
+    # the run's end went to the outbox and the test read RUNNING for monitor-exit1)
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **HEALTHY_SERVER_ENV)
     env.pop("MLFLOW_RUN_ID", None)
     return subprocess.run([sys.executable, str(SCRIPT), "--meter", meter, "--end", end], env=env,
                           capture_output=True, text=True, timeout=240, cwd=REPO)
