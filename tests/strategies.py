@@ -317,6 +317,10 @@ def check_strategy(strategy: str, launched) -> None:
         want = {"deepspeed_zero1": 4 + 4 + 6.0, "deepspeed_zero2": 4 + 2 + 6.0, "deepspeed_zero3": 2 + 4 + 2 + 6.0}
         assert want[strategy] == expected_state_bytes_per_param(strategy, 2)  # the plan's estimate
         assert bpp == pytest.approx(want[strategy], rel=2e-3)  # measured: within the partitions' padding
+        # DeepSpeed's shared-memory all-reduce (inference only) was neither built nor loaded: ZeRO.build_ops
+        # marks it not compatible (DeepSpeed prints "... deepspeed_shm_comm_op built successfully" on a load)
+        out = launched[1][strategy][0]
+        assert "deepspeed_shm_comm" not in out.stdout + out.stderr
 
 
 def check_fsdp_killed_and_resumed(launched) -> None:

@@ -11,10 +11,15 @@ rank (not under ``deepspeed.zero.Init``) so that every strategy starts from the 
 
 Op builds: DeepSpeed JIT-compiles C++ ops the first time a machine needs them (torch's extension
 cache, ``~/.cache/torch_extensions``), which takes minutes. On CPU ``deepspeed.init_distributed``
-(which Accelerate calls when the ``Accelerator`` is made) builds its shared-memory collectives
-(``ShareMemCommBuilder``, ``deepspeed_shm_comm``) even over gloo; our configs pass torch's AdamW,
-so no optimizer op (``FusedAdam``, ``CPUAdam``) is built. :meth:`ZeRO.build_ops` builds that op
-first, timed and announced, so the time is named as a build rather than silent set-up.
+(which Accelerate calls when the ``Accelerator`` is made) would build its shared-memory all-reduce
+(``ShareMemCommBuilder``, ``deepspeed_shm_comm``) even over gloo, though only
+``inference_all_reduce`` (AutoTP inference) calls it; ZeRO's collectives are torch.distributed's
+(DeepSpeed 0.19.8 ``comm/torch.py``). :meth:`ZeRO.build_ops` marks it not compatible, as DeepSpeed
+marks an op it cannot build, so it is not built (measured on 2 cores: 67 CPU s and 170 s of wall
+with the first ZeRO launch waiting, every first run of a machine or venv). Our configs pass torch's
+AdamW, so no optimizer op (``FusedAdam``, ``CPUAdam``) is built either. An op that is needed
+(:data:`CPU_OPS`) is built first, timed and announced, so the time is named as a build rather than
+silent set-up.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ from mlflow_llmeff.parallel.degrees import Degrees
 
 #: The terminal line while an op is compiled (the rank-0 process prints it).
 BUILD_LINE = "llmeff: building DeepSpeed ops (first run on this machine; later runs reuse the cache) ..."
-#: The ops ``deepspeed.init_distributed`` JIT-loads on CPU (deepspeed/comm/torch.py, build_shm_op).
-CPU_OPS = ("ShareMemCommBuilder",)
+#: The ops a CPU run builds (timed) before the ``Accelerator`` is made: none is needed by ZeRO training.
+CPU_OPS: tuple[str, ...] = ()
+#: The ops ``deepspeed.init_distributed`` would JIT-build on CPU (deepspeed/comm/torch.py, build_shm_op)
+#: that training never calls (the shared-memory ``inference_all_reduce``): marked not compatible instead.
+UNUSED_CPU_OPS = ("ShareMemCommBuilder",)
 #: DeepSpeed's default ``stage3_param_persistence_threshold`` (elements; DeepSpeed 0.19
 #: ``runtime/zero/config.py``, ``param_persistence_threshold = 1e5``): ZeRO-3 keeps every parameter of
 #: at most this many elements whole on every rank (``parameter_offload.py``
@@ -162,6 +170,10 @@ class ZeRO(Strategy):
         fraction of a second; it stays set-up time). Ahead of time: ``DS_BUILD_OPS=1 pip install
         deepspeed`` (or ``DS_BUILD_SHM_COMM=1``), and ``ds_report`` lists what is built.
 
+        On CPU the ops training never calls (:data:`UNUSED_CPU_OPS`) are first marked not compatible
+        in DeepSpeed's ``deepspeed.ops.__compatible_ops__``, so ``deepspeed.init_distributed`` does not
+        build them.
+
         Args:
             cuda: the run is on CUDA (no CPU op is needed there: our configs use torch's AdamW).
             builders: op builders to load (default: the CPU accelerator's :data:`CPU_OPS`; tests
@@ -175,8 +187,12 @@ class ZeRO(Strategy):
         if builders is None:
             if cuda:
                 return 0.0
+            import deepspeed.ops
             from deepspeed.accelerator import get_accelerator
 
+            for unused in (get_accelerator().create_op_builder(n) for n in UNUSED_CPU_OPS):
+                if unused is not None:  # build_shm_op reads this dict (probed once and kept: DeepSpeed 0.19.8)
+                    deepspeed.ops.__compatible_ops__[unused.NAME] = False
             builders = [b for b in (get_accelerator().create_op_builder(n) for n in CPU_OPS) if b is not None]
         spent = 0.0
         for b in builders:
