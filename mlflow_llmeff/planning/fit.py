@@ -233,9 +233,9 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
         degrees: the run's resolved degrees (:func:`check` passes its spec's); None: the strategy's
             degrees over the processes, as for every configuration the verdict tries instead.
     """
-    from mlflow_llmeff.models.presets import PRESETS, load_config
+    from mlflow_llmeff.models.presets import PRESETS, shape_config
 
-    config = load_config(cfg.model)
+    config = shape_config(cfg.model)
     est = _estimate(config, cfg, micro_batch_size=cfg.micro_batch_size, precision=precision, strategy=strategy,
                     devices=cfg.num_processes, ckpt=cfg.activation_checkpointing, degrees=degrees, cuda=not cpu)
     v = Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, strategy=strategy)
@@ -257,7 +257,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
             for name in PRESETS:
                 if name == cfg.model:
                     continue
-                need = needed_bytes(_estimate(load_config(name), cfg, micro_batch_size=cfg.micro_batch_size,
+                need = needed_bytes(_estimate(shape_config(name), cfg, micro_batch_size=cfg.micro_batch_size,
                                               precision=prec, strategy=strategy, devices=cfg.num_processes,
                                               ckpt=cfg.activation_checkpointing, cuda=not cpu))
                 if need * (cfg.num_processes if cpu else 1) <= available_bytes:

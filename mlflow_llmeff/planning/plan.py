@@ -230,7 +230,11 @@ _SHAPES: dict[str, list[tuple[int, ...]]] = {}
 
 def param_shapes(config) -> list[tuple[int, ...]]:
     """Shapes of the parameter tensors of the model built from ``config`` on the meta device (tied
-    tensors once; cached per config; no memory is allocated)."""
+    tensors once; cached per config; no memory is allocated). A preset's
+    (:class:`~mlflow_llmeff.models.presets.PresetShape`) are its recorded ones: no torch or transformers."""
+    recorded = getattr(config, "param_shapes", None)
+    if callable(recorded):
+        return recorded()
     key = config.to_json_string(use_diff=False)
     if key not in _SHAPES:
         import torch
@@ -424,7 +428,10 @@ def estimate_memory(config, *, seq_len: int, micro_batch_size: int, strategy: st
 
 
 def meta_param_count(config) -> int:
-    """Parameters of the model built from ``config`` on the meta device (no memory is allocated)."""
+    """Parameters of the model built from ``config`` on the meta device (no memory is allocated); a preset's
+    from its recorded shapes (:func:`param_shapes`)."""
+    if callable(getattr(config, "param_shapes", None)):
+        return sum(math.prod(s) for s in param_shapes(config))
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -489,9 +496,9 @@ def make_plan(cfg, *, accelerator_short: str, precision: str, strategy: str, acc
         ValueError: for degrees that do not fit the processes; an unknown optimizer or weights; a
             ZeRO strategy with an optimizer other than ``adamw`` or weights other than ``fp32``.
     """
-    from mlflow_llmeff.models.presets import load_config
+    from mlflow_llmeff.models.presets import shape_config
 
-    config = load_config(cfg.model)
+    config = shape_config(cfg.model)
     world = cfg.num_processes * cfg.num_machines
     missing = get(strategy).engine_missing()  # looked up, not imported: the plan needs no engine
     if degrees is None:
@@ -601,11 +608,11 @@ def models_table(seq_len: int = 2048) -> list[dict]:
     ``train_memory_gib``: the step's peak on one CUDA device, bf16 mixed precision, fp32 AdamW (16
     B/param of model state), one sequence of ``min(seq_len, positions)`` tokens (:func:`estimate_memory`).
     """
-    from mlflow_llmeff.models.presets import PRESETS, load_config, max_positions
+    from mlflow_llmeff.models.presets import PRESETS, max_positions, shape_config
 
     rows = []
     for name, (_, _, source) in PRESETS.items():
-        config = load_config(name)
+        config = shape_config(name)
         s = min(seq_len, max_positions(config) or seq_len)
         shape = model_shape(config)
         mem = estimate_memory(config, seq_len=s, micro_batch_size=1, strategy="single", dp=1, precision="bf16")
