@@ -388,10 +388,15 @@ def detect_accelerator(count: int = 1, device_type: str | None = None) -> Accele
         :class:`AcceleratorInfo` for device 0 of this process (``torch.cuda.current_device()``),
         or for the CPU (model name from ``/proc/cpuinfo``, else ``platform.processor()``).
     """
-    try:
-        import torch
+    from mlflow_llmeff.meters.probes import torch_built_without_gpu
 
-        cuda_ok = torch.cuda.is_available()
+    try:
+        if torch_built_without_gpu():  # no GPU to ask torch about: not imported for it (llmeff plan)
+            torch, cuda_ok = None, False
+        else:
+            import torch
+
+            cuda_ok = torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         torch, cuda_ok = None, False
     if device_type is None:

@@ -152,3 +152,33 @@ def process_start_perf_counter() -> float:
 
     now_perf, now_unix = time.perf_counter(), time.time()
     return now_perf - max(0.0, now_unix - process_start_unix())
+
+
+def torch_built_without_gpu() -> bool:
+    """True when the installed torch is a build without CUDA and ROCm (its ``torch/version.py`` sets
+    ``cuda`` and ``hip`` to None, e.g. ``2.13.0+cpu``), read from that generated file without importing
+    torch; False when torch is imported already (its answer, which a test may fake, is asked instead) or
+    the file says otherwise or cannot be read. Such a build's ``torch.cuda.is_available()`` is False
+    (``torch.cuda._is_compiled()`` is)."""
+    import sys
+
+    if "torch" in sys.modules:
+        return False
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        with open(os.path.join(folders[0], "version.py"), encoding="utf-8") as f:
+            text = f.read()
+        import ast
+
+        facts = {}
+        for node in ast.parse(text).body:  # its constants: `cuda: Optional[str] = None`, `hip = None`
+            target = node.target if isinstance(node, ast.AnnAssign) else (
+                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+                facts[target.id] = node.value.value
+    except Exception:  # noqa: BLE001 - unreadable: ask torch
+        return False
+    return "cuda" in facts and "hip" in facts and facts["cuda"] is None and facts["hip"] is None

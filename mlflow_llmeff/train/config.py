@@ -155,15 +155,23 @@ def attention_missing(name: str, *, cuda: bool, packages: bool = True) -> str | 
 
 def probe_machine(accelerator_count: int | None = None) -> Machine:
     """This machine's :class:`~mlflow_llmeff.planning.spec.Machine`: CUDA and bf16 support probed through
-    torch and, given ``accelerator_count`` (the devices a plan is for), the accelerator's short name."""
-    import torch
+    torch and, given ``accelerator_count`` (the devices a plan is for), the accelerator's short name.
 
-    cuda = torch.cuda.is_available()
+    A torch built without CUDA or ROCm (:func:`~mlflow_llmeff.meters.probes.torch_built_without_gpu`) has no
+    CUDA device, as its ``torch.cuda.is_available()`` says: ``llmeff train``'s own process then hands off
+    without importing torch (1.8 s of CPU at each launch), which its training processes import anyway."""
     short = None
     if accelerator_count is not None:
         from mlflow_llmeff.meters.hardware import detect_accelerator
 
         short = detect_accelerator(count=accelerator_count).short
+    from mlflow_llmeff.meters.probes import torch_built_without_gpu
+
+    if torch_built_without_gpu():
+        return Machine(cuda=False, bf16=True, accelerator=short)
+    import torch
+
+    cuda = torch.cuda.is_available()
     return Machine(cuda=cuda, bf16=torch.cuda.is_bf16_supported() if cuda else True, accelerator=short)
 
 
@@ -192,7 +200,8 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
         ValueError: one line naming the bad value and the accepted ones.
     """
     from mlflow_llmeff.train.data import dataset_kind
-    from mlflow_llmeff.models.build import is_preset, load_config, load_tokenizer, max_positions
+    from mlflow_llmeff.models.build import is_preset, load_tokenizer, max_positions
+    from mlflow_llmeff.models.presets import shape_config
 
     for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum", "num_processes", "log_every_n_steps"):
         _positive(name, getattr(cfg, name))
@@ -227,7 +236,8 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0 USD")
     if cfg.cloud_region and not cfg.cloud_provider:
         raise ValueError(f"cloud_region={cfg.cloud_region!r} needs cloud_provider (codecarbon's cloud table has gcp)")
-    if cfg.measure_energy != "none":
+    if cfg.measure_energy != "none" and (cfg.country_iso_code or cfg.cloud_provider or cfg.cloud_region):
+        # nothing to check without a location (codecarbon's tables, with pandas, cost ~1 s of CPU to import)
         from mlflow_llmeff.meters.carbon import check_location
 
         check_location(country_iso_code=cfg.country_iso_code or None, cloud_provider=cfg.cloud_provider or None,
@@ -284,7 +294,7 @@ def validate(cfg: TrainConfig, machine: Machine | None = None, *, cuda_available
                 task.startswith("mmlu_") and "mmlu" in cfg.eval_tasks.split(",")):
             raise ValueError(f"target {t} needs eval_tasks to include {task!r} (eval_tasks={cfg.eval_tasks!r})")
 
-    config = load_config(cfg.model)
+    config = shape_config(cfg.model)  # a preset's without importing transformers (models/preset_shapes.py)
     if not is_preset(cfg.model):
         try:
             load_tokenizer(cfg.model)
@@ -336,10 +346,10 @@ def _check_levers(cfg: TrainConfig, machine: Machine, *, packages: bool) -> None
                              "pip install 'mlflow-llmeff[lora]'")
         if not [t for t in cfg.lora_targets.split(",") if t.strip()]:
             raise ValueError(f"lora_targets={cfg.lora_targets!r} names no module; give e.g. q_proj,v_proj")
-        from mlflow_llmeff.models.presets import load_config
+        from mlflow_llmeff.models.presets import shape_config
         from mlflow_llmeff.planning.plan import lora_trainable
 
-        lora_trainable(cfg, load_config(cfg.model))  # a target the model lacks: one line, before any weight
+        lora_trainable(cfg, shape_config(cfg.model))  # a target the model lacks: one line, before any weight
         if cfg.parallelism not in ("auto", "single", "ddp"):
             raise ValueError(f"lora_rank={cfg.lora_rank} with parallelism={cfg.parallelism!r}: LoRA adapters train "
                              "here with parallelism auto, single or ddp")

@@ -3,16 +3,17 @@
 The choices and what each stores per parameter are :data:`mlflow_llmeff.calc.optimizers.OPTIMIZERS`;
 this module turns a name into a ``torch.optim.Optimizer`` over the run's parameter groups
 (:func:`build_optimizer`), says in one line why a name cannot run here (:func:`missing`, a package
-look-up that imports nothing), and holds the one optimizer no library ships: :class:`AdamWBf16`.
+look-up that imports nothing), and serves the one optimizer no library ships, :class:`AdamWBf16`
+(train/adamw_bf16.py). It imports torch only to build: ``llmeff train``'s own process checks the name
+and hands off without it (1.8 s of CPU at each launch).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from importlib.util import find_spec  # a module attribute: tests fake a missing package here
-
-import torch
 
 from mlflow_llmeff.calc.optimizers import choice
 
@@ -25,99 +26,6 @@ SGD_MOMENTUM = 0.9
 #: (``{cls}``: the class name). The seconds fall in a warm-up step, counted as compile badput.
 COMPILE_NOTE = ("llmeff: torchao {cls} compiles its step on the first optimizer step (torch.compile; "
                 "counted as compile badput, not steady)")
-
-
-class AdamWBf16(torch.optim.Optimizer):
-    """AdamW with both moments stored in bf16 and the update computed in fp32.
-
-    The algorithm is torch's ``torch.optim.AdamW`` (decoupled weight decay, Loshchilov & Hutter,
-    "Decoupled Weight Decay Regularization", ICLR 2019, Algorithm 2; bias correction of Kingma & Ba
-    2015), step ``t`` for a parameter ``p`` with gradient ``g`` (all in fp32 while computed)::
-
-        p <- p * (1 - lr * weight_decay)
-        m <- beta1 * m + (1 - beta1) * g            stored in bf16 afterwards
-        v <- beta2 * v + (1 - beta2) * g^2          stored in bf16 afterwards
-        p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-
-    The step reads the stored bf16 moments, updates them in fp32 with the fp32 gradient, takes the
-    parameter update from those fp32 values, and rounds them to bf16 (round-to-nearest-even) only to
-    store them. Moments cost 2 + 2 B per parameter instead of 4 + 4 (``calc/optimizers.py``); the
-    rounding (at most 2^-8 of each stored moment, bf16's unit roundoff) is the only difference from
-    torch's AdamW on fp32 moments. torch's AdamW cannot do this itself: its foreach and single-tensor paths need the
-    moments in the parameter's dtype. Weights may be fp32 or bf16 (``--weights bf16``); the update is
-    added in fp32 and written back in the weights' dtype.
-
-    Args:
-        params: parameters or parameter groups (``weight_decay`` per group, as torch's optimizers).
-        lr: learning rate (> 0).
-        betas: the moments' decay rates ``(beta1, beta2)``, each in [0, 1).
-        eps: added to the denominator (> 0).
-        weight_decay: decoupled weight decay per unit of learning rate (>= 0).
-
-    Raises:
-        ValueError: a value outside its range (the message names it and the range).
-    """
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
-        if not lr > 0:
-            raise ValueError(f"lr={lr} must be > 0")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"betas={betas} must be two values in [0, 1)")
-        if not eps > 0:
-            raise ValueError(f"eps={eps} must be > 0")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # torch's load_state_dict casts every floating state tensor to its parameter's dtype: a resumed
-        # run would then hold fp32 moments; they go back to bf16 as they are loaded
-        self.register_load_state_dict_post_hook(AdamWBf16._moments_to_bf16)
-
-    @staticmethod
-    def _moments_to_bf16(optimizer: "AdamWBf16") -> None:
-        for state in optimizer.state.values():
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in state and state[k].dtype != torch.bfloat16:
-                    state[k] = state[k].to(torch.bfloat16)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step over every parameter with a gradient; returns ``closure()``'s loss when given.
-
-        Raises:
-            RuntimeError: a sparse gradient (not supported, as torch's AdamW).
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamWBf16 does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16,
-                                                           memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = float(state["step"])
-                g = p.grad.float()                                     # same shape as p, fp32
-                m = state["exp_avg"].float().lerp_(g, 1 - beta1)       # beta1 m + (1 - beta1) g
-                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                w = p.float() if p.dtype != torch.float32 else p      # fp32 view of the weights
-                w.mul_(1 - lr * wd)
-                denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
-                w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
-                if w is not p:
-                    p.copy_(w)
-                state["exp_avg"].copy_(m)                              # rounded to bf16 to be stored
-                state["exp_avg_sq"].copy_(v)
-        return loss
 
 
 def _cpp_compiler() -> str | None:
@@ -156,7 +64,9 @@ def missing(name: str, *, cuda: bool) -> str | None:
         return None
     if c.package == "torch":
         cls = c.cls.rsplit(".", 1)[1]
-        if not hasattr(torch.optim, cls):
+        if not _torch_optim_has(cls):
+            import torch
+
             return (f"optimizer={name!r} needs torch.optim.{cls}, which torch {torch.__version__} lacks "
                     "(torch >= 2.5 has it); upgrade torch")
         return None
@@ -174,6 +84,30 @@ def missing(name: str, *, cuda: bool) -> str | None:
     return None
 
 
+def _torch_optim_has(cls: str) -> bool:
+    """``hasattr(torch.optim, cls)``; before torch is imported, read from the installed ``torch/optim/__init__.py``'s
+    ``__all__`` (every optimizer class torch.optim exports is listed there) without importing torch; torch is
+    asked when that file cannot be read."""
+    if "torch" not in sys.modules:
+        try:
+            import ast
+            import importlib.util
+
+            spec = importlib.util.find_spec("torch")
+            folder = list(spec.submodule_search_locations or [])[0]
+            with open(os.path.join(folder, "optim", "__init__.py"), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in tree.body:
+                if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                        and isinstance(node.value, (ast.List, ast.Tuple))):
+                    return cls in {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+        except Exception:  # noqa: BLE001 - unreadable: ask torch
+            pass
+    import torch
+
+    return hasattr(torch.optim, cls)
+
+
 def _fused_where_torch_can(param_groups) -> dict:
     """``{"fused": True}`` when torch's fused AdamW kernel can step every parameter, else ``{}`` (torch's default).
 
@@ -186,6 +120,8 @@ def _fused_where_torch_can(param_groups) -> dict:
     3.4 ms a step single-tensor, 1.2 ms fused. Left to torch's default: sharded (DTensor) parameters of
     FSDP2 and tensor parallelism, a non-floating parameter, another device type.
     """
+    import torch
+
     params = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) else [g])]
     plain = all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params)
     if params and plain and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
@@ -218,12 +154,16 @@ def build_optimizer(name: str, param_groups, *, lr: float, betas: tuple[float, f
         ValueError: ``name`` is not accepted (the message lists the accepted ones).
         ImportError: the package is not installed (:func:`missing` says so first, at validation).
     """
+    import torch
+
     c = choice(name)
     param_groups = list(param_groups)  # a generator (model.parameters()) is read twice below
     adam = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(param_groups, **adam, **_fused_where_torch_can(param_groups))
     if name == "adamw-bf16":
+        from mlflow_llmeff.train.adamw_bf16 import AdamWBf16
+
         return AdamWBf16(param_groups, **adam)
     if name == "adafactor":
         return torch.optim.Adafactor(param_groups, lr=lr, weight_decay=weight_decay)
@@ -235,3 +175,11 @@ def build_optimizer(name: str, param_groups, *, lr: float, betas: tuple[float, f
         import bitsandbytes.optim as library
     return getattr(library, c.cls.rsplit(".", 1)[1])(param_groups, **adam)
 
+
+def __getattr__(name: str):
+    """:class:`~mlflow_llmeff.train.adamw_bf16.AdamWBf16` as ``optimizers.AdamWBf16`` (imported, with torch, on first use)."""
+    if name == "AdamWBf16":
+        from mlflow_llmeff.train.adamw_bf16 import AdamWBf16
+
+        return AdamWBf16
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

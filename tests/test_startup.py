@@ -1,0 +1,72 @@
+"""What each process of an ``llmeff train`` job imports before it hands off (issue 52: launches dominate the
+suite's time; each heavy import is seconds of CPU in every such process).
+
+One fresh interpreter (``python -c``) takes the roles one after another and lists, after each, the heavy
+packages in ``sys.modules``: importing the package, the elastic launcher's wrapper (train/elastic.py, before
+``accelerate launch`` runs in it), and ``llmeff train``'s own work up to the launch command for two processes
+(its settings checked and resolved, the fit checked, the command built).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+#: Packages of seconds each (CPU, this machine: torch 1.8, transformers' Llama config 2.8 with torch, mlflow 2.0,
+#: accelerate, datasets 1.2 ...), and the ones they bring.
+HEAVY = ("torch", "transformers", "mlflow", "accelerate", "datasets", "pandas", "pyarrow", "scipy", "matplotlib",
+         "deepspeed", "codecarbon", "numpy", "psutil", "pynvml", "sqlalchemy", "alembic", "git", "safetensors",
+         "huggingface_hub", "tokenizers", "peft", "torchao", "ray", "click")
+
+ROLES = r"""
+import json, sys
+HEAVY = %r
+seen = {}
+def note(role):
+    seen[role] = sorted(m for m in HEAVY if m in sys.modules)
+import mlflow_llmeff
+note("package")
+import mlflow_llmeff.train.elastic
+note("launcher wrapper")
+import mlflow_llmeff.cli
+from mlflow_llmeff.meters.probes import torch_built_without_gpu
+from mlflow_llmeff.train.config import TrainConfig
+from mlflow_llmeff.train.launch import accelerate_command, fit_here, settle
+cpu_build = torch_built_without_gpu()
+spec = settle(TrainConfig(model="llama-tiny", dataset="synthetic", max_steps=2, measure_energy="none",
+                          num_processes=2))
+verdict = fit_here(spec)
+cmd, env = accelerate_command(spec)
+note("llmeff train before the launch")
+print(json.dumps({"seen": seen, "cpu_build": cpu_build, "world": spec.world, "fits": verdict.fits,
+                  "launcher": cmd[1:3]}))
+""" % (HEAVY,)
+
+
+@pytest.fixture(scope="module")
+def roles():
+    out = subprocess.run([sys.executable, "-c", ROLES], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_package_imports_nothing_heavy(roles):
+    assert roles["seen"]["package"] == []
+
+
+def test_the_launchers_wrapper_adds_nothing_heavy_to_accelerate_launch(roles):
+    assert roles["seen"]["launcher wrapper"] == []
+
+
+def test_llmeff_train_hands_off_without_torch_transformers_or_mlflow(roles):
+    # the same launch as before: 2 processes through accelerate launch, the fit checked (llama-tiny fits)
+    assert (roles["world"], roles["fits"], roles["launcher"]) == (2, True, ["-m", "accelerate.commands.launch"])
+    # its settings read a preset's shape without transformers (models/preset_shapes.py) and the optimizer's
+    # name without torch; the CUDA probe needs torch only where torch was built with CUDA or ROCm
+    seen = roles["seen"]["llmeff train before the launch"]
+    if roles["cpu_build"]:
+        assert seen == ["click"]
+    else:  # torch built with CUDA or ROCm: asked whether a GPU is there, as before; nothing else heavy
+        assert "torch" in seen and not set(seen) & {"transformers", "mlflow", "accelerate", "datasets", "pandas",
+                                                  "scipy", "matplotlib", "deepspeed", "codecarbon"}
