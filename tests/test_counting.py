@@ -331,3 +331,49 @@ def test_a_kept_batch_written_in_place_before_its_edge_is_named_on_the_run(track
         "1 CPU micro-batches kept for their window's edge had their tensors written in place before it: "
         "counted as they then were")
     assert summary[names.SUM_TOKENS] == 7 + 2
+
+
+def _step_tally_batches():
+    """Dict micro-batches as llmeff train hands them: dense CPU masks of two shapes, labels, a loss count."""
+    out = []
+    for rows, t in (([3, 4], 4), ([2, 4], 4), ([1, 5], 5), ([5, 5, 2], 5), ([1], 4)):
+        ids, mask, labels = _dense(rows, t)
+        out.append(({"input_ids": ids, "attention_mask": mask, "labels": labels},
+                    int((labels[:, 1:] != -100).sum())))
+    return out
+
+
+def test_the_step_tallys_short_path_counts_and_shapes_as_the_general_path(monkeypatch):
+    # once the counter keeps CPU batches for the edge, a dict with a dense CPU mask and a given loss count takes
+    # StepTally's short path; a mapping that is no dict always takes the general one: the same counts and shapes
+    from collections import UserDict
+
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    keep, short_taken = BatchCounter.keep, []
+    monkeypatch.setattr(BatchCounter, "keep", lambda self, *a: (short_taken.append(self), keep(self, *a))[1])
+    short, general = StepTally(), StepTally()
+    kept = []
+    for batch, n in _step_tally_batches():
+        short.add_batch(batch, loss_tokens=n)
+        general.add_batch(UserDict(batch), loss_tokens=n)
+        kept.append(len(short.counter._deferred))
+    assert kept == [0, 1, 2, 3, 4] and short.counter.defer is True  # the first read at once, the rest kept
+    assert short_taken == [short.counter] * 3  # the 3rd to 5th (the 2nd decides that batches are kept)
+    a, b = short.take(steps=2), general.take(steps=2)
+    # tokens 7 + 6 + 6 + 12 + 1; sum(l^2) 25 + 20 + 26 + 54 + 1; samples 2 + 2 + 2 + 3 + 1; padded 8 + 8 + 10 + 15 + 4
+    assert (a.tokens, a.sum_len_sq, a.samples, a.padded_tokens) == (32, 126, 10, 45)
+    assert a == b and a.loss_tokens == 5 + 4 + 4 + 9 + 0
+    assert (short.shapes, short.varies) == (general.shapes, general.varies) and short.shapes.seq == (4, 5)
+
+
+def test_a_batch_refilled_in_place_after_the_short_path_kept_it_is_counted_as_refilled():
+    from mlflow_llmeff.monitor.counting import StepTally
+
+    tally = StepTally()
+    batches = _step_tally_batches()
+    for batch, n in batches[:3]:
+        tally.add_batch(batch, loss_tokens=n)
+    batches[2][0]["attention_mask"].copy_(_dense([1, 1], 5)[1])  # written in place before the edge
+    got = tally.take(steps=1)
+    assert got.tokens == 7 + 6 + 2 and tally.refilled == 1 and tally.counter.defer is False
