@@ -170,6 +170,8 @@ class EfficiencyMonitor:
         self.log_every_n_steps, self.warmup_steps, self.track_loss = log_every_n_steps, warmup_steps, track_loss
         self._report = report
         self._broken = self._finished = False
+        self._off = False  # broken or finished: every call is a no-op (a field, read at every call)
+        self._pause_sync: list[bool] = []  # per open pause: the device is synchronized at its ends
         self._summary: dict[str, float] = {}
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
@@ -184,7 +186,7 @@ class EfficiencyMonitor:
         p.memory.start(unwrap_model(model), optimizer)
         p.meter = ThroughputMeter(num_devices=self.world_size, warmup_steps=warmup_steps, start_step=start_step)
         # torch.compile inside a step: compile time, not the step's (compiles.py, docs/time.md)
-        p.compiles = CompileWatch(ledger, in_step=lambda: not (self._off or self.__dict__.get("_pause_sync")
+        p.compiles = CompileWatch(ledger, in_step=lambda: not (self._off or self._pause_sync
                                                                or ledger.paused),
                                   after_warmup=lambda: not p.meter.is_warmup(p.step_count + 1))
         assembly.set_up_measurement(p, peak_tflops, measure_peak, device_hour_usd, usd_per_kwh, measure_energy,
@@ -260,14 +262,10 @@ class EfficiencyMonitor:
     # ------------------------------------------------------------------------------ failures
     def _fail(self, e: BaseException) -> None:
         if not self._broken:
-            self._broken = True
+            self._broken = self._off = True
             warnings.warn(f"mlflow_llmeff: EfficiencyMonitor stopped ({type(e).__name__}: {e}); training continues",
                           stacklevel=3)
         log.debug("monitor failure", exc_info=e)
-
-    @property
-    def _off(self) -> bool:
-        return self._broken or self._finished
 
     # ------------------------------------------------------------------------------ counting
     def count(self, batch=None, *, tokens=None, padded_tokens=None, loss_tokens=None, samples=None,
@@ -332,11 +330,12 @@ class EfficiencyMonitor:
             if p.devclock is not None:
                 p.devclock.step_end()
             step = meter.step + window.steps + 1
+            steady_from = meter.warmup_end_step
             log_now = step % self.log_every_n_steps == 0
-            at_edge = log_now or edge or step == meter.warmup_end_step
+            at_edge = log_now or edge or step == steady_from
             if at_edge:
                 collectives.synchronize(p.device)
-            warmup = meter.is_warmup(step)
+            warmup = step <= steady_from  # meter.is_warmup(step)
             seconds = p.ledger.step_done(warmup)
             window.add(seconds, warmup, learning_rate)
             naming = p.naming
@@ -389,16 +388,14 @@ class EfficiencyMonitor:
         Raises:
             ValueError: for a category not in :data:`~mlflow_llmeff.calc.goodput.PAUSES`.
         """
-        if category not in PAUSES:
+        sync = category != "data_wait"
+        if sync and category not in PAUSES:
             raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
-        stack = self.__dict__.get("_pause_sync")
-        if stack is None:
-            stack = self._pause_sync = []
-        stack.append(category != "data_wait")
+        self._pause_sync.append(sync)
         if self._off:
             return
         try:
-            if self._pause_sync[-1]:
+            if sync:
                 collectives.synchronize(self._p.device)
             self._p.ledger.enter(category)
         except Exception as e:  # noqa: BLE001
@@ -406,16 +403,18 @@ class EfficiencyMonitor:
 
     def exit_pause(self) -> None:
         """End the pause :meth:`enter_pause` started."""
-        stack = self.__dict__.get("_pause_sync")
+        stack = self._pause_sync
         sync = stack.pop() if stack else False
         if self._broken:
             return
         try:
             p = self._p
-            if sync:
-                collectives.synchronize(p.device)
+            if not sync:  # a data wait: it stays inside its step
+                p.ledger.exit()
+                return
+            collectives.synchronize(p.device)
             p.ledger.exit()
-            if sync and p.devclock is not None and not p.ledger.paused:  # the next step starts here
+            if p.devclock is not None and not p.ledger.paused:  # the next step starts here
                 p.devclock.restart()
         except Exception as e:  # noqa: BLE001
             self._fail(e)
@@ -539,7 +538,7 @@ class EfficiencyMonitor:
         """
         if self._finished:
             return self._summary
-        self._finished = True
+        self._finished = self._off = True
         status = status or lifecycle.status_for(None)
         collective = (collective and lifecycle.signalled() is None) or self.world_size == 1
         self._p.ending.ended(status)

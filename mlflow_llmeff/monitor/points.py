@@ -123,7 +123,6 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
     m: dict[str, float] = {names.TRAIN_TOKENS: total.tokens, names.TRAIN_PADDED_TOKENS: total.padded_tokens,
                            names.TRAIN_LOSS_TOKENS: total.loss_tokens,
                            names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
-    unknown = unknown_counts(p, total, None)
     if loss_n:
         m[names.TRAIN_LOSS] = loss_sum / loss_n
         if not math.isfinite(m[names.TRAIN_LOSS]):
@@ -137,8 +136,8 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
         rates = None  # no token was counted: a rate of 0 tokens/s would be a number nobody measured
     if rates is not None:
         m.update(p.account.interval_metrics(rates))
-        warn_mfu(p, m.get(names.TPUT_DEVICE_MFU), f"step {step}")
-        unknown = unknown_counts(p, total, rates.counts)
+        warn_mfu(p, m.get(names.TPUT_DEVICE_MFU), step)
+    unknown = unknown_counts(p, total, rates.counts if rates is not None else None)
     for key in unknown:  # a count not given is left out, never its default
         m.pop(key, None)
     note_unknown(p, unknown)
@@ -304,9 +303,12 @@ def note_nothing_counted(p: Parts) -> None:
     p.logger.set_tags({names.AUTOLOG_NOTE: msg}, synchronous=False)
 
 
-def warn_mfu(p: Parts, mfu: float | None, where: str) -> None:
-    """Warn once (and tag ``llmeff.mfu_warning``) about an implausible MFU; it is reported, never clipped."""
+def warn_mfu(p: Parts, mfu: float | None, where: str | int) -> None:
+    """Warn once (and tag ``llmeff.mfu_warning``) about an implausible MFU; it is reported, never clipped.
+    ``where``: the figure's name, or the logged step it was computed at (``step <n>``)."""
     warn = fl.mfu_warning(mfu)
     if warn and p.notices.first("mfu"):  # reported, never clipped
+        if isinstance(where, int):
+            where = f"step {where}"
         log.warning(warn)
         p.logger.set_tags({names.MFU_WARNING: f"{where}: {warn}"}, synchronous=False)
