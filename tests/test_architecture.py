@@ -410,6 +410,9 @@ PRIVATE_REACHES: dict[tuple[str, str], str] = {
     ("tracking.logger", "self.client.get_run(self.run_id).data._metric_objs"):
         "MLflow's RunData keeps the latest Metric entities of runs/get (step, timestamp) only here",
     ("autologging", "c._auto_end_run"): "transformers' MLflowCallback: whether it ends the run it opened",
+    ("autologging.ray", "runner._monitor_thread"):
+        "Ray Train V2's ThreadRunner joins it last in the thread running train_loop_per_worker: the only hook "
+        "between the function's return and Ray's controller seeing it (then killing the process)",
     ("evals.scoring", "self.model._orig_mod"): _COMPILED,
     ("parallel", "m._orig_mod"): _COMPILED,
     ("monitor.conditions", "model._orig_mod"): _COMPILED,

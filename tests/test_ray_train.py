@@ -231,6 +231,36 @@ def test_one_workers_run_ends_when_the_thread_running_its_function_ends_and_two_
     assert finish_when_returned(ended.append, world_size=1) is False  # a main thread is no Ray worker's
 
 
+@pytest.mark.parametrize("raises, status", [(False, "FINISHED"), (True, "FAILED")])
+def test_under_rays_thread_runner_one_workers_run_is_ended_before_ray_can_see_its_function_return(monkeypatch, raises,
+                                                                                                  status):
+    # Ray's controller kills a worker's process as soon as its poll sees the function's thread end: the run
+    # must be ended by then, however long ending it takes (here 0.3 s)
+    import threading
+
+    from ray.train.v2._internal.execution.worker_group.thread_runner import ThreadRunner
+
+    from mlflow_llmeff.autologging import ray as ray_train
+
+    runner, ended, armed = ThreadRunner(), [], []
+    monkeypatch.setattr(ray_train, "_thread_runner", lambda: runner)
+
+    def slow_finish(s):
+        threading.Event().wait(0.3)
+        ended.append(s)
+
+    def train_loop_per_worker():
+        armed.append(ray_train.finish_when_returned(slow_finish, world_size=1))
+        if raises:
+            raise RuntimeError("the worker function failed")
+
+    runner.run(train_loop_per_worker)
+    while runner.is_running():  # what Ray's controller polls before it kills the process
+        threading.Event().wait(0.005)
+    assert armed == [True] and ended == [status]
+    assert (runner.get_error() is not None) is raises
+
+
 # ---------------------------------------------------------------- train/ray.py's layout and restore, by hand
 @pytest.mark.parametrize("world, local, node, expected", [
     (2, 2, 0, (2, 1, 0, "")),  # one node: no machine address needed

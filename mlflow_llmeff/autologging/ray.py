@@ -21,7 +21,8 @@ at window edges, and Ray's ``destroy_process_group`` at the worker group's shutd
 * without a checkpoint a restart starts a new run (nothing tells it the run to continue).
 * **one worker ends its run too.** Ray makes a process group of one but destroys it only for two or
   more workers, and then kills the worker's process (no exit hook runs): the run would stay RUNNING.
-  With one worker the run ends when ``train_loop_per_worker`` returns (:func:`finish_when_returned`).
+  With one worker the run ends when ``train_loop_per_worker`` returns (:func:`finish_when_returned`),
+  before Ray's controller can see it return (it kills the process right after).
 """
 
 from __future__ import annotations
@@ -143,36 +144,76 @@ def patch_report(integration: str, active_monitor: Callable[[], Any]) -> None:
     safe_patch(integration, sys.modules["ray.train"], "report", patched)
 
 
-def _worker_function_failed() -> bool:
-    """True when this worker's ``train_loop_per_worker`` raised: Ray Train V2 keeps the error in the worker's
-    thread runner (``ray.train.v2._internal``: an internal module, read fail-soft; False when unknown)."""
+def _thread_runner():
+    """Ray Train V2's runner of this worker's ``train_loop_per_worker`` thread (``ray.train.v2._internal``: an
+    internal module, read fail-soft), or None outside it or in another Ray."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 
-        return get_train_context().execution_context.training_thread_runner.get_error() is not None
+        return get_train_context().execution_context.training_thread_runner
+    except Exception:  # noqa: BLE001 - another Ray, or no Ray Train worker
+        return None
+
+
+def _worker_function_failed() -> bool:
+    """True when this worker's ``train_loop_per_worker`` raised: Ray Train V2 keeps the error in the worker's
+    thread runner (False when unknown: the status is FINISHED)."""
+    try:
+        return _thread_runner().get_error() is not None
     except Exception:  # noqa: BLE001 - another Ray: the status is FINISHED
         return False
 
 
+def _end_inside_ray_thread(runner, end: Callable[[], None]) -> bool:
+    """Have Ray V2's ``runner`` (its ``ThreadRunner``, running ``train_loop_per_worker``) call ``end()`` after
+    the function returns and before the thread running it ends; True when it will, False when ``runner`` is
+    not such a runner (or its function is no longer running).
+
+    The runner's thread joins its monitor thread (``_monitor_thread``, which records the function's error)
+    as its last act, and Ray's controller sees the function done only when that thread has ended (its
+    poll, every 2 s by default), then kills the worker's process at once (no exit hook). A thread of ours
+    put in the monitor's place waits for Ray's monitor, then calls ``end()``: the run is ended before the
+    controller can see the function return, however long ending it takes."""
+    monitor = getattr(runner, "_monitor_thread", None)
+    if not isinstance(monitor, threading.Thread) or not runner.is_running():
+        return False
+
+    def then_end() -> None:
+        monitor.join()  # the function returned or raised, and Ray's runner holds its error
+        end()
+
+    ours = threading.Thread(target=then_end, name="mlflow_llmeff-ray-end", daemon=True)
+    runner._monitor_thread = ours  # read by the runner's thread when the function has returned
+    ours.start()
+    return True
+
+
 def finish_when_returned(finish: Callable[[str], None], world_size: int) -> bool:
-    """A Ray Train run of one worker (``world_size`` 1): call ``finish(status)`` when the thread that runs
-    ``train_loop_per_worker`` (this one: Ray runs the function in a thread of its own) ends, ``FAILED`` when
-    it raised, else ``FINISHED``. Returns whether it will (not for 2 or more workers, where Ray's
+    """A Ray Train run of one worker (``world_size`` 1): call ``finish(status)`` when ``train_loop_per_worker``
+    (run by this thread: Ray runs the function in a thread of its own) returns, ``FAILED`` when it raised,
+    else ``FINISHED``. Returns whether it will (not for 2 or more workers, where Ray's
     ``destroy_process_group`` ends the run, nor in a process's main thread).
 
-    Ray's controller sees the thread end at its next poll (every 2 s by default) and kills the worker's
-    process 5 s after asking it to stop at the latest, so the run is ended before that (tens of ms here).
+    Ray's controller kills the worker's process as soon as its poll sees the function's thread end (every
+    2 s by default), so under Ray V2 the run is ended inside that thread, after the function returns
+    (:func:`_end_inside_ray_thread`); elsewhere (another Ray, a plain thread) when the thread ends.
     """
     thread = threading.current_thread()
     if world_size != 1 or thread is threading.main_thread():
         return False
 
-    def wait() -> None:
-        thread.join()
+    def end() -> None:
         try:
             finish("FAILED" if _worker_function_failed() else "FINISHED")
         except Exception as e:  # noqa: BLE001 - ending a run never raises into Ray
             log.warning("mlflow_llmeff: the run of this Ray Train worker was not ended: %s: %s", type(e).__name__, e)
+
+    if _end_inside_ray_thread(_thread_runner(), end):
+        return True
+
+    def wait() -> None:
+        thread.join()
+        end()
 
     threading.Thread(target=wait, name="mlflow_llmeff-ray-end", daemon=True).start()
     return True
