@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from mlflow_llmeff.monitor.counting import BatchCounter
@@ -343,23 +344,27 @@ def _step_tally_batches():
     return out
 
 
-def test_the_step_tallys_short_path_counts_and_shapes_as_the_general_path(monkeypatch):
-    # once the counter keeps CPU batches for the edge, a dict with a dense CPU mask and a given loss count takes
-    # StepTally's short path; a mapping that is no dict always takes the general one: the same counts and shapes
+@pytest.mark.parametrize("given", [True, False], ids=["loss-count-given", "labels-read"])
+def test_the_step_tallys_short_path_counts_and_shapes_as_the_general_path(monkeypatch, given):
+    # once the counter keeps CPU batches for the edge, a dict with a dense CPU mask (and a given loss count, or
+    # labels) takes StepTally's short path; a mapping that is no dict always takes the general one: the same
+    # counts and shapes
     from collections import UserDict
 
     from mlflow_llmeff.monitor.counting import StepTally
 
-    keep, short_taken = BatchCounter.keep, []
-    monkeypatch.setattr(BatchCounter, "keep", lambda self, *a: (short_taken.append(self), keep(self, *a))[1])
+    defer, checked = BatchCounter._defer, []  # the general path's checks of a CPU batch
+    monkeypatch.setattr(BatchCounter, "_defer", lambda self, *a: (checked.append(self), defer(self, *a))[1])
     short, general = StepTally(), StepTally()
+    for batch, n in _step_tally_batches():
+        general.add_batch(UserDict(batch), loss_tokens=n if given else None)
+    general_checked, checked[:] = len(checked), []
     kept = []
     for batch, n in _step_tally_batches():
-        short.add_batch(batch, loss_tokens=n)
-        general.add_batch(UserDict(batch), loss_tokens=n)
+        short.add_batch(batch, loss_tokens=n if given else None)
         kept.append(len(short.counter._deferred))
     assert kept == [0, 1, 2, 3, 4] and short.counter.defer is True  # the first read at once, the rest kept
-    assert short_taken == [short.counter] * 3  # the 3rd to 5th (the 2nd decides that batches are kept)
+    assert general_checked == 5 and checked == [short.counter] * 2  # the 3rd to 5th took the short path
     a, b = short.take(steps=2), general.take(steps=2)
     # tokens 7 + 6 + 6 + 12 + 1; sum(l^2) 25 + 20 + 26 + 54 + 1; samples 2 + 2 + 2 + 3 + 1; padded 8 + 8 + 10 + 15 + 4
     assert (a.tokens, a.sum_len_sq, a.samples, a.padded_tokens) == (32, 126, 10, 45)

@@ -242,26 +242,22 @@ class BatchCounter:
                 x is not None and x.requires_grad for x in (attention_mask, labels))  # (a float mask under autograd)
         if not self.defer:
             return False
-        b, t = ref.shape
+        self.keep(ref.shape, attention_mask, labels, loss_tokens)
+        return True
+
+    def keep(self, shape, attention_mask, labels, loss_tokens: int | None) -> None:
+        """Keep a dense ``(B, T)`` CPU batch for the edge, once :attr:`defer` is True (the checks of
+        :meth:`_defer`, or :meth:`StepTally.add_batch`'s short path, made): its rows and positions are
+        counted now, its mask (or None) and labels (or None) read at the edge, with their versions now;
+        ``loss_tokens``: the caller's count (an int, added now; its labels None) or None."""
+        b, t = shape
         h = self._host
         h[_SAMPLES] += b
         given = loss_tokens is not None
         if given:
             h[_LOSS] += loss_tokens
         self._padded += b * t
-        self._deferred.append((ref.shape, attention_mask, labels, _version(attention_mask), _version(labels), given))
-        return True
-
-    def keep(self, mask, shape, loss_tokens: int) -> None:
-        """:meth:`_defer` of a dense ``(B, T)`` CPU batch whose loss-bearing tokens the caller counted, once
-        :attr:`defer` is True: the same entry, kept without its checks (:meth:`StepTally.add_batch` made
-        them). ``mask``: the ``(B, T)`` attention mask; ``shape``: its shape; ``loss_tokens``: an int."""
-        b, t = shape
-        h = self._host
-        h[_SAMPLES] += b
-        h[_LOSS] += loss_tokens
-        self._padded += b * t
-        self._deferred.append((shape, mask, None, _version(mask), None, True))
+        self._deferred.append((shape, attention_mask, labels, _version(attention_mask), _version(labels), given))
 
     def _settle(self) -> None:
         """Count the batches :meth:`_defer` kept (at the window edge)."""
@@ -473,18 +469,18 @@ class StepTally:
         :meth:`BatchCounter.add`), or a ``(B, T)`` id tensor; ``loss_tokens``: its loss-bearing tokens
         as the caller counted them (the labels are then not read)."""
         counter = self.counter
-        if (loss_tokens is not None and counter is not None and counter.defer and type(batch) is dict
-                and _PACKED_KEYS.isdisjoint(batch)):
+        if counter is not None and counter.defer and type(batch) is dict and _PACKED_KEYS.isdisjoint(batch):
             # The loop's usual micro-batch once the counter keeps CPU batches for the edge: a dict with a dense
-            # (B, T) CPU mask and the loss tokens counted by the caller (``llmeff train``). The same entry as the
-            # general path below (its labels are not read; packed keys and other masks go that way), with a
-            # fraction of its checks: this runs right after a step, where every operation finds the host's
-            # caches cold (bench/overhead.py, issue 53).
-            mask = batch.get("attention_mask")
-            if type(mask) is _tensor_type():
+            # (B, T) CPU mask, and the loss tokens counted by the caller (``llmeff train``; the labels are then
+            # not read) or labels. The same entry as the general path below (packed keys, other masks and
+            # labels go that way), with a fraction of its checks: this runs right after a step, where every
+            # operation finds the host's caches cold (bench/overhead.py, issue 53).
+            mask, tensor = batch.get("attention_mask"), _tensor_type()
+            if type(mask) is tensor:
                 shape = mask.shape
-                if len(shape) == 2 and mask.is_cpu:
-                    counter.keep(mask, shape, int(loss_tokens))
+                labels = None if loss_tokens is not None else batch.get("labels")
+                if len(shape) == 2 and mask.is_cpu and (labels is None or type(labels) is tensor):
+                    counter.keep(shape, mask, labels, None if loss_tokens is None else int(loss_tokens))
                     if not (self._latest_inside and self._latest == shape):
                         self._note_shape(*shape)
                     return
