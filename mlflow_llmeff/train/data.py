@@ -9,7 +9,7 @@ Accepted ``dataset`` values:
     a directory holding such files (read in sorted order, ``.txt`` files first, then ``.jsonl``/
     ``.json``, then ``.parquet``);
   * a Hugging Face dataset id such as ``org/name`` (split ``train``, column ``text_field``);
-  * ``synthetic``: uniformly random token ids (not text: tagged ``dataset.kind=synthetic``).
+  * ``synthetic``: uniform random token ids in memory, no ``datasets`` (not text: ``dataset.kind=synthetic``).
 
 Everything is loaded with ``datasets.load_dataset`` (Arrow, memory-mapped: a corpus larger than
 memory is fine) and tokenized with a batched ``Dataset.map`` over ``num_proc`` workers into a token
@@ -457,11 +457,14 @@ def stream_blocks(dataset: str, tokenizer, seq_len: int, *, packing: bool = True
 def _full_block_chunks(table, seq_len: int):
     """``(chunk start rows, [(rows, seq_len) array per chunk])``: zero-copy numpy views of the Arrow
     ``input_ids`` column when each row holds ``seq_len`` ids (a fixed-size list, as the token cache stores
-    packed blocks, or a list whose every row is full, as the synthetic blocks), without nulls, and the table
-    reads its Arrow rows in order (no index mapping: as many rows, the first and last the same); else None.
+    packed blocks, or a list whose every row is full), without nulls, and the table reads its Arrow rows in
+    order (no index mapping: as many rows, the first and last the same); else None. In-memory rows
+    (:class:`~mlflow_llmeff.train.synthetic.TokenArray`) give their own views, without pyarrow.
 
     A micro-batch is then one numpy gather of ``B x T`` ids: 8 x 128 took ~400 us through ``datasets``' row
     formatting, ~30 us here (2-core CPU), inside every step of ``llmeff train`` and no bare loop's."""
+    if hasattr(table, "full_block_chunks"):
+        return table.full_block_chunks(seq_len)
     import numpy as np
     import pyarrow as pa
 
@@ -502,7 +505,7 @@ class TokenBlocks:
     (``-100`` on padding, ignored by the loss).
 
     Args:
-        table: a ``datasets.Dataset`` with column ``input_ids`` (rows of at most ``seq_len`` ids).
+        table: a ``datasets.Dataset`` (or synthetic ``TokenArray``) with column ``input_ids`` (rows <= ``seq_len`` ids).
         seq_len: the padded length.
         pad_id: id written on padding positions (masked out and ignored by the loss).
         rows: which rows of ``table`` these blocks are, in order (an int64 array; default all).
@@ -643,13 +646,10 @@ def _prepare_data(dataset, tokenizer, seq_len, packing, val_fraction, seed, text
     import numpy as np
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if dataset == "synthetic":
-        import datasets
+    if dataset == "synthetic":  # in memory as numpy: no datasets, pandas or pyarrow in the rank
+        from mlflow_llmeff.train.synthetic import synthetic_blocks as made
 
-        v = vocab_size or len(tokenizer)
-        ids = np.random.default_rng(seed).integers(0, v, (synthetic_blocks, seq_len), dtype=np.int64)
-        table = datasets.Dataset.from_dict({"input_ids": ids})
-        blocks, kind, desc, cache = table, "synthetic", f"synthetic: uniform random token ids in [0, {v}) (not text)", None
+        blocks, kind, desc, cache = *made(synthetic_blocks, seq_len, vocab_size or len(tokenizer), seed), None
     elif streaming:
         return _prepare_stream(dataset, tokenizer, seq_len, packing, val_fraction, seed, text_field, world, rank,
                                stream_val_blocks, pad_id)
