@@ -3,8 +3,8 @@ suite's time; each heavy import is seconds of CPU in every such process).
 
 One fresh interpreter (``python -c``) takes the roles one after another and lists, after each, the heavy
 packages in ``sys.modules``: importing the package, the elastic launcher's wrapper (train/elastic.py, before
-``accelerate launch`` runs in it), and ``llmeff train``'s own work up to the launch command for two processes
-(its settings checked and resolved, the fit checked, the command built).
+``accelerate launch`` runs in it), ``llmeff train``'s own work up to the launch command for two processes
+(its settings checked and resolved, the fit checked, the command built), and a rank's synthetic training data.
 """
 
 import json
@@ -39,8 +39,17 @@ spec = settle(TrainConfig(model="llama-tiny", dataset="synthetic", max_steps=2, 
 verdict = fit_here(spec)
 cmd, env = accelerate_command(spec)
 note("llmeff train before the launch")
+from mlflow_llmeff.train.data import prepare_data
+class ByteTokenizer:  # what prepare_data reads of the presets' ByT5 tokenizer: pad 0, EOS 1, 259 ids
+    pad_token_id, eos_token_id = 0, 1
+    def __len__(self):
+        return 259
+o = spec.options  # a rank's data as train/setup.build asks for it (2 data-parallel ranks of 8 blocks)
+data = prepare_data(o.dataset, ByteTokenizer(), o.seq_len, packing=o.packing, val_fraction=o.val_fraction, seed=o.seed,
+                    synthetic_blocks=max(64, 2 * o.micro_batch_size * 2 * o.grad_accum), vocab_size=259)
+note("a rank's synthetic data")
 print(json.dumps({"seen": seen, "cpu_build": cpu_build, "world": spec.world, "fits": verdict.fits,
-                  "launcher": cmd[1:3]}))
+                  "launcher": cmd[1:3], "blocks": [len(data.train), len(data.val), list(data.train.table.ids.shape)]}))
 """ % (HEAVY,)
 
 
@@ -70,3 +79,14 @@ def test_llmeff_train_hands_off_without_torch_transformers_or_mlflow(roles):
     else:  # torch built with CUDA or ROCm: asked whether a GPU is there, as before; nothing else heavy
         assert "torch" in seen and not set(seen) & {"transformers", "mlflow", "accelerate", "datasets", "pandas",
                                                   "scipy", "matplotlib", "deepspeed", "codecarbon"}
+
+
+def test_a_ranks_synthetic_data_is_built_without_datasets_pandas_or_pyarrow(roles):
+    # train/synthetic.py: numpy ids read by TokenBlocks (their batches equal the datasets.Dataset's:
+    # tests/test_synthetic.py); importing datasets cost ~1.2 s of CPU in each rank (pandas and pyarrow with it)
+    before, seen = roles["seen"]["llmeff train before the launch"], roles["seen"]["a rank's synthetic data"]
+    assert not {"datasets", "pandas", "pyarrow", "torch", "transformers"} & (set(seen) - set(before))
+    if roles["cpu_build"]:
+        assert seen == ["click", "numpy"]
+    # llama-tiny x2's 64 blocks of 128 ids: 3 held out (5 %), 61 train
+    assert roles["blocks"] == [61, 3, [64, 128]]
