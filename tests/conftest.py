@@ -375,26 +375,25 @@ def pytest_runtest_protocol(item, nextitem):
 #: orders files by their number of tests, which put test_strategies.py's minutes at the end), so
 #: :func:`pytest_collection_modifyitems` puts the longest first and the two workers end together (the
 #: longest-processing-time rule). A file not listed (a new one) counts :data:`_UNMEASURED_S`.
-#: Measured at b3f0d3f by the fresh-clone CI (2 workers, 1,078 s of pytest, 1,969 s of worker time): the 30
+#: Measured at 71f8ab5 by the fresh-clone CI (2 workers, 999 s of pytest, 1,799 s of worker time): the 30
 #: longest files as its 'seconds by file' line gave them (:func:`pytest_terminal_summary`), the serial files
-#: (:data:`_LAST`, run last whatever they take) left out; the others are under its shortest listed (20 s):
+#: (:data:`_LAST`, run last whatever they take) left out; the others are under its shortest listed (18 s):
 #: earlier measures, capped there.
 _FILE_SECONDS: dict[str, float] = {
-    "test_ray_train.py": 199, "test_strategies_zero.py": 145, "test_train_e2e.py": 122, "test_strategies.py": 101,
-    "test_lifecycle.py": 89, "test_reliability.py": 79, "test_survive.py": 71, "test_compare_server.py": 65,
-    "test_delivery.py": 64, "test_study.py": 63, "test_postgres.py": 59, "test_autolog_examples.py": 58,
-    "test_two_hosts_lines.py": 55, "test_slurm.py": 50, "test_server_modes.py": 49, "test_scale.py": 41,
-    "test_report_page.py": 37, "test_plan_memory.py": 36, "test_memory_study.py": 31, "test_node_loss.py": 30,
-    "test_world_change.py": 29, "test_architecture.py": 28, "test_fit.py": 28, "test_writer.py": 26,
-    "test_intervals.py": 23, "test_three_ways.py": 21, "test_logger.py": 20, "test_plan.py": 20,
-    "test_monitor.py": 20, "test_preempt.py": 20, "test_autolog.py": 20, "test_memory.py": 20,
-    "test_stability.py": 20, "test_compare.py": 20, "test_config.py": 20, "test_flopcount.py": 15,
-    "test_lora.py": 14, "test_setups.py": 11.2, "test_mlperf.py": 10.2, "test_evals_tasks.py": 7.7,
-    "test_naming.py": 6.7, "test_data.py": 4.9, "test_comm.py": 4.5, "test_undefined.py": 4.3,
-    "test_counting.py": 3.6, "test_parallel.py": 3.5, "test_scheduler.py": 3.5, "test_levers.py": 3.4,
-    "test_rendezvous.py": 2.3, "test_evals_scoring.py": 1.7, "test_repeats.py": 0.9, "test_zero_state.py": 0.9,
-    "test_report_reliability.py": 0.7, "test_flops.py": 0.6, "test_energy.py": 0.3, "test_cli.py": 0.1,
-    "test_hardware.py": 0.1, "test_keys.py": 0.1,
+    "test_ray_train.py": 248, "test_lifecycle.py": 94, "test_strategies.py": 91, "test_strategies_zero.py": 79,
+    "test_train_e2e.py": 75, "test_compare_server.py": 72, "test_survive.py": 65, "test_autolog_examples.py": 64,
+    "test_study.py": 59, "test_scale.py": 59, "test_delivery.py": 58, "test_reliability.py": 56,
+    "test_server_modes.py": 56, "test_postgres.py": 42, "test_plan_memory.py": 41, "test_slurm.py": 39,
+    "test_report_page.py": 38, "test_memory_study.py": 32, "test_architecture.py": 27, "test_node_loss.py": 24,
+    "test_world_change.py": 23, "test_two_hosts_lines.py": 23, "test_compare.py": 22, "test_intervals.py": 22,
+    "test_three_ways.py": 20, "test_monitor.py": 20, "test_fit.py": 18, "test_writer.py": 18, "test_logger.py": 18,
+    "test_plan.py": 18, "test_preempt.py": 18, "test_autolog.py": 18, "test_memory.py": 18, "test_stability.py": 18,
+    "test_config.py": 18, "test_flopcount.py": 15, "test_lora.py": 14, "test_setups.py": 11.2,
+    "test_mlperf.py": 10.2, "test_evals_tasks.py": 7.7, "test_naming.py": 6.7, "test_data.py": 4.9,
+    "test_comm.py": 4.5, "test_undefined.py": 4.3, "test_counting.py": 3.6, "test_parallel.py": 3.5,
+    "test_scheduler.py": 3.5, "test_levers.py": 3.4, "test_rendezvous.py": 2.3, "test_evals_scoring.py": 1.7,
+    "test_repeats.py": 0.9, "test_zero_state.py": 0.9, "test_report_reliability.py": 0.7, "test_flops.py": 0.6,
+    "test_energy.py": 0.3, "test_cli.py": 0.1, "test_hardware.py": 0.1, "test_keys.py": 0.1,
 }
 
 #: Seconds of each test file in this session (setup, call and teardown of its tests, as the workers
