@@ -90,3 +90,18 @@ def test_a_ranks_synthetic_data_is_built_without_datasets_pandas_or_pyarrow(role
         assert seen == ["click", "numpy"]
     # llama-tiny x2's 64 blocks of 128 ids: 3 held out (5 %), 61 train
     assert roles["blocks"] == [61, 3, [64, 128]]
+
+
+def test_torchs_source_constants_are_what_torch_says_once_imported():
+    """What the hand-off reads of torch without importing it (the optimizer names torch.optim exports, whether
+    the build has CUDA or ROCm) equals what the imported torch answers; a file torch lacks gives None."""
+    import torch
+
+    from mlflow_llmeff.meters.probes import torch_source_constants
+
+    assert torch_source_constants("optim/__init__.py")["__all__"] == tuple(torch.optim.__all__)
+    assert "AdamW" in torch.optim.__all__ and "Adafactor" in torch.optim.__all__
+    version = torch_source_constants("version.py")
+    assert (version["cuda"], version["hip"], version["__version__"]) == (torch.version.cuda, torch.version.hip,
+                                                                          torch.__version__)
+    assert torch_source_constants("no_such_file.py") is None

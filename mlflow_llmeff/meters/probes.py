@@ -154,31 +154,53 @@ def process_start_perf_counter() -> float:
     return now_perf - max(0.0, now_unix - process_start_unix())
 
 
+def torch_source_constants(relpath: str) -> dict | None:
+    """The top-level constants of the installed torch's source file ``relpath`` (e.g. ``version.py``,
+    ``optim/__init__.py``), read without importing torch: ``name -> value`` for each ``name = <constant>``
+    or ``name: T = <constant>``, and a list of constants (``__all__ = [...]``) as a tuple of them; None when
+    torch or the file cannot be found or parsed. Read once a process per file (the installed torch does
+    not change under a running process)."""
+    if relpath not in _TORCH_SOURCE:
+        _TORCH_SOURCE[relpath] = _read_torch_source(relpath)
+    return _TORCH_SOURCE[relpath]
+
+
+_TORCH_SOURCE: dict[str, dict | None] = {}
+
+
+def _read_torch_source(relpath: str) -> dict | None:
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        with open(os.path.join(folders[0], *relpath.split("/")), encoding="utf-8") as f:
+            body = ast.parse(f.read()).body
+    except Exception:  # noqa: BLE001 - no torch, no such file, or not Python we can parse
+        return None
+    facts = {}
+    for node in body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if not isinstance(target, ast.Name):
+            continue
+        if isinstance(node.value, ast.Constant):
+            facts[target.id] = node.value.value
+        elif isinstance(node.value, (ast.List, ast.Tuple)) and all(isinstance(e, ast.Constant) for e in node.value.elts):
+            facts[target.id] = tuple(e.value for e in node.value.elts)
+    return facts
+
+
 def torch_built_without_gpu() -> bool:
     """True when the installed torch is a build without CUDA and ROCm (its ``torch/version.py`` sets
     ``cuda`` and ``hip`` to None, e.g. ``2.13.0+cpu``), read from that generated file without importing
-    torch; False when torch is imported already (its answer, which a test may fake, is asked instead) or
-    the file says otherwise or cannot be read. Such a build's ``torch.cuda.is_available()`` is False
-    (``torch.cuda._is_compiled()`` is)."""
+    torch (:func:`torch_source_constants`); False when torch is imported already (its answer, which a test
+    may fake, is asked instead) or the file says otherwise or cannot be read. Such a build's
+    ``torch.cuda.is_available()`` is False (``torch.cuda._is_compiled()`` is)."""
     import sys
 
     if "torch" in sys.modules:
         return False
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("torch")
-        folders = list(spec.submodule_search_locations or []) if spec else []
-        with open(os.path.join(folders[0], "version.py"), encoding="utf-8") as f:
-            text = f.read()
-        import ast
-
-        facts = {}
-        for node in ast.parse(text).body:  # its constants: `cuda: Optional[str] = None`, `hip = None`
-            target = node.target if isinstance(node, ast.AnnAssign) else (
-                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
-            if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
-                facts[target.id] = node.value.value
-    except Exception:  # noqa: BLE001 - unreadable: ask torch
-        return False
+    facts = torch_source_constants("version.py") or {}
     return "cuda" in facts and "hip" in facts and facts["cuda"] is None and facts["hip"] is None

@@ -86,23 +86,14 @@ def missing(name: str, *, cuda: bool) -> str | None:
 
 def _torch_optim_has(cls: str) -> bool:
     """``hasattr(torch.optim, cls)``; before torch is imported, read from the installed ``torch/optim/__init__.py``'s
-    ``__all__`` (every optimizer class torch.optim exports is listed there) without importing torch; torch is
-    asked when that file cannot be read."""
+    ``__all__`` (every optimizer class torch.optim exports is listed there) without importing torch
+    (:func:`~mlflow_llmeff.meters.probes.torch_source_constants`); torch is asked when that file cannot be read."""
     if "torch" not in sys.modules:
-        try:
-            import ast
-            import importlib.util
+        from mlflow_llmeff.meters.probes import torch_source_constants
 
-            spec = importlib.util.find_spec("torch")
-            folder = list(spec.submodule_search_locations or [])[0]
-            with open(os.path.join(folder, "optim", "__init__.py"), encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-            for node in tree.body:
-                if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-                        and isinstance(node.value, (ast.List, ast.Tuple))):
-                    return cls in {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
-        except Exception:  # noqa: BLE001 - unreadable: ask torch
-            pass
+        exported = (torch_source_constants("optim/__init__.py") or {}).get("__all__")
+        if isinstance(exported, tuple):
+            return cls in exported
     import torch
 
     return hasattr(torch.optim, cls)
