@@ -67,6 +67,40 @@ def test_data_wait_stays_in_the_step_and_is_carved_out_of_productive():
     assert parts["wall"] == 2.5 == parts_sum(parts)
 
 
+def test_a_step_and_its_data_wait_read_the_clock_once_each_and_credit_the_general_paths_seconds():
+    # issue 53: the wait for a batch and the step's end are credited in one frame each (no _credit call); the
+    # same seconds as the general path, which a wait nesting an eval and a wait before begin() still take
+    clock = FakeClock(100.0)
+    reads = []
+
+    def counted():
+        reads.append(clock.t)
+        return clock()
+
+    ledger = TimeLedger(counted)
+    ledger.begin()
+    del reads[:]
+    with ledger.pause("data_wait"):  # the fast path: a wait inside a step
+        clock.t += 0.25
+    clock.t += 1.0
+    assert ledger.step_done(warmup=True) == 1.25 and len(reads) == 3
+    with ledger.pause("data_wait"):  # a nested eval inside the wait: the general path, counted in the wait
+        clock.t += 0.5
+        with ledger.pause("eval"):
+            clock.t += 2.0
+    clock.t += 1.0
+    assert ledger.step_done(warmup=False) == 3.5
+    assert ledger.seconds["warmup_step"] == 1.25 and ledger.seconds["warmup_data_wait"] == 0.25
+    assert ledger.seconds["steady_step"] == 3.5 and ledger.seconds["steady_data_wait"] == 2.5
+    assert ledger.seconds["eval"] == 0.0 and (ledger.warmup_steps, ledger.steady_steps) == (1, 1)
+    early = TimeLedger(FakeClock(100.0), started_at=99.0)  # a wait before begin(): it starts the first step
+    with early.pause("data_wait"):
+        early.clock.t += 0.5
+    early.clock.t += 1.0
+    assert early.step_done(warmup=False) == 1.5 and early.seconds["init"] == 1.0
+    assert early.seconds["steady_data_wait"] == 0.5
+
+
 def test_data_wait_inside_an_eval_is_eval_and_nested_pauses_count_once():
     clock = FakeClock(100.0)
     ledger = TimeLedger(clock)

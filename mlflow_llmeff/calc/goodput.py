@@ -110,6 +110,13 @@ class TimeLedger:
         Raises:
             ValueError: for a category outside :data:`PAUSES`.
         """
+        if category == "data_wait" and self._state == "step" and not self._depth and not self._closed:
+            # the wait for a batch, declared at every step: credited here in one frame (no _credit call)
+            now = self.clock()
+            self._open_step_s += now - self._mark
+            self._mark = now
+            self._depth, self._outer, self._state = 1, "step", "data_wait"
+            return
         if category not in PAUSES:
             raise ValueError(f"pause category {category!r} is not accepted; use one of: {', '.join(PAUSES)}")
         self._depth += 1
@@ -121,6 +128,14 @@ class TimeLedger:
 
     def exit(self) -> None:
         """End the innermost pause (the time since the outermost one began goes to it)."""
+        if self._depth == 1 and self._state == "data_wait" and not self._closed:  # a step's wait for its batch
+            now = self.clock()
+            dt = now - self._mark
+            self._mark = now
+            self._open_step_s += dt
+            self._open_wait_s += dt
+            self._depth, self._state = 0, self._outer
+            return
         if self._depth == 0:
             return
         self._depth -= 1
@@ -150,17 +165,24 @@ class TimeLedger:
         """
         if self._closed:
             return 0.0
-        if self._state == "init":
-            self._state = "step"
-        if self._depth == 0:
-            self._credit()
-        step_s, wait_s = self._open_step_s, self._open_wait_s
-        phase = "warmup" if warmup else "steady"
-        self.seconds[f"{phase}_step"] += step_s
-        self.seconds[f"{phase}_data_wait"] += wait_s
+        if self._state == "step" and not self._depth:  # the common case, credited here in one frame
+            now = self.clock()
+            step_s = self._open_step_s + (now - self._mark)
+            self._mark = now
+        else:
+            if self._state == "init":
+                self._state = "step"
+            if self._depth == 0:
+                self._credit()
+            step_s = self._open_step_s
+        wait_s, seconds = self._open_wait_s, self.seconds
         if warmup:
+            seconds["warmup_step"] += step_s
+            seconds["warmup_data_wait"] += wait_s
             self.warmup_steps += 1
         else:
+            seconds["steady_step"] += step_s
+            seconds["steady_data_wait"] += wait_s
             self.steady_steps += 1
         self._open_step_s = self._open_wait_s = 0.0
         return step_s

@@ -172,6 +172,7 @@ class EfficiencyMonitor:
         self._broken = self._finished = False
         self._off = False  # broken or finished: every call is a no-op (a field, read at every call)
         self._pause_sync: list[bool] = []  # per open pause: the device is synchronized at its ends
+        self._data_wait = _Pause(self, "data_wait")  # declared at every step: one context manager, kept
         self._summary: dict[str, float] = {}
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
@@ -380,6 +381,8 @@ class EfficiencyMonitor:
         Raises:
             ValueError: for a category not in :data:`~mlflow_llmeff.calc.goodput.PAUSES` (on entering).
         """
+        if category == "data_wait":  # (it holds no state: the open pauses are the monitor's)
+            return self._data_wait
         return _Pause(self, category)
 
     def enter_pause(self, category: str) -> None:
