@@ -205,16 +205,28 @@ def test_the_grouped_sqlite_read_gives_the_records_the_row_read_gives(page, monk
     assert next(r for r in grouped if r.run_id == ids[1]).metrics["summary/not_a_number"] != 0  # NaN, never a 0
 
 
-def test_the_grouped_read_makes_a_row_per_run_and_repeats_share_their_parsing(page):
+def test_the_grouped_read_makes_a_row_per_run_and_a_row_per_set_of_tags(tmp_path):
+    """20 runs, 4 repeats of each of 5 configurations: the runs' row each (with its name), a row of metrics
+    each, and 5 rows of tags (one per distinct set, the repeats' ids joined): each set parsed and masked once,
+    every record its own dict holding its own name."""
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from many_runs import log_many_runs
     from mlflow_llmeff.report import source
 
-    get, store, *_ , exp_id, _ = page
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    exp_id, ids = log_many_runs(mlflow.MlflowClient(uri), "twenty", 20, history=False)
+    store = SqlAlchemyStore(uri, str(tmp_path / "artifacts"))
     source.READ.reset()
     runs = source.select_runs(store, exp_id).runs
-    # four queries (runs, metrics, tags, params), each at most a row per run: 5 + 5 + 5 + (runs with params)
-    assert source.READ.queries == 4 and source.READ.rows <= 4 * len(runs)
-    assert all(r.tags.get("mlflow.runName") == r.name for r in runs)
-    assert len({id(r.tags) for r in runs}) == len(runs)  # each record its own dict
+    assert (source.READ.queries, source.READ.rows) == (4, 20 + 20 + 5 + 0)  # no param the reports read
+    assert sorted(r.run_id for r in runs) == sorted(ids)
+    assert all(r.tags["mlflow.runName"] == r.name and r.name.endswith(f"-r{ids.index(r.run_id)}") for r in runs)
+    assert len({id(r.tags) for r in runs}) == 20
+    sets = {i: {tuple(sorted((k, v) for k, v in r.tags.items() if k != "mlflow.runName"))
+                for r in runs if ids.index(r.run_id) % 5 == i} for i in range(5)}
+    assert all(len(s) == 1 for s in sets.values()) and len(set.union(*sets.values())) == 5  # 5 sets, repeats alike
 
 
 def test_a_target_none_of_2000_runs_reached_names_five_of_them_and_counts_the_rest():
@@ -331,7 +343,8 @@ def test_the_page_read_by_sql_is_the_page_read_through_mlflows_search(page, monk
 
 def test_the_first_request_issues_four_queries_however_many_runs(tmp_path, monkeypatch):
     """The page's first request: four queries (runs, metrics, tags, params) for 5 runs and for 60, one report
-    and one page; the rows read at most one a run per query (sqlite's grouped read)."""
+    and one page; the rows read: a run's and its metrics' row per run, and one row per distinct set of tags
+    (sqlite's grouped read: 60 repeats of 5 configurations make 5 rows of tags, not 60)."""
     import mlflow
     from flask import Flask
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -362,8 +375,9 @@ def test_the_first_request_issues_four_queries_however_many_runs(tmp_path, monke
         got[n] = _delta(c0, _counts())
     for n, d in got.items():
         assert (d["queries"], d["tokens"], d["reports"], d["pages"]) == (4, 1, 1, 1)
-        assert n < d["rows"] <= 4 * n  # the runs, and at most a row per run of each value table
-    assert got[60]["rows"] == 3 * 60  # runs, metrics, tags (these runs hold no param the reports read)
+    # the runs (each with its name), a row per run of metrics, and a row per distinct set of tags: the five
+    # standard configurations' (these runs hold no param the reports read)
+    assert (got[5]["rows"], got[60]["rows"]) == (5 + 5 + 5, 60 + 60 + 5)
 
 
 def test_the_tables_read_side_by_side_give_the_records_and_key_read_in_turn(page, monkeypatch):

@@ -342,10 +342,10 @@ def _filter_rows(runs) -> set[tuple]:
     return {tuple(map(r.tags.get, FILTER_TAGS)) for r in runs}
 
 
-def _filter_form(exp_id: str, args, runs) -> str:
+def _filter_form(exp_id: str, args, rows: set[tuple]) -> str:
+    """The filter form: a drop-down per :data:`FILTER_TAGS` key of the values in ``rows`` (:func:`_filter_rows`)."""
     e = html.escape
     fields = []
-    rows = _filter_rows(runs)
     for i, key in enumerate(FILTER_TAGS):
         short = key[len("llmeff."):]
         values = sorted({row[i] for row in rows if row[i]})
@@ -390,10 +390,10 @@ def _token_key(token: str, experiment_id: str, args) -> str:
     return hashlib.sha1(json.dumps([token, experiment_id, sorted(args.items(multi=True))]).encode()).hexdigest()
 
 
-def _page_key(digest: str, args, every) -> str:
-    """What a page shows beyond its run set's digest: its query and the filter form's values (of every
-    run of the experiment, read apart when a filter is on)."""
-    form = sorted({(k, row[i]) for row in _filter_rows(every) for i, k in enumerate(FILTER_TAGS) if row[i]})
+def _page_key(digest: str, args, rows: set[tuple]) -> str:
+    """What a page shows beyond its run set's digest: its query and the filter form's values ``rows``
+    (:func:`_filter_rows` of every run of the experiment, read apart when a filter is on)."""
+    form = sorted({(k, row[i]) for row in rows for i, k in enumerate(FILTER_TAGS) if row[i]})
     return hashlib.sha1(json.dumps([digest, sorted(args.items(multi=True)), form]).encode()).hexdigest()
 
 
@@ -483,7 +483,8 @@ def experiment_page(experiment_id: str):
         every = sel.runs if not sel.filter_string else select_runs(store, exp.experiment_id, "").runs
         group_by, baseline = args.get("group_by") or DEFAULT_GROUP_BY, args.get("baseline") or None
         digest = figures_key(exp.experiment_id, sel.runs, group_by, baseline or "", sel.content)
-        key = _page_key(digest, args, every)
+        form_rows = _filter_rows(every)  # one pass over the runs for the page's key and its form
+        key = _page_key(digest, args, form_rows)
         with _lock:
             parts = _pages.get(key)
             if parts is not None:
@@ -499,7 +500,7 @@ def experiment_page(experiment_id: str):
                                       f"<p><a href='{base()}/experiments/{html.escape(experiment_id)}'>reset</a></p>",
                      400)
     if parts is None:  # the page without its figures, kept for every request of the same runs and query
-        text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, every), figures_block=_FIGURES_MARK,
+        text = to_html(rep, extra_head=_filter_form(exp.experiment_id, args, form_rows), figures_block=_FIGURES_MARK,
                        max_runs=None if all_runs == "1" else RUNS_SHOWN,
                        rest_html=_rest_html(exp.experiment_id, args, sel.filter_string))
         RENDERED["pages"] += 1
