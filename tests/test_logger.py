@@ -481,3 +481,37 @@ def test_a_local_file_is_delivered_as_an_artifact_in_order_and_from_the_outbox(t
     outbox.write_outbox(str(box / f"{other}.jsonl"), other, [{"file": {"path": str(snap), "artifact_path": "memory"}}])
     outbox.deliver_outbox(str(box), client)
     assert [f.path for f in client.list_artifacts(other, "memory")] == ["memory/oom_snapshot.pickle"]
+
+
+def test_points_become_the_metric_entities_of_the_training_thread_on_the_delivery_thread(tracking_uri, monkeypatch):
+    # issue 53: log_metrics buffers (key, value, timestamp ms, step); the delivery thread builds the Metric entities the
+    # training thread built before: the same key, value, timestamp and step on the server, none built by the caller
+    import types
+
+    import mlflow.entities
+
+    from mlflow_llmeff.tracking import logger as logger_module
+
+    built = []
+
+    class Seen(Metric):
+        def __init__(self, *args, **kwargs):
+            built.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(mlflow.entities, "Metric", Seen)
+    monkeypatch.setattr(logger_module, "time", types.SimpleNamespace(time=lambda: 1_700_000_000.5))
+    client = mlflow.MlflowClient()
+    run_id = new_run(client)
+    log = RunLogger(run_id, client, send_interval_s=0.0, clock=FakeClock())
+    log.log_metrics({"train/loss": 2.5, "train/tokens": 4096}, 5)  # keys checked (the slow path), an int value
+    log.log_metrics({"train/loss": 2.25, "train/tokens": 8192}, 10)  # keys checked before (the fast path)
+    assert log._buffer == [] and log.flush(send=False)
+    assert built == ["llmeff-delivery"] * 4
+    history = {k: [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, k)]
+               for k in ("train/loss", "train/tokens")}
+    assert history == {"train/loss": [(5, 2.5, 1_700_000_000_500), (10, 2.25, 1_700_000_000_500)],
+                       "train/tokens": [(5, 4096.0, 1_700_000_000_500), (10, 8192.0, 1_700_000_000_500)]}
+    # a point spilled before the delivery thread took it is the outbox record of its Metric entity
+    assert worker._Job(1, "batch", [("train/loss", 2.5, 17, 5)]).records() == [{"m": ["train/loss", 2.5, 17, 5]}]
+    log.close()

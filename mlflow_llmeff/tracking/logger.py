@@ -130,7 +130,9 @@ class RunLogger(DeliveryWorker, NullLogger):
         self._last_step: dict[str, int] = {}
         self._last_point: dict[str, tuple[int, float, int]] = {}
         self._floor = -1  # with the run's history unknown: steps at or below this were logged before
-        self._buffer: list = []  # mlflow.entities.Metric not yet handed to the delivery thread
+        # points (key, value, timestamp ms, step) not yet handed to the delivery thread, which makes them
+        # mlflow.entities.Metric (worker.metric_entities): no entity is built on the training thread
+        self._buffer: list = []
         self._ok_keys: set[str] = set()  # metric keys already checked and accepted unchanged
         self._problems: dict[str, None] = {}  # ordered set of problem lines for the warning tag
         self._problems_unlisted = 0  # new problems beyond _MAX_PROBLEMS
@@ -242,23 +244,25 @@ class RunLogger(DeliveryWorker, NullLogger):
         are not real numbers are dropped, both noted in ``llmeff.logging.warnings``. NaN and +/-inf
         are logged (a diverged loss must show). After a resume, a point at or before the step its
         (mapped) key was last logged at is dropped.
-        """
-        from mlflow.entities import Metric
 
+        Each point is buffered as a tuple ``(key, value, timestamp ms, step)``; the delivery thread makes it
+        the ``mlflow.entities.Metric`` it sends (:func:`~mlflow_llmeff.tracking.worker.metric_entities`), so a
+        logged step builds no entity (~16 a point) on the training thread (issue 53).
+        """
         ts = int(time.time() * 1000)
-        ok, last, floor = self._ok_keys, self._last_step, self._floor
+        ok, last, floor, buf = self._ok_keys, self._last_step, self._floor, self._buffer
         try:
             for k, v in metrics.items():
                 if k in ok and type(v) in (float, int) and type(step) is int:  # fast path: a key checked before
                     if step > last.get(k, -1) and step > floor:
-                        self._buffer.append(Metric(k, float(v), ts, step))
+                        buf.append((k, float(v), ts, step))
                     continue
                 checked = keys.check_metric(k, v, step)
                 self._note(checked.problems)
                 if checked.key is not None and not checked.problems and checked.key == k:
                     ok.add(k)
                 if checked.key is not None and int(step) > max(last.get(checked.key, -1), floor):
-                    self._buffer.append(Metric(checked.key, checked.value, ts, int(step)))
+                    buf.append((checked.key, checked.value, ts, int(step)))
         except Exception as e:  # noqa: BLE001 - e.g. metrics not a mapping: never fatal
             self._warn(e)
         if self._clock() - self._last_send >= self._send_interval_s:

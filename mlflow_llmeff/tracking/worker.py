@@ -33,7 +33,7 @@ from mlflow_llmeff.tracking import delivery, outbox
 from mlflow_llmeff.tracking.delivery import WAIT_ENV
 from mlflow_llmeff.names import shorten
 
-__all__ = ["DeliveryWorker"]
+__all__ = ["DeliveryWorker", "metric_entities"]
 
 # the records keep the name of the logger the worker belongs to: one logger name to configure
 log = logging.getLogger("mlflow_llmeff.tracking.logger")
@@ -65,7 +65,7 @@ class _Job:
 
     def records(self) -> list[dict]:
         if self.kind == "batch":
-            return outbox.entity_records(self.data)
+            return outbox.entity_records(metric_entities(self.data))
         if self.kind == "report":
             return [{"report": True}]
         return [{self.kind: list(self.data) if self.kind == "end" else self.data}]
@@ -269,6 +269,7 @@ class DeliveryWorker:
             return False
 
     def _deliver_batch(self, job: _Job) -> bool:
+        job.data = metric_entities(job.data)  # the logger's points become Metric entities here, off the training thread
         try:
             self._log_batch(job.data)
             return True
@@ -470,6 +471,15 @@ def _tracking_uri(client) -> str | None:
 
     uri = getattr(getattr(client, "_tracking_client", None), "tracking_uri", None)
     return uri if isinstance(uri, str) else mlflow.get_tracking_uri()
+
+
+def metric_entities(entries: list) -> list:
+    """``entries`` with every point ``(key, value, timestamp ms, step)`` that
+    :meth:`~mlflow_llmeff.tracking.logger.RunLogger.log_metrics` buffered made the ``mlflow.entities.Metric``
+    of those four fields (on the delivery thread); entities (Metric, Param, RunTag) stay as they are."""
+    from mlflow.entities import Metric
+
+    return [Metric(*e) if type(e) is tuple else e for e in entries]
 
 
 def _halves(entries: list) -> list[list]:
