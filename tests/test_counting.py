@@ -382,3 +382,17 @@ def test_a_batch_refilled_in_place_after_the_short_path_kept_it_is_counted_as_re
     batches[2][0]["attention_mask"].copy_(_dense([1, 1], 5)[1])  # written in place before the edge
     got = tally.take(steps=1)
     assert got.tokens == 7 + 6 + 2 and tally.refilled == 1 and tally.counter.defer is False
+
+
+def test_counts_from_host_ints_equal_the_keyword_build_field_by_field():
+    # issue 53: ints (the host's, tolist()'s) are passed positionally without int(); other numbers go through int()
+    from mlflow_llmeff.calc.throughput import Counts
+    from mlflow_llmeff.monitor.counting import REDUCE_LAYOUT, counts_from
+
+    v = [11, 22, 33, 44, 55, 1, 2, 3, 4]  # REDUCE_LAYOUT order, every value distinct
+    want = Counts(steps=5, **dict(zip(REDUCE_LAYOUT, v)))
+    assert want.tokens == 11 and want.loss_tokens == 22 and want.sum_len_sq == 33 and want.padded_tokens == 44
+    assert want.samples == 55 and (want.padded_unknown, want.loss_unknown, want.samples_unknown,
+                                   want.lengths_unknown) == (1, 2, 3, 4)
+    assert counts_from(5, v) == want
+    assert counts_from(5, torch.tensor(v)) == want and counts_from(5, [float(x) for x in v]) == want

@@ -38,7 +38,11 @@ UNKNOWN_WHY = {
 
 
 def counts_from(steps: int, v) -> Counts:
-    """:class:`~mlflow_llmeff.calc.throughput.Counts` of ``steps`` steps from values in :data:`REDUCE_LAYOUT` order."""
+    """:class:`~mlflow_llmeff.calc.throughput.Counts` of ``steps`` steps from values in :data:`REDUCE_LAYOUT` order
+    (ints, or numbers ``int`` takes)."""
+    if all(type(x) is int for x in v):  # the host's and tolist()'s: passed as they are (once a window edge)
+        tokens, loss, sum_sq, padded, samples, padded_u, loss_u, samples_u, lengths_u = v
+        return Counts(steps, tokens, padded, loss, samples, sum_sq, padded_u, loss_u, samples_u, lengths_u)
     return Counts(steps=steps, **{name: int(x) for name, x in zip(REDUCE_LAYOUT, v)})
 
 
@@ -257,19 +261,25 @@ class BatchCounter:
         if given:
             h[_LOSS] += loss_tokens
         self._padded += b * t
-        self._deferred.append((shape, attention_mask, labels, _version(attention_mask), _version(labels), given))
+        self._deferred.append((shape, attention_mask, labels,  # (the versions read here: one frame, at every step)
+                               None if attention_mask is None else attention_mask._version,
+                               None if labels is None else labels._version, given))
 
     def _settle(self) -> None:
         """Count the batches :meth:`_defer` kept (at the window edge)."""
         kept, self._deferred = self._deferred, []
-        for shape, mask, labels, v_mask, v_labels, _ in kept:
-            if _version(mask) != v_mask or _version(labels) != v_labels:  # refilled in place since
-                self.refilled += 1
-                self.defer = False
         first = kept[0]
         shape, mask_dtype, labels_dtype, given = first[0], _dtype(first[1]), _dtype(first[2]), first[5]
-        same = all(k[0] == shape and k[5] == given and (k[1].dtype if k[1] is not None else None) == mask_dtype
-                   and (k[2].dtype if k[2] is not None else None) == labels_dtype for k in kept)
+        same = True
+        for k in kept:  # (one loop, no generator: once a window edge, right after a step)
+            k_shape, mask, labels, v_mask, v_labels, k_given = k
+            if (None if mask is None else mask._version) != v_mask or (
+                    None if labels is None else labels._version) != v_labels:  # refilled in place since
+                self.refilled += 1
+                self.defer = False
+            if same and not (k_shape == shape and k_given == given and _dtype(mask) == mask_dtype
+                             and _dtype(labels) == labels_dtype):
+                same = False
         if not same or len(kept) == 1:
             for shape, mask, labels, _, _, given_k in kept:  # (a given loss count was added when it came)
                 self._add_rows(_Shape(shape), mask, labels, counted=True, loss=0 if given_k else None)
@@ -448,6 +458,7 @@ class StepTally:
 
     def __init__(self) -> None:
         self.counter: BatchCounter | None = None
+        self._tensor = None  # torch.Tensor once a batch was counted (read by add_batch's short path)
         self.device = None
         self.host = [0] * len(self._FIELDS)
         self.loss_acc = None  # device tensor: sum of tensor losses
@@ -475,12 +486,13 @@ class StepTally:
             # not read) or labels. The same entry as the general path below (packed keys, other masks and
             # labels go that way), with a fraction of its checks: this runs right after a step, where every
             # operation finds the host's caches cold (bench/overhead.py, issue 53).
-            mask, tensor = batch.get("attention_mask"), _tensor_type()
+            mask, tensor = batch.get("attention_mask"), self._tensor
             if type(mask) is tensor:
                 shape = mask.shape
                 labels = None if loss_tokens is not None else batch.get("labels")
                 if len(shape) == 2 and mask.is_cpu and (labels is None or type(labels) is tensor):
-                    counter.keep(shape, mask, labels, None if loss_tokens is None else int(loss_tokens))
+                    counter.keep(shape, mask, labels, None if loss_tokens is None else
+                                 loss_tokens if type(loss_tokens) is int else int(loss_tokens))
                     if not (self._latest_inside and self._latest == shape):
                         self._note_shape(*shape)
                     return
@@ -515,7 +527,7 @@ class StepTally:
         if ref is None or not is_tensor(ref):
             return
         if self.counter is None:
-            self.counter, self.device = BatchCounter(ref.device), ref.device
+            self.counter, self.device, self._tensor = BatchCounter(ref.device), ref.device, torch.Tensor
         self.counter.add(ids, mask, labels, pos, cu, seq_idx, loss_tokens)
         shape = ref.shape
         if len(shape) == 2:
