@@ -389,3 +389,41 @@ def test_the_tables_read_side_by_side_give_the_records_and_key_read_in_turn(page
     in_turn = source.select_runs(store, exp_id)
     assert side.runs == in_turn.runs and side.content == in_turn.content and len(side.content) == 40
     assert source.select_runs(store, exp_id, "tags.`llmeff.precision` = 'fp32'").content != side.content
+
+
+def test_inside_mlflow_server_the_store_is_made_before_the_first_page(tmp_path, monkeypatch):
+    """With ``mlflow server``'s backend store URI in the environment, registering the pages makes the worker's
+    tracking store in the background: the first page makes none (MLflow's store registry asked 0 times during
+    it, 1 time in all); without the URI (a test's Flask app) no store is made as a side effect."""
+    import mlflow
+    from flask import Flask
+    from mlflow.server import BACKEND_STORE_URI_ENV_VAR, handlers
+
+    from many_runs import log_many_runs
+    from mlflow_llmeff.report import server as srv
+    from mlflow_llmeff.report import source
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    exp_id, _ = log_many_runs(mlflow.MlflowClient(uri), "warm", 5, history=False)
+    made = []
+    registry = handlers._tracking_store_registry
+    real_get_store = registry.get_store
+    monkeypatch.setattr(registry, "get_store", lambda *a, **k: made.append(a) or real_get_store(*a, **k))
+    monkeypatch.setattr(handlers, "_tracking_store", None)
+    monkeypatch.setattr(source, "SETTLED_S", 0.0)
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for cache in (srv._pages, srv._tokens, srv._figures):
+        cache.clear()
+    monkeypatch.delenv(BACKEND_STORE_URI_ENV_VAR, raising=False)
+    assert srv._warm_store() is None and made == [] and handlers._tracking_store is None
+    monkeypatch.setenv(BACKEND_STORE_URI_ENV_VAR, uri)
+    monkeypatch.setenv("_MLFLOW_SERVER_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    app = Flask("t")
+    srv.register(app)
+    srv.finish_background()
+    assert len(made) == 1 and handlers._tracking_store is not None
+    c0 = _counts()
+    assert app.test_client().get(f"/llmeff/experiments/{exp_id}").status_code == 200
+    assert len(made) == 1 and _delta(c0, _counts())["queries"] == 4
