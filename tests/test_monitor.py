@@ -660,3 +660,36 @@ def test_the_process_tree_is_read_from_its_children_files_as_psutil_finds_it():
                 c.kill()
             k.kill()
             k.wait()
+
+
+def test_a_data_wait_declared_with_pause_credits_what_enter_and_exit_pause_credit(tracking_uri):
+    # issue 53: pause("data_wait") is one kept context manager that goes to the ledger in one frame each way; the
+    # same seconds as enter_pause/exit_pause, an eval nested inside the wait counted in the wait
+    seconds, summaries = [], []
+    for how in ("with", "calls"):
+        clock = FakeClock()
+        mon = EfficiencyMonitor(log_every_n_steps=2, warmup_steps=1, clock=clock, measure_energy="none")
+        assert mon.pause("data_wait") is mon.pause("data_wait")
+        for i in range(4):
+            if how == "with":
+                with mon.pause("data_wait"):
+                    clock.t += 0.25
+                    if i == 2:
+                        with mon.pause("eval"):
+                            clock.t += 2.0
+            else:
+                mon.enter_pause("data_wait")
+                clock.t += 0.25
+                if i == 2:
+                    mon.enter_pause("eval")
+                    clock.t += 2.0
+                    mon.exit_pause()
+                mon.exit_pause()
+            clock.t += 1.0
+            mon.step(tokens=100, samples=4)
+        seconds.append(dict(mon._p.ledger.seconds))
+        summaries.append(mon.finish())
+    assert seconds[0] == seconds[1] and summaries[0] == summaries[1]
+    s = seconds[0]
+    assert (s["warmup_step"], s["warmup_data_wait"]) == (1.25, 0.25)
+    assert (s["steady_step"], s["steady_data_wait"], s["eval"]) == (5.75, 2.75, 0.0)

@@ -172,7 +172,7 @@ class EfficiencyMonitor:
         self._broken = self._finished = False
         self._off = False  # broken or finished: every call is a no-op (a field, read at every call)
         self._pause_sync: list[bool] = []  # per open pause: the device is synchronized at its ends
-        self._data_wait = _Pause(self, "data_wait")  # declared at every step: one context manager, kept
+        self._data_wait = _DataWait(self)  # declared at every step: one context manager, kept
         self._summary: dict[str, float] = {}
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
@@ -203,6 +203,9 @@ class EfficiencyMonitor:
         assembly.start_meters(p)
         lifecycle.install()
         lifecycle.register(self)
+        # the last warm-up step of this attempt (ThroughputMeter.warmup_end_step): fixed once set-up (and a
+        # resume) is done; step() reads it at every step
+        self._steady_from = p.meter.warmup_end_step
         assembly.start_clock(p)
 
     # ------------------------------------------------------------------------------ set-up
@@ -331,7 +334,7 @@ class EfficiencyMonitor:
             if p.devclock is not None:
                 p.devclock.step_end()
             step = meter.step + window.steps + 1
-            steady_from = meter.warmup_end_step
+            steady_from = self._steady_from
             log_now = step % self.log_every_n_steps == 0
             at_edge = log_now or edge or step == steady_from
             if at_edge:
@@ -659,6 +662,40 @@ class EfficiencyMonitor:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(lifecycle.status_for(exc), collective=exc is None)
 
+
+
+class _DataWait:
+    """What :meth:`EfficiencyMonitor.pause` returns for ``data_wait``, declared at every step: the same as
+    :meth:`~EfficiencyMonitor.enter_pause` and :meth:`~EfficiencyMonitor.exit_pause` with that category, in
+    one frame each way (issue 53)."""
+
+    __slots__ = ("_monitor",)
+
+    def __init__(self, monitor: EfficiencyMonitor) -> None:
+        self._monitor = monitor
+
+    def __enter__(self) -> None:
+        m = self._monitor
+        m._pause_sync.append(False)  # a data wait does not synchronize the device
+        if m._off:
+            return
+        try:
+            m._p.ledger.enter("data_wait")
+        except Exception as e:  # noqa: BLE001
+            m._fail(e)
+
+    def __exit__(self, *exc) -> bool:
+        m = self._monitor
+        stack = m._pause_sync
+        if stack and not stack[-1] and not m._broken:  # the innermost open pause is a data wait
+            stack.pop()
+            try:
+                m._p.ledger.exit()
+            except Exception as e:  # noqa: BLE001
+                m._fail(e)
+        else:
+            m.exit_pause()
+        return False
 
 
 class _Pause:
