@@ -9,7 +9,8 @@ import torch
 from mlflow_llmeff import names
 from mlflow_llmeff.evals import evaluate
 from mlflow_llmeff.evals import threads as th
-from mlflow_llmeff.evals.threads import CpuShare, ThreadChooser, choose_threads, usable_cpus
+from mlflow_llmeff.evals.threads import CpuShare, ThreadChooser, WorkerCount, choose_threads, usable_cpus
+from mlflow_llmeff.evals.workers import processes_cpu_seconds
 
 from eval_fixtures import tiny_llama, eval_fixture_dir
 
@@ -131,6 +132,67 @@ def test_omp_num_threads_caps_the_chooser(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ch = ThreadChooser.for_this_process()
     assert ch.cap == 1 and "OMP_NUM_THREADS=1" in ch.where
+
+
+def _settle(received, windows: int = 14, usable: int = 2, cap: int = 4) -> tuple[list[int], WorkerCount]:
+    """Worker counts decided window after window, ``received(count, window)`` giving the CPUs' worth
+    the workers received in that window (an injected scheduler, no wall time)."""
+    count = WorkerCount(usable, cap)
+    return [count.decide(received(count.current, w)) for w in range(windows)], count
+
+
+def test_worker_count_grows_where_the_cpus_are_shared_per_thread():
+    # two busy loops beside k workers on 2 CPUs shared per runnable thread: k workers receive 2k / (k + 2)
+    counts, count = _settle(lambda k, w: 2 * k / (k + 2))
+    # 2 -> 3 (1.0 -> 1.2 received, +20% >= 8%), 3 -> 4 (+11%), held 4 windows at the cap, then one less
+    # is tried (1.33 -> 1.2: -10%) and taken back
+    assert counts == [3, 3, 4, 4, 4, 4, 4, 4, 3, 4, 4, 4, 4, 4]
+    assert count.decisions[:3] == [(1.0, 2, 3), (1.2, 3, 3), (1.2, 3, 4)]
+    assert count.describe() == ("2-4 workers over 14 windows (2->3 at 1.00 CPUs received, 3->4 at 1.20 CPUs "
+                                "received, 4->3 at 1.33 CPUs received, 3->4 at 1.20 CPUs received); cap 4")
+
+
+def test_worker_count_stays_where_more_workers_receive_nothing_more():
+    # other sessions' jobs under autogroup: this session's share, 0.6 CPUs, whatever the count
+    counts, _ = _settle(lambda k, w: 0.6)
+    assert counts == [3, 2, 2, 2, 2, 2, 3, 2, 2, 2, 2, 2, 3, 2]  # a probe every 6 windows, taken back
+
+
+def test_worker_count_never_probes_while_the_workers_receive_their_cpus():
+    counts, count = _settle(lambda k, w: 0.99 * min(k, 2))
+    assert counts == [2] * 14 and count.describe() == "2 workers over 14 windows; cap 4"
+
+
+def test_worker_count_goes_back_to_the_usable_cpus_once_the_load_leaves():
+    counts, _ = _settle(lambda k, w: 2 * k / (k + 2) if w < 6 else min(k, 2) * 1.0)
+    assert counts == [3, 3, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2]
+
+
+def test_worker_count_without_room_to_grow_never_probes_up():
+    counts, _ = _settle(lambda k, w: 0.5, windows=4, usable=2, cap=2)
+    assert counts == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("usable, cap", [(0, 2), (3, 2)])
+def test_worker_count_refuses_a_cap_under_the_usable_cpus(usable, cap):
+    with pytest.raises(ValueError, match=f"usable {usable} / cap {cap} is not accepted"):
+        WorkerCount(usable, cap)
+
+
+def test_processes_cpu_seconds_reads_this_process_and_none_without_pids():
+    import os
+    import time
+
+    before = processes_cpu_seconds([os.getpid()])
+    if before is None:  # no /proc (macOS): nothing to read
+        assert not os.path.isdir("/proc/self")
+        return
+    t = time.process_time()
+    while time.process_time() - t < 0.05:  # 50 ms of CPU counted by the process itself, not wall time
+        pass
+    after = processes_cpu_seconds([os.getpid()])
+    assert after - before >= 0.04
+    assert processes_cpu_seconds([]) is None
 
 
 @pytest.fixture(scope="module")

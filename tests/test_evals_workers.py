@@ -8,9 +8,9 @@ import torch
 
 from mlflow_llmeff import names
 from mlflow_llmeff.evals import evaluate
-from mlflow_llmeff.evals.api import EVAL_WORKERS
+from mlflow_llmeff.evals.api import EVAL_WORKER_COUNT, EVAL_WORKERS
 from mlflow_llmeff.evals.scoring import LoglikelihoodScorer
-from mlflow_llmeff.evals.threads import choose_workers
+from mlflow_llmeff.evals.threads import WorkerCount, choose_workers
 from mlflow_llmeff.evals.workers import can_fork, plan_chunks, score_in_workers
 
 from eval_fixtures import tiny_llama
@@ -76,6 +76,32 @@ def test_workers_score_as_one_process_and_count_their_passes(llama):
 
 
 @pytest.mark.skipif(not can_fork(), reason="no fork start method on this platform")
+def test_workers_follow_the_count_decided_from_the_cpu_they_receive(llama):
+    model, tok = llama
+    one = LoglikelihoodScorer(model, tok, batch_size=2, branch_window=2)
+    encoded = [[one.encode_request(c, k) for c, k in d] for d in _docs(40)]  # 10 chunks of 4 documents
+    ref = one.score_encoded(encoded)
+    ticks = {"clock": 0.0, "cpu": 0.0}
+
+    def clock():  # an injected clock: 1 s per reading
+        ticks["clock"] += 1.0
+        return ticks["clock"]
+
+    def cpu_seconds(pids):  # the workers receive 0.5 CPU s per reading: 0.25 CPUs over a 2 s window
+        assert len(pids) == 2  # the cap's processes, forked at once
+        ticks["cpu"] += 0.5
+        return ticks["cpu"]
+
+    count = WorkerCount(1, 2)
+    many = LoglikelihoodScorer(model, tok, batch_size=2, branch_window=2)
+    got = score_in_workers(many, encoded, None, 1, count=count, window_s=0.5, cpu_seconds=cpu_seconds,
+                           clock=clock)
+    assert all(g == pytest.approx(r, abs=1e-4) for g, r in zip(got, ref))
+    # first window: readings (clock 1, cpu 0.5) -> (3, 1.0): 0.25 CPUs < 0.9 -> a second worker is probed
+    assert count.decisions[0] == (0.25, 1, 2)
+
+
+@pytest.mark.skipif(not can_fork(), reason="no fork start method on this platform")
 def test_a_failing_worker_is_raised_in_one_line(llama, monkeypatch):
     model, tok = llama
     scorer = LoglikelihoodScorer(model, tok, batch_size=2, branch_window=2)
@@ -105,6 +131,18 @@ def test_evaluate_in_two_workers_predicts_as_one_process_and_records_it(llama, s
     assert torch.get_num_threads() == before
     few = evaluate(model, tok, ["hellaswag"], workers=2, **dict(kw, limit=10))  # under 2 chunks: in this process
     assert few.config[EVAL_WORKERS] == 1
+
+
+@pytest.mark.skipif(not can_fork(), reason="no fork start method on this platform")
+def test_evaluate_probes_the_worker_count_only_when_it_chose_it(llama, shared_data, monkeypatch):
+    model, tok = llama
+    kw = dict(data_dir=str(shared_data), limit=20, batch_size=1)  # 3 chunks of 8 documents
+    monkeypatch.setattr("mlflow_llmeff.evals.threads.default_workers", lambda threads=None: 2)
+    chosen = evaluate(model, tok, ["hellaswag"], **kw)
+    asked = evaluate(model, tok, ["hellaswag"], workers=2, **kw)
+    assert chosen.config[EVAL_WORKERS] == 2 and chosen.config[EVAL_WORKER_COUNT].endswith("; cap 4")
+    assert EVAL_WORKER_COUNT not in asked.config  # workers=2 asked: 2 throughout
+    assert [e["pred"] for e in chosen.examples] == [e["pred"] for e in asked.examples]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

@@ -16,6 +16,8 @@ TASK_NAMES = ("mmlu", "hellaswag") + tuple(f"mmlu_{s}" for s in data.MMLU_SUBJEC
 # the keys docs/metrics.md lists; other metrics are logged as "eval/<metric>"
 #: ``EvalResult.config`` key: the worker processes that scored (1: this process; :mod:`.workers`)
 EVAL_WORKERS = "llmeff.eval.workers"
+#: ``EvalResult.config`` key: how the worker count moved while scoring (:class:`.threads.WorkerCount`)
+EVAL_WORKER_COUNT = "llmeff.eval.worker_count"
 _STANDARD_KEYS = {"mmlu/acc": names.EVAL_MMLU_ACC, "hellaswag/acc": names.EVAL_HELLASWAG_ACC,
                   "hellaswag/acc_norm": names.EVAL_HELLASWAG_ACC_NORM}
 
@@ -203,7 +205,10 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
             CPUs). None (default): the CPUs this process may use (as ``threads``, without others'
             load) when ``threads`` is None, at least two chunks of documents are to be scored, the
             platform can fork and no ``torch.distributed`` group is up; else 1 (in this process).
-            ``config["llmeff.eval.workers"]`` records it.
+            ``config["llmeff.eval.workers"]`` records it. Chosen so (None), the count then follows
+            what the workers receive: one more while one more raises the CPU time they get, up to
+            twice as many (:class:`mlflow_llmeff.evals.threads.WorkerCount`; beside busy jobs that
+            share the CPUs per thread); ``config["llmeff.eval.worker_count"]`` says how it moved.
 
     Raises:
         ValueError: unknown task, bad ``num_fewshot``/``limit``/``threads``/``workers``, missing or
@@ -211,15 +216,16 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
         RuntimeError: a worker process failed (its error in one line).
     """
     from mlflow_llmeff.evals.scoring import LoglikelihoodScorer  # torch is imported here, not at module load
-    from mlflow_llmeff.evals.threads import ThreadChooser, affinity_tag, default_workers, usable_cpus
+    from mlflow_llmeff.evals.threads import ThreadChooser, WorkerCount, affinity_tag, default_workers, usable_cpus
     from mlflow_llmeff.evals.workers import score_in_workers
 
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads {threads!r} is not accepted; use an integer >= 1 or None (chosen from the CPUs)")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers {workers!r} is not accepted; use an integer >= 1 or None (chosen from the CPUs)")
-    chooser = None
+    chooser = count = None
     on_cpu = str(device if device is not None else next(model.parameters()).device).startswith("cpu")
+    probe_workers = on_cpu and workers is None
     if on_cpu:
         if workers is None:
             workers = default_workers(threads)
@@ -266,12 +272,14 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
             workers = 1
         if chooser is not None and workers > 1:  # one torch thread per worker process
             chooser = ThreadChooser(1, f"1 per process, {workers} worker processes; {chooser.where}", None)
+            if probe_workers:  # more while more receive more CPU (threads.WorkerCount), at most twice as many
+                count = WorkerCount(workers, 2 * workers)
         if chooser is not None:
             chooser.start()
             scorer.between = chooser.tick
         try:
             if workers > 1:
-                lls = score_in_workers(scorer, encoded, families, workers,
+                lls = score_in_workers(scorer, encoded, families, workers, count=count,
                                        progress=scorer.progress.update if scorer.progress is not None else None)
             else:
                 lls = scorer.score_encoded(encoded, families)
@@ -325,6 +333,8 @@ def evaluate(model: Any, tokenizer: Any, tasks: str | Sequence[str], *, data_dir
         config[names.THREADS] = chooser.describe()
         config[names.CPU_AFFINITY] = affinity_tag()
         config[EVAL_WORKERS] = workers
+        if count is not None:
+            config[EVAL_WORKER_COUNT] = count.describe()
     return EvalResult(metrics, examples, counts, config, seconds)
 
 

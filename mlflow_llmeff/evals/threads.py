@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["CpuShare", "ThreadChooser", "affinity_tag", "choose_threads", "choose_workers", "default_workers",
-           "usable_cpus"]
+__all__ = ["CpuShare", "ThreadChooser", "WorkerCount", "affinity_tag", "choose_threads", "choose_workers",
+           "default_workers", "usable_cpus"]
 
 
 def _affinity() -> set[int] | None:
@@ -312,3 +312,94 @@ class ThreadChooser:
         span = f"{used[0]}" if len(used) == 1 else f"{used[0]}-{used[-1]}"
         parts = ", ".join(f"{n} for {self.seconds_at[n]:.1f} s" for n in used if n in self.seconds_at)
         return f"intra-op {span}" + (f": {parts}" if len(used) > 1 else "") + f" ({self.where})"
+
+
+@dataclass
+class WorkerCount:
+    """How many worker processes score now: ``usable`` first, one more while one more pays.
+
+    Why (measured on this project's 2-core machine, HellaSwag 1,000 documents, vocabulary 32000, the
+    bench model of ``bench/evals.py``): 2 and 4 workers of one thread took the same CPU time (130.6 s
+    each); what differs under load is how much CPU the workers *receive*. Linux's scheduler shares a
+    CPU between runnable threads of one group (one session under autogroup, one cgroup) in equal
+    parts, so beside two busy loops in the group 2 workers receive half the group's CPU time and 4
+    two thirds; where the competitors are other groups (other sessions under autogroup), the group's
+    share is fixed and more workers receive nothing more. Which one holds is not known in advance,
+    so it is measured on the real work: the CPU seconds all workers ran per wall second of a window
+    (``received``, from
+    :func:`mlflow_llmeff.evals.workers.processes_cpu_seconds`).
+
+    The decision, once per window (:meth:`decide`):
+
+    * The workers receive their CPUs (``received >= busy * min(current, usable)``): no probe; more
+      than ``usable`` workers go back to ``usable`` (the extra ones have nothing to take).
+    * Else a probe: one worker more (at most ``cap``), kept when the next window's ``received`` is at
+      least ``1 + gain`` times the one before, otherwise taken back and no probe for ``hold``
+      windows. Above ``usable``, every other probe is one worker less, kept unless ``received``
+      falls by ``gain`` (load changes while the eval runs). Per-thread sharing beside two loops
+      gives 3 workers 1.2x what 2 receive and 4 1.11x what 3 do; a group share gives 1.0x.
+
+    A worker's documents and their scores do not depend on the count (the chunks are planned before,
+    :func:`mlflow_llmeff.evals.workers.plan_chunks`). ``cap`` bounds the memory (each worker holds
+    its own activations; the weights are shared copy-on-write) and the share taken from others.
+
+    Attributes:
+        usable: CPUs this process may use (:func:`usable_cpus`), the first count.
+        cap: the most workers (>= ``usable``).
+        gain: the rise in ``received`` that keeps one more worker (0.08: 8%).
+        busy: ``received / current`` at or above which the workers count as receiving their CPUs.
+        hold: windows without a probe after a probe that did not pay.
+        current: workers scoring now.
+        decisions: ``(received, workers before, workers after)`` per window (tests, ``describe``).
+    """
+
+    usable: int
+    cap: int
+    gain: float = 0.08
+    busy: float = 0.9
+    hold: int = 4
+    current: int = 0
+    decisions: list[tuple[float, int, int]] = field(default_factory=list)
+    _probe: str = ""  # "up" / "down" while a probe window runs
+    _ref: float = 0.0
+    _wait: int = 0
+    _down_next: bool = False
+
+    def __post_init__(self) -> None:
+        if self.usable < 1 or self.cap < self.usable:
+            raise ValueError(f"usable {self.usable} / cap {self.cap} is not accepted; use 1 <= usable <= cap")
+        self.current = self.current or self.usable
+
+    def decide(self, received: float) -> int:
+        """The worker count for the next window, given the CPUs' worth the workers received in this one."""
+        before = self.current
+        if self._probe == "up":
+            if received < self._ref * (1 + self.gain):
+                self.current -= 1
+                self._wait, self._down_next = self.hold, self.current > self.usable
+            elif self.current >= self.cap:  # kept, at the cap: no probe down at once
+                self._wait = self.hold
+            self._probe = ""
+        elif self._probe == "down":
+            if received <= self._ref * (1 - self.gain):
+                self.current += 1
+            self._probe, self._wait, self._down_next = "", self.hold, False
+        elif received >= self.busy * min(self.current, self.usable):  # the CPUs are ours: no more needed
+            self.current = min(self.current, self.usable)
+        elif self._wait > 0:
+            self._wait -= 1
+        elif self._down_next and self.current > self.usable or self.current >= self.cap > self.usable:
+            self._probe, self._ref, self.current = "down", received, self.current - 1
+        elif self.current < self.cap:
+            self._probe, self._ref, self.current = "up", received, self.current + 1
+        self.decisions.append((received, before, self.current))
+        return self.current
+
+    def describe(self) -> str:
+        """``'2-4 workers (probed: 3 kept at 1.31 CPUs received, ...)'``: the counts used, the windows."""
+        counts = [self.usable] + [after for _, _, after in self.decisions]
+        span = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+        changes = [f"{b}->{a} at {r:.2f} CPUs received" for r, b, a in self.decisions if a != b]
+        return (f"{span} workers over {len(self.decisions)} windows"
+                + (f" ({', '.join(changes[:6])}{', ...' if len(changes) > 6 else ''})" if changes else "")
+                + f"; cap {self.cap}")

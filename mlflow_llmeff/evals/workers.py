@@ -27,7 +27,7 @@ import os
 import time
 from typing import Any, Callable, Hashable, Sequence
 
-__all__ = ["can_fork", "plan_chunks", "score_in_workers"]
+__all__ = ["can_fork", "plan_chunks", "processes_cpu_seconds", "score_in_workers"]
 
 
 def can_fork() -> bool:
@@ -35,6 +35,34 @@ def can_fork() -> bool:
     import multiprocessing
 
     return "fork" in multiprocessing.get_all_start_methods()
+
+
+def processes_cpu_seconds(pids: Sequence[int]) -> float | None:
+    """CPU seconds the processes ``pids`` have run (all their threads), summed; None where unreadable.
+
+    Read from ``/proc/<pid>/schedstat`` (its first field: nanoseconds on a CPU; ``Documentation/
+    scheduler/sched-stats.rst``), else ``/proc/<pid>/stat``'s utime + stime in clock ticks (fields
+    14-15, ``proc(5)``). A process that has ended counts 0. None without ``/proc`` (macOS).
+    """
+    total, seen = 0.0, False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/schedstat", encoding="ascii") as f:
+                total += int(f.read().split()[0]) / 1e9
+            seen = True
+            continue
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            seen = True
+        except FileNotFoundError:  # ended: its time is no longer ours to read
+            seen = seen or os.path.isdir("/proc/self")
+        except (OSError, ValueError, IndexError, AttributeError):
+            continue
+    return total if seen else None
 
 
 def plan_chunks(lengths: Sequence[int], families: Sequence[Hashable] | None, chunk: int,
@@ -70,9 +98,13 @@ def plan_chunks(lengths: Sequence[int], families: Sequence[Hashable] | None, chu
 
 
 def _work(scorer: Any, encoded: Sequence[Sequence[Any]], families: Sequence[Hashable] | None,
-          chunks: list[list[int]], counter: Any, results: Any) -> None:
+          chunks: list[list[int]], counter: Any, results: Any, index: int = 0, allowed: Any = None,
+          idle_s: float = 0.05) -> None:
     """A worker: one torch thread, chunks from ``counter`` until none is left, each chunk's
-    ``(index, scores, forward passes, input positions)`` on ``results``; an error as ``(-1, text)``."""
+    ``(index, scores, forward passes, input positions)`` on ``results``; an error as ``(-1, text)``.
+    Worker ``index`` takes a chunk only while ``index < allowed.value`` (the parent's
+    :class:`~mlflow_llmeff.evals.threads.WorkerCount`); otherwise it sleeps ``idle_s`` (not runnable:
+    no CPU share) and looks again."""
     import torch
 
     torch.set_num_threads(1)
@@ -80,6 +112,11 @@ def _work(scorer: Any, encoded: Sequence[Sequence[Any]], families: Sequence[Hash
     parent = os.getppid()
     try:
         while os.getppid() == parent:  # a killed parent: no more chunks
+            if allowed is not None and index >= allowed.value:
+                if counter.value >= len(chunks):
+                    break
+                time.sleep(idle_s)
+                continue
             with counter.get_lock():
                 c = counter.value
                 counter.value += 1
@@ -96,7 +133,9 @@ def _work(scorer: Any, encoded: Sequence[Sequence[Any]], families: Sequence[Hash
 
 def score_in_workers(scorer: Any, encoded: Sequence[Sequence[Any]], families: Sequence[Hashable] | None,
                      workers: int, *, progress: Callable[[float], None] | None = None,
-                     poll_s: float = 0.5) -> list[list[float]]:
+                     poll_s: float = 0.25, count: Any = None, window_s: float = 2.0,
+                     cpu_seconds: Callable[[list[int]], float | None] | None = None,
+                     clock: Callable[[], float] = time.monotonic) -> list[list[float]]:
     """:meth:`LoglikelihoodScorer.score_encoded` of ``encoded`` in ``workers`` forked processes.
 
     The scorer's structure probes run here first (once, not in every worker); its
@@ -108,7 +147,12 @@ def score_in_workers(scorer: Any, encoded: Sequence[Sequence[Any]], families: Se
         families: per document, its family key (or None), or None.
         workers: processes (>= 1).
         progress: called with the documents of each chunk as it is scored.
-        poll_s: how often a wait checks that the workers are alive, s.
+        poll_s: how often a wait checks that the workers are alive (and the window below ended), s.
+        count: a :class:`mlflow_llmeff.evals.threads.WorkerCount`: ``count.cap`` processes are forked
+            and ``count.current`` of them take chunks, re-decided every ``window_s`` from the CPU
+            seconds all workers ran in the window (``cpu_seconds`` of their pids, default
+            :func:`processes_cpu_seconds`) per second of ``clock``.
+            None: ``workers`` take chunks throughout.
 
     Returns:
         ``[doc][choice]`` log-likelihoods in nats, in the order given.
@@ -127,13 +171,23 @@ def score_in_workers(scorer: Any, encoded: Sequence[Sequence[Any]], families: Se
         return out
     ctx = multiprocessing.get_context("fork")
     counter, results = ctx.Value("l", 0), ctx.Queue()
-    procs = [ctx.Process(target=_work, args=(scorer, encoded, families, chunks, counter, results), daemon=True)
-             for _ in range(min(workers, len(chunks)))]
+    n_procs = min(count.cap if count is not None else workers, len(chunks))
+    allowed = ctx.Value("i", count.current if count is not None else n_procs, lock=False)
+    procs = [ctx.Process(target=_work, args=(scorer, encoded, families, chunks, counter, results, i, allowed),
+                         daemon=True) for i in range(n_procs)]
     for p in procs:
         p.start()
+    cpu_seconds = cpu_seconds or processes_cpu_seconds
+    pids = [p.pid for p in procs]
+    window = (clock(), cpu_seconds(pids)) if count is not None else None
     done = 0
     try:
         while done < len(chunks):
+            if window is not None and window[1] is not None and clock() - window[0] >= window_s:
+                now, cpu = clock(), cpu_seconds(pids)
+                if cpu is not None and len(chunks) - counter.value > count.current:  # not at the tail
+                    allowed.value = count.decide((cpu - window[1]) / (now - window[0]))
+                window = (now, cpu)
             try:
                 got = results.get(timeout=poll_s)
             except queue.Empty:
