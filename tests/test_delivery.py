@@ -166,11 +166,13 @@ def ledger(ck) -> list[dict]:
     return [json.loads(line) for line in (ck / jobs.LEDGER_FILE).read_text().splitlines() if line.strip()]
 
 
-def assert_complete(run, steps: int, status: str = "FINISHED") -> None:
-    """One run, every point once, the summary, the report, the end."""
+def assert_complete(run, steps: int, status: str = "FINISHED", also: tuple[int, ...] = ()) -> None:
+    """One run, every point once (every second step, and the steps ``also`` an attempt ended at), the summary,
+    the report, the end."""
     assert run.info.status == status and run.info.end_time
-    assert history(run, names.TRAIN_TOKENS) == [(s, float(TOKENS_PER_STEP * s)) for s in range(2, steps + 1, 2)]
-    assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(2, steps + 1, 2))
+    logged = sorted({*range(2, steps + 1, 2), *also})
+    assert history(run, names.TRAIN_TOKENS) == [(s, float(TOKENS_PER_STEP * s)) for s in logged]
+    assert [s for s, _ in history(run, names.TRAIN_LOSS)] == logged
     m = run.data.metrics
     assert m[names.SUM_STEPS] == steps and m[names.SUM_TOKENS] == TOKENS_PER_STEP * steps and names.SUM_WALL_S in m
     assert run.data.params["max_steps"] == str(steps)
@@ -555,18 +557,20 @@ def test_a_server_that_never_answers_from_the_start_costs_the_wait_and_syncs_to_
 
 @pytest.mark.slow
 def test_a_sigterm_while_the_server_hangs_ends_within_the_wait_and_the_local_run_resumes(launches, on_server):
-    """(d) SIGTERM at step 6 ends the process within the same bound (KILLED, spilled); the next attempt
-    finds its checkpoint (step 4) and continues the same local run; sync gives one FINISHED run."""
+    """(d) SIGTERM after step 6 (a stop request with a checkpoint folder: train/preempt.py) ends the process
+    within the same bound after step 7, its first step end, with checkpoint 7 (KILLED, preempted, spilled);
+    the next attempt finds that checkpoint and continues the same local run; sync gives one FINISHED run."""
     first, second = launches["d"]
     ck = launches["tmp"] / "d"
     assert first.rc == 143, first.out[-3000:]
-    assert first.beat["step"] == 6 and exit_after(first, first.beat["unix"], "(d) SIGTERM") < WAIT_S + HANG_GUARD_S
+    assert first.beat["step"] == 7 and exit_after(first, first.beat["unix"], "(d) SIGTERM") < WAIT_S + HANG_GUARD_S
+    assert "llmeff: preempted: SIGTERM (a stop request: scancel, a pod's stop), stopped after step 7" in first.out
     assert "they and its end (KILLED)" in first.out
     local = first.spill[1]["run_id"]
     assert wait_lines(first.out) == [local_run_line("creating the run", local, ck / "outbox")]
     assert_close_ends_a_wait_after_the_logger_began(first)  # the SIGTERM's close too (its file written first)
     assert second.rc == 0, second.out[-3000:]
-    assert "resuming MLflow run local-" in second.out and "from checkpoint step 4" in second.out
+    assert "resuming MLflow run local-" in second.out and "from checkpoint step 7" in second.out
     assert second.beat["step"] == 8 and exit_after(second, second.beat["unix"], "(d) resumed") < WAIT_S + HANG_GUARD_S
     # one wait, of 5 s: looking the local run up
     assert wait_lines(second.out) == [local_run_line("finding the run of a local id", local, ck / "outbox")]
@@ -576,8 +580,8 @@ def test_a_sigterm_while_the_server_hangs_ends_within_the_wait_and_the_local_run
     assert max(start, second.started + 2 * WAIT_S) - START_TICK_S <= end <= start + WAIT_S + CLOSE_LAG_S
     sync(ck / "outbox")
     run = only_run_of("hang-d")
-    assert_complete(run, 8)  # steps 5 and 6, replayed, logged once
-    assert (run.data.tags[names.RESUMED_FROM], run.data.tags[names.RESUME_ATTEMPTS]) == ("4", "2")
+    assert_complete(run, 8, also=(7,))  # every point once, and step 7's, where the first attempt stopped
+    assert (run.data.tags[names.RESUMED_FROM], run.data.tags[names.RESUME_ATTEMPTS]) == ("7", "2")
 
 
 @pytest.mark.slow

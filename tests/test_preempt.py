@@ -69,6 +69,84 @@ def test_the_signal_only_sets_a_flag_in_the_main_thread(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
+def test_a_sigterm_is_a_stop_request_agreed_as_the_warning_is(tmp_path):
+    # issue 52: SIGTERM (scancel, a Kubernetes pod's stop) with a checkpoint folder checkpoints and ends the
+    # attempt as preemption does; a later warning does not rename the stop
+    import signal
+
+    p = Preemption(str(tmp_path), main=True, world=2, deadline_s=60)
+    previous = signal.getsignal(signal.SIGTERM)
+    p.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert p.signalled == "SIGTERM" and not os.listdir(tmp_path)  # a flag, nothing written in the handler
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert p.signalled == "SIGTERM" and not p.stopping
+        assert p.due(4) is None  # two ranks: the stop is the next step
+        assert p.due(5) == {**preempt.stop_step(str(tmp_path)), "step": 5, "signal": "SIGTERM"} and p.stopping
+    finally:
+        p.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == previous and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def _sigterm_then_wait(p, seconds: float, stop_at: float | None = None) -> float | None:
+    """SIGTERM to this process, then sleep in the main thread for ``seconds`` (reaching the agreed stop after
+    ``stop_at`` seconds): the time at which SystemExit came, or None."""
+    import signal
+
+    t0 = time.monotonic()
+    os.kill(os.getpid(), signal.SIGTERM)
+    try:
+        while time.monotonic() - t0 < seconds:
+            if stop_at is not None and time.monotonic() - t0 >= stop_at and not p.stopping:
+                assert p.due(3) is not None
+            time.sleep(0.01)
+    except SystemExit as e:
+        assert e.code == 143
+        return time.monotonic() - t0
+    return None
+
+
+def test_a_rank_that_does_not_reach_the_stop_in_time_ends_as_sigterm_ends_it(tmp_path, monkeypatch):
+    from mlflow_llmeff.monitor import lifecycle
+
+    monkeypatch.setitem(lifecycle._state, "signal", None)  # this process's record, restored after the test
+    p = Preemption(str(tmp_path), main=True, world=1, deadline_s=0.2)
+    p.install()
+    try:
+        ended = _sigterm_then_wait(p, 5.0)  # no step ends: a long eval, a step that hangs
+    finally:
+        p.uninstall()
+    assert ended is not None and ended >= 0.2  # SystemExit(143) once the deadline passed, not at the signal
+    assert lifecycle.signalled() == "SIGTERM"
+
+
+def test_a_rank_that_reached_the_stop_is_not_cut_by_the_deadline(tmp_path):
+    p = Preemption(str(tmp_path), main=True, world=1, deadline_s=0.2)
+    p.install()
+    try:
+        ended = _sigterm_then_wait(p, 0.6, stop_at=0.0)  # its checkpoint and its run's end take longer
+    finally:
+        p.uninstall()
+    assert ended is None and p.stopping and preempt.stop_step(str(tmp_path))["signal"] == "SIGTERM"
+
+
+def test_after_a_stop_request_nothing_is_requeued_and_the_status_is_sigterms(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from mlflow_llmeff.train import launch
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    asked = []
+    monkeypatch.setattr(preempt, "requeue", lambda *a, **k: asked.append(a) or "requeued")
+    cfg = SimpleNamespace(machine_rank=0)
+    assert launch._after_preemption(cfg, "SIGTERM") == 143 and asked == []  # scancel: not requeued
+    assert launch._after_preemption(cfg, "SIGUSR1") == preempt.EXIT_PREEMPTED and len(asked) == 1
+    assert capsys.readouterr().err == "llmeff: requeued\n"
+
+
 # ------------------------------------------------------------------------------ the requeue
 def _fake(code: int, err: str = ""):
     calls = []

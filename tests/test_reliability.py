@@ -617,6 +617,78 @@ def test_sigterm_to_llmeff_train_ends_its_whole_process_tree_and_the_run_keeps_i
                 pass
 
 
+@pytest.mark.slow
+def test_sigterm_with_a_checkpoint_folder_checkpoints_ends_the_attempt_preempted_and_the_rerun_goes_on(
+        tmp_path, tracking_uri):
+    # issue 52: SIGTERM and a checkpoint folder, "checkpoint and end the attempt as preemption does when there is
+    # time". Held at step 3 on rank 0 when the SIGTERM comes: both ranks agree on step 5 (4 is the first step end
+    # that reads the flag, 5 the next for two ranks), write checkpoint 5, end the run KILLED and the attempt
+    # preempted; llmeff train exits 143 (not 75: nothing asks a scheduler to requeue after scancel) with no
+    # process of the tree left; the rerun trains step 6 alone, in the same run
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import mlflow
+    import psutil
+
+    from mlflow_llmeff import names
+    from mlflow_llmeff.train import faults
+    from mlflow_llmeff.train import job as jobs
+
+    from test_train_e2e import env_for, history, only_run
+
+    ck, hold = tmp_path / "ck", tmp_path / "hold"
+    cmd = [sys.executable, "-m", "mlflow_llmeff", "train", "--num-processes", "2", "--max-steps", "6",
+           "--log-every-n-steps", "1", "--seq-len", "32", "--micro-batch-size", "2", "--measure-energy", "none",
+           "--measure-comm", "false", "--checkpoint-dir", str(ck), "--checkpoint-every", "100"]
+    env = {**env_for(tracking_uri), "ACCELERATE_USE_CPU": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**env, faults.ENV["hold_at_step"]: "3",
+                                                    faults.HOLD_FILE_ENV: str(hold)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tree = []
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(f"{hold}.reached") and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert os.path.exists(f"{hold}.reached"), proc.communicate()[1][-3000:]
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        hold.write_text("go")
+        out, err = proc.communicate(timeout=120)
+        gone, alive = psutil.wait_procs(tree, timeout=30)
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:  # a failed assertion leaves no process behind either
+        for p in [proc] + tree:
+            try:
+                p.kill()
+            except (psutil.Error, OSError):
+                pass
+    assert proc.returncode == 143, err[-3000:]
+    assert ("llmeff: preempted: SIGTERM (a stop request: scancel, a pod's stop), stopped after step 5; checkpoint "
+            "step 5 written, the job continues in this run when run again") in out
+    assert "requeue" not in err
+    assert os.path.isdir(ck / "step_00000005") and not os.path.exists(ck / "step_00000006")
+    ends = [json.loads(x) for x in (ck / jobs.LEDGER_FILE).read_text().splitlines() if '"end"' in x]
+    assert [(e["kind"], e["step"]) for e in ends] == [("preempted", 5)]
+    mlflow.set_tracking_uri(tracking_uri)
+    run = only_run()
+    assert run.info.status == "KILLED" and run.data.tags[names.ERROR].startswith("preempted: SIGTERM (a stop request")
+    # 2 ranks x 2 sequences x 32 tokens a step, every step's point kept
+    assert history(run, names.TRAIN_TOKENS) == [(s, 128.0 * s) for s in range(1, 6)]
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    run = only_run()
+    m = run.data.metrics
+    assert run.info.status == "FINISHED" and run.data.tags[names.RESUMED_FROM] == "5"
+    assert (m[names.SUM_ATTEMPTS], m[names.SUM_FAILURES], m[names.SUM_PREEMPTIONS]) == (2.0, 0.0, 1.0)
+    assert history(run, names.TRAIN_TOKENS) == [(s, 128.0 * s) for s in range(1, 7)]
+
+
 def _sigterm_the_tree(proc, tracking_uri):
     import signal
     import subprocess

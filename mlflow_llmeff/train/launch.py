@@ -124,7 +124,7 @@ def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own
         else:  # the same instant on the perf_counter clock the meter reads
             started_at = time.perf_counter() - max(0.0, time.time() - started_unix)
         result = run_training(spec, started_at=started_at)
-        return _after_preemption(cfg) if result and result.get("preempted") is not None else 0
+        return _after_preemption(cfg, result.get("signal")) if result and result.get("preempted") is not None else 0
     from mlflow_llmeff.train import job as jobs
 
     met = None
@@ -168,8 +168,10 @@ def launch(run: TrainConfig | RunSpec, *, started_unix: float | None = None, own
         jobs.Job(cfg.checkpoint_dir).close_open(rc, elastic.read_failures(failures_path))
     if cfg.num_machines > 1 and cfg.machine_rank > 0:  # machine 0 prints the run's report; the others say this
         print(f"llmeff: {machine_end_line(cfg, rc, _read_job_run(env.get(JOB_RUN_ENV)))}", file=sys.stderr, flush=True)
-    if rc == 0 and cfg.checkpoint_dir and _last_end(cfg.checkpoint_dir) == "preempted":
-        return _after_preemption(cfg)
+    if cfg.checkpoint_dir and _last_end(cfg.checkpoint_dir) == "preempted":
+        stop = preempt.stop_step(cfg.checkpoint_dir) or {}
+        if rc == 0 or stop.get("signal") in preempt.STOP_SIGNALS:  # (the agent dies of a SIGTERM it got too)
+            return _after_preemption(cfg, stop.get("signal"))
     return rc
 
 
@@ -298,11 +300,17 @@ def _last_end(checkpoint_dir: str) -> str | None:
     return ends[-1].get("kind") if ends else None
 
 
-def _after_preemption(cfg: TrainConfig) -> int:
+def _after_preemption(cfg: TrainConfig, signame: str | None = None) -> int:
     """A preempted attempt ended (its checkpoint written): machine 0 asks SLURM to requeue the job;
-    returns :data:`~mlflow_llmeff.train.preempt.EXIT_PREEMPTED`."""
+    returns :data:`~mlflow_llmeff.train.preempt.EXIT_PREEMPTED`. After a stop request (``signame`` in
+    :data:`~mlflow_llmeff.train.preempt.STOP_SIGNALS`: ``scancel``, a pod's stop) nothing is requeued and
+    the status is 143 (128 + SIGTERM), as a process killed by it (the line before said to run it again)."""
     from mlflow_llmeff.train import preempt
 
+    if signame in preempt.STOP_SIGNALS:
+        import signal
+
+        return 128 + int(getattr(signal, signame))
     if cfg.machine_rank == 0:
         print(f"llmeff: {preempt.requeue()}", file=sys.stderr, flush=True)
     return preempt.EXIT_PREEMPTED

@@ -26,11 +26,13 @@ time it waited in the queue is down time (``summary/badput_down_s``).
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 from mlflow_llmeff import names
@@ -41,6 +43,16 @@ STOP_FILE = "llmeff_preempt_at"
 #: failure; run the same command again to resume). A PyTorchJob's ``restartPolicy: OnFailure`` restarts it.
 EXIT_PREEMPTED = 75
 SIGNALS = ("SIGUSR1",)  # the scheduler's warning signal (SLURM --signal=USR1@<seconds>)
+#: The stop request: what ``scancel``, a Kubernetes pod's stop and a spot node's drain send (SLURM's KillWait and
+#: Kubernetes' terminationGracePeriodSeconds, 30 s by default, pass before their SIGKILL). With a checkpoint
+#: folder a worker that gets it stops as at the warning signal (a checkpoint at the agreed step, the attempt
+#: ``preempted``), but the job is not requeued and ``llmeff train`` exits 143 (128 + SIGTERM), as killed by it.
+STOP_SIGNALS = ("SIGTERM",)
+#: Seconds after a SIGTERM within which a rank must have reached the agreed stop; past them (a long eval, a
+#: step that does not end) it ends as it would without a checkpoint folder, KILLED by the signal
+#: (``SystemExit(143)``, monitor/lifecycle.py), before the launcher's SIGKILL
+#: (train/launch.py ``STOP_GRACE_S``, 20 s) would leave its run RUNNING.
+STOP_DEADLINE_S = 10.0
 
 
 class Preempted(Exception):
@@ -82,9 +94,13 @@ class Preemption:
             to agree with), several after the next.
     """
 
-    def __init__(self, checkpoint_dir: str, main: bool, world: int = 1) -> None:
+    def __init__(self, checkpoint_dir: str, main: bool, world: int = 1, deadline_s: float = STOP_DEADLINE_S) -> None:
         self.dir, self.main, self.world = checkpoint_dir, main, int(world)
         self.signalled: str | None = None
+        self.stopping = False  # the agreed stop reached: its checkpoint and the run's end are under way
+        self.deadline_s = float(deadline_s)
+        self._expired = False
+        self._timer = None
         self._previous = None
 
     def begin(self) -> None:
@@ -97,16 +113,37 @@ class Preemption:
                     pass
 
     def install(self) -> None:
-        """Catch the warning signal in this (main) thread: it only sets a flag, read at the next step's end."""
-        def handler(signum, frame):  # noqa: ARG001
-            self.signalled = signal.Signals(signum).name
+        """Catch the warning signal (:data:`SIGNALS`) and the stop request (:data:`STOP_SIGNALS`) in this (main)
+        thread: each only sets a flag, read at the next step's end. A stop request also starts a
+        :attr:`deadline_s` timer: a rank that has not reached the agreed stop by then ends as SIGTERM ends it
+        without a checkpoint folder (:func:`mlflow_llmeff.monitor.lifecycle.sigterm_to_exit`)."""
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if name in STOP_SIGNALS and self._expired:  # the deadline passed before the stop was reached
+                from mlflow_llmeff.monitor import lifecycle
+
+                lifecycle.sigterm_to_exit(signum, frame)
+            if name in STOP_SIGNALS and self._timer is None and not self.stopping:
+                self._timer = threading.Timer(self.deadline_s, self._expire, args=(signum,))
+                self._timer.daemon = True
+                self._timer.start()
+            if self.signalled is None or name in STOP_SIGNALS:  # a stop request outranks a warning
+                self.signalled = name
 
         try:
-            self._previous = {s: signal.signal(getattr(signal, s), handler) for s in SIGNALS}
+            self._previous = {s: signal.signal(getattr(signal, s), handler) for s in SIGNALS + STOP_SIGNALS}
         except ValueError:  # not the main thread: the launcher's request file still reaches this rank
             self._previous = None
 
+    def _expire(self, signum: int) -> None:
+        """The stop request's deadline: unless the stop was reached, the signal again, now ending the process."""
+        if not self.stopping:
+            self._expired = True
+            _thread.interrupt_main(signum)
+
     def uninstall(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for s, h in (self._previous or {}).items():
             try:
                 signal.signal(getattr(signal, s), h)
@@ -124,7 +161,10 @@ class Preemption:
             if not (self.signalled or os.path.exists(os.path.join(self.dir, REQUEST_FILE))):
                 return None
             stop = self._agree(step + (1 if self.world > 1 else 0))
-        return stop if stop is not None and step >= int(stop["step"]) else None
+        due = stop if stop is not None and step >= int(stop["step"]) else None
+        if due is not None:
+            self.stopping = True  # from here the checkpoint and the run's end: no deadline cuts them
+        return due
 
     def _agree(self, step: int) -> dict | None:
         path = os.path.join(self.dir, STOP_FILE)
@@ -218,11 +258,17 @@ def end_preempted(t, monitor, job, stop: dict, said: dict) -> dict | None:
     """End a preempted attempt after its checkpoint: the run KILLED with why, the attempt ``preempted`` in the
     job's ledger (``job``, after the summary, as a finished one), the terminal told, the set-up ``t`` torn
     down; ``stop``: the agreed stop (:meth:`Preemption.due`), ``said``: the job figures' holder. Returns
-    the result with ``"preempted"`` (its step) on the main process, else None."""
+    the result with ``"preempted"`` (its step) and ``"signal"`` (the signal's name) on the main process,
+    else None."""
     step = monitor.step_count
-    detail = f"{stop.get('signal') or 'signal'} from the scheduler, stopped after step {step}"
-    why = (f"preempted: {detail}; checkpoint step {step} written, the job continues in this run when "
-           "requeued or run again")
+    sig = stop.get("signal") or "signal"
+    if sig in STOP_SIGNALS:  # scancel, a pod's stop: not requeued (train/launch.py), run again to go on
+        detail = f"{sig} (a stop request: scancel, a pod's stop), stopped after step {step}"
+        then = "the job continues in this run when run again"
+    else:
+        detail = f"{sig} from the scheduler, stopped after step {step}"
+        then = "the job continues in this run when requeued or run again"
+    why = f"preempted: {detail}; checkpoint step {step} written, {then}"
     said["end"] = "preempted"
     monitor.set_tags({names.ERROR: why, "mlflow.note.content": f"Killed: {why}"})
     summary = monitor.finish("KILLED")
@@ -233,5 +279,5 @@ def end_preempted(t, monitor, job, stop: dict, said: dict) -> dict | None:
     from mlflow_llmeff.train.setup import teardown
 
     teardown(t)
-    return {"run_id": monitor.run_id, "summary": summary, "preempted": step} if t.accelerator.is_main_process \
-        else None
+    return {"run_id": monitor.run_id, "summary": summary, "preempted": step, "signal": sig} \
+        if t.accelerator.is_main_process else None
