@@ -38,11 +38,10 @@ UNKNOWN_WHY = {
 
 
 def counts_from(steps: int, v) -> Counts:
-    """:class:`~mlflow_llmeff.calc.throughput.Counts` of ``steps`` steps from values in :data:`REDUCE_LAYOUT` order
-    (ints, or numbers ``int`` takes)."""
-    if all(type(x) is int for x in v):  # the host's and tolist()'s: passed as they are (once a window edge)
-        tokens, loss, sum_sq, padded, samples, padded_u, loss_u, samples_u, lengths_u = v
-        return Counts(steps, tokens, padded, loss, samples, sum_sq, padded_u, loss_u, samples_u, lengths_u)
+    """:class:`~mlflow_llmeff.calc.throughput.Counts` of ``steps`` steps from values in :data:`REDUCE_LAYOUT` order."""
+    if all(type(x) is int for x in v):  # the host's and tolist()'s: passed as they are, in Counts' field order
+        tokens, loss, sum_sq, padded, samples, *unknown = v
+        return Counts(steps, tokens, padded, loss, samples, sum_sq, *unknown)
     return Counts(steps=steps, **{name: int(x) for name, x in zip(REDUCE_LAYOUT, v)})
 
 
@@ -261,9 +260,7 @@ class BatchCounter:
         if given:
             h[_LOSS] += loss_tokens
         self._padded += b * t
-        self._deferred.append((shape, attention_mask, labels,  # (the versions read here: one frame, at every step)
-                               None if attention_mask is None else attention_mask._version,
-                               None if labels is None else labels._version, given))
+        self._deferred.append((shape, attention_mask, labels, _version(attention_mask), _version(labels), given))
 
     def _settle(self) -> None:
         """Count the batches :meth:`_defer` kept (at the window edge)."""
@@ -271,10 +268,8 @@ class BatchCounter:
         first = kept[0]
         shape, mask_dtype, labels_dtype, given = first[0], _dtype(first[1]), _dtype(first[2]), first[5]
         same = True
-        for k in kept:  # (one loop, no generator: once a window edge, right after a step)
-            k_shape, mask, labels, v_mask, v_labels, k_given = k
-            if (None if mask is None else mask._version) != v_mask or (
-                    None if labels is None else labels._version) != v_labels:  # refilled in place since
+        for k_shape, mask, labels, v_mask, v_labels, k_given in kept:  # (one loop, no generator: right after a step)
+            if _version(mask) != v_mask or _version(labels) != v_labels:  # refilled in place since
                 self.refilled += 1
                 self.defer = False
             if same and not (k_shape == shape and k_given == given and _dtype(mask) == mask_dtype

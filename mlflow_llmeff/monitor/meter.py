@@ -172,7 +172,7 @@ class EfficiencyMonitor:
         self._broken = self._finished = False
         self._off = False  # broken or finished: every call is a no-op (a field, read at every call)
         self._pause_sync: list[bool] = []  # per open pause: the device is synchronized at its ends
-        self._data_wait = _DataWait(self)  # declared at every step: one context manager, kept
+        self._data_wait = _Pause(self, "data_wait")  # declared at every step: one context manager, kept
         self._summary: dict[str, float] = {}
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
@@ -203,8 +203,7 @@ class EfficiencyMonitor:
         assembly.start_meters(p)
         lifecycle.install()
         lifecycle.register(self)
-        # the last warm-up step of this attempt (ThroughputMeter.warmup_end_step): fixed once set-up (and a
-        # resume) is done; step() reads it at every step
+        # this attempt's last warm-up step (meter.warmup_end_step), fixed once set-up and a resume are done
         self._steady_from = p.meter.warmup_end_step
         assembly.start_clock(p)
 
@@ -664,43 +663,10 @@ class EfficiencyMonitor:
 
 
 
-class _DataWait:
-    """What :meth:`EfficiencyMonitor.pause` returns for ``data_wait``, declared at every step: the same as
-    :meth:`~EfficiencyMonitor.enter_pause` and :meth:`~EfficiencyMonitor.exit_pause` with that category, in
-    one frame each way (issue 53)."""
-
-    __slots__ = ("_monitor",)
-
-    def __init__(self, monitor: EfficiencyMonitor) -> None:
-        self._monitor = monitor
-
-    def __enter__(self) -> None:
-        m = self._monitor
-        m._pause_sync.append(False)  # a data wait does not synchronize the device
-        if m._off:
-            return
-        try:
-            m._p.ledger.enter("data_wait")
-        except Exception as e:  # noqa: BLE001
-            m._fail(e)
-
-    def __exit__(self, *exc) -> bool:
-        m = self._monitor
-        stack = m._pause_sync
-        if stack and not stack[-1] and not m._broken:  # the innermost open pause is a data wait
-            stack.pop()
-            try:
-                m._p.ledger.exit()
-            except Exception as e:  # noqa: BLE001
-                m._fail(e)
-        else:
-            m.exit_pause()
-        return False
-
-
 class _Pause:
     """The context manager :meth:`EfficiencyMonitor.pause` returns (a class, not a generator: a data
-    wait is declared at every step, and a generator's context manager costs several times as much)."""
+    wait is declared at every step, and a generator's context manager costs several times as much). A
+    data wait (one kept by the monitor) takes enter_pause's and exit_pause's paths inline (issue 53)."""
 
     __slots__ = ("_monitor", "_category")
 
@@ -708,8 +674,25 @@ class _Pause:
         self._monitor, self._category = monitor, category
 
     def __enter__(self) -> None:
-        self._monitor.enter_pause(self._category)
+        m = self._monitor
+        if self._category != "data_wait":
+            return m.enter_pause(self._category)
+        m._pause_sync.append(False)  # a data wait does not synchronize the device
+        if not m._off:
+            try:
+                m._p.ledger.enter("data_wait")
+            except Exception as e:  # noqa: BLE001
+                m._fail(e)
 
     def __exit__(self, *exc) -> bool:
-        self._monitor.exit_pause()
+        m = self._monitor
+        stack = m._pause_sync
+        if not (stack and not stack[-1] and not m._broken):  # the innermost open pause is not a data wait
+            m.exit_pause()
+            return False
+        stack.pop()
+        try:
+            m._p.ledger.exit()
+        except Exception as e:  # noqa: BLE001
+            m._fail(e)
         return False
