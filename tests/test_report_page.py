@@ -189,7 +189,11 @@ def test_the_grouped_sqlite_read_gives_the_records_the_row_read_gives(page, monk
         client.log_metric(ids[0], f"summary/odd_{i}", v)
     client.log_metric(ids[1], "summary/not_a_number", float("nan"))
     client.set_tag(ids[2], "llmeff.note", "a\x1fvalue holding the separator")  # read again by rows
+    client.set_tag(ids[3], "mlflow.runName", "a name\x1fholding the separator")  # its set read again by rows
+    source.READ.reset()
     grouped = source.select_runs(store, exp_id).runs
+    # four queries, and one by rows for the tags of the two runs the joined strings cannot carry
+    assert source.READ.queries == 5
     source.READ.reset()
     monkeypatch.setattr(source, "_sqlite_grouped", source._by_rows)
     by_rows = source.select_runs(store, exp_id).runs
@@ -202,6 +206,7 @@ def test_the_grouped_sqlite_read_gives_the_records_the_row_read_gives(page, monk
     first = next(r for r in grouped if r.run_id == ids[0])
     assert [first.metrics[f"summary/odd_{i}"] for i in range(len(odd))] == odd
     assert next(r for r in grouped if r.run_id == ids[2]).tags["llmeff.note"] == "a\x1fvalue holding the separator"
+    assert next(r for r in grouped if r.run_id == ids[3]).name == "a name\x1fholding the separator"
     assert next(r for r in grouped if r.run_id == ids[1]).metrics["summary/not_a_number"] != 0  # NaN, never a 0
 
 

@@ -217,12 +217,9 @@ def _key_condition(table: str, extra: set[str]) -> tuple[str, list[str]]:
         likes, exact = [p + "%" for p in REPORT_METRIC_PREFIXES], []
     else:
         likes, exact = [], list(REPORT_PARAMS)
-    exact = sorted((set(exact) | extra) - {_RUN_NAME})  # the name comes with its run (_RUNS_SQL)
+    exact = sorted(set(exact) | extra)
     parts = ["v.key LIKE ?"] * len(likes) + ([f"v.key IN ({', '.join('?' * len(exact))})"] if exact else [])
-    cond = "(" + " OR ".join(parts) + ")"
-    if table == "tags":  # 'mlflow.runName' LIKE 'mlflow.%' would match a prefix given in REPORT_TAGS
-        cond = f"({cond} AND v.key != '{_RUN_NAME}')"
-    return cond, likes + exact
+    return "(" + " OR ".join(parts) + ")", likes + exact
 
 
 def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[str] | None = None,
@@ -302,7 +299,9 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
             with engine.connect() as conn:
                 cursor = conn.connection.cursor()
                 try:
-                    cursor.execute(_RUNS_SQL.format(where=where))
+                    cursor.execute("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, "
+                                   f"r.artifact_uri, r.lifecycle_stage FROM runs r WHERE {where} "
+                                   "ORDER BY r.start_time DESC, r.run_uuid")
                     rows = cursor.fetchall()
                 finally:
                     cursor.close()
@@ -324,20 +323,16 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
     exp_id = str(experiment_id)
     metrics, tags, params = values["latest_metrics"], values["tags"], values["params"]
     none: dict = {}
-    records = []
-    for u, name, status, start, _end, _user, _uri, _stage, tag_name, has_name in rows:
-        # dict(...): runs of equal tags or params share the parsed dict; each record gets its own
-        run_tags = dict(tags.get(u, none))
-        if has_name:  # the run's name tag, read with its run
-            run_tags[_RUN_NAME] = tag_name if tag_name is None else cleaned(_RUN_NAME, tag_name)
-        records.append(RunRecord(u, run_tags.get(_RUN_NAME) or name or "", status, exp_id, metrics.get(u) or {},
-                                 run_tags, dict(params.get(u, none)), start))
+    # dict(...): runs of equal tags or params share the parsed dict; each record gets its own
+    records = [RunRecord(u, tags.get(u, none).get(_RUN_NAME) or name or "", status, exp_id, metrics.get(u) or {},
+                         dict(tags.get(u, none)), dict(params.get(u, none)), start)
+               for u, name, status, start, _end, _user, _uri, _stage in rows]
     if not filter_string:
         return records
     from types import SimpleNamespace
 
     light = []
-    for rec, (u, name, status, start, end, user, artifact_uri, stage, _, _) in zip(records, rows):
+    for rec, (u, name, status, start, end, user, artifact_uri, stage) in zip(records, rows):
         info = SimpleNamespace(run_id=u, run_uuid=u, run_name=name, status=status, start_time=start, end_time=end,
                                user_id=user, artifact_uri=artifact_uri, lifecycle_stage=stage, experiment_id=exp_id)
         data = SimpleNamespace(metrics=rec.metrics, tags=rec.tags, params=rec.params)
@@ -346,13 +341,6 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
 
 
 _RUN_NAME = "mlflow.runName"
-#: The runs of a selection (``{where}``: the experiment, active), newest first as ``search_runs`` orders them,
-#: each with its name tag (``key IS NOT NULL``: the run has one; the tags' primary key (key, run_uuid) finds
-#: it): the value tables are read without it (:func:`_key_condition`), so a run's other tags are those of
-#: its repeats and sqlite groups them (:func:`_sqlite_grouped`).
-_RUNS_SQL = ("SELECT r.run_uuid, r.name, r.status, r.start_time, r.end_time, r.user_id, r.artifact_uri, "
-             f"r.lifecycle_stage, n.value, n.key IS NOT NULL FROM runs r LEFT JOIN tags n ON n.key = '{_RUN_NAME}' "
-             "AND n.run_uuid = r.run_uuid WHERE {where} ORDER BY r.start_time DESC, r.run_uuid")
 
 
 def _seen(content, what: str, rows: list) -> None:
@@ -405,26 +393,32 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
       ``printf('%!.20e')`` (21 significant digits: every double reads back exactly,
       tests/test_report_page.py; sqlite's own text of a REAL keeps 15), ``nan`` where MLflow's ``is_nan``
       is set. Each distinct list of keys is split once.
-    * ``tags``, ``params``: one row per distinct set of keys and values, with the ids of its runs (the
-      repeats of a configuration share every tag but their name, which :data:`_RUNS_SQL` reads with
-      the run): at 100,000 runs of 5 configurations, 5 rows where a row per run made Python split and
-      parse 100,000 rows of 26 tags (and digest their 90 MB). Each set is parsed and masked once; the
-      caller copies it per run.
+    * ``tags``, ``params``: one row per distinct set of keys and values but the run's name, with the ids
+      of its runs and their names joined in the same order (repeats of a configuration share every tag
+      but their name): 5 rows for 100,000 repeats of 5 configurations, where a row per run had Python
+      make 100,000 pairs of 1 KB strings (200 MB) and digest them. Each set is parsed and masked once;
+      the caller copies it per run.
 
     The runs are a list the values' index is searched with in run order (``IN (SELECT ...)``: no sort
     for the per-run grouping; 2.0 s of CPU for 100,000 runs' tags where the join took 2.8-3.1 s). A run
     whose values do not split into as many as its keys (a value holding the separator, a NULL value) is
-    read by rows (:func:`_by_rows`)."""
+    read by rows (:func:`_by_rows`), and so is every run of a set whose names do not split into one a run."""
     inside = f"v.run_uuid IN (SELECT r.run_uuid FROM runs r WHERE {where}) AND {keys}"
     if table == "latest_metrics":
         value = "CASE WHEN v.is_nan THEN 'nan' ELSE printf('%!.20e', v.value) END"
         cursor.execute(f"SELECT v.run_uuid, count(*), group_concat(v.key, char(31)), group_concat({value}, char(31)) "
                        f"FROM {table} v WHERE {inside} GROUP BY v.run_uuid", args)
-    else:  # count(v.value): a NULL value, which group_concat leaves out, is told apart from a separator
-        cursor.execute("SELECT n, k, ks, vs, count(*), group_concat(u, char(31)) FROM (SELECT v.run_uuid AS u, "
-                       "count(*) AS n, count(v.value) AS k, group_concat(v.key, char(31)) AS ks, "
-                       f"group_concat(v.value, char(31)) AS vs FROM {table} v WHERE {inside} GROUP BY v.run_uuid) "
-                       "GROUP BY n, k, ks, vs", args)
+    else:
+        # per run: its other keys (n), their non-NULL values (k: group_concat leaves a NULL out, told apart
+        # from a value holding the separator), keys and values joined, whether it has a name and the name
+        other, name = f"v.key != '{_RUN_NAME}'", f"v.key = '{_RUN_NAME}'"
+        cursor.execute(f"SELECT n, k, has, ks, vs, count(*), group_concat(u, char(31)), count(nm), "
+                       f"group_concat(nm, char(31)) FROM (SELECT v.run_uuid AS u, sum({other}) AS n, "
+                       f"count(CASE WHEN {other} THEN v.value END) AS k, sum({name}) AS has, "
+                       f"group_concat(CASE WHEN {other} THEN v.key END, char(31)) AS ks, "
+                       f"group_concat(CASE WHEN {other} THEN v.value END, char(31)) AS vs, "
+                       f"max(CASE WHEN {name} THEN v.value END) AS nm FROM {table} v WHERE {inside} "
+                       "GROUP BY v.run_uuid) GROUP BY n, k, has, ks, vs", args)
     found = cursor.fetchall()
     READ.count(len(found))
     _seen(content, table, found)
@@ -442,16 +436,21 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
                 continue
             got[u] = dict(zip(k_list, map(float, v_list)))
     else:
-        for n, k, ks, vs, count, ids in found:
+        for n, k, has, ks, vs, count, ids, named, nms in found:
             run_ids = ids.split(_SEP)
             if len(run_ids) != count:  # a run id holding the separator (not one MLflow makes): all by rows
                 return _by_rows(cursor, table, where, keys, args, cleaned, content=content)
-            k_list, v_list = ks.split(_SEP), (vs or "").split(_SEP)
-            if k != n or len(k_list) != n or len(v_list) != n:
+            k_list, v_list = (ks or "").split(_SEP), (vs or "").split(_SEP)
+            run_names = nms.split(_SEP) if has and named == count else ()
+            if (n and (k != n or len(k_list) != n or len(v_list) != n)) or (has and len(run_names) != count):
                 again += run_ids
                 continue
-            one = {key: cleaned(key, v) for key, v in zip(k_list, v_list)}
-            got.update(dict.fromkeys(run_ids, one))
+            one = {key: cleaned(key, v) for key, v in zip(k_list, v_list)} if n else {}
+            if has:
+                for u, nm in zip(run_ids, run_names):
+                    got[u] = {**one, _RUN_NAME: cleaned(_RUN_NAME, nm)}
+            else:
+                got.update(dict.fromkeys(run_ids, one))
     for i in range(0, len(again), 500):  # the few runs the joined strings cannot carry, by rows
         got.update(_by_rows(cursor, table, where, keys, args, cleaned, ids=again[i:i + 500], content=content))
     return got
