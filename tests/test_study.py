@@ -5,6 +5,8 @@ error), and one real study of 2 configurations x 2 repeats of the tiniest runs."
 
 from __future__ import annotations
 
+import re
+
 import math
 
 import mlflow
@@ -72,6 +74,39 @@ def test_children_run_round_robin_as_children_of_one_parent(tracking_uri, tmp_pa
     assert parent.data.params == {"repeats": "3", "config_1": "A", "config_2": "B"}
     assert (parent.info.status, parent.info.run_name) == ("FINISHED", "study-2x3")
     assert mlflow.get_experiment(parent.info.experiment_id).name == "study-fake"
+
+
+def test_a_server_lost_mid_study_names_where_the_parents_end_waits_in_the_one_line(tracking_uri, monkeypatch):
+    # the fresh-user trial: the server stopped answering after the first child; the Error: line named the second
+    # child's run alone, while the parent's end (KILLED) waited in the outbox too
+    from mlflow_llmeff.tracking import delivery
+    from mlflow_llmeff.train import study
+
+    class LostAfterOne(FakeRunner):
+        def __call__(self, child, tags):
+            if self.calls:
+                raise delivery.Unreachable("the tracking server X did not answer creating the run; configuration 1 "
+                                           "repeat 2 was not trained: its run waits in /o/local-2.jsonl")
+            return super().__call__(child, tags)
+
+    ends = []
+
+    def end_spilled(parent, status, **kw):  # the server did not take the parent's end: it waits in the outbox
+        ends.append((status, kw))
+        parent.spilled_to = "/o/parent.jsonl"
+        return False
+
+    monkeypatch.setattr(study, "_end_parent", end_spilled)
+    with pytest.raises(delivery.Unreachable) as e:
+        run_study(configs(("A", {})), 2, experiment="study-lost", runner=LostAfterOne(), echo=lambda line: None)
+    [(status, kw)] = ends
+    assert (status, kw) == ("KILLED", {"error": "stopped after 1 of 2 runs"})
+    line = str(e.value)
+    assert line.startswith("the tracking server X did not answer creating the run; configuration 1 repeat 2 was not "
+                           "trained: its run waits in /o/local-2.jsonl; the study stopped after 1 of 2 runs and its "
+                           "parent run ") and "\n" not in line
+    assert re.search(r"parent run [0-9a-f]{32} \(KILLED\) waits in /o/parent\.jsonl \(llmeff sync .+ when it answers\)$",
+                     line), line
 
 
 def test_a_failed_child_is_named_on_the_parent_and_the_study_goes_on(tracking_uri):
@@ -442,3 +477,7 @@ def test_a_child_the_server_does_not_create_stops_the_study_in_one_line_and_wait
     create = records[0]["create"]
     assert (create["experiment_id"], create["run_name"]) == ("7", "study-config1-repeat1")
     assert {k: create["tags"][k] for k in tags} == tags and records[-1]["end"][0] == "KILLED"
+    # and it says why (the fresh-user trial's synced child was KILLED with no llmeff.error)
+    [error] = [r["t"][1] for r in records if "t" in r and r["t"][0] == names.ERROR]
+    assert error == (f"not trained: the tracking server {uri} did not answer creating the run (connection refused; "
+                     "each call waits at most 2 s, LLMEFF_DELIVERY_WAIT_S)")

@@ -246,7 +246,10 @@ class TrainRunner:
         # named until the training names it (the configuration's stem), or for good when it fails before
         placeholder = f"study-config{child.config}-repeat{child.repeat}"
         writer = RunWriter.create(placeholder, experiment_id=self.experiment_id, tags=tags, client=self.client)
-        if not writer.answered:  # nothing to train into: the study stops here, its run kept
+        if not writer.answered:  # nothing to train into: the study stops here, its run kept, saying why
+            why = f"not trained: {writer.unanswered_reason or 'the tracking server did not take its creation'}"
+            writer.set_tags({names.ERROR: shorten(why, 2000), "mlflow.note.content": f"Killed: {shorten(why, 2000)}"},
+                            synchronous=False)
             writer.end("KILLED")
             raise delivery.Unreachable(f"{writer.unanswered_reason}; configuration {child.config} repeat "
                                        f"{child.repeat} was not trained: its run waits in {writer.spilled_to}")
@@ -391,8 +394,13 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
             if outcome.code:
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
-    except BaseException:
-        _end_parent(parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
+    except BaseException as e:
+        ended = _end_parent(parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
+        if isinstance(e, delivery.Unreachable) and not ended:  # the one line says where the study's end is too
+            raise delivery.Unreachable(
+                f"{e}; the study stopped after {len(result.children)} of {len(children)} runs and its parent run "
+                f"{parent.run_id} (KILLED) waits in {parent.spilled_to} (llmeff sync {parent.outbox_dir} when it "
+                "answers)") from e
         raise
     failed = result.failed
     if failed:
