@@ -25,6 +25,10 @@ second request of an unchanged store reads no run (report/source.py ``change_tok
     python bench/page.py --runs 10000,100000      # the issue-53 targets (the 100,000-run store: ~1 min)
     python bench/page.py --runs 10000 --against HEAD~3 --rounds 3   # interleaved with older code, one store
 
+The first request's CPU time (user + system of the server's process tree, every thread: :func:`_tree_cpu`) is
+printed beside its wall time: on this shared 2-core machine the wall time of one request moves 2x with the load,
+its CPU time far less.
+
 With ``--against REV`` each run count's store is made once and served in turn by this tree and by REV (a
 ``git worktree``, first on the server's ``PYTHONPATH``), the order alternating by round; each server is fresh
 (its first request is its first) with a temporary folder of its own. It prints every server's times and
@@ -69,6 +73,23 @@ def _get(url: str) -> tuple[float, bytes]:
     with urllib.request.urlopen(url, timeout=600) as r:
         body = r.read()
     return time.perf_counter() - t, body
+
+
+def _tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its descendants (``mlflow server`` starts uvicorn as a
+    child): every thread's, so the page's side-by-side reads count; unlike wall time, hardly moved by load."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # gone between the listing and the read
+            pass
+    return total
 
 
 def copy_runs(uri: str, template_ids: list[str], n: int, first_index: int) -> list[str]:
@@ -194,13 +215,16 @@ def serve(root: str, uri: str, exp_id: str, ids: list[str], n: int, made_s: floa
                 time.sleep(0.5)
         time.sleep(3)  # the server has imported matplotlib in the background by now, as it would have
         page = f"{url}/llmeff/experiments/{exp_id}"
+        cpu0 = _tree_cpu(server.pid)
         first, body = _get(page)
+        first_cpu = _tree_cpu(server.pid) - cpu0  # the figures start drawing as the page goes: a little of theirs
         figs = re.findall(r"src='(/llmeff/figures/[^']+)'", body.decode())
         fig_s = sum(_get(url + f.replace("&amp;", "&"))[0] for f in figs)
         second, _ = _get(page)
         mlflow.MlflowClient(url).log_metric(ids[0], "train/loss", 1.0 + point / 1000, step=60 + point)
         changed, _ = _get(page)
         return {"runs": n, "made_s": made_s, "figures": len(figs), "kib": len(body) / 1024, "first": first,
+                "first_cpu": first_cpu,
                 "figures_s": fig_s, "second": second, "changed": changed, "load": os.getloadavg()[0],
                 "body": re.sub(r"/llmeff/figures/[^/]+/", "/llmeff/figures/K/", body.decode())}
     finally:
@@ -231,7 +255,7 @@ def _median(rows: list[dict]) -> dict:
 
 
 #: The timed figures of a row (:func:`serve`).
-TIMED = ("first", "figures_s", "second", "changed", "load")
+TIMED = ("first", "first_cpu", "figures_s", "second", "changed", "load")
 
 
 def compare(n: int, api: bool, rev: str, rounds: int) -> dict:
@@ -250,14 +274,15 @@ def compare(n: int, api: bool, rev: str, rounds: int) -> dict:
                 r = serve(root, uri, exp_id, ids, n, made_s, old if which == "old" else None, point)
                 got[which].append(r)
                 print(f"{n:,} runs, round {i + 1}, {which} code ({rev if which == 'old' else 'this tree'}), load "
-                      f"{r['load']:.1f}: first {r['first']:.2f} s, figures {r['figures_s']:.2f} s, second "
+                      f"{r['load']:.1f}: first {r['first']:.2f} s ({r['first_cpu']:.2f} s CPU), figures {r['figures_s']:.2f} s, second "
                       f"{r['second']:.2f} s, after a new point {r['changed']:.2f} s, page {r['kib']:.0f} KiB", flush=True)
             same = got["old"][-1]["body"] == got["new"][-1]["body"]
             print(f"  round {i + 1}: the first page of both codes is {'the same' if same else 'NOT the same'} "
                   "(figure keys aside)", flush=True)
         for which in ("old", "new"):
             m = _median(got[which])
-            print(f"{n:,} runs, {which} code, median of {rounds}: first {m['first']:.2f} s, second {m['second']:.2f} s, "
+            print(f"{n:,} runs, {which} code, median of {rounds}: first {m['first']:.2f} s ({m['first_cpu']:.2f} s CPU), "
+                  f"second {m['second']:.2f} s, "
                   f"after a new point {m['changed']:.2f} s (load {m['load']:.1f})", flush=True)
         return _median(got["new"])
     finally:
@@ -285,7 +310,7 @@ def main() -> int:
         r = compare(n, args.api, args.against, args.rounds) if args.against else measure(n, args.api)
         rows.append(r)
         print(f"{n:,} runs (made in {r['made_s']:.0f} s), {r['figures']} figures, page {r['kib']:.0f} KiB: first "
-              f"{r['first']:.2f} s, figures {r['figures_s']:.2f} s, second {r['second']:.2f} s, after a new point "
+              f"{r['first']:.2f} s ({r['first_cpu']:.2f} s CPU of the server), figures {r['figures_s']:.2f} s, second {r['second']:.2f} s, after a new point "
               f"{r['changed']:.2f} s", flush=True)
     print()
     print("\n".join(growth_table(rows)))
