@@ -234,9 +234,10 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
     since 1.x), each reading only the keys the reports show (:data:`REPORT_TAGS`,
     :data:`REPORT_METRIC_PREFIXES`, :data:`REPORT_PARAMS`, and those the filter names). The runs are
     the outer loop of every join (``runs CROSS JOIN <table>``: sqlite otherwise walked the key index
-    and looked each value's run up, 5x the CPU at 10,000 runs). On sqlite each query returns one row
-    per run, its keys and values joined by the database (:func:`_sqlite_grouped`: repeats' equal tags
-    parsed and masked once, metrics split in C); other databases a row per value (:func:`_by_rows`).
+    and looked each value's run up, 5x the CPU at 10,000 runs). On sqlite the metrics query returns one
+    row per run, its keys and values joined by the database, and the tags and params queries one row per
+    distinct set with its runs' ids and names (:func:`_sqlite_grouped`: repeats' equal tags parsed and
+    masked once, metrics split in C); other databases a row per value (:func:`_by_rows`).
     A filter is applied by ``mlflow.utils.search_utils.SearchUtils.filter`` (MLflow's own evaluator of
     its search syntax, the one its file store uses) on light objects with MLflow's ``info``/``data``
     attributes; the order is ``search_runs``' ``attributes.start_time DESC`` (then by run id). Every
@@ -396,7 +397,7 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
     * ``tags``, ``params``: one row per distinct set of keys and values but the run's name, with the ids
       of its runs and their names joined in the same order (repeats of a configuration share every tag
       but their name): 5 rows for 100,000 repeats of 5 configurations, where a row per run had Python
-      make 100,000 pairs of 1 KB strings (200 MB) and digest them. Each set is parsed and masked once;
+      make 100,000 pairs of 0.4-0.5 KB strings (90 MB) and digest them. Each set is parsed and masked once;
       the caller copies it per run.
 
     The runs are a list the values' index is searched with in run order (``IN (SELECT ...)``: no sort
