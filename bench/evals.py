@@ -19,7 +19,8 @@ Under load (``--hogs N``, e.g. 2): N busy-loop processes (pure Python, :data:`HO
 half of the rounds. Each round runs both conditions (quiet, then hogs; the order alternating between
 rounds) and in each both sides (their order alternating too). Each side's slowdown = median of its hog
 rounds' seconds / median of its quiet rounds'; printed with each round's load average (1 min), the
-threads and worker processes our side used, and both sides' median seconds (the lead in absolute terms).
+threads and worker processes our side used (and how their count moved: ``evals.threads.WorkerCount``),
+and both sides' median seconds (the lead in absolute terms).
 The hogs are children of this process, in its session (Linux's autogroup, when on, shares CPU time
 between sessions and then between the runnable threads of one): beside two hogs, one thread gets a
 third of the session's CPU time, two processes half. The run exits 1 unless our slowdown <= lm-eval's for every task (and, as
@@ -228,7 +229,9 @@ def main() -> None:
                               f"ours {(loaded['ours'] if hogs else ours_s)[-1]:7.2f} s  "
                               f"lm-eval {(loaded['harness'] if hogs else theirs_s)[-1]:7.2f} s  "
                               f"threads {ours.config.get('llmeff.threads', '-')}, "
-                              f"workers {ours.config.get('llmeff.eval.workers', '-')}", flush=True)
+                              f"workers {ours.config.get('llmeff.eval.workers', '-')}"
+                              f"{' (' + ours.config['llmeff.eval.worker_count'] + ')' if 'llmeff.eval.worker_count' in ours.config else ''}",
+                              flush=True)
                     same = same and [a["pred"] for a in ours.examples] == [b["pred"] for b in theirs.examples]
                     if "hellaswag" in tasks:  # acc_norm's prediction too (the harness records whether it was right)
                         same = same and ([a["correct_norm"] for a in ours.examples]

@@ -16,6 +16,12 @@ from a shared counter, so one slowed by other jobs takes fewer. A chunk is score
 scorer code as in one process; only which documents share a batch differs, which moves scores by
 float rounding (as batch size does; ``bench/evals.py`` checks the predictions equal lm-eval's).
 
+How many take chunks may change while they run (``count``, a
+:class:`mlflow_llmeff.evals.threads.WorkerCount`): its ``cap`` processes are forked at once, worker
+``i`` takes a chunk only while ``i`` is under the count, and the parent re-decides the count every
+``window_s`` from the CPU seconds the workers ran (:func:`processes_cpu_seconds`). The chunks are
+planned before, so the scores do not depend on it.
+
 Needs the ``fork`` start method (Linux, macOS); :func:`can_fork` says whether it is there. A worker
 ends with ``os._exit`` (multiprocessing's fork child): no atexit handler of the parent runs twice.
 """
