@@ -382,7 +382,7 @@ def pytest_runtest_protocol(item, nextitem):
 _FILE_SECONDS: dict[str, float] = {
     "test_ray_train.py": 248, "test_lifecycle.py": 94, "test_strategies.py": 91, "test_strategies_zero.py": 79,
     "test_train_e2e.py": 75, "test_compare_server.py": 72, "test_survive.py": 65, "test_autolog_examples.py": 64,
-    "test_study.py": 59, "test_scale.py": 59, "test_delivery.py": 58, "test_reliability.py": 56,
+    "test_study.py": 59, "test_scale.py": 59, "test_delivery.py": 58, "test_reliability.py": 100,
     "test_server_modes.py": 56, "test_postgres.py": 42, "test_plan_memory.py": 41, "test_slurm.py": 39,
     "test_report_page.py": 38, "test_memory_study.py": 32, "test_architecture.py": 27, "test_node_loss.py": 24,
     "test_world_change.py": 23, "test_two_hosts_lines.py": 23, "test_compare.py": 22, "test_intervals.py": 22,
