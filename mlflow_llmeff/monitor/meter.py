@@ -665,8 +665,7 @@ class EfficiencyMonitor:
 
 class _Pause:
     """The context manager :meth:`EfficiencyMonitor.pause` returns (a class, not a generator: a data
-    wait is declared at every step, and a generator's context manager costs several times as much). A
-    data wait (one kept by the monitor) takes enter_pause's and exit_pause's paths inline (issue 53)."""
+    wait is declared at every step, and a generator's context manager costs several times as much)."""
 
     __slots__ = ("_monitor", "_category")
 
@@ -674,25 +673,8 @@ class _Pause:
         self._monitor, self._category = monitor, category
 
     def __enter__(self) -> None:
-        m = self._monitor
-        if self._category != "data_wait":
-            return m.enter_pause(self._category)
-        m._pause_sync.append(False)  # a data wait does not synchronize the device
-        if not m._off:
-            try:
-                m._p.ledger.enter("data_wait")
-            except Exception as e:  # noqa: BLE001
-                m._fail(e)
+        self._monitor.enter_pause(self._category)
 
     def __exit__(self, *exc) -> bool:
-        m = self._monitor
-        stack = m._pause_sync
-        if not (stack and not stack[-1] and not m._broken):  # the innermost open pause is not a data wait
-            m.exit_pause()
-            return False
-        stack.pop()
-        try:
-            m._p.ledger.exit()
-        except Exception as e:  # noqa: BLE001
-            m._fail(e)
+        self._monitor.exit_pause()
         return False
