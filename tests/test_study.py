@@ -96,7 +96,7 @@ def test_a_server_lost_mid_study_names_where_the_parents_end_waits_in_the_one_li
         parent.spilled_to = "/o/parent.jsonl"
         return False
 
-    monkeypatch.setattr(study, "_end_parent", end_spilled)
+    monkeypatch.setattr(study, "_end_run", end_spilled)
     with pytest.raises(delivery.Unreachable) as e:
         run_study(configs(("A", {})), 2, experiment="study-lost", runner=LostAfterOne(), echo=lambda line: None)
     [(status, kw)] = ends

@@ -248,9 +248,7 @@ class TrainRunner:
         writer = RunWriter.create(placeholder, experiment_id=self.experiment_id, tags=tags, client=self.client)
         if not writer.answered:  # nothing to train into: the study stops here, its run kept, saying why
             why = f"not trained: {writer.unanswered_reason or 'the tracking server did not take its creation'}"
-            writer.set_tags({names.ERROR: shorten(why, 2000), "mlflow.note.content": f"Killed: {shorten(why, 2000)}"},
-                            synchronous=False)
-            writer.end("KILLED")
+            _end_run(writer, "KILLED", error=why, note=f"Killed: {shorten(why, 2000)}")
             raise delivery.Unreachable(f"{writer.unanswered_reason}; configuration {child.config} repeat "
                                        f"{child.repeat} was not trained: its run waits in {writer.spilled_to}")
         run_id = writer.run_id
@@ -287,24 +285,21 @@ def _end_open_child(client, run_id: str, status: str, why: str) -> None:
     try:
         if delivery.call(lambda: client.get_run(run_id).info.status, "reading the child run",
                          uri=client.tracking_uri) == "RUNNING":
-            writer = RunWriter.attach(run_id, client=client)
-            writer.set_tags({names.ERROR: shorten(why, 2000), "mlflow.note.content": f"Failed: {shorten(why, 2000)}"},
-                            synchronous=False)
-            writer.end(status)
+            _end_run(RunWriter.attach(run_id, client=client), status, error=why, note=f"Failed: {shorten(why, 2000)}")
     except Exception:  # noqa: BLE001
         pass
 
 
-def _end_parent(parent, status: str, error: str | None = None, note: str | None = None) -> bool:
-    """End the study's parent (a :class:`~mlflow_llmeff.tracking.writer.RunWriter`) with ``status``, ``error``
-    as ``llmeff.error`` and the description (``Failed: <error>``, else ``note``) where given; True when
-    the server took it (else it waits in the outbox)."""
+def _end_run(writer, status: str, error: str | None = None, note: str | None = None) -> bool:
+    """End a study's run (the parent, or a child: a :class:`~mlflow_llmeff.tracking.writer.RunWriter`) with
+    ``status``, ``error`` as ``llmeff.error`` and the description (``Failed: <error>`` for FAILED, else
+    ``note``) where given; True when the server took it (else it waits in the outbox)."""
     tags = {names.ERROR: shorten(error, 2000)} if error else {}
     description = f"Failed: {shorten(error, 2000)}" if error and status == "FAILED" else note
     if description:
         tags["mlflow.note.content"] = description
-    parent.set_tags(tags, synchronous=False)
-    return parent.end(status)
+    writer.set_tags(tags, synchronous=False)
+    return writer.end(status)
 
 
 def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | None = None, client=None,
@@ -367,7 +362,7 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
                               params=params, unique=True, client=client)
     if not parent.answered:
         why = parent.unanswered_reason or "the tracking server did not take the study's parent run"
-        _end_parent(parent, "FAILED", error=f"{why}; nothing was trained")
+        _end_run(parent, "FAILED", error=f"{why}; nothing was trained")
         raise delivery.Unreachable(f"{why}; nothing was trained: the study's parent run ({what}, its settings) "
                                    f"waits in {parent.spilled_to} (llmeff sync {parent.outbox_dir} when it answers)")
     exp_id = parent.experiment_id
@@ -395,7 +390,7 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
                 echo(f"llmeff study: configuration {child.config}, repeat {child.repeat} failed ({outcome.error}); "
                      "the study goes on")
     except BaseException as e:
-        ended = _end_parent(parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
+        ended = _end_run(parent, "KILLED", error=f"stopped after {len(result.children)} of {len(children)} runs")
         if isinstance(e, delivery.Unreachable) and not ended:  # the one line says where the study's end is too
             raise delivery.Unreachable(
                 f"{e}; the study stopped after {len(result.children)} of {len(children)} runs and its parent run "
@@ -405,9 +400,9 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     failed = result.failed
     if failed:
         why = "; ".join(f"configuration {c.config} repeat {c.repeat} (run {o.run_id}): {o.error}" for c, o in failed)
-        ended = _end_parent(parent, "FAILED", error=f"{len(failed)} of {len(children)} runs failed: {why}")
+        ended = _end_run(parent, "FAILED", error=f"{len(failed)} of {len(children)} runs failed: {why}")
     else:
-        ended = _end_parent(parent, "FINISHED", note=f"{what}: {len(children)} runs finished")
+        ended = _end_run(parent, "FINISHED", note=f"{what}: {len(children)} runs finished")
     if not ended:
         echo(f"llmeff study: the parent run's end waits in {parent.spilled_to} ({parent.unanswered_reason or 'no answer'}; "
              f"llmeff sync {parent.outbox_dir} sends it)")
