@@ -1,15 +1,14 @@
-"""Tests that hold a run's own time figures against the time the test measures around it.
+"""A test that holds a run's own time figures against the time the test measures around it.
 
-They are marked ``serial`` (tests/conftest.py's gate: no other test runs meanwhile, so the other
-worker does not stretch what they time) and collected last (``_LAST`` there): a serial test waits
+It is marked ``serial`` (tests/conftest.py's gate: no other test runs meanwhile, so the other
+worker does not stretch the tail it times) and collected last (``_LAST`` there): a serial test waits
 for the test the other worker is in, and at the end of the session that is a short one, not the
-strategies' launches (minutes).
+strategies' launches (minutes). The tracking-server outage that was here runs beside the other worker
+in tests/test_delivery.py: what it compares holds on a loaded machine.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import socket
 import subprocess
@@ -84,58 +83,3 @@ def test_two_cpu_processes_give_one_run_with_summed_tokens(tracking_uri, tmp_pat
         assert run.data.tags[names.CONTENTION].startswith("unknown: host CPU share not measured: ")
         assert names.SUM_HOST_OTHER_CPU in run.data.tags[names.SUMMARY_ABSENT]
     assert "step/s" not in stderr and "s/step" not in stderr  # no progress bar when not a terminal
-
-
-
-@pytest.mark.slow
-@pytest.mark.serial  # a 6 s outage against the run's own time figures: alone, so the other worker does not stretch them
-def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_steps(mlflow_server, tmp_path):
-    import time
-
-    ck = tmp_path / "ck"
-    steps, every = 600, 5
-    env = {**env_for(mlflow_server.uri), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
-           "LLMEFF_DELIVERY_WAIT_S": "120"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow_llmeff", "train", "--max-steps", str(steps), "--log-every-n-steps", str(every),
-         "--seq-len", "64", "--micro-batch-size", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "100",
-         "--measure-energy", "none", "--warmup-steps", "1"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def step_now() -> int:
-        try:
-            return json.loads((ck / "heartbeat.json").read_text())["step"]
-        except (OSError, ValueError):
-            return 0
-
-    def wait_for(cond, timeout_s=600):
-        deadline = time.monotonic() + timeout_s
-        while not cond() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    wait_for(lambda: step_now() >= 60)
-    down_at = step_now()
-    mlflow_server.stop()
-    stopped = time.monotonic()
-    wait_for(lambda: time.monotonic() - stopped > 6)  # a run that ends meanwhile waits for the server
-    up_at = step_now()
-    restarted = time.monotonic()
-    mlflow_server.start()
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out[-3000:]
-    assert up_at >= down_at + every * 5, (down_at, up_at)  # the run went on while the server was down
-    run = only_run()
-    assert run.info.status == "FINISHED" and run.info.end_time
-    tokens = history(run, names.TRAIN_TOKENS)
-    assert tokens == [(s, 256.0 * s) for s in range(every, steps + 1, every)]  # every point, exactly once
-    assert [s for s, _ in history(run, names.TRAIN_LOSS)] == list(range(every, steps + 1, every))
-    assert names.SUM_WALL_S in run.data.metrics
-    # A step or window edge that waited on the server would hold the outage's seconds: the steps made
-    # during it are counted above (up_at), and the meter's work at window edges, where points are
-    # handed to the logger, is badput "other" (docs/stability.md; with the time after the last step):
-    # it holds under half the outage. No ratio of two noisy stretches of this shared machine.
-    outage_s = restarted - stopped
-    other_s = run.data.metrics[names.SUM_BADPUT["other"]]
-    assert other_s < outage_s / 2, (other_s, outage_s)
-    assert "did not answer" in run.data.tags[names.LOGGING_WARNINGS]
-    assert not os.path.exists(ck / "outbox" / f"{run.info.run_id}.jsonl")  # all delivered: nothing left
