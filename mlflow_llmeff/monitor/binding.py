@@ -335,10 +335,11 @@ def varying_shape(p: Parts, shapes) -> dict[str, str]:
     return {k: v for k, v in dynamic.items() if k not in dropped}
 
 
-def write_heartbeat(path: str, run_id: str | None, step: int, m: dict[str, float]) -> None:
-    """Rewrite the heartbeat file ``path`` with the step, the time and the running totals of ``m``
-    (temp file + rename: a reader never sees half of it; a full disk is logged, never raised)."""
-    beat = {"run_id": run_id, "step": step, "unix": time.time(),
+def write_heartbeat(path: str, run_id: str | None, step: int, m: dict[str, float], unix: float | None = None) -> None:
+    """Rewrite the heartbeat file ``path`` with the step, the time (``unix``, Unix seconds the step was
+    logged at; default now) and the running totals of ``m`` (temp file + rename: a reader never sees half
+    of it; a full disk is logged, never raised)."""
+    beat = {"run_id": run_id, "step": step, "unix": time.time() if unix is None else unix,
             "totals": {k: m[k] for k in HEARTBEAT_KEYS if k in m}}
     tmp = f"{path}.tmp"
     try:

@@ -53,6 +53,7 @@ from mlflow_llmeff.monitor.conditions import infer_precision, infer_strategy, un
 from mlflow_llmeff.monitor.counting import StepTally
 from mlflow_llmeff.monitor.memwatch import MemoryWatch
 from mlflow_llmeff.monitor.parts import Parts
+from mlflow_llmeff.monitor.pointwork import PointWorker
 from mlflow_llmeff.tracking.logger import NullLogger
 
 __all__ = ["EfficiencyMonitor", "PRECISIONS", "unwrap_model", "infer_precision", "infer_strategy"]
@@ -176,6 +177,8 @@ class EfficiencyMonitor:
         self._summary: dict[str, float] = {}
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
+        # one process: a point's figures are built off the training thread (pointwork.py); ranks: on it
+        self._points = PointWorker() if self.world_size == 1 else None
         counting = assembly.token_counting(self.world_size, data_parallel_size, context_parallel_size)
         # the components and what set-up decided, the one object the helper modules work on (parts.py)
         self._p = p = Parts(world_size=self.world_size, rank=self.rank, counting=counting, warmup_steps=warmup_steps,
@@ -263,6 +266,14 @@ class EfficiencyMonitor:
         self._p.ending.add_figures(metrics)
 
     # ------------------------------------------------------------------------------ failures
+    def _drain(self, close: bool = False) -> None:
+        """Wait for the points built off the training thread (pointwork.py; ``close``: and end it); its failure stops us."""
+        w = self._points
+        if w is not None and (w.pending or w.error is not None or close):
+            e = w.close() if close else w.drain()
+            if e is not None:
+                self._fail(e)
+
     def _fail(self, e: BaseException) -> None:
         if not self._broken:
             self._broken = self._off = True
@@ -355,11 +366,14 @@ class EfficiencyMonitor:
         p = self._p
         p.ledger.enter("other")
         try:
+            self._drain()  # the last point's figures are built (they update the consumption totals)
+            if self._broken:
+                return
             points.edge(p)
             if step == p.meter.warmup_end_step:  # the steady window starts after this step
                 p.contention.begin(collective=self.world_size > 1)
             if log_now:
-                points.log_interval(p, step)
+                points.log_interval(p, step, later=self._points and self._points.submit)
         finally:
             p.ledger.exit()
             if p.devclock is not None:
@@ -474,6 +488,7 @@ class EfficiencyMonitor:
     @property
     def latest_metrics(self) -> dict[str, float]:
         """The interval metrics of the last logged step (empty before the first)."""
+        self._drain()
         return self._p.last.metrics
 
     # ------------------------------------------------------------------------------ evals, extras
@@ -489,6 +504,7 @@ class EfficiencyMonitor:
         """
         if self._off:
             return
+        self._drain()  # (time-to-quality reads the consumption totals the last point updated)
         try:
             points.log_eval(self._p, values, self.step_count if step is None else step)
         except Exception as e:  # noqa: BLE001
@@ -516,6 +532,7 @@ class EfficiencyMonitor:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed attempt needs to continue (JSON-safe). A collective: call on every rank."""
         p = self._p
+        self._drain()
         if p.window.steps and not self._broken:
             points.edge(p)
         if not self._broken:
@@ -524,6 +541,7 @@ class EfficiencyMonitor:
 
     def flush(self) -> None:
         """Send every buffered point and wait until the tracking server has it (rank 0)."""
+        self._drain()  # the points of the steps so far reach the logger first
         if self.is_main and not self._broken:
             self._p.logger.flush()
 
@@ -543,6 +561,7 @@ class EfficiencyMonitor:
         """
         if self._finished:
             return self._summary
+        self._drain(close=True)  # every point built off the training thread is in the logger and the totals
         self._finished = self._off = True
         status = status or lifecycle.status_for(None)
         collective = (collective and lifecycle.signalled() is None) or self.world_size == 1
@@ -606,6 +625,7 @@ class EfficiencyMonitor:
         """For a run the monitor does not own (the user's, the Trainer's) whose entries wait in the outbox:
         its end (``status``, now) waits there too, True. False when the server has everything (end it
         as usual) or the monitor owns the run (it ended it already)."""
+        self._drain()
         run = self._p.run
         if run is None or run.owned or not self.spilled_to:
             return False

@@ -29,7 +29,8 @@ from mlflow_llmeff.monitor.counting import UNKNOWN_WHY
 from mlflow_llmeff.monitor.notes import absent_text  # noqa: F401 - re-exported (llmeff.*.absent's text)
 from mlflow_llmeff.monitor.parts import Parts
 
-__all__ = ["edge", "reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval", "check_loss", "log_eval", "log_ttq", "refresh_consumption",
+__all__ = ["edge", "reduce_counts", "absent_text", "unknown_counts", "note_unknown", "time_steps", "log_interval",
+           "read_interval", "publish_interval", "check_loss", "log_eval", "log_ttq", "refresh_consumption",
            "memory", "note_nothing_counted", "warn_mfu"]
 
 #: Seconds a CPU process's peak-RSS reading is logged again before it is read anew (:func:`memory`).
@@ -115,25 +116,58 @@ def note_unknown(p: Parts, why: dict[str, str]) -> None:
         p.logger.set_tags({names.INTERVAL_ABSENT: absent.text()}, synchronous=False)
 
 
-def log_interval(p: Parts, step: int, collective: bool = True) -> None:
-    """The interval metrics at a logged step (a collective: losses, energy and memory over ranks)."""
+def log_interval(p: Parts, step: int, collective: bool = True, later=None) -> None:
+    """The interval metrics at a logged step (a collective: losses, energy and memory over ranks).
+
+    Two halves: :func:`read_interval` takes every reading that belongs to the step (counts, losses,
+    energy, memory, clocks, the learning rate, the host's contention, the time stamp) on the calling
+    thread; :func:`publish_interval` builds the figures from them and hands them to the logger. With
+    ``later`` (a callable taking a function: :meth:`~mlflow_llmeff.monitor.pointwork.PointWorker.submit`, one
+    process) the second half runs there, off the training thread; the figures are the same."""
+    reading = read_interval(p, step, collective)
+    if later is None:
+        publish_interval(p, step, reading)
+    else:
+        later(partial(publish_interval, p, step, reading))
+
+
+def read_interval(p: Parts, step: int, collective: bool = True) -> tuple:
+    """The readings of a logged step (:func:`log_interval`'s first half, on the training thread: the
+    collectives, the clocks and every state the next steps change), in the order they were always read."""
     total = p.meter.total
+    snap = object.__new__(type(total))  # the totals as of this step (the next edge adds to them in place)
+    snap.__dict__.update(total.__dict__)
     loss_sum, loss_n = refresh_consumption(p, collective, p.tally.take_loss())
     alloc, reserved, _ = memory(p, collective)
+    loss = None
+    if loss_n:
+        loss = loss_sum / loss_n
+        if not math.isfinite(loss):
+            p.last.note_nonfinite(step, loss)
+    lr = learning_rate(p)
+    rates = p.meter.interval()
+    if rates is not None and total.tokens == 0:
+        note_nothing_counted(p)
+        rates = None  # no token was counted: a rate of 0 tokens/s would be a number nobody measured
+    wall_s = p.ledger.wall_s()
+    system = p.contention.interval(collective)
+    system_why = getattr(p.contention, "interval_why", {})
+    tags = p.memory.optimizer_tags(p.optimizer) if p.is_main and getattr(p, "memory", None) is not None else None
+    return snap, loss, alloc, reserved, lr, rates, wall_s, system, system_why, tags, time.time()
+
+
+def publish_interval(p: Parts, step: int, reading: tuple) -> None:
+    """Build the interval metrics of ``step`` from its :func:`read_interval` readings and hand them to the
+    logger (rank 0), with the heartbeat; no collective, no clock read, no state of the steps to come
+    (:func:`log_interval`'s second half, on the training thread or off it)."""
+    total, loss, alloc, reserved, lr, rates, wall_s, system, system_why, tags, unix = reading
     m: dict[str, float] = {names.TRAIN_TOKENS: total.tokens, names.TRAIN_PADDED_TOKENS: total.padded_tokens,
                            names.TRAIN_LOSS_TOKENS: total.loss_tokens,
                            names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
-    if loss_n:
-        m[names.TRAIN_LOSS] = loss_sum / loss_n
-        if not math.isfinite(m[names.TRAIN_LOSS]):
-            p.last.note_nonfinite(step, m[names.TRAIN_LOSS])
-    lr = learning_rate(p)
+    if loss is not None:
+        m[names.TRAIN_LOSS] = loss
     if lr is not None:
         m[names.TRAIN_LR] = lr
-    rates = p.meter.interval()
-    if rates is not None and p.meter.total.tokens == 0:
-        note_nothing_counted(p)
-        rates = None  # no token was counted: a rate of 0 tokens/s would be a number nobody measured
     if rates is not None:
         m.update(p.account.interval_metrics(rates))
         warn_mfu(p, m.get(names.TPUT_DEVICE_MFU), step)
@@ -141,18 +175,16 @@ def log_interval(p: Parts, step: int, collective: bool = True) -> None:
     for key in unknown:  # a count not given is left out, never its default
         m.pop(key, None)
     note_unknown(p, unknown)
-    m.update(p.consumption.interval(p.ledger.wall_s(), total.tokens))
+    m.update(p.consumption.interval(wall_s, total.tokens))
     note_unknown(p, p.consumption.interval_why)  # a counter that did not move: no power, and why
-    m.update(p.contention.interval(collective))
-    note_unknown(p, getattr(p.contention, "interval_why", {}))
+    m.update(system)
+    note_unknown(p, system_why)
     p.last.logged(step, m)
-    p.logger.log_metrics(m, step)
-    if p.is_main and getattr(p, "memory", None) is not None:  # llmeff.optimizer once its states exist
-        found = p.memory.optimizer_tags(p.optimizer)
-        if found:
-            p.logger.set_tags(found, synchronous=False)
+    p.logger.log_metrics(m, step, timestamp_ms=int(unix * 1000))
+    if tags:  # llmeff.optimizer once its states exist
+        p.logger.set_tags(tags, synchronous=False)
     if p.heartbeat_path and p.is_main:
-        write_heartbeat(p.heartbeat_path, p.logger.run_id, step, m)
+        write_heartbeat(p.heartbeat_path, p.logger.run_id, step, m, unix=unix)
 
 
 def check_loss(p: Parts, collective: bool = True) -> None:

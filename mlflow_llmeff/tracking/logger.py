@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 
@@ -53,7 +54,7 @@ class NullLogger:
     last_timestamp_s: float | None = None
     spilled_to: str | None = None
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:  # noqa: D102
+    def log_metrics(self, metrics: dict[str, float], step: int, *, timestamp_ms: int | None = None) -> None:  # noqa: D102
         pass
 
     def set_tags(self, tags: dict[str, str], *, synchronous: bool = True) -> None:  # noqa: D102
@@ -133,6 +134,7 @@ class RunLogger(DeliveryWorker, NullLogger):
         # points (key, value, timestamp ms, step) not yet handed to the delivery thread, which makes them
         # mlflow.entities.Metric (worker.metric_entities): no entity is built on the training thread
         self._buffer: list = []
+        self._buffer_lock = threading.RLock()  # the buffer is filled on two threads (monitor/pointwork.py)
         self._ok_keys: set[str] = set()  # metric keys already checked and accepted unchanged
         self._problems: dict[str, None] = {}  # ordered set of problem lines for the warning tag
         self._problems_unlisted = 0  # new problems beyond _MAX_PROBLEMS
@@ -237,45 +239,50 @@ class RunLogger(DeliveryWorker, NullLogger):
         return self._last_point.get(key)
 
     # ------------------------------------------------------------------ metrics
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, *, timestamp_ms: int | None = None) -> None:
         """Queue metrics at ``step``; hand the buffer over when ``send_interval_s`` has passed.
 
         Keys MLflow refuses are mapped (:func:`~mlflow_llmeff.tracking.keys.safe_key`), values that
         are not real numbers are dropped, both noted in ``llmeff.logging.warnings``. NaN and +/-inf
         are logged (a diverged loss must show). After a resume, a point at or before the step its
-        (mapped) key was last logged at is dropped.
+        (mapped) key was last logged at is dropped. ``timestamp_ms``: the points' time, ms since the
+        epoch (default: now); the monitor passes the time its step was read at when the point is
+        built off the training thread (:mod:`mlflow_llmeff.monitor.pointwork`).
 
         Each point is buffered as a tuple ``(key, value, timestamp ms, step)``; the delivery thread makes it
         the ``mlflow.entities.Metric`` it sends (:func:`~mlflow_llmeff.tracking.worker.metric_entities`), so a
-        logged step builds no entity (~16 a point) on the training thread (issue 53).
+        logged step builds no entity (~16 a point) on the training thread (issue 53). Safe to call from
+        two threads (the buffer is handed over under a lock).
         """
-        ts = int(time.time() * 1000)
-        ok, last, floor, buf = self._ok_keys, self._last_step, self._floor, self._buffer
-        try:
-            for k, v in metrics.items():
-                if k in ok and type(v) in (float, int) and type(step) is int:  # fast path: a key checked before
-                    if step > last.get(k, -1) and step > floor:
-                        buf.append((k, float(v), ts, step))
-                    continue
-                checked = keys.check_metric(k, v, step)
-                self._note(checked.problems)
-                if checked.key is not None and not checked.problems and checked.key == k:
-                    ok.add(k)
-                if checked.key is not None and int(step) > max(last.get(checked.key, -1), floor):
-                    buf.append((checked.key, checked.value, ts, int(step)))
-        except Exception as e:  # noqa: BLE001 - e.g. metrics not a mapping: never fatal
-            self._warn(e)
-        if self._clock() - self._last_send >= self._send_interval_s:
-            self._send()
+        ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        with self._buffer_lock:
+            ok, last, floor, buf = self._ok_keys, self._last_step, self._floor, self._buffer
+            try:
+                for k, v in metrics.items():
+                    if k in ok and type(v) in (float, int) and type(step) is int:  # fast path: a key checked before
+                        if step > last.get(k, -1) and step > floor:
+                            buf.append((k, float(v), ts, step))
+                        continue
+                    checked = keys.check_metric(k, v, step)
+                    self._note(checked.problems)
+                    if checked.key is not None and not checked.problems and checked.key == k:
+                        ok.add(k)
+                    if checked.key is not None and int(step) > max(last.get(checked.key, -1), floor):
+                        buf.append((checked.key, checked.value, ts, int(step)))
+            except Exception as e:  # noqa: BLE001 - e.g. metrics not a mapping: never fatal
+                self._warn(e)
+            if self._clock() - self._last_send >= self._send_interval_s:
+                self._send()
 
     def _send(self) -> None:
         """Hand the buffered metrics (batches of at most ``MAX_METRICS_PER_BATCH``) and new problems over."""
         from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
-        self._last_send = self._clock()
-        buf, self._buffer = self._buffer, []
-        for i in range(0, len(buf), MAX_METRICS_PER_BATCH):
-            self._enqueue("batch", buf[i:i + MAX_METRICS_PER_BATCH])
+        with self._buffer_lock:  # (a point being buffered on another thread lands in this buffer or the next)
+            self._last_send = self._clock()
+            buf, self._buffer = self._buffer, []
+            for i in range(0, len(buf), MAX_METRICS_PER_BATCH):
+                self._enqueue("batch", buf[i:i + MAX_METRICS_PER_BATCH])
         self._write_problems()
 
     # ------------------------------------------------------------------ tags, params, inputs
