@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import (RunRecord, comparability_warnings, header, metric_columns, pareto_front,
                                        round_sig)
-from mlflow_llmeff.report.repeats import scaling_efficiency
+from mlflow_llmeff.report.scaling import scaling_efficiency
 
 BASE_TAGS = {names.ACCEL_SHORT: "cpu", names.ACCEL_NAME: "Test CPU", names.PRECISION: "fp32",
              names.MODEL_NAME: "llama-tiny", names.SEQ_LEN: "128", names.MICRO_BATCH_SIZE: "8",

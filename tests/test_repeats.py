@@ -9,8 +9,9 @@ import pytest
 
 from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord
-from mlflow_llmeff.report.repeats import (Estimate, configurations, noisy_pareto_front, scaling_efficiency,
-                                          standing_order, t_quantile_975, versus_best, within_noise)
+from mlflow_llmeff.report.repeats import (Estimate, configurations, noisy_pareto_front, standing_order,
+                                          t_quantile_975, versus_best, within_noise)
+from mlflow_llmeff.report.scaling import scaling_efficiency
 
 BASE = {names.ACCEL_SHORT: "cpu", names.ACCEL_NAME: "Test CPU", names.PRECISION: "fp32",
         names.MODEL_NAME: "llama-tiny", names.SEQ_LEN: "128", names.MICRO_BATCH_SIZE: "8", names.GRAD_ACCUM: "1",

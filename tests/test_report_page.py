@@ -234,6 +234,57 @@ def test_the_grouped_read_makes_a_row_per_run_and_a_row_per_set_of_tags(tmp_path
     assert all(len(s) == 1 for s in sets.values()) and len(set.union(*sets.values())) == 5  # 5 sets, repeats alike
 
 
+def test_the_report_worked_out_once_per_kind_of_runs_is_the_report_worked_out_per_run(tmp_path):
+    """Runs read alike (RunRecord.alike: the same metric keys, tags but the name, and params) have what depends
+    on those worked out once for all of them; the report equals, figure for figure and page for page, the one
+    built from the same records each taken alone (alike None, as an MlflowClient's search gives them). 40
+    repeats of 5 configurations, some made to differ: a stall, an assumption, seeds, a FAILED run, another
+    length, a run stopped at its targets, another dataset, a figure on one run only, a target some repeats
+    reached."""
+    import dataclasses
+
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from many_runs import log_many_runs
+    from mlflow_llmeff.report import render, source
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp_id, ids = log_many_runs(client, "kinds", 40, history=False)
+    client.set_tag(ids[3], names.STABILITY, "unstable: a stall")
+    client.set_tag(ids[8], names.ASSUMED, "price: 2.0 USD a device-hour (list)")
+    for k, i in enumerate((0, 5, 10, 15)):
+        client.log_param(ids[i], "seed", str(k))
+    client.set_terminated(ids[6], "FAILED")
+    client.log_metric(ids[11], names.SUM_STEPS, 99.0)
+    client.log_metric(ids[12], names.SUM_MFU, 0.25)
+    client.set_tag(ids[13], names.DATASET, "another")
+    for i in (11, 16):  # one length by the metric, and one set by targets
+        client.log_metric(ids[i], names.SUM_GOODPUT, 0.5)
+    for k, v in (("stop_at_targets", "true"), ("targets", "val_loss=3.0"), ("max_steps", "60")):
+        client.log_param(ids[16], k, v)
+    i, ttq = next((i, k) for i in range(5) for k in client.get_run(ids[i]).data.tags
+                  if k.startswith(names.TTQ_TAG_PREFIX))
+    client.set_tag(ids[i + 5], ttq, "not reached")
+    store = SqlAlchemyStore(uri, str(tmp_path / "artifacts"))
+    sel = source.select_runs(store, exp_id)
+    kinds = {r.alike for r in sel.runs}
+    assert None not in kinds and 5 < len(kinds) < 40  # the configurations' repeats read alike, the changed apart
+    alone = dataclasses.replace(sel, runs=[dataclasses.replace(r, alike=None) for r in sel.runs])
+    a, b = (render.build_report(store, s, plots=False) for s in (sel, alone))
+    assert [w.text() for w in a.warnings] == [w.text() for w in b.warnings] and a.warnings
+    assert [(c.key, c.label, [r.run_id for r in c.used], [c.estimate(k) for k in a.columns], c.note())
+            for c in a.configs] == [(c.key, c.label, [r.run_id for r in c.used], [c.estimate(k) for k in b.columns],
+                                     c.note()) for c in b.configs]
+    assert (a.columns, a.tag_columns, a.scaling) == (b.columns, b.tag_columns, b.scaling)
+    assert [(t.target, t.runs, t.scores, t.missing) for t in a.targets] == \
+        [(t.target, t.runs, t.scores, t.missing) for t in b.targets] and a.targets
+    assert render.to_html(a) == render.to_html(b) and render.to_markdown(a) == render.to_markdown(b)
+    assert render.to_csv(a) == render.to_csv(b)
+    assert "1 unstable repeat kept in the figures" in render.to_html(a) and "assumed (llmeff.assumed)" in render.to_html(a)
+
+
 def test_a_target_none_of_2000_runs_reached_names_five_of_them_and_counts_the_rest():
     from mlflow_llmeff.report import mlperf
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import absent_why
+from mlflow_llmeff.report.calc import absent_why, kind_counts, kinds
 from mlflow_llmeff.report.repeats import (METHOD_NOTE, Configuration, Estimate, best_index, floor_for,
                                           standing_order, versus_best)
 
@@ -85,8 +85,7 @@ def estimate_cell(e: Estimate | None, *, pct: bool = False, fmt=None) -> Cell:
 
 
 def _mean(c: Configuration, key: str) -> float | None:
-    vals = [r.metrics[key] for r in c.used if r.metrics.get(key) is not None]
-    return sum(vals) / len(vals) if vals else None
+    return c.mean(key)  # over the repeats holding it, kept by the configuration
 
 
 def _quality(c: Configuration) -> Cell:
@@ -96,15 +95,16 @@ def _quality(c: Configuration) -> Cell:
         if v is not None:
             parts.append(f"{label} {v:.3g}")
             sort = v if sort is None else sort
-    targets = sorted(k for k in set().union(*(r.tags for r in c.used)) if k.startswith(names.TTQ_TAG_PREFIX))
+    each = kind_counts(c.used)  # a run of each kind with how many (RunRecord.alike: the same tags but the name)
+    targets = sorted(k for k in set().union(*(r.tags for r, _ in each)) if k.startswith(names.TTQ_TAG_PREFIX))
     if targets:
-        reached = [k for k in targets if all(r.tags.get(k, "").startswith("reached") for r in c.used if k in r.tags)]
+        reached = [k for k in targets if all(r.tags.get(k, "").startswith("reached") for r, _ in each if k in r.tags)]
         parts.append(f"{len(reached)}/{len(targets)} targets")
         for k in targets:  # a target some repeats reached: by how many (the time to it: docs/compare.md)
-            given = [r for r in c.used if k in r.tags]
-            got = sum(r.tags[k].startswith("reached") for r in given)
-            if 0 < got < len(given):
-                parts.append(f"{k[len(names.TTQ_TAG_PREFIX):]} by {got} of {len(given)} runs")
+            given = sum(n for r, n in each if k in r.tags)
+            got = sum(n for r, n in each if k in r.tags and r.tags[k].startswith("reached"))
+            if 0 < got < given:
+                parts.append(f"{k[len(names.TTQ_TAG_PREFIX):]} by {got} of {given} runs")
     title = "HellaSwag acc_norm, MMLU acc, final eval/val_loss (means over the repeats); time-to-quality targets reached"
     return Cell(", ".join(parts), sort, title if parts else "")
 
@@ -250,7 +250,7 @@ def assumed_notes(configs: list[Configuration]) -> list[str]:
     resting on a guess is never shown as if the user had given its input."""
     holders: dict[str, list[str]] = {}
     for c in configs:
-        for entry in sorted({e for r in c.used for e in _ENTRY.split(r.tags.get(names.ASSUMED, "")) if e}):
+        for entry in sorted({e for r in kinds(c.used) for e in _ENTRY.split(r.tags.get(names.ASSUMED, "")) if e}):
             holders.setdefault(entry, []).append(c.label)
     everyone = len(configs) > 1
     return [f"assumed ({names.ASSUMED}) for {'every configuration' if everyone and len(labels) == len(configs) else ', '.join(labels)}: "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.mlperf import RULES, Olympic, olympic, olympic_on_kept
-from mlflow_llmeff.report.calc import RunRecord
+from mlflow_llmeff.report.calc import RunRecord, kinds, per_kind
 from mlflow_llmeff.report.repeats import Configuration, config_key
 
 __all__ = ["RunToTarget", "TargetScore", "target_scores", "config_scores", "targets_of", "RULE_NOTE", "COLUMNS", "rows", "text_lines",
@@ -108,9 +108,10 @@ class TargetScore:
 def targets_of(c: Configuration) -> list[str]:
     """The target stems any run of ``c`` was given (its ``llmeff.ttq.<stem>`` tags, or a ``ttq/<stem>_wall_s``
     an older run logged without the tag), sorted."""
-    tagged = {k[len(names.TTQ_TAG_PREFIX):] for k in set().union(*(r.tags for r in c.runs))
+    each = kinds(c.runs)  # runs alike hold the same tag and metric keys (RunRecord.alike)
+    tagged = {k[len(names.TTQ_TAG_PREFIX):] for k in set().union(*(r.tags for r in each))
               if k.startswith(names.TTQ_TAG_PREFIX)}
-    timed = {k[len("ttq/"):-len("_wall_s")] for k in set().union(*(r.metrics for r in c.runs))
+    timed = {k[len("ttq/"):-len("_wall_s")] for k in set().union(*(r.metrics for r in each))
              if k.startswith("ttq/") and k.endswith("_wall_s")}
     return sorted(tagged | timed)
 
@@ -127,9 +128,14 @@ def _end_s(r: RunRecord) -> float | None:
     return max(0.0, wall - (init or 0.0))
 
 
-def _one(r: RunRecord, stem: str) -> RunToTarget:
-    values = {s: r.metrics[f"ttq/{stem}_{s}"] for s, _ in _FIGURES
-              if f"ttq/{stem}_{s}" in r.metrics and math.isfinite(r.metrics[f"ttq/{stem}_{s}"])}
+def _keys(stem: str) -> list[tuple[str, str]]:
+    """``(figure, its metric key)`` of each of :data:`_FIGURES` to target ``stem``."""
+    return [(s, f"ttq/{stem}_{s}") for s, _ in _FIGURES]
+
+
+def _one(r: RunRecord, stem: str, keys: list[tuple[str, str]] | None = None) -> RunToTarget:
+    m = r.metrics
+    values = {s: m[k] for s, k in keys or _keys(stem) if k in m and math.isfinite(m[k])}
     reached = "wall_s" in values
     steps = r.metrics.get(names.SUM_STEPS)
     return RunToTarget(r.label, values, reached, None if reached else _end_s(r),
@@ -158,8 +164,9 @@ def config_scores(c: Configuration, failed: list[RunRecord] = ()) -> list[Target
     being runs of it that did not finish (each a non-converged run unless it logged the target's time)."""
     out = []
     for stem in targets_of(c):
-        runs = [_one(r, stem) for r in c.runs if _given(r, stem)]
-        runs += [_one(r, stem) for r in failed]
+        keys, given = _keys(stem), {}  # whether it was given: once a kind of runs (RunRecord.alike)
+        runs = [_one(r, stem, keys) for r in c.runs if per_kind(r, given, lambda r: _given(r, stem))]  # noqa: B023
+        runs += [_one(r, stem, keys) for r in failed]
         times = [r.values.get("wall_s") for r in runs]
         scores, missing = {"wall_s": olympic(times)}, {}
         for s in ("kwh", "usd"):  # on the runs the time score keeps (MLCommons' result summarizer)

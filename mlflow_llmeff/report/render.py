@@ -19,7 +19,8 @@ from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import (CONDITION_TAGS, Fleet, Incomparability, RunRecord, comparability_warnings,
                    differing_tags, failures_by_cause, fleet_reliability, header, metric_columns, round_sig)
 from mlflow_llmeff.report.mlperf import html_section, markdown as targets_markdown, target_scores
-from mlflow_llmeff.report.repeats import Configuration, ScalingRow, configurations, scaling_efficiency
+from mlflow_llmeff.report.repeats import Configuration, configurations
+from mlflow_llmeff.report.scaling import ScalingRow, scaling_efficiency
 from mlflow_llmeff.report.source import Selection, metric_history, ui_run_url
 
 __all__ = ["Report", "parse_group_by", "build_report", "write_report", "to_markdown", "to_csv", "to_html",

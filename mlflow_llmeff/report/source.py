@@ -272,6 +272,8 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
     tables = ("latest_metrics", "tags", "params")
     # each table's digest apart (the threads finish in any order), given to ``content`` in table order
     seen = {t: (None if content is None else hashlib.sha1()) for t in tables}
+    # each table's runs by the distinct set they were read in (sqlite's grouped read): RunRecord.alike
+    sets: dict[str, dict] = {t: {} for t in tables}
 
     def values_of(table: str) -> dict[str, dict]:
         keys, args = _key_condition(table, extra[table])
@@ -280,7 +282,7 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
         with engine.connect() as conn:
             cursor = conn.connection.cursor()
             try:
-                return read(cursor, table, where, keys, args, cleaned, content=seen[table])
+                return read(cursor, table, where, keys, args, cleaned, content=seen[table], sets=sets[table])
             finally:
                 cursor.close()
 
@@ -324,9 +326,15 @@ def _read_by_sql(client, experiment_id: str, filter_string: str, secrets: list[s
     exp_id = str(experiment_id)
     metrics, tags, params = values["latest_metrics"], values["tags"], values["params"]
     none: dict = {}
-    # dict(...): runs of equal tags or params share the parsed dict; each record gets its own
+    ms, ts, ps = (sets[t] for t in tables)
+    if not all(None in x for x in (ms, ts, ps)):  # a table read by rows: no run is known alike another
+        ms = ts = ps = {u: None for u, *_ in rows}
+    # dict(...): runs of equal tags or params share the parsed dict; each record gets its own. alike: the
+    # numbers of its metric keys' list, its tag set and its param set (-1: none of the keys read; a run
+    # read by rows: None, alike no other)
     records = [RunRecord(u, tags.get(u, none).get(_RUN_NAME) or name or "", status, exp_id, metrics.get(u) or {},
-                         dict(tags.get(u, none)), dict(params.get(u, none)), start)
+                         dict(tags.get(u, none)), dict(params.get(u, none)), start,
+                         None if None in (a := (ms.get(u, -1), ts.get(u, -1), ps.get(u, -1))) else a)
                for u, name, status, start, _end, _user, _uri, _stage in rows]
     if not filter_string:
         return records
@@ -356,10 +364,12 @@ def _seen(content, what: str, rows: list) -> None:
         content.update("\x1e".join(cells).encode("utf-8", "surrogatepass"))
 
 
-def _by_rows(cursor, table: str, where: str, keys: str, args: list, cleaned, ids=(), content=None) -> dict[str, dict]:
+def _by_rows(cursor, table: str, where: str, keys: str, args: list, cleaned, ids=(), content=None,
+             sets: dict | None = None) -> dict[str, dict]:
     """``{run id: {key: value}}`` of ``table`` for the selected runs, a row per value (PostgreSQL, MySQL):
     metrics as floats (NaN where MLflow's ``is_nan`` is set), tags and params through ``cleaned``;
-    ``ids``: only these runs (sqlite's placeholders); ``content``: see :func:`_seen`."""
+    ``ids``: only these runs (sqlite's placeholders); ``content``: see :func:`_seen`. ``sets`` is left as
+    it is (no run read by rows is known alike another: :attr:`~mlflow_llmeff.report.calc.RunRecord.alike`)."""
     nan = ", v.is_nan" if table == "latest_metrics" else ""
     if ids:
         where += f" AND r.run_uuid IN ({', '.join('?' * len(ids))})"
@@ -385,7 +395,8 @@ def _by_rows(cursor, table: str, where: str, keys: str, args: list, cleaned, ids
 _SEP = "\x1f"
 
 
-def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, cleaned, content=None) -> dict[str, dict]:
+def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, cleaned, content=None,
+                    sets: dict | None = None) -> dict[str, dict]:
     """``{run id: {key: value}}`` of ``table`` for the selected runs of a sqlite store, grouped by sqlite's
     ``group_concat`` (with :data:`_SEP`), so Python makes a row per run or fewer where a row per value made
     380,000 (10,000 runs of 38 values).
@@ -403,7 +414,12 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
     The runs are a list the values' index is searched with in run order (``IN (SELECT ...)``: no sort
     for the per-run grouping; 2.0 s of CPU for 100,000 runs' tags where the join took 2.8-3.1 s). A run
     whose values do not split into as many as its keys (a value holding the separator, a NULL value) is
-    read by rows (:func:`_by_rows`), and so is every run of a set whose names do not split into one a run."""
+    read by rows (:func:`_by_rows`), and so is every run of a set whose names do not split into one a run.
+
+    ``sets``: a dict given each run's number of its set (of keys and values; for metrics, of keys), None for
+    a run read by rows, and ``sets[None] = True`` when the grouping held (left out when every run of the
+    table was read by rows): :attr:`~mlflow_llmeff.report.calc.RunRecord.alike`."""
+    sets = {} if sets is None else sets
     inside = f"v.run_uuid IN (SELECT r.run_uuid FROM runs r WHERE {where}) AND {keys}"
     if table == "latest_metrics":
         value = "CASE WHEN v.is_nan THEN 'nan' ELSE printf('%!.20e', v.value) END"
@@ -426,11 +442,12 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
     got: dict[str, dict] = {}
     again = []
     if table == "latest_metrics":
-        split: dict[str, list[str]] = {}  # each distinct list of keys split once
+        split: dict[str, tuple[list[str], int]] = {}  # each distinct list of keys split once, and numbered
         for u, n, ks, vs in found:
             k_list = split.get(ks)
             if k_list is None:
-                k_list = split[ks] = ks.split(_SEP)
+                k_list = split[ks] = (ks.split(_SEP), len(split))
+            k_list, sets[u] = k_list
             v_list = vs.split(_SEP)
             if len(v_list) != n or len(k_list) != n:
                 again.append(u)
@@ -440,6 +457,7 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
         for n, k, has, ks, vs, count, ids, named, nms in found:
             run_ids = ids.split(_SEP)
             if len(run_ids) != count:  # a run id holding the separator (not one MLflow makes): all by rows
+                sets.clear()
                 return _by_rows(cursor, table, where, keys, args, cleaned, content=content)
             k_list, v_list = (ks or "").split(_SEP), (vs or "").split(_SEP)
             run_names = nms.split(_SEP) if has and named == count else ()
@@ -447,11 +465,14 @@ def _sqlite_grouped(cursor, table: str, where: str, keys: str, args: list, clean
                 again += run_ids
                 continue
             one = {key: cleaned(key, v) for key, v in zip(k_list, v_list)} if n else {}
+            sets.update(dict.fromkeys(run_ids, len(sets)))
             if has:
                 for u, nm in zip(run_ids, run_names):
                     got[u] = {**one, _RUN_NAME: cleaned(_RUN_NAME, nm)}
             else:
                 got.update(dict.fromkeys(run_ids, one))
+    sets.update(dict.fromkeys(again))
+    sets[None] = True
     for i in range(0, len(again), 500):  # the few runs the joined strings cannot carry, by rows
         got.update(_by_rows(cursor, table, where, keys, args, cleaned, ids=again[i:i + 500], content=content))
     return got
