@@ -82,20 +82,27 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def require(module: str, how: str = ""):
+def require(module: str, how: str = "", load: bool = True):
     """Import and return ``module``; when it is missing, skip locally but fail under CI
     (:func:`under_ci`), where a missing dependency is a broken set-up, not a reason to pass.
 
     Usable at module level (``lm_eval = require("lm_eval")``: a collection error under CI) and
-    inside a test.
+    inside a test. ``load=False`` only finds it (``importlib.util.find_spec``) and returns None: a
+    module-level check that leaves the import to the tests that use it, so that collecting the file,
+    which every worker does, costs nothing (peft: ~1.5-3 s of CPU with bitsandbytes, lm_eval ~1 s).
 
     Raises:
-        pytest.fail.Exception: under CI when ``module`` cannot be imported.
-        pytest.skip.Exception: elsewhere when it cannot be imported.
+        pytest.fail.Exception: under CI when ``module`` cannot be imported (found).
+        pytest.skip.Exception: elsewhere when it cannot be imported (found).
     """
     import importlib
+    import importlib.util
 
     try:
+        if not load:
+            if importlib.util.find_spec(module) is None:
+                raise ImportError(f"No module named {module!r}")
+            return None
         return importlib.import_module(module)
     except ImportError as e:
         why = f"{module} is not installed ({e})" + (f"; {how}" if how else "")
@@ -104,17 +111,17 @@ def require(module: str, how: str = ""):
         pytest.skip(why, allow_module_level=True)
 
 
-def require_peft():
+def require_peft(load: bool = True):
     """peft for the LoRA tests, from its own folder (``$LLMEFF_PEFT_DIR``, else ``.venv/peft``: .ci/run installs it
     there, not in the venv, where transformers would import it and bitsandbytes in every process) put on
-    ``sys.path``, or from the environment; :func:`require`'s rules when it is in neither."""
+    ``sys.path``, or from the environment; :func:`require`'s rules (and its ``load``) when it is in neither."""
     import os
     import sys
 
     folder = os.environ.get("LLMEFF_PEFT_DIR", str(REPO / ".venv" / "peft"))
     if os.path.isdir(folder) and folder not in sys.path:
         sys.path.append(folder)  # after the venv: its torch, transformers and accelerate stay first
-    return require("peft", "pip install 'mlflow-llmeff[lora]' (CI: --target .venv/peft)")
+    return require("peft", "pip install 'mlflow-llmeff[lora]' (CI: --target .venv/peft)", load=load)
 
 
 def use_store(uri: str, monkeypatch):

@@ -9,7 +9,7 @@ import transformers
 
 from conftest import require
 
-lm_eval = require("lm_eval", "pip install -e '.[dev]'")  # skips locally, fails under CI
+require("lm_eval", "pip install -e '.[dev]'", load=False)  # skips locally, fails under CI; imported where used
 
 from mlflow_llmeff.evals import evaluate  # noqa: E402
 from mlflow_llmeff.evals.harness import run_harness  # noqa: E402

@@ -35,6 +35,19 @@ def test_a_present_dependency_is_returned_under_ci(monkeypatch):
     assert require("json") is json
 
 
+def test_a_dependency_only_found_is_not_imported_and_a_missing_one_still_fails_or_skips(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "tomllib", raising=False)  # a stdlib module this test never imports
+    monkeypatch.setenv("CI", "true")
+    assert require("tomllib", load=False) is None and "tomllib" not in sys.modules
+    with pytest.raises(pytest.fail.Exception, match=f"{MISSING} is not installed .*: CI must install it"):
+        require(MISSING, load=False)
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match=f"{MISSING} is not installed .*; pip install it"):
+        require(MISSING, "pip install it", load=False)
+
+
 @pytest.mark.slow
 def test_a_bench_that_misses_its_target_exits_1_and_says_so(tmp_path):
     # the cheapest bench (one round of 2 steps per contender, ~15 s of CPU): no time inside our calls (0%)

@@ -21,7 +21,7 @@ from conftest import REPO, require
 
 pytestmark = pytest.mark.slow
 
-ray = require("ray", "pip install 'mlflow-llmeff[ray]'")
+require("ray", "pip install 'mlflow-llmeff[ray]'", load=False)  # imported by the tests and the cluster
 TOKENS_PER_STEP = 2 * 8 + 2 * 9  # rank 0: 2 rows of 8 tokens, rank 1: 2 rows of 9
 
 
@@ -85,6 +85,8 @@ RAY_QUIET = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_fi
 @pytest.fixture(scope="module")
 def cluster(module_store, tmp_path_factory):
     """A local Ray of 2 CPUs whose workers log to the module's store and import this module."""
+    import ray
+
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "PYTHONPATH", "OMP_NUM_THREADS", *RAY_QUIET)}
     os.environ.update(MLFLOW_TRACKING_URI=module_store, OMP_NUM_THREADS="1",
                       PYTHONPATH=os.pathsep.join([str(REPO / "tests"), saved["PYTHONPATH"] or ""]).rstrip(os.pathsep))
