@@ -34,6 +34,11 @@ Each in-call share is also taken in thread CPU time (``time.thread_time`` around
 loop's thread CPU time), printed beside the wall-time share with its own A/A floor: on a shared, loaded
 host another process running on our core inside a call adds to the wall share and not to the CPU
 share. ``--inside-clock cpu`` puts the in-call target on the CPU share (default ``wall``, as before).
+
+Neither share holds the meter's background threads: MLflow delivery (``llmeff-delivery``) and, with one
+process, the building of each logged point from its step's readings (``llmeff-points``,
+``mlflow_llmeff/monitor/pointwork.py``); their time shows in the tokens/s ratios, and where one of them
+holds the interpreter's lock while a call of ours wants it, in the wall share.
 """
 
 from __future__ import annotations
@@ -248,8 +253,8 @@ def main() -> None:
         verdict = f"(target <= {args.inside_target:g}%: {'met' if ok else 'NOT met'})"
         print(f"time inside mlflow_llmeff calls, {name}: {share:.2f}% of the loop's wall time, its hooks' "
               f"{100 * hooks[name] / wall[name]:.2f}% included; A/A floor {floor:.2f}% (the same timing around "
-              f"calls that do nothing) {verdict + ' ' if args.inside_clock == 'wall' else ''}(the asynchronous MLflow "
-              "thread's work is not in it; the ratios above include it)")
+              f"calls that do nothing) {verdict + ' ' if args.inside_clock == 'wall' else ''}(the work of the MLflow "
+              "delivery thread and of the point thread, llmeff-points, is not in it; the ratios above include it)")
         print(f"thread CPU inside mlflow_llmeff calls, {name}: {share_cpu:.2f}% of the loop's thread CPU time "
               f"({1e6 * (inside_cpu[name] + hooks_cpu[name]) / (args.rounds * args.steps):.0f} us a step), A/A floor "
               f"{floor_cpu:.2f}%{' ' + verdict if args.inside_clock == 'cpu' else ''}")

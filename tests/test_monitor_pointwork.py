@@ -20,6 +20,13 @@ from mlflow_llmeff.tracking.logger import RunLogger
 UNIX = 1_700_000_000.125  # the step's time the fake time.time() of points.py reads
 
 
+def _taken(w: PointWorker) -> None:
+    """Wait until the worker thread has taken every job handed over (a drain runs those it has not)."""
+    deadline = time.monotonic() + 30
+    while w._jobs and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_jobs_run_in_order_on_one_thread_and_drain_waits_for_them():
     w = PointWorker()
     done, where = [], set()
@@ -31,12 +38,44 @@ def test_jobs_run_in_order_on_one_thread_and_drain_waits_for_them():
 
     for i in range(5):
         w.submit(lambda i=i: job(i))
-    assert w.drain() is None
+        _taken(w)
+    assert w.drain() is None  # waits for the last one, in progress on the thread
     assert done == [0, 1, 2, 3, 4] and where == {"llmeff-points"} and w.pending == 0
     w.close(timeout_s=5)
     w.submit(lambda: job(5))  # closed: run here, at once
     assert done[-1] == 5 and where == {"llmeff-points", threading.current_thread().name}
     assert not any(t.name == "llmeff-points" for t in threading.enumerate())
+
+
+def test_a_drain_runs_the_jobs_the_thread_has_not_reached_in_order_never_twice():
+    w = PointWorker()
+    go, done = threading.Event(), []
+    w.submit(lambda: (go.wait(10), done.append(0)))  # the thread holds this one
+    _taken(w)
+    for i in (1, 2, 3):
+        w.submit(lambda i=i: done.append(i))
+    threading.Timer(0.1, go.set).start()
+    assert w.drain() is None
+    assert done == [0, 1, 2, 3] and w.pending == 0
+    w.close(timeout_s=5)
+    assert done == [0, 1, 2, 3]
+
+
+def test_an_idle_thread_sleeps_until_the_next_job_wakes_it(monkeypatch):
+    from mlflow_llmeff.monitor import pointwork
+
+    monkeypatch.setattr(pointwork, "IDLE_S", 0.05)
+    w = PointWorker()
+    where = []
+    w.submit(lambda: where.append(threading.current_thread().name))
+    deadline = time.monotonic() + 30
+    while not w._asleep and time.monotonic() < deadline:  # no job for IDLE_S: asleep until woken
+        time.sleep(0.01)
+    assert w._asleep and w.pending == 0
+    w.submit(lambda: where.append(threading.current_thread().name))
+    _taken(w)
+    assert w.drain() is None and where == ["llmeff-points", "llmeff-points"]
+    w.close(timeout_s=5)
 
 
 def test_a_jobs_error_is_returned_by_the_next_drain_once_and_later_jobs_still_run():
@@ -73,6 +112,8 @@ def _run(tracking_uri, monkeypatch, off_thread: bool, slow_s: float = 0.0):
     for step in range(1, 7):
         clock.t += 1.0
         mon.step(tokens=100, samples=4, loss=2.0)
+        if off_thread and mon._points is not None:
+            _taken(mon._points)  # (else the next edge's drain builds it here: the same figures)
         if step == 4:
             latest = dict(mon.latest_metrics)
     summary = mon.finish()

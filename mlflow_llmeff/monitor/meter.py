@@ -269,7 +269,7 @@ class EfficiencyMonitor:
     def _drain(self, close: bool = False) -> None:
         """Wait for the points built off the training thread (pointwork.py; ``close``: and end it); its failure stops us."""
         w = self._points
-        if w is not None and (w.pending or w.error is not None or close):
+        if w is not None and (w.submitted != w.done or w.error is not None or close):
             e = w.close() if close else w.drain()
             if e is not None:
                 self._fail(e)

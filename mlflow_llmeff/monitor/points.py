@@ -124,20 +124,28 @@ def log_interval(p: Parts, step: int, collective: bool = True, later=None) -> No
     thread; :func:`publish_interval` builds the figures from them and hands them to the logger. With
     ``later`` (a callable taking a function: :meth:`~mlflow_llmeff.monitor.pointwork.PointWorker.submit`, one
     process) the second half runs there, off the training thread; the figures are the same."""
-    reading = read_interval(p, step, collective)
+    reading = read_interval(p, step, collective, one_process=later is not None)
     if later is None:
         publish_interval(p, step, reading)
     else:
         later(partial(publish_interval, p, step, reading))
 
 
-def read_interval(p: Parts, step: int, collective: bool = True) -> tuple:
+def read_interval(p: Parts, step: int, collective: bool = True, one_process: bool = False) -> tuple:
     """The readings of a logged step (:func:`log_interval`'s first half, on the training thread: the
-    collectives, the clocks and every state the next steps change), in the order they were always read."""
+    collectives, the clocks and every state the next steps change), in the order they were always read.
+    ``one_process`` (the second half runs off the training thread): the energy, codecarbon's estimate and
+    the wall time are read here and summed into the totals there (:func:`read_consumption`), and the host's
+    contention is read there (its interval runs from one reading to the next wherever they are made)."""
     total = p.meter.total
     snap = object.__new__(type(total))  # the totals as of this step (the next edge adds to them in place)
     snap.__dict__.update(total.__dict__)
-    loss_sum, loss_n = refresh_consumption(p, collective, p.tally.take_loss())
+    if one_process:
+        cons = read_consumption(p)
+        loss_sum, loss_n = p.tally.take_loss()
+    else:
+        cons = None
+        loss_sum, loss_n = refresh_consumption(p, collective, p.tally.take_loss())
     alloc, reserved, _ = memory(p, collective)
     loss = None
     if loss_n:
@@ -150,17 +158,18 @@ def read_interval(p: Parts, step: int, collective: bool = True) -> tuple:
         note_nothing_counted(p)
         rates = None  # no token was counted: a rate of 0 tokens/s would be a number nobody measured
     wall_s = p.ledger.wall_s()
-    system = p.contention.interval(collective)
-    system_why = getattr(p.contention, "interval_why", {})
+    system = None if one_process else (p.contention.interval(collective), getattr(p.contention, "interval_why", {}))
     tags = p.memory.optimizer_tags(p.optimizer) if p.is_main and getattr(p, "memory", None) is not None else None
-    return snap, loss, alloc, reserved, lr, rates, wall_s, system, system_why, tags, time.time()
+    return snap, cons, loss, alloc, reserved, lr, rates, wall_s, system, tags, time.time()
 
 
 def publish_interval(p: Parts, step: int, reading: tuple) -> None:
     """Build the interval metrics of ``step`` from its :func:`read_interval` readings and hand them to the
     logger (rank 0), with the heartbeat; no collective, no clock read, no state of the steps to come
     (:func:`log_interval`'s second half, on the training thread or off it)."""
-    total, loss, alloc, reserved, lr, rates, wall_s, system, system_why, tags, unix = reading
+    total, cons, loss, alloc, reserved, lr, rates, wall_s, system, tags, unix = reading
+    if cons is not None:
+        add_consumption(p, cons)
     m: dict[str, float] = {names.TRAIN_TOKENS: total.tokens, names.TRAIN_PADDED_TOKENS: total.padded_tokens,
                            names.TRAIN_LOSS_TOKENS: total.loss_tokens,
                            names.MEM_MAX_ALLOC: alloc, names.MEM_MAX_RESERVED: reserved}
@@ -177,8 +186,10 @@ def publish_interval(p: Parts, step: int, reading: tuple) -> None:
     note_unknown(p, unknown)
     m.update(p.consumption.interval(wall_s, total.tokens))
     note_unknown(p, p.consumption.interval_why)  # a counter that did not move: no power, and why
-    m.update(system)
-    note_unknown(p, system_why)
+    if system is None:  # one process: read here
+        system = p.contention.interval(False), getattr(p.contention, "interval_why", {})
+    m.update(system[0])
+    note_unknown(p, system[1])
     p.last.logged(step, m)
     p.logger.log_metrics(m, step, timestamp_ms=int(unix * 1000))
     if tags:  # llmeff.optimizer once its states exist
@@ -253,20 +264,44 @@ def refresh_consumption(p: Parts, collective: bool = True, loss: tuple[float, in
     mine = _energy_share(p, many)
     reading = p.energy.read() if p.energy.measures else None
     est = p.carbon.running_estimate()
+    local = [loss_sum, float(loss_n), *_consumption_local(p, mine, reading, est)]
+    g = collectives.all_reduce(local) if many else local
+    _consumption_sums(p, many, g, p.ledger.wall_s())
+    return g[0], int(g[1])
+
+
+def read_consumption(p: Parts) -> tuple:
+    """One process: the energy reading, codecarbon's running estimate and the wall time of
+    :func:`refresh_consumption`, read now (in its order); :func:`add_consumption` makes them the totals."""
+    mine = _energy_share(p, False)
+    reading = p.energy.read() if p.energy.measures else None
+    return mine, reading, p.carbon.running_estimate(), p.ledger.wall_s()
+
+
+def add_consumption(p: Parts, readings: tuple) -> None:
+    """The totals of :func:`read_consumption`'s readings, as :func:`refresh_consumption` sets them."""
+    mine, reading, est, wall_s = readings
+    _consumption_sums(p, False, [0.0, 0.0, *_consumption_local(p, mine, reading, est)], wall_s)
+
+
+def _consumption_local(p: Parts, mine: set[str], reading, est) -> list[float]:
+    """This rank's ``[joules, devices, cpu kWh, ram kWh, estimated, domains, unmeasured]`` to sum over ranks."""
     joules, devices, domains = 0.0, 0, 0
     if reading is not None:
         ours = [d for d in reading.per_device_j if d in mine]
         joules = sum(reading.per_device_j[d] for d in ours)
         domains = len(ours)
         devices = p.energy.num_devices if len(ours) == len(reading.per_device_j) else len(ours)
-    local = [loss_sum, float(loss_n), joules, float(devices), est[0] if est else 0.0,
-             est[1] if est else 0.0, 1.0 if est else 0.0, float(domains), float(len(p.energy.unmeasured))]
-    g = collectives.all_reduce(local) if many else local
+    return [joules, float(devices), est[0] if est else 0.0, est[1] if est else 0.0, 1.0 if est else 0.0,
+            float(domains), float(len(p.energy.unmeasured))]
+
+
+def _consumption_sums(p: Parts, many: bool, g: list[float], wall_s: float) -> None:
+    """Set the consumption totals from the sums ``g`` (:func:`refresh_consumption`'s layout) read at ``wall_s``."""
     if p.energy_share.check(g[8]):  # a device left the measurement (another process on it): every rank
         _energy_share(p, many)        # sees the same sum, so all gather the devices and reasons again
     p.consumption.update(joules=g[2], energy_devices=int(g[3]), estimate=(g[4], g[5]) if g[6] else None,
-                         measured_domains=int(g[7]), wall_s=p.ledger.wall_s())
-    return g[0], int(g[1])
+                         measured_domains=int(g[7]), wall_s=wall_s)
 
 
 def _energy_share(p: Parts, many: bool) -> set[str]:
