@@ -12,6 +12,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
+from functools import partial
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import reliability as _rel
@@ -325,8 +326,9 @@ def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
         taking = compared if metrics is None else [r for r in compared if not metrics.isdisjoint(r.metrics)]
         fixed: dict = {}  # each kind of runs' answer from its tags and params (RunRecord.alike)
         shown: dict = {}  # each metric value's text once
+        answer = partial(_fixed_condition, tag=key, param=param)
         for r in taking:
-            v = per_kind(r, fixed, lambda r: _fixed_condition(r, key, param))  # noqa: B023 - used in this pass
+            v = per_kind(r, fixed, answer)
             if v is _BY_METRIC:
                 m = r.metrics.get(key)
                 v = shown.get(m)

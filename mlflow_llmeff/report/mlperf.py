@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.mlperf import RULES, Olympic, olympic, olympic_on_kept
@@ -165,7 +166,8 @@ def config_scores(c: Configuration, failed: list[RunRecord] = ()) -> list[Target
     out = []
     for stem in targets_of(c):
         keys, given = _keys(stem), {}  # whether it was given: once a kind of runs (RunRecord.alike)
-        runs = [_one(r, stem, keys) for r in c.runs if per_kind(r, given, lambda r: _given(r, stem))]  # noqa: B023
+        was_given = partial(_given, stem=stem)
+        runs = [_one(r, stem, keys) for r in c.runs if per_kind(r, given, was_given)]
         runs += [_one(r, stem, keys) for r in failed]
         times = [r.values.get("wall_s") for r in runs]
         scores, missing = {"wall_s": olympic(times)}, {}

@@ -9,13 +9,16 @@ and the ratio's interval is interval arithmetic on the two (Moore 1966). A value
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import RunRecord
+from mlflow_llmeff.report.calc import RunRecord, per_kind
 from mlflow_llmeff.report.repeats import SUPERLINEAR, Configuration, Estimate, configurations
 
 __all__ = ["ScalingRow", "SAME_JOB", "scaling_efficiency"]
+
+_DEVICES = operator.attrgetter("devices")
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,9 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None,
     Raises:
         ValueError: when ``baseline`` is not one of ``runs`` or has no ``summary/tokens_per_sec``.
     """
-    usable = [r for r in runs if r.comparable and r.devices and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
+    devices: dict = {}  # each kind of runs' device count read once (RunRecord.alike)
+    usable = [r for r in runs if r.comparable and per_kind(r, devices, _DEVICES)
+              and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
     if baseline is not None and baseline not in {r.run_id for r in usable}:
         known = {r.run_id for r in runs}
         why = "has no summary/tokens_per_sec or device count" if baseline in known else "is not among the compared runs"
