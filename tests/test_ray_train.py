@@ -8,16 +8,14 @@ entrypoint's run from Ray, and a restart before its first checkpoint continues t
 from __future__ import annotations
 
 import os
-import signal
-import tempfile
 
 import mlflow
 import pytest
-import torch
 
 from mlflow_llmeff import names
 
 from conftest import REPO, require
+from ray_workers import killed_once, train_loop
 
 pytestmark = pytest.mark.slow
 
@@ -25,66 +23,20 @@ require("ray", "pip install 'mlflow-llmeff[ray]'", load=False)  # imported by th
 TOKENS_PER_STEP = 2 * 8 + 2 * 9  # rank 0: 2 rows of 8 tokens, rank 1: 2 rows of 9
 
 
-class Tiny(torch.nn.Module):
-    """The smallest causal LM the hooks count: ``forward(input_ids, labels)`` returning ``{"loss"}``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.out = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
-
-    def forward(self, input_ids, attention_mask=None, labels=None):
-        logits = self.out(self.emb(input_ids))
-        return {"loss": torch.nn.functional.cross_entropy(logits.view(-1, 64), labels.view(-1)), "logits": logits}
-
-
-def train_loop(config):
-    """Ray Train's worker loop: autolog, a DDP model, ``config["steps"]`` steps, rank 0's checkpoint after
-    step 2; with ``config["kill"]``, rank 1 of the first attempt dies (SIGKILL) before step 4."""
-    import ray.train
-    import ray.train.torch
-
-    import mlflow_llmeff
-
-    mlflow_llmeff.autolog(log_every_n_steps=1, warmup_steps=0, measure_energy="none")
-    torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(Tiny())
-    inner = getattr(model, "module", model)  # one worker: prepare_model wraps no DDP
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = ray.train.get_context().get_world_rank()
-    ckpt, start = ray.train.get_checkpoint(), 0
-    if ckpt is not None:
-        with ckpt.as_directory() as folder:
-            saved = torch.load(os.path.join(folder, "model.pt"))
-        inner.load_state_dict(saved["model"])
-        start = saved["step"]
-    for step in range(start, config["steps"]):
-        if config["kill"] and ckpt is None and step == 3 and rank == 1:
-            ray.train.get_all_reported_checkpoints()  # Ray holds the checkpoint before the worker dies
-            os.kill(os.getpid(), signal.SIGKILL)
-        ids = torch.randint(0, 64, (2, 8 + rank))
-        model(input_ids=ids, labels=ids)["loss"].backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 1:
-            with tempfile.TemporaryDirectory() as folder:
-                if rank == 0:
-                    torch.save({"model": inner.state_dict(), "step": step + 1}, os.path.join(folder, "model.pt"))
-                ray.train.report({"step": step + 1},
-                                 checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None)
-
-
 #: What of Ray this module needs none of, off unless the environment says otherwise: the preemption
 #: watcher actor Ray Train starts with every worker group (7 here: 5 fits and 2 restarts; each a Python
 #: process importing Ray, about 1.5-2 s of CPU), the idle workers raylet prestarts at ``ray.init`` (one per
-#: CPU, never used: Ray Train's actors carry a runtime environment of their own) and Ray Train's metrics
-#: export. Ray's health-check poll stays at its default (2 s), as a user's.
+#: CPU, never used: Ray Train's actors carry a runtime environment of their own), Ray Train's metrics
+#: export, and the log monitor's listing of the session's log folder every 0.1 s (it lists it every 0.5 s
+#: once a node has that many log files, here 0; ``log_to_driver=False``: none of its lines reach us).
+#: Ray's health-check poll stays at its default (2 s), as a user's.
 RAY_QUIET = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_prestart_worker_first_driver": "0",
-             "RAY_TRAIN_METRICS_ENABLED": "0"}
+             "RAY_TRAIN_METRICS_ENABLED": "0", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 
 
 @pytest.fixture(scope="module")
 def cluster(module_store, tmp_path_factory):
-    """A local Ray of 2 CPUs whose workers log to the module's store and import this module."""
+    """A local Ray of 2 CPUs whose workers log to the module's store and import tests/ray_workers.py."""
     import ray
 
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "PYTHONPATH", "OMP_NUM_THREADS", *RAY_QUIET)}
@@ -183,21 +135,6 @@ def test_llmeff_train_as_the_worker_function_of_two_ray_workers_gives_the_entryp
     assert run.data.params["num_processes"] == "2"
     # llmeff train's checkpoints are Ray's: the last one reported, in Ray's run folder, not copied
     assert result.checkpoint.path == str(cluster / "llmeff-train" / "llmeff" / "step_00000004")
-
-
-def killed_once(config):
-    """:func:`mlflow_llmeff.train.ray.train_loop_per_worker`, whose first attempt is SIGKILLed after step
-    ``config["kill_at"]`` (train/faults.py), before its first checkpoint."""
-    from mlflow_llmeff.train.faults import ENV
-    from mlflow_llmeff.train.ray import train_loop_per_worker
-
-    marker = config.pop("marker")
-    if not os.path.exists(marker):
-        open(marker, "w").close()
-        os.environ[ENV["kill_at_step"]] = str(config.pop("kill_at"))
-    else:
-        os.environ.pop(ENV["kill_at_step"], None)
-    train_loop_per_worker(config)
 
 
 def test_a_restart_before_the_first_checkpoint_continues_the_same_run(cluster):
