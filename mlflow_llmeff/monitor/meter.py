@@ -177,8 +177,7 @@ class EfficiencyMonitor:
         self._summary: dict[str, float] = {}
         self.world_size, self.rank = collectives.world_and_rank()
         self.is_main = self.rank == 0
-        # one process: a point's figures are built off the training thread (pointwork.py); ranks: on it
-        self._points = PointWorker() if self.world_size == 1 else None
+        self._points = PointWorker() if self.world_size == 1 else None  # one process: points built off-thread
         counting = assembly.token_counting(self.world_size, data_parallel_size, context_parallel_size)
         # the components and what set-up decided, the one object the helper modules work on (parts.py)
         self._p = p = Parts(world_size=self.world_size, rank=self.rank, counting=counting, warmup_steps=warmup_steps,
@@ -267,7 +266,7 @@ class EfficiencyMonitor:
 
     # ------------------------------------------------------------------------------ failures
     def _drain(self, close: bool = False) -> None:
-        """Wait for the points built off the training thread (pointwork.py; ``close``: and end it); its failure stops us."""
+        """Wait for the points built off the training thread (pointwork.py; ``close``: end it); a failure stops us."""
         w = self._points
         if w is not None and (w.submitted != w.done or w.error is not None or close):
             e = w.close() if close else w.drain()
@@ -487,9 +486,11 @@ class EfficiencyMonitor:
 
     @property
     def latest_metrics(self) -> dict[str, float]:
-        """The interval metrics of the last logged step (empty before the first)."""
+        """The interval metrics of the last logged step (empty before the first; waits for its figures)."""
         self._drain()
         return self._p.last.metrics
+
+    latest_built = property(lambda self: self._p.last.metrics, doc="latest_metrics without waiting (progress bars)")
 
     # ------------------------------------------------------------------------------ evals, extras
     def log_eval(self, values: dict[str, float], step: int | None = None) -> None:
@@ -680,7 +681,6 @@ class EfficiencyMonitor:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(lifecycle.status_for(exc), collective=exc is None)
-
 
 
 class _Pause:

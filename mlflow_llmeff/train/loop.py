@@ -547,7 +547,7 @@ def _evaluate(cfg: TrainConfig, t, monitor, step: int) -> None:
 def _progress(bar, monitor, shown: list) -> None:
     """Advance the bar one step; its loss and tokens/s change only at a logged step (``shown[0]``: the latest
     point already on the bar), so they are formatted then, not at every step."""
-    latest = monitor.latest_metrics
+    latest = monitor.latest_built  # (a point built off the training thread shows a step later: no wait)
     if latest is not shown[0]:
         shown[0] = latest
         loss, tps = latest.get(names.TRAIN_LOSS), latest.get(names.TPUT_TOKENS)
