@@ -78,6 +78,38 @@ def test_an_idle_thread_sleeps_until_the_next_job_wakes_it(monkeypatch):
     w.close(timeout_s=5)
 
 
+class _CountedLock:
+    """A lock whose timed acquires (the worker thread's looks for jobs) are counted."""
+
+    def __init__(self, lock):
+        self.lock, self.looks = lock, 0
+
+    def acquire(self, blocking=True, timeout=-1):
+        if timeout is not None and timeout >= 0:
+            self.looks += 1
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self):
+        self.lock.release()
+
+
+def test_the_thread_looks_for_jobs_about_twice_per_interval_between_them_not_every_10_ms():
+    # jobs every 0.1 s for 1 s: looking every POLL_S (10 ms) would be ~100 looks; twice an interval ~20
+    # (a loaded machine stretches the sleeps, which only makes fewer)
+    w = PointWorker()
+    w._wake = counted = _CountedLock(w._wake)  # before the thread starts (it reads the lock once)
+    done = []
+    w.submit(lambda: done.append(0))
+    for i in range(1, 11):
+        time.sleep(0.1)
+        w.submit(lambda i=i: done.append(i))
+    _taken(w)
+    w.drain()
+    assert done == list(range(11))
+    w.close(timeout_s=5)
+    assert counted.looks <= 40, counted.looks
+
+
 def test_a_jobs_error_is_returned_by_the_next_drain_once_and_later_jobs_still_run():
     w = PointWorker()
     done = []
