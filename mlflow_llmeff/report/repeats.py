@@ -414,12 +414,18 @@ class Configuration:
 def config_key(r: RunRecord) -> tuple:
     """A run's configuration: its :data:`CONFIG_TAGS` and its length (:func:`~mlflow_llmeff.report.calc.run_length`:
     the optimizer steps, or for a run stopped at its targets what it ran to)."""
-    return (*map(r.tags.get, CONFIG_TAGS), run_length(r))
+    return _whole_key(_fixed_key(r), r)
 
 
 def _fixed_key(r: RunRecord) -> tuple[tuple, str | None]:
     """:func:`config_key`'s part from the run's tags and params: its tags, and its length where targets set it."""
     return tuple(map(r.tags.get, CONFIG_TAGS)), run_length(r) if stopped_at_targets(r) else None
+
+
+def _whole_key(fixed: tuple[tuple, str | None], r: RunRecord) -> tuple:
+    """:func:`config_key` from its :func:`_fixed_key` part: the run's optimizer steps where targets did not set its length."""
+    values, length = fixed
+    return (*values, run_length(r) if length is None else length)
 
 
 def configurations(runs: list[RunRecord]) -> list[Configuration]:
@@ -429,8 +435,7 @@ def configurations(runs: list[RunRecord]) -> list[Configuration]:
     fixed: dict = {}  # per kind of runs: its CONFIG_TAGS values, and its length where targets set it
     for r in runs:
         if r.comparable:
-            values, length = per_kind(r, fixed, _fixed_key)
-            key = (*values, run_length(r) if length is None else length)
+            key = _whole_key(per_kind(r, fixed, _fixed_key), r)
             (out.get(key) or out.setdefault(key, Configuration(key))).runs.append(r)
     return list(out.values())
 
