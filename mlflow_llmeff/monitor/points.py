@@ -261,10 +261,7 @@ def refresh_consumption(p: Parts, collective: bool = True, loss: tuple[float, in
     many = p.world_size > 1
     if many and not collective:
         return loss_sum, int(loss_n)
-    mine = _energy_share(p, many)
-    reading = p.energy.read() if p.energy.measures else None
-    est = p.carbon.running_estimate()
-    local = [loss_sum, float(loss_n), *_consumption_local(p, mine, reading, est)]
+    local = [loss_sum, float(loss_n), *_consumption_local(p, *_consumption_readings(p, many))]
     g = collectives.all_reduce(local) if many else local
     _consumption_sums(p, many, g, p.ledger.wall_s())
     return g[0], int(g[1])
@@ -273,9 +270,15 @@ def refresh_consumption(p: Parts, collective: bool = True, loss: tuple[float, in
 def read_consumption(p: Parts) -> tuple:
     """One process: the energy reading, codecarbon's running estimate and the wall time of
     :func:`refresh_consumption`, read now (in its order); :func:`add_consumption` makes them the totals."""
-    mine = _energy_share(p, False)
+    return (*_consumption_readings(p, False), p.ledger.wall_s())
+
+
+def _consumption_readings(p: Parts, many: bool) -> tuple:
+    """This rank's devices of the energy reading, the reading (None without a meter) and codecarbon's
+    running estimate, read in that order (:func:`refresh_consumption`, :func:`read_consumption`)."""
+    mine = _energy_share(p, many)
     reading = p.energy.read() if p.energy.measures else None
-    return mine, reading, p.carbon.running_estimate(), p.ledger.wall_s()
+    return mine, reading, p.carbon.running_estimate()
 
 
 def add_consumption(p: Parts, readings: tuple) -> None:
