@@ -9,6 +9,7 @@ reasons are ``docs/architecture.md``.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -73,6 +74,22 @@ MAX_TOP_MODULES = 6
 MAX_LINES = 700
 
 
+@functools.lru_cache(maxsize=None)
+def _nodes(source: str) -> tuple[ast.AST, ...]:
+    """Every node of ``source``'s syntax tree, in :func:`ast.walk`'s order: parsed once per distinct text.
+    The tests read the package's ~160 files about twenty times each (0.75 s of CPU a pass, parsing and
+    walking); a source with an injected line is another text, parsed anew. Nothing here changes a node.
+    Emptied at the end of the module (:func:`_forget_trees`)."""
+    return tuple(ast.walk(ast.parse(source)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_trees():
+    """The trees :func:`_nodes` keeps (~60 MB) go with the module, not with the worker."""
+    yield
+    _nodes.cache_clear()
+
+
 def module_sources(root: Path = ROOT) -> dict[str, str]:
     """``{dotted module name: source}`` of every ``.py`` file under ``root`` (a package directory)."""
     out = {}
@@ -118,7 +135,7 @@ def imports_of(module: str, source: str, known: set[str], is_package: bool = Fal
     ``__import__("x")``) as the module they name, :data:`DYNAMIC` where it is computed."""
     package = module if is_package else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _nodes(source):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -141,7 +158,7 @@ def client_writes(source: str) -> list[tuple[int, str]]:
     """``(line, method)`` of every call of an MLflow client write (:data:`CLIENT_WRITES`) in ``source``, and
     of a fluent write on the ``mlflow`` module (:data:`FLUENT_WRITES`: ``mlflow.log_metrics(...)``), in line order."""
     found = []
-    for n in ast.walk(ast.parse(source)):
+    for n in _nodes(source):
         if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
             continue
         on_mlflow = isinstance(n.func.value, ast.Name) and n.func.value.id == "mlflow"
@@ -473,11 +490,11 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _own_privates(tree: ast.AST) -> set[str]:
-    """The private attribute names a module gives its own classes: methods and class attributes
-    defined in a class body, and ``self._x`` / ``cls._x`` it assigns anywhere."""
+def _own_privates(nodes) -> set[str]:
+    """The private attribute names a module gives its own classes (``nodes``: every node of its tree):
+    methods and class attributes defined in a class body, and ``self._x`` / ``cls._x`` it assigns anywhere."""
     own = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.ClassDef):
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -497,10 +514,10 @@ def private_reaches(source: str) -> list[tuple[int, str]]:
     ``setattr``, ``delattr`` with a constant name) where ``x`` is not ``self`` or ``cls`` and ``_name``
     is not an attribute of a class the module itself defines (a module may touch its own classes'
     privates on any of their instances, as Python's convention has it). Dunder names are public."""
-    tree = ast.parse(source)
-    own = _own_privates(tree)
+    nodes = _nodes(source)
+    own = _own_privates(nodes)
     found = []
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Attribute):
             base, name = node.value, node.attr
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _REFLECTION
@@ -570,7 +587,7 @@ def component_writes(source: str) -> list[tuple[int, str]]:
     (``p.device = ...``) is no component's; a mutating call (``p.x.y.update(...)``) or a component
     handed in as an argument is not seen."""
     found = set()
-    for fn in ast.walk(ast.parse(source)):
+    for fn in _nodes(source):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         aliases = set()
@@ -611,7 +628,7 @@ def test_no_monitor_module_writes_another_components_fields():
 def test_the_monitor_has_no_shared_run_record():
     """No ``RunRecord`` class and no ``p.record`` / ``self._p.record`` read in the monitor or autologging."""
     found = [f"{module}:{node.lineno}" for module, source in _monitor_sources().items()
-             for node in ast.walk(ast.parse(source))
+             for node in _nodes(source)
              if (isinstance(node, ast.ClassDef) and node.name == "RunRecord")
              or (isinstance(node, ast.Attribute) and node.attr == "record" and _is_parts(node.value))]
     assert found == []
