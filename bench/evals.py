@@ -11,7 +11,8 @@ ratio printed is the median of the rounds' ratios, each round's listed beside it
 be identical (checked every round, the run fails otherwise).
 Times: ours = tokenization + scoring; harness = its HFLM.loglikelihood calls (tokenization +
 scoring). "positions/doc" = input positions the model actually runs per document (padding
-included), counted by a forward pre-hook on the model for both sides. HellaSwag is scored 0-shot.
+included), counted by a forward pre-hook on the model for both sides ("-" for ours when it scored in worker processes,
+which the hook in this process does not see). HellaSwag is scored 0-shot.
 Documents come from --data-dir, else $LLMEFF_DATA_DIR, else the hub (cais/mmlu, Rowan/hellaswag).
 Needs `pip install lm-eval`.
 
@@ -109,6 +110,12 @@ class Hogs:
         for p in self.procs:
             p.wait()
         self.procs = []
+
+
+def _per_doc(positions: int, docs: int) -> str:
+    """Positions per document as printed: ``-`` where the hook saw none (our side scored in worker
+    processes, which this process's hook does not see), never a 0 that was not measured."""
+    return f"{positions / docs:.0f}" if positions else "-"
 
 
 def _positions_counter(model):
@@ -252,7 +259,7 @@ def main() -> None:
             a, b = n / statistics.median(ours_s), n / statistics.median(theirs_s)
             target = target_for(label, vocab, shots, args.target)
             print(f"{label:<12}{shots:>6}{n:>6}{a:>11.1f}{b:>9.1f}{statistics.median(ratios):>7.2f}x"
-                  f"{pos['ours'] / n:>14.0f}{pos['harness'] / n:>9.0f}{str(same):>12}"
+                  f"{_per_doc(pos['ours'], n):>14}{_per_doc(pos['harness'], n):>9}{str(same):>12}"
                   f"   rounds: {' '.join(f'{x:.2f}' for x in ratios)}"
                   f"   target: {f'{target:g}x' if target is not None else 'none'}")
             rows.append((label, vocab, shots, statistics.median(ratios)))

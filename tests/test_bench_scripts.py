@@ -127,6 +127,12 @@ def test_the_evals_bench_names_each_missed_speed_up_target():
     assert ev.missed_targets([("mmlu", 259, 0, 1.2)], override=100) == ["mmlu vocab 259: 1.20x < 100x"]
 
 
+
+def test_the_evals_bench_prints_no_position_count_it_did_not_see():
+    ev = _evals_bench()
+    assert ev._per_doc(780_000, 1000) == "780"
+    assert ev._per_doc(0, 1000) == "-"  # ours scored in worker processes: the hook here saw none
+
 @pytest.mark.slow
 def test_the_evals_bench_exits_1_on_an_impossible_target(tmp_path, shared_data):
     import sys
