@@ -12,6 +12,8 @@ import pytest
 
 from mlflow_llmeff import names
 
+from conftest import empty_store
+
 REPORT = pathlib.Path(__file__).resolve().parents[1] / "mlflow_llmeff" / "report"
 
 
@@ -27,7 +29,7 @@ def page(tmp_path, monkeypatch):
     from mlflow_llmeff.report import server as srv
     from mlflow_llmeff.report import source
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = empty_store(tmp_path / "m.db")
     client = mlflow.MlflowClient(uri)
     exp_id, ids = log_five_runs(client, "five")
     store = SqlAlchemyStore(uri, str(tmp_path / "artifacts"))
@@ -50,6 +52,32 @@ def page(tmp_path, monkeypatch):
     return get, store, client, exp_id, ids
 
 
+@pytest.fixture
+def undrawn(monkeypatch):
+    """The pages' figures left as being drawn: every page served here is the one a request gets before its
+    figures are drawn (every figure's URL, no image size). These tests count reads and compare pages, which
+    the drawing does not touch; it cost ~1 s of CPU a run set, in a thread outliving the test. The drawing
+    itself: test_the_exit_waits_for_the_figures_being_drawn, the figure tests below, test_scale's cached page,
+    test_server_modes. Yields the digests whose drawing was started, in order."""
+    import threading
+
+    from mlflow_llmeff.report import server as srv
+
+    started = []
+
+    def start_drawing(store, rep, digest):
+        with srv._lock:
+            if digest not in srv._figures and digest not in srv._drawing:
+                srv._drawing[digest] = threading.Event()  # under way, as the real drawing is for ~1 s
+                started.append(digest)
+
+    monkeypatch.setattr(srv, "_start_drawing", start_drawing)
+    yield started
+    with srv._lock:
+        for digest in started:
+            srv._drawing.pop(digest, None)
+
+
 def _counts():
     from mlflow_llmeff.report import server as srv
     from mlflow_llmeff.report import source
@@ -61,7 +89,7 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def test_an_unchanged_store_serves_the_page_again_without_reading_a_run(page):
+def test_an_unchanged_store_serves_the_page_again_without_reading_a_run(page, undrawn):
     get, *_ = page
     c0 = _counts()
     first = get()
@@ -71,7 +99,7 @@ def test_an_unchanged_store_serves_the_page_again_without_reading_a_run(page):
     assert _delta(c0, c1)["rows"] > 5
     second = get()
     assert _delta(c1, _counts()) == {"queries": 0, "rows": 0, "tokens": 1, "reports": 0, "pages": 0}
-    assert second == first
+    assert second == first and len(undrawn) == 1  # its figures started once
 
 
 def test_the_exit_waits_for_the_figures_being_drawn(page):
@@ -94,7 +122,7 @@ def test_the_exit_waits_for_the_figures_being_drawn(page):
     assert "\n@atexit.register\ndef finish_background(" in inspect.getsource(srv)
 
 
-def test_a_new_point_reads_the_runs_and_builds_the_page_again(page):
+def test_a_new_point_reads_the_runs_and_builds_the_page_again(page, undrawn):
     get, _, client, _, ids = page
     first = get()
     client.log_metric(ids[0], names.SUM_TOKENS_PER_SEC, 50_000.0, step=10**6)  # a figure the page shows (latest)
@@ -105,7 +133,7 @@ def test_a_new_point_reads_the_runs_and_builds_the_page_again(page):
     assert "50,000" in again and "50,000" not in first
 
 
-def test_another_query_is_its_own_page(page):
+def test_another_query_is_its_own_page(page, undrawn):
     get, *_ = page
     get()
     c0 = _counts()
@@ -220,7 +248,7 @@ def test_the_grouped_read_makes_a_row_per_run_and_a_row_per_set_of_tags(tmp_path
     from many_runs import log_many_runs
     from mlflow_llmeff.report import source
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = empty_store(tmp_path / "m.db")
     exp_id, ids = log_many_runs(mlflow.MlflowClient(uri), "twenty", 20, history=False)
     store = SqlAlchemyStore(uri, str(tmp_path / "artifacts"))
     source.READ.reset()
@@ -249,7 +277,7 @@ def test_the_report_worked_out_once_per_kind_of_runs_is_the_report_worked_out_pe
     from many_runs import log_many_runs
     from mlflow_llmeff.report import render, source
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = empty_store(tmp_path / "m.db")
     client = mlflow.MlflowClient(uri)
     exp_id, ids = log_many_runs(client, "kinds", 40, history=False)
     client.set_tag(ids[3], names.STABILITY, "unstable: a stall")
@@ -306,7 +334,6 @@ def _five_figures(tmp_path):
     """Every figure of the five standard runs, laid out as the page draws it: ``{name: figure}``."""
     import mlflow
 
-    from conftest import empty_store
     from five_runs import log_five_runs
     from mlflow_llmeff.report import plots
     from mlflow_llmeff.report.render import build_report
@@ -378,7 +405,7 @@ _FIGURE_KEY = re.compile(r"/llmeff/figures/[0-9]+-[0-9a-f]+/")
 
 @pytest.mark.parametrize("query", ["", "?all_runs=1", "?precision=fp32", "?group_by=model.name",
                                    "?filter=metrics.%60summary/goodput%60%20%3E%200.3"])
-def test_the_page_read_by_sql_is_the_page_read_through_mlflows_search(page, monkeypatch, query):
+def test_the_page_read_by_sql_is_the_page_read_through_mlflows_search(page, undrawn, monkeypatch, query):
     """The page of the store's SQL read (its keys, side by side, the figures' key from the rows read) is
     the page of MLflow's own ``search_runs`` records (the path of a store that is not SQL), character for
     character but the figures' key."""
@@ -397,7 +424,7 @@ def test_the_page_read_by_sql_is_the_page_read_through_mlflows_search(page, monk
     assert "data-run-id=" in by_sql and _FIGURE_KEY.search(by_sql)
 
 
-def test_the_first_request_issues_four_queries_however_many_runs(tmp_path, monkeypatch):
+def test_the_first_request_issues_four_queries_however_many_runs(tmp_path, monkeypatch, undrawn):
     """The page's first request: four queries (runs, metrics, tags, params) for 5 runs and for 60, one report
     and one page; the rows read: a run's and its metrics' row per run, and one row per distinct set of tags
     (sqlite's grouped read: 60 repeats of 5 configurations make 5 rows of tags, not 60)."""
@@ -409,7 +436,7 @@ def test_the_first_request_issues_four_queries_however_many_runs(tmp_path, monke
     from mlflow_llmeff.report import server as srv
     from mlflow_llmeff.report import source
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = empty_store(tmp_path / "m.db")
     client = mlflow.MlflowClient(uri)
     small, _ = log_many_runs(client, "small", 5, history=False)
     large, _ = log_many_runs(client, "large", 60, history=False)
@@ -459,7 +486,7 @@ def test_inside_mlflow_server_the_store_is_made_before_the_first_page(tmp_path, 
     from mlflow_llmeff.report import server as srv
     from mlflow_llmeff.report import source
 
-    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    uri = empty_store(tmp_path / "m.db")
     exp_id, _ = log_many_runs(mlflow.MlflowClient(uri), "warm", 5, history=False)
     made = []
     registry = handlers._tracking_store_registry
