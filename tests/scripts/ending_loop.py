@@ -12,10 +12,9 @@ import sys
 import time
 
 import torch
-from transformers import LlamaForCausalLM
+from tiny_lm import TinyLM  # this folder's (the script's own folder is first on sys.path)
 
 import mlflow_llmeff
-from mlflow_llmeff.models.build import load_config
 
 p = argparse.ArgumentParser()
 p.add_argument("--meter", choices=["autolog", "monitor"], required=True)
@@ -26,7 +25,7 @@ settings = dict(log_every_n_steps=4, warmup_steps=1, measure_energy="none")
 if args.meter == "autolog":
     mlflow_llmeff.autolog(**settings)
 torch.manual_seed(0)
-model = LlamaForCausalLM(load_config("llama-tiny"))
+model = TinyLM()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 mon = mlflow_llmeff.EfficiencyMonitor(model=model, optimizer=opt, **settings) if args.meter == "monitor" else None
 ids = torch.arange(8).view(1, 8) + 3
