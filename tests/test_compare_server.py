@@ -71,6 +71,37 @@ def _env(url: str) -> dict[str, str]:
     return env
 
 
+def _compare(url: str, *args: str):
+    """``llmeff compare ARGS`` against the server at ``url``, over HTTP, run by click's test runner in this
+    process: the command's own code, lines and exit code; a process of its own adds only an interpreter and
+    its imports (3-4 s of CPU each). Returns click's ``Result`` (``exit_code``, ``stdout``, ``stderr``); the
+    environment the command changes (its request settings) and MLflow's URI are put back after it."""
+    from unittest import mock
+
+    import mlflow
+    from click.testing import CliRunner
+
+    from conftest import _restore_tracking_uri
+    from mlflow_llmeff.cli import main
+
+    restore = _restore_tracking_uri()
+    try:
+        with mock.patch.dict(os.environ, _env(url), clear=True):
+            mlflow.set_tracking_uri(url)
+            return CliRunner().invoke(main, ["compare", *args])
+    finally:
+        restore()
+
+
+def _failed(r) -> str:
+    """What a failed :func:`_compare` said: its last lines and the exception click's runner caught."""
+    import traceback
+
+    caught = "" if r.exception is None or isinstance(r.exception, SystemExit) else "".join(
+        traceback.format_exception(r.exception))
+    return (r.output + caught)[-3000:]
+
+
 @pytest.fixture(scope="module")
 def sweep(server, tmp_path_factory):
     """The scaling sweep at 1 and 2 CPU processes, logged to the server; yields (parent run id, experiment id)."""
@@ -99,10 +130,8 @@ def test_compare_over_http_prints_scaling_efficiency_recomputed_from_the_runs(se
     by_n = {int(c.data.tags["llmeff.accelerator.count"]): c.data.metrics["summary/tokens_per_sec"] for c in children}
     expected = by_n[2] / (by_n[1] * 2 / 1)
     out = tmp_path / "rep"
-    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "compare", "--experiment", "sweep", "--filter",
-                        f"tags.mlflow.parentRunId = '{parent}'", "--out", str(out)],
-                       env=_env(server), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _compare(server, "--experiment", "sweep", "--filter", f"tags.mlflow.parentRunId = '{parent}'", "--out", str(out))
+    assert r.exit_code == 0, _failed(r)
     m = re.search(r"\(2 devices\) vs baseline .* \(1\): weak scaling efficiency ([0-9.e+-]+) ", r.stdout)
     assert m, r.stdout
     assert float(m.group(1)) == pytest.approx(float(f"{expected:.3g}"), rel=0, abs=0)
@@ -136,9 +165,8 @@ def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path)
     parent, exp_id, client = sweep
     n_runs = len(client.search_runs([exp_id]))  # both children and the parent (a marked row: no summary)
     out = tmp_path / "rep"
-    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "compare", "--experiment", "sweep", "--out", str(out)],
-                       env=_env(server), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _compare(server, "--experiment", "sweep", "--out", str(out))
+    assert r.exit_code == 0, _failed(r)
     pngs = sorted(p.name for p in out.glob("*.png"))  # every figure the report drew is an <img> of the page
     shots = tmp_path / "shots"
     shots.mkdir()
@@ -228,9 +256,8 @@ def _first_screen_checks(page, where: str) -> dict:
 def test_page_and_report_lead_with_the_answer_in_the_first_1600x1000(server, five, tmp_path):
     sync_playwright = _chromium()
     out = tmp_path / "rep"
-    r = subprocess.run([sys.executable, "-m", "mlflow_llmeff", "compare", "--experiment", "five", "--out", str(out)],
-                       env=_env(server), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _compare(server, "--experiment", "five", "--out", str(out))
+    assert r.exit_code == 0, _failed(r)
     assert "WARNING" not in r.stdout
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
