@@ -28,7 +28,9 @@ GUARD_S = 120
 
 @pytest.fixture
 def sqlite_uri(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    from conftest import empty_store
+
+    uri = empty_store(tmp_path / "mlflow.db")  # a copy of an empty store: its tables made once a process
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     yield uri
