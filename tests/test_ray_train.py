@@ -3,7 +3,8 @@ MLflow run per Ray Train run (2 workers, and 1 worker, where Ray never destroys 
 worker killed mid-run under ``FailureConfig(max_failures=1)`` continues that run as a second attempt from
 Ray's checkpoint (autologging/ray.py); ``llmeff train`` as the worker function (train/ray.py) gives the
 entrypoint's run from Ray, and a restart before its first checkpoint continues that run. One local Ray
-(``ray.init(num_cpus=2)``) for the module: starting it costs about 15 s here."""
+(``ray.init(num_cpus=2)``) for the module: starting it costs about 15 s here; each fit without the two
+helper actors of Ray Train that no test here uses (:func:`without_unused_helpers`)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,22 @@ def without_unused_helpers(trainer):
 
     trainer._create_default_callbacks = create
     return trainer
+
+
+def test_leaving_out_the_unused_helpers_fails_when_rays_default_callbacks_change():
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    datasets, cleaner = object.__new__(DatasetsCallback), object.__new__(PlacementGroupCleanerCallback)
+    kept = object()
+    trainer = without_unused_helpers(SimpleNamespace(_create_default_callbacks=lambda: [kept, cleaner, datasets]))
+    assert trainer._create_default_callbacks() == [kept]
+    with pytest.raises(AssertionError, match=r"Ray Train's default callbacks changed: \['object'\]"):
+        without_unused_helpers(SimpleNamespace(_create_default_callbacks=lambda: [kept]))._create_default_callbacks()
+    with pytest.raises(AttributeError, match="_create_default_callbacks"):
+        without_unused_helpers(SimpleNamespace())
 
 
 def fit(storage, name: str, steps: int, kill: bool, max_failures: int = 0, workers: int = 2):
