@@ -153,6 +153,19 @@ def _chromium():
     return sync_playwright
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium (and playwright's driver) for the module's page tests, each of which opens its own
+    page (a context of its own: no cache or storage shared); a start of both is set-up, 1.5 s of CPU (measured)."""
+    sync_playwright = _chromium()
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
 def _open(page, url: str) -> tuple[list, int]:
     page.goto(url, wait_until="load")
     page.wait_for_function("Array.from(document.images).every(i => i.complete)", timeout=180_000)
@@ -160,8 +173,7 @@ def _open(page, url: str) -> tuple[list, int]:
     return images, page.locator("table#runs tbody tr").count()
 
 
-def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path):
-    sync_playwright = _chromium()
+def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path, browser):
     parent, exp_id, client = sweep
     n_runs = len(client.search_runs([exp_id]))  # both children and the parent (a marked row: no summary)
     out = tmp_path / "rep"
@@ -170,23 +182,21 @@ def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path)
     pngs = sorted(p.name for p in out.glob("*.png"))  # every figure the report drew is an <img> of the page
     shots = tmp_path / "shots"
     shots.mkdir()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page_url = f"{server}/llmeff/experiments/{exp_id}"
-            _open(page, page_url)  # the first view starts the drawing; every image waits for it
-            for name, url in (("report", (out / "report.html").as_uri()), ("server", page_url)):
-                images, rows = _open(page, url)  # the second view of the page: the figures drawn, from the cache
-                page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
-                assert len(images) == len(pngs) >= 5, (name, images, pngs)
-                assert all(ok for _, ok in images), (name, images)
-                assert rows == n_runs, (name, rows, n_runs)
-            # a condition-tag filter on the server page keeps the matching runs only
-            _, rows = _open(page, f"{server}/llmeff/experiments/{exp_id}?accelerator.count=2")
-            assert rows == 1
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page_url = f"{server}/llmeff/experiments/{exp_id}"
+        _open(page, page_url)  # the first view starts the drawing; every image waits for it
+        for name, url in (("report", (out / "report.html").as_uri()), ("server", page_url)):
+            images, rows = _open(page, url)  # the second view of the page: the figures drawn, from the cache
+            page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+            assert len(images) == len(pngs) >= 5, (name, images, pngs)
+            assert all(ok for _, ok in images), (name, images)
+            assert rows == n_runs, (name, rows, n_runs)
+        # a condition-tag filter on the server page keeps the matching runs only
+        _, rows = _open(page, f"{server}/llmeff/experiments/{exp_id}?accelerator.count=2")
+        assert rows == 1
+    finally:
+        page.close()
     assert (shots / "report.png").stat().st_size > 10_000 and (shots / "server.png").stat().st_size > 10_000
     keep = os.environ.get("LLMEFF_SCREENSHOT_DIR")
     if keep:
@@ -253,41 +263,38 @@ def _first_screen_checks(page, where: str) -> dict:
             "rows": page.locator("table#headline tbody tr").count()}
 
 
-def test_page_and_report_lead_with_the_answer_in_the_first_1600x1000(server, five, tmp_path):
-    sync_playwright = _chromium()
+def test_page_and_report_lead_with_the_answer_in_the_first_1600x1000(server, five, tmp_path, browser):
     out = tmp_path / "rep"
     r = _compare(server, "--experiment", "five", "--out", str(out))
     assert r.exit_code == 0, _failed(r)
     assert "WARNING" not in r.stdout
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            for where, url in (("report", (out / "report.html").as_uri()),
-                               ("server", f"{server}/llmeff/experiments/{five}")):
-                _open(page, url)
-                got = _first_screen_checks(page, where)
-                assert got["heads"][:5] == ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best"]
-                # CPU runs: MFU against the measured matmul peak, so not headed "(BF16 peak)" (a trial's finding)
-                assert {"MFU", "USD / 1e9 tokens", "kg CO2e / 1e9 tokens", "goodput", "quality reached"} <= set(got["heads"])
-                assert "MFU (BF16 peak)" not in got["heads"]
-                assert got["rows"] == 4  # five runs, four configurations: the evals run repeats the default
-                # sortable by any column: goodput ascending after one click
-                page.locator("table#headline th", has_text="goodput").click()
-                col = got["heads"].index("goodput")
-                vals = page.evaluate(f"Array.from(document.querySelectorAll('#headline tbody tr')).map(r => "
-                                     f"parseFloat(r.cells[{col}].dataset.v))")
-                assert vals == sorted(vals), vals
-                # the full table is one click away
-                assert not page.locator("table#runs").is_visible()
-                page.locator("details#all-runs summary").click()
-                assert page.locator("table#runs").is_visible()
-                assert page.evaluate("document.documentElement.scrollWidth") <= 1600, where
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    try:
+        for where, url in (("report", (out / "report.html").as_uri()),
+                           ("server", f"{server}/llmeff/experiments/{five}")):
+            _open(page, url)
+            got = _first_screen_checks(page, where)
+            assert got["heads"][:5] == ["configuration", "devices", "layout", "tokens/s per device [95%]", "vs best"]
+            # CPU runs: MFU against the measured matmul peak, so not headed "(BF16 peak)" (a trial's finding)
+            assert {"MFU", "USD / 1e9 tokens", "kg CO2e / 1e9 tokens", "goodput", "quality reached"} <= set(got["heads"])
+            assert "MFU (BF16 peak)" not in got["heads"]
+            assert got["rows"] == 4  # five runs, four configurations: the evals run repeats the default
+            # sortable by any column: goodput ascending after one click
+            page.locator("table#headline th", has_text="goodput").click()
+            col = got["heads"].index("goodput")
+            vals = page.evaluate(f"Array.from(document.querySelectorAll('#headline tbody tr')).map(r => "
+                                 f"parseFloat(r.cells[{col}].dataset.v))")
+            assert vals == sorted(vals), vals
+            # the full table is one click away
+            assert not page.locator("table#runs").is_visible()
+            page.locator("details#all-runs summary").click()
+            assert page.locator("table#runs").is_visible()
+            assert page.evaluate("document.documentElement.scrollWidth") <= 1600, where
+    finally:
+        page.close()
 
 
-def test_the_first_load_shows_every_figure_at_its_own_size(server, tmp_path):
+def test_the_first_load_shows_every_figure_at_its_own_size(server, tmp_path, browser):
     # a trial: the first load drew the figures stretched and blurred until a reload (each PNG scaled to
     # half the page by the style). Each image now shows pixel for pixel, on the first load (figures still
     # being drawn: no size known) and after (drawn: width and height from the PNG, laid out before it comes).
@@ -296,29 +303,26 @@ def test_the_first_load_shows_every_figure_at_its_own_size(server, tmp_path):
     from five_runs import log_five_runs
     from mlflow_llmeff.report import plots
 
-    sync_playwright = _chromium()
     exp_id, _ = log_five_runs(mlflow.MlflowClient(server), "first-load")  # a run set no request has drawn
     measure = ("Array.from(document.querySelectorAll('.figs img')).map(i => ({alt: i.alt, w: i.naturalWidth, "
                "h: i.naturalHeight, cw: i.clientWidth, ch: i.clientHeight, box: i.getBoundingClientRect().width, "
                "attr: i.getAttribute('width')}))")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            for load in ("first", "reload"):
-                _open(page, f"{server}/llmeff/experiments/{exp_id}")
-                page.screenshot(path=str(tmp_path / f"{load}.png"), full_page=True)
-                imgs = page.evaluate(measure)
-                if load == "first":  # every figure's URL while they are drawn, no size yet
-                    assert [i["alt"] for i in imgs] == [name for name, _ in plots.FIGURES]
-                    assert all(i["attr"] is None for i in imgs)
-                else:  # the drawn ones, each with its PNG's size in the page
-                    assert imgs and all(i["attr"] == str(i["w"]) for i in imgs), imgs
-                for i in imgs:
-                    assert i["w"] > 0 and (i["cw"], i["ch"]) == (i["w"], i["h"]), (load, i)  # 1:1, never scaled
-                    assert i["box"] == i["w"] + 2, (load, i)  # its 1-px border, nothing stretched
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    try:
+        for load in ("first", "reload"):
+            _open(page, f"{server}/llmeff/experiments/{exp_id}")
+            page.screenshot(path=str(tmp_path / f"{load}.png"), full_page=True)
+            imgs = page.evaluate(measure)
+            if load == "first":  # every figure's URL while they are drawn, no size yet
+                assert [i["alt"] for i in imgs] == [name for name, _ in plots.FIGURES]
+                assert all(i["attr"] is None for i in imgs)
+            else:  # the drawn ones, each with its PNG's size in the page
+                assert imgs and all(i["attr"] == str(i["w"]) for i in imgs), imgs
+            for i in imgs:
+                assert i["w"] > 0 and (i["cw"], i["ch"]) == (i["w"], i["h"]), (load, i)  # 1:1, never scaled
+                assert i["box"] == i["w"] + 2, (load, i)  # its 1-px border, nothing stretched
+    finally:
+        page.close()
 
 
 def test_figures_keep_every_text_inside_their_images(tmp_path):
