@@ -74,8 +74,9 @@ def _env(url: str) -> dict[str, str]:
 def _compare(url: str, *args: str):
     """``llmeff compare ARGS`` against the server at ``url``, over HTTP, run by click's test runner in this
     process: the command's own code, lines and exit code; a process of its own adds only an interpreter and
-    its imports (3-4 s of CPU each). Returns click's ``Result`` (``exit_code``, ``stdout``, ``stderr``); the
-    environment the command changes (its request settings) and MLflow's URI are put back after it."""
+    its imports (mlflow, matplotlib, the report's modules). Returns click's ``Result`` (``exit_code``,
+    ``stdout``, ``stderr``); the environment the command changes (its request settings) and MLflow's URI are
+    put back after it."""
     from unittest import mock
 
     import mlflow
