@@ -739,8 +739,8 @@ def test_bounded_reads_wait_once_for_a_server_that_does_not_answer_then_fail_at_
 # CPU burners beside it at load 4-6): what it compares, the steps made during a 6 s outage and the meter's
 # badput ``other`` against half the outage, holds on a loaded machine. The server is the module's, behind a
 # port that goes down and comes back (:class:`Outage`), not a server started for this test and started again
-# after the outage (the file's whole-tree CPU, interleaved, with hang_loop.py's lighter model too: 72.1, 77.5 s
-# before; 58.8, 60.9 s after).
+# after the outage (the file's whole-tree CPU, interleaved, with hang_loop.py's lighter model too, since put back: 72.1,
+# 77.5 s before; 58.8, 60.9 s after).
 @pytest.mark.slow
 def test_tracking_server_down_for_part_of_a_run_loses_nothing_and_does_not_slow_steps(on_server, tmp_path):
     ck = tmp_path / "ck"

@@ -1,10 +1,9 @@
 """A plain PyTorch loop under ``mlflow_llmeff.autolog()`` whose tracking server stops answering mid-run.
 
-Used by tests/test_delivery.py: 12 optimizer steps of a tiny next-token model (tiny_lm.py; 8 tokens a
-step, logged every 2 steps); after step 6 it flushes its points (the server still answers), writes
-``$HOLD.reached`` and waits until the test has made the server stop answering and created ``$HOLD``;
-then it trains on, prints ``LAST_STEP_UNIX <time>`` after the last step and ends normally (the run is
-finished at exit).
+Used by tests/test_delivery.py: 12 optimizer steps of llama-tiny (8 tokens a step, logged every 2
+steps); after step 6 it flushes its points (the server still answers), writes ``$HOLD.reached`` and
+waits until the test has made the server stop answering and created ``$HOLD``; then it trains on,
+prints ``LAST_STEP_UNIX <time>`` after the last step and ends normally (the run is finished at exit).
 """
 
 import os
@@ -12,14 +11,15 @@ import sys
 import time
 
 import torch
-from tiny_lm import TinyLM  # this folder's (the script's own folder is first on sys.path)
+from transformers import LlamaForCausalLM
 
 import mlflow_llmeff
+from mlflow_llmeff.models.build import load_config
 
 hold = sys.argv[1]
 mlflow_llmeff.autolog(log_every_n_steps=2, warmup_steps=1, measure_energy="none")
 torch.manual_seed(0)
-model = TinyLM()
+model = LlamaForCausalLM(load_config("llama-tiny"))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.arange(8).view(1, 8) + 3
 for step in range(1, 13):
