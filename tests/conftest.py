@@ -382,27 +382,26 @@ def pytest_runtest_protocol(item, nextitem):
 #: orders files by their number of tests, which put test_strategies.py's minutes at the end), so
 #: :func:`pytest_collection_modifyitems` puts the longest first and the two workers end together (the
 #: longest-processing-time rule). A file not listed (a new one) counts :data:`_UNMEASURED_S`.
-#: Measured at a3b2d8e by the fresh-clone CI (2 workers, 936 s of pytest, 1,722 s of worker time): the 30
+#: Measured at 9ea8431 by the fresh-clone CI (2 workers, 844 s of pytest, 1,606 s of worker time): the 30
 #: longest files as its 'seconds by file' line gave them (:func:`pytest_terminal_summary`), the serial files
-#: (:data:`_LAST`, run last whatever they take) left out; the others are under its shortest listed (18 s):
-#: earlier measures, capped there. test_delivery.py: its 62 s and the 23 s of the tracking-server outage moved
-#: there from test_timed_alone.py; test_two_hosts.py (35 s) runs among the others since it is no longer serial.
+#: (:data:`_LAST`, run last whatever they take) left out; the others are under its shortest listed (14 s):
+#: earlier measures, capped there.
 _FILE_SECONDS: dict[str, float] = {
-    "test_ray_train.py": 166, "test_reliability.py": 101, "test_strategies.py": 99, "test_train_e2e.py": 95,
-    "test_lifecycle.py": 87, "test_strategies_zero.py": 85, "test_delivery.py": 85, "test_autolog_examples.py": 67,
-    "test_study.py": 64, "test_survive.py": 62, "test_compare_server.py": 60, "test_server_modes.py": 52,
-    "test_postgres.py": 44, "test_plan_memory.py": 41, "test_report_page.py": 38, "test_slurm.py": 35,
-    "test_two_hosts.py": 35, "test_memory_study.py": 33, "test_scale.py": 33, "test_architecture.py": 26,
-    "test_two_hosts_lines.py": 24, "test_world_change.py": 23, "test_node_loss.py": 22,
-    "test_three_ways.py": 21, "test_compare.py": 20, "test_intervals.py": 20, "test_monitor.py": 20, "test_fit.py": 18,
-    "test_writer.py": 18, "test_logger.py": 18, "test_plan.py": 18, "test_preempt.py": 19, "test_autolog.py": 18,
-    "test_memory.py": 18, "test_stability.py": 18, "test_config.py": 18, "test_flopcount.py": 15, "test_lora.py": 14,
-    "test_setups.py": 11.2,
-    "test_mlperf.py": 10.2, "test_evals_tasks.py": 7.7, "test_naming.py": 6.7, "test_data.py": 4.9,
-    "test_comm.py": 4.5, "test_undefined.py": 4.3, "test_counting.py": 3.6, "test_parallel.py": 3.5,
-    "test_scheduler.py": 3.5, "test_levers.py": 3.4, "test_rendezvous.py": 2.3, "test_evals_scoring.py": 1.7,
-    "test_repeats.py": 0.9, "test_zero_state.py": 0.9, "test_report_reliability.py": 0.7, "test_flops.py": 0.6,
-    "test_energy.py": 0.3, "test_cli.py": 0.1, "test_hardware.py": 0.1, "test_keys.py": 0.1,
+    "test_ray_train.py": 164, "test_delivery.py": 94, "test_strategies.py": 93, "test_reliability.py": 89,
+    "test_train_e2e.py": 85, "test_compare_server.py": 75, "test_study.py": 66, "test_strategies_zero.py": 64,
+    "test_lifecycle.py": 62, "test_server_modes.py": 60, "test_autolog_examples.py": 52, "test_survive.py": 51,
+    "test_postgres.py": 44, "test_plan_memory.py": 43, "test_two_hosts.py": 42, "test_memory_study.py": 39,
+    "test_slurm.py": 37, "test_two_hosts_lines.py": 25, "test_world_change.py": 24, "test_three_ways.py": 23,
+    "test_node_loss.py": 23, "test_compare.py": 22, "test_preempt.py": 20, "test_monitor.py": 20,
+    "test_writer.py": 18, "test_autolog.py": 18, "test_fit.py": 16, "test_scale.py": 15, "test_plan.py": 14,
+    "test_report_page.py": 14, "test_architecture.py": 14, "test_intervals.py": 14, "test_logger.py": 14,
+    "test_memory.py": 14, "test_stability.py": 14, "test_config.py": 14, "test_flopcount.py": 14, "test_lora.py": 14,
+    "test_setups.py": 11.2, "test_mlperf.py": 10.2, "test_evals_tasks.py": 7.7, "test_naming.py": 6.7,
+    "test_data.py": 4.9, "test_comm.py": 4.5, "test_undefined.py": 4.3, "test_counting.py": 3.6,
+    "test_parallel.py": 3.5, "test_scheduler.py": 3.5, "test_levers.py": 3.4, "test_rendezvous.py": 2.3,
+    "test_evals_scoring.py": 1.7, "test_repeats.py": 0.9, "test_zero_state.py": 0.9,
+    "test_report_reliability.py": 0.7, "test_flops.py": 0.6, "test_energy.py": 0.3, "test_cli.py": 0.1,
+    "test_hardware.py": 0.1, "test_keys.py": 0.1,
 }
 
 #: Seconds of each test file in this session (setup, call and teardown of its tests, as the workers
