@@ -10,8 +10,8 @@ in the background), the figures it links (drawn: each waits for the drawing), a 
 is missed.
 
 The runs are made before the server starts: the first 15 through ``MlflowClient`` against the
-sqlite file (three calls a run), the others copied from them row by row in SQL (new ids, names and
-start times; ``--api`` logs every run through MlflowClient instead, about 30 ms a run here).
+sqlite file (three calls a run), the others copied from them row by row in SQL (tests/many_runs.py's ``copy_runs``: new ids, names
+``<template name>-c<index>``, times moved one second a run; ``--api`` logs every run through MlflowClient instead, about 30 ms a run here).
 
     python bench/page.py --runs 50,1000          # docs/compare.md has the measured table
 
@@ -48,7 +48,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: The second request's target (s) at TARGET_RUNS runs (issue 31).
@@ -92,69 +91,11 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
-def copy_runs(uri: str, template_ids: list[str], n: int, first_index: int) -> list[str]:
-    """Add ``n`` runs to ``uri``'s sqlite store, run ``k`` a copy of ``template_ids[k % len]`` (every
-    row of it in runs, tags, params, latest_metrics, metrics) under a new id, the name
-    ``<template name>-c<index>`` and start times one second apart after the templates'; their ids.
-
-    Bulk SQL: the standard library's sqlite3, one transaction, ``executemany`` over whole tables, the
-    journal kept in memory and no fsync (a bench's throw-away store): about 10 s per 100,000 runs of
-    ~40 rows each here, where one MLflow API call a run takes about 30 ms."""
-    import sqlite3
-
-    path = uri[len("sqlite:///"):]
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA synchronous = OFF")
-    conn.execute("PRAGMA journal_mode = MEMORY")
-    tables = ("runs", "tags", "params", "latest_metrics", "metrics")
-    cols, rows = {}, {}
-    marks = ",".join("?" * len(template_ids))
-    for t in tables:
-        cur = conn.execute(f"SELECT * FROM {t} WHERE run_uuid IN ({marks})", template_ids)
-        cols[t] = [d[0] for d in cur.description]
-        rows[t] = cur.fetchall()
-    by_run = {t: {} for t in tables}
-    for t in tables:
-        i = cols[t].index("run_uuid")
-        for r in rows[t]:
-            by_run[t].setdefault(r[i], []).append(r)
-    c = {t: {name: j for j, name in enumerate(cols[t])} for t in tables}
-    last_start = max(r[c["runs"]["start_time"]] for r in rows["runs"])
-    ids, new = [], {t: [] for t in tables}
-    rc = c["runs"]
-    for k in range(n):
-        src = template_ids[k % len(template_ids)]
-        rid = uuid.uuid4().hex
-        run = list(by_run["runs"][src][0])
-        shift = last_start + 1000 * (k + 1) - run[rc["start_time"]]
-        name = f"{run[rc['name']]}-c{first_index + k}"
-        run[rc["run_uuid"]], run[rc["name"]] = rid, name
-        run[rc["start_time"]] += shift
-        if run[rc["end_time"]]:
-            run[rc["end_time"]] += shift
-        run[rc["artifact_uri"]] = run[rc["artifact_uri"]].replace(src, rid)
-        new["runs"].append(run)
-        for t in tables[1:]:
-            ui, ki, vi = c[t]["run_uuid"], c[t].get("key"), c[t].get("value")
-            for r in by_run[t].get(src, ()):
-                r = list(r)
-                r[ui] = rid
-                if t == "tags" and r[ki] == "mlflow.runName":
-                    r[vi] = name
-                new[t].append(r)
-        ids.append(rid)
-    with conn:
-        for t in tables:
-            conn.executemany(f"INSERT INTO {t} ({', '.join(cols[t])}) VALUES ({', '.join('?' * len(cols[t]))})", new[t])
-    conn.close()
-    return ids
-
-
 def make_store(root: str, n: int, api: bool) -> tuple[str, str, list[str], float]:
     """``(store URI, experiment id, run ids, seconds it took)`` of ``n`` runs in a fresh sqlite file."""
     import mlflow
 
-    from many_runs import log_many_runs
+    from many_runs import copy_runs, log_many_runs
 
     uri = f"sqlite:///{root}/mlflow.db"
     client = mlflow.MlflowClient(uri)
@@ -162,7 +103,7 @@ def make_store(root: str, n: int, api: bool) -> tuple[str, str, list[str], float
     t = time.perf_counter()
     exp_id, ids = log_many_runs(client, "page-bench", n if api else min(n, TEMPLATES))
     if len(ids) < n:
-        ids += copy_runs(uri, ids, n - len(ids), len(ids))
+        ids += copy_runs(uri, ids, range(len(ids), n), lambda i, logged_name: f"{logged_name}-c{i}")
     return uri, exp_id, ids, time.perf_counter() - t
 
 

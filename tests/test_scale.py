@@ -6,7 +6,7 @@ next auto name was one already taken (the name search saw the newest 1,000 match
 
 The 1,001 runs are made once for the module in a sqlite store: the first 15 logged through MlflowClient
 (tests/many_runs.py: three calls a run, summaries only; about 30 ms a run here, 29-57 s for all 1,001 on this
-shared 2-core machine), the other 986 copies of them row by row in SQL (:func:`_copy_runs`), each the run
+shared 2-core machine), the other 986 copies of them row by row in SQL (many_runs.copy_runs), each the run
 many_runs.py would have logged as run ``i`` (run i's figures repeat every 15 runs) but for its id. The tests that
 use them are slow. Named so the name search's first page misses one: run 0 (the oldest) is ``STEM``, runs
 1..1000 are ``STEM-2`` .. ``STEM-1001``.
@@ -42,13 +42,13 @@ def big(tmp_path_factory):
     """``(client, experiment id, run ids oldest first, seconds the logging took)`` of 1,001 runs."""
     import mlflow
 
-    from many_runs import log_many_runs
+    from many_runs import copy_runs, log_many_runs
 
     uri = empty_store(tmp_path_factory.mktemp("scale") / "mlflow.db")
     client = mlflow.MlflowClient(uri)
     t = time.perf_counter()
     exp_id, ids = log_many_runs(client, "scale", LOGGED, run_name=_name, history=False)
-    ids += _copy_runs(uri, ids, range(LOGGED, N))
+    ids += copy_runs(uri, ids, range(LOGGED, N), lambda i, _logged_name: _name(i))
     made_s = time.perf_counter() - t
     # a copy is the run many_runs.py logs as its index, but for its id: run 1000 against run 1000 % 15
     copy, logged = client.get_run(ids[N - 1]), client.get_run(ids[(N - 1) % LOGGED])
@@ -62,53 +62,6 @@ def big(tmp_path_factory):
     assert [(m.timestamp - shift, m.step) for m in client.get_metric_history(copy.info.run_id, names.SUM_TOKENS_PER_SEC)] \
         == [(m.timestamp, m.step) for m in client.get_metric_history(logged.info.run_id, names.SUM_TOKENS_PER_SEC)]
     return client, exp_id, ids, made_s, uri
-
-
-def _copy_runs(uri: str, logged: list[str], indices) -> list[str]:
-    """Add run ``i`` for each of ``indices`` to ``uri``'s sqlite store as many_runs.py would log it, copied from
-    ``logged[i % len(logged)]`` (its rows of every table keyed by ``run_uuid``: runs, tags, params, metrics,
-    latest_metrics) under a new id, the name :func:`_name` ``(i)``, and its times (start, end, every point's
-    time stamp) moved by ``i - i % len(logged)`` seconds, as many_runs.py spaces runs; the new ids in order.
-    One sqlite3 transaction (bench/page.py's copy_runs does the same for its stores): about 1/30 of the time
-    of MLflow's three calls a run."""
-    import sqlite3
-    import uuid
-
-    db = sqlite3.connect(uri[len("sqlite:///"):])
-    tables = [t for (t,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-              if "run_uuid" in [c[1] for c in db.execute(f"PRAGMA table_info({t})")]]
-    assert {"runs", "tags", "params", "metrics", "latest_metrics"} <= set(tables), tables
-    marks = ",".join("?" * len(logged))
-    cols, rows = {}, {}  # rows[table][run id]: that run's rows of the table
-    for t in tables:
-        cur = db.execute(f"SELECT * FROM {t} WHERE run_uuid IN ({marks})", logged)
-        cols[t] = [d[0] for d in cur.description]
-        rows[t] = {}
-        for r in cur.fetchall():
-            rows[t].setdefault(r[cols[t].index("run_uuid")], []).append(r)
-    new, ids = {t: [] for t in tables}, []
-    for i in indices:
-        src, rid, name, shift = logged[i % len(logged)], uuid.uuid4().hex, _name(i), 1000 * (i - i % len(logged))
-        for t in tables:
-            c = cols[t]
-            for r in rows[t].get(src, ()):
-                r = list(r)
-                r[c.index("run_uuid")] = rid
-                for k in ("start_time", "end_time", "timestamp"):
-                    if k in c and r[c.index(k)] is not None:
-                        r[c.index(k)] += shift
-                if t == "runs":
-                    r[c.index("name")] = name
-                    r[c.index("artifact_uri")] = r[c.index("artifact_uri")].replace(src, rid)
-                elif t == "tags" and r[c.index("key")] == "mlflow.runName":
-                    r[c.index("value")] = name
-                new[t].append(r)
-        ids.append(rid)
-    with db:
-        for t in tables:
-            db.executemany(f"INSERT INTO {t} ({', '.join(cols[t])}) VALUES ({', '.join('?' * len(cols[t]))})", new[t])
-    db.close()
-    return ids
 
 
 # ------------------------------------------------------------------------- paging, with a fake client
