@@ -94,15 +94,7 @@ class HangingProxy(BlackHole):
             up = socket.create_connection(("127.0.0.1", self.port))
             self.conns.append(up)
             for src, dst in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                if not self.hanging:
-                    dst.sendall(data)
-        except OSError:
-            pass
+                threading.Thread(target=_pump, args=(src, dst, lambda: self.hanging), daemon=True).start()
 
 
 class Outage:
@@ -156,11 +148,15 @@ class Outage:
                 threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src: socket.socket, dst: socket.socket, dropping=lambda: False) -> None:
+    """Forward what ``src`` sends to ``dst`` until ``src`` ends, then end ``dst``'s sending side; while
+    ``dropping()`` (:class:`HangingProxy` hanging) read and drop, and leave ``dst`` open (never answered)."""
     try:
         while data := src.recv(65536):
-            dst.sendall(data)
-        dst.shutdown(socket.SHUT_WR)
+            if not dropping():
+                dst.sendall(data)
+        if not dropping():
+            dst.shutdown(socket.SHUT_WR)
     except OSError:
         pass
 
