@@ -171,6 +171,13 @@ def run_as_project() -> None:
     if not os.environ.get("MLFLOW_RUN_ID"):
         main(prog_name="llmeff")
         return
+    from mlflow_llmeff.tracking.store import StoreNotFound, project_store
+
+    try:  # the run's store, not the one a relative URI names from the project's folder (mlflow run's cwd)
+        os.environ["MLFLOW_TRACKING_URI"] = project_store()
+    except StoreNotFound as e:
+        click.echo(f"Error: {e}", err=True)
+        raise SystemExit(2) from None
     try:
         main(prog_name="llmeff", standalone_mode=False)
     except click.ClickException as e:
@@ -374,7 +381,8 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
         return
     when = (f" (read from the cache: measured {m.measured_at or 'at an unknown time'} on {m.key}; "
             "--refresh measures again)" if m.from_cache else "")
-    click.echo(f"{info.name} ({info.short}), {dtype}: measured {measured:.3f} TFLOP/s{when}")
+    # four significant digits: a CPU's bf16 peak is 0.003 TFLOP/s (three decimals printed "0.001", its figure lost)
+    click.echo(f"{info.name} ({info.short}), {dtype}: measured {measured:.4g} TFLOP/s{when}")
     if peak is None:
         click.echo(f"datasheet peak: {source}")
     else:

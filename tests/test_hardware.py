@@ -166,6 +166,49 @@ def test_measured_peak_is_cached_and_reused(tmp_path):
                                refresh=True) != 123.0
 
 
+def test_a_thin_matmul_counts_2mkn_flops_over_its_best_repeat(monkeypatch):
+    from mlflow_llmeff.meters import hardware as hw_mod
+
+    ticks = iter(range(1000))  # an injected clock: every call 0.5 s later, so every repeat takes 0.5 s
+    monkeypatch.setattr(hw_mod.time, "perf_counter", lambda: next(ticks) * 0.5)
+    assert hw_mod._time_matmul((64, 16, 32), "fp32", "cpu", 0.01) == 2 * 64 * 16 * 32 / 0.5 / 1e12
+    assert hw_mod._time_matmul(8, "fp32", "cpu", 0.01) == 2 * 8 ** 3 / 0.5 / 1e12
+
+
+def test_the_cpu_peak_is_the_best_of_squares_and_thin_shapes_and_an_old_square_only_entry_is_measured_again(
+        tmp_path, monkeypatch):
+    # a trial's bf16 run read 148% "MFU": the peak, timed on squares of 256-1024 (1.3 GFLOP/s), was below the
+    # model's thin matmuls ((1024 x 64) @ (64 x 172): 2.9 GFLOP/s)
+    from mlflow_llmeff.meters import hardware as hw_mod
+
+    rates = {128: 3.0e-3, 256: 1.4e-3, 512: 1.3e-3, 1024: 0.9e-3, (1024, 64, 172): 2.9e-3}
+    timed = []
+    monkeypatch.setattr(hw_mod, "_time_matmul", lambda n, *a: timed.append(n) or rates.get(n, 1e-3))
+    key = hw_mod._cache_key("cpu", "bf16")
+    (tmp_path / "mamf.json").write_text(json.dumps({key: {"tflops": 0.9e-3, "sizes": [256, 512, 1024],
+                                                          "measured_at": "2026-12-01T00:00:00"}}))
+    m = hw_mod.matmul_peak("bf16", "cpu", cache_dir=tmp_path)  # the old entry had no thin shapes: measured again
+    assert (m.tflops, m.from_cache) == (3.0e-3, False)
+    assert timed == [128, 256, 512, 1024, *hw_mod._CPU_SHAPES]
+    entry = json.loads((tmp_path / "mamf.json").read_text())[key]
+    assert entry["shapes"] == [list(s) for s in hw_mod._CPU_SHAPES] and entry["tflops"] == 3.0e-3
+    rates[(1024, 64, 172)] = 5.0e-3  # the best is whichever shape is fastest
+    assert hw_mod.matmul_peak("bf16", "cpu", cache_dir=tmp_path).tflops == 3.0e-3  # now read from the cache
+    assert hw_mod.matmul_peak("bf16", "cpu", cache_dir=tmp_path, refresh=True).tflops == 5.0e-3
+
+
+def test_cli_peak_prints_a_cpus_bf16_peak_with_its_digits(tmp_path, monkeypatch):
+    # a trial's bf16 CPU peak printed as "measured 0.001 TFLOP/s": three decimals lost the figure
+    from mlflow_llmeff.cli import main
+
+    monkeypatch.setenv("LLMEFF_CACHE_DIR", str(tmp_path))
+    measure_matmul_peak("bf16", "cpu", sizes=(64,), min_time_s=0.01)
+    file = tmp_path / "mamf.json"
+    file.write_text(json.dumps({k: {**v, "tflops": 0.0030947} for k, v in json.loads(file.read_text()).items()}))
+    text = CliRunner().invoke(main, ["peak", "--device", "cpu", "--dtype", "bf16"]).output
+    assert ", bf16: measured 0.003095 TFLOP/s (read from the cache: " in text.splitlines()[0]
+
+
 def test_measured_peak_cache_dir_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMEFF_CACHE_DIR", str(tmp_path))
     measure_matmul_peak("bf16", "cpu", sizes=(64,), min_time_s=0.01)
@@ -209,7 +252,7 @@ def test_cli_peak_json_reads_the_cache(tmp_path, monkeypatch):
     assert out["assumed"] == {"device": "cpu (no CUDA device: pass --device)",
                               "dtype": "fp32 (the default on cpu: pass --dtype)"}
     text = CliRunner().invoke(main, ["peak"]).output
-    assert text.splitlines()[0].endswith(f" 0.250 TFLOP/s (read from the cache: measured {out['measured_at']} on "
+    assert text.splitlines()[0].endswith(f" 0.25 TFLOP/s (read from the cache: measured {out['measured_at']} on "
                                          f"{out['measured_on']}; --refresh measures again)")
     assert text.splitlines()[-1] == ("assumed: device: cpu (no CUDA device: pass --device); "
                                      "dtype: fp32 (the default on cpu: pass --dtype)")
@@ -235,6 +278,7 @@ def test_the_run_says_when_and_on_what_its_measured_peak_was_measured(tmp_path, 
 
     monkeypatch.setenv("LLMEFF_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(hw_mod, "_CPU_SIZES", (64,))
+    monkeypatch.setattr(hw_mod, "_CPU_SHAPES", ((64, 16, 32),))
     on = f"cpu|{hw_mod._cpu_model()} threads={torch.get_num_threads()}|fp32|torch {torch.__version__}"
     first = Account()
     first.measure_peak("fp32", None)

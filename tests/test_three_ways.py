@@ -63,7 +63,10 @@ def test_one_loop_three_ways_gives_the_same_keys(tracking_uri):
     # the figures the first release's autolog lacked are there on every path
     for key in (names.CARBON_ESTIMATE_KG, names.SUM_MFU_MEASURED_PEAK, names.SUM_GOODPUT, names.SUM_BADPUT["eval"],
                 names.SUM_ESTIMATE_KG_CO2E):
-        assert all(key in r.data.metrics for r in by.values()), key
+        # MFU against the measured peak is left out where the run went faster than the peak measured on a
+        # busy machine (monitor/account.py above_measured_peak), and says so
+        assert all(key in r.data.metrics or (key == names.SUM_MFU_MEASURED_PEAK and f"{key}: the run's steady "
+                                             in r.data.tags[names.SUMMARY_ABSENT]) for r in by.values()), key
     # how sure each figure is, from the same meter on every path (5 steady steps: too few for an interval)
     for r in by.values():
         assert names.SUM_STEP_TIME_P50_S in r.data.metrics

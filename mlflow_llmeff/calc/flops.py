@@ -555,17 +555,19 @@ def utilization(achieved_tflops_per_device: float, peak_tflops: float | None) ->
     return achieved_tflops_per_device / peak_tflops
 
 
-def mfu_warning(value: float | None) -> str | None:
+def mfu_warning(value: float | None, fate: str = "logged unclipped") -> str | None:
     """Say why a utilization above 1 is an error in the inputs; None when the value is plausible.
 
     Args:
         value: MFU or HFU as a fraction, or None.
+        fate: what became of the figure, the message's last words (``left out`` for MFU against the
+            measured peak, which a rate above it shows to bound nothing).
     """
     if value is None or value <= 1.0:
         return None
     return (f"utilization {value:.4f} > 1 is impossible: an input is wrong (peak for another dtype or "
-            "device, sparse peak, tokens counted on several ranks, or a FLOPs formula that does not "
-            "match the model); logged unclipped")
+            "device, a measured peak timed on shapes slower than the model's, sparse peak, tokens counted on "
+            f"several ranks, or a FLOPs formula that does not match the model); {fate}")
 
 
 def flops_summary(config, seq_len: float, micro_batch_size: int = 1, grad_accum: int = 1,

@@ -523,7 +523,13 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "mlflow_llmeff"
 
 
-_CPU_SIZES = (256, 512, 1024)
+_CPU_SIZES = (128, 256, 512, 1024)
+#: ``(m, k, n)`` products timed on a CPU beside the squares: a transformer's thin matmuls (a head's 64
+#: columns, a small model's widths). On this 2-core EPYC in bf16 the squares of 256-1024 ran at 0.9-1.4
+#: GFLOP/s and ``(1024 x 64) @ (64 x 172)`` at 2.3-2.9 GFLOP/s: a peak timed on squares alone put a
+#: fresh user's bf16 run at 148% "MFU" (trial, 2026-12-07). As in Stas Bekman's mamf-finder, the peak is
+#: the best over shapes, never one shape.
+_CPU_SHAPES = ((1024, 64, 1024), (1024, 1024, 64), (4096, 64, 256), (4096, 256, 64), (1024, 64, 172))
 _GPU_SIZES = (4096, 8192, 12288)
 
 
@@ -538,17 +544,19 @@ def _cache_key(device: str, dtype: str) -> str:
     return f"{device.split(':')[0]}|{ident}|{dtype}|torch {torch.__version__}"
 
 
-def _time_matmul(n: int, dtype: str, device: str, min_time_s: float) -> float:
-    """Best TFLOP/s of an ``(n x n) @ (n x n)`` matmul over repeats filling ``min_time_s``."""
+def _time_matmul(n: int | tuple[int, int, int], dtype: str, device: str, min_time_s: float) -> float:
+    """Best TFLOP/s of an ``(n x n) @ (n x n)`` matmul (or ``(m x k) @ (k x n)`` for ``n = (m, k, n)``: ``2mkn``
+    FLOPs) over repeats filling ``min_time_s``."""
     import torch
 
+    m, k, n = (n, n, n) if isinstance(n, int) else n
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
            "tf32": torch.float32, "fp8": torch.float8_e4m3fn}[dtype]
     is_cuda = device.startswith("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     make = torch.float32 if dtype == "fp8" else tdt
-    a = torch.randn(n, n, device=device, dtype=make, generator=gen)
-    b = torch.randn(n, n, device=device, dtype=make, generator=gen)
+    a = torch.randn(m, k, device=device, dtype=make, generator=gen)
+    b = torch.randn(k, n, device=device, dtype=make, generator=gen)
     if dtype == "fp8":
         a = a.to(tdt)
         b = b.to(tdt).t().contiguous().t()  # column-major second operand, as _scaled_mm needs
@@ -572,7 +580,7 @@ def _time_matmul(n: int, dtype: str, device: str, min_time_s: float) -> float:
         best = min(best, dt)
         spent += dt
         reps += 1
-    return 2.0 * n**3 / best / 1e12
+    return 2.0 * m * k * n / best / 1e12
 
 
 @dataclass(frozen=True)
@@ -607,9 +615,11 @@ def matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Pa
     """Measured achievable matmul TFLOP/s (MAMF) for a dtype on a device, cached per device.
 
     Times square matmuls of each size in ``sizes`` (``2*n^3`` FLOPs each, device synchronized
-    around every call) and keeps the best rate: what this device really sustains on dense GEMMs,
-    the denominator of ``summary/mfu_measured_peak``. A sweep over many shapes (as in Stas Bekman's
-    mamf-finder) would find a few percent more; three sizes keep it to seconds.
+    around every call), on a CPU also the thin products of :data:`_CPU_SHAPES` (``2mkn`` FLOPs), and keeps
+    the best rate: what this device really sustains on dense GEMMs, the denominator of
+    ``summary/mfu_measured_peak``. A sweep over many shapes (as in Stas Bekman's mamf-finder) would find a
+    few percent more; a handful keep it to seconds. A cached figure timed on squares alone (written before
+    the thin shapes: no ``shapes`` entry) is measured again.
 
     Args:
         dtype: ``fp32``, ``tf32`` (CUDA only; TF32 matmuls switched on for the measurement),
@@ -617,7 +627,8 @@ def matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Pa
         device: ``cpu``, ``cuda`` or ``cuda:<index>``.
         cache_dir: folder of ``mamf.json``; default :func:`default_cache_dir`.
         refresh: measure again even when a cached value exists.
-        sizes: matrix sizes ``n`` to try; default 256/512/1024 on CPU, 4096/8192/12288 on CUDA.
+        sizes: matrix sizes ``n`` to try; default 128/256/512/1024 on CPU (and :data:`_CPU_SHAPES`),
+            4096/8192/12288 on CUDA. Given: only these squares.
         min_time_s: time spent repeating each size (seconds; the best repeat counts).
 
     Returns:
@@ -652,22 +663,25 @@ def matmul_peak(dtype: str = "fp32", device: str = "cpu", *, cache_dir: str | Pa
             cache = json.loads(file.read_text())
         except (OSError, ValueError):
             cache = {}
-    if not refresh and isinstance(cache.get(key), dict) and "tflops" in cache[key]:
-        return PeakMeasurement(float(cache[key]["tflops"]), cache[key].get("measured_at"), key, True)
-
+    shapes = () if sizes or is_cuda else _CPU_SHAPES
     sizes = tuple(sizes) if sizes else (_GPU_SIZES if is_cuda else _CPU_SIZES)
+    got = cache.get(key)
+    # an entry without "shapes" was timed on squares alone (before the thin shapes): measured again
+    if not refresh and isinstance(got, dict) and "tflops" in got and "shapes" in got:
+        return PeakMeasurement(float(got["tflops"]), got.get("measured_at"), key, True)
+
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32 if is_cuda else None
     try:
         if is_cuda:
             torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
         with torch.no_grad():
-            best = max(_time_matmul(n, dtype, device, min_time_s) for n in sizes)
+            best = max(_time_matmul(n, dtype, device, min_time_s) for n in sizes + shapes)
     finally:
         if is_cuda:
             torch.backends.cuda.matmul.allow_tf32 = prev_tf32
 
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    cache[key] = {"tflops": best, "sizes": list(sizes), "measured_at": stamp}
+    cache[key] = {"tflops": best, "sizes": list(sizes), "shapes": [list(x) for x in shapes], "measured_at": stamp}
     try:
         path.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(".json.tmp")

@@ -285,9 +285,20 @@ class FlopsAccount:
             ratio = self.ratio(rates.counts.effective_seq_len)
             if ratio is not None:
                 out[names.SUM_HFU] = mfu * ratio
-        if self.measured_peak:
+        if self.measured_peak and fl.utilization(tflops, self.measured_peak) <= 1.0:
+            # above 1 the measurement bounds nothing: left out, why in absent_figures (a trial read 148% in bf16)
             out[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(tflops, self.measured_peak)
         return out, tflops
+
+    def above_measured_peak(self, out: dict[str, float]) -> float | None:
+        """The run's steady TFLOP/s per device over the measured matmul peak where it is above 1 (then the
+        peak, timed on a handful of shapes, is no bound on what this device does, and
+        ``summary/mfu_measured_peak`` is left out), else None."""
+        tflops = out.get(names.SUM_DEVICE_TFLOPS)
+        if not self.measured_peak or tflops is None:
+            return None
+        ratio = fl.utilization(tflops, self.measured_peak)
+        return ratio if ratio > 1.0 else None
 
     def absent_figures(self, out: dict[str, float], rates=None) -> dict[str, str]:
         """Why each FLOPs figure :meth:`summary_figures` left out of ``out`` is undefined for this run
@@ -314,7 +325,13 @@ class FlopsAccount:
                 why[names.SUM_MFU] += "; against the measured matmul peak: summary/mfu_measured_peak"
         elif names.SUM_HFU not in out:
             why[names.SUM_HFU] = f"no hardware-to-model FLOPs ratio (llmeff.hfu.method: {self.hfu_note})"
-        if names.SUM_MFU_MEASURED_PEAK not in out:
+        over = self.above_measured_peak(out)
+        if over is not None:
+            why[names.SUM_MFU_MEASURED_PEAK] = (
+                f"the run's steady {out[names.SUM_DEVICE_TFLOPS]:.4g} TFLOP/s per device is {over:.0%} of the "
+                f"measured matmul peak ({self.measured_peak:.4g} TFLOP/s, {self.measured_peak_at or 'unknown'}): "
+                "that measurement does not bound this device (llmeff peak --refresh measures it again)")
+        elif names.SUM_MFU_MEASURED_PEAK not in out:
             why[names.SUM_MFU_MEASURED_PEAK] = f"no measured matmul peak ({self.measured_peak_note})"
         return why
 

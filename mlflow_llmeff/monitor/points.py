@@ -373,12 +373,13 @@ def note_nothing_counted(p: Parts) -> None:
     p.logger.set_tags({names.AUTOLOG_NOTE: msg}, synchronous=False)
 
 
-def warn_mfu(p: Parts, mfu: float | None, where: str | int) -> None:
-    """Warn once (and tag ``llmeff.mfu_warning``) about an implausible MFU; it is reported, never clipped.
+def warn_mfu(p: Parts, mfu: float | None, where: str | int, fate: str = "logged unclipped") -> None:
+    """Warn once (and tag ``llmeff.mfu_warning``) about an implausible MFU; it is reported, never clipped
+    (``fate``: what became of it, :func:`~mlflow_llmeff.calc.flops.mfu_warning`).
     ``where``: the figure's name, or the logged step it was computed at (``step <n>``)."""
-    warn = fl.mfu_warning(mfu)
+    warn = fl.mfu_warning(mfu, fate)
     if warn and p.notices.first("mfu"):  # reported, never clipped
         if isinstance(where, int):
             where = f"step {where}"
-        log.warning(warn)
+        log.warning(f"llmeff: {where}: {warn}")
         p.logger.set_tags({names.MFU_WARNING: f"{where}: {warn}"}, synchronous=False)
