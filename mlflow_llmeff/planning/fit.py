@@ -17,11 +17,15 @@ accelerator uses its datasheet capacity (:data:`mlflow_llmeff.meters.hardware.ME
 When it does not fit, :func:`verdict` lists the cheapest configurations that do: the same compute
 first (bf16 activations, a smaller micro-batch with more accumulation so the global batch stays,
 sharding with FSDP over the same devices), then more devices with FSDP, then activation
-checkpointing (about 4/3 of the compute).
+checkpointing (about 4/3 of the compute), then the memory levers on the asked devices (an 8-bit
+optimizer, bf16 weights, LoRA adapters; each set of them with its own micro-batch or checkpointing),
+each with the GiB ``llmeff plan`` prints for it. "Nothing fits" is said only when none of these does,
+with the configuration tried that needs the least.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -50,20 +54,23 @@ class Candidate:
         estimate_bytes: the step's estimated peak bytes per device (without the margin).
         devices: devices it uses.
         compute: compute relative to the asked configuration (4/3 with activation checkpointing added).
+        needs: what a lever's package needs on this machine (``needs peft: pip install ...``), '' when installed.
     """
 
     changes: dict
     estimate_bytes: float
     devices: int
     compute: float
+    needs: str = ""
 
     def describe(self, style: str = "cli") -> str:
-        """``--micro-batch-size 2 --grad-accum 4 (46 GiB)`` or ``-P micro_batch_size=2 ...`` (``style="mlflow"``)."""
+        """``--micro-batch-size 2 --grad-accum 4 (46 GiB)`` or ``-P micro_batch_size=2 ...`` (``style="mlflow"``);
+        ``(15.7 GiB, needs peft: pip install 'mlflow-llmeff[lora]')`` where a lever's package is missing."""
         if style == "mlflow":
             opts = " ".join(f"-P {k}={_text(v)}" for k, v in self.changes.items())
         else:
             opts = " ".join(f"--{k.replace('_', '-')} {_text(v)}" for k, v in self.changes.items())
-        return f"{opts} ({_gib(self.estimate_bytes)} GiB)"
+        return f"{opts} ({_gib(self.estimate_bytes)} GiB{', ' + self.needs if self.needs else ''})"
 
 
 def _gib(b: float) -> str:
@@ -88,8 +95,10 @@ class Verdict:
         processes_share: True when the processes share the memory (CPU: one host for all).
         processes: processes of the run.
         candidates: cheapest fitting configurations when it does not fit.
-        why_none: why nothing fits, when no candidate does.
+        why_none: why nothing fits, when no candidate does (the model state's need as asked).
         strategy: the parallelism strategy the estimate is for.
+        smallest: when nothing fits, the configuration tried that needs the least memory (levers included).
+        presets: when nothing fits, the largest presets that would (``; the largest preset that fits ...``).
     """
 
     model: str
@@ -101,6 +110,8 @@ class Verdict:
     candidates: list[Candidate] = field(default_factory=list)
     why_none: str = ""
     strategy: str = ""
+    smallest: Candidate | None = None
+    presets: str = ""
 
     @property
     def needed_bytes(self) -> float:
@@ -126,12 +137,16 @@ class Verdict:
         if self.candidates:
             alts = "; ".join(c.describe(style) for c in self.candidates)
             return f"does not fit {self.where}: {need}, {room}. Fits with: {alts} ({force} skips this check)"
-        return f"does not fit {self.where}: {need}, {room}. {self.why_none} ({force} skips this check)"
+        least = ""
+        if self.smallest is not None and self.smallest.changes:
+            least = f"; the least any configuration tried needs is {self.smallest.describe(style)}"
+        return (f"does not fit {self.where}: {need}, {room}. {self.why_none}{least}{self.presets} "
+                f"({force} skips this check)")
 
 
 def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ckpt, degrees=None, cuda=True) -> float:
-    """The step's peak bytes per device of ``cfg`` changed as given (its optimizer, weights, attention
-    kernel and accumulation kept)."""
+    """The step's peak bytes per device of ``cfg`` changed as given (its optimizer, weights, LoRA adapters,
+    attention kernel and accumulation kept: a lever is changed by passing a ``cfg`` with it changed)."""
     from mlflow_llmeff.parallel import get
 
     if degrees is None:
@@ -149,12 +164,64 @@ def _estimate(config, cfg, *, micro_batch_size, precision, strategy, devices, ck
     return mem.total(ckpt)
 
 
-def _candidates(config, cfg, *, precision, strategy, available, cpu, bf16_ok) -> list[Candidate]:
-    """Every variation of the asked configuration that fits, cheapest first, minimal changes only."""
+#: LoRA rank a suggestion offers (``--lora-rank``): PEFT's ``LoraConfig`` default ``r=8`` (Hu et al. 2021,
+#: "LoRA", Sec. 7.2: ranks 1-8 already match full fine-tuning on GPT-3's adaptation tasks).
+LORA_RANK = 8
+
+#: How far each memory lever moves the training away from what was asked, for ordering suggestions after
+#: the ones that train the same weights the same way: an 8-bit optimizer and bf16 weights change the
+#: numerics (1 each); LoRA trains adapters instead of the model (2).
+_LEVER_WEIGHT = {"optimizer": 1, "weights": 1, "lora_rank": 2}
+
+#: Lever packages: the module ``find_spec`` looks for, and the pip extra that installs it (pyproject.toml).
+_LEVER_PACKAGES = {"lora_rank": ("peft", "lora"), "adamw8bit": ("torchao", "torchao"),
+                   "bnb-adamw8bit": ("bitsandbytes", "bnb")}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _lever_sets(config, cfg, *, precision: str, strategy: str, bf16_ok: bool) -> list[dict]:
+    """Every combination of the memory levers ``llmeff train`` has that ``cfg`` does not use yet and that its
+    strategy and machine allow, as ``{parameter: value}`` (``{}``: none; precision bf16 with bf16 weights).
+
+    The levers (docs/memory.md): an 8-bit optimizer (``adamw8bit``, torchao, or
+    ``bnb-adamw8bit`` where only bitsandbytes is installed: about 2.03 B/param of state instead of AdamW's 8),
+    bf16 weights (2 + 2 B/param, no fp32 master; needs precision bf16, not under DeepSpeed), and LoRA
+    adapters of rank :data:`LORA_RANK` on ``cfg.lora_targets`` (the base frozen: no gradients or state for
+    it; single or ddp only), each as :func:`mlflow_llmeff.train.config.validate` accepts it.
+    """
+    one: list[dict] = []
+    zero = strategy.startswith("deepspeed")
+    if cfg.optimizer in ("adamw", "adamw-bf16") and not zero:
+        eight = "adamw8bit" if _installed("torchao") or not _installed("bitsandbytes") else "bnb-adamw8bit"
+        one.append({"optimizer": eight})
+    if cfg.weights == "fp32" and bf16_ok and not zero:
+        one.append({"weights": "bf16", **({"precision": "bf16"} if precision != "bf16" else {})})
+    if not cfg.lora_rank and strategy in ("single", "ddp"):
+        try:
+            lora_trainable(dataclasses.replace(cfg, lora_rank=LORA_RANK), config)
+            one.append({"lora_rank": LORA_RANK})
+        except ValueError:  # the model has no matrix the targets name: no LoRA to offer
+            pass
+    return [{k: v for part in combo for k, v in part.items()}
+            for n in range(len(one) + 1) for combo in itertools.combinations(one, n)]
+
+
+def _candidates(config, cfg, *, precision, strategy, available, cpu, bf16_ok) -> tuple[list[Candidate], Candidate]:
+    """Every variation of the asked configuration that fits, cheapest first, minimal changes only; and the
+    variation tried that needs the least memory (named when none fits).
+
+    Tried: smaller micro-batches (more accumulation), bf16, other layouts (CPU: fewer processes; CUDA: FSDP,
+    then more devices), activation checkpointing, and each set of memory levers (:func:`_lever_sets`) on
+    the asked devices; each estimated by :func:`_estimate`, the figure ``llmeff plan`` prints for it.
+    """
     mbs_options = [cfg.micro_batch_size]
     while mbs_options[-1] > 1:
         mbs_options.append(mbs_options[-1] // 2)
-    precisions = [precision] + (["bf16"] if precision == "fp32" and bf16_ok else [])
     ckpts = [cfg.activation_checkpointing] + ([True] if not cfg.activation_checkpointing else [])
     if cpu:  # processes share the host: fewer of them, never sharding
         layouts = [(n, strategy if n > 1 else "single") for n in range(cfg.num_processes, 0, -1)]
@@ -165,39 +232,65 @@ def _candidates(config, cfg, *, precision, strategy, available, cpu, bf16_ok) ->
         layouts += [(n, "fsdp" if not strategy.startswith("deepspeed") else "deepspeed_zero3")
                     for n in _DEVICE_STEPS if n > cfg.num_processes]
     found: list[Candidate] = []
-    for mbs, prec, ckpt, (n, strat) in itertools.product(mbs_options, precisions, ckpts, layouts):
-        est = _estimate(config, cfg, micro_batch_size=mbs, precision=prec, strategy=strat, devices=n, ckpt=ckpt,
-                        cuda=not cpu)
-        if needed_bytes(est) * (n if cpu else 1) > available:
-            continue
-        changes = {}
-        if prec != precision:
-            changes["precision"] = prec
-        if mbs != cfg.micro_batch_size:
-            changes["micro_batch_size"] = mbs
-            changes["grad_accum"] = cfg.grad_accum * (cfg.micro_batch_size // mbs)
-        if n != cfg.num_processes:
-            changes["num_processes"] = n
-        if strat != strategy:
-            changes["parallelism"] = strat
-        if ckpt != cfg.activation_checkpointing:
-            changes["activation_checkpointing"] = ckpt
-        if changes:
-            found.append(Candidate(changes, est, n, 4 / 3 if ckpt and not cfg.activation_checkpointing else 1.0))
+    smallest: Candidate | None = None
+    for lever in _lever_sets(config, cfg, precision=precision, strategy=strategy, bf16_ok=bf16_ok):
+        changed = dataclasses.replace(cfg, **{k: v for k, v in lever.items() if k != "precision"}) if lever else cfg
+        precisions = ([lever.get("precision", precision)] if "weights" in lever
+                      else [precision] + (["bf16"] if precision == "fp32" and bf16_ok else []))
+        # levers are tried on the asked devices (they are there to spare buying more); LoRA stays replicated
+        shapes = [(n, s) for n, s in layouts if not lever or n == cfg.num_processes]
+        shapes = [(n, s) for n, s in shapes if "lora_rank" not in lever or s in ("single", "ddp")]
+        for mbs, prec, ckpt, (n, strat) in itertools.product(mbs_options, precisions, ckpts, shapes):
+            est = _estimate(config, changed, micro_batch_size=mbs, precision=prec, strategy=strat, devices=n,
+                            ckpt=ckpt, cuda=not cpu)
+            changes = {}
+            if prec != precision:
+                changes["precision"] = prec
+            changes.update({k: v for k, v in lever.items() if k != "precision"})
+            if mbs != cfg.micro_batch_size:
+                changes["micro_batch_size"] = mbs
+                changes["grad_accum"] = cfg.grad_accum * (cfg.micro_batch_size // mbs)
+            if n != cfg.num_processes:
+                changes["num_processes"] = n
+            if strat != strategy:
+                changes["parallelism"] = strat
+            if ckpt != cfg.activation_checkpointing:
+                changes["activation_checkpointing"] = ckpt
+            cand = Candidate(changes, est, n, 4 / 3 if ckpt and not cfg.activation_checkpointing else 1.0,
+                             _needs(lever))
+            need = needed_bytes(est) * (n if cpu else 1)
+            if smallest is None or need < needed_bytes(smallest.estimate_bytes) * (smallest.devices if cpu else 1):
+                smallest = cand
+            if need <= available and changes:
+                found.append(cand)
     # drop a candidate that changes more than a cheaper one that fits; then the cheapest of each kind
     found = [c for c in found if not any(set(o.changes) < set(c.changes) and _cost(o) <= _cost(c) for o in found)]
     best: dict[str, Candidate] = {}
     for c in sorted(found, key=_cost):
         best.setdefault(_kind(c), c)
-    return sorted(best.values(), key=_cost)
+    return sorted(best.values(), key=_cost), smallest
+
+
+def _needs(lever: dict) -> str:
+    """What a lever's package needs here: ``needs peft: pip install 'mlflow-llmeff[lora]'``, or ''."""
+    for key in (lever.get("optimizer"), "lora_rank" if "lora_rank" in lever else None):
+        module, extra = _LEVER_PACKAGES.get(key, (None, None))
+        if module and not _installed(module):
+            return f"needs {module}: pip install 'mlflow-llmeff[{extra}]'"
+    return ""
 
 
 def _cost(c: Candidate) -> tuple:
-    """Compute first (recomputation costs 4/3), then devices, then how much changes."""
-    return (c.compute, c.devices, len(c.changes), -c.changes.get("micro_batch_size", 10**9))
+    """Levers last (how far they move the training, :data:`_LEVER_WEIGHT`), then compute (recomputation costs
+    4/3), then devices, then how much changes."""
+    return (sum(w for k, w in _LEVER_WEIGHT.items() if k in c.changes), c.compute, c.devices, len(c.changes),
+            -c.changes.get("micro_batch_size", 10**9))
 
 
 def _kind(c: Candidate) -> str:
+    lever = sorted(k for k in _LEVER_WEIGHT if k in c.changes)
+    if lever:  # one suggestion per set of levers
+        return "levers: " + ", ".join(lever)
     if "activation_checkpointing" in c.changes:
         return "checkpointing"
     if "num_processes" in c.changes:
@@ -229,7 +322,7 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
             when unknown.
         where: the device in words for the message.
         cpu: the processes share host memory (and cannot shard).
-        bf16_ok: bf16 is possible there (offered as a cheaper configuration).
+        bf16_ok: bf16 is possible there (bf16 precision and bf16 weights are offered).
         degrees: the run's resolved degrees (:func:`check` passes its spec's); None: the strategy's
             degrees over the processes, as for every configuration the verdict tries instead.
     """
@@ -241,17 +334,18 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
     v = Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, strategy=strategy)
     if available_bytes is None or v.fits:
         return v
-    cands = _candidates(config, cfg, precision=precision, strategy=strategy, available=available_bytes, cpu=cpu,
-                        bf16_ok=bf16_ok)
-    why = ""
+    cands, smallest = _candidates(config, cfg, precision=precision, strategy=strategy, available=available_bytes,
+                                  cpu=cpu, bf16_ok=bf16_ok)
     if not cands:
         optimizer, weights = levers(cfg)
         state = estimate_memory(config, seq_len=cfg.seq_len, micro_batch_size=1, strategy=strategy,
                                 dp=cfg.num_processes, precision=precision, optimizer=optimizer, weights=weights,
                                 cuda=not cpu, trainable=lora_trainable(cfg, config))
         named = "AdamW" if optimizer == "adamw" else optimizer
-        why = (f"Nothing fits there: weights, gradients and {named} state alone need "
-               f"{_gib(state.weights + state.gradients + state.optimizer)} GiB")
+        why = (f"Nothing fits there, memory levers included: weights, gradients and {named} state alone need "
+               f"{_gib(state.weights + state.gradients + state.optimizer)} GiB as asked")
+        presets = ""
+
         def largest(prec: str) -> tuple[float, str] | None:
             fitting = []
             for name in PRESETS:
@@ -266,12 +360,14 @@ def verdict(cfg, *, precision: str, strategy: str, available_bytes: float | None
 
         asked = largest(precision)
         if asked:
-            why += f"; the largest preset that fits as asked is {asked[1]} ({_gib(asked[0])} GiB with the margin)"
+            presets += f"; the largest preset that fits as asked is {asked[1]} ({_gib(asked[0])} GiB with the margin)"
         if precision == "fp32" and bf16_ok:
             half = largest("bf16")
             if half and (asked is None or half[1] != asked[1]):
-                why += f"; in bf16 precision, {half[1]} ({_gib(half[0])} GiB with the margin)"
-    return Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, cands, why, strategy)
+                presets += f"; in bf16 precision, {half[1]} ({_gib(half[0])} GiB with the margin)"
+        return Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, [], why, strategy,
+                       smallest, presets)
+    return Verdict(cfg.model, est, available_bytes, where, cpu, cfg.num_processes, cands, "", strategy)
 
 
 def host_available_bytes() -> float | None:
