@@ -250,3 +250,25 @@ def test_probe_on_gloo_measures_caches_and_counts_collectives(tmp_path):
     assert [tuple(c) for c in got["calls"]] == [("all_reduce", 4000, 2), ("all_gather", 8000, 2)]
     assert got["bus"] == 4000 + 4000
     assert os.path.getsize(tmp_path / "cache" / "comm.json") > 0
+
+
+def test_kineto_start_and_stop_notes_are_dropped_from_stderr_and_the_rest_kept(capfd):
+    # a trial found four 'USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start' lines in every 2-process
+    # CPU run's output: torch.profiler's library writes them to fd 2 as the sampled steps' profiles start and stop
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mlflow_llmeff.meters.commprobe import kineto_notes_dropped
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with kineto_notes_dropped():
+        prof.start()
+        os.write(2, b"a line of the run's own\n")
+    torch.ones(4) @ torch.ones(4)
+    with kineto_notes_dropped():
+        prof.stop()
+    err = capfd.readouterr().err
+    assert err == "a line of the run's own\n"
+    assert any(e.name == "aten::matmul" for e in prof.events())  # the profile itself is whole
+    os.write(2, b"USDT:2026-12-07 17:36:15 8199:8199 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+    assert "profiler_start" in capfd.readouterr().err  # outside the window nothing is dropped

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +33,40 @@ from mlflow_llmeff.calc import comm
 from mlflow_llmeff import names
 from mlflow_llmeff.meters.probes import tensor_bytes
 
-__all__ = ["ProbeResult", "measure", "detect_link", "probe_figures", "CommCounter", "StepSampler"]
+__all__ = ["ProbeResult", "measure", "detect_link", "probe_figures", "CommCounter", "StepSampler", "kineto_notes_dropped"]
 
 _OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+#: A note Kineto (torch.profiler's library) writes to the process's stderr as a profile starts and stops:
+#: ``USDT:2026-12-07 17:36:15 8199:8199 SyncActivityProfilerHandler.cpp:52] profiler_start``; a trial found four
+#: in every 2-process CPU run's output. Its own ``KINETO_LOG_LEVEL`` cannot drop them without its errors.
+_KINETO_NOTE = re.compile(rb"^(?:USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def kineto_notes_dropped():
+    """Inside, file descriptor 2 (stderr, where Kineto's C++ writes) goes to a temporary file; after, every
+    line of it is written to the real stderr but Kineto's start and stop notes (:data:`_KINETO_NOTE`). Meant
+    for the milliseconds of a profiler's start or stop: another thread's output then comes a moment late,
+    never lost."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True) if not _KINETO_NOTE.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 @dataclass(frozen=True)
@@ -442,9 +474,15 @@ class StepSampler:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         collectives.synchronize(self.device)
         t0 = time.perf_counter()
-        with profile(activities=acts) as prof:
+        prof = profile(activities=acts)
+        with kineto_notes_dropped():
+            prof.start()
+        try:
             yield
             collectives.synchronize(self.device)
+        finally:
+            with kineto_notes_dropped():
+                prof.stop()
         wall = (time.perf_counter() - t0) * 1e6
         comm_iv, compute_iv = _kineto_intervals(prof, cuda)
         self._exposed_us += comm.exposed_time(comm_iv, compute_iv)
