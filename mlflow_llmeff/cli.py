@@ -381,7 +381,6 @@ def peak_cmd(dtype: str | None, device: str | None, refresh: bool, as_json: bool
         return
     when = (f" (read from the cache: measured {m.measured_at or 'at an unknown time'} on {m.key}; "
             "--refresh measures again)" if m.from_cache else "")
-    # four significant digits: a CPU's bf16 peak is 0.003 TFLOP/s (three decimals printed "0.001", its figure lost)
     click.echo(f"{info.name} ({info.short}), {dtype}: measured {measured:.4g} TFLOP/s{when}")
     if peak is None:
         click.echo(f"datasheet peak: {source}")
