@@ -8,6 +8,7 @@ from mlflow_llmeff.calc.flops import ModelShape
 from mlflow_llmeff.planning.plan import activation_bytes, model_state_bytes
 
 from conftest import REPO
+from test_plan_history import DEFAULTS
 
 
 @pytest.mark.parametrize("strategy, expected", [
@@ -152,15 +153,18 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
     from mlflow_llmeff.train.config import TrainConfig
 
     client = mlflow.MlflowClient()
+    bf16 = {**DEFAULTS, names.PRECISION: "bf16"}  # the plan's speed conditions: only such runs predict it
     for tflops in (300.0, 400.0, 500.0):  # three earlier llama-7b runs on H100-SXM; median 400
-        rid = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b"}).info.run_id
+        rid = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b",
+                                           **bf16}).info.run_id
         client.log_metric(rid, names.SUM_DEVICE_TFLOPS, tflops)
         client.log_metric(rid, names.SUM_TFLOPS_PER_W, tflops / 600.0)  # 600 W per device
         client.set_terminated(rid, "FINISHED")
-    other = client.create_run("0", tags={names.ACCEL_SHORT: "A100-80GB", names.MODEL_NAME: "llama-7b"}).info.run_id
+    other = client.create_run("0", tags={names.ACCEL_SHORT: "A100-80GB", names.MODEL_NAME: "llama-7b", **bf16}).info.run_id
     client.log_metric(other, names.SUM_DEVICE_TFLOPS, 100.0)
     client.set_terminated(other, "FINISHED")
-    diverged = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b"}).info.run_id
+    diverged = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b",
+                                            **bf16}).info.run_id
     client.log_metric(diverged, names.SUM_DEVICE_TFLOPS, 9000.0)  # a FAILED run never feeds a prediction
     client.set_terminated(diverged, "FAILED")
     cfg = TrainConfig(model="llama-7b", seq_len=4096, micro_batch_size=1, grad_accum=4, num_processes=8, max_steps=1000)
@@ -168,7 +172,9 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
                            client=client, accelerator_short="H100-SXM", strategy="ddp", device_hour_usd=2.0)
     fpt = 42.8637e9  # Llama-2-7B at 4096, METRICS.md
     tps = 400e12 * 8 / fpt
-    assert plan["prediction_basis"] == "median of 3 runs of llama-7b's shape"
+    assert plan["prediction_basis"] == ("median of 3 runs of llama-7b's shape; all with precision bf16, optimizer adamw, "
+                                        "fp32 weights, every weight trained, sdpa attention, not compiled, no "
+                                        "activation checkpointing; threads intra-op 2, inter-op 2")
     assert plan["predicted_tokens_per_sec"] == pytest.approx(tps, rel=1e-5)
     wall = 1000 * 4096 * 4 * 8 / tps
     assert plan["predicted_wall_s"] == pytest.approx(wall, rel=1e-5)
@@ -233,7 +239,7 @@ def test_a_prediction_from_other_models_says_it_is_scaled_by_flops(tracking_uri)
 
     client = mlflow.MlflowClient()
     rid = client.create_run("0", tags={names.ACCEL_SHORT: "cpu", names.MODEL_NAME: "llama-tiny",
-                                       names.MODEL_PARAMS: "125632"}).info.run_id
+                                       names.MODEL_PARAMS: "125632", **DEFAULTS}).info.run_id
     client.log_metric(rid, names.SUM_DEVICE_TFLOPS, 0.02)
     client.set_terminated(rid, "FINISHED")
     cfg = TrainConfig(model="llama-7b")
@@ -362,17 +368,20 @@ def test_a_plan_over_two_machines_is_predicted_from_runs_over_two_machines(track
     from mlflow_llmeff.train.config import TrainConfig
 
     client = mlflow.MlflowClient()
+    under = ("; all with precision bf16, optimizer adamw, fp32 weights, every weight trained, sdpa attention, not "
+             "compiled, no activation checkpointing; threads intra-op 2, inter-op 2")
     for tflops, nodes in ((400.0, None), (100.0, "2")):  # one host (no nodes tag: an older run), two machines
         tags = {names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b", names.PAR_STRATEGY: "ddp",
-                names.ACCEL_COUNT: "2", **({names.NODES: nodes} if nodes else {})}
+                names.ACCEL_COUNT: "2", **({names.NODES: nodes} if nodes else {}), **DEFAULTS,
+                names.PRECISION: "bf16"}
         rid = client.create_run("0", tags=tags).info.run_id
         client.log_metric(rid, names.SUM_DEVICE_TFLOPS, tflops)
         client.set_terminated(rid, "FINISHED")
     for machines, processes, want, basis in (
             (2, 1, 100.0, "median of 1 runs of llama-7b's shape with ddp on 2 devices over 2 machines (other "
-                          "sequence lengths or micro batches)"),
+                          "sequence lengths or micro batches)" + under),
             (1, 2, 400.0, "median of 1 runs of llama-7b's shape with ddp on 2 devices (other sequence lengths or "
-                          "micro batches)")):
+                          "micro batches)" + under)):
         cfg = TrainConfig(model="llama-7b", num_processes=processes, num_machines=machines, main_process_ip="10.0.0.1")
         plan = add_predictions(make_plan(cfg, accelerator_short="H100-SXM", precision="bf16", strategy="ddp"), cfg,
                                client=client, accelerator_short="H100-SXM", strategy="ddp")
