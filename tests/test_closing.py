@@ -124,6 +124,45 @@ def test_a_monitored_loop_prints_one_closing_line_with_its_name_and_tokens_per_s
     assert _llmeff_lines(capsys.readouterr().err) == []
 
 
+def test_the_report_says_each_targets_fate_and_a_missed_ones_best_value(tracking_uri, capsys):
+    # a trial's run with --targets 'val_loss<=3.5,hellaswag/acc_norm>=0.30' missed both, and only the tags said so
+    mon = _plain_loop(targets="val_loss<=3.5,hellaswag/acc_norm>=0.30,mmlu/acc>=0.5,arc/acc>=0.5")
+    mon.log_eval({"val_loss": 4.21, "hellaswag/acc_norm": 0.27, "arc/acc": float("nan")}, step=6)
+    mon.log_eval({"val_loss": 4.07, "hellaswag/acc_norm": 0.31, "arc/acc": float("nan")}, step=12)
+    mon.log_eval({"val_loss": 4.12}, step=12)
+    capsys.readouterr()
+    mon.finish()
+    lines = _llmeff_lines(capsys.readouterr().err)
+    assert ("llmeff: targets: val_loss<=3.5 not reached (best 4.07 in 3 evaluations); hellaswag/acc_norm>=0.30 "
+            "reached at step 12; mmlu/acc>=0.5 not reached (no eval/mmlu/acc logged); arc/acc>=0.5 not reached "
+            "(2 evaluations, every one NaN)") in lines
+    tags = mlflow.MlflowClient().get_run(mon.run_id).data.tags  # the line says what the tags say
+    assert (tags["llmeff.ttq.val_loss_le_3.5"], tags["llmeff.ttq.hellaswag_acc_norm_ge_0.30"]) == (
+        "not_reached", "reached_at_step_12")
+    assert not any(line.startswith("llmeff: targets:") for line in _llmeff_lines_of(_plain_loop()))
+
+
+def _llmeff_lines_of(mon) -> list[str]:
+    from mlflow_llmeff.monitor.closing import report_lines
+
+    return report_lines(mon, mon.finish())
+
+
+def test_the_best_value_of_a_target_survives_a_checkpoint():
+    from types import SimpleNamespace
+
+    from mlflow_llmeff.monitor.notes import Reached
+
+    t = SimpleNamespace(key="val_loss_le_3.5", op="<=", metric="val_loss")
+    r = Reached()
+    r.saw(t, 4.2)
+    r.saw(t, 4.07)
+    again = Reached()
+    again.load(r.state(), r.best_state())
+    again.saw(t, 4.1)
+    assert again.best_state() == {"val_loss_le_3.5": [4.07, 3]}
+
+
 def test_a_second_rank_prints_no_closing_line(tracking_uri, monkeypatch, capsys):
     # rank 1 of 2 (no process group: every reduction is its own numbers)
     monkeypatch.setattr(collectives, "world_and_rank", lambda: (2, 1))

@@ -246,7 +246,8 @@ def state(p: Parts) -> dict:
     consumption = p.consumption.state_dict(wall_s=wall_of(seconds), init_s=seconds.get("init", 0.0))
     return {"step": p.meter.step, "throughput": p.meter.state_dict(),
             "ledger": ledger, "consumption": consumption,
-            "ttq_reached": p.reached.state(), "attempts": p.job.attempts, "run_id": p.logger.run_id,
+            "ttq_reached": p.reached.state(), "ttq_best": p.reached.best_state(), "attempts": p.job.attempts,
+            "run_id": p.logger.run_id,
             "hfu_counted": p.account.state(),
             "step_times": p.steps.state_dict(), "shapes": p.tally.shape_state(),
             "saved_at_unix": time.time()}
@@ -266,7 +267,7 @@ def resume(p: Parts, state: dict) -> None:
     p.consumption.add_earlier(wall, device_s=float(held.get("device_s", wall * job.tail_devices)), init_s=init,
                               init_device_s=float(held.get("init_device_s", init * job.tail_devices)))
     p.consumption.earlier_devices(tuple(int(n) for n in held.get("device_counts", [job.tail_devices])))
-    p.reached.load(state.get("ttq_reached", {}))
+    p.reached.load(state.get("ttq_reached", {}), state.get("ttq_best"))
     job.set_attempts(int(state.get("attempts", 1)) + 1)
     p.consumption.resume(state.get("consumption", {}), {})
     p.steps.load_state_dict(state.get("step_times"))

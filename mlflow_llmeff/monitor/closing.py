@@ -141,7 +141,8 @@ def contention_line(summary: dict[str, float], stability: str | None, intra_op_t
 
 def report_lines(mon, summary: dict[str, float], reliability: str | None = None) -> list[str]:
     """The closing report of a finished monitor, each line ``llmeff: ...``: :func:`closing_line`, the
-    stability verdict (``llmeff.stability``), what was assumed (``llmeff.assumed``), ``reliability``
+    stability verdict (``llmeff.stability``), each target reached or not and its best value
+    (:meth:`~mlflow_llmeff.monitor.notes.Reached.line`), what was assumed (``llmeff.assumed``), ``reliability``
     (the job's line, given only after a restart) and where to open the run (when the server holds it).
 
     The run's name and experiment are read from the tracking server once, bounded
@@ -158,6 +159,9 @@ def report_lines(mon, summary: dict[str, float], reliability: str | None = None)
         contended = contention_line(summary, mon.stability, torch.get_num_threads())
         if contended:
             lines.append(f"llmeff: {contended}")
+    targets = mon._p.reached.line(mon._p.targets)  # each target's fate, not only in llmeff.ttq.* tags
+    if targets:
+        lines.append(f"llmeff: {targets}")
     told = assumed_line(mon.assumptions())  # not only in a tag: the figures rest on it
     if told:
         lines.append(f"llmeff: {told}")

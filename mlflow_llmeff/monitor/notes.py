@@ -110,12 +110,15 @@ class LastPoint:
 
 
 class Reached:
-    """Time-to-quality targets reached: target key -> the optimizer step it was first reached at."""
+    """Time-to-quality targets reached: target key -> the optimizer step it was first reached at; and per
+    target the best value its metric took and how many evaluations gave one (the closing report's line
+    of a target not reached)."""
 
-    __slots__ = ("_at",)
+    __slots__ = ("_at", "_best")
 
     def __init__(self) -> None:
         self._at: dict[str, int] = {}
+        self._best: dict[str, list] = {}  # target key -> [best value, evaluations]
 
     def __contains__(self, key: str) -> bool:
         return key in self._at
@@ -124,17 +127,48 @@ class Reached:
         """Target ``key`` was reached at ``step``."""
         self._at[key] = step
 
+    def saw(self, target, value: float) -> None:
+        """An evaluation gave ``target``'s metric ``value`` (a NaN counts as an evaluation, never as best)."""
+        best = self._best.setdefault(target.key, [None, 0])
+        best[1] += 1
+        if value == value and (best[0] is None or (value > best[0] if target.op == ">=" else value < best[0])):
+            best[0] = value
+
     def every(self, targets) -> bool:
         """True when there are ``targets`` and every one has been reached."""
         return bool(targets) and all(t.key in self._at for t in targets)
+
+    def line(self, targets) -> str | None:
+        """``targets: val_loss<=3.5 not reached (best 4.07 in 2 evaluations); hellaswag/acc_norm>=0.3 reached at
+        step 30``: each target's fate, as the run's ``llmeff.ttq.*`` tags say it; None without targets."""
+        if not targets:
+            return None
+        parts = []
+        for t in targets:
+            if t.key in self._at:
+                parts.append(f"{t} reached at step {self._at[t.key]}")
+                continue
+            best, n = self._best.get(t.key, [None, 0])
+            if not n:
+                parts.append(f"{t} not reached (no eval/{t.metric} logged)")
+            elif best is None:
+                parts.append(f"{t} not reached ({n} evaluation{'s' if n != 1 else ''}, every one NaN)")
+            else:
+                parts.append(f"{t} not reached (best {best:.4g} in {n} evaluation{'s' if n != 1 else ''})")
+        return "targets: " + "; ".join(parts)
 
     def state(self) -> dict[str, int]:
         """``{key: step}``, a copy for a checkpoint."""
         return dict(self._at)
 
-    def load(self, state: dict) -> None:
-        """Continue the targets a checkpoint's attempt reached (``{key: step}``)."""
+    def best_state(self) -> dict[str, list]:
+        """``{key: [best value or None, evaluations]}``, a copy for a checkpoint."""
+        return {k: list(v) for k, v in self._best.items()}
+
+    def load(self, state: dict, best: dict | None = None) -> None:
+        """Continue the targets a checkpoint's attempt reached (``{key: step}``) and the best values it saw."""
         self._at = {k: int(v) for k, v in state.items()}
+        self._best = {k: [None if v[0] is None else float(v[0]), int(v[1])] for k, v in (best or {}).items()}
 
 
 class JobHistory:

@@ -221,6 +221,9 @@ def log_eval(p: Parts, values: dict[str, float], step: int) -> None:
             p.logger.log_table(table, SUBJECT_TABLE.format(step=step))
         p.logger.log_metrics({f"eval/{k}": v for k, v in (clean if p.subject_metrics else shown).items()},
                                 step)
+    for t in p.targets:
+        if t.metric in clean:
+            p.reached.saw(t, clean[t.metric])
     newly = [t for t in p.targets if t.key not in p.reached and t.reached(clean.get(t.metric))]
     if newly:
         log_ttq(p, newly, step)
