@@ -172,12 +172,10 @@ def run_as_project() -> None:
         main(prog_name="llmeff")
         return
     from mlflow_llmeff.tracking.store import StoreNotFound, project_store
-
     try:  # the run's store, not the one a relative URI names from the project's folder (mlflow run's cwd)
         os.environ["MLFLOW_TRACKING_URI"] = project_store()
     except StoreNotFound as e:
-        click.echo(f"Error: {e}", err=True)
-        raise SystemExit(2) from None
+        raise SystemExit(f"Error: {e}") from None
     try:
         main(prog_name="llmeff", standalone_mode=False)
     except click.ClickException as e:

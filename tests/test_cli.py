@@ -81,3 +81,21 @@ def test_a_switch_works_alone_and_with_the_value_mlproject_passes(monkeypatch, a
     r = CliRunner().invoke(main, ["train", *args, "--max-steps", "3"])
     assert r.exit_code == 0, r.output
     assert (seen["cfg"].dry_run, seen["cfg"].compile) == want
+
+
+def test_project_run_whose_relative_store_holds_no_such_run_stops_with_one_line(tmp_path, monkeypatch):
+    """``python -m mlflow_llmeff`` under ``mlflow run`` (``MLFLOW_RUN_ID``) with ``sqlite:///mlflow.db``: the store
+    is the one of the folders that started it holding the run (tests/test_store.py); none holds it here, and the
+    line names the URI instead of MLflow's 'Run with id=... not found' traceback."""
+    from mlflow_llmeff import cli
+
+    monkeypatch.setitem(cli._PROCESS_ENTRY, "on", False)  # run_as_project marks this process an entry; put back
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    monkeypatch.setenv("MLFLOW_RUN_ID", "f" * 32)
+    monkeypatch.setattr("sys.argv", ["llmeff", "train"])
+    with pytest.raises(SystemExit) as e:
+        cli.run_as_project()
+    assert str(e.value).startswith("Error: MLFLOW_TRACKING_URI=sqlite:///mlflow.db is a relative path and no store "
+                                   f"it names from the folders that started this run holds run {'f' * 32} (looked in: ")
+    assert "\n" not in str(e.value) and not (tmp_path / "mlflow.db").exists()
