@@ -49,3 +49,23 @@ def test_squeezed_shapes_expand_to_the_list_they_came_from():
 def test_a_model_that_is_no_preset_is_read_through_transformers(tmp_path):
     with pytest.raises(ValueError, match=r"^unknown model 'nope'; accepted: a preset \(llama-tiny, "):
         shape_config("nope")
+
+
+def test_a_hub_id_that_cannot_be_loaded_says_why_in_one_line(monkeypatch):
+    # a trial offline waited for the hub's retries, then read only "(OSError)": the cause's first sentence now
+    import transformers
+
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them "
+                      "in the cached files.\nCheck your internet connection or see how to run the library in "
+                      "offline mode.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ValueError) as e:
+        load_config("meta-llama/Llama-2-7b-hf")
+    assert str(e.value).startswith(
+        "model 'meta-llama/Llama-2-7b-hf' is not a preset, not a local directory, and could not be loaded from the "
+        "Hugging Face hub (OSError: We couldn't connect to 'https://huggingface.co' to load the files, and couldn't "
+        "find them in the cached files; HF_HUB_OFFLINE=1 reads the local cache only); presets: llama-tiny, ")
+    assert "\n" not in str(e.value)

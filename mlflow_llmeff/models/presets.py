@@ -80,9 +80,12 @@ def load_config(model: str):
     if "/" in model and not model.startswith((".", "/")):
         try:
             return AutoConfig.from_pretrained(model)
-        except Exception as e:  # noqa: BLE001 - turn any hub failure into one line
+        except Exception as e:  # noqa: BLE001 - turn any hub failure into one line, saying which
+            # (a trial offline waited 27 s for the hub's retries, then read only "(OSError)")
+            why = " ".join(str(e).split()).split(". ")[0][:200].rstrip(".")
+            offline = "" if os.environ.get("HF_HUB_OFFLINE") else "; HF_HUB_OFFLINE=1 reads the local cache only"
             raise ValueError(f"model {model!r} is not a preset, not a local directory, and could not be "
-                             f"loaded from the Hugging Face hub ({type(e).__name__}); presets: "
+                             f"loaded from the Hugging Face hub ({type(e).__name__}: {why}{offline}); presets: "
                              f"{', '.join(PRESETS)}") from None
     raise ValueError(f"unknown model {model!r}; accepted: a preset ({', '.join(PRESETS)}), "
                      f"a local Hugging Face model directory, or a hub id like 'org/name'")
