@@ -5,6 +5,17 @@ run (``MLFLOW_RUN_ID``); each process count is a child run of it (MLflow sets ``
 when a project is run inside an active run), with the same model, sequence length and micro-batch
 per device, so the children differ only in device count (weak scaling). The comparison of the
 children is logged as the parent's artifacts, and its scaling efficiency printed.
+
+MLflow starts this script in ``projects/scaling-sweep/``, not where the user typed ``mlflow run``; so a
+relative tracking store (``sqlite:///mlflow.db``) is resolved to the store that holds the parent run
+(:func:`mlflow_llmeff.tracking.store.project_store`) and a relative ``--out`` against the user's folder
+(:func:`mlflow_llmeff.tracking.store.launcher_folder`); the children get the absolute store.
+
+Every process of every child runs with the same CPU threads (``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS``,
+torch's intra-op threads): a multi-process launch gives each process 1 unless set, a single process keeps
+all the CPUs, and ``llmeff compare`` computes no scaling efficiency between runs whose recorded
+``llmeff.threads`` differ. Torch's inter-op pool has no variable: its default (the machine's cores) is the
+same in every process of one machine, and each run records it in the same tag.
 """
 
 from __future__ import annotations
@@ -29,6 +40,26 @@ def process_counts(text: str) -> list[int]:
     return [c for c in (1, 2, 4, 8) if c <= n] if n else [1, 2]
 
 
+def threads_per_process(given: int, counts: list[int]) -> tuple[int, str]:
+    """Torch intra-op threads for every process of every child: ``given`` when > 0, else
+    ``OMP_NUM_THREADS`` when set, else the usable CPUs (affinity and cgroup quota) divided by the largest
+    process count (at least 1), so the largest child does not oversubscribe the CPUs. Returns ``(n, why)``."""
+    if given > 0:
+        return given, "threads parameter"
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env:
+        try:
+            if int(env) > 0:
+                return int(env), "OMP_NUM_THREADS"
+        except ValueError:
+            pass
+        raise SystemExit(f"scaling-sweep: OMP_NUM_THREADS={env!r} is not accepted; give a thread count >= 1")
+    from mlflow_llmeff.evals.threads import usable_cpus
+
+    usable, where = usable_cpus()
+    return max(1, usable // max(counts)), f"{where} over {max(counts)} processes"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--process-counts", default="auto")
@@ -37,29 +68,55 @@ def main() -> None:
                                ("warmup-steps", int, 3), ("log-every-n-steps", int, 5), ("val-blocks", int, 32)):
         p.add_argument(f"--{name}", type=lambda v, t=typ: t(float(v)), default=default)
     p.add_argument("--device-hour-usd", type=float, default=0.0)
+    p.add_argument("--threads", type=lambda v: int(float(v)), default=0)
     p.add_argument("--out", default="scaling-report")
     a = p.parse_args()
 
     import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.projects import ExecutionException
 
     from mlflow_llmeff.report.compare import compare
     from mlflow_llmeff.report.render import scaling_lines
+    from mlflow_llmeff.tracking.store import StoreNotFound, launcher_folder, project_store
 
-    with mlflow.start_run(run_id=os.environ.get("MLFLOW_RUN_ID")) as parent:
+    try:
+        uri = project_store()
+    except StoreNotFound as e:
+        raise SystemExit(f"scaling-sweep: {e}") from None
+    os.environ["MLFLOW_TRACKING_URI"] = uri  # the children (their own folders) open this same store
+    mlflow.set_tracking_uri(uri)
+    out = os.path.join(launcher_folder(), a.out)  # an absolute --out stays as given
+    counts = process_counts(a.process_counts)
+    threads, why = threads_per_process(a.threads, counts)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    print(f"scaling-sweep: {threads} intra-op thread(s) in every process of every child ({why})", flush=True)
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    try:
+        parent = mlflow.start_run(run_id=run_id)
+    except (MlflowException, OSError) as e:  # e.g. 'Run with id=... not found', a path through a file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"scaling-sweep: cannot open {'run ' + run_id if run_id else 'a run'} in tracking store "
+                         f"{uri}: {first}") from None
+    with parent:
         mlflow.set_tag("mlflow.runName", f"scaling-sweep-{a.model}")
         exp_id = parent.info.experiment_id
-        for n in process_counts(a.process_counts):
+        for n in counts:
             print(f"scaling-sweep: {n} process(es)", flush=True)
-            mlflow.projects.run(str(REPO), entry_point="main", experiment_id=exp_id, env_manager="local",
-                                synchronous=True, parameters={
-                                    "model": a.model, "num_processes": n, "max_steps": a.max_steps,
-                                    "seq_len": a.seq_len, "micro_batch_size": a.micro_batch_size,
-                                    "warmup_steps": a.warmup_steps, "log_every_n_steps": a.log_every_n_steps,
-                                    "val_blocks": a.val_blocks, "device_hour_usd": a.device_hour_usd})
+            try:
+                mlflow.projects.run(str(REPO), entry_point="main", experiment_id=exp_id, env_manager="local",
+                                    synchronous=True, parameters={
+                                        "model": a.model, "num_processes": n, "max_steps": a.max_steps,
+                                        "seq_len": a.seq_len, "micro_batch_size": a.micro_batch_size,
+                                        "warmup_steps": a.warmup_steps, "log_every_n_steps": a.log_every_n_steps,
+                                        "val_blocks": a.val_blocks, "device_hour_usd": a.device_hour_usd})
+            except ExecutionException as e:
+                raise SystemExit(f"scaling-sweep: the {n}-process child failed ({e}); its lines are above") from None
         exp = mlflow.MlflowClient().get_experiment(exp_id)
         rep, _, _ = compare(exp.name, filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
-                            out_dir=a.out)
-        mlflow.log_artifacts(a.out, "scaling-report")
+                            out_dir=out)
+        mlflow.log_artifacts(out, "scaling-report")
+        print(f"scaling-sweep: report in {out} (and the parent run's artifacts, scaling-report/)")
         for line in scaling_lines(rep):
             print(line)
 
