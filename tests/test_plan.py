@@ -160,7 +160,8 @@ def test_plan_predicts_from_earlier_runs_on_the_same_accelerator(tracking_uri):
         client.log_metric(rid, names.SUM_DEVICE_TFLOPS, tflops)
         client.log_metric(rid, names.SUM_TFLOPS_PER_W, tflops / 600.0)  # 600 W per device
         client.set_terminated(rid, "FINISHED")
-    other = client.create_run("0", tags={names.ACCEL_SHORT: "A100-80GB", names.MODEL_NAME: "llama-7b", **bf16}).info.run_id
+    other = client.create_run("0", tags={names.ACCEL_SHORT: "A100-80GB", names.MODEL_NAME: "llama-7b",
+                                         **bf16}).info.run_id
     client.log_metric(other, names.SUM_DEVICE_TFLOPS, 100.0)
     client.set_terminated(other, "FINISHED")
     diverged = client.create_run("0", tags={names.ACCEL_SHORT: "H100-SXM", names.MODEL_NAME: "llama-7b",

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.optimizers import OPTIMIZERS
 
-__all__ = ["Condition", "speed_conditions", "optimizer_of", "trainable_of", "history_tflops", "history_power_w", "add_predictions"]
+__all__ = ["Condition", "speed_conditions", "optimizer_of", "trainable_of", "history_tflops", "history_power_w",
+           "add_predictions"]
 
 
 @dataclass(frozen=True)
