@@ -283,12 +283,10 @@ def test_comparisons_leave_the_study_parent_out_and_take_its_children_as_repeats
     # 3,000 and 3,100: mean 3,050, half = 12.706 x 50 = 635.3
     assert lines[1] == ("configuration 2 (tiny-mbs2 (+1 repeat)): 3,050 [2,415, 3,685] (2 repeats, t) tokens/s: "
                         "mean of 2 repeats, 95% Student-t interval across them (df 1)")
-    # as bash reads it when pasted (POSIX shell words): the filter whole, its backticks not run
-    import shlex
-
-    assert lines[-1].startswith("compare: llmeff compare ")
-    words = shlex.split(lines[-1][len("compare: "):])
-    assert words == ["llmeff", "compare", "--experiment", "study-groups", "--filter", f"tags.`{PARENT_TAG}` = '{parent}'"]
+    # as bash reads it when pasted: the filter whole, its backticks not run
+    assert lines[-1] == ("compare: llmeff compare --experiment study-groups --filter "
+                         f"\"tags.\\`{PARENT_TAG}\\` = '{parent}'\"")  # readable: no '"'"' (a trial)
+    words = ["llmeff", "compare", "--experiment", "study-groups", "--filter", f"tags.`{PARENT_TAG}` = '{parent}'"]
     import subprocess
 
     pasted = lines[-1][len("compare: llmeff compare "):]  # bash itself: no backtick runs, the words as above

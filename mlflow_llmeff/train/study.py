@@ -456,8 +456,17 @@ def summary_lines(client, result: StudyResult) -> list[str]:
         lines.append(f"note: configurations {', '.join(str(i) for i in sorted(same))} differ in no condition tag; llmeff compare "
                      "takes their runs as repeats of one configuration")
     exp = client.get_experiment(result.experiment_id).name
-    # shell-quoted as a user pastes it: in double quotes bash ran the filter's backticks as a command
+    lines.append(f"compare: llmeff compare --experiment {_shell_word(exp)} --filter {_shell_word(query)}")
+    return lines
+
+
+def _shell_word(text: str) -> str:
+    """``text`` as one word for bash, readable: ``shlex.quote`` where it holds no single quote, else in double
+    quotes with each backtick escaped by a backslash (a trial found ``shlex.quote``'s ``'"'"'`` hard to read;
+    unescaped, bash ran the backticks as a command), else (a double quote, ``$``, a backslash or ``!`` inside)
+    ``shlex.quote``'s."""
     import shlex
 
-    lines.append(f"compare: llmeff compare --experiment {shlex.quote(exp)} --filter {shlex.quote(query)}")
-    return lines
+    if "'" not in text or any(c in text for c in '"$\\!'):
+        return shlex.quote(text)
+    return '"' + text.replace("`", "\\`") + '"'
