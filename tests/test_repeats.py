@@ -3,6 +3,7 @@ baseline choice and scaling efficiency with its interval (hand-computed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -464,9 +465,12 @@ def test_a_configuration_splits_its_repeats_and_estimates_each_figure_once(monke
     first = c.estimate(names.SUM_TOKENS_PER_SEC)
     for _ in range(5):  # the headline, scaling and notes ask again and again
         assert c.estimate(names.SUM_TOKENS_PER_SEC) is first and len(c.used) == 10 and c.unstable == []
-    assert len(calls) == 20  # one pass over the 10 repeats for each half of the split, not one per question
+    assert len(calls) == 10  # one question a repeat (each its own kind: alike None), not one per question asked
     c.runs.append(run("r10", 1, 2000.0, 900.0, 1100.0))  # a repeat added: split and estimate again
     assert len(c.used) == 11 and c.estimate(names.SUM_TOKENS_PER_SEC).n == 11
+    calls.clear()  # repeats read alike (RunRecord.alike: tags but the name): one question for all of them
+    c, = configurations([dataclasses.replace(run(f"r{i}", 1, 1000.0 + i, 900.0, 1100.0), alike=1) for i in range(10)])
+    assert len(c.used) == 10 and c.estimate(names.SUM_TOKENS_PER_SEC).n == 10 and len(calls) == 1
 
 
 def test_the_cpu_floor_holds_down_to_the_shortest_runs_it_was_measured_on():

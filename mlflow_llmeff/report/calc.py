@@ -13,14 +13,17 @@ import operator
 import re
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import compress
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc import reliability as _rel
+from mlflow_llmeff.report.kinds import Kinds, column, kind_counts, kinds, per_kind, per_run  # noqa: F401 (the API)
 
 __all__ = ["RunRecord", "Incomparability", "round_sig", "unit_of", "header", "metric_columns",
            "differing_tags", "comparability_warnings", "pareto_front", "carbon_per_btok", "absent_why",
            "CONDITION_TAGS", "COMPARABILITY", "Fleet", "Failure", "CauseRow", "fleet_reliability",
-           "parse_failures", "failures_by_cause", "run_length", "stopped_at_targets", "kinds", "kind_counts", "per_kind"]
+           "parse_failures", "failures_by_cause", "run_length", "stopped_at_targets", "kinds", "kind_counts", "per_kind",
+           "Kinds", "per_run", "split_comparable", "column"]
 
 
 _IS_SUMMARY = operator.methodcaller("startswith", "summary/")
@@ -83,50 +86,21 @@ class RunRecord:
         return self.name or self.run_id[:8]
 
 
-_ALIKE = operator.attrgetter("alike")
+_STATUS = operator.attrgetter("status")
+_HAS_SUMMARY = operator.attrgetter("has_summary")
 
 
-def kinds(runs: list[RunRecord]) -> list[RunRecord]:
-    """One run of each kind among ``runs`` (:attr:`RunRecord.alike`: the same metric keys, tags but the
-    name, and params) and every run whose kind is not known: what a figure that depends on nothing
-    else needs to look at (5 runs for 100,000 repeats of 5 configurations). Order: by kind, first seen."""
-    by = dict(zip(map(_ALIKE, runs), runs))
-    if None not in by:
-        return list(by.values())
-    del by[None]
-    return list(by.values()) + [r for r in runs if r.alike is None]
-
-
-_UNSET = object()
-
-
-def per_kind(r: RunRecord, memo: dict, fn):
-    """``fn(r)``, worked out once for the runs alike ``r`` (:attr:`RunRecord.alike`) and kept in ``memo``: for an
-    ``fn`` that reads only the run's tags (but its name), params and metric keys."""
-    a = r.alike
-    if a is None:
-        return fn(r)
-    got = memo.get(a, _UNSET)
-    if got is _UNSET:
-        got = memo[a] = fn(r)
-    return got
-
-
-def kind_counts(runs: list[RunRecord]) -> list[tuple[RunRecord, int]]:
-    """``(a run of each kind, how many runs of ``runs`` are of it)`` (:func:`kinds`; a run of no known kind
-    counts 1)."""
-    counts: dict = {}
-    out = []
-    for r in runs:
-        a = r.alike
-        if a is None:
-            out.append([r, 1])
-        elif a in counts:
-            counts[a][1] += 1
-        else:
-            counts[a] = [r, 1]
-            out.append(counts[a])
-    return [(r, n) for r, n in out]
+def split_comparable(runs: list[RunRecord] | Kinds) -> tuple[Kinds, Kinds]:
+    """``(the runs of ``runs`` that are comparable, the others)`` (:class:`Kinds`, each in the order given):
+    :attr:`RunRecord.comparable` as it answers (a summary, read once per kind of runs, and FINISHED), in
+    passes of C."""
+    every = runs if isinstance(runs, Kinds) else Kinds(runs)
+    summary = every.per_run(_HAS_SUMMARY)
+    statuses = list(map(_STATUS, every.runs))
+    if all(summary) and statuses.count("FINISHED") == len(statuses):
+        return every, Kinds([], [])
+    flags = list(map(operator.and_, summary, map("FINISHED".__eq__, statuses)))
+    return every.subset(flags), every.subset(list(map(operator.not_, flags)))
 
 
 #: Condition tags shown in the table when they differ between the compared runs (order of columns).
@@ -205,11 +179,12 @@ EVAL_COLUMNS = (names.EVAL_VAL_LOSS, names.EVAL_VAL_PPL, names.EVAL_MMLU_ACC, na
                 names.EVAL_HELLASWAG_ACC_NORM)
 
 
-def metric_columns(runs: list[RunRecord]) -> list[str]:
+def metric_columns(runs: list[RunRecord], *, each: list[RunRecord] | None = None) -> list[str]:
     """Every ``summary/*`` key any run holds in ``names.py`` order, then the standard eval keys
     (:data:`EVAL_COLUMNS`, their last logged value) any run holds, then ``ttq/*`` keys sorted.
-    A run that did not evaluate shows an empty cell under an eval column."""
-    keys = set().union(*(r.metrics for r in runs))
+    A run that did not evaluate shows an empty cell under an eval column. ``each``: a run of each kind of
+    ``runs`` where known (:func:`kinds`: runs alike hold the same keys, :attr:`RunRecord.alike`)."""
+    keys = set().union(*(r.metrics for r in (kinds(runs) if each is None else each)))
     summary = sorted((k for k in keys if k.startswith("summary/")), key=lambda k: (_ORDER.get(k, 10**6), k))
     return summary + [k for k in EVAL_COLUMNS if k in keys] + sorted(k for k in keys if k.startswith("ttq/"))
 
@@ -259,18 +234,25 @@ def _fixed_condition(r: RunRecord, tag: str, param: str | None):
 
 
 def _metric_condition(r: RunRecord, tag: str) -> str | None:
-    m = r.metrics.get(tag)
+    return _metric_text(r.metrics.get(tag))
+
+
+def _metric_text(m) -> str | None:
+    """A metric's value as a condition's value: ``50`` for 50.0 (``:g``); None for no number."""
     return f"{m:g}" if isinstance(m, (int, float)) else None
 
 
-def differing_tags(runs: list[RunRecord], keys: tuple[str, ...] = CONDITION_TAGS) -> list[str]:
+def differing_tags(runs: list[RunRecord], keys: tuple[str, ...] = CONDITION_TAGS, *,
+                   compared: Kinds | None = None) -> list[str]:
     """The condition tags among ``keys`` whose value (absent counts as a value) is not the same on every run.
 
     Only runs with ``summary/*`` figures count (a crashed or non-training run lacking the tags would
-    make every condition look different); with none, every run counts.
+    make every condition look different); with none, every run counts. ``compared``: the comparable runs
+    of ``runs`` where known (:func:`split_comparable`).
     """
-    compared = [r for r in runs if r.comparable] or runs
-    rows = {tuple(map(r.tags.get, keys)) for r in kinds(compared)}  # repeats share their values: a few distinct rows
+    compared = split_comparable(runs)[0] if compared is None else compared
+    each = compared.kinds() if compared.runs else kinds(runs)
+    rows = {tuple(map(r.tags.get, keys)) for r in each}  # repeats share their values: a few distinct rows
     return [k for i, k in enumerate(keys) if len({row[i] for row in rows}) > 1]
 
 
@@ -305,45 +287,74 @@ class Incomparability:
         return f"not comparable: {self.what} ({self.key}) differs: {parts}"
 
 
-def comparability_warnings(runs: list[RunRecord]) -> list[Incomparability]:
+def comparability_warnings(runs: list[RunRecord], *, compared: Kinds | None = None) -> list[Incomparability]:
     """One warning per condition of :data:`COMPARABILITY` whose value differs between the runs
     whose compared figures it changes (those holding one of its metrics), said once for all rows.
 
     A run that lacks the condition counts as ``unknown``; a condition no run records gives no warning.
     Only runs with ``summary/*`` figures take part (a crashed run is marked in its row instead), so
     runs that never scored a benchmark are not "unknown" eval documents beside one that did.
+    ``compared``: the comparable runs of ``runs`` where known (:func:`split_comparable`).
     """
     out = []
-    compared = [r for r in runs if r.comparable] or runs
-    each = kinds(compared)  # a run of each kind (RunRecord.alike): metric keys, tags and params as theirs
+    compared = split_comparable(runs)[0] if compared is None else compared
+    if not compared.runs:  # no run with a summary: every run takes part
+        compared = Kinds(runs)
+    each = compared.kinds()  # a run of each kind (RunRecord.alike): metric keys, tags and params as theirs
     for what, key, param, affects, norm in COMPARABILITY:
-        values: dict[str, list[str]] = {}
         metrics = None if affects is None else frozenset(affects)
-        normed: dict = {}  # each distinct value normalised once
         sub = each if metrics is None else [r for r in each if not metrics.isdisjoint(r.metrics)]
         if (key != names.SUM_STEPS and _one_value(sub, key, norm)) or _one_fixed(sub, key, param, norm):
             continue  # the same on every run: no warning, no run to name (100,000 runs x 8 conditions)
-        taking = compared if metrics is None else [r for r in compared if not metrics.isdisjoint(r.metrics)]
-        fixed: dict = {}  # each kind of runs' answer from its tags and params (RunRecord.alike)
-        shown: dict = {}  # each metric value's text once
-        answer = partial(_fixed_condition, tag=key, param=param)
-        for r in taking:
-            v = per_kind(r, fixed, answer)
-            if v is _BY_METRIC:
-                m = r.metrics.get(key)
-                v = shown.get(m)
-                if v is None and m is not None:
-                    v = shown[m] = _metric_condition(r, key)
-            if v is not None and norm is not None:
-                got = normed.get(v)
-                v = normed[v] = norm(v) if got is None else got
-            labels = values.get(v or "unknown")
-            if labels is None:
-                labels = values[v or "unknown"] = []
-            labels.append(r.name or r.run_id[:8])  # r.label
-        if len(values) > 1:
-            out.append(Incomparability(what, key, values))
+        taking = compared
+        if metrics is not None:  # whether a run holds one of the metrics: once a kind (its metric keys)
+            taking = compared.subset(compared.per_run(partial(_holds_any, metrics)))
+        # each run's answer from its tags and params, once a kind (RunRecord.alike); where its metric decides,
+        # the metric's text
+        answers = taking.per_run(partial(_fixed_condition, tag=key, param=param))
+        if _distinct(taking.runs, answers, key, norm) > 1:
+            values = _naming(taking.runs, answers, key, norm)
+            if len(values) > 1:
+                out.append(Incomparability(what, key, values))
     return out
+
+
+def _holds_any(metrics: frozenset, r: RunRecord) -> bool:
+    return not metrics.isdisjoint(r.metrics)
+
+
+def _distinct(runs: list[RunRecord], answers: list, key: str, norm) -> int:
+    """How many values :func:`_naming` would name (each run's ``answers``: :func:`_fixed_condition`),
+    counted over the distinct answers and metric values in C: no list of labels made where the runs agree
+    (the run length, ``summary/steps``, of 100,000 runs)."""
+    distinct = set(answers)
+    if _BY_METRIC in distinct:
+        distinct.discard(_BY_METRIC)
+        by = runs if not distinct else [r for r, a in zip(runs, answers) if a is _BY_METRIC]
+        distinct.update(_metric_text(m) for m in set(column(by, key)))
+    return len({(norm(v) if v is not None and norm is not None else v) or "unknown" for v in distinct})
+
+
+def _naming(runs: list[RunRecord], answers: list, key: str, norm) -> dict[str, list[str]]:
+    """Each value of the condition (``unknown`` where a run has none) with the labels of the runs holding it,
+    in the runs' order (each run's ``answers``: :func:`_fixed_condition`)."""
+    values: dict[str, list[str]] = {}
+    normed: dict = {}  # each distinct value normalised once
+    shown: dict = {}  # each metric value's text once
+    for r, v in zip(runs, answers):
+        if v is _BY_METRIC:
+            m = r.metrics.get(key)
+            v = shown.get(m)
+            if v is None and m is not None:
+                v = shown[m] = _metric_text(m)
+        if v is not None and norm is not None:
+            got = normed.get(v)
+            v = normed[v] = norm(v) if got is None else got
+        labels = values.get(v or "unknown")
+        if labels is None:
+            labels = values[v or "unknown"] = []
+        labels.append(r.name or r.run_id[:8])  # r.label
+    return values
 
 
 def _one_fixed(runs: list[RunRecord], key: str, param: str | None, norm) -> bool:
@@ -455,6 +466,10 @@ def has_reliability(r: RunRecord) -> bool:
     return all(k in r.metrics and math.isfinite(r.metrics[k]) for k in _REL_KEYS)
 
 
+def _has_reliability_keys(r: RunRecord) -> bool:
+    return all(k in r.metrics for k in _REL_KEYS)
+
+
 def fleet_reliability(runs: list[RunRecord]) -> Fleet | None:
     """Failures and operating time summed over ``runs``, with the fleet MTBF and its interval.
 
@@ -466,7 +481,12 @@ def fleet_reliability(runs: list[RunRecord]) -> Fleet | None:
     Returns:
         None when no run holds the figures (nothing to show: never a 0).
     """
-    have = [r for r in runs if has_reliability(r)]
+    # a kind of runs without one of the keys has no run with the figures (RunRecord.alike: its metric keys)
+    keyed = Kinds(runs).per_run(_has_reliability_keys)
+    if not any(keyed):
+        return None
+    holds = [k and has_reliability(r) for r, k in zip(runs, keyed)]
+    have = list(compress(runs, holds))
     if not have:
         return None
     ops = [(r.metrics[names.SUM_WALL_S] - r.metrics[names.SUM_BADPUT_DOWN_S], int(r.metrics[names.SUM_FAILURES]))
@@ -475,7 +495,7 @@ def fleet_reliability(runs: list[RunRecord]) -> Fleet | None:
     att = [r.metrics.get(names.SUM_ATTEMPTS) for r in have]
     attempts = int(sum(att)) if all(a is not None for a in att) else None
     return Fleet(len(have), attempts, sum(f for _, f in ops), sum(o for o, _ in ops), mtbf, low, high,
-                 tuple(r.label for r in runs if not has_reliability(r)))
+                 tuple(r.label for r, h in zip(runs, holds) if not h))
 
 
 @dataclass(frozen=True)

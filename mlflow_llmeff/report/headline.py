@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import absent_why, kind_counts, kinds
+from mlflow_llmeff.report.calc import absent_why
 from mlflow_llmeff.report.repeats import (METHOD_NOTE, Configuration, Estimate, best_index, floor_for,
                                           standing_order, versus_best)
 
@@ -95,7 +95,7 @@ def _quality(c: Configuration) -> Cell:
         if v is not None:
             parts.append(f"{label} {v:.3g}")
             sort = v if sort is None else sort
-    each = kind_counts(c.used)  # a run of each kind with how many (RunRecord.alike: the same tags but the name)
+    each = c.used_by_kind().counts()  # a run of each kind with how many (RunRecord.alike: the same tags but the name)
     targets = sorted(k for k in set().union(*(r.tags for r, _ in each)) if k.startswith(names.TTQ_TAG_PREFIX))
     if targets:
         reached = [k for k in targets if all(r.tags.get(k, "").startswith("reached") for r, _ in each if k in r.tags)]
@@ -250,7 +250,7 @@ def assumed_notes(configs: list[Configuration]) -> list[str]:
     resting on a guess is never shown as if the user had given its input."""
     holders: dict[str, list[str]] = {}
     for c in configs:
-        for entry in sorted({e for r in kinds(c.used) for e in _ENTRY.split(r.tags.get(names.ASSUMED, "")) if e}):
+        for entry in sorted({e for r in c.used_by_kind().kinds() for e in _ENTRY.split(r.tags.get(names.ASSUMED, "")) if e}):
             holders.setdefault(entry, []).append(c.label)
     everyone = len(configs) > 1
     return [f"assumed ({names.ASSUMED}) for {'every configuration' if everyone and len(labels) == len(configs) else ', '.join(labels)}: "

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import html
 import math
+import operator
 from dataclasses import dataclass
 from functools import partial
+from itertools import compress
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.mlperf import RULES, Olympic, olympic, olympic_on_kept
-from mlflow_llmeff.report.calc import RunRecord, kinds, per_kind
-from mlflow_llmeff.report.repeats import Configuration, config_key
+from mlflow_llmeff.report.calc import Kinds, RunRecord, column
+from mlflow_llmeff.report.repeats import Configuration, config_keys
+
+_NAME = operator.attrgetter("name")
+_STATUS = operator.attrgetter("status")
 
 __all__ = ["RunToTarget", "TargetScore", "target_scores", "config_scores", "targets_of", "RULE_NOTE", "COLUMNS", "rows", "text_lines",
            "markdown", "html_section"]
@@ -109,7 +114,7 @@ class TargetScore:
 def targets_of(c: Configuration) -> list[str]:
     """The target stems any run of ``c`` was given (its ``llmeff.ttq.<stem>`` tags, or a ``ttq/<stem>_wall_s``
     an older run logged without the tag), sorted."""
-    each = kinds(c.runs)  # runs alike hold the same tag and metric keys (RunRecord.alike)
+    each = c.by_kind().kinds()  # runs alike hold the same tag and metric keys (RunRecord.alike)
     tagged = {k[len(names.TTQ_TAG_PREFIX):] for k in set().union(*(r.tags for r in each))
               if k.startswith(names.TTQ_TAG_PREFIX)}
     timed = {k[len("ttq/"):-len("_wall_s")] for k in set().union(*(r.metrics for r in each))
@@ -154,21 +159,78 @@ def target_scores(configs: list[Configuration], others: list[RunRecord] = ()) ->
             unless it logged the target's time before it failed.
     """
     failed: dict[tuple, list[RunRecord]] = {}
-    for r in others:
-        if r.status in ("FAILED", "KILLED"):
-            failed.setdefault(config_key(r), []).append(r)
+    stopped = [r for r in others if r.status in ("FAILED", "KILLED")]
+    for r, key in zip(stopped, config_keys(stopped)):
+        failed.setdefault(key, []).append(r)
     return [ts for c in configs for ts in config_scores(c, failed.get(c.key, []))]
+
+
+class _Runs:
+    """What a :class:`RunToTarget` of each of ``runs`` holds whatever the target, read once for every target:
+    label, steps, status, and its wall time after set-up (:func:`_end_s`, where it did not reach a target)."""
+
+    def __init__(self, kinds: Kinds):
+        runs = self.runs = kinds.runs
+        self.kinds = kinds
+        names_ = list(map(_NAME, runs))
+        self.labels = names_ if all(names_) else [r.label for r in runs]
+        self.steps = column(runs, names.SUM_STEPS)  # as logged: made whole where a RunToTarget holds it
+        self.status = list(map(_STATUS, runs))
+        self._ends: list | None = None
+
+    def ends(self) -> list[float | None]:
+        """:func:`_end_s` of each run (worked out once, when a run first did not reach a target)."""
+        if self._ends is None:
+            self._ends = list(map(_end_of, column(self.runs, names.SUM_WALL_S),
+                                  column(self.runs, names.SUM_BADPUT["init"])))
+        return self._ends
+
+    def to(self, stem: str, keys: list[tuple[str, str]], given: list[bool] | None = None) -> list[RunToTarget]:
+        """A :class:`RunToTarget` of each run to target ``stem`` (only those ``given`` it where given): the figures
+        a kind of runs holds found once (:attr:`~mlflow_llmeff.report.calc.RunRecord.alike`: its metric keys)."""
+        held = self.kinds.per_run(partial(_held, keys=keys))
+        at = range(len(self.runs)) if given is None else list(compress(range(len(self.runs)), given))
+        ends = self.ends() if [] in held else None  # a kind holds no figure of it: its runs did not reach it
+        runs, labels, steps, status = self.runs, self.labels, self.steps, self.status
+        out = []
+        for i in at:
+            k = held[i]
+            if k:
+                m = runs[i].metrics
+                values = {s: m[key] for s, key in k if math.isfinite(m[key])}
+                reached = "wall_s" in values
+            else:
+                values, reached = {}, False
+            n = steps[i]
+            out.append(RunToTarget(labels[i], values, reached, None if reached else (ends or self.ends())[i],
+                                   None if n is None else int(n), status[i]))
+        return out
+
+
+def _held(r: RunRecord, keys: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The ``(figure, key)`` of ``keys`` whose metric run ``r`` holds."""
+    return [(s, k) for s, k in keys if k in r.metrics]
+
+
+def _end_of(wall: float | None, init: float | None) -> float | None:
+    """:func:`_end_s` from the run's ``summary/wall_s`` and set-up time."""
+    if wall is None or not math.isfinite(wall):
+        return None
+    return max(0.0, wall - (init or 0.0))
 
 
 def config_scores(c: Configuration, failed: list[RunRecord] = ()) -> list[TargetScore]:
     """One configuration's olympic scores to each target its runs carry (:func:`targets_of`), ``failed``
     being runs of it that did not finish (each a non-converged run unless it logged the target's time)."""
     out = []
-    for stem in targets_of(c):
-        keys, given = _keys(stem), {}  # whether it was given: once a kind of runs (RunRecord.alike)
-        was_given = partial(_given, stem=stem)
-        runs = [_one(r, stem, keys) for r in c.runs if per_kind(r, given, was_given)]
-        runs += [_one(r, stem, keys) for r in failed]
+    stems = targets_of(c)
+    if not stems:
+        return out
+    mine, stopped = _Runs(c.by_kind()), _Runs(Kinds(list(failed)))
+    for stem in stems:
+        keys = _keys(stem)
+        given = c.by_kind().per_run(partial(_given, stem=stem))  # whether it was given: once a kind of runs
+        runs = mine.to(stem, keys, given) + stopped.to(stem, keys)
         times = [r.values.get("wall_s") for r in runs]
         scores, missing = {"wall_s": olympic(times)}, {}
         for s in ("kwh", "usd"):  # on the runs the time score keeps (MLCommons' result summarizer)

@@ -12,12 +12,14 @@ import base64
 import csv
 import html
 import io
+import operator
 import os
 from dataclasses import dataclass, field
+from itertools import chain, compress
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import (CONDITION_TAGS, Fleet, Incomparability, RunRecord, comparability_warnings,
-                   differing_tags, failures_by_cause, fleet_reliability, header, metric_columns, round_sig)
+from mlflow_llmeff.report.calc import (CONDITION_TAGS, Fleet, Incomparability, Kinds, RunRecord, comparability_warnings,
+                   differing_tags, failures_by_cause, fleet_reliability, header, metric_columns, round_sig, split_comparable)
 from mlflow_llmeff.report.mlperf import html_section, markdown as targets_markdown, target_scores
 from mlflow_llmeff.report.repeats import Configuration, configurations
 from mlflow_llmeff.report.scaling import ScalingRow, scaling_efficiency
@@ -32,6 +34,7 @@ DEFAULT_GROUP_BY = "accelerator.name,parallelism.strategy,precision"
 #: how many it shows and links to the rest (report.csv and report.md list every run).
 RUNS_SHOWN = 200
 _TAG_KEYS = {d.key for d in names.TAGS}
+_RUN_ID = operator.attrgetter("run_id")
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Report:
         ui_base: base address of the MLflow UI for run links (``""`` = relative to the server).
         targets: each configuration's MLPerf-style scores to each target its runs carry
             (:func:`mlflow_llmeff.report.mlperf.target_scores`).
+        others: the runs not comparable (marked rows), where :func:`build_report` worked them out (None: not known),
+            so the runs table counts those it does not show without a pass over every run.
     """
 
     selection: Selection
@@ -64,6 +69,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     ui_base: str = ""
     targets: list = field(default_factory=list)
+    others: list[RunRecord] | None = field(default=None, repr=False, compare=False)
 
     @property
     def runs(self) -> list[RunRecord]:
@@ -127,11 +133,14 @@ def build_report(client, selection: Selection, *, group_by: str = DEFAULT_GROUP_
     """
     keys = parse_group_by(group_by)
     runs = selection.runs
-    tag_cols = [k for k in differing_tags(runs) if k not in keys]
-    configs = configurations(runs)  # each run's key once: scaling regroups these
-    rep = Report(selection, keys, metric_columns(runs), tag_cols, comparability_warnings(runs),
-                 scaling_efficiency(runs, baseline, configs), best_first(configs), ui_base=ui_base)
-    rep.targets = target_scores(rep.configs, [r for r in runs if not r.comparable])
+    every = Kinds(runs)  # the runs read once with their kinds (RunRecord.alike): every part below takes them
+    compared, others = split_comparable(every)
+    tag_cols = [k for k in differing_tags(runs, compared=compared) if k not in keys]
+    configs = configurations(runs, compared=compared)  # each run's key once: scaling regroups these
+    rep = Report(selection, keys, metric_columns(runs, each=every.kinds()), tag_cols,
+                 comparability_warnings(runs, compared=compared), scaling_efficiency(runs, baseline, configs),
+                 best_first(configs), ui_base=ui_base, others=others.runs)
+    rep.targets = target_scores(rep.configs, others.runs)
     if plots:
         from mlflow_llmeff.report import plots as pl
 
@@ -173,12 +182,9 @@ def ordered_runs(rep: Report) -> list[RunRecord]:
     """Every run of ``rep`` in the order the runs tables list them: the best configuration's repeats
     first (configurations as :func:`best_first` ranks them, each one's stable repeats first), then
     the runs in no configuration (unfinished, no summary) in the selection's order (newest first)."""
-    seen, out = set(), []
-    for c in rep.configs:
-        for r in c.used:
-            seen.add(r.run_id)
-            out.append(r)
-    return out + [r for r in rep.runs if r.run_id not in seen]
+    out = list(chain.from_iterable(c.used for c in rep.configs))
+    seen = set(map(_RUN_ID, out))  # the rest picked out in C
+    return out + list(compress(rep.runs, map(operator.not_, map(seen.__contains__, map(_RUN_ID, rep.runs)))))
 
 
 def table_rows(rep: Report, runs: list[RunRecord] | None = None, fmt=None) -> tuple[list[str], list[list[str]]]:
@@ -580,7 +586,8 @@ def _runs_table_html(rep: Report, max_runs: int | None = None, rest_html: str = 
     out = [f"<details id='all-runs'><summary>All runs: {shown} x {len(head)} columns (summary figures, "
            "conditions that differ, final evals, time to quality)</summary>"]
     if len(runs) < len(every):  # never a silent cap: how many are left out and where every run is
-        hidden = sum(1 for r in every[len(runs):] if rep.missing_summary(r))
+        hidden = (sum(1 for r in every[len(runs):] if rep.missing_summary(r)) if rep.others is None
+                  else len(rep.others) - sum(1 for r in runs if rep.missing_summary(r)))  # the others not shown
         marked = (f"; {hidden:,} of the runs not shown {'is' if hidden == 1 else 'are'} unfinished or without "
                   "summary figures" if hidden else "")
         out.append(f"<p class='warn' id='runs-shown'>{len(rows):,} of {len(every):,} runs shown (the best "

@@ -35,15 +35,20 @@ Formulas and sources: ``docs/stability.md``.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 from operator import sub
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import RunRecord, absent_why, per_kind, run_length, stopped_at_targets
+from mlflow_llmeff.report.calc import (Kinds, RunRecord, absent_why, column, run_length, split_comparable,
+                                      stopped_at_targets)
+
+_METRICS = operator.attrgetter("metrics")
+_START = operator.attrgetter("start_time_ms")
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "steady_steps", "Estimate", "Configuration",
-           "configurations", "config_key", "t_quantile_975", "within_noise", "versus_best", "best_index",
+           "configurations", "config_key", "config_keys", "t_quantile_975", "within_noise", "versus_best", "best_index",
            "noisy_pareto_front", "is_stable", "METHOD_NOTE", "ONLY_ONE", "ALONE"]
 
 #: Condition tags that define a configuration (equal on every repeat). Measured conditions (what
@@ -283,12 +288,34 @@ class Configuration:
             got = self._memo[what] = (n, compute())
         return got[1]
 
-    def _split(self) -> tuple[list[RunRecord], list[RunRecord]]:
-        def split():
-            stable = [r for r in self.runs if is_stable(r)]
-            return stable, [r for r in self.runs if not is_stable(r)]
+    def kinds_of(self, kinds: Kinds) -> None:
+        """Keep ``kinds`` (a :class:`~mlflow_llmeff.report.calc.Kinds` of :attr:`runs`, as they are) for the figures."""
+        self._memo["kinds"] = (len(self.runs), kinds)
 
-        return self._remembered("split", split)
+    def by_kind(self) -> Kinds:
+        """:attr:`runs` with the kind of each (:class:`~mlflow_llmeff.report.calc.Kinds`), kept."""
+        return self._remembered("kinds", lambda: Kinds(self.runs))
+
+    def used_by_kind(self) -> Kinds:
+        """:attr:`used` with the kind of each (:class:`~mlflow_llmeff.report.calc.Kinds`), kept."""
+        return self._split_kinds()[1]
+
+    def _split(self) -> tuple[list[RunRecord], list[RunRecord]]:
+        return self._remembered("split", lambda: self._split_kinds()[0])
+
+    def _split_kinds(self) -> tuple[tuple[list[RunRecord], list[RunRecord]], Kinds]:
+        """The stable and unstable repeats, and a :class:`Kinds` of :attr:`used` (the two joined)."""
+        def split():
+            every = self.by_kind()
+            stable, unstable = every.split(is_stable)  # a tag: once a kind of runs (RunRecord.alike)
+            if not unstable.runs:
+                return (list(self.runs), []), every
+            return (stable.runs, unstable.runs), Kinds(stable.runs + unstable.runs, stable.of + unstable.of)
+
+        return self._remembered("split kinds", split)
+
+    def _used(self) -> list[RunRecord]:
+        return self._remembered("used", lambda: self._split()[0] + self._split()[1])
 
     @property
     def stable(self) -> list[RunRecord]:
@@ -298,7 +325,7 @@ class Configuration:
     def used(self) -> list[RunRecord]:
         """The repeats the figures use: every one (a repeat is a sample; an unstable one is named,
         not dropped), the stable ones first."""
-        return list(self._remembered("used", lambda: self._split()[0] + self._split()[1]))
+        return list(self._used())
 
     @property
     def unstable(self) -> list[RunRecord]:
@@ -312,7 +339,7 @@ class Configuration:
         runs were read in (a study listed its seeds by repeat and named the configuration '...-cpu';
         compare read them newest first and named the same runs '...-cpu-3')."""
         pool = self._split()[0] or self._split()[1]
-        return self._remembered("first", lambda: min(pool, key=lambda r: (r.start_time_ms is None, r.start_time_ms or 0)))
+        return self._remembered("first", lambda: _oldest(pool))
 
     @property
     def label(self) -> str:
@@ -328,8 +355,13 @@ class Configuration:
     def unit(self) -> str:
         """``seed`` where every run has a ``seed`` param and no two share one, else ``repeat``: what the
         label, the intervals' words and the notes call the runs."""
-        return self._remembered("unit", lambda: "seed" if len(s := [r.params.get("seed") for r in self.runs]) > 1
-                                and None not in s and len(set(s)) == len(s) else "repeat")
+        return self._remembered("unit", self._unit)
+
+    def _unit(self) -> str:
+        if len(self.runs) < 2 or len(self.by_kind().first) < len(self.runs):
+            return "repeat"  # runs alike share their params: two of a kind share a seed, or have none
+        s = [r.params.get("seed") for r in self.runs]
+        return "seed" if None not in s and len(set(s)) == len(s) else "repeat"
 
     @property
     def devices(self) -> int | None:
@@ -351,18 +383,46 @@ class Configuration:
 
     def values(self, key: str) -> list[float | None]:
         """Each of :attr:`used`'s value of metric ``key`` (None where a repeat lacks it), in that order:
-        one pass over the repeats a key (``dict.get`` mapped in C), kept for every later figure of it."""
-        return self._remembered(("values", key), lambda: list(map(dict.get, self._remembered(
-            "metrics", lambda: [r.metrics for r in self.used]), repeat(key))))
+        one pass over the repeats a key (``dict.get`` mapped in C), kept for every later figure of it; none
+        where no kind of its runs holds the key (:attr:`~mlflow_llmeff.report.calc.RunRecord.alike`: the same
+        metric keys)."""
+        return self._remembered(("values", key), lambda: self._values(key))
+
+    def _values(self, key: str) -> list[float | None]:
+        return self._column(key)[0]
+
+    def _column(self, key: str) -> tuple[list[float | None], bool]:
+        """:meth:`values` of ``key`` and whether every repeat holds it: runs alike hold the same metric keys
+        (:attr:`~mlflow_llmeff.report.calc.RunRecord.alike`), so a kind of runs answers for all of its runs."""
+        def read():
+            used = self._used()
+            held = [key in r.metrics for r in self.used_by_kind().kinds()]
+            if not any(held):
+                return [None] * len(used), False
+            return list(map(dict.get, self._remembered("metrics", lambda: list(map(_METRICS, used))),
+                            repeat(key))), all(held)
+
+        return self._remembered(("column", key), read)
 
     def mean(self, key: str) -> float | None:
         """The plain mean of metric ``key`` over the :attr:`used` repeats holding it (NaN included, as
         logged); None when none holds it. Kept, like :meth:`estimate`."""
-        return self._remembered(("mean", key), lambda: _plain_mean(self.values(key)))
+        return self._remembered(("mean", key), lambda: self._plain_mean(key))
+
+    def _plain_mean(self, key: str) -> float | None:
+        got, every = self._column(key)
+        return sum(got) / len(got) if every and got else _plain_mean(got)
 
     def _estimate(self, key: str) -> Estimate | None:
-        got = self.values(key)
-        if got and None not in got and all(map(math.isfinite, got)):  # every repeat holds it (the usual case)
+        got, every = self._column(key)
+        total = None
+        if every and got:  # every repeat holds it (the usual case): a finite sum has no NaN or infinity in it
+            total = sum(got)
+            if not math.isfinite(total) and not all(map(math.isfinite, got)):
+                total = None
+        elif not got or got[0] is None and not any(map(operator.is_not, got, repeat(None))):  # no repeat holds it
+            return None
+        if total is not None or (got and None not in got and all(map(math.isfinite, got))):
             have, vals, left_out = self.used, got, ()
         else:
             used = self.used
@@ -375,7 +435,7 @@ class Configuration:
         if len(have) == 1:
             return _single_run_estimate(have[0], key, left_out)
         n = len(vals)
-        mean = sum(vals) / n
+        mean = (sum(vals) if total is None else total) / n
         # sum((v - mean) ** 2 for v in vals), the same operations in the same order, mapped in C
         sd = math.sqrt(sum(map(pow, map(sub, vals, repeat(mean)), repeat(2))) / (n - 1))
         half = t_quantile_975(n - 1) * sd / math.sqrt(n)
@@ -411,10 +471,24 @@ class Configuration:
         return f"{len(bad)} unstable {unit}{'s' if len(bad) > 1 else ''} kept in the figures: {why}"
 
 
+def _oldest(pool: list[RunRecord]) -> RunRecord:
+    """The first run of ``pool`` with the earliest start (runs without one after every run with one)."""
+    starts = list(map(_START, pool))
+    if None not in starts:  # the first smallest start, found in C
+        return pool[starts.index(min(starts))]
+    return min(pool, key=lambda r: (r.start_time_ms is None, r.start_time_ms or 0))
+
+
 def config_key(r: RunRecord) -> tuple:
     """A run's configuration: its :data:`CONFIG_TAGS` and its length (:func:`~mlflow_llmeff.report.calc.run_length`:
     the optimizer steps, or for a run stopped at its targets what it ran to)."""
     return _whole_key(_fixed_key(r), r)
+
+
+def config_keys(runs: list[RunRecord]) -> list[tuple]:
+    """:func:`config_key` of each of ``runs``, its tags and a length set by targets read once a kind of runs
+    (:attr:`RunRecord.alike`)."""
+    return [_whole_key(part, r) for r, part in zip(runs, Kinds(runs).per_run(_fixed_key))]
 
 
 def _fixed_key(r: RunRecord) -> tuple[tuple, str | None]:
@@ -428,16 +502,43 @@ def _whole_key(fixed: tuple[tuple, str | None], r: RunRecord) -> tuple:
     return (*values, run_length(r) if length is None else length)
 
 
-def configurations(runs: list[RunRecord]) -> list[Configuration]:
+def configurations(runs: list[RunRecord], *, compared: Kinds | None = None) -> list[Configuration]:
     """The configurations of the finished runs with a summary, in order of first appearance (a key per run:
-    :func:`config_key`, its tags and a length set by targets read once for runs alike, :attr:`RunRecord.alike`)."""
+    :func:`config_key`).
+
+    ``compared``: the comparable runs of ``runs`` where known (:func:`~mlflow_llmeff.report.calc.split_comparable`).
+    A key's tags and a length set by targets are read once for each kind of runs (:attr:`RunRecord.alike`),
+    the rest once for each kind and value of ``summary/steps``, and the runs are sorted into configurations
+    in passes of C: 100,000 runs of 5 kinds and one length are 5 keys."""
+    compared = split_comparable(runs)[0] if compared is None else compared
+    fixed = compared.answers(_fixed_key)  # per kind: its CONFIG_TAGS values, and its length where targets set it
+    pairs = list(zip(compared.of, column(compared.runs, names.SUM_STEPS)))
     out: dict[tuple, Configuration] = {}
-    fixed: dict = {}  # per kind of runs: its CONFIG_TAGS values, and its length where targets set it
-    for r in runs:
-        if r.comparable:
-            key = _whole_key(per_kind(r, fixed, _fixed_key), r)
-            (out.get(key) or out.setdefault(key, Configuration(key))).runs.append(r)
-    return list(out.values())
+    where: dict[tuple, Configuration] = {}  # (kind, steps) -> its configuration, in the order first seen
+    for pair in dict.fromkeys(pairs):
+        values, length = fixed[pair[0]]
+        # _whole_key: where targets did not set the length, run_length's optimizer steps
+        key = (*values, (int(pair[1]) if pair[1] is not None else None) if length is None else length)
+        where[pair] = out.get(key) or out.setdefault(key, Configuration(key))
+    configs = list(out.values())
+    if len(configs) == 1:
+        configs[0].runs.extend(compared.runs)
+        configs[0].kinds_of(compared)
+        return configs
+    of = list(map(where.__getitem__, pairs))
+    if len(configs) <= _FEW:  # each configuration's runs picked out in C
+        for c in configs:
+            flags = list(map(operator.is_, of, repeat(c)))
+            c.runs.extend(compress(compared.runs, flags))
+            c.kinds_of(Kinds(c.runs, list(compress(compared.of, flags))))
+    else:
+        for r, c in zip(compared.runs, of):
+            c.runs.append(r)
+    return configs
+
+
+#: Up to this many configurations, :func:`configurations` picks each one's runs out in a pass of C.
+_FEW = 16
 
 
 def within_noise(a: Estimate | None, b: Estimate | None) -> bool:

@@ -19,6 +19,8 @@ from mlflow_llmeff.report.repeats import SUPERLINEAR, Configuration, Estimate, c
 __all__ = ["ScalingRow", "SAME_JOB", "scaling_efficiency"]
 
 _DEVICES = operator.attrgetter("devices")
+_RUN_ID = operator.attrgetter("run_id")
+_ABOVE_0 = (0.0).__lt__  # a figure above 0 (False for NaN)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None,
     Args:
         runs: the compared runs; those without ``summary/tokens_per_sec`` or a device count are left out.
         baseline: run id whose configuration is the baseline of its group.
-        configs: :func:`configurations` of ``runs`` where known (regrouped, no key computed again; the same result).
+        configs: :func:`configurations` of ``runs`` where known (regrouped, no key computed again; the same result:
+            a configuration's runs share their device count, a tag of its key, and its tokens/s are the values
+            its estimate reads, so no pass over the runs is made for them).
 
     Returns:
         One :class:`ScalingRow` per non-baseline configuration of a group, by group then device count.
@@ -105,15 +109,21 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None,
     Raises:
         ValueError: when ``baseline`` is not one of ``runs`` or has no ``summary/tokens_per_sec``.
     """
-    devices: dict = {}  # each kind of runs' device count read once (RunRecord.alike)
-    usable = [r for r in runs if r.comparable and per_kind(r, devices, _DEVICES)
-              and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
-    if baseline is not None and baseline not in {r.run_id for r in usable}:
+    if configs is None:
+        devices: dict = {}  # each kind of runs' device count read once (RunRecord.alike)
+        usable = [r for r in runs if r.comparable and per_kind(r, devices, _DEVICES)
+                  and (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
+        found = baseline is None or baseline in map(_RUN_ID, usable)
+        parts = configurations(usable)
+    else:
+        parts = _usable_configurations(runs, configs)
+        found = baseline is None or any(baseline in map(_RUN_ID, c.runs) for c in parts)
+    if not found:
         known = {r.run_id for r in runs}
         why = "has no summary/tokens_per_sec or device count" if baseline in known else "is not among the compared runs"
         raise ValueError(f"--baseline {baseline!r} {why}")
     groups: dict[tuple, list[Configuration]] = {}
-    for c in _usable_configurations(usable, configs):
+    for c in parts:
         groups.setdefault(tuple(c.tag(k) for k in SAME_JOB), []).append(c)
     out: list[ScalingRow] = []
     for key, members in groups.items():
@@ -124,19 +134,33 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None,
     return out
 
 
-def _usable_configurations(usable: list[RunRecord], configs: list[Configuration] | None) -> list[Configuration]:
-    """``configurations(usable)``, from every run's ``configs`` where given (in order of the first usable run)."""
-    if configs is None:
-        return configurations(usable)
-    ok = {id(r): i for i, r in enumerate(usable)}
-    # a configuration whose every run is usable is itself (with the figures it already worked out)
-    out = [c if len(sub) == len(c.runs) else Configuration(c.key, sub)
-           for c in configs if (sub := [r for r in c.runs if id(r) in ok])]
-    return sorted(out, key=lambda c: ok[id(c.runs[0])])
+def _usable_configurations(runs: list[RunRecord], configs: list[Configuration]) -> list[Configuration]:
+    """The part of each of ``configs`` (:func:`configurations` of ``runs``) whose runs have a device count and
+    ``summary/tokens_per_sec`` above 0, in order of each part's first run among ``runs``.
+
+    A configuration's runs share their device count (``llmeff.accelerator.count`` is in its key); where every
+    run's tokens/s is above 0 (its :meth:`~Configuration.values`, which its estimate reads again) the part is
+    the configuration itself, with the figures it already worked out."""
+    out, cut = [], False
+    for c in configs:
+        if not c.runs or not c.runs[0].devices:
+            continue
+        tps = c.values(names.SUM_TOKENS_PER_SEC)
+        if None not in tps and all(map(_ABOVE_0, tps)):
+            out.append(c)
+            continue
+        sub = [r for r in c.runs if (r.metrics.get(names.SUM_TOKENS_PER_SEC) or 0) > 0]
+        if sub:
+            out.append(Configuration(c.key, sub))
+            cut = True
+    if not cut:  # each part starts where its configuration does: already in order of first run
+        return out
+    at = dict(zip(map(id, runs), range(len(runs))))
+    return sorted(out, key=lambda c: at[id(c.runs[0])])
 
 
 def _pick_baseline(members: list[Configuration], baseline: str | None) -> Configuration:
-    chosen = next((c for c in members if baseline in {r.run_id for r in c.runs}), None)
+    chosen = None if baseline is None else next((c for c in members if baseline in map(_RUN_ID, c.runs)), None)
     if chosen is not None:
         return chosen
     fewest = min(c.devices for c in members)
@@ -157,8 +181,8 @@ def _scale_group(members: list[Configuration], baseline: str | None, label: str)
         t, n = c.estimate(names.SUM_TOKENS_PER_SEC), c.devices
         threads, threads0 = c.tag(names.THREADS), base.tag(names.THREADS)
         if threads and threads0 and threads != threads0:  # the ratio would measure threads, not scaling
-            rows.append(ScalingRow(label, c.label, base.label, tuple(r.run_id for r in c.used),
-                                   tuple(r.run_id for r in base.used), n, n0, t, t0, float("nan"), None, None,
+            rows.append(ScalingRow(label, c.label, base.label, tuple(map(_RUN_ID, c.used)),
+                                   tuple(map(_RUN_ID, base.used)), n, n0, t, t0, float("nan"), None, None,
                                    _kind(c, base), (), refused=(
                                        f"{threads} threads a process against {threads0} (llmeff.threads): a "
                                        "process's speed moves with its threads, so the ratio would not be scaling; "
@@ -171,8 +195,8 @@ def _scale_group(members: list[Configuration], baseline: str | None, label: str)
             # a baseline interval reaching 0 (few, scattered repeats) bounds the ratio below only
             high = t.high / t0.low * n0 / n if t0.low > 0 else None
         kind = _kind(c, base)
-        rows.append(ScalingRow(label, c.label, base.label, tuple(r.run_id for r in c.used),
-                               tuple(r.run_id for r in base.used), n, n0, t, t0, eff, low, high, kind,
+        rows.append(ScalingRow(label, c.label, base.label, tuple(map(_RUN_ID, c.used)),
+                               tuple(map(_RUN_ID, base.used)), n, n0, t, t0, eff, low, high, kind,
                                tuple(_superlinear_flags(c, base, eff, low, kind))))
     return rows
 
