@@ -311,3 +311,23 @@ def test_a_family_of_identical_documents_scores_every_position(llama, tok):
     ref = [naive(llama, tok, c, k) for c, k in doc]
     got = LoglikelihoodScorer(llama, tok, family_min_tokens=4).score([doc, doc], ["s", "s"])
     assert max(abs(a - b) for g in got for a, b in zip(ref, g)) < 5e-5
+
+
+def test_each_accuracy_is_printed_with_its_wilson_interval_and_count():
+    # a trial read 'mmlu/acc 0.2702 285' with no interval (lm-eval prints a standard error)
+    from mlflow_llmeff.evals.api import EvalResult
+
+    r = EvalResult(metrics={"mmlu/acc": 77 / 285, "mmlu_anatomy/acc": 3 / 5, "hellaswag/acc_norm": 0.0},
+                   examples=[], counts={"mmlu_anatomy": 5, "mmlu_astronomy": 280, "hellaswag": 0})
+    # Wilson's formula by hand: centre (p + z^2/2n) / (1 + z^2/n), half z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)
+    p, n, z = 77 / 285, 285, 1.959963984540054
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    low, high = r.interval("mmlu/acc")
+    assert (low, high) == (pytest.approx(centre - half, abs=1e-12), pytest.approx(centre + half, abs=1e-12))
+    assert (round(low, 4), round(high, 4)) == (0.2219, 0.3245)
+    assert r.interval("hellaswag/acc_norm") is None  # no document: no interval
+    lines = r.table().splitlines()
+    assert lines[2] == "hellaswag/acc_norm  0.0000  -                      0"
+    assert lines[3] == "mmlu/acc            0.2702  [0.2219, 0.3245]       285"
+    # 3 of 5: centre 0.5641..., the interval wide as five documents leave it
+    assert lines[4].startswith("mmlu_anatomy/acc    0.6000  [0.2307, 0.8824]")

@@ -52,16 +52,37 @@ class EvalResult:
         """JSON-ready dict: metrics, counts, config, seconds, examples."""
         return asdict(self)
 
+    def count(self, key: str) -> int:
+        """Documents behind metric ``key``: its task's (``mmlu/acc``: every subject's together)."""
+        task = key.split("/")[0]
+        return (sum(v for t, v in self.counts.items() if t.startswith("mmlu_")) if task == "mmlu"
+                else self.counts.get(task, 0))
+
+    def interval(self, key: str) -> tuple[float, float] | None:
+        """The 95% Wilson score interval of accuracy ``key`` over its :meth:`count` documents (each scored right
+        or wrong; ``mmlu/acc`` is the size-weighted mean of its subjects, so all its documents' share right);
+        None without documents. Source: Wilson (1927), "Probable inference, the law of succession, and
+        statistical inference", JASA 22:209-212, through ``scipy.stats.binomtest(...).proportion_ci``; a
+        trial found the accuracies printed with 4 decimals and no interval (lm-eval prints a standard error).
+        """
+        from scipy.stats import binomtest
+
+        n = self.count(key)
+        if n <= 0 or key not in self.metrics:
+            return None
+        ci = binomtest(round(self.metrics[key] * n), n).proportion_ci(confidence_level=0.95, method="wilson")
+        return float(ci.low), float(ci.high)
+
     def table(self) -> str:
-        """Plain-text table of the metrics (aggregates first, then subjects)."""
+        """Plain-text table of the metrics (aggregates first, then subjects), each with its 95% interval
+        (:meth:`interval`) and its number of documents."""
         keys = sorted(self.metrics, key=lambda k: (k.startswith("mmlu_"), k))
         width = max([len(k) for k in keys] + [6])
-        lines = [f"{'metric':<{width}}  value   n", f"{'-' * width}  ------  -----"]
+        lines = [f"{'metric':<{width}}  value   95% interval (Wilson)  n", f"{'-' * width}  ------  {'-' * 21}  -----"]
         for k in keys:
-            task = k.split("/")[0]
-            n = (sum(v for t, v in self.counts.items() if t.startswith("mmlu_")) if task == "mmlu"
-                 else self.counts.get(task, 0))
-            lines.append(f"{k:<{width}}  {self.metrics[k]:.4f}  {n}")
+            ci = self.interval(k)
+            shown = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "-"
+            lines.append(f"{k:<{width}}  {self.metrics[k]:.4f}  {shown:<21}  {self.count(k)}")
         return "\n".join(lines)
 
 
