@@ -1,8 +1,12 @@
 """End to end against a real ``mlflow server --app-name llmeff`` on loopback (sqlite) holding a scaling sweep.
 
-The sweep (``projects/scaling-sweep``, 1 and 2 CPU processes, a few steps) runs once per module;
-``llmeff compare`` reads it over HTTP; headless Chromium (Debian's package, driven by playwright)
-opens the HTML report and the server's efficiency page.
+The sweep (``projects/scaling-sweep``, 1 and 2 CPU processes, a few steps) runs once per module, the way
+README and docs/compare.md say: ``mlflow run projects/scaling-sweep --env-manager local`` from a folder
+with ``MLFLOW_TRACKING_URI=sqlite:///mlflow.db`` and no ``OMP_NUM_THREADS``; that folder's store is the
+server's. Its tests check what a fresh-user trial found broken (the relative store opened from the
+project's folder, unequal threads per process, the report in the source tree); ``llmeff compare`` reads
+it over HTTP; headless Chromium (Debian's package, driven by playwright) opens the HTML report and the
+server's efficiency page.
 """
 
 from __future__ import annotations
@@ -33,9 +37,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``mlflow server --app-name llmeff`` on a free loopback port; yields its URL, killed at the end."""
-    root = tmp_path_factory.mktemp("server")
+def root(tmp_path_factory):
+    """The folder of the server's store (``mlflow.db``), where the sweep is run from."""
+    return tmp_path_factory.mktemp("server")
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    """``mlflow server --app-name llmeff`` over ``root/mlflow.db`` on a free loopback port; yields its URL,
+    killed at the end."""
     port = _free_port()
     log = open(root / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--app-name", "llmeff", "--backend-store-uri",
@@ -103,25 +113,75 @@ def _failed(r) -> str:
     return (r.output + caught)[-3000:]
 
 
-@pytest.fixture(scope="module")
-def sweep(server, tmp_path_factory):
-    """The scaling sweep at 1 and 2 CPU processes, logged to the server; yields (parent run id, experiment id)."""
-    import mlflow
+def _files_under(folder) -> set[str]:
+    return {os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if "__pycache__" not in d}
 
-    out = tmp_path_factory.mktemp("sweep")
+
+@pytest.fixture(scope="module")
+def launch(server, root):
+    """The scaling sweep at 1 and 2 CPU processes, run as documented from ``root`` with the relative store
+    ``sqlite:///mlflow.db`` (the server's) and no ``OMP_NUM_THREADS``: ``(completed process, the files under
+    projects/ before it)``."""
+    before = _files_under(REPO / "projects")
+    env = {k: v for k, v in _env(server).items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["MLFLOW_TRACKING_URI"] = "sqlite:///mlflow.db"
     r = subprocess.run([sys.executable, "-m", "mlflow", "run", str(REPO / "projects" / "scaling-sweep"),
                         "--env-manager", "local", "--experiment-name", "sweep",
                         "-P", "process_counts=1,2", "-P", "max_steps=8", "-P", "warmup_steps=2",
                         "-P", "log_every_n_steps=2", "-P", "seq_len=64", "-P", "val_blocks=4",
-                        "-P", "device_hour_usd=1.0",  # a price, so the cost Pareto front has points
-                        "-P", f"out={out / 'report'}"],
-                       cwd=out, env=_env(server), capture_output=True, text=True, timeout=600)
+                        "-P", "device_hour_usd=1.0"],  # a price, so the cost Pareto front has points
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return r, before
+
+
+@pytest.fixture(scope="module")
+def sweep(server, launch):
+    """The sweep read over HTTP: (parent run id, experiment id, client)."""
+    import mlflow
+
     client = mlflow.MlflowClient(server)
     exp = client.get_experiment_by_name("sweep")
     parents = client.search_runs([exp.experiment_id], "tags.`mlflow.runName` LIKE 'scaling-sweep-%'")
     assert len(parents) == 1
     return parents[0].info.run_id, exp.experiment_id, client
+
+
+def test_sweep_run_with_a_relative_store_logs_into_the_store_of_its_folder(sweep, launch):
+    r, _ = launch
+    parent, exp_id, client = sweep
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert client.get_run(parent).info.status == "FINISHED"
+    children = client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(int(c.data.tags["llmeff.accelerator.count"]) for c in children) == [1, 2]
+    assert all(c.info.status == "FINISHED" for c in children)
+
+
+def test_sweep_runs_every_process_with_the_same_threads_and_gives_the_efficiency(sweep, launch, root, tmp_path):
+    from mlflow_llmeff.evals.threads import usable_cpus
+
+    r, _ = launch
+    parent, exp_id, client = sweep
+    children = client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent}'")
+    threads = {int(c.data.tags["llmeff.accelerator.count"]): c.data.tags["llmeff.threads"] for c in children}
+    expected = max(1, usable_cpus()[0] // 2)  # no OMP_NUM_THREADS: the usable CPUs over the largest count
+    assert threads[1] == threads[2]
+    assert threads[1].startswith(f"intra-op {expected}, inter-op ")
+    assert f"scaling-sweep: {expected} intra-op thread(s) in every process of every child" in r.stdout
+    by_n = {int(c.data.tags["llmeff.accelerator.count"]): c.data.metrics["summary/tokens_per_sec"] for c in children}
+    m = re.search(r"\(2 devices\) vs baseline .* \(1\): weak scaling efficiency ([0-9.e+-]+) ", r.stdout)
+    assert m, r.stdout[-3000:]
+    assert float(m.group(1)) == float(f"{by_n[2] / (by_n[1] * 2):.3g}")
+    # logged: the parent's report holds the same figure
+    text = open(client.download_artifacts(parent, "scaling-report/report.md", str(tmp_path))).read()
+    assert m.group(1) in text.split("## Scaling efficiency")[1]
+
+
+def test_sweep_writes_its_report_where_it_was_run_from_and_nothing_under_projects(launch, root):
+    r, before = launch
+    assert {"report.md", "report.csv", "report.html"} <= {p.name for p in (root / "scaling-report").iterdir()}
+    assert f"scaling-sweep: report in {root / 'scaling-report'}" in r.stdout
+    assert _files_under(REPO / "projects") == before
 
 
 def test_compare_over_http_prints_scaling_efficiency_recomputed_from_the_runs(server, sweep, tmp_path):
