@@ -159,7 +159,7 @@ def report_lines(mon, summary: dict[str, float], reliability: str | None = None)
         contended = contention_line(summary, mon.stability, torch.get_num_threads())
         if contended:
             lines.append(f"llmeff: {contended}")
-    targets = mon._p.reached.line(mon._p.targets)  # each target's fate, not only in llmeff.ttq.* tags
+    targets = getattr(mon, "targets_line", None)  # each target's fate (set by finish), not only in llmeff.ttq.* tags
     if targets:
         lines.append(f"llmeff: {targets}")
     told = assumed_line(mon.assumptions())  # not only in a tag: the figures rest on it

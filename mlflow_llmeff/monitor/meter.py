@@ -514,8 +514,7 @@ class EfficiencyMonitor:
     @property
     def targets_reached(self) -> bool:
         """True once every target has been reached (False without targets)."""
-        p = self._p
-        return p.reached.every(p.targets)
+        return self._p.reached.every(self._p.targets)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log extra metrics (rank 0) at ``step`` (default: the current optimizer step); keys MLflow
@@ -574,6 +573,7 @@ class EfficiencyMonitor:
             self._fail(e)
         finally:
             self._close(status)
+        self.targets_line = self._p.reached.line(self._p.targets)  # each target's fate, for the closing report
         closing.print_closing_line(self)  # llmeff: run <name> (<id>): ... tokens/s ... (main rank, stderr)
         return self._summary
 
