@@ -76,6 +76,44 @@ def test_children_run_round_robin_as_children_of_one_parent(tracking_uri, tmp_pa
     assert mlflow.get_experiment(parent.info.experiment_id).name == "study-fake"
 
 
+def test_cpu_configurations_of_different_process_counts_run_with_the_same_threads(tracking_uri, monkeypatch):
+    # a trial's study of 1 and 2 processes on CPU: Accelerate gave each DDP process 1 thread, the single run kept 2,
+    # and compare refused the scaling (llmeff.threads differ)
+    import os
+
+    from mlflow_llmeff.evals import threads as threads_mod
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")
+    monkeypatch.setattr(threads_mod, "usable_cpus", lambda *a, **k: (4, "affinity 4 of 4"))
+    seen, lines = [], []
+    fake = FakeRunner()
+
+    def runner(child, tags):
+        seen.append((child.cfg.num_processes, os.environ.get("OMP_NUM_THREADS"), os.environ.get("MKL_NUM_THREADS")))
+        return fake(child, tags)
+
+    run_study(configs(("1", {"num_processes": 1}), ("2", {"num_processes": 2})), 1, experiment="study-threads",
+              runner=runner, echo=lines.append)
+    assert seen == [(1, "2", "2"), (2, "2", "2")]  # 4 usable CPUs over the largest count, 2 processes
+    assert ("llmeff study: 2 intra-op thread(s) in every process of every run (affinity 4 of 4 over 2 processes), "
+            "so runs of different process counts compare (llmeff.threads)") in lines
+    assert "OMP_NUM_THREADS" not in os.environ and os.environ["MKL_NUM_THREADS"] == "7"  # the study's own, back
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's count wins
+    seen.clear()
+    run_study(configs(("1", {"num_processes": 1}), ("2", {"num_processes": 2})), 1, experiment="study-threads",
+              runner=runner, echo=lines.append)
+    assert seen == [(1, "3", "3"), (2, "3", "3")]
+    seen.clear()  # one process count: nothing pinned
+    run_study(configs(("a", {"seq_len": 32}), ("b", {"seq_len": 64})), 1, experiment="study-threads", runner=runner,
+              echo=lines.append)
+    assert seen == [(1, "3", "7"), (1, "3", "7")]
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match=r"^OMP_NUM_THREADS='two' is not accepted; give a thread count >= 1$"):
+        run_study(configs(("1", {"num_processes": 1}), ("2", {"num_processes": 2})), 1, experiment="study-threads",
+                  runner=runner, echo=lines.append)
+
+
 def test_a_server_lost_mid_study_names_where_the_parents_end_waits_in_the_one_line(tracking_uri, monkeypatch):
     # the fresh-user trial: the server stopped answering after the first child; the Error: line named the second
     # child's run alone, while the parent's end (KILLED) waited in the outbox too

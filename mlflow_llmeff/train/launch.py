@@ -511,3 +511,29 @@ def plan_tags(spec: RunSpec) -> dict[str, str]:
     return {names.MODEL_NAME: spec.options.model, names.ACCEL_SHORT: spec.machine.accelerator,
             names.ACCEL_COUNT: str(spec.world), names.SEQ_LEN: str(spec.options.seq_len), **spec.tags()}
 
+
+def threads_per_process(counts, given: int = 0) -> tuple[int, str]:
+    """Torch intra-op threads (``OMP_NUM_THREADS``) for every process of runs launched with process counts
+    ``counts`` that are to be compared: ``given`` when > 0, else ``OMP_NUM_THREADS`` when set, else the
+    CPUs this process may use (affinity, cgroup quota: :func:`~mlflow_llmeff.evals.threads.usable_cpus`)
+    divided by the largest count (at least 1), so the largest run does not oversubscribe them. Accelerate's
+    launcher gives each of several processes 1 thread unless set and a single process keeps all: compare
+    refuses the scaling of runs whose ``llmeff.threads`` differ, as a trial found twice.
+
+    Returns:
+        ``(threads, why)``, ``why`` e.g. ``"affinity 2 of 2 over 2 processes"``.
+
+    Raises:
+        ValueError: ``OMP_NUM_THREADS`` set to something that is not a count >= 1 (one line naming it).
+    """
+    if given > 0:
+        return given, "given"
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env:
+        if env.isdigit() and int(env) > 0:
+            return int(env), "OMP_NUM_THREADS"
+        raise ValueError(f"OMP_NUM_THREADS={env!r} is not accepted; give a thread count >= 1")
+    from mlflow_llmeff.evals.threads import usable_cpus
+
+    usable, where = usable_cpus()
+    return max(1, usable // max(counts)), f"{where} over {max(counts)} processes"

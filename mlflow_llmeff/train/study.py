@@ -340,6 +340,7 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
         configs, goals = to_target(configs, target)
     specs = check(configs, experiment)
     children = schedule(specs, repeats, seeds=seeds)  # validates repeats before any run exists
+    threads = _equal_threads(specs)  # before any run exists: a bad OMP_NUM_THREADS is one line
     active = store.active_run_id()
     if active is not None:
         raise ValueError(f"MLflow run {active} is active: llmeff study creates its own "
@@ -369,6 +370,11 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
     runner = runner or TrainRunner(client, exp_id)
     result = StudyResult(parent.run_id, exp_id)
     echo(f"llmeff study: parent run {parent.run_id}, {what} ({len(children)} runs)")
+    saved = {v: os.environ.get(v) for v in _THREAD_VARS}
+    if threads:
+        echo(f"llmeff study: {threads[0]} intra-op thread(s) in every process of every run ({threads[1]}), so "
+             "runs of different process counts compare (llmeff.threads)")
+        os.environ.update(dict.fromkeys(_THREAD_VARS, str(threads[0])))
     try:
         for n, child in enumerate(children, 1):
             echo(f"llmeff study: run {n} of {len(children)}: configuration {child.config}, {unit} {child.repeat} "
@@ -397,6 +403,12 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
                 f"{parent.run_id} (KILLED) waits in {parent.spilled_to} (llmeff sync {parent.outbox_dir} when it "
                 "answers)") from e
         raise
+    finally:
+        for var, value in saved.items():  # the study's process as it was
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
     failed = result.failed
     if failed:
         why = "; ".join(f"configuration {c.config} repeat {c.repeat} (run {o.run_id}): {o.error}" for c, o in failed)
@@ -407,6 +419,26 @@ def run_study(configs: list[StudyConfig], repeats: int, *, experiment: str | Non
         echo(f"llmeff study: the parent run's end waits in {parent.spilled_to} ({parent.unanswered_reason or 'no answer'}; "
              f"llmeff sync {parent.outbox_dir} sends it)")
     return result
+
+
+#: What sets a launched process's intra-op threads (torch reads them as it starts).
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _equal_threads(specs) -> tuple[int, str] | None:
+    """``(threads, why)`` every process of every run gets where the study's CPU configurations launch different
+    process counts (:func:`~mlflow_llmeff.train.launch.threads_per_process`): Accelerate gives each of several
+    processes 1 thread and a single one keeps all, and compare refuses the scaling of runs whose
+    ``llmeff.threads`` differ (a trial's study). None where the counts agree or every run is on CUDA.
+
+    Raises:
+        ValueError: a bad ``OMP_NUM_THREADS`` (one line)."""
+    counts = {s.processes_per_node for s in specs if not s.machine.cuda}
+    if len(counts) < 2:
+        return None
+    from mlflow_llmeff.train.launch import threads_per_process
+
+    return threads_per_process(sorted(counts))
 
 
 def summary_lines(client, result: StudyResult) -> list[str]:

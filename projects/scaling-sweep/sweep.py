@@ -40,26 +40,6 @@ def process_counts(text: str) -> list[int]:
     return [c for c in (1, 2, 4, 8) if c <= n] if n else [1, 2]
 
 
-def threads_per_process(given: int, counts: list[int]) -> tuple[int, str]:
-    """Torch intra-op threads for every process of every child: ``given`` when > 0, else
-    ``OMP_NUM_THREADS`` when set, else the usable CPUs (affinity and cgroup quota) divided by the largest
-    process count (at least 1), so the largest child does not oversubscribe the CPUs. Returns ``(n, why)``."""
-    if given > 0:
-        return given, "threads parameter"
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env:
-        try:
-            if int(env) > 0:
-                return int(env), "OMP_NUM_THREADS"
-        except ValueError:
-            pass
-        raise SystemExit(f"scaling-sweep: OMP_NUM_THREADS={env!r} is not accepted; give a thread count >= 1")
-    from mlflow_llmeff.evals.threads import usable_cpus
-
-    usable, where = usable_cpus()
-    return max(1, usable // max(counts)), f"{where} over {max(counts)} processes"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--process-counts", default="auto")
@@ -88,7 +68,13 @@ def main() -> None:
     mlflow.set_tracking_uri(uri)
     out = os.path.join(launcher_folder(), a.out)  # an absolute --out stays as given
     counts = process_counts(a.process_counts)
-    threads, why = threads_per_process(a.threads, counts)
+    from mlflow_llmeff.train.launch import threads_per_process
+
+    try:
+        threads, why = threads_per_process(counts, a.threads)
+    except ValueError as e:
+        raise SystemExit(f"scaling-sweep: {e}") from None
+    why = "threads parameter" if why == "given" else why
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
     print(f"scaling-sweep: {threads} intra-op thread(s) in every process of every child ({why})", flush=True)
     run_id = os.environ.get("MLFLOW_RUN_ID")
