@@ -86,7 +86,6 @@ class RunRecord:
         return self.name or self.run_id[:8]
 
 
-_STATUS = operator.attrgetter("status")
 _HAS_SUMMARY = operator.attrgetter("has_summary")
 
 
@@ -96,11 +95,10 @@ def split_comparable(runs: list[RunRecord] | Kinds) -> tuple[Kinds, Kinds]:
     passes of C."""
     every = runs if isinstance(runs, Kinds) else Kinds(runs)
     summary = every.per_run(_HAS_SUMMARY)
-    statuses = list(map(_STATUS, every.runs))
+    statuses = every.attribute("status")
     if all(summary) and statuses.count("FINISHED") == len(statuses):
         return every, Kinds([], [])
-    flags = list(map(operator.and_, summary, map("FINISHED".__eq__, statuses)))
-    return every.subset(flags), every.subset(list(map(operator.not_, flags)))
+    return every.split_by(list(map(operator.and_, summary, map("FINISHED".__eq__, statuses))))
 
 
 #: Condition tags shown in the table when they differ between the compared runs (order of columns).
@@ -308,11 +306,11 @@ def comparability_warnings(runs: list[RunRecord], *, compared: Kinds | None = No
             continue  # the same on every run: no warning, no run to name (100,000 runs x 8 conditions)
         taking = compared
         if metrics is not None:  # whether a run holds one of the metrics: once a kind (its metric keys)
-            taking = compared.subset(compared.per_run(partial(_holds_any, metrics)))
+            taking = compared.split_by(compared.per_run(partial(_holds_any, metrics)))[0]
         # each run's answer from its tags and params, once a kind (RunRecord.alike); where its metric decides,
         # the metric's text
         answers = taking.per_run(partial(_fixed_condition, tag=key, param=param))
-        if _distinct(taking.runs, answers, key, norm) > 1:
+        if _distinct(taking, answers, key, norm) > 1:
             values = _naming(taking.runs, answers, key, norm)
             if len(values) > 1:
                 out.append(Incomparability(what, key, values))
@@ -323,15 +321,15 @@ def _holds_any(metrics: frozenset, r: RunRecord) -> bool:
     return not metrics.isdisjoint(r.metrics)
 
 
-def _distinct(runs: list[RunRecord], answers: list, key: str, norm) -> int:
+def _distinct(runs: Kinds, answers: list, key: str, norm) -> int:
     """How many values :func:`_naming` would name (each run's ``answers``: :func:`_fixed_condition`),
     counted over the distinct answers and metric values in C: no list of labels made where the runs agree
     (the run length, ``summary/steps``, of 100,000 runs)."""
     distinct = set(answers)
     if _BY_METRIC in distinct:
         distinct.discard(_BY_METRIC)
-        by = runs if not distinct else [r for r, a in zip(runs, answers) if a is _BY_METRIC]
-        distinct.update(_metric_text(m) for m in set(column(by, key)))
+        values = runs.column(key) if not distinct else column([r for r, a in zip(runs.runs, answers) if a is _BY_METRIC], key)
+        distinct.update(_metric_text(m) for m in set(values))
     return len({(norm(v) if v is not None and norm is not None else v) or "unknown" for v in distinct})
 
 

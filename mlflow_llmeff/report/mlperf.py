@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import html
 import math
-import operator
 from dataclasses import dataclass
 from functools import partial
 from itertools import compress
 
 from mlflow_llmeff import names
 from mlflow_llmeff.calc.mlperf import RULES, Olympic, olympic, olympic_on_kept
-from mlflow_llmeff.report.calc import Kinds, RunRecord, column
+from mlflow_llmeff.report.calc import Kinds, RunRecord
 from mlflow_llmeff.report.repeats import Configuration, config_keys
 
-_NAME = operator.attrgetter("name")
-_STATUS = operator.attrgetter("status")
 
 __all__ = ["RunToTarget", "TargetScore", "target_scores", "config_scores", "targets_of", "RULE_NOTE", "COLUMNS", "rows", "text_lines",
            "markdown", "html_section"]
@@ -172,17 +169,17 @@ class _Runs:
     def __init__(self, kinds: Kinds):
         runs = self.runs = kinds.runs
         self.kinds = kinds
-        names_ = list(map(_NAME, runs))
+        names_ = kinds.attribute("name")
         self.labels = names_ if all(names_) else [r.label for r in runs]
-        self.steps = column(runs, names.SUM_STEPS)  # as logged: made whole where a RunToTarget holds it
-        self.status = list(map(_STATUS, runs))
+        self.steps = kinds.column(names.SUM_STEPS)  # as logged: made whole where a RunToTarget holds it
+        self.status = kinds.attribute("status")
         self._ends: list | None = None
 
     def ends(self) -> list[float | None]:
         """:func:`_end_s` of each run (worked out once, when a run first did not reach a target)."""
         if self._ends is None:
-            self._ends = list(map(_end_of, column(self.runs, names.SUM_WALL_S),
-                                  column(self.runs, names.SUM_BADPUT["init"])))
+            self._ends = list(map(_end_of, self.kinds.column(names.SUM_WALL_S),
+                                  self.kinds.column(names.SUM_BADPUT["init"])))
         return self._ends
 
     def to(self, stem: str, keys: list[tuple[str, str]], given: list[bool] | None = None) -> list[RunToTarget]:

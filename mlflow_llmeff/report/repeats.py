@@ -41,11 +41,8 @@ from itertools import compress, repeat
 from operator import sub
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.calc import (Kinds, RunRecord, absent_why, column, run_length, split_comparable,
-                                      stopped_at_targets)
+from mlflow_llmeff.report.calc import Kinds, RunRecord, absent_why, run_length, split_comparable, stopped_at_targets
 
-_METRICS = operator.attrgetter("metrics")
-_START = operator.attrgetter("start_time_ms")
 
 __all__ = ["CONFIG_TAGS", "SUPERLINEAR", "Floor", "BETWEEN_RUN_FLOOR", "floor_for", "steady_steps", "Estimate", "Configuration",
            "configurations", "config_key", "config_keys", "t_quantile_975", "within_noise", "versus_best", "best_index",
@@ -303,14 +300,15 @@ class Configuration:
     def _split(self) -> tuple[list[RunRecord], list[RunRecord]]:
         return self._remembered("split", lambda: self._split_kinds()[0])
 
-    def _split_kinds(self) -> tuple[tuple[list[RunRecord], list[RunRecord]], Kinds]:
-        """The stable and unstable repeats, and a :class:`Kinds` of :attr:`used` (the two joined)."""
+    def _split_kinds(self) -> tuple[tuple[list[RunRecord], list[RunRecord]], Kinds, Kinds]:
+        """The stable and unstable repeats, a :class:`Kinds` of :attr:`used` (the two joined) and one of the
+        runs :attr:`first` is chosen among."""
         def split():
             every = self.by_kind()
             stable, unstable = every.split(is_stable)  # a tag: once a kind of runs (RunRecord.alike)
             if not unstable.runs:
-                return (list(self.runs), []), every
-            return (stable.runs, unstable.runs), Kinds(stable.runs + unstable.runs, stable.of + unstable.of)
+                return (list(self.runs), []), every, every
+            return (stable.runs, unstable.runs), stable.join(unstable), stable if stable.runs else unstable
 
         return self._remembered("split kinds", split)
 
@@ -338,8 +336,7 @@ class Configuration:
         run), by MLflow start time; the first given where the starts are not known. Whatever order the
         runs were read in (a study listed its seeds by repeat and named the configuration '...-cpu';
         compare read them newest first and named the same runs '...-cpu-3')."""
-        pool = self._split()[0] or self._split()[1]
-        return self._remembered("first", lambda: _oldest(pool))
+        return self._remembered("first", lambda: _oldest(self._split_kinds()[2]))
 
     @property
     def label(self) -> str:
@@ -395,12 +392,10 @@ class Configuration:
         """:meth:`values` of ``key`` and whether every repeat holds it: runs alike hold the same metric keys
         (:attr:`~mlflow_llmeff.report.calc.RunRecord.alike`), so a kind of runs answers for all of its runs."""
         def read():
-            used = self._used()
             held = [key in r.metrics for r in self.used_by_kind().kinds()]
             if not any(held):
-                return [None] * len(used), False
-            return list(map(dict.get, self._remembered("metrics", lambda: list(map(_METRICS, used))),
-                            repeat(key))), all(held)
+                return [None] * len(self._used()), False
+            return self.used_by_kind().column(key), all(held)
 
         return self._remembered(("column", key), read)
 
@@ -471,12 +466,12 @@ class Configuration:
         return f"{len(bad)} unstable {unit}{'s' if len(bad) > 1 else ''} kept in the figures: {why}"
 
 
-def _oldest(pool: list[RunRecord]) -> RunRecord:
+def _oldest(pool: Kinds) -> RunRecord:
     """The first run of ``pool`` with the earliest start (runs without one after every run with one)."""
-    starts = list(map(_START, pool))
+    starts = pool.attribute("start_time_ms")
     if None not in starts:  # the first smallest start, found in C
-        return pool[starts.index(min(starts))]
-    return min(pool, key=lambda r: (r.start_time_ms is None, r.start_time_ms or 0))
+        return pool.runs[starts.index(min(starts))]
+    return min(pool.runs, key=lambda r: (r.start_time_ms is None, r.start_time_ms or 0))
 
 
 def config_key(r: RunRecord) -> tuple:
@@ -512,13 +507,16 @@ def configurations(runs: list[RunRecord], *, compared: Kinds | None = None) -> l
     in passes of C: 100,000 runs of 5 kinds and one length are 5 keys."""
     compared = split_comparable(runs)[0] if compared is None else compared
     fixed = compared.answers(_fixed_key)  # per kind: its CONFIG_TAGS values, and its length where targets set it
-    pairs = list(zip(compared.of, column(compared.runs, names.SUM_STEPS)))
+    steps = compared.column(names.SUM_STEPS)
+    one = len(set(steps)) == 1  # one length (the usual case): a kind is one configuration
+    pairs = compared.of if one else list(zip(compared.of, steps))
     out: dict[tuple, Configuration] = {}
-    where: dict[tuple, Configuration] = {}  # (kind, steps) -> its configuration, in the order first seen
+    where: dict = {}  # kind, or (kind, steps) -> its configuration, in the order first seen
     for pair in dict.fromkeys(pairs):
-        values, length = fixed[pair[0]]
+        kind, n = (pair, steps[0]) if one else pair
+        values, length = fixed[kind]
         # _whole_key: where targets did not set the length, run_length's optimizer steps
-        key = (*values, (int(pair[1]) if pair[1] is not None else None) if length is None else length)
+        key = (*values, (int(n) if n is not None else None) if length is None else length)
         where[pair] = out.get(key) or out.setdefault(key, Configuration(key))
     configs = list(out.values())
     if len(configs) == 1:
@@ -528,9 +526,9 @@ def configurations(runs: list[RunRecord], *, compared: Kinds | None = None) -> l
     of = list(map(where.__getitem__, pairs))
     if len(configs) <= _FEW:  # each configuration's runs picked out in C
         for c in configs:
-            flags = list(map(operator.is_, of, repeat(c)))
-            c.runs.extend(compress(compared.runs, flags))
-            c.kinds_of(Kinds(c.runs, list(compress(compared.of, flags))))
+            part = compared.subset(list(map(operator.is_, of, repeat(c))))
+            c.runs.extend(part.runs)
+            c.kinds_of(part)
     else:
         for r, c in zip(compared.runs, of):
             c.runs.append(r)
