@@ -183,8 +183,9 @@ def ordered_runs(rep: Report) -> list[RunRecord]:
     first (configurations as :func:`best_first` ranks them, each one's stable repeats first), then
     the runs in no configuration (unfinished, no summary) in the selection's order (newest first)."""
     out = list(chain.from_iterable(c.used for c in rep.configs))
-    seen = set(map(_RUN_ID, out))  # the rest picked out in C
-    return out + list(compress(rep.runs, map(operator.not_, map(seen.__contains__, map(_RUN_ID, rep.runs)))))
+    rest = rep.runs if rep.others is None else rep.others  # build_report: a run not among others is configured
+    seen = set(map(_RUN_ID, out)) if rest else ()  # the rest picked out in C
+    return out + list(compress(rest, map(operator.not_, map(seen.__contains__, map(_RUN_ID, rest))))) if rest else out
 
 
 def table_rows(rep: Report, runs: list[RunRecord] | None = None, fmt=None) -> tuple[list[str], list[list[str]]]:
