@@ -586,3 +586,41 @@ def test_scaling_between_different_threads_per_process_is_refused_in_one_line():
         "threads, so the ratio would not be scaling; run both with the same OMP_NUM_THREADS"]
     same = run("c", 2, 190.0, 189, 191, **{names.THREADS: "intra-op 2, inter-op 2"})
     assert scaling_efficiency([one, same])[0].efficiency == pytest.approx(0.95)
+
+
+def test_an_mfu_column_over_different_peaks_names_each_rows_denominator_and_ranks_none():
+    # a trial's compare on CPU: fp32 rows against 0.174 TFLOP/s, bf16 rows against 0.00135, one column,
+    # '3.4%' beside '122.7%' under one footnote claiming one denominator
+    from mlflow_llmeff.report.headline import MFU_NOTE, headline
+    from mlflow_llmeff.report.memory import memory_table
+    fp32 = run("a", 1, 100.0, **{names.PEAK_MEASURED_TFLOPS: "0.174"})
+    bf16 = run("b", 1, 50.0)
+    bf16.tags[names.PRECISION], bf16.tags[names.PEAK_MEASURED_TFLOPS] = "bf16", "0.00135"
+    fp32.metrics.update({names.SUM_MFU_MEASURED_PEAK: 0.034, names.SUM_MEM_PEAK_GIB: 1.0})
+    bf16.metrics.update({names.SUM_MFU_MEASURED_PEAK: 1.227, names.SUM_MEM_PEAK_GIB: 1.0})
+    cs = configurations([fp32, bf16])
+    h = headline(cs)
+    mixed = [n for n in h.footnotes if n.startswith("MFU: the rows do not share one denominator")]
+    assert mixed == ["MFU: the rows do not share one denominator, so the column is not a ranking (its cells do not "
+                     "sort): run-a: fp32 measured peak 0.174 TFLOP/s; run-b: bf16 measured peak 0.00135 TFLOP/s"]
+    assert not any(n.startswith("* MFU against the measured") for n in h.footnotes) and MFU_NOTE not in h.footnotes
+    assert [r[5].text.split(" ")[0] for r in h.rows] == ["3.4%", "122.7%"] and [r[5].sort for r in h.rows] == [None, None]
+    m = memory_table(cs)
+    assert [r[-1].sort for r in m.rows] == [None, None] and mixed[0] in m.footnotes
+    # one denominator: the old footnote, cells that sort
+    short, long_ = run("c", 1, 90.0, **{names.PEAK_MEASURED_TFLOPS: "0.174"}), run("d", 1, 80.0, **{names.PEAK_MEASURED_TFLOPS: "0.174"})
+    long_.tags[names.SEQ_LEN] = "256"
+    short.metrics[names.SUM_MFU_MEASURED_PEAK], long_.metrics[names.SUM_MFU_MEASURED_PEAK] = 0.034, 0.05
+    h1 = headline(configurations([short, long_]))
+    assert not any(n.startswith("MFU: the rows") for n in h1.footnotes)
+    assert any(n.startswith("* MFU against the measured") for n in h1.footnotes)
+    assert sorted(r[5].sort for r in h1.rows) == [0.034, 0.05]
+
+
+def test_an_empty_mfu_cell_says_why_the_run_left_its_figure_out():
+    from mlflow_llmeff.report.headline import headline
+    why = "the run's 0.0041 TFLOP/s per device is 3.04x the measured matmul peak"
+    r = run("a", 1, 100.0, **{names.SUMMARY_ABSENT: f"{names.SUM_MFU_MEASURED_PEAK}: {why}"})
+    h = headline(configurations([r]))
+    assert h.rows[0][5].text == ""
+    assert f"an empty MFU (run-a): summary/mfu_measured_peak left out: {why}" in h.footnotes

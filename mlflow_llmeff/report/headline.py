@@ -18,7 +18,7 @@ from mlflow_llmeff.report.repeats import (METHOD_NOTE, Configuration, Estimate, 
                                           standing_order, versus_best)
 
 __all__ = ["Cell", "Headline", "headline", "estimate_cell", "assumed_notes", "QUALITY_KEYS", "MFU_COLUMN", "MFU_COLUMN_OTHER",
-           "MFU_NOTE"]
+           "MFU_NOTE", "mfu_denominator", "mixed_mfu_note"]
 
 #: The MFU column's header: its denominator named. An FP8 run's MFU against the BF16 peak is "too good to
 #: be true" (torchtitan #560), against the FP8 peak it reads lower than a BF16 run's for the same speed
@@ -173,8 +173,11 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                       "interval and is not ranked (repeat it, or run longer): "
                       + ", ".join(f"{label} ({got} steady steps, the floor's runs {least} or more)"
                                   for label, (got, least) in short))
+    denominators: list[tuple[str, str]] = []  # (configuration, its MFU cell's denominator), shown rows only
     for i, c in enumerate(configs):
         mfu = c.estimate(names.SUM_MFU_BF16_PEAK)  # one denominator across precisions (docs/formulas.md)
+        if (den := mfu_denominator(c)) is not None:
+            denominators.append((c.label, den))
         if mfu is not None:
             mfu_cell = estimate_cell(mfu, pct=True)
             notes.add(MFU_NOTE)
@@ -187,8 +190,11 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                           "llmeff.peak.source says why)")
             else:
                 steady = absent_why(c.runs[0], names.SUM_DEVICE_TOKENS_PER_SEC)
+                left = next((w for r in c.runs if (w := absent_why(r, names.SUM_MFU_MEASURED_PEAK))), None)
                 if steady and c.estimate(names.SUM_DEVICE_TOKENS_PER_SEC) is None:  # no rate: nothing to divide
                     notes.add(f"an empty tokens/s and MFU ({c.label}): {steady}")
+                elif left:  # the run left its figure out (above its measured peak): the run's why
+                    notes.add(f"an empty MFU ({c.label}): {names.SUM_MFU_MEASURED_PEAK} left out: {left}")
                 elif c.estimate(names.SUM_MFU) is not None:  # against another dtype's peak only: not this column's
                     notes.add(f"an empty MFU ({c.label}): no BF16 peak is known for "
                               f"{c.tag(names.ACCEL_SHORT) or 'its device'}; its summary/mfu (against the "
@@ -228,6 +234,12 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
             mfu_cell, estimate_cell(usd), carbon_cell,
             good,
             quality, _stability(c)])
+    if len({d for _, d in denominators}) > 1:  # no one scale: say each row's, and rank none against another
+        notes.discard(MFU_NOTE)
+        notes = {n for n in notes if not n.startswith("* MFU against the measured")}
+        notes.add(mixed_mfu_note(denominators))
+        for row in rows:
+            row[5] = Cell(row[5].text, None, row[5].title, row[5].link) if row[5].text else row[5]
     per_config = []  # every repeat that is unstable (kept) or left out of a figure, named with its value and why
     for c in configs:
         if c.note():
@@ -239,6 +251,29 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
                 per_config.append(f"{c.label}: {what} from {e.n} of {len(c.runs)} repeats; left out: "
                                   + "; ".join(e.left_out))
     return Headline(cols, rows, configs, [METHOD_NOTE] + sorted(notes) + per_config + assumed_notes(configs))
+
+
+def mfu_denominator(c: Configuration) -> str | None:
+    """What configuration ``c``'s MFU cell is divided by: ``"BF16 datasheet peak (<device>)"`` where a repeat
+    holds ``summary/mfu_bf16_peak``, else ``"<precision> measured peak <T> TFLOP/s"`` (``llmeff.peak.precision``,
+    else ``llmeff.precision``; ``llmeff.peak.measured_tflops``, each repeat's value where they differ, in
+    TFLOP/s) where one holds ``summary/mfu_measured_peak``; None where the cell is empty."""
+    if c.estimate(names.SUM_MFU_BF16_PEAK) is not None:
+        return f"BF16 datasheet peak ({c.tag(names.ACCEL_SHORT) or 'device'})"
+    if c.estimate(names.SUM_MFU_MEASURED_PEAK) is None:
+        return None
+    prec = c.tag(names.PEAK_PRECISION) or c.tag(names.PRECISION) or "?"
+    held = [r.tags[names.PEAK_MEASURED_TFLOPS] for r in c.runs
+            if names.SUM_MFU_MEASURED_PEAK in r.metrics and names.PEAK_MEASURED_TFLOPS in r.tags]
+    tflops = "/".join(dict.fromkeys(held)) or "?"
+    return f"{prec} measured peak {tflops} TFLOP/s"
+
+
+def mixed_mfu_note(denominators: list[tuple[str, str]]) -> str:
+    """The one note of an MFU column whose rows are divided by different peaks: each row's denominator
+    (:func:`mfu_denominator`), and that the column ranks nothing (its cells do not sort)."""
+    return ("MFU: the rows do not share one denominator, so the column is not a ranking (its cells do not sort): "
+            + "; ".join(f"{label}: {den}" for label, den in denominators))
 
 
 _ENTRY = re.compile(r"; (?=[a-z_]+: )")  # llmeff.assumed: '<input>: <value> (<why>)' joined by '; '

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from mlflow_llmeff import names
-from mlflow_llmeff.report.headline import Cell, Headline, estimate_cell
+from mlflow_llmeff.report.headline import Cell, Headline, estimate_cell, mfu_denominator, mixed_mfu_note
 from mlflow_llmeff.report.repeats import Configuration
 
 __all__ = ["memory_table", "lever_label", "MEMORY_KEYS"]
@@ -80,7 +80,7 @@ def memory_table(configs: list[Configuration]) -> Headline | None:
     Returns:
         None when no configuration holds any of :data:`MEMORY_KEYS` (runs from before these keys).
     """
-    rows, shown, notes = [], [], set()
+    rows, shown, notes, denominators = [], [], set(), []
     for c in configs:
         if not any(c.estimate(k) is not None for k in MEMORY_KEYS):
             continue
@@ -91,6 +91,8 @@ def memory_table(configs: list[Configuration]) -> Headline | None:
         if mfu is None and (mp := _mean(c, names.SUM_MFU_MEASURED_PEAK)) is not None:
             mfu, mfu_text = mp, f"{mp:.1%} *"
             notes.add("* MFU against the measured matmul peak of the device (no datasheet peak)")
+        if (den := mfu_denominator(c)) is not None:
+            denominators.append((c.label, den))
         if peak is not None and (c.tag(names.MEMORY_SOURCE) or "").startswith("cpu"):
             notes.add("peak on CPU: the process's peak RSS above its RSS when the meter started, plus the tensors "
                       "held then (llmeff.memory.source); share of capacity: peak RSS / the cgroup's limit, else the "
@@ -108,6 +110,11 @@ def memory_table(configs: list[Configuration]) -> Headline | None:
         shown.append(c)
     if not rows:
         return None
+    if len({d for _, d in denominators}) > 1:  # no one scale: each row's denominator, and no sorting across them
+        notes = {n for n in notes if not n.startswith("* MFU against the measured")}
+        notes.add(mixed_mfu_note(denominators))
+        for row in rows:
+            row[-1] = Cell(row[-1].text, None)
     cols = ["configuration", "levers (optimizer, attention, weights)", "peak GiB / device", "of capacity",
             "weights B/param", "gradients B/param", "optimizer state B/param", "model state B/param",
             "rest of peak GiB", "tokens/s per device", "MFU"]
