@@ -624,3 +624,26 @@ def test_an_empty_mfu_cell_says_why_the_run_left_its_figure_out():
     h = headline(configurations([r]))
     assert h.rows[0][5].text == ""
     assert f"an empty MFU (run-a): summary/mfu_measured_peak left out: {why}" in h.footnotes
+
+
+def test_an_mfu_or_hfu_interval_is_clipped_at_one_as_goodputs_is():
+    # a trial's compare: goodput '[0.00, 1.00]' beside MFU '[0.0%, 128.9%]' and '122.7% [0.0%, 437.6%]'
+    from mlflow_llmeff.report.repeats import floor_for
+    a, b = run("a", 1, 100.0), run("b", 1, 100.0)
+    for r, v in ((a, 0.3), (b, 0.9)):
+        r.metrics.update({names.SUM_MFU_MEASURED_PEAK: v, names.SUM_HFU: v, names.SUM_GOODPUT: v, names.SUM_STEP_TIME_S: v})
+    c, = configurations([a, b])
+    # mean 0.6, sd 0.4243, half 12.706 x 0.4243 / sqrt(2) = 3.81: [0, 4.41] unclipped
+    for key in (names.SUM_MFU_MEASURED_PEAK, names.SUM_HFU, names.SUM_GOODPUT):
+        e = c.estimate(key)
+        assert (e.mean, e.low, e.high) == (pytest.approx(0.6), 0.0, 1.0)
+    assert c.estimate(names.SUM_STEP_TIME_S).high == pytest.approx(0.6 + 12.706 * math.sqrt(0.18) / math.sqrt(2))
+    one = run("c", 1, 100.0)
+    one.metrics[names.SUM_MFU_MEASURED_PEAK] = 0.9
+    f = floor_for("cpu").half_width
+    e = configurations([one])[0].estimate(names.SUM_MFU_MEASURED_PEAK)
+    assert e.method == "floor" and (e.low, e.high) == (pytest.approx(0.9 * (1 - f)), min(1.0, 0.9 * (1 + f)))
+    old = run("d", 1, 100.0)
+    old.metrics[names.SUM_MFU_MEASURED_PEAK] = 1.227  # an older run's mean above 1: the interval holds it
+    e = configurations([old])[0].estimate(names.SUM_MFU_MEASURED_PEAK)
+    assert e.high == 1.227

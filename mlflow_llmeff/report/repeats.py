@@ -75,8 +75,16 @@ _AGAINST_TPS = (names.SUM_STEP_TIME_S, names.SUM_USD_PER_BTOK, names.SUM_KG_CO2E
                 names.SUM_ESTIMATE_KG_CO2E_PER_BTOK)
 
 
-# Figures that are a share of a run's time, at most 1 (docs/time.md).
-_SHARES = (names.SUM_GOODPUT,)
+# Figures that are a fraction, at most 1: a share of a run's time (docs/time.md) and a utilization of a peak
+# (MFU, HFU: a trial's compare showed '[0.0%, 128.9%]' beside goodput's clipped '[0.00, 1.00]').
+_SHARES = (names.SUM_GOODPUT, names.SUM_MFU, names.SUM_MFU_PALM, names.SUM_HFU, names.SUM_MFU_MEASURED_PEAK,
+           names.SUM_MFU_BF16_PEAK)
+
+
+def _clip_high(key: str, mean: float, high: float) -> float:
+    """``high`` of a fraction's interval clipped at 1 (:data:`_SHARES`), or at the mean where an older run's
+    mean is above 1 (an error in its inputs, shown as logged: the interval still holds its mean)."""
+    return min(max(1.0, mean), high) if key in _SHARES else high
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,8 @@ def _single_run_estimate(r: RunRecord, key: str, left_out: tuple[str, ...]) -> E
     if fl is not None and steady is not None and steady < fl.min_steady_steps and key in _WITH_TPS + _AGAINST_TPS:
         return Estimate(v, None, None, 1, "no interval", None, left_out, kind, short_of=(steady, fl.min_steady_steps))
     if fl is not None and key in _WITH_TPS:
-        return Estimate(v, v * (1 - fl.half_width), v * (1 + fl.half_width), 1, "floor", fl, left_out, kind)
+        return Estimate(v, v * (1 - fl.half_width), _clip_high(key, v, v * (1 + fl.half_width)), 1, "floor", fl,
+                        left_out, kind)
     if fl is not None and key in _AGAINST_TPS:  # throughput in x (1 +- f): the per-token figure in / (1 -+ f)
         return Estimate(v, v / (1 + fl.half_width), v / (1 - fl.half_width), 1, "floor", fl, left_out, kind,
                         inverse=True)
@@ -373,7 +382,8 @@ class Configuration:
 
         Two or more repeats: ``mean +- t(0.975, n - 1) x s / sqrt(n)`` with ``s`` the sample standard
         deviation across the repeats (Student 1908; t from the standard table, NIST/SEMATECH
-        e-Handbook 1.3.6.7.2), the low end clipped at 0 (no summary figure is negative). One repeat:
+        e-Handbook 1.3.6.7.2), the low end clipped at 0 (no summary figure is negative), a fraction's high end
+        at 1 (goodput, MFU, HFU: :func:`_clip_high`). One repeat:
         :func:`_single_run_estimate`.
         """
         return self._remembered(("estimate", key), lambda: self._estimate(key))
@@ -436,7 +446,7 @@ class Configuration:
         half = t_quantile_975(n - 1) * sd / math.sqrt(n)
         # every summary figure is >= 0, and a share of time <= 1: a t interval of few repeats may reach
         # beyond, the figure cannot
-        high = min(1.0, mean + half) if key in _SHARES else mean + half
+        high = _clip_high(key, mean, mean + half)
         return Estimate(mean, max(0.0, mean - half), high, n, "repeats", None, left_out, unit=self.unit)
 
     def note(self) -> str:
