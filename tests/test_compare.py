@@ -101,10 +101,21 @@ def test_runs_that_differ_in_more_than_device_count_are_not_scaled_together():
     assert rows == []
 
 
-@pytest.mark.parametrize("baseline, match", [("zzz", "'zzz' is not among the compared runs")])
+@pytest.mark.parametrize("baseline, match", [("zzz", "'zzz' is not among the compared runs; accepted: 'a', 'b'$")])
 def test_unknown_baseline_is_one_line(baseline, match):
     with pytest.raises(ValueError, match=match):
         scaling_efficiency([rec("a", 1, 1000.0), rec("b", 2, 1800.0)], baseline=baseline)
+
+
+def test_an_unknown_baseline_names_the_accepted_run_ids_ten_then_how_many_more():
+    runs = [rec(f"r{i:02d}", 1 + i % 2, 1000.0 + i) for i in range(12)] + [rec("slow", 1, 0.0)]
+    with pytest.raises(ValueError) as e:
+        scaling_efficiency(runs, baseline="deadbeef")
+    assert str(e.value) == ("--baseline 'deadbeef' is not among the compared runs; accepted: "
+                            + ", ".join(f"'r{i:02d}'" for i in range(10)) + " and 2 more")
+    with pytest.raises(ValueError) as e:  # a compared run without tokens/s: not accepted, and said so
+        scaling_efficiency(runs[:2] + [runs[-1]], baseline="slow")
+    assert str(e.value) == ("--baseline 'slow' has no summary/tokens_per_sec or device count; accepted: 'r00', 'r01'")
 
 
 def test_pareto_front_hand_example():
@@ -361,7 +372,7 @@ def test_an_unknown_experiment_names_the_ones_there_are():
     (["--experiment", "cmp", "--filter", "tags.`llmeff.precision` = 'fp8'"],
      "Error: no run of experiment 'cmp' matches the filter \"tags.`llmeff.precision` = 'fp8'\""),
     (["--experiment", "cmp", "--group-by", "colour"], "Error: --group-by 'colour' is not an llmeff tag"),
-    (["--experiment", "cmp", "--baseline", "abc"], "Error: --baseline 'abc' is not among the compared runs"),
+    (["--experiment", "cmp", "--baseline", "abc"], "Error: --baseline 'abc' is not among the compared runs; accepted: '"),
 ])
 def test_bad_input_is_one_line(experiment, tmp_path, args, message):
     from mlflow_llmeff.cli import main

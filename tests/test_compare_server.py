@@ -267,6 +267,8 @@ def test_html_report_and_server_page_render_in_chromium(server, sweep, tmp_path,
 @pytest.mark.parametrize("query, status, line", [
     ("?filter=metrics.x%20%3E%3E%3E%201", 400, "bad filter 'metrics.x >>> 1': "),
     ("?precision=fp8", 400, "no run of experiment 'sweep' matches the filter"),
+    # the page's baseline error is compare's, naming the run ids it accepts
+    ("?baseline=deadbeef", 400, "--baseline 'deadbeef' is not among the compared runs; accepted: '"),
 ])
 def test_server_page_bad_input_is_one_line(server, sweep, query, status, line):
     import urllib.error

@@ -16,7 +16,7 @@ from mlflow_llmeff import names
 from mlflow_llmeff.report.calc import RunRecord, per_kind
 from mlflow_llmeff.report.repeats import SUPERLINEAR, Configuration, Estimate, configurations
 
-__all__ = ["ScalingRow", "SAME_JOB", "scaling_efficiency"]
+__all__ = ["ScalingRow", "SAME_JOB", "scaling_efficiency", "accepted_ids"]
 
 _DEVICES = operator.attrgetter("devices")
 _RUN_ID = operator.attrgetter("run_id")
@@ -121,7 +121,8 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None,
     if not found:
         known = {r.run_id for r in runs}
         why = "has no summary/tokens_per_sec or device count" if baseline in known else "is not among the compared runs"
-        raise ValueError(f"--baseline {baseline!r} {why}")
+        accepted = [r.run_id for c in parts for r in c.runs]
+        raise ValueError(f"--baseline {baseline!r} {why}; {accepted_ids(accepted)}")
     groups: dict[tuple, list[Configuration]] = {}
     for c in parts:
         groups.setdefault(tuple(c.tag(k) for k in SAME_JOB), []).append(c)
@@ -132,6 +133,20 @@ def scaling_efficiency(runs: list[RunRecord], baseline: str | None = None,
             sub = [c for c in members if c.tag(names.PAR_STRATEGY) in ("single", strategy)]
             out += _scale_group(sub, baseline, f"{key[2]} {key[0]} {key[1]} seq {key[3]} {strategy}")
     return out
+
+
+#: Run ids a baseline error names before "and N more".
+SHOWN_IDS = 10
+
+
+def accepted_ids(ids: list[str]) -> str:
+    """``"accepted: 'a', 'b' and 3 more"``: the run ids a baseline may name (the compared runs with tokens/s and a
+    device count), at most :data:`SHOWN_IDS` of them shown, sorted; ``"no compared run has ..."`` where none."""
+    if not ids:
+        return "no compared run has summary/tokens_per_sec and a device count"
+    ids = sorted(set(ids))
+    more = f" and {len(ids) - SHOWN_IDS} more" if len(ids) > SHOWN_IDS else ""
+    return "accepted: " + ", ".join(map(repr, ids[:SHOWN_IDS])) + more
 
 
 def _usable_configurations(runs: list[RunRecord], configs: list[Configuration]) -> list[Configuration]:
