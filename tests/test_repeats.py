@@ -588,6 +588,17 @@ def test_scaling_between_different_threads_per_process_is_refused_in_one_line():
     assert scaling_efficiency([one, same])[0].efficiency == pytest.approx(0.95)
 
 
+def test_the_scaling_line_prints_tokens_per_second_as_the_tables_do():
+    # a trial read '2.009e+04 vs 2.873e+04 tokens/s' beside tables printing 20,090
+    from mlflow_llmeff.report.render import Report, scaling_lines
+
+    rep = Report.__new__(Report)
+    rep.scaling = scaling_efficiency([run("a", 1, 20090.0), run("b", 1, 20090.0), run("c", 2, 28730.0),
+                                      run("d", 2, 28730.0)])
+    line, = scaling_lines(rep)
+    assert line.endswith("(28,730 vs 20,090 tokens/s)") and "e+04" not in line
+
+
 def test_an_mfu_column_over_different_peaks_names_each_rows_denominator_and_ranks_none():
     # a trial's compare on CPU: fp32 rows against 0.174 TFLOP/s, bf16 rows against 0.00135, one column,
     # '3.4%' beside '122.7%' under one footnote claiming one denominator

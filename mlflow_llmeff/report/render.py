@@ -203,7 +203,8 @@ def table_rows(rep: Report, runs: list[RunRecord] | None = None, fmt=None) -> tu
 
 def scaling_lines(rep: Report) -> list[str]:
     """One line per scaling row: efficiency to 3 significant digits with its 95% interval, the
-    baseline configuration, and a flag naming what could explain a value above 1.05."""
+    baseline configuration, the two global tokens/s as the tables print them (:func:`_fmt`: ``20,090``, not
+    ``2.009e+04``), and a flag naming what could explain a value above 1.05."""
     out = []
     for s in rep.scaling:
         if s.refused:
@@ -216,7 +217,7 @@ def scaling_lines(rep: Report) -> list[str]:
             interval = f" [{s.low:.3g}, {s.high:.3g}]" if s.high is not None else f" [{s.low:.3g}, no upper bound]"
         line = (f"{s.group}: {s.name} ({s.devices} devices) vs baseline {s.baseline_name} "
                 f"({s.baseline_devices}): {s.kind} scaling efficiency {s.efficiency:.3g}{interval} "
-                f"({s.tokens_per_sec.mean:.4g} vs {s.baseline_tokens_per_sec.mean:.4g} tokens/s)")
+                f"({_fmt(s.tokens_per_sec.mean)} vs {_fmt(s.baseline_tokens_per_sec.mean)} tokens/s)")
         if s.flags:
             line += " FLAGGED above 1.05: " + "; ".join(s.flags)
         out.append(line)
