@@ -202,9 +202,8 @@ def table_rows(rep: Report, runs: list[RunRecord] | None = None, fmt=None) -> tu
 
 
 def scaling_lines(rep: Report) -> list[str]:
-    """One line per scaling row: efficiency to 3 significant digits with its 95% interval, the
-    baseline configuration, the two global tokens/s as the tables print them (:func:`_fmt`: ``20,090``, not
-    ``2.009e+04``), and a flag naming what could explain a value above 1.05."""
+    """One line per scaling row: efficiency to 3 significant digits with its 95% interval, the baseline
+    configuration, both tokens/s as the tables print them (:func:`_fmt`), a flag for a value above 1.05."""
     out = []
     for s in rep.scaling:
         if s.refused:
