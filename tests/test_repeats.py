@@ -642,10 +642,11 @@ def test_an_mfu_or_hfu_interval_is_clipped_at_one_as_goodputs_is():
     from mlflow_llmeff.report.repeats import floor_for
     a, b = run("a", 1, 100.0), run("b", 1, 100.0)
     for r, v in ((a, 0.3), (b, 0.9)):
-        r.metrics.update({names.SUM_MFU_MEASURED_PEAK: v, names.SUM_HFU: v, names.SUM_GOODPUT: v, names.SUM_STEP_TIME_S: v})
+        r.metrics.update({names.SUM_MFU_MEASURED_PEAK: v, names.SUM_HFU: v, names.SUM_GOODPUT: v, names.SUM_STEP_TIME_S: v,
+                          names.EVAL_HELLASWAG_ACC_NORM: v})
     c, = configurations([a, b])
     # mean 0.6, sd 0.4243, half 12.706 x 0.4243 / sqrt(2) = 3.81: [0, 4.41] unclipped
-    for key in (names.SUM_MFU_MEASURED_PEAK, names.SUM_HFU, names.SUM_GOODPUT):
+    for key in (names.SUM_MFU_MEASURED_PEAK, names.SUM_HFU, names.SUM_GOODPUT, names.EVAL_HELLASWAG_ACC_NORM):
         e = c.estimate(key)
         assert (e.mean, e.low, e.high) == (pytest.approx(0.6), 0.0, 1.0)
     assert c.estimate(names.SUM_STEP_TIME_S).high == pytest.approx(0.6 + 12.706 * math.sqrt(0.18) / math.sqrt(2))
@@ -658,3 +659,22 @@ def test_an_mfu_or_hfu_interval_is_clipped_at_one_as_goodputs_is():
     old.metrics[names.SUM_MFU_MEASURED_PEAK] = 1.227  # an older run's mean above 1: the interval holds it
     e = configurations([old])[0].estimate(names.SUM_MFU_MEASURED_PEAK)
     assert e.high == 1.227
+
+
+def test_quality_reached_is_the_mean_of_the_repeats_holding_it_with_their_interval_and_count():
+    # a trial: 'HellaSwag 0.27' of a two-repeat configuration came from one repeat, with no interval
+    from mlflow_llmeff.report.headline import headline
+    a, b, c3 = run("a", 1, 100.0), run("b", 1, 100.0), run("c", 1, 100.0)
+    a.metrics[names.EVAL_HELLASWAG_ACC_NORM], b.metrics[names.EVAL_HELLASWAG_ACC_NORM] = 0.25, 0.29
+    a.metrics[names.EVAL_VAL_LOSS], b.metrics[names.EVAL_VAL_LOSS], c3.metrics[names.EVAL_VAL_LOSS] = 3.0, 3.2, 3.4
+    h = headline(configurations([a, b, c3]))
+    cell = h.rows[0][9]
+    # HellaSwag: mean 0.27, sd 0.02828, half 12.706 x 0.02828 / sqrt(2) = 0.2541: [0.0159, 0.524], 1 repeat left out;
+    # val loss: mean 3.2, sd 0.2, half 4.303 x 0.2 / sqrt(3) = 0.497: [2.70, 3.70]
+    assert cell.text == "HellaSwag 0.27 [0.0159, 0.524] (1 left out), val loss 3.2 [2.7, 3.7]"
+    assert cell.sort == pytest.approx(0.27) and "HellaSwag: mean of 2 repeats" in cell.title
+    assert any(n.startswith("run-a (+2 repeats): HellaSwag from 2 of 3 repeats; left out: run-c: no finite")
+               for n in h.footnotes), h.footnotes
+    one = run("d", 1, 100.0)
+    one.metrics[names.EVAL_HELLASWAG_ACC_NORM] = 0.27
+    assert headline(configurations([one])).rows[0][9].text == "HellaSwag 0.27 (1 run)"

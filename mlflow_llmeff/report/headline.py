@@ -89,12 +89,16 @@ def _mean(c: Configuration, key: str) -> float | None:
 
 
 def _quality(c: Configuration) -> Cell:
-    parts, sort = [], None
+    """The quality reached: each of :data:`QUALITY_KEYS` a configuration's repeats hold, as the other figures
+    are (:func:`estimate_cell`): the mean over the repeats holding it with its 95% interval across them, ``(1
+    run)`` for one (an eval score has no between-run floor), and how many repeats lacked it; the targets reached."""
+    parts, sort, hows = [], None, []
     for key, label in QUALITY_KEYS:
-        v = _mean(c, key)
-        if v is not None:
-            parts.append(f"{label} {v:.3g}")
-            sort = v if sort is None else sort
+        e = c.estimate(key)
+        if e is not None:
+            parts.append(f"{label} {estimate_cell(e, fmt=_g3).text}")
+            hows.append(f"{label}: {e.how()}")
+            sort = e.mean if sort is None else sort
     each = c.used_by_kind().counts()  # a run of each kind with how many (RunRecord.alike: the same tags but the name)
     targets = sorted(k for k in set().union(*(r.tags for r, _ in each)) if k.startswith(names.TTQ_TAG_PREFIX))
     if targets:
@@ -105,8 +109,13 @@ def _quality(c: Configuration) -> Cell:
             got = sum(n for r, n in each if k in r.tags and r.tags[k].startswith("reached"))
             if 0 < got < given:
                 parts.append(f"{k[len(names.TTQ_TAG_PREFIX):]} by {got} of {given} runs")
-    title = "HellaSwag acc_norm, MMLU acc, final eval/val_loss (means over the repeats); time-to-quality targets reached"
+    title = ("HellaSwag acc_norm, MMLU acc, final eval/val_loss (means over the repeats holding them"
+             + (": " + "; ".join(hows) if hows else "") + "); time-to-quality targets reached")
     return Cell(", ".join(parts), sort, title if parts else "")
+
+
+def _g3(v: float) -> str:
+    return f"{v:.3g}"
 
 
 #: Degrees shown beside the strategy, in this order, where above 1.
@@ -245,7 +254,7 @@ def headline(configs: list[Configuration], links: list[str] | None = None) -> He
         if c.note():
             per_config.append(f"{c.label}: {c.note()}")
         for key, what in ((names.SUM_DEVICE_TOKENS_PER_SEC, "tokens/s per device"), (names.SUM_MFU, "MFU"),
-                          (names.SUM_USD_PER_BTOK, "USD / 1e9 tokens")):
+                          (names.SUM_USD_PER_BTOK, "USD / 1e9 tokens"), *QUALITY_KEYS):
             e = c.estimate(key)
             if e is not None and e.left_out:
                 per_config.append(f"{c.label}: {what} from {e.n} of {len(c.runs)} repeats; left out: "

@@ -76,9 +76,9 @@ _AGAINST_TPS = (names.SUM_STEP_TIME_S, names.SUM_USD_PER_BTOK, names.SUM_KG_CO2E
 
 
 # Figures that are a fraction, at most 1: a share of a run's time (docs/time.md) and a utilization of a peak
-# (MFU, HFU: a trial's compare showed '[0.0%, 128.9%]' beside goodput's clipped '[0.00, 1.00]').
+# (MFU, HFU: a trial's compare showed '[0.0%, 128.9%]' beside goodput's clipped '[0.00, 1.00]') and an accuracy.
 _SHARES = (names.SUM_GOODPUT, names.SUM_MFU, names.SUM_MFU_PALM, names.SUM_HFU, names.SUM_MFU_MEASURED_PEAK,
-           names.SUM_MFU_BF16_PEAK)
+           names.SUM_MFU_BF16_PEAK, names.EVAL_HELLASWAG_ACC_NORM, names.EVAL_MMLU_ACC)
 
 
 def _clip_high(key: str, mean: float, high: float) -> float:
