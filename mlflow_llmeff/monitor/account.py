@@ -285,7 +285,7 @@ class FlopsAccount:
             ratio = self.ratio(rates.counts.effective_seq_len)
             if ratio is not None:
                 out[names.SUM_HFU] = mfu * ratio
-        if self.measured_peak and fl.utilization(tflops, self.measured_peak) <= 1.0:
+        if self.measured_peak and self.above_measured_peak(out) is None:
             # above 1 the measurement bounds nothing: left out, why in absent_figures (a trial read 148% in bf16)
             out[names.SUM_MFU_MEASURED_PEAK] = fl.utilization(tflops, self.measured_peak)
         return out, tflops
